@@ -1,0 +1,133 @@
+"""Atomic output: build under a temporary sibling name, fsync, then rename into place.
+
+A crash, an exception or Ctrl-C leaves the destination as it was; the temporary sibling (named
+``.<name>.ckpt-tmp-<uuid>``, which no reader mistakes for a checkpoint) is removed when Python
+gets the chance, and reported by ``validate``/``prune`` when it did not (SIGKILL, power loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ckpt_cli.errors import CkptError, DestinationExistsError
+
+TMP_MARK = ".ckpt-tmp-"
+
+
+def tmp_sibling(dest: Path) -> Path:
+    """A fresh temporary name next to ``dest``."""
+    return dest.parent / f".{dest.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory (directories: so renames and new entries are durable)."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (files first, then their directories)."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for f in files:
+            p = Path(dirpath) / f
+            if not p.is_symlink():
+                fsync_path(p)
+        fsync_path(Path(dirpath))
+
+
+def _check_dest(dest: Path, overwrite: bool) -> None:
+    if dest.exists() or dest.is_symlink():
+        if not overwrite:
+            raise DestinationExistsError("already exists", path=dest,
+                                         hint="pass --overwrite (or --force) to replace it")
+    if not dest.parent.is_dir():
+        raise CkptError("parent directory does not exist", path=dest.parent)
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Build a directory atomically.
+
+    Yields a temporary sibling directory; when the block finishes it is fsynced and renamed to
+    ``dest`` (an existing ``dest`` is moved aside first and removed after). Any exception,
+    including ``KeyboardInterrupt``, removes the temporary directory and leaves ``dest`` as it
+    was.
+
+    Args:
+        dest: The directory to create.
+        overwrite: Replace an existing ``dest``.
+
+    Yields:
+        The temporary directory to write into.
+
+    Raises:
+        DestinationExistsError: ``dest`` exists and ``overwrite`` is False.
+    """
+    dest = Path(dest)
+    _check_dest(dest, overwrite)
+    tmp = tmp_sibling(dest)
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        _replace_dir(tmp, dest, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
+    old: Path | None = None
+    if dest.exists() or dest.is_symlink():
+        if not overwrite:  # appeared while we were writing
+            raise DestinationExistsError("appeared while writing; not replaced", path=dest)
+        if dest.is_dir() and not dest.is_symlink():
+            old = dest.parent / f".{dest.name}.ckpt-old-{uuid.uuid4().hex[:12]}"
+            os.rename(dest, old)
+        else:
+            dest.unlink()
+    os.rename(tmp, dest)
+    fsync_path(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Write one file atomically: temporary sibling, fsync, ``os.replace``.
+
+    Args:
+        dest: The file to create.
+        overwrite: Replace an existing ``dest``.
+
+    Yields:
+        The temporary path to write to.
+
+    Raises:
+        DestinationExistsError: ``dest`` exists and ``overwrite`` is False.
+    """
+    dest = Path(dest)
+    _check_dest(dest, overwrite)
+    if dest.is_dir():
+        raise DestinationExistsError("is a directory", path=dest)
+    tmp = tmp_sibling(dest)
+    try:
+        yield tmp
+        fsync_path(tmp)
+        if not overwrite and dest.exists():
+            raise DestinationExistsError("appeared while writing; not replaced", path=dest)
+        os.replace(tmp, dest)
+        fsync_path(dest.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise

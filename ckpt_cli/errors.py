@@ -1,0 +1,55 @@
+"""The ckpt error tree.
+
+Every error a user can cause (bad path, unknown format, corrupt file, unsafe pickle, existing
+destination) is a :class:`CkptError`. The CLI turns it into one line on stderr and its
+``exit_code``; anything else is an internal error (exit 101).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class CkptError(Exception):
+    """Base class of the errors ckpt reports to users.
+
+    Args:
+        message: One plain sentence saying what is wrong.
+        path: The file or directory the problem is about, if any; it prefixes the message.
+        hint: An optional suggestion of what to do about it.
+    """
+
+    exit_code: int = 2
+
+    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None):
+        self.message = message
+        self.path = str(path) if path is not None else None
+        self.hint = hint
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class UsageError(CkptError):
+    """An option or argument combination that cannot work."""
+
+
+class UnknownFormatError(CkptError):
+    """No reader (or more than one) recognises the input."""
+
+
+class CorruptCheckpointError(CkptError):
+    """The input claims a known format but its bytes contradict it."""
+
+
+class UnsafeCheckpointError(CkptError):
+    """Reading the input would need code execution or escapes its directory."""
+
+
+class DestinationExistsError(CkptError):
+    """The output already exists and ``--overwrite``/``--force`` was not given."""
+
+
+class UnsupportedError(CkptError):
+    """The input is recognised but uses a feature ckpt cannot handle yet."""

@@ -1,0 +1,131 @@
+"""The reader protocol and helpers shared by the format readers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
+from ckpt_cli.model import CheckpointIndex
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """A format reader: recognises its format and reads its metadata without tensor data.
+
+    Attributes:
+        name: The format key (``safetensors``, ``torch``, ``dcp``, ``hf-index``...).
+        is_dir_format: Whether the format is a directory layout (sniffed before files).
+    """
+
+    name: str
+    is_dir_format: bool
+
+    def sniff(self, path: Path) -> str | None:
+        """Check whether ``path`` is in this format.
+
+        Args:
+            path: A file or directory that exists.
+
+        Returns:
+            None on a match, otherwise a short reason why it does not match.
+        """
+        ...
+
+    def read_index(self, path: Path) -> CheckpointIndex:
+        """Read the checkpoint's metadata (headers, pickles), never its tensor bytes.
+
+        Args:
+            path: A path :meth:`sniff` accepted.
+
+        Returns:
+            The :class:`CheckpointIndex`.
+
+        Raises:
+            CkptError: When the input is malformed, unsafe or unsupported.
+        """
+        ...
+
+
+def file_size(path: Path) -> int:
+    """Size of a file in bytes, as a :class:`CkptError` when it cannot be read.
+
+    Args:
+        path: The file.
+
+    Returns:
+        Its size.
+
+    Raises:
+        CkptError: If it is missing or not a regular file.
+    """
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CkptError("no such file", path=path) from None
+    except OSError as e:
+        raise CkptError(f"cannot read: {e.strerror}", path=path) from None
+    if not path.is_file():
+        raise CkptError("not a regular file", path=path)
+    return st.st_size
+
+
+def read_head(path: Path, n: int) -> bytes:
+    """The first ``n`` bytes of a file (fewer if it is shorter).
+
+    Args:
+        path: The file.
+        n: How many bytes.
+
+    Returns:
+        The bytes read.
+
+    Raises:
+        CkptError: If the file cannot be opened.
+    """
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except OSError as e:
+        raise CkptError(f"cannot read: {e.strerror}", path=path) from None
+
+
+def contained_path(base: Path, rel: str, *, what: str, source: Path) -> Path:
+    """Resolve a path a checkpoint names relative to its own directory, refusing escapes.
+
+    Args:
+        base: The checkpoint directory.
+        rel: The relative path written in the checkpoint's metadata.
+        what: What the path is (for the message), e.g. ``"shard"``.
+        source: The file that named it (for the message).
+
+    Returns:
+        ``base / rel``.
+
+    Raises:
+        UnsafeCheckpointError: If ``rel`` is absolute, has ``..`` or leaves ``base``.
+    """
+    if not rel or rel.startswith(("/", "\\")) or os.path.isabs(rel) or "\x00" in rel:
+        raise UnsafeCheckpointError(f"{what} path {rel!r} is not relative", path=source)
+    parts = Path(rel).parts
+    if ".." in parts or "\\" in rel:
+        raise UnsafeCheckpointError(f"{what} path {rel!r} leaves the checkpoint directory",
+                                    path=source)
+    full = base / rel
+    try:
+        real_base = base.resolve()
+        if not full.resolve().is_relative_to(real_base):
+            raise UnsafeCheckpointError(
+                f"{what} path {rel!r} resolves outside the checkpoint directory", path=source)
+    except OSError:
+        raise CorruptCheckpointError(f"cannot resolve {what} path {rel!r}", path=source) from None
+    return full
+
+
+def rel_to(path: Path, base: Path) -> str:
+    """``path`` relative to ``base`` as a POSIX string (or the name if unrelated)."""
+    try:
+        return path.relative_to(base).as_posix()
+    except ValueError:
+        return path.name

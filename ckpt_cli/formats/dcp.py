@@ -1,0 +1,300 @@
+"""torch.distributed.checkpoint (DCP) directories, read without torch.
+
+``.metadata`` is a plain pickle of DCP's dataclasses; torch reads it with an unrestricted
+``pickle.load`` and joins ``relative_path`` unchecked. ckpt reads it with the allowlisting
+unpickler (DCP's classes become inert records) and refuses paths that leave the directory.
+Each tensor chunk and each non-tensor item is a complete torch.save zip stored at
+``(relative_path, offset, length)`` inside a ``__<rank>_<n>.distcp`` file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli import dtypes
+from ckpt_cli.errors import CkptError, CorruptCheckpointError
+from ckpt_cli.formats import containers
+from ckpt_cli.formats.base import contained_path, file_size
+from ckpt_cli.formats.torchfile import parse_zip
+from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, DTypeRef, Opaque, TensorRecord, safe_load
+from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, TensorInfo
+
+METADATA = ".metadata"
+_DISTCP = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_EXPECTED_GLOBALS = ("torch.distributed.checkpoint.", "pathlib.", "torch.")
+_MAX_BYTES_ITEM = 1 << 20
+_MAX_BYTES_ITEMS = 4096
+
+
+def metadata_file(path: Path) -> Path | None:
+    """The DCP metadata file of a directory: ``.metadata`` or a lone ``__<rank>.metadata``."""
+    p = path / METADATA
+    if p.is_file():
+        return p
+    alts = sorted(path.glob("__*.metadata"))
+    return alts[0] if len(alts) == 1 else None
+
+
+class DCPReader:
+    """Reads a torch.distributed.checkpoint directory's ``.metadata``."""
+
+    name = "dcp"
+    is_dir_format = True
+
+    def sniff(self, path: Path) -> str | None:
+        """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
+        if not path.is_dir():
+            return "not a directory"
+        if metadata_file(path) is not None:
+            return None
+        if any(_DISTCP.match(p.name) for p in path.iterdir()):
+            return None  # .distcp files without .metadata: an unfinished save (read_index says)
+        return "no .metadata or __<rank>_<n>.distcp files"
+
+    def read_index(self, path: Path) -> CheckpointIndex:
+        """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""
+        index = CheckpointIndex(format=self.name, root=path, base=path)
+        read_into(index, path)
+        return index
+
+
+def parse_metadata(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """Unpickle a ``.metadata`` file safely.
+
+    Args:
+        path: The ``.metadata`` file.
+
+    Returns:
+        ``(fields of Metadata, globals seen)``.
+
+    Raises:
+        CorruptCheckpointError: If it is not a DCP metadata pickle.
+    """
+    try:
+        with open(path, "rb") as f:
+            result = safe_load(f)
+    except UNPICKLE_ERRORS as e:
+        raise CorruptCheckpointError(f"not a readable DCP metadata pickle ({e})",
+                                     path=path) from None
+    except OSError as e:
+        raise CkptError(f"cannot read: {e.strerror}", path=path) from None
+    obj = result.obj
+    if not (isinstance(obj, Opaque) and obj.qualname.endswith("checkpoint.metadata.Metadata")):
+        raise CorruptCheckpointError("pickle is not a torch.distributed.checkpoint Metadata",
+                                     path=path)
+    fields = obj.fields()
+    if not isinstance(fields.get("state_dict_metadata"), dict):
+        raise CorruptCheckpointError("Metadata has no state_dict_metadata", path=path)
+    return fields, result.globals
+
+
+def read_into(index: CheckpointIndex, path: Path) -> None:
+    """Fill ``index`` from a DCP directory.
+
+    Args:
+        index: The index (its ``base`` is the DCP directory).
+        path: The DCP directory.
+
+    Raises:
+        CorruptCheckpointError: No ``.metadata`` (the save did not finish) or a bad one.
+        UnsafeCheckpointError: A storage path leaves the directory.
+    """
+    meta_path = metadata_file(path)
+    distcp = sorted(p for p in path.iterdir() if _DISTCP.match(p.name))
+    if meta_path is None:
+        raise CorruptCheckpointError(
+            f"{len(distcp)} .distcp file(s) but no .metadata: the save did not finish "
+            "(DCP writes .metadata last)", path=path)
+    fields, globals_seen = parse_metadata(meta_path)
+    for qual, cls in globals_seen.items():
+        if cls == "dangerous" or not qual.startswith(_EXPECTED_GLOBALS):
+            danger = cls == "dangerous"
+            index.add(Finding("error" if danger else "warning",
+                              "unsafe-global" if danger else "unknown-global",
+                              f"metadata pickle references {qual}; not executed",
+                              meta_path.name, qual))
+    index.files.append(FileInfo(meta_path.name, file_size(meta_path), "metadata", "dcp"))
+    sizes: dict[str, int] = {}
+    ranks: set[int] = set()
+    for p in distcp:
+        sizes[p.name] = file_size(p)
+        m = _DISTCP.match(p.name)
+        if m:
+            ranks.add(int(m.group(1)))
+    storage = _storage_map(fields.get("storage_data"), path, meta_path)
+    referenced: set[str] = set()
+    bytes_items: list[tuple[str, str, int, int]] = []
+    for fqn, md in fields["state_dict_metadata"].items():
+        if not isinstance(md, Opaque):
+            raise CorruptCheckpointError(f"entry {fqn!r} is not storage metadata", path=meta_path)
+        name = str(fqn)
+        if md.qualname.endswith("BytesStorageMetadata"):
+            loc = storage.get((name, None))
+            if loc is not None:
+                referenced.add(loc[0])
+                bytes_items.append((name, loc[0], loc[1], loc[2]))
+            else:
+                index.add(Finding("error", "missing-chunk", "no storage entry for this object",
+                                  meta_path.name, name))
+            continue
+        info = _tensor(name, md.fields(), storage, index, meta_path.name)
+        index.tensors[name] = info
+        referenced.update(c.file for c in info.chunks)
+    for rel in sorted(referenced):
+        if rel not in sizes:
+            full = path / rel
+            if full.is_file():
+                sizes[rel] = file_size(full)
+            else:
+                index.add(Finding("error", "missing-file",
+                                  "referenced by .metadata but missing", rel))
+    for rel, size in sorted(sizes.items()):
+        index.files.append(FileInfo(rel, size, "shard", "dcp"))
+    _check_bounds(index, sizes)
+    _read_objects(index, path, bytes_items, sizes)
+    index.layout.update({"world_size": len(ranks) if ranks else None,
+                         "ranks": sorted(ranks), "files_per_rank": _per_rank(distcp)})
+    version = fields.get("version")
+    if isinstance(version, str):
+        index.metadata["dcp_version"] = version
+    if (path / "metadata.json").is_file():
+        index.flavor = "megatron-dist"
+        index.files.append(FileInfo("metadata.json", file_size(path / "metadata.json"),
+                                    "metadata", "json"))
+    meta = containers.extract_metadata(_nested(index.objects))
+    for k, v in meta.items():
+        index.metadata.setdefault(k, v)
+
+
+def _per_rank(distcp: list[Path]) -> int | None:
+    counts: dict[str, int] = {}
+    for p in distcp:
+        m = _DISTCP.match(p.name)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return max(counts.values()) if counts else None
+
+
+def _storage_map(raw: Any, base: Path,
+                 meta_path: Path) -> dict[tuple[str, tuple[int, ...] | None],
+                                          tuple[str, int, int, tuple[str, ...]]]:
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError("Metadata has no storage_data", path=meta_path)
+    out: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int, tuple[str, ...]]] = {}
+    for key, val in raw.items():
+        if not isinstance(key, Opaque) or not isinstance(val, Opaque):
+            raise CorruptCheckpointError("malformed storage_data entry", path=meta_path)
+        k, v = key.fields(), val.fields()
+        rel, off, length = v.get("relative_path"), v.get("offset"), v.get("length")
+        if not isinstance(rel, str) or not isinstance(off, int) or not isinstance(length, int):
+            raise CorruptCheckpointError(f"malformed storage info for {k.get('fqn')!r}",
+                                         path=meta_path)
+        contained_path(base, rel, what="storage", source=meta_path)
+        offs = k.get("offset")
+        transforms = _transforms(v.get("transform_descriptors"))
+        out[(str(k.get("fqn")), tuple(offs) if offs is not None else None)] = (
+            rel, off, length, transforms)
+    return out
+
+
+def _transforms(raw: Any) -> tuple[str, ...]:
+    if not raw:
+        return ()
+    if isinstance(raw, (list, tuple)):
+        return tuple(str(x) for x in raw)
+    return (str(raw),)
+
+
+def _tensor(name: str, f: dict[str, Any], storage: dict[Any, Any], index: CheckpointIndex,
+            meta_rel: str) -> TensorInfo:
+    props = f.get("properties")
+    dtype = None
+    if isinstance(props, Opaque):
+        st = props.state
+        first = st[0] if isinstance(st, tuple) and st else props.fields().get("dtype")
+        if isinstance(first, DTypeRef):
+            dtype = first.code
+    if dtype is None:
+        raise CorruptCheckpointError(f"tensor {name!r} has no known dtype", path=meta_rel)
+    size = tuple(int(d) for d in (f.get("size") or ()))
+    chunks: list[Chunk] = []
+    for c in f.get("chunks") or []:
+        cf = c.fields() if isinstance(c, Opaque) else {}
+        offs = tuple(int(x) for x in cf.get("offsets", ()))
+        sizes = tuple(int(x) for x in cf.get("sizes", ()))
+        loc = storage.get((name, offs))
+        if loc is None:
+            index.add(Finding("error", "missing-chunk",
+                              f"chunk at offsets {list(offs)} has no storage entry", meta_rel,
+                              name))
+            continue
+        rel, off, length, transforms = loc
+        chunks.append(Chunk(offs, sizes, rel, off, length, transforms))
+    numel = 1
+    for d in size:
+        numel *= d
+    group = containers.group_of(tuple(name.split(".")), None, "model")
+    if group == "model" and containers.is_buffer_name(name, dtype):
+        group = "buffer"
+    return TensorInfo(name, dtype, size, dtypes.nbytes_of(dtype, numel), group,
+                      chunks[0].file if len(chunks) == 1 else None, None, None, None, 0,
+                      tuple(chunks))
+
+
+def _check_bounds(index: CheckpointIndex, sizes: dict[str, int]) -> None:
+    for t in index.tensors.values():
+        for c in t.chunks:
+            size = sizes.get(c.file)
+            if size is not None and c.offset + c.length > size:
+                index.add(Finding("error", "chunk-out-of-bounds",
+                                  f"chunk at byte {c.offset:,} (+{c.length:,}) runs past the end "
+                                  f"of the {size:,}-byte file (truncated)", c.file, t.name))
+
+
+def _read_objects(index: CheckpointIndex, base: Path, items: list[tuple[str, str, int, int]],
+                  sizes: dict[str, int]) -> None:
+    """Read small non-tensor items (step, lr, param groups) with the safe unpickler."""
+    fds: dict[str, int] = {}
+    try:
+        for n, (name, rel, off, length) in enumerate(items):
+            if n >= _MAX_BYTES_ITEMS or length > _MAX_BYTES_ITEM:
+                index.objects[name] = f"<{length} bytes>"
+                continue
+            if rel not in sizes or off + length > sizes[rel]:
+                continue
+            fd = fds.get(rel)
+            if fd is None:
+                fd = fds[rel] = os.open(base / rel, os.O_RDONLY)
+            try:
+                tz = parse_zip(fd, off, length, f"{rel}@{off}")
+            except CkptError as e:
+                index.add(Finding("error", "bad-item", e.message, rel, name))
+                continue
+            obj = tz.pickle.obj
+            if isinstance(obj, TensorRecord):
+                index.objects[name] = containers.to_plain(obj)
+            elif isinstance(obj, (dict, list)):
+                for sub, leaf in containers.walk(obj, tuple(name.split("."))):
+                    index.objects[".".join(sub)] = containers.to_plain(leaf)
+            else:
+                index.objects[name] = containers.to_plain(obj)
+            for qual, cls in tz.pickle.globals.items():
+                if cls in ("dangerous", "unknown"):
+                    index.add(Finding("error" if cls == "dangerous" else "warning",
+                                      "unsafe-global" if cls == "dangerous" else "unknown-global",
+                                      f"item pickle references {qual}; not executed", rel, name))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _nested(objects: dict[str, Any]) -> dict[str, Any]:
+    """Top-level view of flattened objects, enough for :func:`extract_metadata`."""
+    out = {k: v for k, v in objects.items() if "." not in k}
+    lr = objects.get("optim.param_groups.0.lr", objects.get("optimizer.param_groups.0.lr"))
+    if lr is not None:
+        out.setdefault("lr", lr)
+    return out

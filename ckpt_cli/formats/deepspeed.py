@@ -1,0 +1,148 @@
+"""DeepSpeed checkpoints: a tag directory such as ``global_step100/``.
+
+ZeRO 0-2 write ``mp_rank_XX_model_states.pt`` (data-parallel rank 0) and one
+``[bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt`` per rank; ZeRO-3 writes one
+``zero_pp_rank_D_mp_rank_XX_model_states.pt`` per rank too. Every file is a torch zip read with
+the safe unpickler (their ``ds_config`` and enum objects become inert records).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.errors import CkptError, UnknownFormatError
+from ckpt_cli.formats import torchfile
+from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
+
+MODEL_STATES = re.compile(
+    r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(
+    r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+EXPERT_STATES = re.compile(r"^(?:layer_\d+_expert_\d+_mp_rank_\d+_model_states|"
+                           r"expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
+
+
+def rank_files(path: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """The model-state, optimizer-state and MoE expert files of a tag directory, sorted by rank."""
+    model, optim, expert = [], [], []
+    for p in path.iterdir():
+        if MODEL_STATES.match(p.name):
+            model.append(p)
+        elif OPTIM_STATES.match(p.name):
+            optim.append(p)
+        elif EXPERT_STATES.match(p.name):
+            expert.append(p)
+
+    def key(p: Path) -> tuple[int, int]:
+        m = MODEL_STATES.match(p.name) or OPTIM_STATES.match(p.name)
+        if m is None:
+            return (0, 0)
+        return (int(m.group("mp")), int(m.group("dp") or 0))
+
+    return sorted(model, key=key), sorted(optim, key=key), sorted(expert)
+
+
+class DeepSpeedReader:
+    """Reads a DeepSpeed tag directory (``global_stepN/``)."""
+
+    name = "deepspeed"
+    is_dir_format = True
+
+    def sniff(self, path: Path) -> str | None:
+        """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
+        if not path.is_dir():
+            return "not a directory"
+        if any(MODEL_STATES.match(p.name) for p in path.iterdir()):
+            return None
+        return "no *_model_states.pt files"
+
+    def read_index(self, path: Path) -> CheckpointIndex:
+        """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""
+        model, optim, expert = rank_files(path)
+        if not model:
+            raise UnknownFormatError("no *_model_states.pt files", path=path)
+        index = CheckpointIndex(format=self.name, root=path, base=path, flavor="deepspeed")
+        for i, p in enumerate(model + expert):
+            _read(index, p, "weights", "" if i == 0 else p.stem + ".")
+        for p in optim:
+            _read(index, p, "optimizer", p.stem + ".")
+        _mark_buffers(index)
+        _layout(index, model, optim)
+        return index
+
+
+def _listed(objects: dict[str, Any], key: str) -> list[Any]:
+    """A list the pickle held under ``key`` (flattened as one leaf, or element by element)."""
+    whole = objects.get(key)
+    if isinstance(whole, list):
+        return whole
+    out, i = [], 0
+    while f"{key}.{i}" in objects:
+        out.append(objects[f"{key}.{i}"])
+        i += 1
+    return out
+
+
+def _mark_buffers(index: CheckpointIndex) -> None:
+    """DeepSpeed records which module entries are buffers (``buffer_names``)."""
+    names = {f"module.{n}" for n in _listed(index.objects, "buffer_names") if isinstance(n, str)}
+    for name in names & set(index.tensors):
+        index.tensors[name] = dataclasses.replace(index.tensors[name], group="buffer")
+
+
+def _read(index: CheckpointIndex, p: Path, role: str, prefix: str) -> None:
+    try:
+        torchfile.read_into(index, p, role=role, prefix=prefix)
+    except CkptError as e:
+        index.add(Finding("error", "bad-file", e.message, p.name))
+        index.files.append(FileInfo(p.name, p.stat().st_size, role, None))
+
+
+def _layout(index: CheckpointIndex, model: list[Path], optim: list[Path]) -> None:
+    objs = index.objects
+    stage = _stage(objs, optim)
+    dp = objs.get("dp_world_size")
+    mp = objs.get("mp_world_size")
+    mps = {m.group("mp") for p in optim if (m := OPTIM_STATES.match(p.name))}
+    dps = {m.group("dp") for p in optim if (m := OPTIM_STATES.match(p.name))}
+    index.layout.update({
+        "zero_stage": stage,
+        "world_size": dp if isinstance(dp, int) else (len(dps) or None),
+        "mp_world_size": mp if isinstance(mp, int) else (len(mps) or 1),
+        "model_files": len(model), "optim_files": len(optim),
+        "bf16_optimizer": any(p.name.startswith("bf16_") for p in optim),
+    })
+    shapes = [v for k, v in objs.items() if k.startswith("param_shapes.")
+              and isinstance(v, list) and all(isinstance(d, int) for d in v)]
+    if shapes:
+        index.layout["param_count"] = sum(math.prod(s) for s in shapes)
+    if isinstance(dp, int) and optim:
+        per_mp = len(optim) // max(1, len(mps))
+        if per_mp != dp or len(dps) != dp:
+            index.add(Finding("error", "world-size",
+                              f"dp_world_size is {dp} but there are {len(dps)} optimizer "
+                              "rank file(s) per model-parallel rank", None))
+        missing = sorted(set(range(dp)) - {int(d) for d in dps})
+        if missing:
+            index.add(Finding("error", "missing-rank",
+                              f"optimizer state of data-parallel rank(s) {missing} is missing"))
+
+
+def _stage(objs: dict[str, Any], optim: list[Path]) -> int | None:
+    for k, v in objs.items():
+        if k.endswith("optimizer_state_dict.zero_stage"):
+            if isinstance(v, int):
+                return v
+            m = re.search(r"\((\d)\)$", str(v))
+            if m:
+                return int(m.group(1))
+    v = objs.get("ds_config.zero_optimization.stage")
+    if isinstance(v, int):
+        return v
+    if any(".fp32_flat_groups" in k for k in objs):
+        return 3
+    return 0 if not optim else None

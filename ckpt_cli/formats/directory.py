@@ -1,0 +1,206 @@
+"""A checkpoint directory of loose files: HF Trainer ``checkpoint-N/``, Accelerate, hand-rolled.
+
+Such a directory holds model weights (safetensors, sharded or not, or torch files) beside
+``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth``, ``training_args.bin`` and JSON state.
+Each file is read by its own reader into one index; tensors of non-weight files are named with
+the file's stem as a prefix (``optimizer.state.0.exp_avg``), weights keep their own names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
+from ckpt_cli.formats import dcp, hf_index, safetensors, torchfile
+from ckpt_cli.formats.base import file_size, read_head, rel_to
+from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
+
+CHECKPOINT_EXTENSIONS = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".distcp")
+_JSON_STATE = ("trainer_state.json", "config.json", "meta.json", "metadata.json")
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """Top-level files of ``path`` that look like checkpoint data, sorted by name."""
+    try:
+        return sorted(p for p in path.iterdir()
+                      if p.name.endswith(CHECKPOINT_EXTENSIONS) and p.is_file()
+                      and not p.name.startswith("."))
+    except OSError:
+        return []
+
+
+class DirectoryReader:
+    """Reads a directory of checkpoint files as one checkpoint."""
+
+    name = "dir"
+    is_dir_format = True
+
+    def sniff(self, path: Path) -> str | None:
+        """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
+        if not path.is_dir():
+            return "not a directory"
+        if checkpoint_files(path) or (path / "trainer_state.json").is_file():
+            return None
+        return "no checkpoint files (.safetensors/.pt/.pth/.bin/.ckpt) at its top level"
+
+    def read_index(self, path: Path) -> CheckpointIndex:
+        """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""
+        index = CheckpointIndex(format=self.name, root=path, base=path)
+        read_into(index, path)
+        if not index.tensors and not index.objects and any(
+                f.severity == "error" for f in index.findings):
+            first = next(f for f in index.findings if f.severity == "error")
+            raise CorruptCheckpointError(first.message, path=path / (first.file or ""))
+        return index
+
+
+def read_into(index: CheckpointIndex, path: Path) -> None:
+    """Fill ``index`` from a directory of checkpoint files.
+
+    Args:
+        index: The index (its ``base`` is ``path``).
+        path: The directory.
+    """
+    done: set[str] = set()
+    idx = hf_index.find_index(path)
+    if idx is not None:
+        try:
+            hf_index.read_into(index, idx)
+        except UnsafeCheckpointError:
+            raise
+        except CkptError as e:
+            index.add(Finding("error", "bad-index", e.message, idx.name))
+        done.update(f.path for f in index.files)
+        wm = _weight_map_files(idx)
+        done.update(wm)
+    for p in checkpoint_files(path):
+        rel = rel_to(p, index.base)
+        if rel in done or p.suffix == ".distcp":
+            continue
+        role = torchfile.role_of(p.name)
+        prefix = "" if role == "weights" else p.name.split(".")[0] + "."
+        try:
+            _read_file(index, p, role, prefix)
+        except CkptError as e:
+            index.add(Finding("error", "bad-file", e.message, rel))
+            index.files.append(FileInfo(rel, p.stat().st_size, role, None))
+    for name in _JSON_STATE:
+        p = path / name
+        if p.is_file():
+            _read_json_state(index, p)
+    for sub in sorted(q for q in path.iterdir() if q.is_dir()):
+        if dcp.metadata_file(sub) is not None:
+            _merge_sub(index, sub)
+    if (path / "trainer_state.json").is_file():
+        index.flavor = "hf-trainer"
+    elif any(p.name.startswith("random_states_") for p in path.iterdir()):
+        index.flavor = "accelerate"
+
+
+def _weight_map_files(idx: Path) -> set[str]:
+    try:
+        wm, _ = hf_index.load_index_json(idx)
+    except CkptError:
+        return set()
+    return set(wm.values())
+
+
+def _read_file(index: CheckpointIndex, p: Path, role: str, prefix: str) -> None:
+    size = file_size(p)
+    if safetensors.sniff_bytes(read_head(p, 9), size) is None:
+        safetensors.read_into(index, p, role=role, default_group=_group_for(role), prefix=prefix)
+    elif torchfile.sniff_torch(p) is None:
+        torchfile.read_into(index, p, role=role, prefix=prefix)
+    else:
+        index.files.append(FileInfo(rel_to(p, index.base), size, role, None))
+        index.add(Finding("warning", "unknown-file", "not a format ckpt reads; skipped",
+                          rel_to(p, index.base)))
+
+
+def _group_for(role: str) -> str:
+    return {"optimizer": "optimizer", "weights": "model", "shard": "model"}.get(role, "other")
+
+
+def _read_json_state(index: CheckpointIndex, p: Path) -> None:
+    rel = rel_to(p, index.base)
+    size = file_size(p)
+    index.files.append(FileInfo(rel, size, "metadata", "json"))
+    if size > 64 << 20:
+        return
+    try:
+        data = orjson.loads(p.read_bytes())
+    except (orjson.JSONDecodeError, OSError) as e:
+        index.add(Finding("error", "bad-json", f"not valid JSON ({e})", rel))
+        return
+    if not isinstance(data, dict):
+        return
+    if p.name == "trainer_state.json":
+        _trainer_state(index, data)
+    elif p.name == "config.json":
+        keep = {k: data[k] for k in ("architectures", "model_type", "torch_dtype", "dtype",
+                                     "transformers_version") if k in data}
+        if keep:
+            index.metadata["config"] = keep
+    else:
+        for k in ("step", "global_step", "epoch", "lr"):
+            v = data.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                index.metadata.setdefault("step" if k == "global_step" else k, v)
+
+
+def _trainer_state(index: CheckpointIndex, data: dict[str, Any]) -> None:
+    step = data.get("global_step")
+    if isinstance(step, int):
+        index.metadata["step"] = step
+    for k in ("epoch", "best_metric", "best_model_checkpoint", "best_global_step", "max_steps",
+              "num_train_epochs", "train_batch_size", "total_flos"):
+        if data.get(k) is not None:
+            index.metadata[k] = data[k]
+    history = data.get("log_history")
+    if isinstance(history, list):
+        for entry in reversed(history):
+            if isinstance(entry, dict) and "learning_rate" in entry:
+                index.metadata.setdefault("lr", entry["learning_rate"])
+                if "loss" in entry:
+                    index.metadata.setdefault("loss", entry["loss"])
+                break
+
+
+def _merge_sub(index: CheckpointIndex, sub: Path) -> None:
+    """Merge a nested DCP directory (Accelerate FSDP ``pytorch_model_fsdp_0/``...)."""
+    prefix = sub.name
+    try:
+        inner = dcp.DCPReader().read_index(sub)
+    except CkptError as e:
+        index.add(Finding("error", "bad-subdir", e.message, prefix))
+        return
+    merge(index, inner, name_prefix=prefix + ".", path_prefix=prefix + "/")
+
+
+def merge(dst: CheckpointIndex, src: CheckpointIndex, *, name_prefix: str,
+          path_prefix: str) -> None:
+    """Add ``src``'s tensors, files, objects and findings to ``dst`` under prefixes.
+
+    Args:
+        dst: The index to extend.
+        src: The index to add.
+        name_prefix: Prepended to tensor and object names.
+        path_prefix: Prepended to file paths (``src.base`` relative to ``dst.base``).
+    """
+    for t in src.tensors.values():
+        chunks = tuple(dataclasses.replace(c, file=path_prefix + c.file) for c in t.chunks)
+        storage = (dataclasses.replace(t.storage, file=path_prefix + t.storage.file)
+                   if t.storage else None)
+        dst.tensors[name_prefix + t.name] = dataclasses.replace(
+            t, name=name_prefix + t.name, file=path_prefix + t.file if t.file else None,
+            storage=storage, chunks=chunks)
+    dst.files.extend(dataclasses.replace(f, path=path_prefix + f.path) for f in src.files)
+    dst.objects.update({name_prefix + k: v for k, v in src.objects.items()})
+    for k, v in src.metadata.items():
+        dst.metadata.setdefault(k, v)
+    dst.findings.extend(dataclasses.replace(f, file=path_prefix + f.file if f.file else None)
+                        for f in src.findings)

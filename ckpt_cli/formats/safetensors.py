@@ -1,0 +1,242 @@
+"""safetensors: ``u64 LE header length | JSON header | data``, parsed without the library.
+
+The header is capped, parsed with orjson, and every structural rule of the Rust reader is
+checked: known dtypes, offsets sorted and contiguous from 0, byte lengths equal to
+``prod(shape) * bits / 8``, and a file exactly as long as the header says. Violations that still
+let ckpt list the tensors become error findings; ones that do not raise
+:class:`~ckpt_cli.errors.CorruptCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ckpt_cli import dtypes
+from ckpt_cli.errors import CorruptCheckpointError
+from ckpt_cli.formats.base import file_size, read_head, rel_to
+from ckpt_cli.formats.containers import group_of
+from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
+
+MAX_HEADER = 100_000_000
+"""Largest header accepted, as in the Rust reader (``HeaderTooLarge``)."""
+
+
+def sniff_bytes(head: bytes, size: int) -> str | None:
+    """Whether a file's first bytes look like safetensors.
+
+    Args:
+        head: At least the first 9 bytes, if the file has them.
+        size: The file's size.
+
+    Returns:
+        None on a match, otherwise why not.
+    """
+    if len(head) < 9:
+        return "shorter than a safetensors header"
+    (n,) = struct.unpack("<Q", head[:8])
+    if n == 0 or n > MAX_HEADER:
+        return "first 8 bytes are not a plausible safetensors header length"
+    if head[8:9] not in (b"{", b" "):
+        return "no JSON object after the header length"
+    if 8 + n > size:
+        return f"header length {n} exceeds the file size {size}"
+    return None
+
+
+class SafetensorsReader:
+    """Reads one ``.safetensors`` file's header."""
+
+    name = "safetensors"
+    is_dir_format = False
+
+    def sniff(self, path: Path) -> str | None:
+        """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
+        if not path.is_file():
+            return "not a file"
+        return sniff_bytes(read_head(path, 9), path.stat().st_size)
+
+    def read_index(self, path: Path) -> CheckpointIndex:
+        """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""
+        index = CheckpointIndex(format=self.name, root=path, base=path.parent)
+        read_into(index, path, role="weights", default_group="model")
+        return index
+
+
+def parse_header(path: Path) -> tuple[int, dict[str, Any], int, list[Finding]]:
+    """Read and parse a safetensors header.
+
+    Args:
+        path: The file.
+
+    Returns:
+        ``(header_length, header_dict, file_size, findings)``; findings cover duplicate keys.
+
+    Raises:
+        CorruptCheckpointError: If there is no parseable header.
+    """
+    size = file_size(path)
+    if size < 8:
+        raise CorruptCheckpointError(
+            f"{size} bytes is too short for a safetensors file (needs 8 for the header length)",
+            path=path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > MAX_HEADER:
+            raise CorruptCheckpointError(
+                f"header length {n:,} exceeds the {MAX_HEADER:,}-byte limit", path=path)
+        if 8 + n > size:
+            raise CorruptCheckpointError(
+                f"header length {n:,} runs past the end of the {size:,}-byte file "
+                "(truncated or not safetensors)", path=path)
+        raw = f.read(n)
+    try:
+        header = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise CorruptCheckpointError(f"header is not valid UTF-8 JSON ({e})", path=path) from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError("header is not a JSON object", path=path)
+    findings: list[Finding] = []
+    entries = len(header) - (1 if "__metadata__" in header else 0)
+    if raw.count(b'"data_offsets"') != entries:
+        findings.extend(Finding("error", "duplicate-key", f"header names {dup!r} more than once",
+                                path.name) for dup in _duplicate_keys(raw))
+    return n, header, size, findings
+
+
+def _duplicate_keys(raw: bytes) -> list[str]:
+    dups: list[str] = []
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                dups.append(k)
+            seen.add(k)
+        return dict(pairs)
+
+    try:
+        json.loads(raw, object_pairs_hook=hook)
+    except ValueError:
+        return []
+    return dups
+
+
+def read_into(index: CheckpointIndex, path: Path, *, role: str, default_group: str,
+              prefix: str = "", fmt: str = "safetensors") -> set[str]:
+    """Add a safetensors file's tensors and findings to ``index``.
+
+    Args:
+        index: The index to fill; ``path`` is recorded relative to ``index.base``.
+        path: The safetensors file.
+        role: The file's role (``weights``, ``shard``...).
+        default_group: Group of tensors whose names say nothing else.
+        prefix: Prepended to every tensor name.
+        fmt: The format recorded for the file.
+
+    Returns:
+        The names (with prefix) of the tensors added.
+
+    Raises:
+        CorruptCheckpointError: If the header cannot be parsed at all.
+    """
+    n, header, size, findings = parse_header(path)
+    rel = rel_to(path, index.base)
+    index.files.append(FileInfo(rel, size, role, fmt))
+    for f in findings:
+        index.add(Finding(f.severity, f.code, f.message, rel, f.location))
+    meta = header.pop("__metadata__", None)
+    if meta is not None:
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            index.add(Finding("error", "bad-metadata",
+                              "__metadata__ must map strings to strings", rel))
+        elif meta:
+            index.metadata.setdefault("safetensors_metadata", {}).update(meta)
+            _metadata_facts(index, meta)
+    data_start = 8 + n
+    spans: list[tuple[int, int, str]] = []
+    added: set[str] = set()
+    for name, entry in header.items():
+        info = _tensor_info(name, entry, rel, data_start, index, default_group, prefix)
+        if info is None:
+            continue
+        index.tensors[info.name] = info
+        added.add(info.name)
+        b, e = entry["data_offsets"]
+        spans.append((b, e, name))
+    _check_spans(index, rel, spans, size - data_start)
+    return added
+
+
+def _metadata_facts(index: CheckpointIndex, meta: dict[str, str]) -> None:
+    for key in ("step", "global_step", "epoch"):
+        value = meta.get(key)
+        if value is not None and value.lstrip("-").isdigit():
+            index.metadata.setdefault("step" if key != "epoch" else "epoch", int(value))
+
+
+def _tensor_info(name: str, entry: Any, rel: str, data_start: int, index: CheckpointIndex,
+                 default_group: str, prefix: str) -> TensorInfo | None:
+    if not isinstance(entry, dict):
+        index.add(Finding("error", "bad-entry", "header entry is not an object", rel, name))
+        return None
+    dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in dtypes.DTYPES:
+        index.add(Finding("error", "unknown-dtype", f"unknown dtype {dtype!r}", rel, name))
+        return None
+    if (not isinstance(shape, list)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        index.add(Finding("error", "bad-shape", f"shape {shape!r} is not a list of sizes",
+                          rel, name))
+        return None
+    if (not isinstance(offs, list) or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)):
+        index.add(Finding("error", "bad-offsets", f"data_offsets {offs!r} is not [begin, end]",
+                          rel, name))
+        return None
+    begin, end = offs
+    bits = dtypes.DTYPES[dtype].bits
+    numel = math.prod(shape)
+    if (numel * bits) % 8:
+        index.add(Finding("error", "misaligned", f"{numel} elements of {dtype} do not fill whole "
+                          "bytes", rel, name))
+    expected = numel * bits // 8
+    if end < begin:
+        index.add(Finding("error", "bad-offsets", f"data_offsets end {end} < begin {begin}",
+                          rel, name))
+    elif end - begin != expected:
+        index.add(Finding("error", "size-mismatch",
+                          f"holds {end - begin:,} bytes but {dtype}{shape} needs {expected:,}",
+                          rel, name))
+    full = prefix + name
+    group = group_of(tuple(full.split(".")), None, default_group)
+    if group == "model" and dtypes.DTYPES[dtype].kind in ("int", "uint", "bool"):
+        group = "buffer"
+    return TensorInfo(full, dtype, tuple(shape), expected, group, rel, data_start + begin)
+
+
+def _check_spans(index: CheckpointIndex, rel: str, spans: list[tuple[int, int, str]],
+                 data_len: int) -> None:
+    spans.sort()
+    pos = 0
+    for b, e, name in spans:
+        if b > pos:
+            index.add(Finding("error", "gap", f"{b - pos:,} unused bytes before this tensor "
+                              f"(data offset {pos:,})", rel, name))
+        elif b < pos:
+            index.add(Finding("error", "overlap", f"data overlaps the previous tensor by "
+                              f"{pos - b:,} bytes", rel, name))
+        pos = max(pos, e)
+    if pos > data_len:
+        index.add(Finding("error", "truncated",
+                          f"tensor data needs {pos:,} bytes but the file has {data_len:,} after "
+                          "the header (truncated)", rel))
+    elif pos < data_len:
+        index.add(Finding("error", "trailing-bytes",
+                          f"{data_len - pos:,} bytes after the last tensor (trailing garbage or a "
+                          "damaged header)", rel))

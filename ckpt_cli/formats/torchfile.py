@@ -1,0 +1,570 @@
+"""torch.save files: the zip format (torch >= 1.6) and the legacy pickle stream, read without torch.
+
+Zip: every record is STORED under one ``<archive>/`` prefix. ``data.pkl`` is unpickled by
+:mod:`ckpt_cli.formats.unpickler`; each storage ``('storage', cls, key, loc, numel)`` is the
+entry ``<archive>/data/<key>``, whose payload offset comes from its local header. Tensor bytes
+are therefore addressed as (file, offset) and never loaded here.
+
+Legacy: ``magic | 1001 | sys_info | main pickle | sorted key list | [i64 numel + bytes] per key``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli import dtypes
+from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
+from ckpt_cli.formats import containers
+from ckpt_cli.formats.base import file_size, read_head, rel_to
+from ckpt_cli.formats.unpickler import (
+    UNPICKLE_ERRORS,
+    PickleResult,
+    StorageRecord,
+    StorageType,
+    TensorRecord,
+    safe_load,
+)
+from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, StorageRef, TensorInfo
+
+ZIP_MAGIC = b"PK\x03\x04"
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_HEAD = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+
+
+@dataclass(frozen=True, slots=True)
+class ZipEntry:
+    """One zip record.
+
+    Attributes:
+        name: Full entry name (with the archive prefix).
+        header_offset: Offset of its local header, relative to the zip's start.
+        data_offset: Offset of its payload, relative to the zip's start.
+        size: Payload length (compressed size; torch never compresses).
+        compressed: Whether the entry is not STORED.
+        crc: The CRC-32 the central directory records.
+    """
+
+    name: str
+    header_offset: int
+    data_offset: int
+    size: int
+    compressed: bool
+    crc: int
+
+
+class Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes at ``start`` of an open file.
+
+    Args:
+        fd: An open file descriptor (not closed by the window).
+        start: First byte of the view.
+        length: Length of the view.
+    """
+
+    def __init__(self, fd: int, start: int, length: int):
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        if n == 0:
+            return 0
+        data = os.pread(self.fd, n, self.start + self.pos)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def zip_entries(fd: int, start: int, length: int, where: str) -> dict[str, ZipEntry]:
+    """List a zip's records with their payload offsets.
+
+    Args:
+        fd: Open file descriptor of the file holding the zip.
+        start: Offset of the zip within the file (0 for a plain file).
+        length: Length of the zip.
+        where: Name for messages (a path, or ``file@offset``).
+
+    Returns:
+        Entries by name, in central-directory order.
+
+    Raises:
+        CorruptCheckpointError: No or a malformed central directory, bad local headers.
+    """
+    try:
+        with zipfile.ZipFile(io.BufferedReader(Window(fd, start, length))) as zf:
+            infos = zf.infolist()
+    except zipfile.BadZipFile as e:
+        msg = str(e)
+        if "central directory" in msg.lower() or "not a zip" in msg.lower():
+            msg = "no zip central directory: the file is truncated or was not fully written"
+        raise CorruptCheckpointError(msg, path=where) from None
+    except (OSError, ValueError, EOFError, struct.error) as e:
+        raise CorruptCheckpointError(f"unreadable zip structure ({e})", path=where) from None
+    out: dict[str, ZipEntry] = {}
+    for info in infos:
+        head = os.pread(fd, 30, start + info.header_offset)
+        if len(head) < 30 or head[:4] != ZIP_MAGIC:
+            raise CorruptCheckpointError(
+                f"entry {info.filename!r}: no local header at offset {info.header_offset:,}",
+                path=where)
+        n, m = struct.unpack("<HH", head[26:30])
+        data = info.header_offset + 30 + n + m
+        out[info.filename] = ZipEntry(info.filename, info.header_offset, data, info.compress_size,
+                                      info.compress_type != zipfile.ZIP_STORED, info.CRC)
+    return out
+
+
+def archive_prefix(names: list[str]) -> str:
+    """The ``<archive>/`` prefix of a torch zip (taken from ``data.pkl``'s entry)."""
+    for n in names:
+        if n.endswith("/data.pkl") and n.count("/") == 1:
+            return n[: -len("data.pkl")]
+    for n in names:
+        if n.endswith("data.pkl"):
+            return n[: -len("data.pkl")]
+    return names[0].split("/", 1)[0] + "/" if names and "/" in names[0] else ""
+
+
+@dataclass(slots=True)
+class TorchZip:
+    """A parsed torch zip (a file, or one embedded in a DCP ``.distcp``).
+
+    Attributes:
+        entries: Records by name.
+        prefix: The ``<archive>/`` prefix.
+        pickle: The unpickled ``data.pkl``.
+        base: Absolute offset of the zip within its file.
+    """
+
+    entries: dict[str, ZipEntry]
+    prefix: str
+    pickle: PickleResult
+    base: int
+
+    def storage_start(self, key: str) -> int | None:
+        """Absolute file offset of storage ``key``'s bytes, or None if the record is missing."""
+        e = self.entries.get(f"{self.prefix}data/{key}")
+        return None if e is None else self.base + e.data_offset
+
+    def storage_entry(self, key: str) -> ZipEntry | None:
+        """The record of storage ``key``."""
+        return self.entries.get(f"{self.prefix}data/{key}")
+
+
+def parse_zip(fd: int, start: int, length: int, where: str) -> TorchZip:
+    """Parse a torch zip's structure and its ``data.pkl`` (safely).
+
+    Args:
+        fd: Open file descriptor.
+        start: Offset of the zip in the file.
+        length: Length of the zip.
+        where: Name for messages.
+
+    Returns:
+        The :class:`TorchZip`.
+
+    Raises:
+        CorruptCheckpointError: For a broken zip or pickle.
+        UnsupportedError: For TorchScript archives without ``data.pkl``.
+    """
+    entries = zip_entries(fd, start, length, where)
+    names = list(entries)
+    prefix = archive_prefix(names)
+    pkl = entries.get(f"{prefix}data.pkl")
+    if pkl is None:
+        if any(n.endswith("constants.pkl") for n in names):
+            raise UnsupportedError("a TorchScript archive without data.pkl", path=where)
+        raise CorruptCheckpointError("zip has no data.pkl: not a torch.save file", path=where)
+    if pkl.compressed:
+        raise CorruptCheckpointError("data.pkl is compressed (torch never writes that)",
+                                     path=where)
+    if pkl.data_offset + pkl.size > length:
+        raise CorruptCheckpointError("data.pkl runs past the end of the file (truncated)",
+                                     path=where)
+    raw = os.pread(fd, pkl.size, start + pkl.data_offset)
+    try:
+        result = safe_load(raw)
+    except UNPICKLE_ERRORS as e:
+        raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({_short(e)})",
+                                     path=where) from None
+    return TorchZip(entries, prefix, result, start)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text if len(text) < 120 else text[:117] + "..."
+
+
+def sniff_torch(path: Path) -> str | None:
+    """Whether ``path`` is a torch.save file (zip or legacy).
+
+    Args:
+        path: A file.
+
+    Returns:
+        None on a match, else why not.
+    """
+    if not path.is_file():
+        return "not a file"
+    head = read_head(path, 16)
+    if head.startswith(ZIP_MAGIC):
+        return None
+    if head.startswith(_LEGACY_HEAD):
+        return None
+    if len(head) >= 2 and head[0] == 0x80 and head[1] in (2, 3, 4, 5):
+        return None  # a plain pickle; read_index says what it is
+    return "no zip magic (PK\\x03\\x04) or pickle protocol header"
+
+
+class TorchReader:
+    """Reads torch.save zip files and legacy torch pickles."""
+
+    name = "torch"
+    is_dir_format = False
+
+    def sniff(self, path: Path) -> str | None:
+        """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
+        return sniff_torch(path)
+
+    def read_index(self, path: Path) -> CheckpointIndex:
+        """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""
+        index = CheckpointIndex(format=self.name, root=path, base=path.parent)
+        read_into(index, path, role=role_of(path.name), prefix="")
+        return index
+
+
+def role_of(filename: str) -> str:
+    """A checkpoint file's role, guessed from its name.
+
+    Args:
+        filename: The file's name.
+
+    Returns:
+        ``optimizer``, ``scheduler``, ``rng``, ``args``, ``other`` or ``weights``.
+    """
+    low = filename.lower()
+    if "optim" in low:
+        return "optimizer"
+    if "scheduler" in low or low.startswith("lr_"):
+        return "scheduler"
+    if low.startswith(("rng_state", "random_states")):
+        return "rng"
+    if low.startswith("training_args"):
+        return "args"
+    if low.startswith(("scaler", "sampler", "dl_state")):
+        return "other"
+    return "weights"
+
+
+_ROLE_GROUP = {"optimizer": "optimizer", "scheduler": "other", "rng": "other", "args": "other",
+               "other": "other", "weights": "model", "shard": "model"}
+
+
+def read_into(index: CheckpointIndex, path: Path, *, role: str, prefix: str) -> set[str]:
+    """Add a torch.save file's tensors, objects, metadata and findings to ``index``.
+
+    Args:
+        index: The index to fill.
+        path: The file.
+        role: The file's role (see :func:`role_of`).
+        prefix: Prepended to tensor and object names (``""`` for a lone file).
+
+    Returns:
+        The names of the tensors added.
+
+    Raises:
+        CorruptCheckpointError: If the file cannot be parsed.
+    """
+    size = file_size(path)
+    rel = rel_to(path, index.base)
+    head = read_head(path, 16)
+    if head.startswith(ZIP_MAGIC):
+        fmt = "torch"
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            tz = parse_zip(fd, 0, size, str(path))
+            _zip_findings(index, tz, rel, fd)
+        finally:
+            os.close(fd)
+        result = tz.pickle
+        storages = {k: (tz.storage_start(k), tz.storage_entry(k)) for k in result.storages}
+    elif read_head(path, len(_LEGACY_HEAD)) == _LEGACY_HEAD:
+        fmt = "torch-legacy"
+        result, starts = _read_legacy(path, size)
+        storages = {k: (starts.get(k), None) for k in result.storages}
+    else:
+        fmt = "pickle"
+        result = _read_plain_pickle(path)
+        storages = {}
+    index.files.append(FileInfo(rel, size, role, fmt))
+    return add_tree(index, result, storages, rel=rel, role=role, prefix=prefix)
+
+
+def add_tree(index: CheckpointIndex, result: PickleResult,
+             storages: dict[str, tuple[int | None, Any]], *, rel: str, role: str,
+             prefix: str) -> set[str]:
+    """Flatten an unpickled torch tree into ``index``: tensors, objects, metadata, findings.
+
+    Args:
+        index: The index to fill.
+        result: The safe unpickler's result.
+        storages: Storage key -> (absolute start or None, zip entry or None).
+        rel: The file's path relative to ``index.base``.
+        role: The file's role.
+        prefix: Prepended to names.
+
+    Returns:
+        The names of the tensors added.
+    """
+    tree = result.obj
+    default = containers.file_default_group(tree)
+    if default == "model":
+        default = _ROLE_GROUP.get(role, "model")
+    flavor = _flavor(tree)
+    if flavor and index.flavor is None:
+        index.flavor = flavor
+    added: set[str] = set()
+    used: set[str] = set()
+    for path, leaf in containers.walk(tree):
+        name = prefix + ".".join(path)
+        if isinstance(leaf, TensorRecord):
+            info = _tensor_info(index, name, path, leaf, storages, rel, default)
+            if info.name in index.tensors:
+                info = _rename(info, index)
+            index.tensors[info.name] = info
+            added.add(info.name)
+            if leaf.storage is not None:
+                used.add(leaf.storage.key)
+        elif path:
+            index.objects[name] = containers.to_plain(leaf)
+    meta = containers.extract_metadata(tree)
+    for k, v in meta.items():
+        index.metadata.setdefault(k, v)
+    _global_findings(index, result, rel)
+    unused = [k for k in storages if k not in used]
+    if unused:
+        index.add(Finding("warning", "unreferenced-storage",
+                          f"{len(unused)} storage record(s) no tensor refers to", rel,
+                          ", ".join(unused[:5])))
+    return added
+
+
+def _rename(info: TensorInfo, index: CheckpointIndex) -> TensorInfo:
+    i = 2
+    while f"{info.name}#{i}" in index.tensors:
+        i += 1
+    return TensorInfo(f"{info.name}#{i}", info.dtype, info.shape, info.nbytes, info.group,
+                      info.file, info.offset, info.stride, info.storage, info.storage_offset,
+                      info.chunks, info.kind)
+
+
+def _flavor(tree: Any) -> str | None:
+    if not isinstance(tree, dict):
+        return None
+    if "pytorch-lightning_version" in tree:
+        return "lightning"
+    if "ds_version" in tree or "ds_config" in tree:
+        return "deepspeed"
+    if "checkpoint_version" in tree and ("iteration" in tree or "args" in tree):
+        return "megatron"
+    return None
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """C-order strides (in elements) for ``shape``."""
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(out))
+
+
+def view_extent(shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> int:
+    """One past the largest element index a strided view touches (0 for an empty view)."""
+    if any(d == 0 for d in shape):
+        return 0
+    return offset + sum((d - 1) * s for d, s in zip(shape, stride, strict=False)) + 1
+
+
+def _tensor_info(index: CheckpointIndex, name: str, path: tuple[str, ...], rec: TensorRecord,
+                 storages: dict[str, tuple[int | None, Any]], rel: str,
+                 default: str) -> TensorInfo:
+    group = containers.group_of(path, rec, default)
+    code = rec.dtype
+    shape = rec.shape
+    if code == "F4":  # torch's float4_e2m1fn_x2 packs two values per element
+        shape = (*shape[:-1], shape[-1] * 2) if shape else shape
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = dtypes.nbytes_of(code, numel)
+    st = rec.storage
+    if st is None:
+        if rec.kind not in ("meta",):
+            index.add(Finding("warning", "tensor-kind",
+                              f"{rec.kind} tensor: data not described", rel, name))
+        return TensorInfo(name, code, shape, nbytes, group, None, None, None, None, 0, (),
+                          rec.kind)
+    start, entry = storages.get(st.key, (None, None))
+    itemsize = dtypes.DTYPES[code].itemsize
+    stride = rec.stride if rec.stride != contiguous_strides(rec.shape) else None
+    ref = StorageRef(rel, st.key, start, st.nbytes, st.dtype)
+    offset = None if start is None else start + rec.storage_offset * itemsize
+    if start is None:
+        index.add(Finding("error", "missing-storage",
+                          f"storage {st.key!r} is not in the file", rel, name))
+    else:
+        if entry is not None and entry.size < st.nbytes:
+            index.add(Finding("error", "short-storage",
+                              f"storage {st.key!r} holds {entry.size:,} bytes, the pickle says "
+                              f"{st.nbytes:,}", rel, name))
+        extent = view_extent(rec.shape, rec.stride, rec.storage_offset) * itemsize
+        if extent > st.nbytes:
+            index.add(Finding("error", "view-out-of-bounds",
+                              f"view needs {extent:,} bytes of a {st.nbytes:,}-byte storage",
+                              rel, name))
+    if rec.kind != "dense":
+        index.add(Finding("warning", "tensor-kind", f"{rec.kind} tensor: values not decoded",
+                          rel, name))
+    return TensorInfo(name, code, shape, nbytes, group, rel, offset, stride, ref,
+                      rec.storage_offset, (), rec.kind)
+
+
+def _global_findings(index: CheckpointIndex, result: PickleResult, rel: str) -> None:
+    for qual, cls in sorted(result.globals.items()):
+        if cls == "dangerous":
+            index.add(Finding("error", "unsafe-global",
+                              f"pickle would call {qual} if loaded with torch.load("
+                              "weights_only=False); not executed", rel, qual))
+        elif cls == "unknown":
+            index.add(Finding("warning", "unknown-global",
+                              f"pickle references {qual}; not imported or executed", rel, qual))
+        elif cls == "benign":
+            index.add(Finding("info", "non-allowlisted-global",
+                              f"pickle references {qual}; torch.load(weights_only=True) refuses "
+                              "it (ckpt reads it as data)", rel, qual))
+
+
+def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: int) -> None:
+    bo = tz.entries.get(f"{tz.prefix}byteorder")
+    if bo is not None and bo.size <= 8 and not bo.compressed:
+        order = os.pread(fd, bo.size, tz.base + bo.data_offset).strip()
+        if order == b"big":
+            index.add(Finding("error", "big-endian",
+                              "tensors are stored big-endian; ckpt reads little-endian data only",
+                              rel))
+    for e in tz.entries.values():
+        if e.compressed:
+            index.add(Finding("error", "compressed-entry",
+                              "entry is compressed; torch writes every record STORED", rel,
+                              e.name))
+
+
+def _read_plain_pickle(path: Path) -> PickleResult:
+    """A pickle that is not a torch.save stream (Accelerate's ``random_states_0.pkl``...)."""
+    try:
+        with open(path, "rb") as f:
+            return safe_load(f)
+    except UNPICKLE_ERRORS as e:
+        raise CorruptCheckpointError(f"not a readable pickle ({_short(e)})", path=path) from None
+
+
+def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
+    """Parse a legacy (pre-zip) torch.save stream and locate each storage's bytes."""
+    storages: dict[str, StorageRecord] = {}
+    views: dict[str, tuple[str, int]] = {}
+
+    def persistent(pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unsupported persistent id {str(pid)[:80]!r}")
+        stype, key, location, numel = pid[1], str(pid[2]), str(pid[3]), pid[4]
+        if not isinstance(stype, StorageType) or not isinstance(numel, int):
+            raise pickle.UnpicklingError("malformed storage id")
+        view = pid[5] if len(pid) > 5 else None
+        rec = storages.setdefault(key, StorageRecord(key, stype.dtype, location, numel))
+        if view:  # (view_key, offset, size): a view into the root storage
+            vkey, voff, vsize = str(view[0]), int(view[1]), int(view[2])
+            views[vkey] = (key, voff)
+            return StorageRecord(vkey, stype.dtype, location, vsize)
+        return rec
+
+    try:
+        with open(path, "rb") as f:
+            magic = safe_load(f).obj
+            if magic != LEGACY_MAGIC:
+                raise CorruptCheckpointError(
+                    "a pickle, but not a torch.save file (no torch magic number)", path=path)
+            proto = safe_load(f).obj
+            if proto != 1001:
+                raise CorruptCheckpointError(f"unknown legacy protocol version {proto!r}",
+                                             path=path)
+            sys_info = safe_load(f).obj
+            if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
+                raise UnsupportedError("big-endian legacy checkpoint", path=path)
+            main = safe_load(f, persistent=persistent)
+            keys = safe_load(f).obj
+            pos = f.tell()
+    except UNPICKLE_ERRORS as e:
+        raise CorruptCheckpointError(f"legacy torch pickle is unreadable ({_short(e)})",
+                                     path=path) from None
+    if not isinstance(keys, list):
+        raise CorruptCheckpointError("legacy storage key list is missing", path=path)
+    starts: dict[str, int] = {}
+    with open(path, "rb") as f:
+        for key in keys:
+            hdr = os.pread(f.fileno(), 8, pos)
+            if len(hdr) < 8:
+                break  # truncated: the storages past here have no start
+            (count,) = struct.unpack("<q", hdr)
+            rec = storages.get(str(key))
+            itemsize = dtypes.DTYPES[rec.dtype].itemsize if rec else 1
+            starts[str(key)] = pos + 8
+            pos += 8 + count * itemsize
+    if pos > size:
+        starts = {k: v for k, v in starts.items() if v <= size}
+    for vkey, (root, voff) in views.items():
+        if root in starts:
+            rec = storages[root]
+            starts[vkey] = starts[root] + voff * dtypes.DTYPES[rec.dtype].itemsize
+    main.storages.update({k: storages[k] for k in storages})
+    for vkey, (root, _) in views.items():
+        main.storages.setdefault(vkey, storages[root])
+    return main, starts
+
+
+def iter_zip_crc(path: Path) -> Iterator[ZipEntry]:
+    """The records of a torch zip file (for CRC checks by ``validate``).
+
+    Args:
+        path: The file.
+
+    Yields:
+        Each :class:`ZipEntry`.
+    """
+    size = file_size(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield from zip_entries(fd, 0, size, str(path)).values()
+    finally:
+        os.close(fd)

@@ -1,0 +1,410 @@
+"""An allowlisting unpickler that never imports or calls anything from a checkpoint.
+
+``pickle.Unpickler.find_class`` is the only way a pickle reaches a Python object by name
+(GLOBAL, STACK_GLOBAL, INST, OBJ and the EXT opcodes all go through it). Ours never imports:
+
+* torch's tensor-rebuild functions, storage classes, dtypes, ``torch.Size`` and a few plain
+  containers map to ckpt's own stand-ins that build inert records (:class:`TensorRecord`);
+* every other name becomes an :class:`Opaque` subclass made on the fly that only *records*
+  what the pickle does with it (call arguments, state, items). Nothing of the named module is
+  imported, nothing it names runs.
+
+Every global seen is kept with a classification, so callers can report
+"pickle references os.system; not executed".
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ckpt_cli import dtypes
+
+# Globals that mean "this pickle runs code when loaded with torch.load(weights_only=False)".
+_DANGEROUS_MODULES = frozenset({
+    "os", "posix", "nt", "sys", "subprocess", "runpy", "importlib", "shutil", "socket", "pty",
+    "code", "codeop", "commands", "webbrowser", "ctypes", "multiprocessing", "pickle", "_pickle",
+    "marshal", "types", "asyncio", "http", "urllib", "requests", "bdb", "pdb", "timeit", "venv",
+    "pip", "platform", "signal", "tempfile", "glob", "dill", "cloudpickle", "joblib", "imp",
+    "zipimport", "pkgutil", "site", "sysconfig", "ensurepip", "telnetlib", "ftplib", "smtplib",
+})
+_DANGEROUS_NAMES = frozenset({
+    "builtins.eval", "builtins.exec", "builtins.compile", "builtins.open", "builtins.getattr",
+    "builtins.setattr", "builtins.delattr", "builtins.__import__", "builtins.globals",
+    "builtins.locals", "builtins.vars", "builtins.input", "builtins.breakpoint",
+    "builtins.memoryview", "builtins.exit", "builtins.quit", "builtins.help",
+    "__builtin__.eval", "__builtin__.exec", "__builtin__.open", "__builtin__.getattr",
+    "__builtin__.__import__", "__builtin__.compile", "__builtin__.execfile",
+    "operator.attrgetter", "operator.methodcaller", "operator.itemgetter", "functools.partial",
+    "functools.reduce", "torch.load", "torch.hub.load", "torch.jit.load", "torch._C._jit_load",
+    "numpy.load", "numpy.testing._private.utils.runstring", "torch.serialization.load",
+    "copyreg._reconstructor_ex",
+})
+# Non-torch names that commonly appear in training checkpoints and are plain data holders.
+_BENIGN_PREFIXES = (
+    "numpy.", "argparse.Namespace", "pathlib.", "datetime.", "decimal.Decimal", "uuid.UUID",
+    "fractions.Fraction", "collections.", "deepspeed.", "transformers.", "accelerate.",
+    "megatron.", "lightning.", "pytorch_lightning.", "lightning_fabric.", "omegaconf.",
+    "torch.optim.", "torch.distributed.checkpoint.", "torch.distributed.", "enum.",
+    "torch.nn.", "torch.cuda.amp.", "torch.amp.", "typing.", "builtins.", "__builtin__.",
+    "_codecs.", "copyreg.", "torch.",
+)
+
+
+def classify_global(qualname: str) -> str:
+    """Classify a pickle global as ``allowed``, ``benign``, ``dangerous`` or ``unknown``.
+
+    Args:
+        qualname: ``module.name`` as written in the pickle.
+
+    Returns:
+        ``allowed`` for names ``torch.load(weights_only=True)`` accepts too, ``dangerous`` for
+        names that run commands, import code or reach the file system, ``benign`` for common
+        data classes of numpy, argparse, HF, DeepSpeed and the like, ``unknown`` otherwise.
+    """
+    if qualname in _ALLOWED_NAMES:
+        return "allowed"
+    module = qualname.rsplit(".", 1)[0]
+    if qualname in _DANGEROUS_NAMES or module.split(".", 1)[0] in _DANGEROUS_MODULES:
+        return "dangerous"
+    if qualname.startswith(_BENIGN_PREFIXES):
+        return "benign"
+    return "unknown"
+
+
+@dataclass(slots=True)
+class StorageRecord:
+    """A storage named by a persistent id: ``('storage', cls, key, location, numel)``."""
+
+    key: str
+    dtype: str
+    location: str
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storage."""
+        return dtypes.nbytes_of(self.dtype, self.numel)
+
+
+@dataclass(slots=True)
+class TensorRecord:
+    """An inert description of a tensor found in a pickle."""
+
+    storage: StorageRecord | None
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    requires_grad: bool = False
+    is_parameter: bool = False
+    kind: str = "dense"
+
+
+@dataclass(frozen=True, slots=True)
+class DTypeRef:
+    """A ``torch.<dtype>`` global."""
+
+    code: str | None
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class StorageType:
+    """A ``torch.<X>Storage`` class global."""
+
+    dtype: str
+    name: str
+
+
+class Opaque:
+    """Base of the stand-ins for globals outside the allowlist. Records, never runs.
+
+    Attributes:
+        args: Positional arguments the pickle called it with (REDUCE/NEWOBJ).
+        kwargs: Keyword arguments (NEWOBJ_EX).
+        state: What BUILD set (``__setstate__``).
+        items: What APPEND/APPENDS added.
+        mapping: What SETITEMS added.
+    """
+
+    qualname: ClassVar[str] = "?"
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: Any
+    items: list[Any]
+    mapping: dict[Any, Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        self = object.__new__(cls)
+        self.args, self.kwargs, self.state = args, kwargs, None
+        self.items, self.mapping = [], {}
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def append(self, item: Any) -> None:  # APPEND on a non-list
+        self.items.append(item)
+
+    def extend(self, items: Any) -> None:  # APPENDS on a non-list
+        self.items.extend(items)
+
+    def __setitem__(self, key: Any, value: Any) -> None:  # SETITEMS on a non-dict
+        self.mapping[key] = value
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname}>"
+
+    def fields(self) -> dict[str, Any]:
+        """The object's data as a dict: BUILD state, SETITEMS entries, or nothing."""
+        st = self.state
+        if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict):
+            # (dict_state, slots_state) as pickled for classes with __slots__.
+            merged = dict(st[0] or {}) if isinstance(st[0], dict) else {}
+            merged.update(st[1])
+            return merged
+        if isinstance(st, dict):
+            return dict(st)
+        return dict(self.mapping)
+
+
+def _size(*args: Any) -> tuple[int, ...]:
+    return tuple(args[0]) if args else ()
+
+
+def _rebuild_tensor(storage: Any, storage_offset: int, size: Any, stride: Any, *rest: Any,
+                    dtype: str | None = None) -> TensorRecord:
+    requires_grad = bool(rest[0]) if rest else False
+    if isinstance(storage, StorageRecord):
+        code = dtype or storage.dtype
+        return TensorRecord(storage, int(storage_offset), tuple(size), tuple(stride), code,
+                            requires_grad)
+    return TensorRecord(None, 0, tuple(size), tuple(stride or ()), dtype or "U8", requires_grad,
+                        kind="unresolved")
+
+
+def _rebuild_tensor_v2(storage: Any, storage_offset: int, size: Any, stride: Any,
+                       *rest: Any) -> TensorRecord:
+    return _rebuild_tensor(storage, storage_offset, size, stride, *rest)
+
+
+def _rebuild_tensor_v3(storage: Any, storage_offset: int, size: Any, stride: Any,
+                       requires_grad: Any, hooks: Any, dtype: Any, *rest: Any) -> TensorRecord:
+    code = dtype.code if isinstance(dtype, DTypeRef) else None
+    return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad,
+                           dtype=code or "U8")
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any = False, *rest: Any) -> Any:
+    if isinstance(data, TensorRecord):
+        data.is_parameter = True
+        data.requires_grad = bool(requires_grad)
+    return data
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    # func is one of our stand-ins (or an Opaque class); new_type is only recorded.
+    return func(*args)
+
+
+def _rebuild_meta(dtype: Any, size: Any, stride: Any, requires_grad: Any = False,
+                  *rest: Any) -> TensorRecord:
+    code = dtype.code if isinstance(dtype, DTypeRef) and dtype.code else "U8"
+    return TensorRecord(None, 0, tuple(size), tuple(stride), code, bool(requires_grad),
+                        kind="meta")
+
+
+def _other_tensor(kind: str) -> Callable[..., TensorRecord]:
+    def rebuild(*args: Any) -> TensorRecord:
+        # Quantized, sparse, nested and subclass tensors: described by kind, data not decoded.
+        storage = next((a for a in args if isinstance(a, StorageRecord)), None)
+        return TensorRecord(storage, 0, (), (), storage.dtype if storage else "U8", kind=kind)
+    return rebuild
+
+
+def _codecs_encode(obj: Any, encoding: str = "utf-8") -> bytes:
+    # Protocol 2 pickles bytes as _codecs.encode(str, 'latin1'); only text encodings allowed.
+    if not isinstance(obj, str) or encoding.lower() not in {"latin1", "latin-1", "utf-8", "utf8",
+                                                             "ascii", "iso-8859-1"}:
+        raise pickle.UnpicklingError("_codecs.encode with unexpected arguments")
+    return obj.encode(encoding)
+
+
+def _ordered_dict(*args: Any) -> OrderedDict[Any, Any]:
+    return OrderedDict(*args[:1])
+
+
+def _set(*args: Any) -> set[Any]:
+    return set(*args[:1])
+
+
+def _frozenset(*args: Any) -> frozenset[Any]:
+    return frozenset(*args[:1])
+
+
+def _complex(*args: Any) -> complex:
+    return complex(*args[:2])
+
+
+def _bytearray(*args: Any) -> bytearray:
+    if args and isinstance(args[0], str):
+        return bytearray(args[0], *args[1:2])
+    return bytearray(*args[:1])
+
+
+def _device(*args: Any) -> str:
+    return ":".join(str(a) for a in args)
+
+
+def _layout(name: Any = "") -> str:
+    return str(name)
+
+
+def _reconstructor(cls: Any, base: Any = None, state: Any = None) -> Any:
+    # copyreg._reconstructor(cls, object, None): only ever instantiate our own stand-ins.
+    if isinstance(cls, type) and issubclass(cls, Opaque):
+        return cls()
+    raise pickle.UnpicklingError("copyreg._reconstructor on a non-stand-in class")
+
+
+_ALLOWED: dict[str, Any] = {
+    "torch._utils._rebuild_tensor": _rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch._tensor._rebuild_from_type": _rebuild_from_type_v2,
+    "torch._utils._rebuild_meta_tensor_no_storage": _rebuild_meta,
+    "torch._utils._rebuild_qtensor": _other_tensor("quantized"),
+    "torch._utils._rebuild_sparse_tensor": _other_tensor("sparse"),
+    "torch._utils._rebuild_nested_tensor": _other_tensor("nested"),
+    "torch._utils._rebuild_wrapper_subclass": _other_tensor("subclass"),
+    "torch._utils._rebuild_device_tensor_from_numpy": _other_tensor("numpy"),
+    "torch._utils._rebuild_device_tensor_from_cpu_tensor": _other_tensor("device"),
+    "torch.Size": _size,
+    "torch.device": _device,
+    "torch.serialization._get_layout": _layout,
+    "collections.OrderedDict": _ordered_dict,
+    "_codecs.encode": _codecs_encode,
+    "builtins.set": _set,
+    "builtins.frozenset": _frozenset,
+    "builtins.complex": _complex,
+    "builtins.bytearray": _bytearray,
+    "__builtin__.set": _set,
+    "copyreg._reconstructor": _reconstructor,
+    "copy_reg._reconstructor": _reconstructor,
+}
+for _cls, _code in dtypes.STORAGE_CLASSES.items():
+    _ALLOWED[f"torch.{_cls}"] = StorageType(_code, _cls)
+    _ALLOWED[f"torch.storage.{_cls}"] = StorageType(_code, _cls)
+_ALLOWED["torch.storage.TypedStorage"] = StorageType("U8", "TypedStorage")
+for _d in dtypes.DTYPES.values():
+    if _d.torch_name:
+        _ALLOWED[f"torch.{_d.torch_name}"] = DTypeRef(_d.code, _d.torch_name)
+for _layout_name in ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr",
+                     "sparse_bsc", "_mkldnn", "jagged", "contiguous_format", "channels_last",
+                     "channels_last_3d", "preserve_format"):
+    _ALLOWED[f"torch.{_layout_name}"] = _layout_name
+# What torch.load(weights_only=True) accepts as well; copyreg is ours only (we never call cls).
+_ALLOWED_NAMES = frozenset(_ALLOWED) - {"copyreg._reconstructor", "copy_reg._reconstructor"}
+
+
+@dataclass(slots=True)
+class PickleResult:
+    """What a pickle held.
+
+    Attributes:
+        obj: The unpickled tree: plain containers, :class:`TensorRecord` and :class:`Opaque`.
+        globals: Every global referenced, with its classification.
+        storages: Every storage persistent id, by key.
+    """
+
+    obj: Any
+    globals: dict[str, str] = field(default_factory=dict)
+    storages: dict[str, StorageRecord] = field(default_factory=dict)
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickles without importing or running anything (see the module docstring).
+
+    Args:
+        file: A binary file object positioned at the pickle.
+        extra: More names mapped to ckpt's own stand-ins (e.g. DCP's metadata classes).
+        persistent: Replaces the torch-zip ``persistent_load`` (legacy storage ids).
+    """
+
+    def __init__(self, file: io.BufferedIOBase | io.BytesIO, extra: dict[str, Any] | None = None,
+                 persistent: Callable[[Any], Any] | None = None):
+        super().__init__(file)
+        self._persistent = persistent
+        self.globals: dict[str, str] = {}
+        self.storages: dict[str, StorageRecord] = {}
+        self._extra = extra or {}
+        self._opaque: dict[str, type[Opaque]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        qual = f"{module}.{name}"
+        if qual in self._extra:
+            self.globals[qual] = "allowed"
+            return self._extra[qual]
+        if qual in _ALLOWED:
+            self.globals[qual] = classify_global(qual)
+            return _ALLOWED[qual]
+        self.globals[qual] = classify_global(qual)
+        cls = self._opaque.get(qual)
+        if cls is None:
+            cls = type(name if name.isidentifier() else "Opaque", (Opaque,), {"qualname": qual})
+            self._opaque[qual] = cls
+        return cls
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is not None:
+            return self._persistent(pid)
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unsupported persistent id {str(pid)[:80]!r}")
+        stype, key, location, numel = pid[1], str(pid[2]), str(pid[3]), pid[4]
+        if not isinstance(stype, StorageType) or not isinstance(numel, int) or numel < 0:
+            raise pickle.UnpicklingError(f"malformed storage id for key {key!r}")
+        rec = self.storages.get(key)
+        if rec is None:
+            rec = StorageRecord(key, stype.dtype, location, numel)
+            self.storages[key] = rec
+        return rec
+
+
+def safe_load(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None = None,
+              persistent: Callable[[Any], Any] | None = None) -> PickleResult:
+    """Unpickle ``data`` safely.
+
+    Args:
+        data: The pickle bytes, or a binary file positioned at it.
+        extra: Extra stand-ins by qualified name.
+        persistent: Replaces the default ``persistent_load`` (torch storage ids).
+
+    Returns:
+        The :class:`PickleResult`.
+
+    Raises:
+        pickle.UnpicklingError: Malformed pickle (also EOFError, ValueError and the like, which
+            callers turn into :class:`ckpt_cli.errors.CorruptCheckpointError`).
+    """
+    f = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    up = SafeUnpickler(f, extra, persistent)
+    obj = up.load()
+    return PickleResult(obj, up.globals, up.storages)
+
+
+UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
+                   IndexError, AttributeError, OverflowError, MemoryError, RecursionError,
+                   UnicodeDecodeError, struct.error)
+"""Exceptions a malformed pickle can raise from :func:`safe_load`."""

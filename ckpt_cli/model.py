@@ -1,0 +1,281 @@
+"""The shared model of a checkpoint that every reader produces and every command consumes.
+
+Nothing here imports torch or numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ckpt_cli import dtypes
+
+GROUPS: tuple[str, ...] = ("model", "buffer", "optimizer", "other")
+"""Tensor groups, in display order: trainable weights, buffers, optimizer state, the rest."""
+
+Severity = Literal["error", "warning", "info"]
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    """The storage a torch tensor views: one zip entry (or legacy storage) in one file.
+
+    Attributes:
+        file: Path of the file holding it, relative to the index's base directory.
+        key: The storage key (zip entry ``data/<key>``).
+        start: Absolute byte offset of the storage's first byte in ``file``; None when missing.
+        nbytes: Bytes the pickle says the storage holds.
+        dtype: Canonical dtype of the storage's elements (``U8`` for untyped storages).
+    """
+
+    file: str
+    key: str
+    start: int | None
+    nbytes: int
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One piece of a sharded tensor (DCP), stored as an embedded torch.save zip.
+
+    Attributes:
+        offsets: Where the piece starts in the global tensor, per dimension.
+        sizes: The piece's shape.
+        file: File holding it, relative to the checkpoint directory.
+        offset: Byte offset of the embedded item in ``file``.
+        length: Length in bytes of the embedded item (on disk).
+        transforms: Storage transforms applied (for example ``("stream.zstd/1",)``).
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Everything about one tensor except its values.
+
+    Attributes:
+        name: Unique name within the checkpoint (a flattened key path, e.g. ``model.fc.weight``).
+        dtype: Canonical dtype code (see :mod:`ckpt_cli.dtypes`).
+        shape: Logical shape.
+        nbytes: Bytes of the tensor's elements (``numel * itemsize``).
+        group: ``model``, ``buffer``, ``optimizer`` or ``other``.
+        file: File holding its bytes, relative to the index's base directory; None if nowhere.
+        offset: Absolute byte offset of element 0 in ``file``; None if not a single range.
+        stride: Element strides when not C-contiguous, else None.
+        storage: For torch pickles, the storage it views (shared storage means tied tensors).
+        storage_offset: Offset of element 0 in ``storage``, in elements.
+        chunks: For sharded (DCP) tensors, the pieces that tile its shape.
+        kind: ``dense`` for ordinary tensors; else what it is (``meta``, ``sparse``...).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    group: str = "model"
+    file: str | None = None
+    offset: int | None = None
+    stride: tuple[int, ...] | None = None
+    storage: StorageRef | None = None
+    storage_offset: int = 0
+    chunks: tuple[Chunk, ...] = ()
+    kind: str = "dense"
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def is_floating(self) -> bool:
+        """Whether the dtype is a real floating-point type."""
+        return dtypes.DTYPES[self.dtype].is_floating
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """One file of a checkpoint.
+
+    Attributes:
+        path: Path relative to the index's base directory.
+        bytes: Size on disk.
+        role: What it holds: ``weights``, ``optimizer``, ``shard``, ``metadata``, ``index``,
+            ``rng``, ``scheduler``, ``args``, ``pointer`` or ``other``.
+        format: The reader that understood it, or None.
+    """
+
+    path: str
+    bytes: int
+    role: str = "weights"
+    format: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One observation about a checkpoint: a problem, a risk, or a note.
+
+    Attributes:
+        severity: ``error`` (invalid or unsafe), ``warning`` (suspicious), ``info``.
+        code: Stable machine-readable code, e.g. ``unsafe-global`` or ``crc-mismatch``.
+        message: One plain-words sentence.
+        file: The file it is about, relative to the checkpoint root, if any.
+        location: Where in the file: a tensor name, a zip entry, a byte offset.
+    """
+
+    severity: Severity
+    code: str
+    message: str
+    file: str | None = None
+    location: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"severity": self.severity, "code": self.code, "message": self.message,
+                "file": self.file, "location": self.location}
+
+
+@dataclass(slots=True)
+class CheckpointIndex:
+    """The metadata of one checkpoint (a file, a shard set or a checkpoint directory).
+
+    Attributes:
+        format: The reader's name (``safetensors``, ``torch``, ``dcp`` ...).
+        root: The path the user gave.
+        base: Directory that ``TensorInfo.file`` and ``FileInfo.path`` are relative to.
+        tensors: Tensors by unique name, in file order.
+        files: The files making up the checkpoint.
+        metadata: Training facts found: ``step``, ``epoch``, ``lr``, versions, hyper-parameters.
+        objects: Non-tensor leaves (scalars, strings) by flattened name, for ``diff``.
+        layout: Shard layout: ``world_size``, ``zero_stage``, ``tp``, ``pp``, ``ranks`` ...
+        findings: Problems and notes found while reading.
+        flavor: A more specific producer, e.g. ``lightning``, ``hf-trainer``, ``deepspeed``.
+    """
+
+    format: str
+    root: Path
+    base: Path
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    files: list[FileInfo] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    flavor: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all tensors (logical, not counting shared storage twice is not attempted)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes on disk of all files."""
+        return sum(f.bytes for f in self.files)
+
+    @property
+    def bytes_by_group(self) -> dict[str, int]:
+        """Tensor bytes per group; every group in :data:`GROUPS` is present."""
+        out = dict.fromkeys(GROUPS, 0)
+        for t in self.tensors.values():
+            out[t.group] = out.get(t.group, 0) + t.nbytes
+        return out
+
+    @property
+    def num_parameters(self) -> int:
+        """Elements of the model group (trainable weights; buffers and optimizer excluded).
+
+        Where the files hold only placeholders for the weights (DeepSpeed ZeRO-3), the count
+        the checkpoint declares (``layout["param_count"]``) is used.
+        """
+        counted = sum(t.numel for t in self.tensors.values() if t.group == "model")
+        declared = self.layout.get("param_count")
+        return declared if isinstance(declared, int) and declared > counted else counted
+
+    @property
+    def params_by_dtype(self) -> dict[str, int]:
+        """Elements of model and buffer tensors per dtype code."""
+        c: Counter[str] = Counter()
+        for t in self.tensors.values():
+            if t.group in ("model", "buffer"):
+                c[t.dtype] += t.numel
+        return dict(c)
+
+    @property
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """Bytes of all tensors per dtype code."""
+        c: Counter[str] = Counter()
+        for t in self.tensors.values():
+            c[t.dtype] += t.nbytes
+        return dict(c)
+
+    def add(self, finding: Finding) -> None:
+        """Record a finding."""
+        self.findings.append(finding)
+
+    def path_of(self, rel: str) -> Path:
+        """Absolute path of a file named relative to :attr:`base`."""
+        return self.base / rel
+
+
+@dataclass(slots=True)
+class RunEntry:
+    """One checkpoint inside a run directory.
+
+    Attributes:
+        name: File or directory name inside the run directory.
+        path: Its full path.
+        step: Training step, or None when it could not be found.
+        step_source: Where ``step`` came from: ``name``, ``metadata`` or ``mtime``.
+        format: The detected format, or None.
+        bytes: Bytes on disk (recursive for directories).
+        files: Number of files (recursive).
+        mtime: Newest modification time among its files (seconds since the epoch).
+        complete: Whether it looks whole (commit markers present, headers consistent).
+        reason: Why it is not complete, or a note.
+        latest: Whether a ``latest`` pointer names it.
+        metrics: Metrics found in its name or metadata (for example ``val_loss``).
+    """
+
+    name: str
+    path: Path
+    step: int | None
+    step_source: str
+    format: str | None
+    bytes: int
+    files: int
+    mtime: float
+    complete: bool
+    reason: str | None = None
+    latest: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RunListing:
+    """A run directory: its checkpoints ordered by step (oldest first).
+
+    Attributes:
+        root: The run directory.
+        entries: Checkpoints, oldest first.
+        latest: Name of the entry a ``latest`` pointer names, if any.
+        pointers: The pointer files found and what each names.
+        leftovers: Temporary or trash entries left by interrupted writers or prunes.
+        findings: Notes about the listing (for example ordering by mtime).
+    """
+
+    root: Path
+    entries: list[RunEntry] = field(default_factory=list)
+    latest: str | None = None
+    pointers: dict[str, str] = field(default_factory=dict)
+    leftovers: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)

@@ -1,0 +1,243 @@
+"""Reading tensor values, one tensor at a time, as numpy arrays (no torch).
+
+Every reader describes where a tensor's bytes live (:class:`~ckpt_cli.model.TensorInfo`): one
+byte range, a strided view of a storage, or DCP chunks that are embedded torch zips. This module
+turns that into a numpy array with the right dtype (ml_dtypes for BF16 and FP8) and shape,
+reading with positioned reads into a fresh buffer, so memory holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ckpt_cli import dtypes
+from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
+from ckpt_cli.model import CheckpointIndex, Chunk, TensorInfo
+
+if TYPE_CHECKING:
+    import numpy as np
+
+_MAX_OPEN = 64
+_READ_CHUNK = 1 << 30
+
+
+class TensorSource:
+    """Reads tensors of one checkpoint; keeps a small cache of open files.
+
+    Use as a context manager, or call :meth:`close`.
+
+    Args:
+        index: The checkpoint's index.
+    """
+
+    def __init__(self, index: CheckpointIndex):
+        self.index = index
+        self._fds: OrderedDict[str, int] = OrderedDict()
+
+    def __enter__(self) -> TensorSource:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every open file."""
+        while self._fds:
+            _, fd = self._fds.popitem()
+            os.close(fd)
+
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is not None:
+            self._fds.move_to_end(rel)
+            return fd
+        path = self.index.path_of(rel)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise CkptError(f"cannot open: {e.strerror}", path=path) from None
+        self._fds[rel] = fd
+        if len(self._fds) > _MAX_OPEN:
+            _, old = self._fds.popitem(last=False)
+            os.close(old)
+        return fd
+
+    def read_into(self, rel: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes of file ``rel`` from ``offset``; a short read is an error.
+
+        Args:
+            rel: File path relative to the index's base.
+            offset: Absolute byte offset.
+            out: A writable byte buffer.
+
+        Raises:
+            CorruptCheckpointError: If the file ends first.
+        """
+        fd = self._fd(rel)
+        done, total = 0, len(out)
+        while done < total:
+            n = os.preadv(fd, [out[done:done + _READ_CHUNK]], offset + done)
+            if n <= 0:
+                raise CorruptCheckpointError(
+                    f"file ends at byte {offset + done:,}; {total - done:,} more bytes expected "
+                    "(truncated)", path=self.index.path_of(rel))
+            done += n
+
+    def read(self, t: TensorInfo) -> np.ndarray:
+        """Read one tensor's values.
+
+        Args:
+            t: A tensor of this source's index.
+
+        Returns:
+            A C-contiguous numpy array of the tensor's shape. BF16/FP8 use ml_dtypes dtypes;
+            sub-byte types (F4, F6) come back as raw ``uint8`` packed bytes.
+
+        Raises:
+            CorruptCheckpointError: Truncated files or chunks that do not decode.
+            UnsupportedError: Compressed DCP chunks, tensors without data.
+        """
+        import numpy as np
+
+        if t.chunks:
+            return self._read_chunks(t)
+        if t.file is None or t.offset is None:
+            raise UnsupportedError(f"tensor {t.name!r} ({t.kind}) has no readable data",
+                                   path=self.index.root)
+        try:
+            dt = dtypes.numpy_dtype(t.dtype)
+        except KeyError:
+            buf = np.empty(t.nbytes, dtype=np.uint8)
+            self.read_into(t.file, t.offset, buf.data)
+            return buf
+        if t.stride is None:
+            arr = np.empty(t.shape, dtype=dt)
+            if arr.nbytes:
+                self.read_into(t.file, t.offset, arr.reshape(-1).view(np.uint8).data)
+            return arr
+        return self._read_strided(t, dt)
+
+    def _read_strided(self, t: TensorInfo, dt: np.dtype[Any]) -> np.ndarray:
+        import numpy as np
+
+        assert t.stride is not None and t.file is not None and t.offset is not None
+        item = dt.itemsize
+        lo = min(0, sum((d - 1) * s for d, s in zip(t.shape, t.stride, strict=False) if s < 0))
+        span = sum((d - 1) * s for d, s in zip(t.shape, t.stride, strict=False) if s > 0) + 1
+        if any(d == 0 for d in t.shape):
+            return np.empty(t.shape, dtype=dt)
+        raw = np.empty((span - lo) * item, dtype=np.uint8)
+        self.read_into(t.file, t.offset + lo * item, raw.data)
+        base = raw.view(dt)
+        view = np.lib.stride_tricks.as_strided(
+            base[-lo:], shape=t.shape, strides=tuple(s * item for s in t.stride), writeable=False)
+        return np.ascontiguousarray(view)
+
+    def _read_chunks(self, t: TensorInfo) -> np.ndarray:
+        import numpy as np
+
+        dt = dtypes.numpy_dtype(t.dtype)
+        out = np.empty(t.shape, dtype=dt)
+        for c in t.chunks:
+            piece = self.read_chunk(t, c)
+            region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
+            out[region] = piece
+        return out
+
+    def read_chunk(self, t: TensorInfo, c: Chunk) -> np.ndarray:
+        """Read one DCP chunk of tensor ``t`` (an embedded torch.save zip).
+
+        Args:
+            t: The tensor.
+            c: One of its chunks.
+
+        Returns:
+            The chunk's values, shaped ``c.sizes``.
+
+        Raises:
+            CorruptCheckpointError: If the embedded zip does not describe a matching tensor.
+            UnsupportedError: For compressed chunks.
+        """
+        from ckpt_cli.formats.torchfile import contiguous_strides, parse_zip
+        from ckpt_cli.formats.unpickler import TensorRecord
+
+        if c.transforms:
+            raise UnsupportedError(f"chunk of {t.name!r} uses storage transforms "
+                                   f"{list(c.transforms)}, which ckpt cannot decode yet",
+                                   path=self.index.path_of(c.file))
+        fd = self._fd(c.file)
+        where = f"{self.index.path_of(c.file)}@{c.offset}"
+        tz = parse_zip(fd, c.offset, c.length, where)
+        rec = tz.pickle.obj
+        if not isinstance(rec, TensorRecord) or rec.storage is None:
+            raise CorruptCheckpointError(f"chunk of {t.name!r} does not hold a tensor",
+                                         path=where)
+        if tuple(rec.shape) != tuple(c.sizes) or rec.dtype != t.dtype:
+            raise CorruptCheckpointError(
+                f"chunk of {t.name!r} holds {rec.dtype}{list(rec.shape)}, metadata says "
+                f"{t.dtype}{list(c.sizes)}", path=where)
+        entry = tz.storage_entry(rec.storage.key)
+        start = tz.storage_start(rec.storage.key)
+        if entry is None or start is None:
+            raise CorruptCheckpointError(f"chunk of {t.name!r} lacks its storage record",
+                                         path=where)
+        if entry.data_offset + entry.size > c.length:
+            raise CorruptCheckpointError(f"chunk of {t.name!r} is truncated", path=where)
+        item = dtypes.DTYPES[rec.dtype].itemsize
+        stride = None if rec.stride == contiguous_strides(rec.shape) else rec.stride
+        sub = TensorInfo(t.name, rec.dtype, rec.shape, dtypes.nbytes_of(rec.dtype, _numel(
+            rec.shape)), t.group, c.file, start + rec.storage_offset * item, stride)
+        return self.read(sub)
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def iter_tensors(index: CheckpointIndex, names: Iterable[str] | None = None,
+                 ) -> Iterator[tuple[TensorInfo, np.ndarray]]:
+    """Yield ``(info, values)`` for the tensors of ``index``, one at a time.
+
+    Args:
+        index: The checkpoint's index.
+        names: Which tensors (default: all, in index order).
+
+    Yields:
+        Each tensor's info and a fresh numpy array of its values.
+    """
+    with TensorSource(index) as src:
+        for name in (names if names is not None else list(index.tensors)):
+            t = index.tensors[name]
+            yield t, src.read(t)
+
+
+def to_float(arr: np.ndarray, code: str, *, wide: bool = True) -> np.ndarray:
+    """Upcast an array of a floating (or any numeric) dtype for comparisons.
+
+    Args:
+        arr: Values as returned by :meth:`TensorSource.read`.
+        code: Their canonical dtype code.
+        wide: float64 if True, else float32.
+
+    Returns:
+        A float array (complex stays complex).
+    """
+    import numpy as np
+
+    if dtypes.DTYPES[code].kind == "complex":
+        return arr.astype(np.complex128)
+    return arr.astype(np.float64 if wide else np.float32)
+
+
+def file_path(index: CheckpointIndex, rel: str) -> Path:
+    """Absolute path of a file of ``index``."""
+    return index.path_of(rel)

@@ -1,0 +1,62 @@
+"""Train a tiny model with DeepSpeed ZeRO on CPU (gloo, 2 processes) and save checkpoints.
+
+Usage: python ds_train.py OUT_DIR CONFIG [CONFIG ...]   where CONFIG is like ``z2-fp32``.
+Each config is saved to OUT_DIR/<config>/ with DeepSpeed's own ``engine.save_checkpoint``.
+All configs run inside one pair of processes, so deepspeed is imported only once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+
+def _worker(rank: int, world: int, port: int, out: str, configs: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    for cfg_name in configs:
+        stage_s, dtype = cfg_name.split("-")
+        stage = int(stage_s[1:])
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13),
+                                    torch.nn.Linear(13, 5))
+        model.register_buffer("counter", torch.arange(3, dtype=torch.float32))
+        cfg = {"train_micro_batch_size_per_gpu": 2,
+               "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=cfg)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x = torch.randn(2, 7, generator=gen)
+            if dtype == "bf16":
+                x = x.to(torch.bfloat16)
+            loss = engine(x).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+        engine.save_checkpoint(os.path.join(out, cfg_name))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    out, configs = sys.argv[1], sys.argv[2:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(2, port, out, configs), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()

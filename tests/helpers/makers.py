@@ -1,0 +1,141 @@
+"""Checkpoints written by the real libraries, for tests and benchmarks.
+
+torch, safetensors, torch.distributed.checkpoint, huggingface_hub, transformers, lightning and
+deepspeed write these; nothing here imitates a format by hand, except Megatron's legacy layout,
+whose library cannot run on a CPU-only machine: that one is written with torch.save in the
+exact key layout Megatron-LM's checkpointing.py uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HELPERS = Path(__file__).parent
+
+
+def tiny_state_dict(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A small transformer-like state dict with a buffer and an integer tensor."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {
+        "embed.weight": torch.randn(32, 8, generator=g),
+        "layers.0.attn.q_proj.weight": torch.randn(8, 8, generator=g),
+        "layers.0.attn.q_proj.bias": torch.randn(8, generator=g),
+        "layers.0.mlp.fc.weight": torch.randn(16, 8, generator=g),
+        "layers.0.norm.weight": torch.ones(8),
+        "layers.0.norm.running_mean": torch.zeros(8),
+        "layers.0.norm.num_batches_tracked": torch.tensor(7),
+        "head.weight": torch.randn(4, 8, generator=g),
+    }
+    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+
+
+def training_checkpoint(seed: int = 0, step: int = 100) -> dict[str, Any]:
+    """A hand-written-loop training checkpoint: model + AdamW state + step/epoch/lr."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+            "epoch": 2, "lr": 1e-3}
+
+
+def hf_sharded(out: Path, sd: dict[str, torch.Tensor], max_shard_size: int) -> None:
+    """Shard with huggingface_hub's own writer (model-0000i-of-0000n + index)."""
+    from huggingface_hub import save_torch_state_dict
+
+    save_torch_state_dict(sd, out, max_shard_size=max_shard_size)
+
+
+def hf_trainer_run(out: Path, steps: int = 4, save_steps: int = 2) -> Path:
+    """Train a tiny GPT-2 with transformers' Trainer; returns the output directory."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("WANDB_DISABLED", "true")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
+                                       n_head=2))
+
+    class DS(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = (torch.arange(16) + i) % 64
+            return {"input_ids": ids, "labels": ids}
+
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=save_steps,
+                             per_device_train_batch_size=4, logging_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="steps", disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=DS()).train()
+    return out
+
+
+def lightning_run(out: Path, steps: int = 4, every: int = 2) -> Path:
+    """Train a tiny LightningModule, keeping every checkpoint and last.ckpt."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Mod(L.LightningModule):
+        def __init__(self, hidden: int = 8) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Linear(4, hidden)
+
+        def training_step(self, batch: Any, _i: int) -> torch.Tensor:
+            loss = self.net(batch[0]).pow(2).mean()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    ck = ModelCheckpoint(dirpath=out, every_n_train_steps=every, save_top_k=-1, save_last=True,
+                         filename="{epoch}-{step}")
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[ck],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    torch.manual_seed(0)
+    trainer.fit(Mod(), loader)
+    return out
+
+
+def deepspeed_checkpoints(out: Path, configs: list[str]) -> Path:
+    """Run DeepSpeed ZeRO on CPU (2 processes) for each config, e.g. ``z2-fp32``."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(HELPERS / "ds_train.py"), str(out), *configs],
+                   check=True, env=env, capture_output=True, timeout=900)
+    return out
+
+
+def megatron_legacy(out: Path, tp: int = 2, pp: int = 1, iteration: int = 500) -> Path:
+    """A Megatron-LM legacy iteration directory (torch.save in Megatron's key layout)."""
+    d = out / f"iter_{iteration:07d}"
+    args = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              num_layers=2, hidden_size=8, iteration=iteration)
+    for t in range(tp):
+        for p in range(pp):
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+            (d / name).mkdir(parents=True)
+            g = torch.Generator().manual_seed(t * 10 + p)
+            model = {"language_model": {"embedding": {"word_embeddings": {
+                "weight": torch.randn(16 // tp, 8, generator=g)}},
+                "encoder": {"layers.0.mlp.dense_h_to_4h.weight": torch.randn(32 // tp, 8,
+                                                                              generator=g)}}}
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                        "model": model, "optimizer": {"optimizer": {"state": {}, "param_groups":
+                                                                    [{"lr": 1e-4}]}},
+                        "rng_state": [{"random_rng_state": (3, (1, 2), None)}],
+                        "num_floating_point_operations_so_far": 12345},
+                       d / name / "model_optim_rng.pt")
+    (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return d
