@@ -1,0 +1,148 @@
+"""Shared pieces of the benchmarks: data generation, timing with peak RSS, reporting.
+
+Each benchmark runs ckpt and the peer a user would otherwise write side by side, in fresh
+processes (so import time counts, as it does for a user), and prints ratios. Data is generated
+once into ``$CKPT_BENCH_DIR`` (default ``bench/data``) and reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(os.environ.get("CKPT_BENCH_DIR", ROOT / "bench" / "data"))
+PY = sys.executable
+
+
+@dataclass
+class Run:
+    """One timed process."""
+
+    label: str
+    seconds: float
+    peak_rss: int  # bytes
+    stdout: str
+
+
+def timed(label: str, argv: list[str], *, env: dict[str, str] | None = None,
+          repeat: int = 1) -> Run:
+    """Run ``argv`` ``repeat`` times; the fastest wall time, with that run's own peak RSS."""
+    best: Run | None = None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, **(env or {})})
+        # Read output while waiting, then reap with wait4 to get this child's own rusage.
+        out = p.stdout.read() if p.stdout else b""
+        err = p.stderr.read() if p.stderr else b""
+        _, status, usage = os.wait4(p.pid, 0)
+        dt = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode:
+            raise SystemExit(f"{label} failed ({p.returncode}): {err.decode()[-2000:]}")
+        r = Run(label, dt, usage.ru_maxrss * 1024, out.decode())
+        if best is None or r.seconds < best.seconds:
+            best = r
+    assert best is not None
+    return best
+
+
+def warm(path: Path) -> None:
+    """Read a file or tree once so timings compare compute, not first-touch disk reads."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def report(title: str, rows: list[tuple[str, str]]) -> None:
+    """Print a small aligned table."""
+    print(f"\n== {title}")
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k.ljust(width)}  {v}")
+
+
+def ckpt_argv(*args: str) -> list[str]:
+    """``ckpt ARGS`` as a fresh process of this interpreter."""
+    return [PY, "-m", "ckpt_cli", *args]
+
+
+def big_training_state(n_layers: int = 12, dim: int = 1536, vocab: int = 32000,
+                       seed: int = 0) -> dict[str, object]:
+    """A GPT-like model (about 389M fp32 parameters at the defaults) plus AdamW state."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    model: dict[str, torch.Tensor] = {"embed.weight": torch.randn(vocab, dim, generator=g) * 0.02}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        model[p + "attn.qkv.weight"] = torch.randn(3 * dim, dim, generator=g) * 0.02
+        model[p + "attn.out.weight"] = torch.randn(dim, dim, generator=g) * 0.02
+        model[p + "mlp.fc1.weight"] = torch.randn(4 * dim, dim, generator=g) * 0.02
+        model[p + "mlp.fc2.weight"] = torch.randn(dim, 4 * dim, generator=g) * 0.02
+        model[p + "ln1.weight"] = torch.ones(dim)
+        model[p + "ln2.weight"] = torch.ones(dim)
+    model["norm.weight"] = torch.ones(dim)
+    state = {}
+    for i, (_name, t) in enumerate(model.items()):
+        state[i] = {"step": torch.tensor(1000.0), "exp_avg": torch.randn(t.shape, generator=g)
+                    * 1e-3, "exp_avg_sq": torch.rand(t.shape, generator=g) * 1e-6}
+    optimizer = {"state": state, "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95),
+                                                    "eps": 1e-8, "weight_decay": 0.1,
+                                                    "params": list(range(len(model)))}]}
+    return {"model": model, "optimizer": optimizer, "step": 1000, "epoch": 3, "lr": 3e-4}
+
+
+def in_subprocess(func: str, *args: object) -> None:
+    """Call ``bench.<module>.<func>(*args)`` in a fresh process.
+
+    Data is generated in child processes so this process stays small: on Linux a child's
+    peak-RSS figure includes the parent's resident memory at fork time.
+    """
+    module, name = func.rsplit(".", 1)
+    code = (f"import json, sys; from {module} import {name}; "
+            f"{name}(*json.loads(sys.argv[1]))")
+    subprocess.run([PY, "-c", code, json.dumps([str(a) if isinstance(a, Path) else a
+                                                 for a in args])], check=True, cwd=ROOT)
+
+
+def write_train_checkpoint(path: str, n_layers: int, dim: int) -> None:
+    """Write :func:`big_training_state` with torch.save (run via :func:`in_subprocess`)."""
+    import torch
+
+    tmp = Path(path).with_suffix(".tmp")
+    torch.save(big_training_state(n_layers=n_layers, dim=dim), tmp)
+    tmp.rename(path)
+
+
+def train_checkpoint(name: str = "train.pt", n_layers: int = 12, dim: int = 1536) -> Path:
+    """The ~4.7 GB torch training checkpoint (389M params + AdamW), made once and cached."""
+    path = DATA / (name if (n_layers, dim) == (12, 1536) else f"small-{name}")
+    if not path.exists():
+        DATA.mkdir(parents=True, exist_ok=True)
+        print(f"[bench] writing {path} ...", file=sys.stderr)
+        in_subprocess("bench._common.write_train_checkpoint", path, n_layers, dim)
+    return path
+
+
+def fresh_dir(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path

@@ -1,0 +1,133 @@
+"""Benchmark: ``ckpt inspect --json`` against the peer script a user would write.
+
+Peer: ``torch.load(path, mmap=True, weights_only=True, map_location="cpu")`` and a walk that
+counts parameters. Both run as fresh processes (import time included, as for a user).
+Also: inspect of a DCP directory and of a run directory at growing file counts (the cost per
+file must stay flat).
+
+Run: python -m bench.bench_inspect [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bench._common import (
+    DATA,
+    PY,
+    ckpt_argv,
+    human_bytes,
+    in_subprocess,
+    report,
+    timed,
+    train_checkpoint,
+    warm,
+)
+
+PEER = """
+import sys, torch
+sd = torch.load(sys.argv[1], mmap=True, weights_only=True, map_location="cpu")
+def count(o):
+    if isinstance(o, torch.Tensor):
+        return o.numel()
+    if isinstance(o, dict):
+        return sum(count(v) for v in o.values())
+    if isinstance(o, (list, tuple)):
+        return sum(count(v) for v in o)
+    return 0
+print(count(sd["model"]))
+"""
+
+
+def bench_big_file(quick: bool) -> None:
+    path = train_checkpoint(**({"n_layers": 2, "dim": 512} if quick else {}))
+    warm(path)
+    ours = timed("ckpt inspect --json", ckpt_argv("inspect", str(path), "--json"), repeat=3)
+    peer = timed("torch.load(mmap) + walk", [PY, "-c", PEER, str(path)], repeat=3)
+    ours_params = json.loads(ours.stdout)["num_parameters"]
+    peer_params = int(peer.stdout.strip())
+    report(f"inspect of a {human_bytes(path.stat().st_size)} torch training checkpoint", [
+        ("ckpt inspect --json", f"{ours.seconds:.3f} s, peak RSS {human_bytes(ours.peak_rss)}"),
+        ("peer torch.load(mmap)+walk", f"{peer.seconds:.3f} s, peak RSS "
+                                       f"{human_bytes(peer.peak_rss)}"),
+        ("speed-up (peer / ckpt)", f"{peer.seconds / ours.seconds:.1f}x  (target >= 8x)"),
+        ("parameters (ckpt / peer)", f"{ours_params:,} / {peer_params:,}  "
+                                     f"{'same' if ours_params == peer_params else 'DIFFERENT'}"),
+    ])
+
+
+def _dcp_dir(n_files: int) -> Path:
+    """A DCP checkpoint with ``n_files`` .distcp files (one file per item, as DCP writes with
+    single_file_per_rank=False)."""
+    out = DATA / f"dcp_{n_files}"
+    if not (out / ".metadata").exists():
+        in_subprocess("bench.bench_inspect.write_dcp", out, n_files)
+    return out
+
+
+def write_dcp(out: str, n_files: int) -> None:
+    """Write the DCP checkpoint of :func:`_dcp_dir` (in a child process)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    g = torch.Generator().manual_seed(0)
+    sd = {f"layers.{i}.weight": torch.randn(64, 64, generator=g) for i in range(n_files)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(sd, storage_writer=FileSystemWriter(out, single_file_per_rank=False),
+                 no_dist=True)
+
+
+def _run_dir(n: int) -> Path:
+    out = DATA / f"run_{n}"
+    if not (out / f"step_{n:06d}").exists():
+        in_subprocess("bench.bench_inspect.write_run", out, n)
+    return out
+
+
+def write_run(out_s: str, n: int) -> None:
+    """Write the run directory of :func:`_run_dir` (in a child process)."""
+    import torch
+
+    out = Path(out_s)
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(1, n + 1):
+        d = out / f"step_{i:06d}"
+        d.mkdir(exist_ok=True)
+        torch.save({"model": {"w": torch.randn(128, 128, generator=g)}, "step": i},
+                   d / "checkpoint.pt")
+
+
+def bench_scaling() -> None:
+    rows = []
+    for label, make, sizes in (("DCP files", _dcp_dir, (64, 128, 256)),
+                               ("run checkpoints", _run_dir, (25, 50, 100))):
+        per = []
+        for n in sizes:
+            d = make(n)
+            warm(d)
+            r = timed(f"inspect {n}", ckpt_argv("inspect", str(d), "--json"), repeat=3)
+            per.append(r.seconds)
+            rows.append((f"{label}: {n}", f"{r.seconds:.3f} s"))
+        # Subtract the fixed start-up cost (the smallest run's time scaled) to see growth.
+        growth = (per[-1] - per[0]) / (sizes[-1] - sizes[0]) * 1000
+        rows.append((f"{label}: marginal cost", f"{growth:.2f} ms per file "
+                     f"({per[-1] / per[0]:.2f}x time for {sizes[-1] / sizes[0]:.0f}x files)"))
+    report("inspect cost vs number of files (linear = constant marginal cost)", rows)
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    DATA.mkdir(parents=True, exist_ok=True)
+    bench_big_file(quick)
+    bench_scaling()
+
+
+if __name__ == "__main__":
+    main()

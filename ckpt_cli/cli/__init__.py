@@ -1,0 +1,1 @@
+"""The ``ckpt`` command line: typer wiring over :mod:`ckpt_cli.ops`."""

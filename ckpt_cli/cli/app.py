@@ -1,0 +1,50 @@
+"""The ``ckpt`` application: wires each command module to a subcommand."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckpt_cli import __version__
+from ckpt_cli.cli.inspect import inspect_cmd
+from ckpt_cli.cli.sample import sample_cmd
+
+app = typer.Typer(
+    name="ckpt",
+    help="Inspect, validate, diff, convert, consolidate and prune deep-learning checkpoints.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Inspect, validate, diff, convert, consolidate and prune deep-learning checkpoints."""
+
+
+app.command("inspect")(inspect_cmd)
+app.command("sample")(sample_cmd)
+
+
+def main() -> None:
+    """Console-script entry point (also ``python -m ckpt_cli``)."""
+    import signal
+
+    # SIGTERM (from cron, a scheduler or `kill`) unwinds like Ctrl-C, so writers clean up.
+    def _term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    app(prog_name="ckpt")

@@ -1,0 +1,18 @@
+"""Option types shared by the commands (one definition, same help everywhere)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout "
+                                                      "(stable schema, see docs/json-schema.md).")]
+InputFormatOpt = Annotated[str | None, typer.Option(
+    "--input-format", "-F", metavar="NAME",
+    help="Skip detection and read the input as this format: safetensors, hf-index, torch, dcp, "
+         "deepspeed, megatron or dir.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notes.")]
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n",
+                                         help="Show what would be done and stop.")]

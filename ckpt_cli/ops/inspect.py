@@ -1,0 +1,165 @@
+"""``inspect``: what is in a checkpoint file, shard set, checkpoint directory or run directory."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.formats import check_exists, read_index
+from ckpt_cli.formats.rundir import is_run_dir, list_run
+from ckpt_cli.model import CheckpointIndex, RunListing, TensorInfo
+
+
+@dataclass(slots=True)
+class TreeNode:
+    """A module prefix with the totals of the tensors below it.
+
+    Attributes:
+        name: This level's name component (the full prefix is the path from the root).
+        tensors: Number of tensors below.
+        parameters: Elements below.
+        bytes: Bytes below.
+        children: Sub-prefixes by name, in first-seen order.
+    """
+
+    name: str
+    tensors: int = 0
+    parameters: int = 0
+    bytes: int = 0
+    children: dict[str, TreeNode] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"name": self.name, "tensors": self.tensors, "parameters": self.parameters,
+                "bytes": self.bytes, "children": [c.to_dict() for c in self.children.values()]}
+
+
+@dataclass(slots=True)
+class InspectResult:
+    """What ``inspect`` found.
+
+    Attributes:
+        path: The path inspected.
+        kind: ``checkpoint`` or ``run``.
+        index: The checkpoint described (for a run directory: its latest complete one).
+        run: The run listing, for a run directory.
+        described: For a run directory, the name of the checkpoint ``index`` describes.
+        tensors: Selected tensors (``--tensors``), filtered and sorted.
+        tree: Module tree (``--tree``).
+        describe_error: Why the run's latest checkpoint could not be read, if it could not.
+    """
+
+    path: Path
+    kind: str
+    index: CheckpointIndex | None
+    run: RunListing | None = None
+    described: str | None = None
+    tensors: list[TensorInfo] | None = None
+    tree: TreeNode | None = None
+    describe_error: str | None = None
+
+
+def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
+            filter_glob: str | None = None, sort: str = "name", tree: bool = False,
+            depth: int = 3, pattern: str | None = None) -> InspectResult:
+    """Describe a checkpoint or a run directory, reading metadata only.
+
+    Args:
+        path: A checkpoint file or directory, or a run directory.
+        fmt: Force a format (skips run-directory detection).
+        tensors: Select tensors for a per-tensor listing.
+        filter_glob: Keep tensors whose name matches this glob (implies ``tensors``).
+        sort: ``name`` (file order), ``size`` (largest first) or ``name-alpha``.
+        tree: Build a module tree.
+        depth: Levels of the module tree.
+        pattern: For run directories, a regex overriding checkpoint-name recognition.
+
+    Returns:
+        The :class:`InspectResult`.
+
+    Raises:
+        CkptError: Missing path, unknown format, corrupt input.
+        UsageError: Bad ``sort`` or ``depth``.
+    """
+    p = Path(path)
+    check_exists(p)
+    if sort not in ("name", "size", "name-alpha"):
+        raise UsageError(f"--sort must be name or size, not {sort!r}")
+    if depth < 1:
+        raise UsageError("--depth must be at least 1")
+    if fmt is None and is_run_dir(p):
+        result = _inspect_run(p, pattern)
+    else:
+        result = InspectResult(p, "checkpoint", read_index(p, fmt))
+    if result.index is not None:
+        if tensors or filter_glob:
+            result.tensors = select_tensors(result.index, filter_glob, sort)
+        if tree:
+            result.tree = module_tree(result.index, depth, filter_glob)
+    return result
+
+
+def _inspect_run(p: Path, pattern: str | None) -> InspectResult:
+    run = list_run(p, pattern)
+    result = InspectResult(p, "run", None, run)
+    target = next((e for e in run.entries if e.name == run.latest and e.complete), None)
+    if target is None:
+        target = next((e for e in reversed(run.entries) if e.complete), None)
+    if target is not None:
+        result.described = target.name
+        try:
+            result.index = read_index(target.path)
+        except CkptError as e:
+            result.describe_error = str(e)
+    return result
+
+
+def select_tensors(index: CheckpointIndex, filter_glob: str | None,
+                   sort: str = "name") -> list[TensorInfo]:
+    """Tensors of ``index`` matching a glob, sorted.
+
+    Args:
+        index: The checkpoint.
+        filter_glob: Shell-style pattern on the tensor name (``*`` crosses dots), or None.
+        sort: ``name`` (file order), ``name-alpha`` or ``size`` (largest first).
+
+    Returns:
+        The selected tensors.
+    """
+    out = [t for t in index.tensors.values()
+           if filter_glob is None or fnmatch.fnmatchcase(t.name, filter_glob)]
+    if sort == "size":
+        out.sort(key=lambda t: (-t.nbytes, t.name))
+    elif sort == "name-alpha":
+        out.sort(key=lambda t: t.name)
+    return out
+
+
+def module_tree(index: CheckpointIndex, depth: int, filter_glob: str | None = None) -> TreeNode:
+    """Group tensors by dotted name prefix, up to ``depth`` levels.
+
+    Args:
+        index: The checkpoint.
+        depth: How many name components form the tree's levels.
+        filter_glob: Only tensors matching this glob.
+
+    Returns:
+        The root :class:`TreeNode` (its name is the checkpoint's name).
+    """
+    root = TreeNode(index.root.name)
+    for t in select_tensors(index, filter_glob):
+        parts = t.name.split(".")
+        node = root
+        node.tensors += 1
+        node.parameters += t.numel
+        node.bytes += t.nbytes
+        # Leaves (the last component) are not tree levels; they are what the counts count.
+        for part in parts[:-1][:depth]:
+            node = node.children.setdefault(part, TreeNode(part))
+            node.tensors += 1
+            node.parameters += t.numel
+            node.bytes += t.nbytes
+    return root

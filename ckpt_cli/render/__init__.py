@@ -1,0 +1,1 @@
+"""Rendering of command results: rich tables for people (``human``), orjson for machines."""

@@ -1,0 +1,203 @@
+"""Human output: rich tables and bars on stdout; warnings, hints and progress on stderr.
+
+Rich honours ``NO_COLOR`` and ``COLUMNS``; nothing here colours text that is not a terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import humanize
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from ckpt_cli.model import GROUPS, CheckpointIndex, Finding, RunListing, TensorInfo
+
+_SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
+
+
+def stdout() -> Console:
+    """Console for results."""
+    return Console(highlight=False, soft_wrap=False)
+
+
+def stderr() -> Console:
+    """Console for diagnostics and progress."""
+    return Console(stderr=True, highlight=False)
+
+
+def size(n: int | float | None) -> str:
+    """Bytes in decimal units (``14.2 MB``), as checkpoint tools and the HF hub use."""
+    if n is None:
+        return "-"
+    return humanize.naturalsize(n, binary=False, format="%.1f")
+
+
+def count(n: int | None) -> str:
+    """A large count, compact (``1.2M``, ``175.0B``)."""
+    if n is None:
+        return "-"
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+def bar(fraction: float, width: int = 24) -> Text:
+    """A horizontal bar of ``width`` cells filled to ``fraction`` (eighth-cell resolution)."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    eighths = round(fraction * width * 8)
+    full, part = divmod(eighths, 8)
+    text = "█" * full + (" ▏▎▍▌▋▊▉"[part] if part else "")
+    return Text(text.ljust(width), style="cyan")
+
+
+def shape(t: TensorInfo) -> str:
+    """A tensor's shape as ``[4096, 4096]``."""
+    return "[" + ", ".join(str(d) for d in t.shape) + "]"
+
+
+def print_findings(findings: Iterable[Finding], *, console: Console | None = None,
+                   min_severity: str = "warning") -> None:
+    """Print findings, one line each, to stderr (or ``console``).
+
+    Args:
+        findings: The findings.
+        console: Where to print (default stderr).
+        min_severity: ``info`` prints everything; ``warning`` skips notes; ``error`` only errors.
+    """
+    order = {"info": 0, "warning": 1, "error": 2}
+    con = console or stderr()
+    for f in findings:
+        if order[f.severity] < order[min_severity]:
+            continue
+        where = ":".join(x for x in (f.file, f.location) if x)
+        line = Text(f"{f.severity}: ", style=_SEVERITY_STYLE[f.severity])
+        line.append(f"{where}: " if where else "")
+        line.append(f.message)
+        con.print(line, soft_wrap=True)
+
+
+def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
+    """The key facts of a checkpoint as a two-column grid."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    fmt = index.format + (f" ({index.flavor})" if index.flavor and index.flavor != index.format
+                          else "")
+    grid.add_row("Format", fmt)
+    grid.add_row("Files", f"{len(index.files)} file{'s' if len(index.files) != 1 else ''}, "
+                 f"{size(index.file_bytes)} on disk")
+    grid.add_row("Tensors", f"{len(index.tensors):,}")
+    n = index.num_parameters
+    grid.add_row("Parameters", f"{n:,}" + (f" ({count(n)})" if n >= 1000 else ""))
+    meta = index.metadata
+    facts = [f"{k} {_fmt(meta[k])}" for k in ("step", "epoch", "lr") if k in meta]
+    if facts:
+        grid.add_row("Training", ", ".join(facts))
+    versions = [f"{k} {meta[k]}" for k in ("ds_version", "pytorch-lightning_version",
+                                            "checkpoint_version", "dcp_version") if k in meta]
+    if versions:
+        grid.add_row("Versions", ", ".join(versions))
+    dt = {k: v for k, v in index.params_by_dtype.items() if v}
+    total = sum(dt.values()) or 1
+    if dt:
+        grid.add_row("Dtypes", ", ".join(f"{k} {count(v)} ({100 * v / total:.0f}%)"
+                                          for k, v in sorted(dt.items(), key=lambda kv: -kv[1])))
+    lay = {k: v for k, v in index.layout.items() if v not in (None, [], {}) and k != "ranks"}
+    if lay:
+        grid.add_row("Layout", ", ".join(f"{k} {_fmt(v)}" for k, v in lay.items()))
+    return grid
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def group_table(index: CheckpointIndex) -> Table:
+    """Bytes per group with bars: model vs buffers vs optimizer vs the rest."""
+    groups = index.bytes_by_group
+    total = sum(groups.values()) or 1
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    table.add_column("Group")
+    table.add_column("Bytes", justify="right")
+    table.add_column("Share", justify="right")
+    table.add_column("")
+    for g in GROUPS:
+        n = groups.get(g, 0)
+        table.add_row(g, size(n), f"{100 * n / total:.0f}%", bar(n / total))
+    return table
+
+
+def files_table(index: CheckpointIndex, limit: int = 20) -> Table:
+    """The checkpoint's files (the largest ``limit``)."""
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    table.add_column("File")
+    table.add_column("Role")
+    table.add_column("Format")
+    table.add_column("Size", justify="right")
+    for f in sorted(index.files, key=lambda f: (-f.bytes, f.path))[:limit]:
+        table.add_row(f.path, f.role, f.format or "?", size(f.bytes))
+    if len(index.files) > limit:
+        rest = index.files[limit:]
+        table.add_row(f"... {len(rest)} more", "", "", "")
+    return table
+
+
+def tensors_table(tensors: list[TensorInfo]) -> Table:
+    """One row per tensor."""
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for col, just in (("Name", "left"), ("Dtype", "left"), ("Shape", "left"),
+                      ("Params", "right"), ("Bytes", "right"), ("Group", "left")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for t in tensors:
+        table.add_row(t.name, t.dtype, shape(t), f"{t.numel:,}", size(t.nbytes), t.group)
+    return table
+
+
+def module_tree(node: Any) -> Tree:
+    """A rich tree of module prefixes with tensor counts, parameters and bytes."""
+    def label(n: Any) -> Text:
+        t = Text(n.name, style="bold")
+        t.append(f"  {n.tensors} tensors, {count(n.parameters)} params, {size(n.bytes)}",
+                 style="dim")
+        return t
+
+    tree = Tree(label(node))
+    stack = [(node, tree)]
+    while stack:
+        n, branch = stack.pop()
+        stack.extend((child, branch.add(label(child))) for child in n.children.values())
+    return tree
+
+
+def run_table(run: RunListing) -> Table:
+    """A run directory's checkpoints, oldest first."""
+    import datetime as _dt
+
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for col, just in (("Checkpoint", "left"), ("Step", "right"), ("Modified", "left"),
+                      ("Size", "right"), ("Files", "right"), ("Format", "left"),
+                      ("Status", "left")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for e in run.entries:
+        when = _dt.datetime.fromtimestamp(e.mtime).strftime("%Y-%m-%d %H:%M") if e.mtime else "-"
+        status = Text("complete", style="green") if e.complete else Text(
+            f"incomplete: {e.reason}", style="red")
+        if e.latest:
+            status.append(", latest", style="bold")
+        table.add_row(e.name, "-" if e.step is None else f"{e.step:,}", when, size(e.bytes),
+                      f"{e.files:,}", e.format or "?", status)
+    return table
+
+
+def is_tty() -> bool:
+    """Whether stderr is a terminal (for progress bars)."""
+    return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"

@@ -1,0 +1,88 @@
+"""Machine output: one JSON document on stdout, keys sorted, ``schema_version`` first-class.
+
+Every command's document carries ``schema_version`` (bumped only for breaking changes) and
+``command``. The per-command layouts are documented in ``docs/json-schema.md``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ckpt_cli.model import CheckpointIndex, RunEntry, RunListing, TensorInfo
+
+SCHEMA_VERSION = 1
+
+
+def dumps(doc: dict[str, Any]) -> bytes:
+    """Serialize a document (sorted keys, two-space indent, trailing newline)."""
+    return orjson.dumps(doc, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2
+                        | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS,
+                        default=_default) + b"\n"
+
+
+def emit(command: str, doc: dict[str, Any]) -> None:
+    """Write a command's JSON document to stdout.
+
+    Args:
+        command: The command name, stored as ``command``.
+        doc: The document body.
+    """
+    body = {"schema_version": SCHEMA_VERSION, "command": command, **doc}
+    sys.stdout.buffer.write(dumps(body))
+    sys.stdout.flush()
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    return repr(obj)
+
+
+def tensor_dict(t: TensorInfo) -> dict[str, Any]:
+    """A tensor's JSON form."""
+    return {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+            "parameters": t.numel, "group": t.group, "file": t.file, "offset": t.offset,
+            "chunks": len(t.chunks) if t.chunks else None,
+            "contiguous": t.stride is None, "kind": t.kind}
+
+
+def index_summary(index: CheckpointIndex) -> dict[str, Any]:
+    """The summary keys every checkpoint description shares (inspect, validate, diff)."""
+    return {
+        "format": index.format,
+        "flavor": index.flavor,
+        "files": [{"path": f.path, "bytes": f.bytes, "role": f.role, "format": f.format}
+                  for f in index.files],
+        "num_files": len(index.files),
+        "file_bytes": index.file_bytes,
+        "num_tensors": len(index.tensors),
+        "num_parameters": index.num_parameters,
+        "total_bytes": index.total_bytes,
+        "bytes_by_group": index.bytes_by_group,
+        "params_by_dtype": index.params_by_dtype,
+        "bytes_by_dtype": index.bytes_by_dtype,
+        "metadata": index.metadata,
+        "layout": index.layout,
+        "warnings": [f.to_dict() for f in index.findings],
+    }
+
+
+def run_entry_dict(e: RunEntry) -> dict[str, Any]:
+    """A run directory entry's JSON form."""
+    return {"name": e.name, "path": str(e.path), "step": e.step, "step_source": e.step_source,
+            "format": e.format, "bytes": e.bytes, "files": e.files, "mtime": e.mtime,
+            "complete": e.complete, "reason": e.reason, "latest": e.latest,
+            "metrics": e.metrics}
+
+
+def run_dict(run: RunListing) -> dict[str, Any]:
+    """A run listing's JSON form."""
+    return {"checkpoints": [run_entry_dict(e) for e in run.entries], "latest": run.latest,
+            "pointers": run.pointers, "leftovers": run.leftovers,
+            "run_warnings": [f.to_dict() for f in run.findings]}

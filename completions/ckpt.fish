@@ -1,0 +1,1 @@
+complete --command ckpt --no-files --arguments "(env _CKPT_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) ckpt)" --condition "env _CKPT_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) ckpt"

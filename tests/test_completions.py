@@ -1,0 +1,34 @@
+"""completions/ckpt.{bash,zsh,fish} are what the CLI generates today."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMPLETIONS = Path(__file__).parent.parent / "completions"
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_completion_scripts_are_current(shell: str) -> None:
+    env = {**os.environ, "_CKPT_COMPLETE": f"source_{shell}"}
+    code = "from ckpt_cli.cli.app import main; main()"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout, r.stderr
+    expected = (COMPLETIONS / f"ckpt.{shell}").read_text()
+    assert r.stdout.replace(sys.executable, "ckpt") == expected.replace(sys.executable, "ckpt"), (
+        f"completions/ckpt.{shell} is stale: regenerate with "
+        f"_CKPT_COMPLETE=source_{shell} ckpt > completions/ckpt.{shell}")
+
+
+def test_completion_answers_subcommands() -> None:
+    env = {**os.environ, "_CKPT_COMPLETE": "complete_bash", "COMP_WORDS": "ckpt ins",
+           "COMP_CWORD": "1"}
+    code = "from ckpt_cli.cli.app import main; main()"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert "inspect" in r.stdout.split()

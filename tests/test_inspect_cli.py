@@ -1,0 +1,182 @@
+"""``ckpt inspect`` end to end: human output, the JSON schema, errors and start-up cost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.conftest import run_cli
+from tests.helpers.makers import tiny_state_dict, training_checkpoint
+
+GOLDEN = Path(__file__).parent / "golden"
+REQUIRED_KEYS = {"schema_version", "command", "format", "files", "num_tensors", "num_parameters",
+                 "total_bytes", "bytes_by_group", "metadata", "warnings"}
+
+
+def _json(*args: str | Path) -> dict:  # type: ignore[type-arg]
+    r = run_cli("inspect", *args, "--json")
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout)  # type: ignore[no-any-return]
+
+
+def test_human_summary_of_a_training_checkpoint(tmp_path: Path) -> None:
+    torch.save(training_checkpoint(), tmp_path / "train.pt")
+    r = run_cli("inspect", tmp_path / "train.pt")
+    assert r.exit_code == 0, r.stderr
+    out = r.stdout
+    assert "torch" in out and "step 100, epoch 2, lr 0.001" in out
+    assert "optimizer" in out and "model" in out and "Parameters" in out
+    assert r.stderr == ""
+
+
+def test_json_schema_of_a_file(tmp_path: Path) -> None:
+    ck = training_checkpoint()
+    torch.save(ck, tmp_path / "train.pt")
+    doc = _json(tmp_path / "train.pt")
+    assert REQUIRED_KEYS <= set(doc)
+    assert doc["schema_version"] == 1 and doc["command"] == "inspect"
+    assert doc["kind"] == "checkpoint"
+    assert doc["num_parameters"] == sum(v.numel() for v in ck["model"].values())
+    assert set(doc["bytes_by_group"]) == {"model", "buffer", "optimizer", "other"}
+    assert doc["metadata"]["step"] == 100
+    assert doc["files"] == [{"path": "train.pt", "bytes": (tmp_path / "train.pt").stat().st_size,
+                             "role": "weights", "format": "torch"}]
+    assert "tensors" not in doc
+
+
+def test_tensors_filter_and_sort(tmp_path: Path) -> None:
+    save_file(tiny_state_dict(), str(tmp_path / "m.safetensors"))
+    doc = _json(tmp_path / "m.safetensors", "--filter", "layers.*.weight", "--sort", "size")
+    names = [t["name"] for t in doc["tensors"]]
+    assert names == ["layers.0.mlp.fc.weight", "layers.0.attn.q_proj.weight",
+                     "layers.0.norm.weight"]
+    assert set(doc["tensors"][0]) >= {"name", "dtype", "shape", "bytes", "group"}
+    r = run_cli("inspect", tmp_path / "m.safetensors", "--tensors")
+    assert "layers.0.norm.running_mean" in r.stdout and "buffer" in r.stdout
+
+
+def test_tree(tmp_path: Path) -> None:
+    save_file(tiny_state_dict(), str(tmp_path / "m.safetensors"))
+    doc = _json(tmp_path / "m.safetensors", "--tree", "--depth", "2")
+    layers = next(c for c in doc["tree"]["children"] if c["name"] == "layers")
+    assert layers["tensors"] == 6
+    assert [c["name"] for c in layers["children"]] == ["0"]
+    assert layers["children"][0]["children"] == []  # depth 2 stops below layers.0
+    r = run_cli("inspect", tmp_path / "m.safetensors", "--tree")
+    assert "attn" in r.stdout and "mlp" in r.stdout
+
+
+def test_run_directory(sample_run: Path) -> None:
+    doc = _json(sample_run)
+    assert doc["kind"] == "run"
+    steps = [c["step"] for c in doc["checkpoints"]]
+    assert steps == [100, 200, 300, 400]
+    keys = {"path", "step", "format", "bytes", "complete"}
+    assert all(set(c) >= keys for c in doc["checkpoints"])
+    assert doc["latest"] == "step_000400" and doc["described"] == "step_000400"
+    assert doc["format"] == "dcp" and doc["metadata"]["step"] == 400
+    r = run_cli("inspect", sample_run)
+    assert "step_000300" in r.stdout and "complete, latest" in r.stdout
+
+
+def test_hf_export_and_dcp_of_the_sample(sample_run: Path) -> None:
+    doc = _json(sample_run / "export")
+    assert doc["format"] == "hf-index" and doc["warnings"] == []
+    dcp = _json(sample_run / "step_000400")
+    assert dcp["layout"]["world_size"] == 4
+    # The export drops the tied lm_head, so it has one tensor (and 32K params) less.
+    assert dcp["num_parameters"] > doc["num_parameters"]
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b"", "empty file"),
+    (b"\x00" * 100, "unrecognised file"),
+    (b"PK\x03\x04 this is not a zip", "no zip central directory"),
+    (b"not a checkpoint at all", "unrecognised file"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, content: bytes, fragment: str) -> None:
+    p = tmp_path / "bad.pt"
+    p.write_bytes(content)
+    r = run_cli("inspect", p)
+    assert r.exit_code == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert str(p) in lines[0] and fragment in lines[0]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_missing_and_truncated(tmp_path: Path) -> None:
+    r = run_cli("inspect", tmp_path / "nope.safetensors")
+    assert r.exit_code == 2 and "no such file or directory" in r.stderr
+    p = tmp_path / "t.pt"
+    torch.save(training_checkpoint(), p)
+    p.write_bytes(p.read_bytes()[:-100])
+    r = run_cli("inspect", p)
+    assert r.exit_code == 2 and "truncated" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_empty_directory_and_unknown_format_option(tmp_path: Path) -> None:
+    r = run_cli("inspect", tmp_path)
+    assert r.exit_code == 2 and "unrecognised directory" in r.stderr
+    save_file(tiny_state_dict(), str(tmp_path / "m.safetensors"))
+    r = run_cli("inspect", tmp_path / "m.safetensors", "--input-format", "nope")
+    assert r.exit_code == 2 and "unknown format 'nope'" in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_file(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    save_file(tiny_state_dict(), str(p))
+    p.chmod(0)
+    r = run_cli("inspect", p)
+    assert r.exit_code == 2 and "Permission denied" in r.stderr
+
+
+def _imports_torch(*argv: str) -> tuple[bool, str]:
+    code = ("import sys, runpy\nsys.argv = ['ckpt', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('ckpt_cli', run_name='__main__')\n"
+            "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+            "sys.stderr.write('\\nTORCH=%s EXIT=%s' % ('torch' in sys.modules, code))")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                       timeout=60)
+    tail = r.stderr.strip().splitlines()[-1]
+    return "TORCH=True" in tail, tail
+
+
+def test_help_and_inspect_do_not_import_torch(tmp_path: Path) -> None:
+    save_file(tiny_state_dict(), str(tmp_path / "m.safetensors"))
+    torch.save(training_checkpoint(), tmp_path / "t.pt")
+    for argv in (["--help"], ["inspect", str(tmp_path / "m.safetensors")],
+                 ["inspect", str(tmp_path / "t.pt"), "--json"]):
+        imported, tail = _imports_torch(*argv)
+        assert not imported, (argv, tail)
+        assert "EXIT=0" in tail, (argv, tail)
+
+
+def test_python_dash_m(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "ckpt_cli", "--version"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("ckpt ")
+
+
+def test_golden_json(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The JSON schema is a contract: a byte-exact safetensors file gives byte-exact JSON."""
+    path = tmp_path / "golden.safetensors"
+    save_file(tiny_state_dict(), str(path), metadata={"format": "pt", "step": "3"})
+    r = run_cli("inspect", path, "--json", "--tensors", "--tree")
+    assert r.exit_code == 0
+    doc = json.loads(r.stdout)
+    doc["path"] = "golden.safetensors"
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    golden = GOLDEN / "inspect_safetensors.json"
+    if request.config.getoption("--update-golden"):
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text()
