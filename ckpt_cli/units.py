@@ -1,0 +1,130 @@
+"""Parsing of the quantities users type: sizes, counts, durations and rates.
+
+Sizes use decimal units like the HF hub (``5GB`` = 5e9 bytes); binary units are spelled
+``GiB``. Counts take ``K M B T`` suffixes (``175B`` parameters). Durations accept ``90s``,
+``30m``, ``4h``, ``7d``, ``2w``, ``5y`` and combinations such as ``1h30m``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ckpt_cli.errors import UsageError
+
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9, "T": 1e12, "TB": 1e12,
+    "P": 1e15, "PB": 1e15,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50,
+}
+_COUNT_UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_DURATION_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400,
+                   "w": 7 * 86400, "y": 365 * 86400}
+_NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+
+
+def _number_and_unit(text: str, what: str) -> tuple[float, str]:
+    m = re.fullmatch(rf"\s*{_NUMBER}\s*(?P<unit>[A-Za-z]*)\s*", text)
+    if not m:
+        raise UsageError(f"cannot parse {what} {text!r}")
+    value = float(m.group("num"))
+    if not math.isfinite(value):
+        raise UsageError(f"{what} {text!r} is not a finite number")
+    return value, m.group("unit")
+
+
+def parse_size(text: str, *, what: str = "size", allow_zero: bool = False) -> int:
+    """Parse a byte size such as ``5GB``, ``500MiB``, ``1.5TB`` or ``1000000``.
+
+    Args:
+        text: The size as typed.
+        what: What it is, for the error message (e.g. ``--max-shard-size``).
+        allow_zero: Accept 0.
+
+    Returns:
+        Bytes, rounded down.
+
+    Raises:
+        UsageError: Unparseable, unknown unit, negative or (unless allowed) zero.
+    """
+    value, unit = _number_and_unit(text, what)
+    factor = _SIZE_UNITS.get(unit.upper())
+    if factor is None:
+        raise UsageError(f"{what} {text!r}: unknown unit {unit!r} (use B, KB, MB, GB, TB, "
+                         "or KiB, MiB, GiB, TiB)")
+    out = int(value * factor)
+    if out < 0 or (out == 0 and not allow_zero):
+        raise UsageError(f"{what} must be positive, not {text!r}")
+    return out
+
+
+def parse_count(text: str, *, what: str = "count") -> int:
+    """Parse a count such as ``175B``, ``7.5M``, ``380M`` or ``1200``.
+
+    Args:
+        text: The count as typed.
+        what: What it is, for the error message.
+
+    Returns:
+        The count, rounded to the nearest integer.
+
+    Raises:
+        UsageError: Unparseable, unknown suffix, zero or negative.
+    """
+    value, unit = _number_and_unit(text, what)
+    factor = _COUNT_UNITS.get(unit.upper())
+    if factor is None:
+        raise UsageError(f"{what} {text!r}: unknown suffix {unit!r} (use K, M, B or T)")
+    out = round(value * factor)
+    if out <= 0:
+        raise UsageError(f"{what} must be positive, not {text!r}")
+    return out
+
+
+def parse_duration(text: str, *, what: str = "duration") -> float:
+    """Parse a duration such as ``30m``, ``4h``, ``7d``, ``5y``, ``1h30m`` or ``90`` (seconds).
+
+    Args:
+        text: The duration as typed.
+        what: What it is, for the error message.
+
+    Returns:
+        Seconds.
+
+    Raises:
+        UsageError: Unparseable, unknown unit, zero or negative.
+    """
+    s = text.strip()
+    if re.fullmatch(_NUMBER, s):
+        total = float(s)
+    else:
+        parts = re.findall(rf"{_NUMBER}\s*(?P<unit>[A-Za-z]+)", s)
+        if not parts or re.sub(rf"{_NUMBER}\s*[A-Za-z]+|\s+", "", s):
+            raise UsageError(f"cannot parse {what} {text!r} (e.g. 90s, 30m, 4h, 7d, 1h30m)")
+        total = 0.0
+        for num, unit in parts:
+            factor = _DURATION_UNITS.get(unit.lower())
+            if factor is None:
+                raise UsageError(f"{what} {text!r}: unknown unit {unit!r} (use s, m, h, d, w, y)")
+            total += float(num) * factor
+    if not math.isfinite(total) or total <= 0:
+        raise UsageError(f"{what} must be positive, not {text!r}")
+    return total
+
+
+def parse_rate(text: str, *, what: str = "bandwidth") -> float:
+    """Parse a data rate such as ``10GB/s`` or ``800MB/s`` (``/s`` optional).
+
+    Args:
+        text: The rate as typed.
+        what: What it is, for the error message.
+
+    Returns:
+        Bytes per second.
+
+    Raises:
+        UsageError: Unparseable or not positive.
+    """
+    base = re.sub(r"\s*/\s*s(ec)?\s*$", "", text.strip(), flags=re.IGNORECASE)
+    return float(parse_size(base, what=what))
