@@ -159,6 +159,8 @@ class CheckpointIndex:
         layout: Shard layout: ``world_size``, ``zero_stage``, ``tp``, ``pp``, ``ranks`` ...
         findings: Problems and notes found while reading.
         flavor: A more specific producer, e.g. ``lightning``, ``hf-trainer``, ``deepspeed``.
+        containers: Top-level keys of the pickled tree that hold nested tensors (``model``,
+            ``optimizer``, ``state_dict``...), as name prefixes with their group.
     """
 
     format: str
@@ -171,6 +173,7 @@ class CheckpointIndex:
     layout: dict[str, Any] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     flavor: str | None = None
+    containers: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:

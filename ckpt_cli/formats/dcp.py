@@ -125,6 +125,8 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         if m:
             ranks.add(int(m.group(1)))
     storage = _storage_map(fields.get("storage_data"), path, meta_path)
+    raw_planner = fields.get("planner_data")
+    planner: dict[str, Any] = raw_planner if isinstance(raw_planner, dict) else {}
     referenced: set[str] = set()
     bytes_items: list[tuple[str, str, int, int]] = []
     for fqn, md in fields["state_dict_metadata"].items():
@@ -142,6 +144,10 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
             continue
         info = _tensor(name, md.fields(), storage, index, meta_path.name)
         index.tensors[name] = info
+        tree_path = planner.get(name)
+        if isinstance(tree_path, tuple) and len(tree_path) > 1:
+            index.containers.setdefault(f"{tree_path[0]}.", "model" if info.group == "buffer"
+                                        else info.group)
         referenced.update(c.file for c in info.chunks)
     for rel in sorted(referenced):
         if rel not in sizes:

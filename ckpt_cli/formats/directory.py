@@ -200,6 +200,7 @@ def merge(dst: CheckpointIndex, src: CheckpointIndex, *, name_prefix: str,
             storage=storage, chunks=chunks)
     dst.files.extend(dataclasses.replace(f, path=path_prefix + f.path) for f in src.files)
     dst.objects.update({name_prefix + k: v for k, v in src.objects.items()})
+    dst.containers.update({name_prefix + k: v for k, v in src.containers.items()})
     for k, v in src.metadata.items():
         dst.metadata.setdefault(k, v)
     dst.findings.extend(dataclasses.replace(f, file=path_prefix + f.file if f.file else None)

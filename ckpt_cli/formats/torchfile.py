@@ -350,6 +350,9 @@ def add_tree(index: CheckpointIndex, result: PickleResult,
         name = prefix + ".".join(path)
         if isinstance(leaf, TensorRecord):
             info = _tensor_info(index, name, path, leaf, storages, rel, default)
+            if len(path) > 1:
+                index.containers.setdefault(prefix + path[0] + ".", info.group if info.group
+                                            != "buffer" else "model")
             if info.name in index.tensors:
                 info = _rename(info, index)
             index.tensors[info.name] = info

@@ -1,0 +1,66 @@
+"""Benchmark: ``ckpt convert train.pt --to fp16 -o out/`` against the peer and the floor.
+
+Input: the ~4.7 GB torch training checkpoint (389M fp32 parameters + AdamW state).
+- ckpt: streams model tensors, casts, writes safetensors, fsyncs, renames into place.
+- peer (what a user writes): torch.load(mmap=True, weights_only=True), .half() every model
+  tensor, safetensors.torch.save_file. It does not fsync.
+- floor: read the model tensors' bytes once and write the output's bytes once (dd of the same
+  volumes, the write fsynced like ckpt's).
+
+Run: python -m bench.bench_convert [--quick]
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+from bench._common import DATA, PY, ckpt_argv, human_bytes, report, timed, train_checkpoint, warm
+
+PEER = """
+import sys, torch
+from safetensors.torch import save_file
+sd = torch.load(sys.argv[1], mmap=True, weights_only=True, map_location="cpu")
+out = {k: v.half().contiguous() for k, v in sd["model"].items()}
+save_file(out, sys.argv[2], metadata={"format": "pt"})
+"""
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    src = train_checkpoint(**({"n_layers": 2, "dim": 512} if quick else {}))
+    warm(src)
+    out_dir = DATA / "convert-out"
+    peer_out = DATA / "convert-peer.safetensors"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    ours = timed("ckpt", ckpt_argv("convert", str(src), "--to", "fp16", "-o", str(out_dir),
+                                   "--quiet", "--force"), repeat=3)
+    peer_out.unlink(missing_ok=True)
+    peer = timed("peer", [PY, "-c", PEER, str(src), str(peer_out)], repeat=3)
+    out_bytes = sum(p.stat().st_size for p in out_dir.iterdir())
+    import json
+
+    summary = json.loads(timed("inspect", ckpt_argv("inspect", str(src), "--json")).stdout)
+    model_bytes = summary["bytes_by_group"]["model"] + summary["bytes_by_group"]["buffer"]
+    mb = 1 << 20
+    floor_script = (f"dd if={src} of=/dev/null bs=1M count={model_bytes // mb} status=none && "
+                    f"dd if=/dev/zero of={DATA / 'floor.bin'} bs=1M count={out_bytes // mb} "
+                    "conv=fsync status=none")
+    floor = timed("floor", ["sh", "-c", floor_script], repeat=3)
+    (DATA / "floor.bin").unlink(missing_ok=True)
+    report(f"convert --to fp16 of a {human_bytes(src.stat().st_size)} training checkpoint "
+           f"({human_bytes(model_bytes)} of model tensors -> {human_bytes(out_bytes)})", [
+        ("ckpt convert", f"{ours.seconds:.2f} s, peak RSS {human_bytes(ours.peak_rss)}"),
+        ("peer torch.load+half+save_file", f"{peer.seconds:.2f} s, peak RSS "
+                                           f"{human_bytes(peer.peak_rss)}"),
+        ("floor (dd read + dd write, fsync)", f"{floor.seconds:.2f} s"),
+        ("speed-up vs peer", f"{peer.seconds / ours.seconds:.2f}x  (target >= 1.5x)"),
+        ("peak RSS vs peer", f"{100 * ours.peak_rss / peer.peak_rss:.0f}%  (target <= 25%)"),
+        ("time vs floor", f"{ours.seconds / floor.seconds:.2f}x  (target <= 1.5x)"),
+    ])
+    shutil.rmtree(out_dir, ignore_errors=True)
+    peer_out.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""``ckpt convert``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ckpt_cli.cli.errors import handled
+from ckpt_cli.cli.options import InputFormatOpt, JsonOpt, QuietOpt
+
+
+def convert_cmd(
+    source: Annotated[Path, typer.Argument(help="Checkpoint to convert (file or directory).",
+                                           show_default=False)],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Output: a .safetensors/.pt/.bin file, or a directory for "
+                               "model.safetensors or HF-style shards.", show_default=False)],
+    to: Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
+                                    help="Cast floating-point model tensors.")] = "keep",
+    fmt: Annotated[str, typer.Option("--format", "-f", metavar="safetensors|pt",
+                                     help="Output file format.")] = "safetensors",
+    max_shard_size: Annotated[str | None, typer.Option(
+        "--max-shard-size", metavar="SIZE", help="Split into HF-style shards of at most SIZE "
+                                                 "(e.g. 5GB) with an index.")] = None,
+    keep_optimizer: Annotated[bool, typer.Option(
+        "--keep-optimizer", help="Keep every tensor, optimizer state included, under its "
+                                 "original name: a pure format change.")] = False,
+    keep_prefix: Annotated[bool, typer.Option(
+        "--keep-prefix", help="Keep wrapper prefixes (module., _orig_mod.).")] = False,
+    keep_fp32: Annotated[list[str] | None, typer.Option(
+        "--keep-fp32", metavar="GLOB", help="Keep matching tensors in FP32, e.g. "
+                                            "'*norm*' (repeatable).")] = None,
+    clamp: Annotated[bool, typer.Option(
+        "--clamp", help="Clamp values beyond FP16's range to ±65504 instead of "
+                        "refusing.")] = False,
+    container: Annotated[str | None, typer.Option(
+        "--container", metavar="NAME", help="Which top-level container holds the weights "
+                                            "when there are several (model, ema...).")] = None,
+    force: Annotated[bool, typer.Option("--force", "--overwrite",
+                                        help="Replace an existing output.")] = False,
+    input_format: InputFormatOpt = None,
+    quiet: QuietOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Convert a checkpoint: training -> inference, FP32 -> FP16/BF16, torch -> safetensors.
+
+    Keeps the model weights and buffers (found inside model/state_dict/module containers,
+    wrapper prefixes stripped), drops optimizer state, schedulers and RNG state, casts, and
+    writes safetensors (or a torch zip). Streams one tensor at a time; the output appears
+    only when complete, and an existing one is replaced only with --force.
+
+    Examples:
+      ckpt convert run/step_9000 --to fp16 -o model/
+      ckpt convert train.ckpt --to bf16 -o model.safetensors
+      ckpt convert dcp_dir/ --max-shard-size 5GB -o export/
+      ckpt convert model.bin --keep-fp32 '*norm*' --to fp16 -o model.safetensors
+    """
+    with handled():
+        from ckpt_cli.cli.progress import byte_progress
+        from ckpt_cli.ops.convert import convert
+        from ckpt_cli.units import parse_size
+
+        shard = parse_size(max_shard_size, what="--max-shard-size") if max_shard_size else None
+        with byte_progress("converting", enabled=not (quiet or json)) as (start, advance):
+            result = convert(source, output, to=to, fmt=fmt, max_shard_size=shard,
+                             keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
+                             keep_fp32=tuple(keep_fp32 or ()), clamp=clamp, overwrite=force,
+                             container=container, input_format=input_format,
+                             on_progress=advance, on_start=start)
+        if json:
+            _emit_json(result)
+        else:
+            _render(result, quiet)
+
+
+def _emit_json(r: Any) -> None:
+    from ckpt_cli.render import json as rj
+
+    rj.emit("convert", {
+        "source": str(r.source), "source_format": r.source_format, "output": str(r.output),
+        "files": [{"path": n, "bytes": b} for n, b in r.write.files],
+        "index_file": r.write.index_file,
+        "num_tensors": len(r.tensors), "tensor_bytes": r.write.tensor_bytes,
+        "tensors": [{"name": n, "dtype": d, "shape": list(s)} for n, (d, s) in r.tensors.items()],
+        "renamed": r.renamed, "dropped": r.dropped, "casts": r.casts, "aliases": r.aliases,
+        "overflow": r.overflow, "clamped": r.clamped,
+        "metadata": r.metadata, "notes": r.notes, "seconds": round(r.seconds, 3)})
+
+
+def _render(r: Any, quiet: bool) -> None:
+    from ckpt_cli.render import human
+
+    out = human.stdout()
+    files = len(r.write.files)
+    out.print(f"Wrote {r.output}: {len(r.tensors):,} tensors, {human.size(r.write.tensor_bytes)} "
+              f"in {files} file{'s' if files != 1 else ''} ({r.seconds:.1f} s)")
+    if r.casts:
+        out.print("Cast: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.casts.items())))
+    dropped = {g: n for g, n in r.dropped.items() if n}
+    if dropped:
+        out.print("Dropped: " + ", ".join(f"{g} {n}" for g, n in sorted(dropped.items())))
+    if r.renamed:
+        out.print("Names: " + "; ".join(r.renamed))
+    if r.aliases:
+        out.print("Tied (written once): " + ", ".join(f"{a} -> {k}" for a, k in
+                                                     sorted(r.aliases.items())))
+    if not quiet:
+        err = human.stderr()
+        for note in r.notes:
+            err.print(f"note: {note}", soft_wrap=True)

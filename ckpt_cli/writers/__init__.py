@@ -1,0 +1,285 @@
+"""Writing checkpoints: safetensors or torch zip, single file or HF-style shards + index.
+
+Shared by ``convert`` and ``consolidate``. The caller describes each output tensor and how to
+produce its values (:class:`OutTensor`); the writer plans shards (:func:`plan_shards`), builds
+everything under a temporary sibling (:mod:`ckpt_cli.atomic`), streams one tensor at a time
+while a background thread prepares the next one, and renames the result into place only when
+it is complete and fsynced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from ckpt_cli import dtypes
+from ckpt_cli.atomic import atomic_dir, atomic_file
+from ckpt_cli.errors import UsageError
+from ckpt_cli.planning import ShardPlan, plan_shards
+from ckpt_cli.writers.safetensors import header_bytes, write_all
+from ckpt_cli.writers.torchzip import TorchZipWriter
+
+if TYPE_CHECKING:
+    import numpy as np
+
+FORMATS = ("safetensors", "pt")
+FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+_NAMING = {"safetensors": ("model", ".safetensors"), "pt": ("pytorch_model", ".bin")}
+
+
+@dataclass(frozen=True, slots=True)
+class OutTensor:
+    """One tensor to write.
+
+    Attributes:
+        name: Its name in the output.
+        dtype: Output dtype code.
+        shape: Output shape.
+        load: Returns the values: a C-contiguous numpy array of ``dtype`` and ``shape``.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    load: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return dtypes.nbytes_of(self.dtype, n)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(slots=True)
+class WriteResult:
+    """What was written.
+
+    Attributes:
+        path: The output file or directory.
+        files: ``(name, bytes)`` of each file written (relative to ``path`` for a directory).
+        index_file: The index file's name, when sharded.
+        tensor_bytes: Bytes of tensor data written.
+        tensors: Number of tensors written.
+    """
+
+    path: Path
+    files: list[tuple[str, int]] = field(default_factory=list)
+    index_file: str | None = None
+    tensor_bytes: int = 0
+    tensors: int = 0
+
+
+def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "safetensors",
+                     max_shard_size: int | None = None, metadata: dict[str, str] | None = None,
+                     aliases: dict[str, str] | None = None, overwrite: bool = False,
+                     side_files: dict[str, bytes] | None = None,
+                     on_progress: Callable[[int], None] | None = None,
+                     before_commit: Callable[[], None] | None = None) -> WriteResult:
+    """Write tensors as one file or as HF-style shards with an index, atomically.
+
+    ``dest`` is a file when it ends in ``.safetensors``/``.pt``/``.pth``/``.bin`` (then the
+    output must fit one shard), otherwise a directory holding ``model.safetensors`` (or
+    ``pytorch_model.bin``) or shards ``model-0000i-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json``.
+
+    Args:
+        dest: Output file or directory.
+        tensors: The tensors, in output order.
+        fmt: ``safetensors`` or ``pt``.
+        max_shard_size: Largest shard in bytes (None: one file).
+        metadata: String metadata (safetensors ``__metadata__``; recorded in the index too).
+        aliases: ``{alias: name}`` for tied tensors written once. safetensors records them in
+            ``__metadata__`` (as ``safetensors.torch.save_model`` does); pt writes the alias
+            as a second key sharing the storage (as ``torch.save`` does).
+        overwrite: Replace an existing ``dest``.
+        side_files: Extra small files to put next to the weights (directory output only),
+            e.g. ``config.json``.
+        on_progress: Called with the number of bytes just written.
+        before_commit: Called when everything is written but not yet renamed into place; an
+            exception from it discards the output.
+
+    Returns:
+        The :class:`WriteResult`.
+
+    Raises:
+        UsageError: Bad format, or a single-file ``dest`` that the shard size would split.
+        DestinationExistsError: ``dest`` exists and ``overwrite`` is False.
+    """
+    if fmt not in FORMATS:
+        raise UsageError(f"--format must be safetensors or pt, not {fmt!r}")
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise UsageError("two output tensors have the same name")
+    stem, ext = _NAMING[fmt]
+    plan = plan_shards([t.nbytes for t in tensors], max_shard_size, stem=stem, ext=ext)
+    as_file = dest.suffix in FILE_SUFFIXES
+    if as_file and plan.sharded:
+        raise UsageError(f"{len(plan.files)} shards at this --max-shard-size; give -o a "
+                         f"directory, not the file name {dest.name!r}")
+    result = WriteResult(path=dest, tensors=len(tensors))
+    meta = dict(metadata or {})
+    if fmt == "safetensors":
+        meta.setdefault("format", "pt")  # transformers refuses safetensors files without it
+        meta.update(aliases or {})
+    if as_file:
+        with atomic_file(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
+            _write_shard(tmp, fmt, tensors, plan.members[0], meta, aliases, source, on_progress)
+            result.files.append((dest.name, tmp.stat().st_size))
+            if before_commit:
+                before_commit()
+    else:
+        with atomic_dir(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
+            for fname, members in zip(plan.files, plan.members, strict=True):
+                _write_shard(tmp / fname, fmt, tensors, members, meta, aliases, source,
+                             on_progress)
+                result.files.append((fname, (tmp / fname).stat().st_size))
+            if plan.sharded:
+                result.index_file = _write_index(tmp, fmt, tensors, plan, aliases, meta)
+                result.files.append((result.index_file, (tmp / result.index_file).stat().st_size))
+            for name, data in (side_files or {}).items():
+                (tmp / name).write_bytes(data)
+                result.files.append((name, len(data)))
+            if before_commit:
+                before_commit()
+    result.tensor_bytes = sum(t.nbytes for t in tensors)
+    return result
+
+
+def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tuple[int, ...],
+                 meta: dict[str, str], aliases: dict[str, str] | None, source: _Prefetch,
+                 on_progress: Callable[[int], None] | None) -> None:
+    entries = [(tensors[i].name, tensors[i].dtype, tensors[i].shape) for i in members]
+    with open(path, "wb", buffering=0) as f:
+        if fmt == "safetensors":
+            head, _ = header_bytes(entries, meta)
+            write_all(f, memoryview(head))
+            for i in members:
+                arr = source.get(i)
+                write_all(f, _bytes_of(arr, tensors[i]))
+                if on_progress:
+                    on_progress(tensors[i].nbytes)
+                del arr
+        else:
+            here = {e[0] for e in entries}
+            local = {a: n for a, n in (aliases or {}).items() if n in here}
+            zw = TorchZipWriter(f, entries, local)
+            for i in members:
+                arr = source.get(i)
+                data = _bytes_of(arr, tensors[i])
+                zw.write_tensor(data)
+                if on_progress:
+                    on_progress(tensors[i].nbytes)
+                del arr, data
+            zw.close()
+
+
+def _bytes_of(arr: np.ndarray, t: OutTensor) -> memoryview:
+    """The tensor's bytes as a flat memoryview, after checking dtype and shape."""
+    import numpy as np
+
+    # Sub-byte types (F4) travel as packed bytes whose shape differs from the logical one.
+    if arr.nbytes != t.nbytes or (tuple(arr.shape) != t.shape and t.dtype != "F4"):
+        raise ValueError(f"{t.name}: produced {arr.dtype}{list(arr.shape)}, expected "
+                         f"{t.dtype}{list(t.shape)}")
+    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return flat.data
+
+
+def _write_index(tmp: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
+                 aliases: dict[str, str] | None, meta: dict[str, str]) -> str:
+    stem, ext = _NAMING[fmt]
+    weight_map: dict[str, str] = {}
+    for fname, members in zip(plan.files, plan.members, strict=True):
+        for i in members:
+            weight_map[tensors[i].name] = fname
+    if fmt == "pt":  # a tied alias is a real key of the shard holding its target
+        for alias, target in (aliases or {}).items():
+            weight_map[alias] = weight_map[target]
+    index: dict[str, Any] = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors),
+                     "total_parameters": sum(t.numel for t in tensors),
+                     **{k: v for k, v in meta.items() if k.startswith("ckpt.")}},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    name = f"{stem}{ext}.index.json"
+    (tmp / name).write_bytes(orjson.dumps(index, option=orjson.OPT_INDENT_2) + b"\n")
+    return name
+
+
+class _Prefetch:
+    """Produces tensors in order on a background thread, one ahead of the writer.
+
+    Reading and casting the next tensor (numpy and file reads release the GIL) overlaps
+    with writing the current one; at most two tensors are in memory at a time besides the
+    one being produced.
+    """
+
+    def __init__(self, tensors: Sequence[OutTensor]):
+        self._tensors = tensors
+        self._q: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckpt-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for i, t in enumerate(self._tensors):
+            if self._stop.is_set():
+                return
+            try:
+                item: tuple[int, Any, BaseException | None] = (i, t.load(), None)
+            except BaseException as e:  # handed to the writer thread, which re-raises it
+                item = (i, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+
+    def get(self, i: int) -> np.ndarray:
+        """The values of tensor ``i`` (tensors must be asked for in order)."""
+        while True:
+            try:
+                j, arr, err = self._q.get(timeout=0.1)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._q.empty():
+                    raise RuntimeError("tensor producer stopped early") from None
+                continue
+            if err is not None:
+                raise err
+            if j != i:
+                raise RuntimeError(f"tensor {j} produced while {i} was expected")
+            return arr  # type: ignore[no-any-return]
+
+    def __enter__(self) -> _Prefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the producer and drop what it prepared."""
+        self._stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._q.get_nowait()
+        self._thread.join(timeout=5)
