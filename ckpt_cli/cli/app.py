@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from ckpt_cli import __version__
+from ckpt_cli.cli.consolidate import consolidate_cmd
 from ckpt_cli.cli.convert import convert_cmd
 from ckpt_cli.cli.inspect import inspect_cmd
 from ckpt_cli.cli.sample import sample_cmd
@@ -38,6 +39,7 @@ def _root(
 app.command("inspect")(inspect_cmd)
 app.command("sample")(sample_cmd)
 app.command("convert")(convert_cmd)
+app.command("consolidate")(consolidate_cmd)
 
 
 def main() -> None:

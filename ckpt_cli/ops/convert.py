@@ -172,7 +172,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         result = write_checkpoint(out, outs, fmt=fmt, max_shard_size=max_shard_size,
                                   metadata=meta, aliases=aliases, overwrite=overwrite,
                                   side_files=side, on_progress=on_progress,
-                                  before_commit=lambda: _check_overflow(stats, clamp))
+                                  before_commit=lambda _tmp: _check_overflow(stats, clamp))
     finally:
         source_reader.close()
     if clamp and stats.overflow:

@@ -91,7 +91,7 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
                      aliases: dict[str, str] | None = None, overwrite: bool = False,
                      side_files: dict[str, bytes] | None = None,
                      on_progress: Callable[[int], None] | None = None,
-                     before_commit: Callable[[], None] | None = None) -> WriteResult:
+                     before_commit: Callable[[Path], None] | None = None) -> WriteResult:
     """Write tensors as one file or as HF-style shards with an index, atomically.
 
     ``dest`` is a file when it ends in ``.safetensors``/``.pt``/``.pth``/``.bin`` (then the
@@ -112,8 +112,8 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
         side_files: Extra small files to put next to the weights (directory output only),
             e.g. ``config.json``.
         on_progress: Called with the number of bytes just written.
-        before_commit: Called when everything is written but not yet renamed into place; an
-            exception from it discards the output.
+        before_commit: Called with the temporary path when everything is written but not yet
+            renamed into place (to check or verify it); an exception discards the output.
 
     Returns:
         The :class:`WriteResult`.
@@ -143,7 +143,7 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
             _write_shard(tmp, fmt, tensors, plan.members[0], meta, aliases, source, on_progress)
             result.files.append((dest.name, tmp.stat().st_size))
             if before_commit:
-                before_commit()
+                before_commit(tmp)
     else:
         with atomic_dir(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
             for fname, members in zip(plan.files, plan.members, strict=True):
@@ -157,7 +157,7 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
                 (tmp / name).write_bytes(data)
                 result.files.append((name, len(data)))
             if before_commit:
-                before_commit()
+                before_commit(tmp)
     result.tensor_bytes = sum(t.nbytes for t in tensors)
     return result
 

@@ -1,0 +1,125 @@
+"""Benchmark: ``ckpt consolidate`` of DCP checkpoints against torch's ``dcp_to_torch_save``.
+
+1. A ~2.1 GB model saved by torch.distributed.checkpoint from 8 processes (gloo), every
+   tensor sharded across the 8 ranks (DTensor Shard(0)). ckpt consolidate (safetensors
+   output, model only) vs the peer ``dcp_to_torch_save`` (which materializes every tensor,
+   then torch.save). Targets: >= 2x faster, peak RSS <= 25% of the peer's.
+2. The same 256 MB of tensors stored as 1,024 files vs as 8 files (DCP's one-file-per-item
+   and one-file-per-writer-thread layouts): consolidate time must stay within 2x.
+
+Run: python -m bench.bench_consolidate
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+
+from bench._common import DATA, PY, ckpt_argv, human_bytes, in_subprocess, report, timed, warm
+
+RANKS = 8
+ROWS, COLS, TENSORS = 4096, 8192, 16  # 16 x 128 MiB fp32 = 2.1 GB
+
+
+def _worker(rank: int, out: str, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    mesh = init_device_mesh("cpu", (RANKS,))
+    g = torch.Generator().manual_seed(rank)
+    rows = ROWS // RANKS
+    sd = {f"layers.{i}.weight": DTensor.from_local(torch.randn(rows, COLS, generator=g), mesh,
+                                                   [Shard(0)]) for i in range(TENSORS)}
+    dcp.save({"model": sd}, checkpoint_id=out)
+    dist.destroy_process_group()
+
+
+def write_sharded(out: str) -> None:
+    """8 processes save the sharded model (run in a child process)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(out, port), nprocs=RANKS, join=True)
+
+
+def write_many_files(out: str, per_item: bool) -> None:
+    """256 MB in 1,024 tensors, as one file per item or as 8 writer files (child process)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    g = torch.Generator().manual_seed(0)
+    sd = {f"layers.{i}.weight": torch.randn(256, 256, generator=g) for i in range(1024)}
+    writer = (FileSystemWriter(out, single_file_per_rank=False) if per_item
+              else FileSystemWriter(out, thread_count=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": sd}, storage_writer=writer, no_dist=True)
+
+
+PEER = """
+import sys, warnings
+warnings.simplefilter("ignore")
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2])
+"""
+
+
+def main() -> None:
+    DATA.mkdir(parents=True, exist_ok=True)
+    src = DATA / "dcp8"
+    if not (src / ".metadata").exists():
+        print("[bench] writing the 8-rank DCP checkpoint ...", file=sys.stderr)
+        in_subprocess("bench.bench_consolidate.write_sharded", src)
+    warm(src)
+    ours_out, peer_out = DATA / "cons-out", DATA / "cons-peer.pt"
+    shutil.rmtree(ours_out, ignore_errors=True)
+    ours = timed("ckpt", ckpt_argv("consolidate", str(src), "-o", str(ours_out), "--quiet",
+                                   "--force"), repeat=3)
+    peer_out.unlink(missing_ok=True)
+    peer = timed("peer", [PY, "-c", PEER, str(src), str(peer_out)], repeat=2)
+    size = sum(p.stat().st_size for p in src.iterdir())
+    report(f"consolidate a {human_bytes(size)} DCP checkpoint written by {RANKS} ranks", [
+        ("ckpt consolidate", f"{ours.seconds:.2f} s, peak RSS {human_bytes(ours.peak_rss)}"),
+        ("peer dcp_to_torch_save", f"{peer.seconds:.2f} s, peak RSS "
+                                   f"{human_bytes(peer.peak_rss)}"),
+        ("speed-up vs peer", f"{peer.seconds / ours.seconds:.2f}x  (target >= 2x)"),
+        ("peak RSS vs peer", f"{100 * ours.peak_rss / peer.peak_rss:.0f}%  (target <= 25%)"),
+    ])
+    shutil.rmtree(ours_out, ignore_errors=True)
+    peer_out.unlink(missing_ok=True)
+
+    rows = []
+    times = {}
+    for label, per_item in (("1,024 files", True), ("8 files", False)):
+        d = DATA / ("dcp_1024files" if per_item else "dcp_8files")
+        if not (d / ".metadata").exists():
+            in_subprocess("bench.bench_consolidate.write_many_files", d, per_item)
+        warm(d)
+        out = DATA / "cons-many-out"
+        shutil.rmtree(out, ignore_errors=True)
+        r = timed(label, ckpt_argv("consolidate", str(d), "-o", str(out), "--quiet", "--force"),
+                  repeat=3)
+        times[label] = r.seconds
+        files = len(list(d.iterdir()))
+        rows.append((f"{label} ({files} entries)", f"{r.seconds:.2f} s"))
+        shutil.rmtree(out, ignore_errors=True)
+    rows.append(("ratio 1,024 / 8 files", f"{times['1,024 files'] / times['8 files']:.2f}x  "
+                 "(target <= 2x)"))
+    report("the same 256 MB of tensors in 1,024 files vs 8 files", rows)
+
+
+if __name__ == "__main__":
+    main()

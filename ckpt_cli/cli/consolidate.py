@@ -1,0 +1,105 @@
+"""``ckpt consolidate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ckpt_cli.cli.errors import handled
+from ckpt_cli.cli.options import JsonOpt, QuietOpt
+
+
+def consolidate_cmd(
+    source: Annotated[Path, typer.Argument(
+        help="DCP directory, DeepSpeed checkpoint (global_stepN/ or its save dir with "
+             "'latest'), or a directory of per-rank files.", show_default=False)],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
+        show_default=False)],
+    fmt: Annotated[str, typer.Option("--format", "-f", metavar="safetensors|pt",
+                                     help="Output file format.")] = "safetensors",
+    max_shard_size: Annotated[str, typer.Option(
+        "--max-shard-size", metavar="SIZE", help="Largest output file; 0 for one file.")] = "5GB",
+    with_optimizer: Annotated[bool, typer.Option(
+        "--with-optimizer/--model-only", help="Keep the optimizer state too (to resume on a "
+                                              "different world size), or only the model "
+                                              "(default).")] = False,
+    to: Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
+                                    help="Cast floating-point model tensors.")] = "keep",
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Re-read every output tensor and compare it with its source chunks "
+                         "before the output is put in place.")] = False,
+    force: Annotated[bool, typer.Option("--force", "--overwrite",
+                                        help="Replace an existing output.")] = False,
+    quiet: QuietOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Merge a rank-sharded checkpoint (DCP, DeepSpeed ZeRO, per-rank files) into few files.
+
+    Assembles every tensor from its chunks or partitions one at a time (memory stays near
+    the largest tensor), writes safetensors shards with an HF index, and puts the output in
+    place only when complete. DeepSpeed ZeRO 1/2/3 weights are rebuilt in FP32 exactly as
+    DeepSpeed's zero_to_fp32 does, without loading any rank's optimizer state whole.
+
+    Examples:
+      ckpt consolidate run/step_000400 -o step400-full/
+      ckpt consolidate ds_run/global_step1000 -o model/ --to bf16
+      ckpt consolidate ds_run -o model/              # follows ds_run/latest
+      ckpt consolidate fsdp_ckpt/ --with-optimizer -o resume/ --verify
+    """
+    with handled():
+        from ckpt_cli.cli.progress import byte_progress
+        from ckpt_cli.ops.consolidate import consolidate
+        from ckpt_cli.units import parse_size
+
+        shard = parse_size(max_shard_size, what="--max-shard-size", allow_zero=True) or None
+        with byte_progress("consolidating", enabled=not (quiet or json)) as (start, advance):
+            r = consolidate(source, output, fmt=fmt, max_shard_size=shard,
+                            with_optimizer=with_optimizer, to=to, overwrite=force,
+                            verify=verify, on_progress=advance, on_start=start)
+        if json:
+            _emit_json(r)
+        else:
+            _render(r, quiet)
+
+
+def _emit_json(r: Any) -> None:
+    from ckpt_cli.render import json as rj
+
+    rj.emit("consolidate", {
+        "source": str(r.source), "kind": r.kind, "output": str(r.output),
+        "files_before": r.files_before, "bytes_before": r.bytes_before,
+        "files_after": len(r.write.files),
+        "bytes_after": sum(b for _, b in r.write.files),
+        "files": [{"path": n, "bytes": b} for n, b in r.write.files],
+        "index_file": r.write.index_file, "num_tensors": r.tensors,
+        "tensor_bytes": r.write.tensor_bytes, "elements_in": r.elements_in,
+        "elements_out": r.elements_out, "lost_elements": r.lost_elements,
+        "aliases": r.aliases, "dropped": r.dropped, "details": r.details,
+        "verified": r.verified, "notes": r.notes, "seconds": round(r.seconds, 3)})
+
+
+def _render(r: Any, quiet: bool) -> None:
+    from ckpt_cli.render import human
+
+    out = human.stdout()
+    after = len(r.write.files)
+    out.print(f"{r.files_before:,} files ({human.size(r.bytes_before)}) -> {after} file"
+              f"{'s' if after != 1 else ''} ({human.size(sum(b for _, b in r.write.files))}), "
+              f"{r.lost_elements:,} elements lost")
+    facts = ", ".join(f"{k} {v}" for k, v in r.details.items() if v is not None)
+    out.print(f"Wrote {r.output}: {r.tensors:,} tensors, {human.size(r.write.tensor_bytes)} "
+              f"from a {r.kind} checkpoint ({facts}) in {r.seconds:.1f} s")
+    dropped = {g: n for g, n in r.dropped.items() if n}
+    if dropped:
+        out.print("Dropped: " + ", ".join(f"{g} {n}" for g, n in sorted(dropped.items())))
+    if r.aliases:
+        out.print("Shared (written once): " + ", ".join(f"{a} -> {k}" for a, k in
+                                                       sorted(r.aliases.items())))
+    if r.verified is not None:
+        out.print(f"Verified: {r.verified:,} tensors equal their sources")
+    if not quiet:
+        for note in r.notes:
+            human.stderr().print(f"note: {note}", soft_wrap=True)

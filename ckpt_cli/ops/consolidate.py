@@ -1,0 +1,339 @@
+"""``consolidate``: many rank files -> few files.
+
+Sources:
+
+* torch.distributed.checkpoint directories (FSDP/FSDP2/DTensor): every tensor assembled from
+  its chunks into its global shape, one tensor at a time;
+* DeepSpeed ZeRO 1/2/3 tag (or save) directories: full FP32 weights gathered from the flat
+  per-rank partitions with positioned reads (:mod:`ckpt_cli.formats.zero`);
+* a directory of per-rank torch/safetensors files holding disjoint keys: merged by key.
+
+Output goes through the shared streaming writer (safetensors or torch zip, HF-style shards).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
+from ckpt_cli.formats import check_exists, dcp, deepspeed, read_index
+from ckpt_cli.formats.directory import checkpoint_files
+from ckpt_cli.formats.rundir import tree_stats
+from ckpt_cli.formats.zero import PieceReader, ZeroPlan, natural_key, plan_zero, resolve_tag
+from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.ops.convert import TARGETS, Selection, cast_array, select_tensors
+from ckpt_cli.tensors import TensorSource
+from ckpt_cli.writers import OutTensor, WriteResult, write_checkpoint
+
+if TYPE_CHECKING:
+    import numpy as np
+
+DEFAULT_MAX_SHARD = 5_000_000_000
+
+
+@dataclass(slots=True)
+class ConsolidateResult:
+    """What ``consolidate`` did.
+
+    Attributes:
+        source: The input path.
+        kind: ``dcp``, ``deepspeed`` or ``rank-files``.
+        output: The output file or directory.
+        write: Files written.
+        files_before: Number of input files.
+        bytes_before: Bytes of the input on disk.
+        elements_in: Elements of the selected source tensors (padding excluded).
+        elements_out: Elements written.
+        tensors: Number of tensors written.
+        aliases: Tied/shared tensors written once.
+        dropped: Source tensors left out, per group.
+        details: Facts about the source (world size, ZeRO stage, step...).
+        verified: Tensors re-read from the output and compared with the source (``--verify``).
+        notes: Remarks.
+        seconds: Wall time.
+    """
+
+    source: Path
+    kind: str
+    output: Path
+    write: WriteResult
+    files_before: int
+    bytes_before: int
+    elements_in: int
+    elements_out: int
+    tensors: int
+    aliases: dict[str, str]
+    dropped: dict[str, int]
+    details: dict[str, Any] = field(default_factory=dict)
+    verified: int | None = None
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def lost_elements(self) -> int:
+        """Selected source elements that did not reach the output (0 when all is well)."""
+        return self.elements_in - self.elements_out
+
+
+@dataclass(slots=True)
+class _Job:
+    kind: str
+    outs: list[OutTensor]
+    expected: dict[str, Callable[[], np.ndarray]]
+    elements_in: int
+    aliases: dict[str, str]
+    dropped: dict[str, int]
+    metadata: dict[str, str]
+    details: dict[str, Any]
+    close: list[Callable[[], None]]
+    notes: list[str]
+
+
+def detect_kind(path: Path) -> str:
+    """``dcp``, ``deepspeed`` or ``rank-files``; raises when there is nothing to merge."""
+    check_exists(path)
+    if path.is_dir():
+        if dcp.DCPReader().sniff(path) is None:
+            return "dcp"
+        if deepspeed.DeepSpeedReader().sniff(path) is None or (path / "latest").is_file():
+            try:
+                resolve_tag(path)
+                return "deepspeed"
+            except CkptError:
+                pass
+        if len(checkpoint_files(path)) > 1:
+            return "rank-files"
+    raise UsageError(f"{path}: nothing to consolidate (expected a DCP directory, a DeepSpeed "
+                     "checkpoint or a directory of per-rank files)",
+                     hint=f"for a single checkpoint use: ckpt convert {path} -o OUT")
+
+
+def consolidate(source: str | Path, output: str | Path, *, fmt: str = "safetensors",
+                max_shard_size: int | None = DEFAULT_MAX_SHARD, with_optimizer: bool = False,
+                to: str = "keep", overwrite: bool = False, verify: bool = False,
+                on_progress: Callable[[int], None] | None = None,
+                on_start: Callable[[int], None] | None = None) -> ConsolidateResult:
+    """Merge a rank-sharded checkpoint into few large files.
+
+    Args:
+        source: DCP directory, DeepSpeed tag/save directory, or directory of per-rank files.
+        output: Output file or directory (see :func:`ckpt_cli.writers.write_checkpoint`).
+        fmt: ``safetensors`` or ``pt``.
+        max_shard_size: Largest output shard in bytes (None: one file).
+        with_optimizer: Keep optimizer state too (DCP and rank files), under the flattened
+            names DCP uses, with non-tensor values in ``__metadata__["ckpt.objects"]``.
+        to: ``keep``, ``fp32``, ``fp16`` or ``bf16`` for floating model tensors.
+        overwrite: Replace an existing output.
+        verify: Re-read every output tensor and compare it with its source.
+        on_progress: Called with bytes written.
+        on_start: Called once with the total bytes to write.
+
+    Returns:
+        The :class:`ConsolidateResult`.
+
+    Raises:
+        CkptError: Bad or incomplete input (missing rank files, truncated chunks, mismatched
+            world sizes), existing output, values outside FP16's range.
+    """
+    t0 = time.perf_counter()
+    src, out = Path(source), Path(output)
+    if to not in TARGETS:
+        raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
+    kind = detect_kind(src)
+    s, o = src.resolve(), out.resolve()
+    if s == o or o.is_relative_to(s) or s.is_relative_to(o):
+        raise UsageError(f"the output {out} would overwrite or sit inside the input {src}")
+    target = TARGETS[to]
+    if kind == "deepspeed":
+        job = _deepspeed_job(src, target, with_optimizer)
+    elif kind == "dcp":
+        job = _index_job("dcp", read_index(src, "dcp"), target, with_optimizer, fmt)
+    else:
+        job = _rank_files_job(src, target, with_optimizer, fmt)
+    files_before, bytes_before = _input_size(src, kind)
+    if on_start:
+        on_start(sum(t.nbytes for t in job.outs))
+    checked: list[int] = []
+
+    def check(tmp: Path) -> None:
+        # Verified in place before the rename: a mismatch leaves no output behind.
+        checked.append(_verify(tmp, job))
+
+    try:
+        write = write_checkpoint(out, job.outs, fmt=fmt, max_shard_size=max_shard_size,
+                                 metadata=job.metadata, aliases=job.aliases,
+                                 overwrite=overwrite, on_progress=on_progress,
+                                 before_commit=check if verify else None)
+    finally:
+        for close in job.close:
+            close()
+    elements_out = sum(t.numel for t in job.outs)
+    return ConsolidateResult(src, kind, out, write, files_before, bytes_before, job.elements_in,
+                             elements_out, len(job.outs), job.aliases, job.dropped, job.details,
+                             checked[0] if checked else None, job.notes,
+                             time.perf_counter() - t0)
+
+
+def _input_size(src: Path, kind: str) -> tuple[int, int]:
+    path = resolve_tag(src) if kind == "deepspeed" else src
+    size, files, _ = tree_stats(path)
+    return files, size
+
+
+def _cast_to(dst: str | None, dtype: str, floating: bool) -> str:
+    return dst if dst and floating and dtype in ("F16", "BF16", "F32", "F64") else dtype
+
+
+def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool) -> _Job:
+    plan: ZeroPlan = plan_zero(src, moments=with_optimizer)
+    reader = PieceReader()
+    outs: list[OutTensor] = []
+    expected: dict[str, Callable[[], np.ndarray]] = {}
+    for t in plan.tensors:
+        # zero_to_fp32 restores floating buffers to FP32; parameters already are FP32.
+        base = "F32" if t.kind == "buffer" and t.dtype in ("F16", "BF16") else t.dtype
+        dst = _cast_to(target, base, t.kind != "moment")
+        load = _gather(reader, t, dst)
+        outs.append(OutTensor(t.name, dst, t.shape, load))
+        expected[t.name] = load
+    details = {"zero_stage": plan.stage, "world_size": plan.world_size, "step": plan.step,
+               "tag": resolve_tag(src).name}
+    meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": "deepspeed",
+            "ckpt.conversion": f"ZeRO-{plan.stage} partitions of {plan.world_size} ranks "
+                               f"gathered; to={target or 'keep'}"}
+    if plan.step is not None:
+        meta["ckpt.step"] = str(plan.step)
+    notes = [] if with_optimizer else [
+        "optimizer moments are not part of the output (--with-optimizer keeps them)"]
+    return _Job("deepspeed", outs, expected, sum(t.numel for t in plan.tensors), plan.aliases,
+                {}, meta, details, [reader.close], notes)
+
+
+def _gather(reader: PieceReader, t: Any, dst: str) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        arr = reader.read(t)
+        return arr if dst == t.dtype else cast_array(arr, dst, name=t.name)
+    return load
+
+
+def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optimizer: bool,
+               fmt: str) -> _Job:
+    _check_complete(index)
+    sel: Selection = select_tensors(index, keep_optimizer=with_optimizer)
+    src = TensorSource(index)
+    outs: list[OutTensor] = []
+    expected: dict[str, Callable[[], np.ndarray]] = {}
+    for out_name, src_name in sel.names.items():
+        t = index.tensors[src_name]
+        model_side = t.group in ("model", "buffer")
+        dst = _cast_to(target, t.dtype, model_side and t.is_floating)
+        load = _reader(src, t, dst)
+        outs.append(OutTensor(out_name, dst, t.shape, load))
+        expected[out_name] = load
+    meta = {"ckpt.source": str(index.root.resolve()), "ckpt.source_format": index.format,
+            "ckpt.conversion": "; ".join([f"to={target or 'keep'}", *sel.renamed])}
+    for key in ("step", "epoch"):
+        if key in index.metadata:
+            meta[f"ckpt.{key}"] = str(index.metadata[key])
+    if with_optimizer and fmt == "safetensors" and index.objects:
+        meta["ckpt.objects"] = orjson.dumps(index.objects, default=str).decode()
+    details = {k: index.layout.get(k) for k in ("world_size", "files_per_rank")
+               if index.layout.get(k) is not None}
+    details["step"] = index.metadata.get("step")
+    return _Job(kind, outs, expected, sum(index.tensors[s].numel for s in sel.names.values()),
+                {}, sel.dropped, meta, details, [src.close], list(sel.notes))
+
+
+def _reader(src: TensorSource, t: Any, dst: str) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        arr = src.read(t)
+        return arr if dst == t.dtype else cast_array(arr, dst, name=t.name)
+    return load
+
+
+def _check_complete(index: CheckpointIndex) -> None:
+    """Refuse inputs whose chunks or files are missing: the output would silently lack data."""
+    fatal = [f for f in index.findings if f.severity == "error" and f.code not in (
+        "unknown-global", "non-allowlisted-global")]
+    if fatal:
+        f = fatal[0]
+        where = index.base / f.file if f.file else index.root
+        more = f" (and {len(fatal) - 1} more problem(s))" if len(fatal) > 1 else ""
+        raise CorruptCheckpointError(f"{f.message}{' in ' + f.location if f.location else ''}"
+                                     f"{more}", path=where, hint=f"ckpt validate {index.root}")
+    for t in index.tensors.values():
+        if not t.chunks:
+            continue
+        covered = 0
+        for c in t.chunks:
+            if len(c.offsets) != len(t.shape) or any(
+                    o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape,
+                                                          strict=True)):
+                raise CorruptCheckpointError(f"chunk {list(c.offsets)}+{list(c.sizes)} of "
+                                             f"{t.name} lies outside its shape {list(t.shape)}",
+                                             path=index.root)
+            n = 1
+            for s in c.sizes:
+                n *= s
+            covered += n
+        if covered != t.numel:
+            raise CorruptCheckpointError(f"the chunks of {t.name} cover {covered:,} of "
+                                         f"{t.numel:,} elements", path=index.root)
+
+
+def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: str) -> _Job:
+    files = sorted(checkpoint_files(src), key=lambda p: natural_key(p.name))
+    outs: list[OutTensor] = []
+    expected: dict[str, Callable[[], np.ndarray]] = {}
+    owner: dict[str, Path] = {}
+    dropped: dict[str, int] = {}
+    closers: list[Callable[[], None]] = []
+    elements = 0
+    for f in files:
+        index = read_index(f)
+        _check_complete(index)
+        sel = select_tensors(index, keep_optimizer=with_optimizer)
+        for g, n in sel.dropped.items():
+            dropped[g] = dropped.get(g, 0) + n
+        reader = TensorSource(index)
+        closers.append(reader.close)
+        for out_name, src_name in sel.names.items():
+            if out_name in owner:
+                raise CorruptCheckpointError(
+                    f"{out_name!r} is in both {owner[out_name].name} and {f.name}: the rank files "
+                    "do not hold disjoint pieces of one state dict", path=src)
+            owner[out_name] = f
+            t = index.tensors[src_name]
+            dst = _cast_to(target, t.dtype, t.group in ("model", "buffer") and t.is_floating)
+            load = _reader(reader, t, dst)
+            outs.append(OutTensor(out_name, dst, t.shape, load))
+            expected[out_name] = load
+            elements += t.numel
+    meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": "rank-files",
+            "ckpt.conversion": f"merged {len(files)} files by key; to={target or 'keep'}"}
+    return _Job("rank-files", outs, expected, elements, {}, dropped, meta,
+                {"rank_files": len(files)}, closers, [])
+
+
+def _verify(out: Path, job: _Job) -> int:
+    """Compare every written tensor, re-read from the output, with its source values."""
+    import numpy as np
+
+    index = read_index(out)
+    checked = 0
+    with TensorSource(index) as reader:
+        for o in job.outs:
+            got = reader.read(index.tensors[o.name])
+            want = job.expected[o.name]()
+            if got.shape != want.shape or got.dtype != want.dtype or not np.array_equal(
+                    got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)):
+                raise CorruptCheckpointError(f"verification failed: {o.name} in the output "
+                                             "differs from its source", path=out)
+            checked += 1
+    return checked

@@ -1,0 +1,208 @@
+"""``ckpt consolidate`` against the real libraries' own consolidation tools."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpt_cli.errors import CorruptCheckpointError, UsageError
+from ckpt_cli.formats import read_index
+from ckpt_cli.ops.consolidate import consolidate
+from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
+from tests.helpers.makers import tiny_state_dict
+
+
+def flatten(tree: object, prefix: str = "") -> dict[str, object]:
+    """Nested dicts -> dotted names, the way DCP flattens a state dict."""
+    out: dict[str, object] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            out.update(flatten(v, f"{prefix}{i}."))
+    else:
+        out[prefix[:-1]] = tree
+    return out
+
+
+def load_dir(out: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def dcp_reference(sample_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """What torch's own dcp_to_torch_save makes of the sample's 4-rank DCP checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path_factory.mktemp("dcpref") / "ref.pt"
+    with third_party_quiet():
+        dcp_to_torch_save(sample_run / "step_000400", out)
+    return flatten(torch.load(out, weights_only=False))
+
+
+def test_dcp_with_optimizer_equals_dcp_to_torch_save(sample_run: Path, tmp_path: Path,
+                                                     dcp_reference: dict[str, object]) -> None:
+    out = tmp_path / "full"
+    r = consolidate(sample_run / "step_000400", out, with_optimizer=True, verify=True,
+                    max_shard_size=400_000)
+    got = load_dir(out)
+    ref_tensors = {k: v for k, v in dcp_reference.items() if isinstance(v, torch.Tensor)}
+    assert set(got) == set(ref_tensors)
+    for k, v in ref_tensors.items():
+        assert torch.equal(got[k], v), k
+    assert r.lost_elements == 0 and r.verified == len(got)
+    assert r.files_before == 5 and len(r.write.files) == len(list(out.iterdir()))
+    with open(out / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert index["metadata"]["ckpt.step"] == "400"
+    objects = json.loads(load_meta(out)["ckpt.objects"])
+    assert objects["step"] == dcp_reference["step"]
+    assert objects["optim.param_groups.0.lr"] == dcp_reference["optim.param_groups.0.lr"]
+
+
+def load_meta(out: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(sorted(out.glob("*.safetensors"))[0]), "pt") as f:
+        return dict(f.metadata())
+
+
+def test_dcp_model_only(sample_run: Path, tmp_path: Path,
+                        dcp_reference: dict[str, object]) -> None:
+    out = tmp_path / "model.safetensors"
+    r = run_cli("consolidate", sample_run / "step_000400", "-o", out, "--to", "bf16",
+                "--max-shard-size", "0", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["files_before"] == 5 and doc["files_after"] == 1 and doc["lost_elements"] == 0
+    assert doc["dropped"] == {"optimizer": 84}
+    got = load_file(out)
+    for k, v in got.items():
+        ref = dcp_reference[f"model.{k}"]
+        assert isinstance(ref, torch.Tensor) and torch.equal(v, ref.to(torch.bfloat16)), k
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("cfg", ["z1-fp32", "z2-fp32", "z3-fp32", "z2-bf16", "z3-bf16"])
+def test_deepspeed_equals_zero_to_fp32(ds_dir: Path, tmp_path: Path, cfg: str) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    src = ds_dir / cfg  # the save dir: consolidate follows its 'latest', as zero_to_fp32 does
+    with third_party_quiet(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        ref = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    out = tmp_path / "fp32.safetensors"
+    r = consolidate(src, out, max_shard_size=None, verify=True)
+    got = load_file(out)
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v.contiguous()), k
+    assert r.details["zero_stage"] == int(cfg[1]) and r.details["world_size"] == 2
+    assert got["counter"].dtype == torch.float32  # buffers restored to FP32 like zero_to_fp32
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("cfg", ["z2-fp32", "z3-fp32"])
+def test_deepspeed_with_optimizer_moments(ds_dir: Path, tmp_path: Path, cfg: str) -> None:
+    tag = ds_dir / cfg / "global_step3"
+    out = tmp_path / "full.safetensors"
+    consolidate(tag, out, max_shard_size=None, with_optimizer=True)
+    got = load_file(out)
+    # Oracle: the moments of each rank, concatenated and cut by param_shapes, with torch.
+    with third_party_quiet():
+        model = torch.load(sorted(tag.glob("*model_states.pt"))[0], weights_only=False)
+        optims = [torch.load(p, weights_only=False)["optimizer_state_dict"]
+                  for p in sorted(tag.glob("*optim_states.pt"))]
+    world = len(optims)
+    shapes = {k: v for g in model["param_shapes"] for k, v in g.items()}
+    for moment in ("exp_avg", "exp_avg_sq"):
+        if cfg.startswith("z3"):
+            flats = [torch.cat([o["optimizer_state_dict"]["state"][g][moment]
+                                for g in sorted(o["optimizer_state_dict"]["state"])])
+                     for o in optims]
+            offset = 0
+            for name, shape in shapes.items():
+                n = math.prod(shape)
+                part = math.ceil(n / world)
+                want = torch.cat([f[offset:offset + part] for f in flats])[:n].view(shape)
+                assert torch.equal(got[f"optimizer.state.{name}.{moment}"], want), name
+                offset += part
+        else:
+            flat = torch.cat([o["base_optimizer_state"]["state"][0][moment] for o in optims])
+            offset = 0
+            for name, shape in shapes.items():
+                n = math.prod(shape)
+                assert torch.equal(got[f"optimizer.state.{name}.{moment}"],
+                                   flat[offset:offset + n].view(shape)), name
+                offset += n
+
+
+@requires_deepspeed
+def test_deepspeed_missing_rank_file(ds_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    src = tmp_path / "ds"
+    shutil.copytree(ds_dir / "z2-fp32", src)
+    next((src / "global_step3").glob("zero_pp_rank_1_*optim_states.pt")).unlink()
+    r = run_cli("consolidate", src, "-o", tmp_path / "out")
+    assert r.exit_code == 2
+    assert "partition_count is 2 but found 1 optimizer rank file(s); missing rank(s) [1]" \
+        in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_rank_files_merged_by_key(tmp_path: Path) -> None:
+    sd = tiny_state_dict()
+    names = list(sd)
+    src = tmp_path / "ranks"
+    src.mkdir()
+    for r in range(3):
+        part = {k: sd[k] for k in names[r::3]}
+        torch.save({"model": part, "rank": r}, src / f"rank_{r}.pt")
+    out = tmp_path / "merged.safetensors"
+    res = consolidate(src, out, max_shard_size=None, verify=True)
+    got = load_file(out)
+    assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert res.kind == "rank-files" and res.details["rank_files"] == 3
+    torch.save({"model": {names[0]: sd[names[0]]}}, src / "rank_3.pt")
+    with pytest.raises(CorruptCheckpointError, match=r"is in both rank_0\.pt and rank_3\.pt"):
+        consolidate(src, tmp_path / "again.safetensors")
+
+
+def test_missing_and_truncated_dcp_files(sample_copy: Path, tmp_path: Path) -> None:
+    d = sample_copy / "step_000400"
+    (d / "__3_0.distcp").unlink()
+    r = run_cli("consolidate", d, "-o", tmp_path / "o1")
+    assert r.exit_code == 2 and "__3_0.distcp" in r.stderr and "missing" in r.stderr
+    assert not (tmp_path / "o1").exists()
+    data = (d / "__2_0.distcp").read_bytes()
+    (d / "__3_0.distcp").write_bytes(data)  # restore a file of the right name...
+    (d / "__2_0.distcp").write_bytes(data[: len(data) // 3])  # ...and truncate another
+    r = run_cli("consolidate", d, "-o", tmp_path / "o2")
+    assert r.exit_code == 2 and "__2_0.distcp" in r.stderr
+    assert not (tmp_path / "o2").exists() and not list(tmp_path.glob(".o2*"))
+
+
+def test_nothing_to_consolidate(sample_run: Path, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="nothing to consolidate"):
+        consolidate(sample_run / "step_000100", tmp_path / "o")
+    r = run_cli("consolidate", sample_run / "step_000400", "-o", sample_run / "step_000400")
+    assert r.exit_code == 2 and "inside the input" in r.stderr
+
+
+def test_output_is_readable_by_ckpt(sample_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    consolidate(sample_run / "step_000400", out, max_shard_size=200_000)
+    index = read_index(out)
+    assert index.format == "hf-index" and index.findings == []
