@@ -145,9 +145,19 @@ class TensorSource:
         dt = dtypes.numpy_dtype(t.dtype)
         out = np.empty(t.shape, dtype=dt)
         for c in t.chunks:
-            piece = self.read_chunk(t, c)
+            sub = self.locate_chunk(t, c)
             region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
-            out[region] = piece
+            # A chunk split along the first dimension only (FSDP, Shard(0)) is one contiguous
+            # run of the output: read its bytes straight into place, no intermediate copy.
+            rows_only = all(o == 0 and s == d for o, s, d in
+                            zip(c.offsets[1:], c.sizes[1:], t.shape[1:], strict=True))
+            dest = (out[region] if out.ndim else out).reshape(-1).view(np.uint8)
+            if (rows_only and sub.stride is None and sub.offset is not None and sub.file
+                    and np.shares_memory(dest, out)):
+                if dest.nbytes:
+                    self.read_into(sub.file, sub.offset, dest.data)
+            else:
+                out[region] = self.read(sub)
         return out
 
     def read_chunk(self, t: TensorInfo, c: Chunk) -> np.ndarray:
@@ -159,6 +169,22 @@ class TensorSource:
 
         Returns:
             The chunk's values, shaped ``c.sizes``.
+
+        Raises:
+            CorruptCheckpointError: If the embedded zip does not describe a matching tensor.
+            UnsupportedError: For compressed chunks.
+        """
+        return self.read(self.locate_chunk(t, c))
+
+    def locate_chunk(self, t: TensorInfo, c: Chunk) -> TensorInfo:
+        """Where the values of one DCP chunk lie (parses the chunk's embedded torch zip).
+
+        Args:
+            t: The tensor.
+            c: One of its chunks.
+
+        Returns:
+            A :class:`TensorInfo` of the chunk (shape ``c.sizes``) with its file and offset.
 
         Raises:
             CorruptCheckpointError: If the embedded zip does not describe a matching tensor.
@@ -191,9 +217,8 @@ class TensorSource:
             raise CorruptCheckpointError(f"chunk of {t.name!r} is truncated", path=where)
         item = dtypes.DTYPES[rec.dtype].itemsize
         stride = None if rec.stride == contiguous_strides(rec.shape) else rec.stride
-        sub = TensorInfo(t.name, rec.dtype, rec.shape, dtypes.nbytes_of(rec.dtype, _numel(
+        return TensorInfo(t.name, rec.dtype, rec.shape, dtypes.nbytes_of(rec.dtype, _numel(
             rec.shape)), t.group, c.file, start + rec.storage_offset * item, stride)
-        return self.read(sub)
 
 
 def _numel(shape: Iterable[int]) -> int:
