@@ -24,13 +24,14 @@ _DURATION_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, 
 _NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 
 
-def _number_and_unit(text: str, what: str) -> tuple[float, str]:
+def _number_and_unit(text: str, what: str, shown: str | None = None) -> tuple[float, str]:
+    shown = text if shown is None else shown
     m = re.fullmatch(rf"\s*{_NUMBER}\s*(?P<unit>[A-Za-z]*)\s*", text)
     if not m:
-        raise UsageError(f"cannot parse {what} {text!r}")
+        raise UsageError(f"cannot parse {what} {shown!r}")
     value = float(m.group("num"))
     if not math.isfinite(value):
-        raise UsageError(f"{what} {text!r} is not a finite number")
+        raise UsageError(f"{what} {shown!r} is not a finite number")
     return value, m.group("unit")
 
 
@@ -48,34 +49,42 @@ def parse_size(text: str, *, what: str = "size", allow_zero: bool = False) -> in
     Raises:
         UsageError: Unparseable, unknown unit, negative or (unless allowed) zero.
     """
-    value, unit = _number_and_unit(text, what)
+    return _size(text, what, allow_zero, shown=text)
+
+
+def _size(text: str, what: str, allow_zero: bool, shown: str) -> int:
+    value, unit = _number_and_unit(text, what, shown)
     factor = _SIZE_UNITS.get(unit.upper())
     if factor is None:
-        raise UsageError(f"{what} {text!r}: unknown unit {unit!r} (use B, KB, MB, GB, TB, "
+        raise UsageError(f"{what} {shown!r}: unknown unit {unit!r} (use B, KB, MB, GB, TB, "
                          "or KiB, MiB, GiB, TiB)")
     out = int(value * factor)
     if out < 0 or (out == 0 and not allow_zero):
-        raise UsageError(f"{what} must be positive, not {text!r}")
+        raise UsageError(f"{what} must be positive, not {shown!r}")
     return out
 
 
-def parse_count(text: str, *, what: str = "count") -> int:
+def parse_count(text: str, *, what: str = "count", whole: bool = False) -> int:
     """Parse a count such as ``175B``, ``7.5M``, ``380M`` or ``1200``.
 
     Args:
         text: The count as typed.
         what: What it is, for the error message.
+        whole: Refuse a fraction (``2.5`` ranks) instead of rounding it.
 
     Returns:
         The count, rounded to the nearest integer.
 
     Raises:
-        UsageError: Unparseable, unknown suffix, zero or negative.
+        UsageError: Unparseable, unknown suffix, zero or negative, or (with ``whole``) not a
+            whole number.
     """
     value, unit = _number_and_unit(text, what)
     factor = _COUNT_UNITS.get(unit.upper())
     if factor is None:
         raise UsageError(f"{what} {text!r}: unknown suffix {unit!r} (use K, M, B or T)")
+    if whole and value * factor != math.floor(value * factor):
+        raise UsageError(f"{what} must be a whole number, not {text!r}")
     out = round(value * factor)
     if out <= 0:
         raise UsageError(f"{what} must be positive, not {text!r}")
@@ -124,7 +133,13 @@ def parse_rate(text: str, *, what: str = "bandwidth") -> float:
         Bytes per second.
 
     Raises:
-        UsageError: Unparseable or not positive.
+        UsageError: Unparseable, not positive, or in bits (``Gb/s``), which would be read as
+            bytes eight times too large.
     """
     base = re.sub(r"\s*/\s*s(ec)?\s*$", "", text.strip(), flags=re.IGNORECASE)
-    return float(parse_size(base, what=what))
+    # Network links are quoted in bits (100 Gb/s); reading "Gb" as bytes would be 8x off, so an
+    # upper-case prefix with a lower-case "b" is refused rather than guessed.
+    if re.search(r"[KMGTP]b$|(bps|bits?)$", base):
+        raise UsageError(f"{what} {text!r} looks like bits per second; give bytes per second "
+                         "(100 Gb/s = 12.5GB/s)")
+    return float(_size(base, what, False, shown=text))

@@ -46,3 +46,24 @@ def test_rates() -> None:
 def test_bad_input(func, text: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(UsageError):
         func(text)
+
+
+def test_whole_counts() -> None:
+    assert parse_count("1K", what="--gpus", whole=True) == 1000
+    assert parse_count("2.5K", whole=True) == 2500
+    assert parse_count("2.5") == 2  # rounded when a fraction is acceptable
+    with pytest.raises(UsageError, match=r"--keep must be a whole number, not '2\.5'"):
+        parse_count("2.5", what="--keep", whole=True)
+
+
+@pytest.mark.parametrize("text", ["100Gb/s", "100Gbps", "10 Gbit/s", "400Mb/s", "8 bits/s"])
+def test_rates_in_bits_are_refused(text: str) -> None:
+    with pytest.raises(UsageError, match="looks like bits per second"):
+        parse_rate(text, what="--bandwidth")
+
+
+def test_rate_errors_quote_what_was_typed() -> None:
+    with pytest.raises(UsageError, match=r"--bandwidth must be positive, not '0GB/s'"):
+        parse_rate("0GB/s", what="--bandwidth")
+    with pytest.raises(UsageError, match=r"--bandwidth '5XB/s': unknown unit 'XB'"):
+        parse_rate("5XB/s", what="--bandwidth")

@@ -10,6 +10,7 @@ from ckpt_cli import __version__
 from ckpt_cli.cli.consolidate import consolidate_cmd
 from ckpt_cli.cli.convert import convert_cmd
 from ckpt_cli.cli.inspect import inspect_cmd
+from ckpt_cli.cli.plan import plan_cmd
 from ckpt_cli.cli.sample import sample_cmd
 
 app = typer.Typer(
@@ -40,6 +41,7 @@ app.command("inspect")(inspect_cmd)
 app.command("sample")(sample_cmd)
 app.command("convert")(convert_cmd)
 app.command("consolidate")(consolidate_cmd)
+app.command("plan")(plan_cmd)
 
 
 def main() -> None:

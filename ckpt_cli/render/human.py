@@ -38,6 +38,44 @@ def size(n: int | float | None) -> str:
     return humanize.naturalsize(n, binary=False, format="%.1f")
 
 
+def rate(bytes_per_second: float | None) -> str:
+    """A data rate in decimal units (``10.0 GB/s``)."""
+    return "-" if bytes_per_second is None else f"{size(bytes_per_second)}/s"
+
+
+_UNITS = (("y", 365 * 86400), ("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+
+
+def duration(seconds: float | None, *, short: bool = False) -> str:
+    """A duration to two units: ``40 minutes and 59 seconds``, or short ``40m 59s``.
+
+    Args:
+        seconds: The duration; None prints ``-``.
+        short: Compact form for tables and axis labels (``3.5s``, ``40m 59s``, ``1d 19h``).
+
+    Returns:
+        The text.
+    """
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.3g}s" if short else (
+            "1 second" if seconds == 1 else f"{seconds:.3g} seconds")
+    if short:
+        for i, (name, div) in enumerate(_UNITS[:-1]):
+            if seconds >= div:
+                small_name, small = _UNITS[i + 1]
+                big, rest = divmod(round(seconds / small), div // small)
+                if i and big * div >= _UNITS[i - 1][1]:  # 59m 59.6s rounds up to 1h
+                    return duration(big * div, short=True)
+                return f"{big}{name}" + (f" {rest}{small_name}" if rest else "")
+    # Two units at most: the smallest unit shown is the one below the largest.
+    minimum = "seconds" if seconds < 3600 else "minutes" if seconds < 86400 else "hours"
+    if seconds >= 30 * 86400:
+        minimum = "days" if seconds < 365 * 86400 else "months"
+    return humanize.precisedelta(seconds, minimum_unit=minimum, format="%0.0f")
+
+
 def count(n: int | None) -> str:
     """A large count, compact (``1.2M``, ``175.0B``)."""
     if n is None:
