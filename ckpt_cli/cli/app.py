@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from ckpt_cli import __version__
+from ckpt_cli.cli.diff import diff_cmd
 from ckpt_cli.cli.inspect import inspect_cmd
 from ckpt_cli.cli.sample import sample_cmd
 
@@ -36,6 +37,7 @@ def _root(
 
 app.command("inspect")(inspect_cmd)
 app.command("sample")(sample_cmd)
+app.command("diff")(diff_cmd)
 
 
 def main() -> None:
