@@ -441,6 +441,15 @@ def test_missing_and_truncated_data(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "B: unknown format 'nope'" in r.stderr
 
 
+def test_run_directory_is_refused_with_a_hint(sample_run: Path) -> None:
+    r = run_cli("diff", sample_run / "export", sample_run)
+    assert r.exit_code == 2 and "Traceback" not in r.stderr
+    first, hint = r.stderr.strip().splitlines()
+    assert first == f"ckpt: error: B: {sample_run}: a run directory (4 complete checkpoints), " \
+                    "not a checkpoint"
+    assert hint.startswith("hint: name one of its checkpoints") and "step_000400" in hint
+
+
 def test_diff_indexes_api_for_other_commands(tmp_path: Path) -> None:
     sd = tiny_state_dict()
     torch.save({"model": sd}, tmp_path / "a.pt")

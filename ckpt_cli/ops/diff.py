@@ -40,9 +40,10 @@ from ckpt_cli.compare import (
     default_tolerance,
     relative_l2,
 )
-from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.errors import CkptError, UnknownFormatError, UsageError
 from ckpt_cli.formats import read_index
 from ckpt_cli.formats.containers import group_of
+from ckpt_cli.formats.rundir import is_run_dir, list_run
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.tensors import TensorSource
 
@@ -385,8 +386,21 @@ def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
 def _read_side(path: str | Path, fmt: str | None, label: str) -> CheckpointIndex:
     try:
         return read_index(path, fmt)
+    except UnknownFormatError as e:
+        raise on_side(_run_dir_error(Path(path)) or e, label) from None
     except CkptError as e:
         raise on_side(e, label) from None
+
+
+def _run_dir_error(path: Path) -> CkptError | None:
+    """A clearer error for a run directory given where one checkpoint is expected."""
+    if not is_run_dir(path):
+        return None
+    entries = [e for e in list_run(path).entries if e.complete]
+    hint = (f"name one of its checkpoints, e.g. {path / entries[-1].name} (the newest)"
+            if entries else "name one of its checkpoints")
+    return UsageError(f"a run directory ({len(entries)} complete checkpoints), not a "
+                      "checkpoint", path=path, hint=hint)
 
 
 def on_side(e: CkptError, label: str) -> CkptError:
