@@ -294,14 +294,14 @@ def compare_values(src_a: TensorSource, ta: TensorInfo, src_b: TensorSource, tb:
         work_dtype(ta.dtype, tb.dtype)])
     if exact:
         tol = EXACT
-    bufs = _Buffers(work, min(block, max(n, 1)))
+    bufs = None if exact else _Buffers(work, min(block, max(n, 1)))
     acc = _Acc()
     per_elem = (ta.nbytes + tb.nbytes) / n if n else 0.0
     with np.errstate(all="ignore"):
         for i in range(0, n, block):
             j = min(n, i + block)
             x, y = fa.get(i, j), fb.get(i, j)
-            if exact:
+            if bufs is None:
                 _exact_block(x, y, acc)
             else:
                 _float_block(x, y, bufs, tol, acc)
@@ -348,20 +348,25 @@ def _float_block(x: np.ndarray, y: np.ndarray, bufs: _Buffers, tol: Tolerance,
         # Some value is NaN or inf (or the squares overflowed): redo this block the careful way.
         _careful_block(xa, ya, tol, acc)
         return
-    acc.ss_d += ss_d
-    acc.ss_a += ss_a
-    acc.ss_b += ss_b
     acc.n += m
-    if ss_d == 0.0:
-        return  # every difference is exactly zero: nothing else to count
+    acc.ss_a += _unless_underflow(ss_a, xa)
+    acc.ss_b += _unless_underflow(ss_b, ya)
     ad = bufs.real[:m]
     np.abs(d, out=ad)
-    big = float(ad.max())
+    big = float(ad.max()) if m else 0.0
+    if big == 0.0:
+        return  # every difference is exactly zero: nothing else to count
+    acc.ss_d += _unless_underflow(ss_d, ad)
     acc.max_abs = max(acc.max_abs, big)
     acc.sum_abs += float(ad.sum(dtype=np.float64))
     changed = int(np.count_nonzero(ad))
     acc.changed += changed
     acc.outside += changed if tol.exact else _count_outside(ad, xa, ya, big, tol)
+
+
+def _unless_underflow(ss: float, v: np.ndarray) -> float:
+    """A float32 sum of squares, redone in float64 if it underflowed to 0 (|v| < ~1e-23)."""
+    return _sumsq(v) if ss == 0.0 and v.any() else ss
 
 
 def _count_outside(ad: np.ndarray, xa: np.ndarray, ya: np.ndarray, big: float,

@@ -15,7 +15,7 @@ from safetensors.torch import save_file, save_model
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import read_index
 from ckpt_cli.ops.diff import DiffOptions, DiffResult, diff, diff_indexes
-from tests.conftest import run_cli, third_party_quiet
+from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.makers import tiny_state_dict, training_checkpoint
 from tests.test_inspect_cli import _imports_torch
 
@@ -258,6 +258,15 @@ def test_statistics_of_a_known_change(tmp_path: Path) -> None:
                    "--exit-zero").exit_code == 0
 
 
+def test_tiny_differences_are_not_lost(tmp_path: Path) -> None:
+    # Squares of these underflow in float32; the change must still be seen and measured.
+    save_file({"w": torch.tensor([1e-30, 2e-30, 0.0])}, str(tmp_path / "a.safetensors"))
+    save_file({"w": torch.tensor([1.1e-30, 2e-30, 0.0])}, str(tmp_path / "b.safetensors"))
+    (t,) = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors").tensors
+    assert t.status == "changed" and t.stats is not None and t.stats.changed == 1
+    assert t.rel_l2 == pytest.approx(0.1e-30 / math.hypot(1.1e-30, 2e-30), rel=1e-5)
+
+
 def test_nan_and_inf(tmp_path: Path) -> None:
     nan, inf = float("nan"), float("inf")
     save_file({"same": torch.tensor([1.0, nan, inf, -inf]),
@@ -338,6 +347,20 @@ def test_hf_trainer_checkpoints(hf_trainer_dir: Path) -> None:
     assert r.index_a.flavor == "hf-trainer" and r.excluded_a.get("optimizer", 0) > 0
     assert r.tensors and all(t.group in ("model", "buffer") for t in r.tensors)
     assert {"step", "epoch"} <= {m.key for m in r.metadata_changes}
+
+
+@requires_deepspeed
+def test_deepspeed_fp32_against_bf16_run(ds_dir: Path) -> None:
+    a, b = ds_dir / "z2-fp32" / "global_step3", ds_dir / "z2-bf16" / "global_step3"
+    r = diff(a, b)
+    weights = [t for t in r.tensors if t.dtype_changed]
+    assert weights and all((t.dtype_a, t.dtype_b) == ("F32", "BF16") for t in weights)
+    assert all(t.tolerance is not None and t.tolerance.source == "dtype:BF16" for t in weights)
+    # Optimizer files' scalars (loss scaler, partition counts) are optimizer state: --all only.
+    assert r.excluded_a.get("optimizer") and not any("optim_states" in m.key
+                                                     for m in r.metadata)
+    r_all = diff(a, b, DiffOptions(everything=True))
+    assert any("optim_states" in m.key for m in r_all.metadata)
 
 
 # --- output and errors -----------------------------------------------------------------------

@@ -44,6 +44,7 @@ from ckpt_cli.errors import CkptError, UnknownFormatError, UsageError
 from ckpt_cli.formats import read_index
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.formats.rundir import is_run_dir, list_run
+from ckpt_cli.formats.torchfile import role_of
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.tensors import TensorSource
 
@@ -799,7 +800,8 @@ def facts(index: CheckpointIndex, *, everything: bool = False) -> dict[str, Any]
 
     Training metadata (``step``, ``epoch``, ``lr``, versions; nested dicts such as
     ``hyper_parameters`` flattened one level) plus the checkpoint's non-tensor leaves. Leaves
-    under optimizer, scheduler, RNG and loop-state keys are left out unless ``everything``.
+    under optimizer, scheduler, RNG and loop-state keys, or read from such files (DeepSpeed's
+    ``*_optim_states.pt``, ``rng_state.pth``), are left out unless ``everything``.
 
     Args:
         index: The checkpoint.
@@ -820,11 +822,22 @@ def facts(index: CheckpointIndex, *, everything: bool = False) -> dict[str, Any]
         else:
             out[k] = v
     for k, v in index.objects.items():
-        if not everything and group_of(tuple(k.split(".")), None, "meta") in ("optimizer",
-                                                                              "other"):
-            continue
-        out.setdefault(k, v)
+        if everything or _training_state(k) is None:
+            out.setdefault(k, v)
     return out
+
+
+def _training_state(key: str) -> str | None:
+    """``optimizer`` or ``other`` for a non-tensor leaf holding optimizer/scheduler/RNG/loop
+    state, judged by its top-level key or the file stem naming it (``optimizer.``,
+    ``zero_pp_rank_0_mp_rank_00_optim_states.``, ``rng_state.``); None otherwise."""
+    head = key.split(".", 1)[0]
+    group = group_of((head,), None, "meta")
+    if group in ("optimizer", "other"):
+        return group
+    role = role_of(head + ".pt")
+    return {"optimizer": "optimizer", "scheduler": "other", "rng": "other",
+            "other": "other"}.get(role)
 
 
 def _same(a: Any, b: Any) -> bool:

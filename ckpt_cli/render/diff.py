@@ -262,7 +262,8 @@ def _meta_line(r: DiffResult) -> str:
         parts.append("values both sides have are equal")
     for side, keys in (("A", only_a), ("B", only_b)):
         if keys:
-            parts.append(f"{len(keys)} only in {side} ({_names(keys)})")
+            parts.append(f"{len(keys)} only in {side}" + (f" ({keys[0]})" if len(keys) == 1
+                                                          else ""))
     return "; ".join(parts)
 
 
