@@ -297,6 +297,48 @@ def test_integers_are_exact_whatever_the_tolerance(tmp_path: Path) -> None:
     assert t["flag"].status == "changed" and t["n"].tolerance.source == "exact"
 
 
+def test_packed_fp4_is_compared_byte_for_byte(tmp_path: Path) -> None:
+    raw = torch.randint(0, 255, (4, 8), dtype=torch.uint8, generator=torch.Generator()
+                        .manual_seed(0))
+    save_file({"q": raw.view(torch.float4_e2m1fn_x2)}, str(tmp_path / "a.safetensors"))
+    flipped = raw.clone()
+    flipped[0, 0] ^= 1
+    save_file({"q": flipped.view(torch.float4_e2m1fn_x2)}, str(tmp_path / "b.safetensors"))
+    assert diff(tmp_path / "a.safetensors", tmp_path / "a.safetensors").equal
+    (t,) = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors").tensors
+    assert t.dtype_a == "F4" and t.shape_a == (4, 16) and t.status == "changed"
+    assert t.stats is not None and t.stats.raw_only and t.stats.changed == 1
+    out = run_cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors").stdout
+    assert "1 byte " in out
+
+
+def test_tensors_without_data_are_skipped_and_said(tmp_path: Path) -> None:
+    torch.save({"w": torch.empty(3, device="meta"), "b": torch.ones(2)}, tmp_path / "meta.pt")
+    torch.save({"w": torch.ones(3), "b": torch.ones(2)}, tmp_path / "dense.pt")
+    r = diff(tmp_path / "meta.pt", tmp_path / "dense.pt")
+    t = _by_name(r)
+    assert t["w"].status == "skipped" and t["w"].reason == "A holds a meta tensor"
+    assert t["b"].status == "identical" and r.equal
+    out = run_cli("diff", tmp_path / "meta.pt", tmp_path / "dense.pt").stdout
+    assert "1 tensor not compared" in out and "A holds a meta tensor" in out
+
+
+def test_filter_narrows_the_scope(tmp_path: Path) -> None:
+    a = tiny_state_dict()
+    b = {k: v + 1 if v.is_floating_point() else v for k, v in a.items()}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    r = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors",
+             DiffOptions(filter_glob="layers.*.attn.*"))
+    assert {t.name for t in r.tensors} == {"layers.0.attn.q_proj.weight",
+                                           "layers.0.attn.q_proj.bias"}
+    assert sum(r.excluded_a.values()) == len(a) - 2
+    doc = _json(tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--filter",
+                "embed.*", code=1)
+    assert [t["name"] for t in doc["tensors"]] == ["embed.weight"]
+    assert doc["options"]["filter"] == "embed.*"
+
+
 def test_shape_change_and_one_sided_tensors(tmp_path: Path) -> None:
     save_file({"w": torch.zeros(4, 2), "gone": torch.zeros(1)}, str(tmp_path / "a.safetensors"))
     save_file({"w": torch.zeros(2, 4), "new": torch.zeros(3)}, str(tmp_path / "b.safetensors"))

@@ -304,12 +304,13 @@ def changed_table(r: DiffResult, top: int | None) -> Table:
         assert s is not None
         dtype = t.dtype_a if not t.dtype_changed else f"{t.dtype_a}→{t.dtype_b}"
         frac = 1.0 if not math.isfinite(t.rel_l2) else (t.rel_l2 / scale if scale else 0.0)
+        if s.raw_only:  # packed sub-byte values: only bytes were compared
+            _add(table, t.name, dtype, _shape(t.shape_a), _plural(s.changed, "byte"), "-", "-",
+                 "-", "")
+            continue
         changed = f"{100 * s.changed / s.elements:.1f}%" if s.elements else "-"
         if s.nonfinite_mismatches:
             changed += f" ({s.nonfinite_mismatches:,} NaN/inf)"
-        if s.raw_only:
-            _add(table, t.name, dtype, _shape(t.shape_a), changed, "-", "-", "-", "")
-            continue
         _add(table, t.name, dtype, _shape(t.shape_a), changed, _g(s.max_abs),
                       _g(s.mean_abs), _g(t.rel_l2), human.bar(frac, _BAR))
     return table
