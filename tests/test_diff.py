@@ -123,6 +123,20 @@ def test_strided_view_against_contiguous_copy(tmp_path: Path) -> None:
     assert r.equal and all(t.status == "identical" for t in r.tensors)
 
 
+def test_tie_seen_from_either_name(tmp_path: Path) -> None:
+    emb = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    torch.save({"wte.weight": emb, "lm_head.weight": emb}, tmp_path / "tied.pt")
+    # One export keeps the embedding, another the head: either way nothing is missing.
+    save_file({"wte.weight": emb}, str(tmp_path / "wte.safetensors"))
+    save_file({"lm_head.weight": emb.clone()}, str(tmp_path / "head.safetensors"))
+    for other, missing, kept in (("wte", "lm_head.weight", "wte.weight"),
+                                 ("head", "wte.weight", "lm_head.weight")):
+        r = diff(tmp_path / "tied.pt", tmp_path / f"{other}.safetensors",
+                 DiffOptions(values=False))
+        assert [(o.name, o.tied_to, o.tie) for o in r.only_a] == [(missing, kept, "storage")]
+        assert r.equal
+
+
 def test_recorded_tie_from_save_model(tmp_path: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False),
                                 torch.nn.Linear(4, 4, bias=False))

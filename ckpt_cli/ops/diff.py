@@ -605,19 +605,15 @@ def normalise(index_a: CheckpointIndex, index_b: CheckpointIndex, scope_a: Itera
 
 # --- structure -------------------------------------------------------------------------------
 
-def _aliases(index: CheckpointIndex) -> dict[str, str]:
-    """Tensor -> the first tensor (in index order) viewing exactly the same stored bytes."""
-    first: dict[tuple[Any, ...], str] = {}
-    out: dict[str, str] = {}
+def _aliases(index: CheckpointIndex) -> dict[str, list[str]]:
+    """Tensor -> the other tensors viewing exactly the same stored bytes (tied weights)."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
     for t in index.tensors.values():
-        if t.storage is None:
-            continue
-        sig = (t.storage.file, t.storage.key, t.storage_offset, t.shape, t.stride, t.dtype)
-        if sig in first:
-            out[t.name] = first[sig]
-        else:
-            first[sig] = t.name
-    return out
+        if t.storage is not None:
+            sig = (t.storage.file, t.storage.key, t.storage_offset, t.shape, t.stride, t.dtype)
+            groups.setdefault(sig, []).append(t.name)
+    return {n: [m for m in names if m != n] for names in groups.values() if len(names) > 1
+            for n in names}
 
 
 def _recorded_copies(index: CheckpointIndex) -> dict[str, str]:
@@ -670,9 +666,8 @@ def _match(result: DiffResult, names_a: dict[str, str], names_b: dict[str, str],
             if norm not in in_scope or norm in common:
                 continue
             t = ix.tensors[orig]
-            target = aliases.get(orig)
-            tied, how = ((names[target], "storage") if target is not None
-                         else (copies.get(norm), "recorded"))
+            shared = [names[m] for m in aliases.get(orig, []) if names[m] in common]
+            tied, how = (shared[0], "storage") if shared else (copies.get(norm), "recorded")
             if tied in common:
                 only.append(OnlyIn(norm, orig, t.dtype, t.shape, t.group, tied, how))
             else:
