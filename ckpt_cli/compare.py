@@ -296,7 +296,7 @@ def compare_values(src_a: TensorSource, ta: TensorInfo, src_b: TensorSource, tb:
         tol = EXACT
     bufs = None if exact else _Buffers(work, min(block, max(n, 1)))
     acc = _Acc()
-    per_elem = (ta.nbytes + tb.nbytes) / n if n else 0.0
+    nbytes, reported = ta.nbytes + tb.nbytes, 0
     with np.errstate(all="ignore"):
         for i in range(0, n, block):
             j = min(n, i + block)
@@ -306,7 +306,9 @@ def compare_values(src_a: TensorSource, ta: TensorInfo, src_b: TensorSource, tb:
             else:
                 _float_block(x, y, bufs, tol, acc)
             if on_block is not None:
-                on_block(round((j - i) * per_elem))
+                done = j * nbytes // n  # integer arithmetic: the last call reaches nbytes
+                on_block(done - reported)
+                reported = done
     return acc.stats(n)
 
 
