@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("CKPT_BENCH_DIR", ROOT / "bench" / "data"))
@@ -84,12 +85,18 @@ def ckpt_argv(*args: str) -> list[str]:
     return [PY, "-m", "ckpt_cli", *args]
 
 
-def big_training_state(n_layers: int = 12, dim: int = 1536, vocab: int = 32000,
-                       seed: int = 0) -> dict[str, object]:
-    """A GPT-like model (about 389M fp32 parameters at the defaults) plus AdamW state."""
+def big_model(g: Any, n_layers: int = 12, dim: int = 1536,
+              vocab: int = 32000) -> dict[str, Any]:
+    """A GPT-like model's fp32 state dict (about 389M parameters, 1.56 GB at the defaults).
+
+    Args:
+        g: The ``torch.Generator`` to draw from.
+        n_layers: Transformer blocks.
+        dim: Hidden size.
+        vocab: Vocabulary size.
+    """
     import torch
 
-    g = torch.Generator().manual_seed(seed)
     model: dict[str, torch.Tensor] = {"embed.weight": torch.randn(vocab, dim, generator=g) * 0.02}
     for i in range(n_layers):
         p = f"layers.{i}."
@@ -100,6 +107,16 @@ def big_training_state(n_layers: int = 12, dim: int = 1536, vocab: int = 32000,
         model[p + "ln1.weight"] = torch.ones(dim)
         model[p + "ln2.weight"] = torch.ones(dim)
     model["norm.weight"] = torch.ones(dim)
+    return model
+
+
+def big_training_state(n_layers: int = 12, dim: int = 1536, vocab: int = 32000,
+                       seed: int = 0) -> dict[str, object]:
+    """A GPT-like model (about 389M fp32 parameters at the defaults) plus AdamW state."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    model = big_model(g, n_layers, dim, vocab)
     state = {}
     for i, (_name, t) in enumerate(model.items()):
         state[i] = {"step": torch.tensor(1000.0), "exp_avg": torch.randn(t.shape, generator=g)

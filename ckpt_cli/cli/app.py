@@ -9,6 +9,7 @@ import typer
 from ckpt_cli import __version__
 from ckpt_cli.cli.consolidate import consolidate_cmd
 from ckpt_cli.cli.convert import convert_cmd
+from ckpt_cli.cli.diff import diff_cmd
 from ckpt_cli.cli.inspect import inspect_cmd
 from ckpt_cli.cli.plan import plan_cmd
 from ckpt_cli.cli.sample import sample_cmd
@@ -42,6 +43,7 @@ app.command("sample")(sample_cmd)
 app.command("convert")(convert_cmd)
 app.command("consolidate")(consolidate_cmd)
 app.command("plan")(plan_cmd)
+app.command("diff")(diff_cmd)
 
 
 def main() -> None:

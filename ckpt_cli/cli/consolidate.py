@@ -55,10 +55,10 @@ def consolidate_cmd(
         from ckpt_cli.units import parse_size
 
         shard = parse_size(max_shard_size, what="--max-shard-size", allow_zero=True) or None
-        with byte_progress("consolidating", enabled=not (quiet or json)) as (start, advance):
+        with byte_progress("consolidating", enabled=not (quiet or json)) as bar:
             r = consolidate(source, output, fmt=fmt, max_shard_size=shard,
                             with_optimizer=with_optimizer, to=to, overwrite=force,
-                            verify=verify, on_progress=advance, on_start=start)
+                            verify=verify, on_progress=bar.advance, on_start=bar.start)
         if json:
             _emit_json(r)
         else:

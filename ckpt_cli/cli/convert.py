@@ -63,12 +63,12 @@ def convert_cmd(
         from ckpt_cli.units import parse_size
 
         shard = parse_size(max_shard_size, what="--max-shard-size") if max_shard_size else None
-        with byte_progress("converting", enabled=not (quiet or json)) as (start, advance):
+        with byte_progress("converting", enabled=not (quiet or json)) as bar:
             result = convert(source, output, to=to, fmt=fmt, max_shard_size=shard,
                              keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
                              keep_fp32=tuple(keep_fp32 or ()), clamp=clamp, overwrite=force,
                              container=container, input_format=input_format,
-                             on_progress=advance, on_start=start)
+                             on_progress=bar.advance, on_start=bar.start)
         if json:
             _emit_json(result)
         else:

@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from ckpt_cli.render.human import is_tty, stderr
 
 
+class ProgressSink:
+    """Callbacks that feed a progress bar; every method is a no-op when there is no bar."""
+
+    def __init__(self, bar: Any = None, task: Any = None):
+        self._bar, self._task = bar, task
+
+    def start(self, total: int) -> None:
+        """Set the total number of bytes."""
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` more bytes done."""
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+    def update(self, done: int, total: int) -> None:
+        """Set bytes done and the total."""
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=total)
+
+
 @contextmanager
-def byte_progress(description: str, *, enabled: bool = True,
-                  ) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
-    """A rich progress bar (bytes, rate, ETA) on stderr, or no-ops when not wanted.
+def byte_progress(description: str, *, enabled: bool = True) -> Iterator[ProgressSink]:
+    """A transient rich progress bar (bytes, rate, ETA) on stderr, or a sink that does nothing.
 
     Args:
         description: Label of the bar.
@@ -19,10 +41,10 @@ def byte_progress(description: str, *, enabled: bool = True,
             a terminal (cron, CI logs).
 
     Yields:
-        ``(on_start(total_bytes), on_progress(bytes_done))`` callbacks.
+        The :class:`ProgressSink` to report progress to.
     """
     if not (enabled and is_tty()):
-        yield (lambda _total: None), (lambda _n: None)
+        yield ProgressSink()
         return
     from rich.progress import (
         BarColumn,
@@ -36,12 +58,4 @@ def byte_progress(description: str, *, enabled: bool = True,
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=stderr(),
                   transient=True) as bar:
-        task = bar.add_task(description, total=None)
-
-        def start(total: int) -> None:
-            bar.update(task, total=total)
-
-        def advance(n: int) -> None:
-            bar.advance(task, n)
-
-        yield start, advance
+        yield ProgressSink(bar, bar.add_task(description, total=None))

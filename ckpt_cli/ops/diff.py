@@ -1,0 +1,866 @@
+"""``diff``: what changed between two checkpoints: names, shapes, dtypes, values and metadata.
+
+Works on any two checkpoints the readers understand (a torch file against safetensors, a DCP
+directory against its consolidated file, an HF shard set against a single file) because both
+sides are :class:`~ckpt_cli.model.CheckpointIndex` objects. Steps:
+
+1. **Scope.** By default only model weights and buffers are compared (the ``model`` and
+   ``buffer`` groups): that is what a safetensors export, a consolidated file and a training
+   checkpoint have in common. ``everything=True`` adds optimizer state, RNG state and the rest.
+   When neither side has model weights (two optimizer files) everything is compared.
+2. **Names.** Explicit prefixes are stripped from both sides first; then, unless turned off,
+   well-known wrappers (``module.``, ``_orig_mod.``, ``model.``, ``state_dict.``,
+   ``model_state_dict.``) are stripped from the side that carries them on all its weights,
+   but only when that makes more names match. Every rename is reported.
+3. **Structure.** Tensors only in A or only in B (a tied alias that one side omits is noted,
+   not counted as a difference), shape changes, dtype changes.
+4. **Values.** Each common pair is streamed block by block (:mod:`ckpt_cli.compare`).
+5. **Metadata.** Training facts (step, epoch, lr, hyper-parameters) and non-tensor values.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpt_cli import dtypes
+from ckpt_cli.compare import (
+    BLOCK_ELEMENTS,
+    EXACT,
+    Tolerance,
+    ValueStats,
+    compare_values,
+    default_tolerance,
+    relative_l2,
+)
+from ckpt_cli.errors import CkptError, UnknownFormatError, UsageError
+from ckpt_cli.formats import read_index
+from ckpt_cli.formats.containers import group_of
+from ckpt_cli.formats.rundir import is_run_dir, list_run
+from ckpt_cli.formats.torchfile import role_of
+from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.tensors import TensorSource
+
+if TYPE_CHECKING:
+    import numpy as np
+
+WRAPPERS: tuple[str, ...] = ("module.", "_orig_mod.", "model.", "state_dict.",
+                             "model_state_dict.")
+"""Name prefixes that wrappers and containers add: DDP/DeepSpeed, torch.compile, training dicts,
+Lightning, the PyTorch tutorial's ``model_state_dict``."""
+
+WEIGHT_GROUPS: tuple[str, ...] = ("model", "buffer")
+"""Groups compared by default."""
+
+STATUSES: tuple[str, ...] = ("identical", "within_tolerance", "changed", "shape_changed",
+                             "skipped", "not_compared")
+"""Per-tensor outcomes, from best to worst (``not_compared``: values were not asked for)."""
+
+ProgressFn = Callable[[int, int], None]
+"""``on_progress(bytes_done, bytes_total)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiffOptions:
+    """What to compare and how.
+
+    Attributes:
+        everything: Compare every tensor (optimizer, RNG, ...), not only model weights/buffers.
+        values: Compare values (False: names, shapes and dtypes only).
+        rtol: Relative tolerance for floats (None: the default for the pair's dtypes).
+        atol: Absolute tolerance for floats (None: likewise).
+        strip_prefixes: Prefixes removed from names on both sides, in order, before matching.
+        auto_names: Strip well-known wrapper prefixes where that makes more names match.
+        metadata: Compare non-tensor values (step, epoch, lr, hyper-parameters...).
+        filter_glob: Only tensors whose (normalised) name matches this shell pattern.
+        block: Elements per block when comparing values.
+    """
+
+    everything: bool = False
+    values: bool = True
+    rtol: float | None = None
+    atol: float | None = None
+    strip_prefixes: tuple[str, ...] = ()
+    auto_names: bool = True
+    metadata: bool = True
+    filter_glob: str | None = None
+    block: int = BLOCK_ELEMENTS
+
+
+@dataclass(frozen=True, slots=True)
+class Rename:
+    """A prefix stripped from one side's names.
+
+    Attributes:
+        side: ``a`` or ``b``.
+        prefix: The prefix removed.
+        tensors: How many tensor names it changed.
+        source: ``option`` (``--strip-prefix``) or ``auto``.
+    """
+
+    side: str
+    prefix: str
+    tensors: int
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class OnlyIn:
+    """A tensor present on one side only.
+
+    Attributes:
+        name: Its name after normalisation.
+        original: Its name in its checkpoint.
+        dtype: Canonical dtype code.
+        shape: Shape.
+        group: Its group on that side.
+        tied_to: When it is a tied copy of a tensor both sides have, that tensor's name; such
+            an entry is not a difference (the other side dropped a duplicate, as HF exports
+            drop ``lm_head.weight`` when it is tied to the embeddings).
+        tie: How the tie was recognised: ``storage`` (both names view the same stored bytes),
+            ``recorded`` (the other side's safetensors metadata names the copy it dropped) or
+            ``values`` (same dtype, shape and exactly the same values).
+    """
+
+    name: str
+    original: str
+    dtype: str
+    shape: tuple[int, ...]
+    group: str
+    tied_to: str | None = None
+    tie: str | None = None
+
+
+@dataclass(slots=True)
+class TensorDiff:
+    """One tensor name present on both sides.
+
+    Attributes:
+        name: The normalised name.
+        name_a: Its name in A.
+        name_b: Its name in B.
+        group: Its group (A's, or B's when A says ``other``).
+        dtype_a: Dtype in A.
+        dtype_b: Dtype in B.
+        shape_a: Shape in A.
+        shape_b: Shape in B.
+        status: One of :data:`STATUSES`.
+        stats: Value statistics, when values were compared.
+        tolerance: The tolerance that decided ``status``, when values were compared.
+        reason: Why values were skipped.
+    """
+
+    name: str
+    name_a: str
+    name_b: str
+    group: str
+    dtype_a: str
+    dtype_b: str
+    shape_a: tuple[int, ...]
+    shape_b: tuple[int, ...]
+    status: str = "not_compared"
+    stats: ValueStats | None = None
+    tolerance: Tolerance | None = None
+    reason: str | None = None
+
+    @property
+    def parameters(self) -> int:
+        """Elements (of A's shape)."""
+        return math.prod(self.shape_a)
+
+    @property
+    def dtype_changed(self) -> bool:
+        """Whether the two sides store it in different dtypes."""
+        return self.dtype_a != self.dtype_b
+
+    @property
+    def rel_l2(self) -> float:
+        """Relative L2 change (0 without statistics)."""
+        return self.stats.rel_l2 if self.stats is not None else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class MetaDiff:
+    """A non-tensor value that differs.
+
+    Attributes:
+        key: Flattened key (``step``, ``hyper_parameters.lr``, ``loss``).
+        a: A's value (None when absent; see ``status``).
+        b: B's value (likewise).
+        status: ``changed``, ``only_in_a`` or ``only_in_b``.
+    """
+
+    key: str
+    a: Any
+    b: Any
+    status: str
+
+
+@dataclass(slots=True)
+class ModuleDiff:
+    """The roll-up of one module prefix (``--by-module``).
+
+    Attributes:
+        name: The prefix (``layers.3.attn``); ``(top level)`` for names without a dot.
+        tensors: Tensors present on both sides.
+        changed: Of those, how many are different (changed or shape changed).
+        only_in_a: Tensors only in A.
+        only_in_b: Tensors only in B.
+        parameters: Elements of the common tensors.
+        norm_a: L2 norm of A's compared values.
+        norm_b: L2 norm of B's compared values.
+        norm_diff: L2 norm of the differences.
+    """
+
+    name: str
+    tensors: int = 0
+    changed: int = 0
+    only_in_a: int = 0
+    only_in_b: int = 0
+    parameters: int = 0
+    norm_a: float = 0.0
+    norm_b: float = 0.0
+    norm_diff: float = 0.0
+
+    @property
+    def rel_l2(self) -> float:
+        """``||A - B|| / max(||A||, ||B||)`` over the module's compared tensors."""
+        return relative_l2(self.norm_diff, self.norm_a, self.norm_b)
+
+
+@dataclass(slots=True)
+class DiffResult:
+    """What ``diff`` found.
+
+    Attributes:
+        index_a: Side A.
+        index_b: Side B.
+        options: The options used.
+        scope: ``weights`` (model weights and buffers) or ``all``.
+        scope_note: Why the scope differs from the one asked for, if it does.
+        renames: Prefixes stripped, per side.
+        excluded_a: A's tensors outside the scope, counted by group.
+        excluded_b: B's tensors outside the scope, counted by group.
+        tensors: Names on both sides, in A's order.
+        only_a: Names only in A, in A's order.
+        only_b: Names only in B, in B's order.
+        metadata: Non-tensor values that differ.
+    """
+
+    index_a: CheckpointIndex
+    index_b: CheckpointIndex
+    options: DiffOptions
+    scope: str
+    scope_note: str | None = None
+    renames: list[Rename] = field(default_factory=list)
+    excluded_a: dict[str, int] = field(default_factory=dict)
+    excluded_b: dict[str, int] = field(default_factory=dict)
+    tensors: list[TensorDiff] = field(default_factory=list)
+    only_a: list[OnlyIn] = field(default_factory=list)
+    only_b: list[OnlyIn] = field(default_factory=list)
+    metadata: list[MetaDiff] = field(default_factory=list)
+
+    def with_status(self, *statuses: str) -> list[TensorDiff]:
+        """Common tensors whose status is one of ``statuses``, in A's order."""
+        return [t for t in self.tensors if t.status in statuses]
+
+    @property
+    def changed(self) -> list[TensorDiff]:
+        """Tensors whose values differ beyond the tolerance, most changed first."""
+        return sorted(self.with_status("changed"), key=lambda t: (-t.rel_l2, t.name))
+
+    @property
+    def shape_changes(self) -> list[TensorDiff]:
+        """Tensors whose shape differs."""
+        return self.with_status("shape_changed")
+
+    @property
+    def dtype_changes(self) -> list[TensorDiff]:
+        """Tensors (of the same shape or not) stored in different dtypes."""
+        return [t for t in self.tensors if t.dtype_changed]
+
+    @property
+    def metadata_changes(self) -> list[MetaDiff]:
+        """Non-tensor values present on both sides with different values."""
+        return [m for m in self.metadata if m.status == "changed"]
+
+    def differences(self) -> list[str]:
+        """Why the checkpoints differ, one short phrase each (empty when they are equal)."""
+        out: list[str] = []
+        untied_a = [o for o in self.only_a if o.tied_to is None]
+        untied_b = [o for o in self.only_b if o.tied_to is None]
+        for n, what in ((len(self.changed), "changed"),
+                        (len(untied_a), "only in A"),
+                        (len(untied_b), "only in B"),
+                        (len(self.shape_changes), "with a different shape")):
+            if n:
+                out.append(f"{n} tensor{'s' if n != 1 else ''} {what}")
+        if not self.options.values and self.dtype_changes:
+            n = len(self.dtype_changes)
+            out.append(f"{n} tensor{'s' if n != 1 else ''} with a different dtype")
+        if self.metadata_changes:
+            n = len(self.metadata_changes)
+            out.append(f"{n} metadata value{'s' if n != 1 else ''} changed")
+        return out
+
+    @property
+    def equal(self) -> bool:
+        """Whether the checkpoints are equal (values within tolerance).
+
+        Different only when: a tensor is changed beyond tolerance, a name is on one side only
+        (tied aliases excepted), a shape differs, a non-tensor value on both sides differs, or,
+        without values, a dtype differs. A dtype change whose values are within the tolerance
+        is reported but is not a difference.
+        """
+        return not self.differences()
+
+    def by_module(self, depth: int | None = None) -> list[ModuleDiff]:
+        """Roll tensors up by module prefix, in natural name order (``layers.2`` < ``layers.10``).
+
+        Args:
+            depth: Name components kept (``2``: ``layers.3``); None keeps all but the last
+                (the module that owns the tensor).
+
+        Returns:
+            One :class:`ModuleDiff` per prefix.
+        """
+        mods: dict[str, ModuleDiff] = {}
+
+        def mod(name: str) -> ModuleDiff:
+            parts = name.split(".")[:-1]
+            key = ".".join(parts[:depth] if depth is not None else parts) or "(top level)"
+            return mods.setdefault(key, ModuleDiff(key))
+
+        for t in self.tensors:
+            m = mod(t.name)
+            m.tensors += 1
+            m.parameters += t.parameters
+            m.changed += t.status in ("changed", "shape_changed")
+            if t.stats is not None:
+                m.norm_a = math.hypot(m.norm_a, t.stats.norm_a)
+                m.norm_b = math.hypot(m.norm_b, t.stats.norm_b)
+                m.norm_diff = math.hypot(m.norm_diff, t.stats.norm_diff)
+        for o in self.only_a:
+            mod(o.name).only_in_a += 1
+        for o in self.only_b:
+            mod(o.name).only_in_b += 1
+        return sorted(mods.values(), key=lambda m: _natural(m.name))
+
+
+def _natural(name: str) -> list[tuple[int, int | str]]:
+    """Sort key putting ``layers.2`` before ``layers.10``."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p]
+
+
+def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
+         fmt_a: str | None = None, fmt_b: str | None = None,
+         on_progress: ProgressFn | None = None) -> DiffResult:
+    """Compare two checkpoints given by path.
+
+    Args:
+        a: Side A: a checkpoint file or directory (any format ckpt reads).
+        b: Side B.
+        options: What to compare (default :class:`DiffOptions`).
+        fmt_a: Force A's format instead of detecting it.
+        fmt_b: Force B's format.
+        on_progress: Called as values are compared with ``(bytes_done, bytes_total)``.
+
+    Returns:
+        The :class:`DiffResult`.
+
+    Raises:
+        CkptError: For unreadable input; the message starts with ``A:`` or ``B:``.
+        UsageError: For contradictory options.
+    """
+    index_a = _read_side(a, fmt_a, "A")
+    index_b = _read_side(b, fmt_b, "B")
+    return diff_indexes(index_a, index_b, options, on_progress=on_progress)
+
+
+def _read_side(path: str | Path, fmt: str | None, label: str) -> CheckpointIndex:
+    try:
+        return read_index(path, fmt)
+    except UnknownFormatError as e:
+        raise on_side(_run_dir_error(Path(path)) or e, label) from None
+    except CkptError as e:
+        raise on_side(e, label) from None
+
+
+def _run_dir_error(path: Path) -> CkptError | None:
+    """A clearer error for a run directory given where one checkpoint is expected."""
+    if not is_run_dir(path):
+        return None
+    entries = [e for e in list_run(path).entries if e.complete]
+    hint = (f"name one of its checkpoints, e.g. {path / entries[-1].name} (the newest)"
+            if entries else "name one of its checkpoints")
+    return UsageError(f"a run directory ({len(entries)} complete checkpoints), not a "
+                      "checkpoint", path=path, hint=hint)
+
+
+def on_side(e: CkptError, label: str) -> CkptError:
+    """The same error with its message prefixed by the side it concerns (``A:``/``B:``).
+
+    Args:
+        e: The error.
+        label: ``A`` or ``B``.
+
+    Returns:
+        A copy of ``e`` (same class and exit code) whose text starts with ``label``.
+    """
+    if e.path == label or (e.path or "").startswith(f"{label}: "):
+        return e  # already labelled (a read inside a read)
+    err = copy.copy(e)
+    err.path = f"{label}: {e.path}" if e.path else label
+    err.args = (str(err),)
+    return err
+
+
+class _SideSource(TensorSource):
+    """A tensor source whose errors say which side they come from."""
+
+    def __init__(self, index: CheckpointIndex, label: str):
+        super().__init__(index)
+        self.label = label
+
+    def read(self, t: TensorInfo) -> np.ndarray:
+        try:
+            return super().read(t)
+        except CkptError as e:
+            raise on_side(e, self.label) from None
+
+    def read_into(self, rel: str, offset: int, out: memoryview) -> None:
+        try:
+            super().read_into(rel, offset, out)
+        except CkptError as e:
+            raise on_side(e, self.label) from None
+
+
+def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
+                 options: DiffOptions | None = None, *,
+                 on_progress: ProgressFn | None = None) -> DiffResult:
+    """Compare two checkpoints already read (the API other commands use to verify output).
+
+    Args:
+        index_a: Side A.
+        index_b: Side B.
+        options: What to compare (default :class:`DiffOptions`).
+        on_progress: Called as values are compared with ``(bytes_done, bytes_total)``.
+
+    Returns:
+        The :class:`DiffResult`.
+
+    Raises:
+        CkptError: When tensor data cannot be read; the message starts with ``A:`` or ``B:``.
+        UsageError: When ``strip_prefixes`` would give two tensors of one side the same name,
+            or a tolerance is negative.
+    """
+    opts = options or DiffOptions()
+    for label, val in (("--rtol", opts.rtol), ("--atol", opts.atol)):
+        if val is not None and not (val >= 0 and math.isfinite(val)):
+            raise UsageError(f"{label} must be a finite number >= 0, not {val}")
+    scope_a, scope_b, scope, note = _scope(index_a, index_b, opts.everything)
+    names_a, names_b, renames = normalise(index_a, index_b, scope_a, scope_b,
+                                          opts.strip_prefixes, auto=opts.auto_names)
+    result = DiffResult(index_a, index_b, opts, scope, note, renames)
+    _match(result, names_a, names_b, scope_a, scope_b)
+    if opts.values:
+        _compare_all(result, on_progress)
+    else:
+        for t in result.tensors:
+            if t.status != "shape_changed":
+                t.status = "not_compared"
+    if opts.metadata:
+        result.metadata = diff_metadata(index_a, index_b, everything=scope == "all")
+    return result
+
+
+def _scope(a: CheckpointIndex, b: CheckpointIndex,
+           everything: bool) -> tuple[set[str], set[str], str, str | None]:
+    """Names of each side inside the scope, the scope's name, and a note when it widened."""
+    def weights(ix: CheckpointIndex) -> set[str]:
+        return {n for n, t in ix.tensors.items() if t.group in WEIGHT_GROUPS}
+
+    if everything:
+        return set(a.tensors), set(b.tensors), "all", None
+    wa, wb = weights(a), weights(b)
+    if not wa and not wb and (a.tensors or b.tensors):
+        return (set(a.tensors), set(b.tensors), "all",
+                "neither side has model weights, so every tensor is compared")
+    return wa, wb, "weights", None
+
+
+# --- names -----------------------------------------------------------------------------------
+
+def _strip(names: dict[str, str], prefix: str) -> tuple[dict[str, str], int] | None:
+    """Remove ``prefix`` from every current name carrying it; None if two names would merge."""
+    out: dict[str, str] = {}
+    changed = 0
+    for orig, cur in names.items():
+        if cur.startswith(prefix) and len(cur) > len(prefix):
+            out[orig] = cur[len(prefix):]
+            changed += 1
+        else:
+            out[orig] = cur
+    if len(set(out.values())) != len(out):
+        return None
+    return out, changed
+
+
+def _chain(names: dict[str, str], key: set[str]) -> list[tuple[str, dict[str, str], int]]:
+    """The wrappers a side carries, outermost first: each prefixes every name in ``key``."""
+    chain: list[tuple[str, dict[str, str], int]] = []
+    current = names
+    for _ in range(8):  # wrappers nest a few levels at most (module._orig_mod.model.)
+        cur = [current[o] for o in key]
+        prefix = next((w for w in WRAPPERS
+                       if cur and all(n.startswith(w) and len(n) > len(w) for n in cur)), None)
+        if prefix is None:
+            break
+        stripped = _strip(current, prefix)
+        if stripped is None:
+            break
+        current, count = stripped
+        chain.append((prefix, current, count))
+    return chain
+
+
+def normalise(index_a: CheckpointIndex, index_b: CheckpointIndex, scope_a: Iterable[str],
+              scope_b: Iterable[str], strip_prefixes: Iterable[str] = (), *,
+              auto: bool = True) -> tuple[dict[str, str], dict[str, str], list[Rename]]:
+    """Map each side's tensor names to the names they are matched by.
+
+    ``strip_prefixes`` are removed from both sides first (from every name that starts with
+    one). Then, with ``auto``, the wrapper prefixes of :data:`WRAPPERS` that a side carries on
+    all its in-scope model weights are candidates for removal; the combination that makes the
+    most in-scope names match wins, provided it beats removing nothing (so ``model.`` is only
+    stripped when one side has it and the other does not).
+
+    Args:
+        index_a: Side A.
+        index_b: Side B.
+        scope_a: A's names inside the comparison's scope.
+        scope_b: B's names inside the scope.
+        strip_prefixes: Prefixes to remove on both sides.
+        auto: Whether to strip wrapper prefixes automatically.
+
+    Returns:
+        ``(A's original -> normalised, B's original -> normalised, renames applied)``.
+
+    Raises:
+        UsageError: If a requested prefix would give two tensors of one side the same name.
+    """
+    sa, sb = set(scope_a), set(scope_b)
+    names = {"a": {n: n for n in index_a.tensors}, "b": {n: n for n in index_b.tensors}}
+    renames: list[Rename] = []
+    for prefix in strip_prefixes:
+        if not prefix:
+            continue
+        for side in ("a", "b"):
+            stripped = _strip(names[side], prefix)
+            if stripped is None:
+                raise UsageError(f"stripping {prefix!r} from {side.upper()}'s names would give "
+                                 "two tensors the same name")
+            names[side], count = stripped
+            if count:
+                renames.append(Rename(side, prefix, count, "option"))
+    if not auto:
+        return names["a"], names["b"], renames
+
+    def key(scope: set[str], ix: CheckpointIndex) -> set[str]:
+        # Wrappers are judged on the weights: in --all, optimizer state sits beside them.
+        weights = {n for n in scope if ix.tensors[n].group in WEIGHT_GROUPS}
+        return weights or scope
+
+    chain_a = _chain(names["a"], key(sa, index_a))
+    chain_b = _chain(names["b"], key(sb, index_b))
+
+    def score(i: int, j: int) -> int:
+        ma = chain_a[i - 1][1] if i else names["a"]
+        mb = chain_b[j - 1][1] if j else names["b"]
+        return len({ma[n] for n in sa} & {mb[n] for n in sb})
+
+    base = score(0, 0)
+    options = [(score(i, j), i, j) for i in range(len(chain_a) + 1)
+               for j in range(len(chain_b) + 1)]
+    # Most matches first, then the fewest prefixes removed, then by the prefixes' names: keys
+    # that do not depend on which side is A, so diff(B, A) mirrors diff(A, B).
+    options.sort(key=lambda o: (-o[0], o[1] + o[2], max(o[1], o[2]),
+                                sorted([p for p, _, _ in chain_a[:o[1]]]
+                                       + [p for p, _, _ in chain_b[:o[2]]])))
+    best, i, j = options[0]
+    if best <= base:
+        return names["a"], names["b"], renames
+    renames += [Rename("a", p, c, "auto") for p, _, c in chain_a[:i]]
+    renames += [Rename("b", p, c, "auto") for p, _, c in chain_b[:j]]
+    return (chain_a[i - 1][1] if i else names["a"], chain_b[j - 1][1] if j else names["b"],
+            renames)
+
+
+# --- structure -------------------------------------------------------------------------------
+
+def _aliases(index: CheckpointIndex) -> dict[str, list[str]]:
+    """Tensor -> the other tensors viewing exactly the same stored bytes (tied weights)."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for t in index.tensors.values():
+        if t.storage is not None:
+            sig = (t.storage.file, t.storage.key, t.storage_offset, t.shape, t.stride, t.dtype)
+            groups.setdefault(sig, []).append(t.name)
+    return {n: [m for m in names if m != n] for names in groups.values() if len(names) > 1
+            for n in names}
+
+
+def _recorded_copies(index: CheckpointIndex) -> dict[str, str]:
+    """``{dropped: kept}`` that safetensors' ``save_model`` writes into ``__metadata__``."""
+    meta = index.metadata.get("safetensors_metadata")
+    if not isinstance(meta, dict):
+        return {}
+    return {k: v for k, v in meta.items() if isinstance(v, str) and v in index.tensors
+            and k not in index.tensors}
+
+
+def _match(result: DiffResult, names_a: dict[str, str], names_b: dict[str, str],
+           scope_a: set[str], scope_b: set[str]) -> None:
+    ia, ib = result.index_a, result.index_b
+    rev_b = {v: k for k, v in names_b.items()}
+    # A name is in scope if either side puts it there: groups are guessed from paths, and a
+    # weight one reader calls "other" must still meet its counterpart.
+    in_scope = {names_a[n] for n in scope_a} | {names_b[n] for n in scope_b}
+    glob = result.options.filter_glob
+    if glob:
+        in_scope = {n for n in in_scope if fnmatch.fnmatchcase(n, glob)}
+    for ix, names, excluded in ((ia, names_a, result.excluded_a),
+                                (ib, names_b, result.excluded_b)):
+        for orig, norm in names.items():
+            if norm not in in_scope:
+                g = ix.tensors[orig].group
+                excluded[g] = excluded.get(g, 0) + 1
+    for orig, norm in names_a.items():
+        if norm not in in_scope:
+            continue
+        ta = ia.tensors[orig]
+        ob = rev_b.get(norm)
+        if ob is None:
+            continue
+        tb = ib.tensors[ob]
+        group = ta.group if ta.group != "other" else tb.group
+        td = TensorDiff(norm, orig, ob, group, ta.dtype, tb.dtype, ta.shape, tb.shape)
+        if ta.shape != tb.shape:
+            td.status = "shape_changed"
+        result.tensors.append(td)
+    common = {t.name for t in result.tensors}
+    for side, ix, names, other in (("a", ia, names_a, ib), ("b", ib, names_b, ia)):
+        aliases = _aliases(ix)
+        # The other side may record the copies it dropped ({dropped: kept}, in its own names).
+        peer = "b" if side == "a" else "a"
+        copies = {renamed(k, result.renames, peer): renamed(v, result.renames, peer)
+                  for k, v in _recorded_copies(other).items()}
+        only = result.only_a if side == "a" else result.only_b
+        for orig, norm in names.items():
+            if norm not in in_scope or norm in common:
+                continue
+            t = ix.tensors[orig]
+            shared = [names[m] for m in aliases.get(orig, []) if names[m] in common]
+            tied, how = (shared[0], "storage") if shared else (copies.get(norm), "recorded")
+            if tied in common:
+                only.append(OnlyIn(norm, orig, t.dtype, t.shape, t.group, tied, how))
+            else:
+                only.append(OnlyIn(norm, orig, t.dtype, t.shape, t.group))
+
+
+def renamed(name: str, renames: Iterable[Rename], side: str) -> str:
+    """Apply one side's renames to any name (for names that are not tensors of the index).
+
+    Args:
+        name: A name as that side writes it.
+        renames: The renames of a :class:`DiffResult`.
+        side: ``a`` or ``b``.
+
+    Returns:
+        The name as it is matched.
+    """
+    for r in renames:
+        if r.side == side and name.startswith(r.prefix) and len(name) > len(r.prefix):
+            name = name[len(r.prefix):]
+    return name
+
+
+# --- values ----------------------------------------------------------------------------------
+
+def _why_not(t: TensorInfo, label: str) -> str | None:
+    if t.kind != "dense":
+        return f"{label} holds a {t.kind} tensor"
+    if not t.chunks and (t.file is None or t.offset is None):
+        return f"{label} has no data for it"
+    return None
+
+
+def comparable(ta: TensorInfo, tb: TensorInfo) -> str | None:
+    """Why the values of two same-shaped tensors cannot be compared, or None if they can.
+
+    Args:
+        ta: The tensor in A.
+        tb: The tensor in B.
+
+    Returns:
+        A short reason, or None.
+    """
+    why = _why_not(ta, "A") or _why_not(tb, "B")
+    if why:
+        return why
+    decodable = [dtypes.DTYPES[t.dtype].numpy_name is not None for t in (ta, tb)]
+    if not all(decodable) and (any(decodable) or ta.dtype != tb.dtype):
+        return f"{ta.dtype} and {tb.dtype} cannot be compared (no numeric decoding)"
+    return None
+
+
+def _compare_all(result: DiffResult, on_progress: ProgressFn | None) -> None:
+    opts = result.options
+    todo: list[tuple[TensorDiff, TensorInfo, TensorInfo]] = []
+    for td in result.tensors:
+        if td.status == "shape_changed":
+            continue
+        ta, tb = result.index_a.tensors[td.name_a], result.index_b.tensors[td.name_b]
+        why = comparable(ta, tb)
+        if why:
+            td.status, td.reason = "skipped", why
+            continue
+        todo.append((td, ta, tb))
+    total = sum(ta.nbytes + tb.nbytes for _, ta, tb in todo)
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if on_progress is not None:
+            on_progress(min(done, total), total)
+
+    with _SideSource(result.index_a, "A") as src_a, _SideSource(result.index_b, "B") as src_b:
+        for td, ta, tb in todo:
+            tol = default_tolerance(ta.dtype, tb.dtype, rtol=opts.rtol, atol=opts.atol)
+            stats = compare_values(src_a, ta, src_b, tb, tol, block=opts.block, on_block=tick)
+            kinds = {dtypes.DTYPES[ta.dtype].kind, dtypes.DTYPES[tb.dtype].kind}
+            if not kinds & {"float", "complex"}:
+                tol = EXACT
+            td.stats, td.tolerance = stats, tol
+            td.status = ("identical" if stats.identical else
+                         "within_tolerance" if stats.within_tolerance else "changed")
+        result.only_a = _value_ties(result.only_a, result, src_a, "a")
+        result.only_b = _value_ties(result.only_b, result, src_b, "b")
+
+
+_MAX_TIE_CANDIDATES = 8
+
+
+def _value_ties(only: list[OnlyIn], result: DiffResult, src: TensorSource,
+                side: str) -> list[OnlyIn]:
+    """Mark one-sided weights that hold exactly the values of a common tensor of their side.
+
+    A DCP or plain torch save keeps a tied ``lm_head.weight`` as its own entry, so storage
+    sharing cannot reveal the tie; identical values can. Only model weights and buffers are
+    checked, against at most a few common tensors of the same dtype and shape.
+    """
+    ix = result.index_a if side == "a" else result.index_b
+    by_sig: dict[tuple[str, tuple[int, ...]], list[tuple[str, TensorInfo]]] = {}
+    for td in result.tensors:
+        if td.status in ("identical", "within_tolerance"):
+            t = ix.tensors[td.name_a if side == "a" else td.name_b]
+            by_sig.setdefault((t.dtype, t.shape), []).append((td.name, t))
+    out: list[OnlyIn] = []
+    for o in only:
+        if o.tied_to is None and o.group in WEIGHT_GROUPS:
+            t = ix.tensors[o.original]
+            for name, u in by_sig.get((t.dtype, t.shape), [])[:_MAX_TIE_CANDIDATES]:
+                if comparable(t, u) is None and compare_values(
+                        src, t, src, u, EXACT, block=result.options.block).identical:
+                    o = dataclasses.replace(o, tied_to=name, tie="values")
+                    break
+        out.append(o)
+    return out
+
+
+# --- metadata --------------------------------------------------------------------------------
+
+_CANONICAL = {"step": "step", "global_step": "step", "epoch": "epoch"}
+
+
+def facts(index: CheckpointIndex, *, everything: bool = False) -> dict[str, Any]:
+    """The non-tensor values of a checkpoint that ``diff`` compares, by flattened key.
+
+    Training metadata (``step``, ``epoch``, ``lr``, versions; nested dicts such as
+    ``hyper_parameters`` flattened one level) plus the checkpoint's non-tensor leaves. Leaves
+    under optimizer, scheduler, RNG and loop-state keys, or read from such files (DeepSpeed's
+    ``*_optim_states.pt``, ``rng_state.pth``), are left out unless ``everything``.
+
+    Args:
+        index: The checkpoint.
+        everything: Keep optimizer/RNG/scheduler leaves too.
+
+    Returns:
+        Values by key.
+    """
+    out: dict[str, Any] = {}
+    meta = index.metadata
+    for k, v in meta.items():
+        if isinstance(v, dict):
+            for k2, v2 in v.items():
+                # A safetensors header's step/epoch is already the canonical step/epoch.
+                if k == "safetensors_metadata" and _CANONICAL.get(k2) in meta:
+                    continue
+                out[f"{k}.{k2}"] = v2
+        else:
+            out[k] = v
+    for k, v in index.objects.items():
+        if everything or _training_state(k) is None:
+            out.setdefault(k, v)
+    return out
+
+
+def _training_state(key: str) -> str | None:
+    """``optimizer`` or ``other`` for a non-tensor leaf holding optimizer/scheduler/RNG/loop
+    state, judged by its top-level key or the file stem naming it (``optimizer.``,
+    ``zero_pp_rank_0_mp_rank_00_optim_states.``, ``rng_state.``); None otherwise."""
+    head = key.split(".", 1)[0]
+    group = group_of((head,), None, "meta")
+    if group in ("optimizer", "other"):
+        return group
+    role = role_of(head + ".pt")
+    return {"optimizer": "optimizer", "scheduler": "other", "rng": "other",
+            "other": "other"}.get(role)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
+
+
+def diff_metadata(index_a: CheckpointIndex, index_b: CheckpointIndex, *,
+                  everything: bool = False) -> list[MetaDiff]:
+    """The non-tensor values that differ between two checkpoints.
+
+    Args:
+        index_a: Side A.
+        index_b: Side B.
+        everything: Include optimizer/RNG/scheduler values (see :func:`facts`).
+
+    Returns:
+        Differences in A's key order, then B-only keys in B's order.
+    """
+    fa, fb = facts(index_a, everything=everything), facts(index_b, everything=everything)
+    out: list[MetaDiff] = []
+    for k, va in fa.items():
+        if k not in fb:
+            out.append(MetaDiff(k, va, None, "only_in_a"))
+        elif not _same(va, fb[k]):
+            out.append(MetaDiff(k, va, fb[k], "changed"))
+    out.extend(MetaDiff(k, None, vb, "only_in_b") for k, vb in fb.items() if k not in fa)
+    return out

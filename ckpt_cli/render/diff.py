@@ -1,0 +1,415 @@
+"""Output of ``ckpt diff``: the summary and tables for people, the JSON document for machines."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.ops.diff import DiffResult, MetaDiff, ModuleDiff, OnlyIn, TensorDiff
+from ckpt_cli.render import human
+
+_STATUS_STYLE = {"equal": "bold green", "different": "bold red"}
+
+
+# --- JSON ------------------------------------------------------------------------------------
+
+def _num(x: float) -> float | None:
+    """A statistic for JSON: non-finite values (a change from zero, NaN mismatches) are null."""
+    return x if math.isfinite(x) else None
+
+
+def _side(index: CheckpointIndex, path: str, compared: int,
+          excluded: dict[str, int]) -> dict[str, Any]:
+    return {"path": path, "format": index.format, "flavor": index.flavor,
+            "num_files": len(index.files), "file_bytes": index.file_bytes,
+            "num_tensors": len(index.tensors), "num_parameters": index.num_parameters,
+            "compared": compared, "excluded": excluded,
+            "warnings": [f.to_dict() for f in index.findings]}
+
+
+def _only(o: OnlyIn) -> dict[str, Any]:
+    return {"name": o.name, "original_name": o.original, "dtype": o.dtype,
+            "shape": list(o.shape), "group": o.group, "tied_to": o.tied_to, "tie": o.tie}
+
+
+def tensor_json(t: TensorDiff) -> dict[str, Any]:
+    """One common tensor's JSON form (statistics null when values were not compared)."""
+    s, tol = t.stats, t.tolerance
+    return {
+        "name": t.name, "name_a": t.name_a, "name_b": t.name_b, "group": t.group,
+        "dtype_a": t.dtype_a, "dtype_b": t.dtype_b, "shape_a": list(t.shape_a),
+        "shape_b": list(t.shape_b), "status": t.status, "reason": t.reason,
+        "elements": s.elements if s else None,
+        "elements_changed": s.changed if s else None,
+        "elements_outside_tolerance": s.outside if s else None,
+        "nonfinite_mismatches": s.nonfinite_mismatches if s else None,
+        "nonfinite_matched": s.nonfinite_matched if s else None,
+        "max_abs": _num(s.max_abs) if s and not s.raw_only else None,
+        "mean_abs": _num(s.mean_abs) if s and not s.raw_only else None,
+        "rel_l2": _num(s.rel_l2) if s and not s.raw_only else None,
+        "norm_a": _num(s.norm_a) if s and not s.raw_only else None,
+        "norm_b": _num(s.norm_b) if s and not s.raw_only else None,
+        "norm_diff": _num(s.norm_diff) if s and not s.raw_only else None,
+        "rtol": tol.rtol if tol else None, "atol": tol.atol if tol else None,
+        "tolerance": tol.source if tol else None,
+    }
+
+
+def _meta(m: MetaDiff) -> dict[str, Any]:
+    return {"key": m.key, "a": m.a, "b": m.b, "status": m.status}
+
+
+def _module(m: ModuleDiff) -> dict[str, Any]:
+    return {"name": m.name, "tensors": m.tensors, "changed": m.changed,
+            "only_in_a": m.only_in_a, "only_in_b": m.only_in_b, "parameters": m.parameters,
+            "norm_a": _num(m.norm_a), "norm_b": _num(m.norm_b),
+            "norm_diff": _num(m.norm_diff), "rel_l2": _num(m.rel_l2)}
+
+
+def summary_counts(r: DiffResult) -> dict[str, int]:
+    """The ``summary`` object: how many tensors and values fall in each outcome."""
+    counts = {s: len(r.with_status(s)) for s in ("identical", "within_tolerance", "changed",
+                                                 "shape_changed", "skipped", "not_compared")}
+    compared = [t.stats for t in r.tensors if t.stats is not None]
+    return {
+        "common": len(r.tensors), **counts,
+        "only_in_a": len(r.only_a), "only_in_b": len(r.only_b),
+        "tied_only_in_a": sum(o.tied_to is not None for o in r.only_a),
+        "tied_only_in_b": sum(o.tied_to is not None for o in r.only_b),
+        "dtype_changes": len(r.dtype_changes),
+        "metadata_changed": len(r.metadata_changes),
+        "metadata_only_in_a": sum(m.status == "only_in_a" for m in r.metadata),
+        "metadata_only_in_b": sum(m.status == "only_in_b" for m in r.metadata),
+        "elements_compared": sum(s.elements for s in compared),
+        "elements_changed": sum(s.changed for s in compared),
+    }
+
+
+def to_json(r: DiffResult, path_a: str, path_b: str, *, by_module: bool = False,
+            depth: int | None = None) -> dict[str, Any]:
+    """The ``diff`` JSON document (without ``schema_version``/``command``; see json.emit).
+
+    Args:
+        r: The result.
+        path_a: A's path as given.
+        path_b: B's path as given.
+        by_module: Include the per-module roll-up.
+        depth: Module depth of the roll-up.
+
+    Returns:
+        The document (layout in docs/json-schema.md).
+    """
+    o = r.options
+    doc: dict[str, Any] = {
+        "a": _side(r.index_a, path_a, len(r.tensors) + len(r.only_a), r.excluded_a),
+        "b": _side(r.index_b, path_b, len(r.tensors) + len(r.only_b), r.excluded_b),
+        "equal": r.equal,
+        "differences": r.differences(),
+        "scope": r.scope,
+        "scope_note": r.scope_note,
+        "values_compared": o.values,
+        "metadata_compared": o.metadata,
+        "options": {"rtol": o.rtol, "atol": o.atol, "strip_prefixes": list(o.strip_prefixes),
+                    "auto_names": o.auto_names, "filter": o.filter_glob},
+        "renames": [dataclasses.asdict(x) for x in r.renames],
+        "summary": summary_counts(r),
+        "only_in_a": [_only(x) for x in r.only_a],
+        "only_in_b": [_only(x) for x in r.only_b],
+        "tensors": [tensor_json(t) for t in r.tensors],
+        "metadata": [_meta(m) for m in r.metadata],
+    }
+    if by_module:
+        doc["modules"] = [_module(m) for m in r.by_module(depth)]
+    return doc
+
+
+# --- people ----------------------------------------------------------------------------------
+
+def _g(x: float) -> str:
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.3g}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def _short(v: Any, width: int = 40) -> str:
+    text = "-" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v))
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _names(items: list[str], limit: int = 3) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", … {len(items) - limit} more" if len(items) > limit else "")
+
+
+def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
+    """The summary grid: sides, names, scope, tensors, dtypes, metadata and the verdict."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for label, ix, path in (("A", r.index_a, path_a), ("B", r.index_b, path_b)):
+        fmt = ix.format + (f" ({ix.flavor})" if ix.flavor and ix.flavor != ix.format else "")
+        _add(grid, label, f"{path}  ({fmt}, {_plural(len(ix.tensors), 'tensor')}, "
+                          f"{human.size(ix.file_bytes)})")
+    if r.renames:
+        _add(grid, "Names", "; ".join(
+            f"{x.side.upper()}: stripped {x.prefix!r} from {_plural(x.tensors, 'name')}"
+            f"{' (automatic)' if x.source == 'auto' else ''}" for x in r.renames))
+    scope = ("model weights and buffers" if r.scope == "weights" else "all tensors")
+    excluded = [f"{side} " + ", ".join(f"{n:,} {g}" for g, n in sorted(ex.items()))
+                for side, ex in (("A", r.excluded_a), ("B", r.excluded_b)) if ex]
+    if r.options.filter_glob:
+        scope += f" matching {r.options.filter_glob!r}"
+    if excluded:
+        scope += "; not compared: " + "; ".join(excluded)
+        if r.scope == "weights":
+            scope += " (--all compares them)"
+    if r.scope_note:
+        scope += f" ({r.scope_note})"
+    _add(grid, "Scope", scope)
+    _add(grid, "Tensors", _tensor_line(r))
+    for line in _dtype_lines(r):
+        _add(grid, "Dtypes", line)
+    only = [(side, items) for side, items in (("A", r.only_a), ("B", r.only_b)) if items]
+    for side, items in only:
+        text = f"{side}: {_plural(len(items), 'tensor')} ({_names([o.name for o in items])})"
+        tied = [o for o in items if o.tied_to]
+        if tied:
+            text += "; not a difference: " + _names(
+                [f"{o.name} is a tied copy of {o.tied_to}" for o in tied])
+        _add(grid, "Only in", text)
+    if r.options.metadata:
+        _add(grid, "Metadata", _meta_line(r))
+    diffs = r.differences()
+    verdict = Text("equal" if not diffs else "different", style=_STATUS_STYLE[
+        "equal" if not diffs else "different"])
+    if diffs:
+        verdict.append(": " + ", ".join(diffs))
+    elif r.with_status("within_tolerance"):
+        verdict.append(" (within tolerance)")
+    if r.with_status("skipped"):
+        verdict.append(f"; {_plural(len(r.with_status('skipped')), 'tensor')} not compared",
+                       style="yellow")
+    _add(grid, "Result", verdict)
+    return grid
+
+
+def _tensor_line(r: DiffResult) -> str:
+    parts = []
+    for status, word in (("identical", "identical"), ("within_tolerance", "within tolerance"),
+                         ("changed", "changed"), ("shape_changed", "shape changed"),
+                         ("skipped", "skipped"), ("not_compared", "values not compared")):
+        n = len(r.with_status(status))
+        if n:
+            parts.append(f"{n:,} {word}")
+    line = f"{len(r.tensors):,} in both" + (": " + ", ".join(parts) if parts else "")
+    stats = [t.stats for t in r.tensors if t.stats is not None and not t.stats.raw_only]
+    total = sum(s.elements for s in stats)
+    if total and r.changed:
+        changed = sum(s.changed for s in stats)
+        line += f" ({human.count(changed)} of {human.count(total)} elements differ)"
+    reasons = sorted({t.reason for t in r.with_status("skipped") if t.reason})
+    if reasons:
+        line += f"; skipped because {_names(reasons, 2)}"
+    return line
+
+
+def _dtype_lines(r: DiffResult) -> list[str]:
+    pairs: dict[tuple[str, str], list[TensorDiff]] = {}
+    for t in r.dtype_changes:
+        pairs.setdefault((t.dtype_a, t.dtype_b), []).append(t)
+    lines = []
+    for (da, db), items in pairs.items():
+        line = f"{_plural(len(items), 'tensor')} {da} in A, {db} in B"
+        tols = {t.tolerance for t in items if t.tolerance is not None}
+        if len(tols) == 1:
+            tol = next(iter(tols))
+            within = sum(t.status in ("identical", "within_tolerance") for t in items)
+            how = (f"{tol.source.removeprefix('dtype:')} rounding"
+                   if tol.source.startswith("dtype:") else tol.source)
+            line += (f"; values compared within {how} (rtol {tol.rtol:.2g}, atol "
+                     f"{tol.atol:.2g}): {within:,} equal")
+        lines.append(line)
+    user = {t.tolerance for t in r.tensors if t.tolerance and t.tolerance.source == "user"}
+    if user and not pairs:
+        tol = next(iter(user))
+        lines.append(f"tolerance rtol {tol.rtol:.2g}, atol {tol.atol:.2g} (--rtol/--atol)")
+    return lines
+
+
+def _meta_line(r: DiffResult) -> str:
+    changed = r.metadata_changes
+    only_a = [m.key for m in r.metadata if m.status == "only_in_a"]
+    only_b = [m.key for m in r.metadata if m.status == "only_in_b"]
+    parts = []
+    if changed:
+        parts.append(f"{len(changed)} changed (" + _names(
+            [f"{m.key} {_short(m.a, 16)} → {_short(m.b, 16)}" for m in changed]) + ")")
+    else:
+        parts.append("values both sides have are equal")
+    for side, keys in (("A", only_a), ("B", only_b)):
+        if keys:
+            parts.append(f"{len(keys)} only in {side}" + (f" ({keys[0]})" if len(keys) == 1
+                                                          else ""))
+    return "; ".join(parts)
+
+
+def _add(table: Table, *cells: str | Text, style: str | None = None) -> None:
+    """Add a row; plain strings are literal text (tensor names may contain rich markup)."""
+    table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells), style=style)
+
+
+_BAR = 16
+
+
+def _table(*cols: tuple[str, str]) -> Table:
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for i, (name, justify) in enumerate(cols):
+        if i == 0:  # names matter most: wrap them rather than cut them
+            table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+        elif not name:  # the bar
+            table.add_column(name, no_wrap=True, min_width=_BAR)
+        else:
+            table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    return table
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def changed_table(r: DiffResult, top: int | None) -> Table:
+    """Changed tensors, most changed (relative L2) first, with a bar relative to the largest."""
+    rows = r.changed
+    finite = [t.rel_l2 for t in rows if math.isfinite(t.rel_l2)]
+    scale = max(finite, default=0.0)
+    table = _table(("Tensor", "left"), ("Dtype", "left"), ("Shape", "left"),
+                   ("Changed", "right"), ("Max abs", "right"), ("Mean abs", "right"),
+                   ("Rel L2", "right"), ("", "left"))
+    for t in rows[:top] if top else rows:
+        s = t.stats
+        assert s is not None
+        dtype = t.dtype_a if not t.dtype_changed else f"{t.dtype_a}→{t.dtype_b}"
+        frac = 1.0 if not math.isfinite(t.rel_l2) else (t.rel_l2 / scale if scale else 0.0)
+        if s.raw_only:  # packed sub-byte values: only bytes were compared
+            _add(table, t.name, dtype, _shape(t.shape_a), _plural(s.changed, "byte"), "-", "-",
+                 "-", "")
+            continue
+        changed = f"{100 * s.changed / s.elements:.1f}%" if s.elements else "-"
+        if s.nonfinite_mismatches:
+            changed += f" ({s.nonfinite_mismatches:,} NaN/inf)"
+        _add(table, t.name, dtype, _shape(t.shape_a), changed, _g(s.max_abs),
+                      _g(s.mean_abs), _g(t.rel_l2), human.bar(frac, _BAR))
+    return table
+
+
+def only_table(items: list[OnlyIn], top: int | None) -> Table:
+    """Tensors on one side only."""
+    table = _table(("Tensor", "left"), ("Dtype", "left"), ("Shape", "left"), ("Group", "left"),
+                   ("Note", "left"))
+    for o in items[:top] if top else items:
+        note = f"tied copy of {o.tied_to} ({o.tie})" if o.tied_to else ""
+        if o.original != o.name:
+            note = "; ".join(x for x in (f"stored as {o.original}", note) if x)
+        _add(table, o.name, o.dtype, _shape(o.shape), o.group, note)
+    return table
+
+
+def shape_table(items: list[TensorDiff], top: int | None) -> Table:
+    """Tensors whose shapes differ."""
+    table = _table(("Tensor", "left"), ("A", "left"), ("B", "left"))
+    for t in items[:top] if top else items:
+        _add(table, t.name, f"{t.dtype_a} {_shape(t.shape_a)}",
+                      f"{t.dtype_b} {_shape(t.shape_b)}")
+    return table
+
+
+def meta_table(items: list[MetaDiff], top: int | None) -> Table:
+    """Non-tensor values that differ (changed first, then one-sided)."""
+    table = _table(("Key", "left"), ("A", "left"), ("B", "left"))
+    order = sorted(items, key=lambda m: m.status != "changed")
+    for m in order[:top] if top else order:
+        style = None if m.status == "changed" else "dim"
+        _add(table, m.key, _short(m.a), _short(m.b), style=style)
+    return table
+
+
+def module_table(mods: list[ModuleDiff]) -> Table:
+    """The per-module roll-up, in model order, bars relative to the most changed module."""
+    finite = [m.rel_l2 for m in mods if math.isfinite(m.rel_l2)]
+    scale = max(finite, default=0.0)
+    table = _table(("Module", "left"), ("Tensors", "right"), ("Changed", "right"),
+                   ("Only A", "right"), ("Only B", "right"), ("Params", "right"),
+                   ("Rel L2", "right"), ("", "left"))
+    for m in mods:
+        frac = 1.0 if not math.isfinite(m.rel_l2) else (m.rel_l2 / scale if scale else 0.0)
+        _add(table, m.name, f"{m.tensors:,}", f"{m.changed:,}", f"{m.only_in_a:,}",
+                      f"{m.only_in_b:,}", human.count(m.parameters), _g(m.rel_l2),
+                      human.bar(frac, _BAR))
+    return table
+
+
+def _section(out: Console, title: str, total: int, shown: int, body: Table) -> None:
+    out.print()
+    out.print(Text(title, style="bold"))
+    out.print(body)
+    if shown < total:
+        out.print(Text(f"… {total - shown:,} more (--top 0 shows all)", style="dim"))
+
+
+def render(r: DiffResult, path_a: str, path_b: str, *, top: int | None = 20,
+           by_module: bool = False, depth: int | None = None,
+           console: Console | None = None) -> None:
+    """Print the summary and the tables of a diff.
+
+    Args:
+        r: The result.
+        path_a: A's path as given.
+        path_b: B's path as given.
+        top: Rows per table (None or 0: all).
+        by_module: Add the per-module roll-up.
+        depth: Module depth of the roll-up.
+        console: Where to print (default stdout).
+    """
+    out = console or human.stdout()
+    top = top or None
+    out.print(summary(r, path_a, path_b))
+
+    def shown(n: int) -> int:
+        return min(n, top) if top else n
+
+    changed = r.changed
+    if changed:
+        _section(out, f"Changed tensors ({len(changed):,}, most changed first)", len(changed),
+                 shown(len(changed)), changed_table(r, top))
+    if r.shape_changes:
+        _section(out, f"Shape changes ({len(r.shape_changes):,})", len(r.shape_changes),
+                 shown(len(r.shape_changes)), shape_table(r.shape_changes, top))
+    for side, items in (("A", r.only_a), ("B", r.only_b)):
+        if items:
+            _section(out, f"Only in {side} ({len(items):,})", len(items), shown(len(items)),
+                     only_table(items, top))
+    if r.metadata:
+        _section(out, f"Metadata differences ({len(r.metadata):,})", len(r.metadata),
+                 shown(len(r.metadata)), meta_table(r.metadata, top))
+    if by_module:
+        mods = r.by_module(depth)
+        _section(out, f"By module ({len(mods):,})", len(mods), len(mods), module_table(mods))
+
+
+def print_warnings(r: DiffResult) -> None:
+    """Each side's reader findings (warnings and errors) on stderr, labelled A or B."""
+    for label, ix in (("A", r.index_a), ("B", r.index_b)):
+        human.print_findings(dataclasses.replace(f, file=f"{label}: {f.file}" if f.file
+                                                 else label) for f in ix.findings)
