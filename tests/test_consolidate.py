@@ -206,3 +206,13 @@ def test_output_is_readable_by_ckpt(sample_run: Path, tmp_path: Path) -> None:
     consolidate(sample_run / "step_000400", out, max_shard_size=200_000)
     index = read_index(out)
     assert index.format == "hf-index" and index.findings == []
+
+
+def test_consolidate_round_trip_proven_by_ckpt_diff(sample_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cons"
+    assert run_cli("consolidate", sample_run / "step_000400", "-o", out,
+                   "--with-optimizer").exit_code == 0
+    d = run_cli("diff", sample_run / "step_000400", out, "--all", "--json")
+    doc = json.loads(d.stdout)
+    assert d.exit_code == 0 and doc["equal"] is True, d.stdout[-2000:]
+    assert doc["summary"]["identical"] == len(doc["tensors"]) == 114

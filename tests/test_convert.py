@@ -274,3 +274,29 @@ def test_convert_does_not_import_torch(tmp_path: Path) -> None:
     imported, tail = _imports_torch("convert", str(tmp_path / "m.safetensors"), "--to", "bf16",
                                     "-o", str(tmp_path / "o.safetensors"))
     assert not imported and "EXIT=0" in tail, tail
+
+
+@pytest.mark.parametrize("src_name,to", [("step_000100", "fp16"), ("step_000400", "bf16"),
+                                         ("step_000300", "keep")])
+def test_round_trip_proven_by_ckpt_diff(sample_run: Path, tmp_path: Path, src_name: str,
+                                        to: str) -> None:
+    src = sample_run / src_name
+    out = tmp_path / "out"
+    r = run_cli("convert", src, "--to", to, "--max-shard-size", "200KB", "-o", out)
+    assert r.exit_code == 0, r.stderr
+    d = run_cli("diff", src, out, "--json")
+    assert d.exit_code == 0, d.stdout + d.stderr
+    doc = json.loads(d.stdout)
+    assert doc["equal"] is True
+    statuses = {t["status"] for t in doc["tensors"]}
+    assert statuses <= {"identical", "within_tolerance"}
+    if to != "keep":
+        assert "within_tolerance" in statuses  # casts are rounding, judged with FP16/BF16 ulps
+    # A value changed after conversion is caught.
+    shard = sorted(out.glob("model-*.safetensors"))[0]
+    tensors = load_file(shard)
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert run_cli("diff", src, out).exit_code == 1
+
