@@ -270,14 +270,16 @@ def _add(table: Table, *cells: str | Text, style: str | None = None) -> None:
     table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells), style=style)
 
 
-_BAR = 16
+_BAR = 12
+_NAME_MIN = 28
 
 
 def _table(*cols: tuple[str, str]) -> Table:
     table = Table(box=None, pad_edge=False, show_edge=False)
     for i, (name, justify) in enumerate(cols):
-        if i == 0:  # names matter most: wrap them rather than cut them
-            table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+        if i == 0:  # names matter most: keep them readable, wrap rather than cut them
+            table.add_column(name, justify=justify, overflow="fold",  # type: ignore[arg-type]
+                             min_width=_NAME_MIN)
         elif not name:  # the bar
             table.add_column(name, no_wrap=True, min_width=_BAR)
         else:
