@@ -1,12 +1,12 @@
 """Reading every byte of large files: bounded memory, parallel threads, progress.
 
 ``validate``'s CRC-32 pass and the integrity manifest read whole checkpoints. Both stream byte
-ranges through small reusable buffers with positioned reads (``os.preadv``), so memory is a few
-MiB per thread whatever the file size, and a file that shrinks while it is read gives a clean
-"file ends early" error instead of the SIGBUS an mmap would die of. The checksums applied to
-the buffers (ISA-L's CRC-32, xxh3, BLAKE3, OpenSSL's SHA-256) release the GIL, so threads
-overlap on several cores. The buffer is 1 MiB: small enough to stay in L2 while it is
-checksummed right after the copy.
+ranges through small reusable buffers with positioned reads (``os.preadv``), so memory is a
+buffer per thread whatever the file size, and a file that shrinks while it is read gives a
+clean "file ends early" error (and a failing disk an I/O error) instead of the SIGBUS an mmap
+would die of. The checksums applied to the buffers (ISA-L's CRC-32, xxh3, BLAKE3, OpenSSL's
+SHA-256) release the GIL, so threads overlap on several cores. Buffers are small enough to
+stay in L2 while they are checksummed right after the copy.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ except ImportError:  # pragma: no cover - isal has wheels for the platforms ckpt
 
     _crc32_combine = None
 
-BUFFER_SIZE = 1 << 20
-"""Bytes per positioned read."""
+BUFFER_SIZE = 512 << 10
+"""Bytes per positioned read: the copy and the checksum both run on L2-resident bytes
+(measured: 512 KiB reads hash at ~83% of a bare read's speed, 4 MiB ones at ~75%; a helper
+thread reading ahead was slower still on a busy 2-core machine)."""
 
 T = TypeVar("T")
 

@@ -200,16 +200,20 @@ def test_data_descriptor_disagrees(pt_file: Path) -> None:
     assert found(r, "zip-data-descriptor")
 
 
-def test_missing_storage_record(tmp_path: Path) -> None:
+@pytest.mark.parametrize("new_name,code,check", [
+    ("9", "missing-storage", "storages"),  # the pickle's storage 1 is gone
+    ("0", "zip-duplicate-name", "zip-structure"),  # two records called data/0
+])
+def test_renamed_storage_record(tmp_path: Path, new_name: str, code: str, check: str) -> None:
     p = tmp_path / "m.pt"
     torch.save({"a": torch.arange(10.0), "b": torch.ones(3)}, p)
     data = bytearray(p.read_bytes())
-    # Rename record data/1 to data/9 in both its local header and the central directory.
+    # Rename record data/1 in both its local header and the central directory.
     for i in [j for j in range(len(data)) if data.startswith(b"m/data/1", j)]:
-        data[i + 7] = ord("9")
+        data[i + 7] = ord(new_name)
     p.write_bytes(bytes(data))
     r = report(p)
-    assert found(r, "missing-storage") and check_of(r, "missing-storage") == "storages"
+    assert found(r, code) and check_of(r, code) == check
 
 
 def test_view_larger_than_its_storage(tmp_path: Path) -> None:
@@ -796,3 +800,62 @@ def test_unrecognisable_input_is_an_error_not_a_finding(tmp_path: Path) -> None:
         validate(p)
     with pytest.raises(CkptError, match="no such file"):
         validate(tmp_path / "missing.pt")
+
+
+def test_dcp_items_overlap(sample_copy: Path) -> None:
+    d = sample_copy / "step_000400"
+
+    def overlap(md: Any) -> None:  # point the chunk at row 384 into the bytes of row 0's
+        rows = {k.offset[0]: md.storage_data[k] for k in md.storage_data
+                if k.fqn == "model.wte.weight"}
+        rows[384].relative_path, rows[384].offset = rows[0].relative_path, rows[0].offset + 10
+
+    damage.edit_dcp_metadata(d, overlap)
+    r = report(d)
+    assert found(r, "item-overlap") and check_of(r, "item-overlap") == "dcp-storage"
+    # ... and the bytes there are no zip of their own.
+    assert any(f.location and f.location.startswith("model.wte.weight@[384, 0]")
+               for f in r.findings if f.severity == "error" and f.code.startswith("zip-"))
+
+
+def test_dcp_object_item_past_the_end(sample_copy: Path) -> None:
+    d = sample_copy / "step_000400"
+
+    def stretch(md: Any) -> None:
+        k = next(k for k in md.storage_data if k.fqn == "step")
+        md.storage_data[k].length = 10**9
+
+    damage.edit_dcp_metadata(d, stretch)
+    r = report(d)
+    bad = found(r, "item-out-of-bounds")
+    assert [f.location for f in bad] == ["step"] and check_of(r, "item-out-of-bounds") == (
+        "dcp-storage")
+
+
+def test_progress_is_reported(pt_file: Path) -> None:
+    calls: list[tuple[str, int, int]] = []
+    validate(pt_file, values=True, write_manifest=True,
+             on_progress=lambda label, done, total: calls.append((label, done, total)))
+    labels = {c[0] for c in calls}
+    assert {"train.pt: CRC-32", "train.pt: values", "train.pt: hashing"} <= labels, labels
+    for label in labels:
+        mine = [c for c in calls if c[0] == label]
+        assert mine[0][1] == 0 and mine[-1][1] == mine[-1][2] > 0, mine
+        assert [c[1] for c in mine] == sorted(c[1] for c in mine)
+
+
+def test_validate_writes_nothing_unless_asked(sample_copy: Path) -> None:
+    def snapshot() -> dict[str, tuple[int, int]]:
+        return {str(p.relative_to(sample_copy)): (p.stat().st_size, p.stat().st_mtime_ns)
+                for p in sample_copy.rglob("*")}
+
+    before = snapshot()
+    validate(sample_copy, values=True)
+    validate(sample_copy / "step_000400", values=True)
+    assert snapshot() == before
+    validate(sample_copy, write_manifest=True)
+    after = snapshot()
+    added = sorted(set(after) - set(before))
+    assert added == [f"step_000{n}00/ckpt-manifest.json" for n in range(1, 5)]
+    files = {k for k in before if (sample_copy / k).is_file()}  # directories gained a file
+    assert {k: after[k] for k in files} == {k: before[k] for k in files}

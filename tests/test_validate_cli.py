@@ -195,3 +195,45 @@ def test_validate_does_not_import_torch(tmp_path: Path) -> None:
 def test_validate_dcp_does_not_import_torch(sample_run: Path) -> None:
     imported, tail = _imports_torch("validate", str(sample_run / "step_000400"), "--values")
     assert not imported and "EXIT=0" in tail, tail
+
+
+def test_junit_of_a_run_directory(sample_copy: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run.xml"
+    (sample_copy / "latest").write_text("step_000900")
+    r = run_cli("validate", sample_copy, "--junit", out, "--quick")
+    assert r.exit_code == 1
+    suites = ET.parse(out).getroot().findall("testsuite")
+    assert [s.get("name") for s in suites] == [
+        *(str(sample_copy / f"step_000{n}00") for n in range(1, 5)),
+        f"{sample_copy} (run directory)"]
+    run_cases = {c.get("name"): c for c in suites[-1].findall("testcase")}
+    failure = run_cases["latest-pointer"].find("failure")
+    assert failure is not None and "step_000900" in (failure.text or "")
+    assert all(s.get("failures") == "0" for s in suites[:-1])
+
+
+def test_no_color_and_no_progress_when_not_a_terminal(pt: Path) -> None:
+    r = run_cli("validate", pt, "--values", "--write-manifest")
+    assert r.exit_code == 0
+    assert "\x1b[" not in r.stdout and r.stderr == ""
+
+
+def test_progress_bar_on_a_terminal(pt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from ckpt_cli.ops.validate import validate
+    from ckpt_cli.render import human, progress
+
+    buf = io.StringIO()
+    monkeypatch.setattr(human, "is_tty", lambda: True)
+    monkeypatch.setattr(human, "stderr", lambda: Console(file=buf, force_terminal=True,
+                                                         width=100))
+    with progress.progress_bar() as on_progress:
+        assert on_progress is not None
+        validate(pt, values=True, on_progress=on_progress)
+    shown = buf.getvalue()
+    assert "train.pt: CRC-32" in shown and "train.pt: values" in shown
+    with progress.progress_bar(enabled=False) as off:  # --quiet
+        assert off is None

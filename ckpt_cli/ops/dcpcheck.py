@@ -42,7 +42,9 @@ class DcpReport:
         zips: Zip structure problems inside items (``zip-structure``).
         pickles: Pickle globals inside items (``pickle-safety``).
         crc: CRC tasks for every record of every decodable item.
-        items: Items (tensor chunks and objects) examined.
+        items: Items (tensor chunks and objects) decoded.
+        placed: Items named by ``.metadata``.
+        files: Files they are stored in.
         tensors: Tensors whose tiling was checked.
         undecoded: Items skipped because of storage transforms (compression).
     """
@@ -54,6 +56,8 @@ class DcpReport:
     pickles: list[Finding] = field(default_factory=list)
     crc: list[CrcTask] = field(default_factory=list)
     items: int = 0
+    placed: int = 0
+    files: int = 0
     tensors: int = 0
     undecoded: int = 0
 
@@ -99,6 +103,7 @@ def check_dcp(index: CheckpointIndex, directory: Path, files: OpenFiles, *, pref
     items = [_Item(fqn, offs, rel, off, length, tr)
              for (fqn, offs), (rel, off, length, tr) in storage.items()]
     sizes = _file_sizes(directory, items)
+    report.placed, report.files = len(items), len({i.rel for i in items})
     _placement(report, items, sizes, directory, prefix)
     _tiling(report, index, prefix)
     if decode:
@@ -125,6 +130,7 @@ def _size(path: Path) -> int | None:
 def _placement(report: DcpReport, items: list[_Item], sizes: dict[str, int], directory: Path,
                prefix: str) -> None:
     by_file: dict[str, list[_Item]] = {}
+    cut: set[str] = set()  # truncated files: their tail is a partial item, not a gap
     for it in items:
         if it.offset < 0 or it.length < 0:
             report.storage.append(Finding("error", "item-out-of-bounds",
@@ -135,6 +141,7 @@ def _placement(report: DcpReport, items: list[_Item], sizes: dict[str, int], dir
         if size is None:
             continue  # the reader reports the missing file
         if it.offset + it.length > size:
+            cut.add(it.rel)
             # Tensor chunks past the end are reported by the reader (chunk-out-of-bounds).
             if it.offsets is None:
                 report.storage.append(Finding(
@@ -159,7 +166,7 @@ def _placement(report: DcpReport, items: list[_Item], sizes: dict[str, int], dir
                     prefix + rel, it.where))
             if it.offset + it.length >= pos:
                 pos, prev = it.offset + it.length, it
-        if pos < sizes[rel]:
+        if pos < sizes[rel] and rel not in cut:
             report.storage.append(Finding(
                 "warning", "item-gap",
                 f"{sizes[rel] - pos:,} bytes after the last item belong to no item (appended "

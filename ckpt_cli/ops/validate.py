@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import humanize
 
 from ckpt_cli.errors import (
     CkptError,
@@ -33,15 +34,11 @@ from ckpt_cli.errors import (
 from ckpt_cli.formats import (
     check_exists,
     dcp,
-    deepspeed,
     get_reader,
-    hf_index,
-    megatron,
     read_index,
 )
 from ckpt_cli.formats.base import rel_to
-from ckpt_cli.formats.containers import OPTIMIZER_KEYS
-from ckpt_cli.formats.rundir import POINTER_FILES, is_leftover, is_run_dir, list_run, quick_status
+from ckpt_cli.formats.rundir import is_run_dir, list_run, quick_status
 from ckpt_cli.manifest import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
@@ -55,6 +52,15 @@ from ckpt_cli.manifest import (
 )
 from ckpt_cli.model import CheckpointIndex, Finding, RunEntry, RunListing
 from ckpt_cli.ops.dcpcheck import check_dcp
+from ckpt_cli.ops.layoutcheck import (
+    ds_world,
+    leftover_findings,
+    leftover_message,
+    pointer_findings,
+    rank_findings,
+    resumable_findings,
+    stray_shards,
+)
 from ckpt_cli.ops.valuecheck import ValueStats, scan_values
 from ckpt_cli.ops.zipcheck import CrcTask, check_zip, crc_tasks, verify_crcs
 from ckpt_cli.streaming import OpenFiles, ProgressFn, default_jobs
@@ -102,7 +108,6 @@ _CODE_CHECK: dict[str, str] = {
     **dict.fromkeys(("world-size", "missing-rank"), "rank-files"),
 }
 _FORMAT_CODE_CHECK = {("megatron", "missing-file"): "rank-files"}
-_RANK_PREFIX = re.compile(r"^(?:mp_rank_\d+\S*|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_\w+)$")
 _RATE_MIN = 64 << 20  # below this, a speed says more about start-up than throughput
 _EXTENSION_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch",
                       ".bin": "torch", ".ckpt": "torch"}
@@ -417,7 +422,7 @@ def _validate_run(root: Path, opts: Options, *, latest: bool,
                         for f in run.findings if f.code == "dangling-pointer"]
     result.run_checks.append(_result("latest-pointer", pointer_findings,
                                      _pointer_summary(run.pointers)))
-    leftover = [Finding("warning", "leftover", _leftover_message(name), name)
+    leftover = [Finding("warning", "leftover", leftover_message(name), name)
                 for name in run.leftovers]
     result.run_checks.append(_result("leftovers", leftover, "no temporary or trash entries"
                                      if not leftover else f"{len(leftover)} leftover(s)"))
@@ -432,12 +437,6 @@ def _pointer_summary(pointers: dict[str, str]) -> str:
     if not pointers:
         return "no pointer files"
     return ", ".join(f"{k} -> {v}" for k, v in sorted(pointers.items()))
-
-
-def _leftover_message(name: str) -> str:
-    kind = "trash from an interrupted prune" if ".ckpt-trash-" in name else (
-        "temporary output of an interrupted write")
-    return f"{kind}; safe to delete once no job is writing here"
 
 
 def _result(check_id: str, findings: list[Finding], summary: str) -> CheckResult:
@@ -520,6 +519,12 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
             than a finding.
     """
     opts = opts or Options(jobs=default_jobs())
+    outer = opts.on_progress
+    if outer is not None:  # name the checkpoint: a run directory reports many in turn
+        def labelled(label: str, done: int, total: int) -> None:
+            outer(f"{path.name}: {label}", done, total)
+
+        opts = dataclasses.replace(opts, on_progress=labelled)
     t0 = time.perf_counter()
     report = CheckpointReport(path)
     b = _Builder()
@@ -557,7 +562,8 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
         if entry is not None and entry.step is not None:
             report.step = entry.step
     _complete(b, path, index, entry)
-    _leftovers(b, path)
+    left = leftover_findings(path)
+    b.add("leftovers", left, f"{len(left)} leftover(s)" if left else "none")
     report.manifest = _manifest(b, path, opts, has_errors=_has_errors(b))
     if report.manifest is not None:
         report.bytes_read += report.manifest.bytes
@@ -588,8 +594,8 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
     Returns:
         Bytes streamed.
     """
-    exact_ranks = index.format == "deepspeed" and _ds_world(index) is not None
-    for f in index.findings:
+    exact_ranks = index.format == "deepspeed" and ds_world(index) is not None
+    for f in _collapse_truncation(index.findings):
         if exact_ranks and f.code == "missing-rank":
             continue  # _deepspeed_ranks names each missing file instead
         if f.code == "bad-item" and not opts.quick:
@@ -605,17 +611,18 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
         n = sum(1 for f in index.files if f.format == "safetensors")
         b.add("safetensors-header", [], f"{n} safetensors header(s)")
     if "hf-index" == index.format or any(f.role == "index" for f in index.files):
-        b.add("shard-index", _stray_shards(index),
-              f"{index.layout.get('shards', 0)} shard(s) match the index")
+        b.add("shard-index", stray_shards(index),
+              f"{index.layout.get('shards', 0)} shard(s) named by the index")
     if fmts & {"torch", "torch-legacy"}:
-        b.add("storages", [], "storages present; views inside them")
+        refs = {(t.storage.file, t.storage.key) for t in index.tensors.values() if t.storage}
+        b.add("storages", [], f"{len(refs):,} storage(s) referenced")
     tasks: list[CrcTask] = []
     zips = _torch_zips(b, index, files, tasks)
     dcp_items = _dcp_checks(b, index, path, files, tasks, opts)
     if zips or dcp_items:
         what = ", ".join(x for x in (f"{zips} torch file(s)" if zips else "",
-                                     f"{dcp_items} DCP item(s)" if dcp_items else "") if x)
-        b.add("zip-structure", [], what)
+                                     f"{dcp_items:,} DCP item(s)" if dcp_items else "") if x)
+        b.add("zip-structure", [], f"{what}, {len(tasks):,} record(s)" if tasks else what)
     if "torch-legacy" in fmts and not zips and not dcp_items:
         b.skip("crc32", "legacy torch files carry no checksums (a manifest can guard them)")
     streamed = 0
@@ -629,7 +636,7 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
             dt = time.perf_counter() - t0
             streamed = total
             rate = f", {total / dt / 1e9:.2f} GB/s" if dt > 0 and total > _RATE_MIN else ""
-            b.add("crc32", found, f"{len(tasks):,} record(s), {total:,} bytes{rate}")
+            b.add("crc32", found, f"{len(tasks):,} record(s), {_size(total)}{rate}")
     if fmts & {"torch", "torch-legacy", "pickle", "dcp"}:
         found = b.findings.get("pickle-safety", [])
         worst = {f.severity for f in found}
@@ -637,32 +644,34 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
               "globals that run code if loaded unsafely" if "error" in worst else
               "unknown globals (not imported, not executed)" if "warning" in worst else
               f"{len(found)} data-holder global(s) outside torch's allowlist, read as data")
-    _rank_checks(b, index, path)
-    _pointer_checks(b, index, path)
-    _resumable(b, index, opts.require)
+    for cid, got in (("rank-files", rank_findings(index, path)),
+                     ("latest-pointer", pointer_findings(index, path))):
+        if got is not None:
+            b.add(cid, *got)
+    b.add("resumable", *resumable_findings(index, opts.require))
     return streamed
 
 
-def _stray_shards(index: CheckpointIndex) -> list[Finding]:
-    """Weight files beside an HF index that it does not name (a stale export mixed in)."""
+def _size(n: int) -> str:
+    return humanize.naturalsize(n, binary=False, format="%.1f")
+
+
+def _collapse_truncation(findings: list[Finding]) -> list[Finding]:
+    """One finding per truncated file instead of one per DCP chunk past its end."""
     out: list[Finding] = []
-    for f in index.files:
-        if f.role != "index" or not f.path.endswith(hf_index.INDEX_SUFFIXES):
+    first: dict[str | None, Finding] = {}
+    count: dict[str | None, int] = {}
+    for f in findings:
+        if f.code != "chunk-out-of-bounds":
+            out.append(f)
             continue
-        idx = index.path_of(f.path)
-        try:
-            named = set(hf_index.load_index_json(idx)[0].values())
-        except CkptError:
-            continue  # reported by the reader
-        ext = ".safetensors" if f.path.endswith(".safetensors.index.json") else ".bin"
-        strays = sorted(p.name for p in idx.parent.iterdir()
-                        if p.name.endswith(ext) and p.name not in named and p.is_file())
-        out.extend(Finding("warning", "unindexed-file",
-                           f"not named by {idx.name} (left from another export?); loaders that "
-                           "glob for weights will pick it up", rel_to(idx.parent / n,
-                                                                       index.base))
-                   for n in strays)
-    return out
+        count[f.file] = count.get(f.file, 0) + 1
+        if f.file not in first:
+            first[f.file] = f
+            out.append(f)
+    return [dataclasses.replace(f, message=f"{f.message}; {count[f.file] - 1:,} more chunk(s) "
+                                "of this file too") if f.code == "chunk-out-of-bounds"
+            and count[f.file] > 1 else f for f in out]
 
 
 def _torch_zips(b: _Builder, index: CheckpointIndex, files: OpenFiles,
@@ -720,190 +729,19 @@ def _dcp_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFile
     items = 0
     for sub_index, directory, prefix in targets:
         rep = check_dcp(sub_index, directory, files, prefix=prefix, decode=not opts.quick)
-        b.add("dcp-storage", rep.storage, "items inside their files, no overlaps")
-        b.add("dcp-tiling", rep.tiling, f"{rep.tensors:,} tensor(s) tiled exactly")
+        b.add("dcp-storage", rep.storage, f"{rep.placed:,} item(s) in {rep.files} file(s)")
+        b.add("dcp-tiling", rep.tiling, f"{rep.tensors:,} tensor(s)")
         b.add("pickle-safety", rep.pickles)
         if opts.quick:
             b.skip("dcp-chunks", "skipped (--quick)")
         else:
             note = (f"; {rep.undecoded} compressed item(s) not decoded" if rep.undecoded
                     else "")
-            b.add("dcp-chunks", rep.chunks, f"{rep.items:,} item(s) decode{note}")
+            b.add("dcp-chunks", rep.chunks, f"{rep.items:,} item(s) decoded{note}")
             b.add("zip-structure", rep.zips)
         tasks.extend(rep.crc)
         items += rep.items
     return items
-
-
-def _rank_checks(b: _Builder, index: CheckpointIndex, path: Path) -> None:
-    if index.format == "deepspeed":
-        b.add("rank-files", _deepspeed_ranks(index, path), _layout_summary(index))
-    elif index.format == "megatron":
-        b.add("rank-files", _megatron_ranks(index, path), _layout_summary(index))
-
-
-def _layout_summary(index: CheckpointIndex) -> str:
-    keys = ("zero_stage", "world_size", "mp_world_size", "tp", "pp", "ep")
-    parts = [f"{k} {index.layout[k]}" for k in keys if index.layout.get(k) is not None]
-    return ", ".join(parts) or "rank files present"
-
-
-def _ds_world(index: CheckpointIndex) -> tuple[int, int] | None:
-    """``(dp_world_size, mp_world_size)`` recorded in a DeepSpeed model-states file."""
-    dp, mp = index.objects.get("dp_world_size"), index.objects.get("mp_world_size")
-    if (isinstance(dp, int) and isinstance(mp, int) and not isinstance(dp, bool)
-            and not isinstance(mp, bool) and 0 < dp <= 1 << 20 and 0 < mp <= 1 << 20):
-        return dp, mp
-    return None
-
-
-def _deepspeed_ranks(index: CheckpointIndex, path: Path) -> list[Finding]:
-    """Exact rank-file sets of a DeepSpeed tag directory, from the world sizes in its files."""
-    model, optim, _expert = deepspeed.rank_files(path)
-    out: list[Finding] = []
-    world = _ds_world(index)
-    if world is None:
-        return out
-    dp, mp = world
-    names = {p.name for p in model + optim}
-    zero3 = any(n.startswith("zero_pp_rank_") for n in (p.name for p in model))
-    expected = ([f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt"
-                 for m in range(mp) for d in range(dp)] if zero3 else
-                [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)])
-    prefixes = {"bf16_" if p.name.startswith("bf16_") else "" for p in optim}
-    if len(prefixes) > 1:
-        out.append(Finding("error", "mixed-optimizer-files",
-                           "both bf16_ and plain optimizer rank files: two different saves "
-                           "were mixed in one directory"))
-    if optim:
-        pre = sorted(prefixes)[0]
-        expected += [f"{pre}zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
-                     for m in range(mp) for d in range(dp)]
-    missing = [n for n in expected if n not in names]
-    out.extend(Finding("error", "missing-rank-file",
-                       f"expected for dp_world_size {dp}, mp_world_size {mp} but missing", n)
-               for n in missing)
-    counts = {v if isinstance(v, int) else max(v) for k, v in index.objects.items()
-              if k.endswith("optimizer_state_dict.partition_count")
-              and (isinstance(v, int) or (isinstance(v, list) and v
-                                          and all(isinstance(x, int) for x in v)))}
-    out.extend(Finding("error", "world-size",
-                       f"optimizer state was partitioned {c} ways but dp_world_size is {dp}")
-               for c in sorted(counts - {dp}))
-    return out
-
-
-def _megatron_ranks(index: CheckpointIndex, path: Path) -> list[Finding]:
-    """Megatron: every rank directory has the same files and the directory's iteration."""
-    out: list[Finding] = []
-    ranks = megatron.rank_dirs(path)
-    with_optim = [d.name for d, *_ in ranks if (d / "distrib_optim.pt").is_file()]
-    if with_optim and len(with_optim) != len(ranks):
-        lacking = [d.name for d, *_ in ranks if d.name not in with_optim]
-        out.extend(Finding("error", "missing-rank-file",
-                           "no distrib_optim.pt, which the other rank directories have",
-                           f"{name}/distrib_optim.pt") for name in lacking)
-    m = re.fullmatch(r"iter_(\d+)", path.name)
-    if m:
-        want = int(m.group(1))
-        for key, v in index.objects.items():
-            parts = key.split(".")
-            if parts[-1] == "iteration" and len(parts) <= 2 and isinstance(v, int) and v != want:
-                where = parts[0] if len(parts) == 2 else (ranks[0][0].name if ranks else None)
-                out.append(Finding("error", "wrong-iteration",
-                                   f"holds iteration {v} but sits in {path.name}", where))
-    return out
-
-
-def _pointer_targets(directory: Path) -> list[tuple[str, str | None, str | None]]:
-    """``(pointer file, target name, problem)`` for each pointer file in ``directory``."""
-    out: list[tuple[str, str | None, str | None]] = []
-    for name in POINTER_FILES:
-        p = directory / name
-        if p.is_symlink():
-            out.append((name, Path(os.readlink(p)).name, None))
-            continue
-        if not p.is_file():
-            continue
-        try:
-            text = p.read_bytes()[:4097].decode("utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            out.append((name, None, "is not a readable text file"))
-            continue
-        if not text or len(text) > 4096 or "\n" in text:
-            out.append((name, None, "is empty or not a single line"))
-        elif name == "latest_checkpointed_iteration.txt":
-            if text == "release":
-                out.append((name, "release", None))
-            elif text.isdigit():
-                out.append((name, f"iter_{int(text):07d}", None))
-            else:
-                out.append((name, None, f"holds {text[:40]!r}, not an iteration number"))
-        else:
-            out.append((name, Path(text).name, None))
-    return out
-
-
-def _pointer_checks(b: _Builder, index: CheckpointIndex, path: Path) -> None:
-    """``latest`` pointers inside the checkpoint, and (DeepSpeed/Megatron) beside it."""
-    dirs = [path] if path.is_dir() else []
-    if index.format in ("deepspeed", "megatron") or index.flavor == "megatron-dist":
-        dirs.append(path.parent)
-    found: list[str] = []
-    findings: list[Finding] = []
-    for d in dirs:
-        where = "" if d == path else "../"
-        for name, target, problem in _pointer_targets(d):
-            rel = where + name
-            if problem:
-                findings.append(Finding("error", "bad-pointer", problem, rel))
-            elif target and not (d / target).exists():
-                findings.append(Finding(
-                    "error", "dangling-pointer",
-                    f"names {target!r}, which does not exist: resuming from it will fail", rel))
-            else:
-                found.append(f"{rel} -> {target}")
-    if found or findings:
-        b.add("latest-pointer", findings, ", ".join(found) or "pointer files present")
-
-
-def _has_optimizer(index: CheckpointIndex) -> bool:
-    if any(t.group == "optimizer" for t in index.tensors.values()):
-        return True
-    if any(f.role == "optimizer" for f in index.files):
-        return True
-    for key in index.objects:
-        parts = key.split(".", 2)
-        head = parts[1] if len(parts) > 1 and _RANK_PREFIX.match(parts[0]) else parts[0]
-        if head in OPTIMIZER_KEYS:
-            return True
-    return False
-
-
-def _resumable(b: _Builder, index: CheckpointIndex, require: tuple[str, ...]) -> None:
-    step = index.metadata.get("step")
-    has_step = isinstance(step, int) and not isinstance(step, bool)
-    has_opt = _has_optimizer(index)
-    findings: list[Finding] = []
-    if "step" in require and not has_step:
-        findings.append(Finding("error", "missing-step",
-                                "no training step recorded (--require step)"))
-    if "optimizer" in require and not has_opt:
-        findings.append(Finding("error", "missing-optimizer",
-                                "no optimizer state (--require optimizer)"))
-    elif has_step and not has_opt:
-        findings.append(Finding(
-            "warning", "no-optimizer",
-            f"records step {step} but holds no optimizer state: resuming from it restarts "
-            "the optimizer (momentum and Adam moments lost); --require optimizer makes this "
-            "an error"))
-    if has_step:
-        summary = f"step {step}, " + ("with optimizer state" if has_opt else
-                                      "no optimizer state")
-    else:
-        summary = "no training step recorded (weights only)" + (
-            ", with optimizer state" if has_opt else "")
-    b.add("resumable", findings, summary)
 
 
 def _complete(b: _Builder, path: Path, index: CheckpointIndex | None,
@@ -923,31 +761,11 @@ def _complete(b: _Builder, path: Path, index: CheckpointIndex | None,
                                None)], "the save did not finish")
 
 
-def _leftovers(b: _Builder, path: Path) -> None:
-    """Temporary or trash entries inside the checkpoint, or named after it beside it."""
-    found: list[Finding] = []
-    if path.is_dir():
-        for dirpath, dirnames, filenames in os.walk(path):
-            for name in sorted(dirnames + filenames):
-                if is_leftover(name):
-                    rel = rel_to(Path(dirpath) / name, path)
-                    found.append(Finding("warning", "leftover", _leftover_message(name), rel))
-            dirnames[:] = [d for d in dirnames if not is_leftover(d)]
-    try:
-        siblings = [p.name for p in path.parent.iterdir()
-                    if p.name.startswith(f".{path.name}.ckpt-")]
-    except OSError:
-        siblings = []
-    found.extend(Finding("warning", "leftover", _leftover_message(name), f"../{name}")
-                 for name in sorted(siblings))
-    b.add("leftovers", found, "none" if not found else f"{len(found)} leftover(s)")
-
-
 def _values_summary(stats: ValueStats) -> str:
     rate = (f", {stats.bytes / stats.seconds / 1e9:.2f} GB/s" if stats.seconds > 0
             and stats.bytes > _RATE_MIN else "")
     skipped = f", {stats.skipped} not examinable" if stats.skipped else ""
-    return f"{stats.tensors:,} floating tensor(s), {stats.bytes:,} bytes{rate}{skipped}"
+    return f"{stats.tensors:,} floating tensor(s), {_size(stats.bytes)}{rate}{skipped}"
 
 
 def _manifest(b: _Builder, path: Path, opts: Options, *,

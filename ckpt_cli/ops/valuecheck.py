@@ -118,6 +118,7 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
             try:
                 for arr in _pieces(src, t):
                     counts.add(arr)
+                    del arr  # before the next read: memory holds one tensor, not two
             except CkptError as e:
                 skipped += 1
                 findings.append(Finding("warning", "values-unreadable",
