@@ -216,15 +216,36 @@ def test_renamed_storage_record(tmp_path: Path, new_name: str, code: str, check:
     assert found(r, code) and check_of(r, code) == check
 
 
-def test_view_larger_than_its_storage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("numel,code", [
+    (3, "view-out-of-bounds"),  # the view [2:10] no longer fits in 3 elements
+    (12, "short-storage"),  # the 40-byte record cannot hold 12 floats
+])
+def test_storage_size_in_the_pickle(tmp_path: Path, numel: int, code: str) -> None:
     p = tmp_path / "v.pt"
     base = torch.arange(10.0)
     torch.save({"v": base[2:]}, p)
-    # The storage id says numel 10 (BININT1 0x0a); say 3: the view [2:10] no longer fits.
-    damage.replace_in_zip_pickle(p, b"cpuq\x06K\nt", b"cpuq\x06K\x03t")
+    # The storage id ('storage', FloatStorage, '0', 'cpu', 10) ends with BININT1 10.
+    damage.replace_in_zip_pickle(p, b"cpuq\x06K\nt", b"cpuq\x06K" + bytes([numel]) + b"t")
     r = report(p)
-    assert found(r, "view-out-of-bounds")
-    assert check_of(r, "view-out-of-bounds") == "storages"
+    assert found(r, code) and check_of(r, code) == "storages"
+    assert found(r, "crc-mismatch")  # data.pkl's own bytes changed too
+
+
+def test_record_size_past_the_central_directory(pt_file: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(pt_file) as zf:
+        position = [i.filename for i in zf.infolist()].index("train/data/0")
+    data = bytearray(pt_file.read_bytes())
+    entry = data.find(b"PK\x01\x02")  # the central directory's first entry
+    for _ in range(position):
+        entry = data.find(b"PK\x01\x02", entry + 4)
+    data[entry + 20:entry + 24] = (10**8).to_bytes(4, "little")  # data/0's compressed size
+    pt_file.write_bytes(bytes(data))
+    r = report(pt_file)
+    bad = found(r, "zip-out-of-bounds")
+    assert [f.location for f in bad] == ["train/data/0"]
+    assert check_of(r, "zip-out-of-bounds") == "zip-structure"
 
 
 class _Evil:
@@ -859,3 +880,52 @@ def test_validate_writes_nothing_unless_asked(sample_copy: Path) -> None:
     assert added == [f"step_000{n}00/ckpt-manifest.json" for n in range(1, 5)]
     files = {k for k in before if (sample_copy / k).is_file()}  # directories gained a file
     assert {k: after[k] for k in files} == {k: before[k] for k in files}
+
+
+def test_dcp_object_item_that_does_not_unpickle(sample_copy: Path) -> None:
+    from ckpt_cli.formats import dcp
+
+    d = sample_copy / "step_000400"
+    fields, _ = dcp.parse_metadata(d / ".metadata")
+    rel, off, length, _ = dcp.storage_map(fields["storage_data"], d, d / ".metadata")[
+        ("step", None)]
+    item = (d / rel).read_bytes()[off:off + length]
+    start = item.find(b"\x80\x02", item.find(b"data.pkl"))  # data.pkl's PROTO opcode
+    assert start > 0
+    damage.flip(d / rel, off + start, 0x01)  # PROTO 0x80 -> 0x81: not a pickle any more
+    r = report(d)
+    assert [f.location for f in found(r, "bad-item")] == ["step"]
+    assert check_of(r, "bad-item") == "dcp-chunks"
+
+
+@pytest.mark.parametrize("victim", ["optimizer.pt", "model.safetensors", "scheduler.pt"])
+def test_empty_file_in_a_checkpoint_directory(hf_trainer_dir: Path, tmp_path: Path,
+                                              victim: str) -> None:
+    """A file the save created but never wrote (a full disk, a killed job) must not pass."""
+    d = tmp_path / "checkpoint-4"
+    shutil.copytree(hf_trainer_dir / "checkpoint-4", d)
+    (d / victim).write_bytes(b"")
+    r = report(d)
+    assert not r.valid, r.findings
+
+
+def test_dcp_nested_in_a_checkpoint_directory(sample_run: Path, tmp_path: Path) -> None:
+    """Accelerate's FSDP layout: loose files beside DCP directories (pytorch_model_fsdp_0/).
+
+    (Detection takes a directory holding a DCP directory for a run; --input-format dir reads
+    it as one checkpoint.)
+    """
+    d = tmp_path / "checkpoint_3"
+    d.mkdir()
+    torch.save({"last_epoch": 3, "_step_count": 4}, d / "scheduler.pt")
+    shutil.copytree(sample_run / "step_000400", d / "pytorch_model_fsdp_0")
+    assert_clean(report(d, fmt="dir"))
+    nested = d / "pytorch_model_fsdp_0"
+    damage.edit_dcp_metadata(nested, lambda md: md.state_dict_metadata[
+        "model.wpe.weight"].chunks.pop(0))
+    chunk = next(iter(sorted(nested.glob("__*.distcp"))))
+    damage.flip(chunk, chunk.stat().st_size // 3)
+    r = report(d, fmt="dir")
+    assert found(r, "chunk-tiling")
+    assert any(f.file and f.file.startswith("pytorch_model_fsdp_0/")
+               for f in r.findings if f.severity == "error")

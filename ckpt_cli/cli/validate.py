@@ -34,8 +34,9 @@ def validate_cmd(
     junit: Annotated[Path | None, typer.Option(
         "--junit", metavar="FILE", help="Also write a JUnit XML report (one test case per "
                                         "check).")] = None,
-    jobs: Annotated[int | None, typer.Option("--jobs", "-j", min=1, help="Threads for "
-                                             "checksums (default: CPUs, at most 8).")] = None,
+    jobs: Annotated[int | None, typer.Option(
+        "--jobs", "-j", min=1, metavar="N", help="Threads for checksums (default: CPUs, at "
+                                                 "most 8).")] = None,
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Run directories: which entries are checkpoints "
                                            "(a 'step' group gives the step).")] = None,

@@ -38,6 +38,7 @@ _FLAG_UTF8 = 0x800
 _MAX_COMMENT = 0xFFFF
 _SEGMENT = 64 << 20  # records larger than this are checksummed in parallel pieces
 _BATCH = 8 << 20  # small records are grouped into jobs of about this many bytes
+_MAX_CENTRAL = 256 << 20  # over a million records; torch writes a few per tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +184,9 @@ class _Checker:
 
     def _central_directory(self, cd_offset: int, cd_size: int,
                            count: int) -> list[tuple[str, int, int, int, int, int, int]]:
+        if cd_size > _MAX_CENTRAL:  # a damaged end record must not make us read gigabytes
+            raise self.fatal("zip-central-directory",
+                             f"the end record claims a {cd_size:,}-byte central directory")
         data = self.read(cd_offset, cd_size)
         if len(data) != cd_size:
             raise self.fatal("zip-central-directory", "central directory runs past the end")
