@@ -929,3 +929,25 @@ def test_dcp_nested_in_a_checkpoint_directory(sample_run: Path, tmp_path: Path) 
     assert found(r, "chunk-tiling")
     assert any(f.file and f.file.startswith("pytorch_model_fsdp_0/")
                for f in r.findings if f.severity == "error")
+
+
+def test_run_directory_pointer_that_is_not_an_iteration(tmp_path: Path) -> None:
+    megatron_legacy(tmp_path / "meg", tp=1)
+    (tmp_path / "meg" / "latest_checkpointed_iteration.txt").write_text("iter_500\n")
+    result = validate(tmp_path / "meg")
+    (pointer,) = [c for c in result.run_checks if c.id == "latest-pointer"]
+    assert [(f.code, f.file) for f in pointer.findings] == [
+        ("bad-pointer", "latest_checkpointed_iteration.txt")]
+    assert not result.valid
+
+
+def test_lightning_last_symlink(lightning_dir: Path, tmp_path: Path) -> None:
+    d = tmp_path / "pl"
+    shutil.copytree(lightning_dir, d, symlinks=True)
+    result = validate(d)
+    assert result.valid and len(result.checkpoints) == 3
+    (d / "last.ckpt").unlink()
+    (d / "last.ckpt").symlink_to("epoch=0-step=6.ckpt")
+    result = validate(d)
+    (pointer,) = [c for c in result.run_checks if c.id == "latest-pointer"]
+    assert [(f.code, f.file) for f in pointer.findings] == [("dangling-pointer", "last.ckpt")]

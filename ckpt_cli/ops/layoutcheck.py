@@ -156,26 +156,44 @@ def pointer_findings(index: CheckpointIndex,
     Returns:
         ``(findings, summary)``, or None when there are no pointer files.
     """
-    dirs = [path] if path.is_dir() else []
+    dirs = [(path, "")] if path.is_dir() else []
     if index.format in ("deepspeed", "megatron") or index.flavor == "megatron-dist":
-        dirs.append(path.parent)
-    found: list[str] = []
+        dirs.append((path.parent, "../"))
     findings: list[Finding] = []
-    for d in dirs:
-        where = "" if d == path else "../"
-        for name, target, problem in _pointer_targets(d):
-            rel = where + name
-            if problem:
-                findings.append(Finding("error", "bad-pointer", problem, rel))
-            elif target and not (d / target).exists():
-                findings.append(Finding(
-                    "error", "dangling-pointer",
-                    f"names {target!r}, which does not exist: resuming from it will fail", rel))
-            else:
-                found.append(f"{rel} -> {target}")
+    found: list[str] = []
+    for d, prefix in dirs:
+        more, named = directory_pointers(d, prefix)
+        findings += more
+        found += named
     if found or findings:
         return findings, ", ".join(found) or "pointer files present"
     return None
+
+
+def directory_pointers(directory: Path, prefix: str = "") -> tuple[list[Finding], list[str]]:
+    """Check the pointer files of one directory (``latest`` and the like) strictly.
+
+    Args:
+        directory: Where the pointer files are.
+        prefix: Prepended to their names in findings (``../`` for a checkpoint's parent).
+
+    Returns:
+        ``(findings, ["latest -> global_step3", ...])``: an unreadable or malformed pointer is
+        a ``bad-pointer`` error, one naming nothing that exists a ``dangling-pointer`` error.
+    """
+    findings: list[Finding] = []
+    found: list[str] = []
+    for name, target, problem in _pointer_targets(directory):
+        rel = prefix + name
+        if problem:
+            findings.append(Finding("error", "bad-pointer", problem, rel))
+        elif target and not (directory / target).exists():
+            findings.append(Finding(
+                "error", "dangling-pointer",
+                f"names {target!r}, which does not exist: resuming from it will fail", rel))
+        else:
+            found.append(f"{rel} -> {target}")
+    return findings, found
 
 
 def _has_optimizer(index: CheckpointIndex) -> bool:

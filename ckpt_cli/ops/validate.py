@@ -38,7 +38,7 @@ from ckpt_cli.formats import (
     read_index,
 )
 from ckpt_cli.formats.base import rel_to
-from ckpt_cli.formats.rundir import is_run_dir, list_run, quick_status
+from ckpt_cli.formats.rundir import POINTER_FILES, is_run_dir, list_run, quick_status
 from ckpt_cli.manifest import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
@@ -53,6 +53,7 @@ from ckpt_cli.manifest import (
 from ckpt_cli.model import CheckpointIndex, Finding, RunEntry, RunListing
 from ckpt_cli.ops.dcpcheck import check_dcp
 from ckpt_cli.ops.layoutcheck import (
+    directory_pointers,
     ds_world,
     leftover_findings,
     leftover_message,
@@ -417,11 +418,16 @@ def _validate_run(root: Path, opts: Options, *, latest: bool,
         entries = [target]
     for e in entries:
         result.checkpoints.append(validate_checkpoint(e.path, opts, entry=e))
-    pointer_findings = [dataclasses.replace(f, severity="error", message=f.message
-                                            + ": resuming from it will fail")
-                        for f in run.findings if f.code == "dangling-pointer"]
-    result.run_checks.append(_result("latest-pointer", pointer_findings,
-                                     _pointer_summary(run.pointers)))
+    dangling, named = directory_pointers(root)
+    # Symlink pointers (Lightning's last.ckpt) are resolved by the listing.
+    dangling += [dataclasses.replace(f, severity="error", message=f.message
+                                     + ": resuming from it will fail")
+                 for f in run.findings if f.code == "dangling-pointer"
+                 and f.file not in POINTER_FILES]
+    named += [f"{k} -> {v}" for k, v in sorted(run.pointers.items())
+              if k not in POINTER_FILES and not any(f.file == k for f in dangling)]
+    result.run_checks.append(_result("latest-pointer", dangling,
+                                     ", ".join(named) or "no pointer files"))
     leftover = [Finding("warning", "leftover", leftover_message(name), name)
                 for name in run.leftovers]
     result.run_checks.append(_result("leftovers", leftover, "no temporary or trash entries"
@@ -431,12 +437,6 @@ def _validate_run(root: Path, opts: Options, *, latest: bool,
             "error", "no-checkpoints", "the run directory holds no checkpoint", None))
         result.run_checks[0].status = "fail"
     return result
-
-
-def _pointer_summary(pointers: dict[str, str]) -> str:
-    if not pointers:
-        return "no pointer files"
-    return ", ".join(f"{k} -> {v}" for k, v in sorted(pointers.items()))
 
 
 def _result(check_id: str, findings: list[Finding], summary: str) -> CheckResult:
