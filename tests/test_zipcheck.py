@@ -77,3 +77,20 @@ def test_not_a_zip_at_all(tmp_path: Path) -> None:
     assert codes == ["zip-no-end-record"] and tasks == 0
     p.write_bytes(b"PK")
     assert _check(p)[0] == ["zip-no-end-record"]
+
+
+def test_zlib_fallback_without_isal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where isal has no wheel, zlib's CRC-32 is used and large records are not split."""
+    import zlib
+
+    from ckpt_cli import streaming
+
+    monkeypatch.setattr(streaming, "_crc32", zlib.crc32)
+    monkeypatch.setattr(streaming, "_crc32_combine", None)
+    assert streaming.crc32_combine(1, 2, 3) is None
+    p = tmp_path / "big.pt"
+    torch.save({"w": torch.arange(20_000_000, dtype=torch.float32)}, p)
+    assert _check(p) == ([], 7, [])
+    off, size = damage.zip_payload(p, "data/0")
+    damage.flip(p, off + size - 5)
+    assert _check(p)[2] == ["crc-mismatch"]
