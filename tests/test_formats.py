@@ -292,6 +292,29 @@ def test_truncated_torch_zip(tmp_path: Path) -> None:
         read_index(p)
 
 
+def test_zip_central_directory_offset_damaged(tmp_path: Path) -> None:
+    """Regression: a bad central-directory offset made zipfile hand back negative local-header
+    offsets, and os.pread raised OSError (an internal error) instead of a corrupt-file error."""
+    p = tmp_path / "t.pt"
+    torch.save(training_checkpoint(), p)
+    data = bytearray(p.read_bytes())
+    eocd = data.rfind(b"PK\x06\x06")  # the ZIP64 end record torch writes
+    data[eocd + 48] ^= 0x04  # its central-directory offset
+    p.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="outside the file"):
+        read_index(p)
+
+
+def test_truncated_legacy_torch_file(tmp_path: Path) -> None:
+    """Regression: a legacy file cut inside its last storage's bytes read as whole."""
+    p = tmp_path / "old.pt"
+    torch.save({"a": torch.ones(100), "b": torch.zeros(100)}, p,
+               _use_new_zipfile_serialization=False)
+    p.write_bytes(p.read_bytes()[:-40])
+    index = read_index(p)
+    assert [f.code for f in index.findings if f.severity == "error"] == ["missing-storage"]
+
+
 def test_truncated_safetensors_header_and_data(tmp_path: Path) -> None:
     p = tmp_path / "m.safetensors"
     save_file(tiny_state_dict(), str(p))

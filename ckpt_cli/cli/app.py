@@ -13,6 +13,7 @@ from ckpt_cli.cli.diff import diff_cmd
 from ckpt_cli.cli.inspect import inspect_cmd
 from ckpt_cli.cli.plan import plan_cmd
 from ckpt_cli.cli.sample import sample_cmd
+from ckpt_cli.cli.validate import validate_cmd
 
 app = typer.Typer(
     name="ckpt",
@@ -44,6 +45,7 @@ app.command("convert")(convert_cmd)
 app.command("consolidate")(consolidate_cmd)
 app.command("plan")(plan_cmd)
 app.command("diff")(diff_cmd)
+app.command("validate")(validate_cmd)
 
 
 def main() -> None:

@@ -124,7 +124,7 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         m = _DISTCP.match(p.name)
         if m:
             ranks.add(int(m.group(1)))
-    storage = _storage_map(fields.get("storage_data"), path, meta_path)
+    storage = storage_map(fields.get("storage_data"), path, meta_path)
     raw_planner = fields.get("planner_data")
     planner: dict[str, Any] = raw_planner if isinstance(raw_planner, dict) else {}
     referenced: set[str] = set()
@@ -184,12 +184,28 @@ def _per_rank(distcp: list[Path]) -> int | None:
     return max(counts.values()) if counts else None
 
 
-def _storage_map(raw: Any, base: Path,
-                 meta_path: Path) -> dict[tuple[str, tuple[int, ...] | None],
-                                          tuple[str, int, int, tuple[str, ...]]]:
+def storage_map(raw: Any, base: Path,
+                meta_path: Path) -> dict[tuple[str, tuple[int, ...] | None],
+                                         tuple[str, int, int, tuple[str, ...]]]:
+    """Where every item of a DCP checkpoint is stored (``Metadata.storage_data``).
+
+    Args:
+        raw: The unpickled ``storage_data`` field.
+        base: The checkpoint directory.
+        meta_path: The ``.metadata`` file (for messages).
+
+    Returns:
+        ``(fqn, chunk offsets or None for a non-tensor item)`` ->
+        ``(relative path, byte offset, byte length, transforms)``.
+
+    Raises:
+        CorruptCheckpointError: A malformed entry.
+        UnsafeCheckpointError: A path that leaves ``base``.
+    """
     if not isinstance(raw, dict):
         raise CorruptCheckpointError("Metadata has no storage_data", path=meta_path)
     out: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int, tuple[str, ...]]] = {}
+    checked: set[str] = set()  # thousands of items share a few files: resolve each path once
     for key, val in raw.items():
         if not isinstance(key, Opaque) or not isinstance(val, Opaque):
             raise CorruptCheckpointError("malformed storage_data entry", path=meta_path)
@@ -198,7 +214,9 @@ def _storage_map(raw: Any, base: Path,
         if not isinstance(rel, str) or not isinstance(off, int) or not isinstance(length, int):
             raise CorruptCheckpointError(f"malformed storage info for {k.get('fqn')!r}",
                                          path=meta_path)
-        contained_path(base, rel, what="storage", source=meta_path)
+        if rel not in checked:
+            contained_path(base, rel, what="storage", source=meta_path)
+            checked.add(rel)
         offs = k.get("offset")
         transforms = _transforms(v.get("transform_descriptors"))
         out[(str(k.get("fqn")), tuple(offs) if offs is not None else None)] = (

@@ -123,6 +123,10 @@ def zip_entries(fd: int, start: int, length: int, where: str) -> dict[str, ZipEn
         raise CorruptCheckpointError(f"unreadable zip structure ({e})", path=where) from None
     out: dict[str, ZipEntry] = {}
     for info in infos:
+        if not 0 <= info.header_offset < length:  # zipfile shifts offsets by a bad CD offset
+            raise CorruptCheckpointError(
+                f"entry {info.filename!r}: local header offset {info.header_offset:,} lies "
+                "outside the file (damaged central directory)", path=where)
         head = os.pread(fd, 30, start + info.header_offset)
         if len(head) < 30 or head[:4] != ZIP_MAGIC:
             raise CorruptCheckpointError(
@@ -542,10 +546,11 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
             (count,) = struct.unpack("<q", hdr)
             rec = storages.get(str(key))
             itemsize = dtypes.DTYPES[rec.dtype].itemsize if rec else 1
+            end = pos + 8 + count * itemsize
+            if count < 0 or end > size:
+                break  # truncated inside this storage's bytes: it and the rest are missing
             starts[str(key)] = pos + 8
-            pos += 8 + count * itemsize
-    if pos > size:
-        starts = {k: v for k, v in starts.items() if v <= size}
+            pos = end
     for vkey, (root, voff) in views.items():
         if root in starts:
             rec = storages[root]

@@ -1,0 +1,83 @@
+"""``ckpt validate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckpt_cli.cli.errors import handled
+from ckpt_cli.cli.options import InputFormatOpt, JsonOpt, QuietOpt
+
+
+def validate_cmd(
+    path: Annotated[Path, typer.Argument(help="Checkpoint file, shard set, checkpoint "
+                                              "directory or run directory.", show_default=False)],
+    latest: Annotated[bool, typer.Option("--latest", help="Run directory: validate only the "
+                                                          "latest checkpoint.")] = False,
+    values: Annotated[bool, typer.Option("--values", help="Also read every floating tensor: "
+                                                          "NaN, Inf, all-zero.")] = False,
+    require: Annotated[str | None, typer.Option(
+        "--require", metavar="LIST", help="Make missing training state an error: "
+                                          "optimizer,step.")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Structure only: skip the CRC-32 pass "
+                                                        "(reads no tensor data).")] = False,
+    write_manifest: Annotated[bool, typer.Option(
+        "--write-manifest", help="Record size and checksum of every file in a manifest "
+                                 "inside the checkpoint (only if it is valid).")] = False,
+    manifest_hash: Annotated[str, typer.Option(
+        "--manifest-hash", metavar="NAME", help="Checksum for --write-manifest: xxh3_128, "
+                                                "blake3 or sha256.")] = "xxh3_128",
+    strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too "
+                                                          "(exit 1).")] = False,
+    junit: Annotated[Path | None, typer.Option(
+        "--junit", metavar="FILE", help="Also write a JUnit XML report (one test case per "
+                                        "check).")] = None,
+    jobs: Annotated[int | None, typer.Option(
+        "--jobs", "-j", min=1, metavar="N", help="Threads for checksums (default: CPUs, at "
+                                                 "most 8).")] = None,
+    pattern: Annotated[str | None, typer.Option(
+        "--pattern", metavar="REGEX", help="Run directories: which entries are checkpoints "
+                                           "(a 'step' group gives the step).")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show notes, and every "
+                                                                  "check of a run.")] = False,
+    input_format: InputFormatOpt = None,
+    quiet: QuietOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Check that a checkpoint is complete, consistent and uncorrupted.
+
+    Verifies headers, offsets, shard and rank sets, DCP chunk tiling, pickle safety and the
+    CRC-32 of every zip record (streamed), and the integrity manifest if there is one. Exit
+    status: 0 valid, 1 problems found, 2 usage error or unreadable path.
+
+    Examples:
+      ckpt validate model.safetensors
+      ckpt validate run/step_1000 --values --require optimizer,step
+      ckpt validate run/ --latest --junit report.xml
+      ckpt validate export/ --write-manifest
+    """
+    from ckpt_cli.ops.validate import validate
+    from ckpt_cli.render.progress import progress_bar
+
+    with handled():
+        with progress_bar(not quiet) as on_progress:
+            result = validate(path, fmt=input_format, latest=latest, quick=quick, values=values,
+                              require=require, write_manifest=write_manifest,
+                              manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern,
+                              on_progress=on_progress)
+        if junit is not None:
+            from ckpt_cli.render.junit import write_junit
+
+            write_junit(result, junit)
+        if json:
+            from ckpt_cli.render import json as rj
+
+            rj.emit("validate", {**result.to_dict(), "strict": strict})
+        else:
+            from ckpt_cli.render import human
+            from ckpt_cli.render.checks import render
+
+            render(result, human.stdout(), verbose=verbose)
+    raise typer.Exit(result.exit_code(strict=strict))

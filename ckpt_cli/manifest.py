@@ -1,0 +1,563 @@
+"""Integrity manifests: the size and checksum of every file of a checkpoint, kept with it.
+
+Most checkpoint formats carry no checksum of their data (safetensors, DCP's ``.metadata``, JSON
+state; torch zips have CRC-32 per record, which ``torch.load`` never checks). A manifest
+records each file once, when the checkpoint is known to be good; verifying it later names
+every file that changed (bit rot, a partial copy, a file replaced by an older one).
+
+Where it lives: ``ckpt-manifest.json`` inside a checkpoint directory, or
+``<name>.ckpt-manifest.json`` beside a single-file checkpoint. The format (JSON, UTF-8)::
+
+    {"ckpt_manifest": 1, "algorithm": "xxh3_128", "created": "2026-01-02T03:04:05Z",
+     "tool": "ckpt 0.1.0",
+     "files": [{"path": "model.safetensors", "size": 1234, "digest": "<hex>"}, ...]}
+
+``path`` is relative to the checkpoint directory, with ``/`` separators, sorted. The default
+algorithm is xxh3_128 (xxhash: detects accidental change at memory speed, same digest as
+``xxh128sum``); ``blake3`` and ``sha256`` are there when tampering, not just rot, is the
+concern. Files are hashed in parallel threads, each streaming its file through a small buffer.
+
+Writers (``ckpt validate --write-manifest`` now, ``ckpt consolidate`` later) either hash an
+existing checkpoint with :func:`write_manifest`, or feed :func:`new_hasher` while writing
+and save a :class:`Manifest` they fill themselves.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+
+from ckpt_cli.atomic import atomic_file
+from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
+from ckpt_cli.model import Finding
+from ckpt_cli.streaming import (
+    BUFFER_SIZE,
+    Meter,
+    ProgressFn,
+    default_jobs,
+    read_range,
+    run_parallel,
+)
+
+MANIFEST_NAME = "ckpt-manifest.json"
+"""The manifest's name inside a checkpoint directory."""
+MANIFEST_SUFFIX = ".ckpt-manifest.json"
+"""Appended to a single-file checkpoint's name for its manifest."""
+FORMAT_VERSION = 1
+"""Value of the ``ckpt_manifest`` key; bumped only for incompatible changes."""
+ALGORITHMS = ("xxh3_128", "blake3", "sha256")
+"""Checksums a manifest may use."""
+DEFAULT_ALGORITHM = "xxh3_128"
+_DIGEST_HEX = {"xxh3_128": 32, "blake3": 64, "sha256": 64}
+# Temporary names of ckpt's own atomic writes; never part of a checkpoint.
+_OWN_TEMP = (".ckpt-tmp-", ".ckpt-trash-", ".ckpt-old-")
+_MAX_MANIFEST = 64 << 20
+
+
+class Hasher(Protocol):
+    """What :func:`new_hasher` returns (hashlib-like)."""
+
+    def update(self, data: bytes | memoryview, /) -> object:
+        """Add bytes."""
+
+    def hexdigest(self) -> str:
+        """The digest so far, as lowercase hex."""
+
+
+def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Hasher:
+    """A fresh incremental hasher for one of :data:`ALGORITHMS`.
+
+    Args:
+        algorithm: ``xxh3_128``, ``blake3`` or ``sha256``.
+
+    Returns:
+        An object with ``update(bytes)`` and ``hexdigest()``.
+
+    Raises:
+        UsageError: For an unknown algorithm, or ``blake3`` when the package is missing.
+    """
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        h: Hasher = xxhash.xxh3_128()
+        return h
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "blake3":
+        try:
+            import blake3
+        except ImportError:
+            raise UsageError("the blake3 checksum needs the blake3 package "
+                             "(pip install 'ckpt-cli[blake3]')") from None
+        b: Hasher = blake3.blake3()
+        return b
+    raise UsageError(f"unknown checksum {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class FileDigest:
+    """One file of a manifest.
+
+    Attributes:
+        path: Relative to the checkpoint directory, ``/``-separated.
+        size: Size in bytes.
+        digest: Lowercase hex checksum.
+    """
+
+    path: str
+    size: int
+    digest: str
+
+
+@dataclass(slots=True)
+class Manifest:
+    """The recorded state of a checkpoint's files.
+
+    Attributes:
+        algorithm: The checksum used (one of :data:`ALGORITHMS`).
+        files: Entries by path.
+        created: When it was made (ISO 8601, UTC), if recorded.
+        tool: What made it (``ckpt 0.1.0``), if recorded.
+    """
+
+    algorithm: str = DEFAULT_ALGORITHM
+    files: dict[str, FileDigest] = field(default_factory=dict)
+    created: str | None = None
+    tool: str | None = None
+
+    def add(self, path: str, size: int, digest: str) -> None:
+        """Record one file (a writer that hashed it while writing calls this)."""
+        self.files[path] = FileDigest(path, size, digest)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all recorded files."""
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        """The manifest file's content."""
+        from ckpt_cli import __version__
+
+        doc = {"ckpt_manifest": FORMAT_VERSION, "algorithm": self.algorithm,
+               "created": self.created or _now(), "tool": self.tool or f"ckpt {__version__}",
+               "files": [{"path": f.path, "size": f.size, "digest": f.digest}
+                         for f in sorted(self.files.values(), key=lambda f: f.path)]}
+        return orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, *, source: Path) -> Manifest:
+        """Parse and check a manifest file's content.
+
+        Args:
+            data: The file's bytes.
+            source: Its path, for messages.
+
+        Returns:
+            The :class:`Manifest`.
+
+        Raises:
+            CorruptCheckpointError: Not JSON, not a ckpt manifest, a newer format version, an
+                unknown algorithm, malformed entries, or paths that leave the checkpoint.
+        """
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise CorruptCheckpointError(f"manifest is not valid JSON ({e})",
+                                         path=source) from None
+        if not isinstance(doc, dict) or "ckpt_manifest" not in doc:
+            raise CorruptCheckpointError("not a ckpt manifest (no ckpt_manifest key)",
+                                         path=source)
+        version = doc["ckpt_manifest"]
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise CorruptCheckpointError(f"bad manifest version {version!r}", path=source)
+        if version > FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"manifest format {version} is newer than this ckpt understands "
+                f"({FORMAT_VERSION}); upgrade ckpt", path=source)
+        algorithm = doc.get("algorithm")
+        if algorithm not in ALGORITHMS:
+            raise CorruptCheckpointError(f"unknown manifest checksum {algorithm!r}", path=source)
+        entries = doc.get("files")
+        if not isinstance(entries, list):
+            raise CorruptCheckpointError("manifest has no files list", path=source)
+        m = cls(algorithm, {}, _str_or_none(doc.get("created")), _str_or_none(doc.get("tool")))
+        width = _DIGEST_HEX[algorithm]
+        for entry in entries:
+            rel, size, digest = _entry(entry, width, source)
+            if rel in m.files:
+                raise CorruptCheckpointError(f"manifest lists {rel!r} twice", path=source)
+            m.add(rel, size, digest)
+        return m
+
+
+def _entry(e: Any, width: int, source: Path) -> tuple[str, int, str]:
+    if not (isinstance(e, dict) and isinstance(e.get("path"), str)
+            and isinstance(e.get("size"), int) and not isinstance(e.get("size"), bool)
+            and e["size"] >= 0 and isinstance(e.get("digest"), str)
+            and len(e["digest"]) == width and _is_hex(e["digest"])):
+        raise CorruptCheckpointError(f"malformed manifest entry {str(e)[:120]}", path=source)
+    if not _safe_rel(e["path"]):
+        raise CorruptCheckpointError(
+            f"manifest names {e['path']!r}, which is not a path inside the checkpoint",
+            path=source)
+    return e["path"], e["size"], e["digest"].lower()
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _str_or_none(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _is_hex(s: str) -> bool:
+    try:
+        int(s, 16)
+    except ValueError:
+        return False
+    return True
+
+
+def _safe_rel(rel: str) -> bool:
+    if not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel:
+        return False
+    parts = rel.split("/")
+    return all(p not in ("", ".", "..") for p in parts)
+
+
+@dataclass(frozen=True, slots=True)
+class HashStats:
+    """How much hashing was done, and how fast.
+
+    Attributes:
+        files: Files hashed.
+        bytes: Bytes hashed.
+        seconds: Wall time.
+        threads: Threads used.
+    """
+
+    files: int
+    bytes: int
+    seconds: float
+    threads: int
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second (0 when nothing was timed)."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+def manifest_path(checkpoint: Path) -> Path:
+    """Where the manifest of a checkpoint (directory or single file) lives."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.is_dir():
+        return checkpoint / MANIFEST_NAME
+    return checkpoint.parent / (checkpoint.name + MANIFEST_SUFFIX)
+
+
+def _base_and_files(checkpoint: Path) -> tuple[Path, list[str]]:
+    """The directory manifest paths are relative to, and the checkpoint's files in it."""
+    if not checkpoint.is_dir():
+        return checkpoint.parent, [checkpoint.name]
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(checkpoint, onerror=_walk_error):
+        dirnames[:] = sorted(d for d in dirnames if not any(m in d for m in _OWN_TEMP))
+        rel_dir = Path(dirpath).relative_to(checkpoint)
+        for name in filenames:
+            if name == MANIFEST_NAME and rel_dir == Path("."):
+                continue
+            if any(m in name for m in _OWN_TEMP):
+                continue
+            try:
+                if not stat.S_ISREG(os.stat(Path(dirpath) / name).st_mode):
+                    continue  # FIFOs, devices, dangling links: not checkpoint data
+            except OSError:
+                continue
+            out.append((rel_dir / name).as_posix())
+    return checkpoint, sorted(out)
+
+
+def _walk_error(e: OSError) -> None:
+    raise CkptError(f"cannot list: {e.strerror}", path=e.filename)
+
+
+def checkpoint_files(checkpoint: Path) -> list[str]:
+    """The files a manifest of ``checkpoint`` covers, relative and sorted.
+
+    A directory: every regular file below it (symlinks to files followed), except the
+    manifest itself and ckpt's own temporary files. A file: just that file.
+
+    Args:
+        checkpoint: A checkpoint directory or file.
+
+    Returns:
+        Relative ``/``-separated paths.
+
+    Raises:
+        CkptError: If the directory cannot be listed.
+    """
+    return _base_and_files(Path(checkpoint))[1]
+
+
+def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITHM,
+               jobs: int | None = None, on_progress: ProgressFn | None = None,
+               ) -> tuple[dict[str, FileDigest], HashStats]:
+    """Hash files in parallel threads (one file per task, largest first).
+
+    Args:
+        base: The directory ``rels`` are relative to.
+        rels: The files.
+        algorithm: One of :data:`ALGORITHMS`.
+        jobs: Threads (default: the usable CPUs, at most 8).
+        on_progress: Progress callback (label ``hashing``).
+
+    Returns:
+        ``(digests by path, stats)``.
+
+    Raises:
+        CkptError: A file cannot be opened or read, or shrinks while it is read.
+        UsageError: Unknown algorithm.
+    """
+    new_hasher(algorithm)  # fail on a bad name before starting threads
+    sizes = {rel: _size(base / rel) for rel in rels}
+    order = sorted(rels, key=lambda r: -sizes[r])
+
+    def job(rel: str) -> Callable[[Meter], FileDigest]:
+        def run(meter: Meter) -> FileDigest:
+            path = base / rel
+            h = new_hasher(algorithm)
+            buf = bytearray(BUFFER_SIZE)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise CkptError(f"cannot read: {e.strerror}", path=path) from None
+            try:
+                size = os.fstat(fd).st_size
+                for view in read_range(fd, 0, size, buf, meter, path=path):
+                    h.update(view)
+            finally:
+                os.close(fd)
+            return FileDigest(rel, size, h.hexdigest())
+        return run
+
+    threads = jobs or default_jobs()
+    t0 = time.perf_counter()
+    results = run_parallel([job(r) for r in order], threads=threads,
+                           total=sum(sizes.values()), label="hashing", on_progress=on_progress)
+    seconds = time.perf_counter() - t0
+    digests = {d.path: d for d in results}
+    return digests, HashStats(len(results), sum(d.size for d in results), seconds,
+                              min(threads, max(1, len(order))))
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError as e:
+        raise CkptError(f"cannot read: {e.strerror}", path=path) from None
+
+
+def compute_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
+                     jobs: int | None = None, on_progress: ProgressFn | None = None,
+                     ) -> tuple[Manifest, HashStats]:
+    """Hash every file of a checkpoint into a :class:`Manifest` (nothing is written).
+
+    Args:
+        checkpoint: A checkpoint directory or file.
+        algorithm: One of :data:`ALGORITHMS`.
+        jobs: Threads.
+        on_progress: Progress callback.
+
+    Returns:
+        ``(manifest, stats)``.
+
+    Raises:
+        CkptError: Unreadable files.
+        UsageError: Unknown algorithm.
+    """
+    base, rels = _base_and_files(Path(checkpoint))
+    digests, stats = hash_files(base, rels, algorithm=algorithm, jobs=jobs,
+                                on_progress=on_progress)
+    return Manifest(algorithm, digests), stats
+
+
+def write_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
+                   jobs: int | None = None, on_progress: ProgressFn | None = None,
+                   manifest: Manifest | None = None) -> tuple[Path, Manifest, HashStats | None]:
+    """Hash a checkpoint's files and write its manifest atomically (replacing an old one).
+
+    Args:
+        checkpoint: A checkpoint directory or file.
+        algorithm: One of :data:`ALGORITHMS` (ignored when ``manifest`` is given).
+        jobs: Threads.
+        on_progress: Progress callback.
+        manifest: Write this one instead of hashing (its digests were computed already).
+
+    Returns:
+        ``(manifest file, manifest, stats or None when nothing was hashed)``.
+
+    Raises:
+        CkptError: Unreadable files, or the manifest cannot be written.
+        UsageError: Unknown algorithm.
+    """
+    stats: HashStats | None = None
+    if manifest is None:
+        manifest, stats = compute_manifest(checkpoint, algorithm=algorithm, jobs=jobs,
+                                           on_progress=on_progress)
+    dest = manifest_path(Path(checkpoint))
+    data = manifest.to_json()
+    try:
+        with atomic_file(dest, overwrite=True) as tmp:
+            tmp.write_bytes(data)
+    except OSError as e:
+        raise CkptError(f"cannot write the manifest: {e.strerror}", path=dest) from None
+    return dest, manifest, stats
+
+
+def read_manifest(checkpoint: Path) -> Manifest | None:
+    """The manifest of a checkpoint, or None if it has none.
+
+    Args:
+        checkpoint: A checkpoint directory or file.
+
+    Returns:
+        The parsed manifest.
+
+    Raises:
+        CorruptCheckpointError: The manifest exists but is malformed.
+        CkptError: It cannot be read.
+    """
+    path = manifest_path(Path(checkpoint))
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CkptError(f"cannot read: {e.strerror}", path=path) from None
+    if size > _MAX_MANIFEST:
+        raise CorruptCheckpointError(f"manifest is {size:,} bytes; refusing to parse", path=path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CkptError(f"cannot read: {e.strerror}", path=path) from None
+    return Manifest.from_json(data, source=path)
+
+
+@dataclass(slots=True)
+class Verification:
+    """The result of checking a checkpoint against its manifest.
+
+    Attributes:
+        path: The manifest file.
+        manifest: The manifest read.
+        changed: Files whose content differs (same size, different checksum).
+        resized: ``(path, recorded size, actual size)`` of files whose size differs.
+        missing: Files the manifest lists that are gone.
+        extra: Files present that the manifest does not list (added after it was written).
+        actual: Digests computed now, by path (those hashed).
+        stats: Hashing statistics.
+    """
+
+    path: Path
+    manifest: Manifest
+    changed: list[str] = field(default_factory=list)
+    resized: list[tuple[str, int, int]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    actual: dict[str, FileDigest] = field(default_factory=dict)
+    stats: HashStats = field(default_factory=lambda: HashStats(0, 0, 0.0, 1))
+
+    @property
+    def ok(self) -> bool:
+        """Whether every recorded file is present and unchanged, and nothing was added."""
+        return not (self.changed or self.resized or self.missing or self.extra)
+
+    def findings(self, name: str) -> list[Finding]:
+        """One finding per discrepancy.
+
+        Args:
+            name: How to call the manifest in messages (its path relative to the checkpoint).
+
+        Returns:
+            Errors for changed, resized and missing files; warnings for extra files.
+        """
+        algo = self.manifest.algorithm
+        out = [Finding("error", "manifest-changed",
+                       f"content differs from the manifest ({algo} checksum changed; same size): "
+                       "bit rot, or the file was rewritten", rel, name)
+               for rel in self.changed]
+        out += [Finding("error", "manifest-size",
+                        f"is {actual:,} bytes but the manifest recorded {want:,} "
+                        f"({'truncated or a partial copy' if actual < want else 'grew'})",
+                        rel, name)
+                for rel, want, actual in self.resized]
+        out += [Finding("error", "manifest-missing",
+                        "listed in the manifest but missing", rel, name) for rel in self.missing]
+        out += [Finding("warning", "manifest-extra",
+                        "not in the manifest (added after it was written)", rel, name)
+                for rel in self.extra]
+        return out
+
+
+def verify_manifest(checkpoint: Path, *, jobs: int | None = None,
+                    on_progress: ProgressFn | None = None,
+                    manifest: Manifest | None = None) -> Verification | None:
+    """Check a checkpoint's files against its manifest.
+
+    Files whose size already differs are not hashed.
+
+    Args:
+        checkpoint: A checkpoint directory or file.
+        jobs: Threads.
+        on_progress: Progress callback.
+        manifest: Use this manifest instead of reading the checkpoint's.
+
+    Returns:
+        The :class:`Verification`, or None if there is no manifest.
+
+    Raises:
+        CorruptCheckpointError: The manifest is malformed.
+        CkptError: Files cannot be read.
+    """
+    checkpoint = Path(checkpoint)
+    m = manifest or read_manifest(checkpoint)
+    if m is None:
+        return None
+    base, present = _base_and_files(checkpoint)
+    result = Verification(manifest_path(checkpoint), m)
+    present_set = set(present)
+    to_hash: list[str] = []
+    for rel, entry in sorted(m.files.items()):
+        if rel not in present_set:
+            result.missing.append(rel)
+            continue
+        try:
+            size = (base / rel).stat().st_size
+        except OSError:
+            result.missing.append(rel)  # removed while we were listing
+            continue
+        if size != entry.size:
+            result.resized.append((rel, entry.size, size))
+        else:
+            to_hash.append(rel)
+    result.extra = sorted(present_set - set(m.files))
+    digests, result.stats = hash_files(base, to_hash, algorithm=m.algorithm, jobs=jobs,
+                                       on_progress=on_progress)
+    result.actual = digests
+    for rel in to_hash:
+        got = digests[rel]
+        if got.size != m.files[rel].size:  # changed between stat and read
+            result.resized.append((rel, m.files[rel].size, got.size))
+        elif got.digest != m.files[rel].digest:
+            result.changed.append(rel)
+    return result

@@ -1,0 +1,360 @@
+"""DCP checks for ``validate``: storage items, chunk tiling, chunk decoding.
+
+A torch.distributed.checkpoint directory is a ``.metadata`` pickle naming, for every tensor
+chunk and every non-tensor item, a byte range ``(file, offset, length)`` holding an embedded
+torch.save zip. The reader already refuses paths that leave the directory and flags missing
+files and chunks that run past their file. Here: the items of each file must not overlap
+(and should cover it), every ``.distcp`` file must be referenced, the chunks of each tensor
+must tile its global shape exactly, and every item must decode to what the metadata says,
+with a sane zip whose records' CRC-32 are then verified.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckpt_cli.errors import CkptError, CorruptCheckpointError
+from ckpt_cli.formats import dcp
+from ckpt_cli.formats.torchfile import TorchZip, ZipEntry, archive_prefix, view_extent
+from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, TensorRecord, safe_load
+from ckpt_cli.model import CheckpointIndex, Chunk, Finding, TensorInfo
+from ckpt_cli.ops.zipcheck import CrcTask, ZipReport, check_zip, crc_tasks
+from ckpt_cli.streaming import OpenFiles
+
+_DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
+_MAX_CELLS = 1 << 22  # coverage grids larger than this use the pairwise check instead
+
+
+@dataclass(slots=True)
+class DcpReport:
+    """What :func:`check_dcp` found, by check.
+
+    Attributes:
+        storage: Item placement: bounds, overlaps, unreferenced files (``dcp-storage``).
+        tiling: Chunks that do not tile their tensor (``dcp-tiling``).
+        chunks: Items that do not decode (``dcp-chunks``).
+        zips: Zip structure problems inside items (``zip-structure``).
+        pickles: Pickle globals inside items (``pickle-safety``).
+        crc: CRC tasks for every record of every decodable item.
+        items: Items (tensor chunks and objects) decoded.
+        placed: Items named by ``.metadata``.
+        files: Files they are stored in.
+        tensors: Tensors whose tiling was checked.
+        undecoded: Items skipped because of storage transforms (compression).
+    """
+
+    storage: list[Finding] = field(default_factory=list)
+    tiling: list[Finding] = field(default_factory=list)
+    chunks: list[Finding] = field(default_factory=list)
+    zips: list[Finding] = field(default_factory=list)
+    pickles: list[Finding] = field(default_factory=list)
+    crc: list[CrcTask] = field(default_factory=list)
+    items: int = 0
+    placed: int = 0
+    files: int = 0
+    tensors: int = 0
+    undecoded: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    name: str
+    offsets: tuple[int, ...] | None
+    rel: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...]
+
+    @property
+    def where(self) -> str:
+        return self.name if self.offsets is None else f"{self.name}@{list(self.offsets)}"
+
+
+def check_dcp(index: CheckpointIndex, directory: Path, files: OpenFiles, *, prefix: str = "",
+              decode: bool = True) -> DcpReport:
+    """Check a DCP directory beyond what its reader checked.
+
+    Args:
+        index: The directory's index, as the DCP reader made it (names without ``prefix``).
+        directory: The DCP directory.
+        files: Where to open files (kept open for the CRC pass).
+        prefix: Path of ``directory`` relative to the checkpoint being validated (``""`` when
+            it is the checkpoint), prepended to findings' file names.
+        decode: Decode every item and collect CRC tasks (reads headers of every item).
+
+    Returns:
+        The :class:`DcpReport`.
+
+    Raises:
+        CkptError: If ``.metadata`` cannot be read (the reader would have failed first).
+    """
+    report = DcpReport()
+    meta_path = dcp.metadata_file(directory)
+    if meta_path is None:  # the reader raises before this; kept for direct callers
+        return report
+    fields, _ = dcp.parse_metadata(meta_path)
+    storage = dcp.storage_map(fields.get("storage_data"), directory, meta_path)
+    items = [_Item(fqn, offs, rel, off, length, tr)
+             for (fqn, offs), (rel, off, length, tr) in storage.items()]
+    sizes = _file_sizes(directory, items)
+    report.placed, report.files = len(items), len({i.rel for i in items})
+    _placement(report, items, sizes, directory, prefix)
+    _tiling(report, index, prefix)
+    if decode:
+        _decode(report, index, items, sizes, directory, files, prefix)
+    return report
+
+
+def _file_sizes(directory: Path, items: list[_Item]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for rel in {i.rel for i in items}:
+        size = _size(directory / rel)
+        if size is not None:
+            sizes[rel] = size
+    return sizes
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size if path.is_file() else None
+    except OSError:
+        return None
+
+
+def _placement(report: DcpReport, items: list[_Item], sizes: dict[str, int], directory: Path,
+               prefix: str) -> None:
+    by_file: dict[str, list[_Item]] = {}
+    cut: set[str] = set()  # truncated files: their tail is a partial item, not a gap
+    for it in items:
+        if it.offset < 0 or it.length < 0:
+            report.storage.append(Finding("error", "item-out-of-bounds",
+                                          f"negative offset or length ({it.offset}, "
+                                          f"{it.length})", prefix + it.rel, it.where))
+            continue
+        size = sizes.get(it.rel)
+        if size is None:
+            continue  # the reader reports the missing file
+        if it.offset + it.length > size:
+            cut.add(it.rel)
+            # Tensor chunks past the end are reported by the reader (chunk-out-of-bounds).
+            if it.offsets is None:
+                report.storage.append(Finding(
+                    "error", "item-out-of-bounds",
+                    f"item at byte {it.offset:,} (+{it.length:,}) runs past the end of the "
+                    f"{size:,}-byte file (truncated)", prefix + it.rel, it.where))
+            continue
+        by_file.setdefault(it.rel, []).append(it)
+    for rel, lst in sorted(by_file.items()):
+        lst.sort(key=lambda i: (i.offset, i.length))
+        pos, prev = 0, None
+        for it in lst:
+            if it.offset < pos and prev is not None:
+                report.storage.append(Finding(
+                    "error", "item-overlap",
+                    f"bytes {it.offset:,}-{it.offset + it.length:,} overlap {prev.where} "
+                    f"(which ends at {pos:,}): two items share bytes", prefix + rel, it.where))
+            elif it.offset > pos:
+                report.storage.append(Finding(
+                    "warning", "item-gap",
+                    f"{it.offset - pos:,} bytes before this item belong to no item",
+                    prefix + rel, it.where))
+            if it.offset + it.length >= pos:
+                pos, prev = it.offset + it.length, it
+        if pos < sizes[rel] and rel not in cut:
+            report.storage.append(Finding(
+                "warning", "item-gap",
+                f"{sizes[rel] - pos:,} bytes after the last item belong to no item (appended "
+                "data, or items missing from .metadata)", prefix + rel))
+    referenced = {it.rel for it in items}
+    try:
+        present = sorted(p.name for p in directory.iterdir() if _DISTCP.match(p.name))
+    except OSError:
+        present = []
+    for name in present:
+        if name not in referenced:
+            report.storage.append(Finding(
+                "warning", "unreferenced-file",
+                ".metadata does not reference this file (left over from another save?)",
+                prefix + name))
+
+
+def tiling_problems(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...],
+                                                                tuple[int, ...]]]) -> list[str]:
+    """Why a tensor's chunks do not tile its shape exactly (empty if they do).
+
+    Every element of the tensor must lie in exactly one chunk: no chunk may stick out of the
+    shape, leave elements uncovered (a gap) or cover elements twice (an overlap).
+
+    Args:
+        shape: The tensor's global shape.
+        chunks: ``(offsets, sizes)`` of each chunk.
+
+    Returns:
+        Plain-words problems.
+    """
+    nd = len(shape)
+    problems: list[str] = []
+    good: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offs, sizes in chunks:
+        if len(offs) != nd or len(sizes) != nd:
+            problems.append(f"chunk at {list(offs)} has {len(offs)} dimensions, the tensor {nd}")
+        elif any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offs, sizes, shape, strict=True)):
+            problems.append(f"chunk at {list(offs)} of size {list(sizes)} lies outside the "
+                            f"tensor's shape {list(shape)}")
+        else:
+            good.append((offs, sizes))
+    if problems or math.prod(shape) == 0:
+        return problems
+    if nd == 0:  # a scalar: exactly one chunk must hold it
+        return [] if len(good) == 1 else [f"{len(good)} chunks hold this scalar, not 1"]
+    numel = math.prod(shape)
+    cuts = [sorted({0, d, *(o[k] for o, _ in good), *(o[k] + s[k] for o, s in good)})
+            for k, d in enumerate(shape)]
+    if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
+        return _pairwise(good, numel)
+    import numpy as np
+
+    # Cut every axis at every chunk boundary: each cell of the resulting grid is either wholly
+    # inside a chunk or wholly outside, so counting chunks per cell decides the tiling.
+    grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    for offs, sizes in good:
+        grid[tuple(slice(bisect.bisect_left(c, o), bisect.bisect_left(c, o + s))
+                   for c, o, s in zip(cuts, offs, sizes, strict=True))] += 1
+    if (grid == 1).all():
+        return []
+    volume = functools.reduce(np.multiply.outer,
+                              [np.diff(np.asarray(c, dtype=np.int64)) for c in cuts])
+    gap = int(volume[grid == 0].sum())
+    twice = int((volume * np.maximum(grid - 1, 0)).sum())
+    if gap:
+        at = [cuts[k][int(i)] for k, i in enumerate(np.argwhere(grid == 0)[0])]
+        problems.append(f"{gap:,} of {numel:,} elements are in no chunk (a gap, first at "
+                        f"{at}): a rank's shard is missing")
+    if twice:
+        at = [cuts[k][int(i)] for k, i in enumerate(np.argwhere(grid > 1)[0])]
+        problems.append(f"{twice:,} elements are covered by more than one chunk (an overlap, "
+                        f"first at {at})")
+    return problems
+
+
+def _pairwise(good: list[tuple[tuple[int, ...], tuple[int, ...]]], numel: int) -> list[str]:
+    """Tiling check without a grid: no two chunks intersect, and their volumes add up."""
+    boxes = sorted(b for b in good if math.prod(b[1]))
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1:]:
+            if ob[0] >= oa[0] + sa[0]:
+                break  # sorted by the first offset: no later box can meet this one
+            if all(b < a + s and a < b + t for a, s, b, t in zip(oa, sa, ob, sb, strict=True)):
+                return [f"chunks at {list(oa)} and {list(ob)} overlap"]
+    covered = sum(math.prod(s) for _, s in boxes)
+    if covered != numel:
+        return [f"chunks cover {covered:,} of {numel:,} elements (a gap): a rank's shard is "
+                "missing"]
+    return []
+
+
+def _tiling(report: DcpReport, index: CheckpointIndex, prefix: str) -> None:
+    incomplete = {f.location for f in index.findings if f.code == "missing-chunk"}
+    for t in index.tensors.values():
+        if t.name in incomplete:
+            continue  # the missing chunk is already reported
+        report.tensors += 1
+        for problem in tiling_problems(t.shape, [(c.offsets, c.sizes) for c in t.chunks]):
+            report.tiling.append(Finding("error", "chunk-tiling", problem, ".metadata"
+                                         if not prefix else prefix + ".metadata", t.name))
+
+
+def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
+            sizes: dict[str, int], directory: Path, files: OpenFiles, prefix: str) -> None:
+    chunks: dict[tuple[str, tuple[int, ...]], tuple[TensorInfo, Chunk]] = {
+        (t.name, c.offsets): (t, c) for t in index.tensors.values() for c in t.chunks}
+    for it in sorted(items, key=lambda i: (i.rel, i.offset)):
+        size = sizes.get(it.rel)
+        if size is None or it.offset < 0 or it.length < 0 or it.offset + it.length > size:
+            continue  # missing or out of bounds: reported already
+        report.items += 1
+        rel = prefix + it.rel
+        if it.transforms:
+            report.undecoded += 1
+            continue
+        fd = files.open(directory / it.rel, rel)
+        zr = check_zip(fd, it.offset, it.length, rel=rel, where=it.where)
+        report.zips.extend(zr.findings)
+        if not zr.readable:
+            continue
+        try:
+            tz = _load(fd, it.offset, zr, f"{directory / it.rel}@{it.offset}")
+        except CkptError as e:
+            code = "bad-item" if it.offsets is None else "chunk-undecodable"
+            report.chunks.append(Finding("error", code, e.message, rel, it.where))
+            continue
+        for qual, cls in tz.pickle.globals.items():
+            if cls in ("dangerous", "unknown"):
+                report.pickles.append(Finding(
+                    "error" if cls == "dangerous" else "warning",
+                    "unsafe-global" if cls == "dangerous" else "unknown-global",
+                    f"item pickle references {qual}; not executed", rel, it.name))
+        if it.offsets is not None:
+            pair = chunks.get((it.name, it.offsets))
+            problem = _chunk_problem(tz, pair, it.length) if pair else None
+            if problem:
+                report.chunks.append(Finding("error", "chunk-undecodable", problem, rel,
+                                             it.where))
+                continue
+        report.crc.extend(crc_tasks(zr, rel=rel, fd=fd, start=it.offset, where=it.where))
+
+
+def _load(fd: int, start: int, zr: ZipReport, where: str) -> TorchZip:
+    """Unpickle an item's ``data.pkl`` from the records :func:`check_zip` already located.
+
+    Same result as :func:`~ckpt_cli.formats.torchfile.parse_zip`, without parsing the central
+    directory a second time (DCP checkpoints hold thousands of items).
+
+    Raises:
+        CorruptCheckpointError: No ``data.pkl``, or one that does not unpickle.
+    """
+    entries = {r.name: ZipEntry(r.name, r.header_offset, r.data_offset, r.size, r.method != 0,
+                                r.crc) for r in zr.records}
+    prefix = archive_prefix(list(entries))
+    pkl = entries.get(f"{prefix}data.pkl")
+    if pkl is None or pkl.compressed:
+        raise CorruptCheckpointError("the item has no readable data.pkl record", path=where)
+    raw = os.pread(fd, pkl.size, start + pkl.data_offset)
+    try:
+        result = safe_load(raw)
+    except UNPICKLE_ERRORS as e:
+        raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({e})"[:200],
+                                     path=where) from None
+    return TorchZip(entries, prefix, result, start)
+
+
+def _chunk_problem(tz: TorchZip, pair: tuple[TensorInfo, Chunk], length: int) -> str | None:
+    """Why an embedded zip does not hold the chunk the metadata describes (None if it does)."""
+    t, c = pair
+    rec = tz.pickle.obj
+    if not isinstance(rec, TensorRecord) or rec.storage is None:
+        return "the item does not hold a tensor"
+    if tuple(rec.shape) != tuple(c.sizes) or rec.dtype != t.dtype:
+        return (f"holds {rec.dtype}{list(rec.shape)} but .metadata says "
+                f"{t.dtype}{list(c.sizes)}")
+    entry = tz.storage_entry(rec.storage.key)
+    if entry is None:
+        return f"its storage record data/{rec.storage.key} is missing"
+    if entry.data_offset + entry.size > length:
+        return "its storage record runs past the end of the item (truncated)"
+    if entry.size < rec.storage.nbytes:
+        return (f"its storage record holds {entry.size:,} bytes, the pickle says "
+                f"{rec.storage.nbytes:,}")
+    from ckpt_cli import dtypes
+
+    extent = view_extent(rec.shape, rec.stride, rec.storage_offset) * dtypes.DTYPES[
+        rec.dtype].itemsize
+    if extent > rec.storage.nbytes:
+        return f"its view needs {extent:,} bytes of a {rec.storage.nbytes:,}-byte storage"
+    return None

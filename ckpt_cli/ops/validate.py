@@ -1,0 +1,829 @@
+"""``validate``: is a checkpoint complete, consistent and uncorrupted?
+
+The format readers already record what reading the metadata reveals (offsets, gaps, missing
+shards and ranks, unsafe pickle globals). This module runs them, sorts their findings into
+named checks, and adds the checks that need more than metadata: the zip structure and the
+CRC-32 of every record of every torch zip (streamed, in parallel), DCP chunk tiling and
+decoding, rank-file sets, ``latest`` pointers, resumability, optionally every floating value,
+and the integrity manifest. Each checkpoint gets a :class:`CheckpointReport`; a run directory
+gets one per checkpoint.
+
+Nothing here prints or exits; nothing is written except the manifest when asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import humanize
+
+from ckpt_cli.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    UnknownFormatError,
+    UnsafeCheckpointError,
+    UnsupportedError,
+    UsageError,
+)
+from ckpt_cli.formats import (
+    check_exists,
+    dcp,
+    get_reader,
+    read_index,
+)
+from ckpt_cli.formats.base import rel_to
+from ckpt_cli.formats.rundir import POINTER_FILES, is_run_dir, list_run, quick_status
+from ckpt_cli.manifest import (
+    ALGORITHMS,
+    DEFAULT_ALGORITHM,
+    HashStats,
+    Verification,
+    compute_manifest,
+    manifest_path,
+    read_manifest,
+    verify_manifest,
+    write_manifest,
+)
+from ckpt_cli.model import CheckpointIndex, Finding, RunEntry, RunListing
+from ckpt_cli.ops.dcpcheck import check_dcp
+from ckpt_cli.ops.layoutcheck import (
+    directory_pointers,
+    ds_world,
+    leftover_findings,
+    leftover_message,
+    pointer_findings,
+    rank_findings,
+    resumable_findings,
+    stray_shards,
+)
+from ckpt_cli.ops.valuecheck import ValueStats, scan_values
+from ckpt_cli.ops.zipcheck import CrcTask, check_zip, crc_tasks, verify_crcs
+from ckpt_cli.streaming import OpenFiles, ProgressFn, default_jobs
+
+Status = Literal["pass", "warn", "fail", "skip"]
+
+CHECKS: dict[str, str] = {
+    "readable": "format recognised and metadata readable",
+    "complete": "the save finished (commit markers present, files whole)",
+    "safetensors-header": "safetensors headers: dtypes, shapes, offsets, file length",
+    "zip-structure": "zip end records, central directory, local headers, descriptors",
+    "crc32": "CRC-32 of every zip record matches its bytes",
+    "storages": "every storage a pickle references exists; every view fits in it",
+    "pickle-safety": "pickles reference only allowlisted globals",
+    "shard-index": "the index's shards exist, are valid and hold exactly its tensors",
+    "dcp-storage": "DCP items lie inside existing files without overlapping",
+    "dcp-tiling": "the chunks of each tensor tile its shape exactly",
+    "dcp-chunks": "every DCP chunk and item decodes to what .metadata says",
+    "rank-files": "the set of rank files matches the world sizes",
+    "latest-pointer": "latest pointers name existing checkpoints",
+    "resumable": "training state: step and optimizer state",
+    "values": "floating tensors hold no NaN, Inf or all-zero values",
+    "manifest": "files match the integrity manifest",
+    "leftovers": "no temporary or trash entries left by interrupted writes",
+}
+"""Every check ``validate`` knows, by id, with what it verifies (in report order)."""
+
+REQUIREMENTS = ("optimizer", "step")
+"""What ``--require`` accepts."""
+
+# Reader finding codes -> the check they belong to (unknown codes go to "readable").
+_CODE_CHECK: dict[str, str] = {
+    **dict.fromkeys(("duplicate-key", "bad-metadata", "bad-entry", "unknown-dtype", "bad-shape",
+                     "bad-offsets", "misaligned", "size-mismatch", "gap", "overlap", "truncated",
+                     "trailing-bytes"), "safetensors-header"),
+    **dict.fromkeys(("missing-storage", "short-storage", "view-out-of-bounds",
+                     "unreferenced-storage", "tensor-kind"), "storages"),
+    **dict.fromkeys(("compressed-entry", "big-endian"), "zip-structure"),
+    **dict.fromkeys(("unsafe-global", "unknown-global", "non-allowlisted-global"),
+                    "pickle-safety"),
+    **dict.fromkeys(("missing-shard", "bad-shard", "missing-tensor", "wrong-shard",
+                     "unindexed-tensor", "total-size", "bad-index"), "shard-index"),
+    **dict.fromkeys(("missing-file", "chunk-out-of-bounds", "missing-chunk"), "dcp-storage"),
+    "bad-item": "dcp-chunks",
+    **dict.fromkeys(("world-size", "missing-rank"), "rank-files"),
+}
+_FORMAT_CODE_CHECK = {("megatron", "missing-file"): "rank-files"}
+_RATE_MIN = 64 << 20  # below this, a speed says more about start-up than throughput
+_EXTENSION_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch",
+                      ".bin": "torch", ".ckpt": "torch"}
+
+
+@dataclass(slots=True)
+class CheckResult:
+    """The outcome of one check on one checkpoint.
+
+    Attributes:
+        id: The check's id (a key of :data:`CHECKS`).
+        status: ``fail`` (errors), ``warn`` (warnings only), ``pass``, or ``skip`` (not run).
+        summary: One line: what was verified, or why it was skipped.
+        findings: The problems and notes it found.
+    """
+
+    id: str
+    status: Status
+    summary: str
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        """What the check verifies."""
+        return CHECKS.get(self.id, self.id)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (findings are listed once, at the checkpoint level)."""
+        return {"id": self.id, "title": self.title, "status": self.status,
+                "summary": self.summary, "errors": _count(self.findings, "error"),
+                "warnings": _count(self.findings, "warning")}
+
+
+def _count(findings: Iterable[Finding], severity: str) -> int:
+    return sum(1 for f in findings if f.severity == severity)
+
+
+@dataclass(slots=True)
+class ManifestResult:
+    """What was done with the integrity manifest.
+
+    Attributes:
+        path: The manifest file.
+        action: ``verified`` (present and checked), ``written``, ``absent``, ``not-written``
+            (asked for but the checkpoint is invalid or the old manifest disagrees),
+            ``unreadable`` (present but malformed).
+        algorithm: Its checksum.
+        files: Files hashed.
+        bytes: Bytes hashed.
+        seconds: Hashing wall time.
+        threads: Hashing threads.
+        changed: Files whose checksum or size changed, or that are missing.
+        extra: Files not in the manifest.
+    """
+
+    path: Path
+    action: str
+    algorithm: str | None = None
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    threads: int = 1
+    changed: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Hashing speed in bytes per second (0 when nothing was hashed)."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def add_stats(self, stats: HashStats | None) -> None:
+        """Account for one hashing pass."""
+        if stats is not None:
+            self.files += stats.files
+            self.bytes += stats.bytes
+            self.seconds += stats.seconds
+            self.threads = max(self.threads, stats.threads)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"path": str(self.path), "action": self.action, "algorithm": self.algorithm,
+                "files": self.files, "bytes": self.bytes, "seconds": round(self.seconds, 6),
+                "threads": self.threads, "bytes_per_second": round(self.throughput),
+                "changed": self.changed, "extra": self.extra}
+
+
+@dataclass(slots=True)
+class CheckpointReport:
+    """Everything ``validate`` found about one checkpoint.
+
+    Attributes:
+        path: The checkpoint (file or directory).
+        format: The reader that read it, or None if none could.
+        flavor: The producer, when known.
+        step: The training step it records.
+        checks: Results in :data:`CHECKS` order.
+        bytes_read: Bytes streamed (CRC, values, hashing).
+        seconds: Wall time.
+        manifest: What happened with the manifest.
+        index: The metadata read (not part of the JSON output).
+    """
+
+    path: Path
+    format: str | None = None
+    flavor: str | None = None
+    step: int | None = None
+    checks: list[CheckResult] = field(default_factory=list)
+    bytes_read: int = 0
+    seconds: float = 0.0
+    manifest: ManifestResult | None = None
+    index: CheckpointIndex | None = None
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's file or directory name."""
+        return self.path.name
+
+    @property
+    def findings(self) -> list[Finding]:
+        """All findings of all checks."""
+        return [f for c in self.checks for f in c.findings]
+
+    @property
+    def errors(self) -> int:
+        """Number of error findings."""
+        return _count(self.findings, "error")
+
+    @property
+    def warnings(self) -> int:
+        """Number of warning findings."""
+        return _count(self.findings, "warning")
+
+    @property
+    def valid(self) -> bool:
+        """No errors (warnings and notes allowed)."""
+        return self.errors == 0
+
+    def check(self, check_id: str) -> CheckResult | None:
+        """The result of one check, if it ran or was skipped."""
+        return next((c for c in self.checks if c.id == check_id), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        owner = {id(f): c.id for c in self.checks for f in c.findings}
+        return {"name": self.name, "path": str(self.path), "format": self.format,
+                "flavor": self.flavor, "step": self.step, "valid": self.valid,
+                "errors": self.errors, "warnings": self.warnings,
+                "bytes_read": self.bytes_read, "seconds": round(self.seconds, 6),
+                "checks": [c.to_dict() for c in self.checks],
+                "findings": [{**f.to_dict(), "check": owner[id(f)]} for f in self.findings],
+                "manifest": self.manifest.to_dict() if self.manifest else None}
+
+
+@dataclass(slots=True)
+class ValidateResult:
+    """The result of ``validate`` on a checkpoint or a run directory.
+
+    Attributes:
+        path: The path given.
+        kind: ``checkpoint`` or ``run``.
+        checkpoints: One report per checkpoint validated (oldest first for a run).
+        run: The run listing, for a run directory.
+        run_checks: Checks of the run directory itself (pointers, leftovers).
+    """
+
+    path: Path
+    kind: str
+    checkpoints: list[CheckpointReport] = field(default_factory=list)
+    run: RunListing | None = None
+    run_checks: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def findings(self) -> list[Finding]:
+        """All findings: the run's, then each checkpoint's."""
+        return [f for c in self.run_checks for f in c.findings] + [
+            f for r in self.checkpoints for f in r.findings]
+
+    @property
+    def valid(self) -> bool:
+        """No errors anywhere."""
+        return _count(self.findings, "error") == 0
+
+    def exit_code(self, *, strict: bool = False) -> int:
+        """0 when valid (and, with ``strict``, without warnings), else 1."""
+        bad = _count(self.findings, "error") + (_count(self.findings, "warning")
+                                                 if strict else 0)
+        return 1 if bad else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (without ``schema_version``/``command``, which the CLI adds)."""
+        from ckpt_cli.render import json as rj
+
+        owner = {id(f): c.id for c in self.run_checks for f in c.findings}
+        findings = self.findings
+        return {
+            "path": str(self.path), "kind": self.kind, "valid": self.valid,
+            "summary": {"checkpoints": len(self.checkpoints),
+                        "valid": sum(r.valid for r in self.checkpoints),
+                        "invalid": sum(not r.valid for r in self.checkpoints),
+                        "errors": _count(findings, "error"),
+                        "warnings": _count(findings, "warning"),
+                        "bytes_read": sum(r.bytes_read for r in self.checkpoints),
+                        "seconds": round(sum(r.seconds for r in self.checkpoints), 6)},
+            "checkpoints": [r.to_dict() for r in self.checkpoints],
+            "run": rj.run_dict(self.run) if self.run is not None else None,
+            "run_checks": [c.to_dict() for c in self.run_checks],
+            "run_findings": [{**f.to_dict(), "check": owner[id(f)]}
+                             for c in self.run_checks for f in c.findings],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """How to validate (see :func:`validate`)."""
+
+    fmt: str | None = None
+    quick: bool = False
+    values: bool = False
+    require: tuple[str, ...] = ()
+    write_manifest: bool = False
+    manifest_algorithm: str = DEFAULT_ALGORITHM
+    jobs: int = 1
+    on_progress: ProgressFn | None = None
+
+
+def parse_require(spec: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Parse ``--require optimizer,step``.
+
+    Args:
+        spec: Comma-separated names, or an iterable of names.
+
+    Returns:
+        The requirements, deduplicated, in :data:`REQUIREMENTS` order.
+
+    Raises:
+        UsageError: For an unknown requirement.
+    """
+    if spec is None:
+        return ()
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = {s.strip().lower() for s in items if s.strip()}
+    unknown = sorted(names - set(REQUIREMENTS))
+    if unknown:
+        raise UsageError(f"--require: unknown requirement {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(REQUIREMENTS)}")
+    return tuple(r for r in REQUIREMENTS if r in names)
+
+
+def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
+             quick: bool = False, values: bool = False,
+             require: str | Iterable[str] | None = None, write_manifest: bool = False,
+             manifest_algorithm: str = DEFAULT_ALGORITHM, jobs: int | None = None,
+             pattern: str | None = None, on_progress: ProgressFn | None = None,
+             ) -> ValidateResult:
+    """Validate a checkpoint, or every checkpoint of a run directory.
+
+    Args:
+        path: A checkpoint file or directory, or a run directory.
+        fmt: Read the input as this format (skips detection and run-directory handling).
+        latest: For a run directory, validate only the checkpoint ``latest`` names (else the
+            newest).
+        quick: Structure only: skip the CRC-32 pass and DCP item decoding (no data is read).
+        values: Also read every floating tensor and report NaN, Inf and all-zero tensors.
+        require: ``optimizer`` and/or ``step``: their absence becomes an error.
+        write_manifest: Write (or refresh) the integrity manifest of each valid checkpoint.
+        manifest_algorithm: Checksum for a written manifest: one of :data:`ALGORITHMS`.
+        jobs: Threads for CRC and hashing (default: usable CPUs, at most 8).
+        pattern: For run directories, a regex choosing the checkpoint entries.
+        on_progress: ``(label, done, total)`` progress callback, in bytes.
+
+    Returns:
+        The :class:`ValidateResult`.
+
+    Raises:
+        CkptError: The path does not exist or cannot be read, or (for a single checkpoint) its
+            format cannot be recognised at all.
+        UsageError: Bad options.
+    """
+    p = Path(path)
+    check_exists(p)
+    if manifest_algorithm not in ALGORITHMS:
+        raise UsageError(f"--manifest-hash must be one of {', '.join(ALGORITHMS)}, "
+                         f"not {manifest_algorithm!r}")
+    if jobs is not None and jobs < 1:
+        raise UsageError("--jobs must be at least 1")
+    opts = Options(fmt, quick, values, parse_require(require), write_manifest,
+                   manifest_algorithm, jobs or default_jobs(), on_progress)
+    if fmt is not None:
+        get_reader(fmt)  # an unknown --input-format is a usage error, even for a run dir
+    if fmt is None and is_run_dir(p):
+        return _validate_run(p, opts, latest=latest, pattern=pattern)
+    if latest:
+        raise UsageError("--latest needs a run directory (a directory of checkpoints)",
+                         path=p)
+    result = ValidateResult(p, "checkpoint")
+    result.checkpoints.append(validate_checkpoint(p, opts))
+    return result
+
+
+def _validate_run(root: Path, opts: Options, *, latest: bool,
+                  pattern: str | None) -> ValidateResult:
+    run = list_run(root, pattern)
+    result = ValidateResult(root, "run", run=run)
+    entries = run.entries
+    if latest and entries:
+        target = next((e for e in entries if e.name == run.latest), entries[-1])
+        entries = [target]
+    for e in entries:
+        result.checkpoints.append(validate_checkpoint(e.path, opts, entry=e))
+    dangling, named = directory_pointers(root)
+    # Symlink pointers (Lightning's last.ckpt) are resolved by the listing.
+    dangling += [dataclasses.replace(f, severity="error", message=f.message
+                                     + ": resuming from it will fail")
+                 for f in run.findings if f.code == "dangling-pointer"
+                 and f.file not in POINTER_FILES]
+    named += [f"{k} -> {v}" for k, v in sorted(run.pointers.items())
+              if k not in POINTER_FILES and not any(f.file == k for f in dangling)]
+    result.run_checks.append(_result("latest-pointer", dangling,
+                                     ", ".join(named) or "no pointer files"))
+    leftover = [Finding("warning", "leftover", leftover_message(name), name)
+                for name in run.leftovers]
+    result.run_checks.append(_result("leftovers", leftover, "no temporary or trash entries"
+                                     if not leftover else f"{len(leftover)} leftover(s)"))
+    if not run.entries:
+        result.run_checks[0].findings.append(Finding(
+            "error", "no-checkpoints", "the run directory holds no checkpoint", None))
+        result.run_checks[0].status = "fail"
+    return result
+
+
+def _result(check_id: str, findings: list[Finding], summary: str) -> CheckResult:
+    findings = _dedupe(findings)
+    status: Status = ("fail" if any(f.severity == "error" for f in findings) else
+                      "warn" if any(f.severity == "warning" for f in findings) else "pass")
+    return CheckResult(check_id, status, summary, findings)
+
+
+def _dedupe(findings: list[Finding]) -> list[Finding]:
+    seen: set[tuple[str, str, str | None, str | None]] = set()
+    out = []
+    for f in findings:
+        key = (f.code, f.message, f.file, f.location)
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
+
+
+def _read(path: Path, fmt: str | None) -> CheckpointIndex:
+    """Read a checkpoint's metadata; a file named like a format is read as that format anyway.
+
+    Detection is by content. When content matches nothing but the name says what the file
+    should be (``model.safetensors`` whose header is destroyed), validating it as that format
+    tells the user what is wrong with it, rather than only that it is unrecognised.
+    """
+    try:
+        return read_index(path, fmt)
+    except UnknownFormatError:
+        guess = _EXTENSION_FORMATS.get(path.suffix.lower()) if path.is_file() else None
+        if guess is None or fmt is not None:
+            raise
+        return read_index(path, guess)
+
+
+class _Builder:
+    """Collects findings per check for one checkpoint."""
+
+    def __init__(self) -> None:
+        self.findings: dict[str, list[Finding]] = {}
+        self.summaries: dict[str, str] = {}
+        self.skipped: dict[str, str] = {}
+
+    def add(self, check_id: str, findings: Iterable[Finding] = (),
+            summary: str | None = None) -> None:
+        self.findings.setdefault(check_id, []).extend(findings)
+        if summary is not None:
+            self.summaries[check_id] = summary
+
+    def skip(self, check_id: str, why: str) -> None:
+        self.skipped[check_id] = why
+
+    def results(self) -> list[CheckResult]:
+        out = []
+        for cid in CHECKS:
+            if cid in self.findings:
+                out.append(_result(cid, self.findings[cid], self.summaries.get(cid, "")))
+            elif cid in self.skipped:
+                out.append(CheckResult(cid, "skip", self.skipped[cid]))
+        return out
+
+
+def validate_checkpoint(path: Path, opts: Options | None = None, *,
+                        entry: RunEntry | None = None) -> CheckpointReport:
+    """Validate one checkpoint (a file or a checkpoint directory).
+
+    Args:
+        path: The checkpoint.
+        opts: How to validate (defaults: structure and CRC, nothing written).
+        entry: Its run-directory entry, when validating a run.
+
+    Returns:
+        The :class:`CheckpointReport`. A checkpoint that cannot be read is a report with a
+        failed ``readable`` check, not an exception.
+
+    Raises:
+        CkptError: Only when validating a single checkpoint (``entry`` is None) whose path
+            cannot be read at all or whose format is unrecognisable: a usage problem rather
+            than a finding.
+    """
+    opts = opts or Options(jobs=default_jobs())
+    outer = opts.on_progress
+    if outer is not None:  # name the checkpoint: a run directory reports many in turn
+        def labelled(label: str, done: int, total: int) -> None:
+            outer(f"{path.name}: {label}", done, total)
+
+        opts = dataclasses.replace(opts, on_progress=labelled)
+    t0 = time.perf_counter()
+    report = CheckpointReport(path)
+    b = _Builder()
+    index: CheckpointIndex | None = None
+    try:
+        index = _read(path, opts.fmt)
+    except (CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError) as e:
+        b.add("readable", [Finding("error", "unreadable", e.message, _rel_path(e.path, path))],
+              "could not read the checkpoint's metadata")
+    except CkptError as e:
+        if entry is None:
+            raise  # a single unreadable or unrecognisable path: a usage error, exit 2
+        b.add("readable", [Finding("error", "unreadable", e.message,
+                                   _rel_path(e.path, path))], "could not read")
+    if index is not None:
+        report.index = index
+        report.format, report.flavor = index.format, index.flavor
+        step = index.metadata.get("step")
+        report.step = step if isinstance(step, int) and not isinstance(step, bool) else None
+        try:
+            with OpenFiles() as files:
+                report.bytes_read += _deep_checks(b, index, path, files, opts)
+            if opts.values:
+                vf, stats = scan_values(index, on_progress=opts.on_progress)
+                b.add("values", vf, _values_summary(stats))
+                report.bytes_read += stats.bytes
+            else:
+                b.skip("values", "not requested (--values reads every floating tensor)")
+        except CkptError as e:  # a file vanished or an I/O error while reading data
+            b.add("readable", [Finding("error", "read-error", e.message,
+                                       _rel_path(e.path, path))])
+    else:
+        for cid in ("complete", "resumable", "values"):
+            b.skip(cid, "not run: the checkpoint could not be read")
+        if entry is not None and entry.step is not None:
+            report.step = entry.step
+    _complete(b, path, index, entry)
+    left = leftover_findings(path)
+    b.add("leftovers", left, f"{len(left)} leftover(s)" if left else "none")
+    report.manifest = _manifest(b, path, opts, has_errors=_has_errors(b))
+    if report.manifest is not None:
+        report.bytes_read += report.manifest.bytes
+    report.checks = b.results()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _has_errors(b: _Builder) -> bool:
+    return any(f.severity == "error" for fs in b.findings.values() for f in fs)
+
+
+def _rel_path(p: str | Path | None, checkpoint: Path) -> str | None:
+    """An error's path relative to the checkpoint (None for the checkpoint directory)."""
+    if p is None:
+        return None
+    base = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    q = Path(str(p).split("@", 1)[0])  # DCP items are named file@offset
+    if q == base:
+        return None
+    return rel_to(q, base)
+
+
+def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFiles,
+                 opts: Options) -> int:
+    """Sort the reader's findings into checks and run the checks beyond metadata.
+
+    Returns:
+        Bytes streamed.
+    """
+    exact_ranks = index.format == "deepspeed" and ds_world(index) is not None
+    for f in _collapse_truncation(index.findings):
+        if exact_ranks and f.code == "missing-rank":
+            continue  # _deepspeed_ranks names each missing file instead
+        if f.code == "bad-item" and not opts.quick:
+            continue  # check_dcp decodes every item (the reader only the small ones)
+        cid = _FORMAT_CODE_CHECK.get((index.format, f.code)) or _CODE_CHECK.get(f.code,
+                                                                                "readable")
+        b.add(cid, [f])
+    fmts = {f.format for f in index.files}
+    b.add("readable", [], f"{index.format}"
+          + (f" ({index.flavor})" if index.flavor and index.flavor != index.format else "")
+          + f": {len(index.tensors):,} tensors in {len(index.files):,} file(s)")
+    if "safetensors" in fmts:
+        n = sum(1 for f in index.files if f.format == "safetensors")
+        b.add("safetensors-header", [], f"{n} safetensors header(s)")
+    if "hf-index" == index.format or any(f.role == "index" for f in index.files):
+        b.add("shard-index", stray_shards(index),
+              f"{index.layout.get('shards', 0)} shard(s) named by the index")
+    if fmts & {"torch", "torch-legacy"}:
+        refs = {(t.storage.file, t.storage.key) for t in index.tensors.values() if t.storage}
+        b.add("storages", [], f"{len(refs):,} storage(s) referenced")
+    tasks: list[CrcTask] = []
+    zips = _torch_zips(b, index, files, tasks)
+    dcp_items = _dcp_checks(b, index, path, files, tasks, opts)
+    if zips or dcp_items:
+        what = ", ".join(x for x in (f"{zips} torch file(s)" if zips else "",
+                                     f"{dcp_items:,} DCP item(s)" if dcp_items else "") if x)
+        b.add("zip-structure", [], f"{what}, {len(tasks):,} record(s)" if tasks else what)
+    if "torch-legacy" in fmts and not zips and not dcp_items:
+        b.skip("crc32", "legacy torch files carry no checksums (a manifest can guard them)")
+    streamed = 0
+    if zips or dcp_items:
+        if opts.quick:
+            b.skip("crc32", "skipped (--quick)")
+        else:
+            total = sum(t.size for t in tasks)
+            t0 = time.perf_counter()
+            found = verify_crcs(tasks, threads=opts.jobs, on_progress=opts.on_progress)
+            dt = time.perf_counter() - t0
+            streamed = total
+            rate = f", {total / dt / 1e9:.2f} GB/s" if dt > 0 and total > _RATE_MIN else ""
+            b.add("crc32", found, f"{len(tasks):,} record(s), {_size(total)}{rate}")
+    if fmts & {"torch", "torch-legacy", "pickle", "dcp"}:
+        found = b.findings.get("pickle-safety", [])
+        worst = {f.severity for f in found}
+        b.add("pickle-safety", [], "only allowlisted globals" if not found else
+              "globals that run code if loaded unsafely" if "error" in worst else
+              "unknown globals (not imported, not executed)" if "warning" in worst else
+              f"{len(found)} data-holder global(s) outside torch's allowlist, read as data")
+    for cid, got in (("rank-files", rank_findings(index, path)),
+                     ("latest-pointer", pointer_findings(index, path))):
+        if got is not None:
+            b.add(cid, *got)
+    b.add("resumable", *resumable_findings(index, opts.require))
+    return streamed
+
+
+def _size(n: int) -> str:
+    return humanize.naturalsize(n, binary=False, format="%.1f")
+
+
+def _collapse_truncation(findings: list[Finding]) -> list[Finding]:
+    """One finding per truncated file instead of one per DCP chunk past its end."""
+    out: list[Finding] = []
+    first: dict[str | None, Finding] = {}
+    count: dict[str | None, int] = {}
+    for f in findings:
+        if f.code != "chunk-out-of-bounds":
+            out.append(f)
+            continue
+        count[f.file] = count.get(f.file, 0) + 1
+        if f.file not in first:
+            first[f.file] = f
+            out.append(f)
+    return [dataclasses.replace(f, message=f"{f.message}; {count[f.file] - 1:,} more chunk(s) "
+                                "of this file too") if f.code == "chunk-out-of-bounds"
+            and count[f.file] > 1 else f for f in out]
+
+
+def _torch_zips(b: _Builder, index: CheckpointIndex, files: OpenFiles,
+                tasks: list[CrcTask]) -> int:
+    """Zip structure of every torch zip file of the checkpoint; collects CRC tasks."""
+    owners: dict[tuple[str, str], list[str]] = {}
+    for t in index.tensors.values():
+        if t.storage is not None:
+            owners.setdefault((t.storage.file, t.storage.key), []).append(t.name)
+    n = 0
+    disabled: list[str] = []
+    for f in index.files:
+        if f.format != "torch":
+            continue
+        n += 1
+        path = index.path_of(f.path)
+        fd = files.open(path, path)
+        size = os.fstat(fd).st_size
+        zr = check_zip(fd, 0, size, rel=f.path)
+        b.add("zip-structure", zr.findings)
+        if zr.crc_disabled:
+            disabled.append(f.path)
+
+        def describe(record: str, rel: str = f.path) -> str:
+            key = record.rsplit("/data/", 1)[-1] if "/data/" in record else None
+            names = owners.get((rel, key), []) if key else []
+            if not names:
+                return ""
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            return f"storage of {names[0]}{more}"
+
+        tasks.extend(crc_tasks(zr, rel=f.path, fd=fd, start=0, describe=describe))
+    if disabled:
+        b.add("crc32", [Finding("info", "crc-disabled",
+                                "written with CRC-32 turned off (every CRC is 0): its bytes "
+                                "cannot be verified; a manifest can guard them", p)
+                        for p in disabled])
+    return n
+
+
+def _dcp_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFiles,
+                tasks: list[CrcTask], opts: Options) -> int:
+    """DCP placement, tiling and decoding for the checkpoint or its DCP subdirectories."""
+    targets: list[tuple[CheckpointIndex, Path, str]] = []
+    if index.format == "dcp":
+        targets.append((index, path, ""))
+    elif path.is_dir():
+        for sub in sorted(q for q in path.iterdir() if q.is_dir()):
+            if dcp.metadata_file(sub) is None:
+                continue
+            try:
+                targets.append((dcp.DCPReader().read_index(sub), sub, sub.name + "/"))
+            except CkptError:
+                continue  # the directory reader reported it (bad-subdir)
+    items = 0
+    for sub_index, directory, prefix in targets:
+        rep = check_dcp(sub_index, directory, files, prefix=prefix, decode=not opts.quick)
+        b.add("dcp-storage", rep.storage, f"{rep.placed:,} item(s) in {rep.files} file(s)")
+        b.add("dcp-tiling", rep.tiling, f"{rep.tensors:,} tensor(s)")
+        b.add("pickle-safety", rep.pickles)
+        if opts.quick:
+            b.skip("dcp-chunks", "skipped (--quick)")
+        else:
+            note = (f"; {rep.undecoded} compressed item(s) not decoded" if rep.undecoded
+                    else "")
+            b.add("dcp-chunks", rep.chunks, f"{rep.items:,} item(s) decoded{note}")
+            b.add("zip-structure", rep.zips)
+        tasks.extend(rep.crc)
+        items += rep.items
+    return items
+
+
+def _complete(b: _Builder, path: Path, index: CheckpointIndex | None,
+              entry: RunEntry | None) -> None:
+    """Commit markers: what the run listing's quick status says, unless already explained."""
+    if entry is not None:
+        complete, reason = entry.complete, entry.reason
+    else:
+        _fmt, complete, reason = quick_status(path)
+    if index is None and not complete:
+        return  # the read error says more than the quick status
+    if complete or _has_errors(b):
+        b.add("complete", [], "commit markers present" if complete else
+              f"incomplete ({reason}); see the errors above")
+        return
+    b.add("complete", [Finding("error", "incomplete", f"the save did not finish: {reason}",
+                               None)], "the save did not finish")
+
+
+def _values_summary(stats: ValueStats) -> str:
+    rate = (f", {stats.bytes / stats.seconds / 1e9:.2f} GB/s" if stats.seconds > 0
+            and stats.bytes > _RATE_MIN else "")
+    skipped = f", {stats.skipped} not examinable" if stats.skipped else ""
+    return f"{stats.tensors:,} floating tensor(s), {_size(stats.bytes)}{rate}{skipped}"
+
+
+def _manifest(b: _Builder, path: Path, opts: Options, *,
+              has_errors: bool) -> ManifestResult | None:
+    """Verify the manifest if there is one; write one if asked and the checkpoint is valid."""
+    mpath = manifest_path(path)
+    try:
+        existing = read_manifest(path)
+    except CkptError as e:
+        b.add("manifest", [Finding("error", "bad-manifest", e.message, mpath.name)],
+              "the manifest is unreadable")
+        return ManifestResult(mpath, "unreadable")
+    result = ManifestResult(mpath, "absent")
+    verification: Verification | None = None
+    if existing is not None:
+        try:
+            verification = verify_manifest(path, jobs=opts.jobs, on_progress=opts.on_progress,
+                                           manifest=existing)
+        except CkptError as e:
+            b.add("manifest", [Finding("error", "manifest-unverifiable", e.message,
+                                       _rel_path(e.path, path))], "could not hash the files")
+            return ManifestResult(mpath, "unreadable", existing.algorithm)
+        assert verification is not None
+        result = ManifestResult(mpath, "verified", existing.algorithm)
+        result.add_stats(verification.stats)
+        result.changed = sorted([*verification.changed, *verification.missing,
+                                 *(r for r, _, _ in verification.resized)])
+        result.extra = verification.extra
+        bad = len(result.changed)
+        rate = f", {result.throughput / 1e9:.2f} GB/s" if result.bytes > _RATE_MIN else ""
+        b.add("manifest", verification.findings(mpath.name),
+              f"{len(existing.files) - bad} of {len(existing.files)} file(s) match "
+              f"({existing.algorithm}{rate})")
+    if not opts.write_manifest:
+        if existing is None:
+            b.skip("manifest", "none (--write-manifest records one)")
+        return result
+    damaged = verification is not None and bool(
+        verification.changed or verification.resized or verification.missing)
+    if has_errors or damaged:
+        why = ("the checkpoint has errors" if has_errors else
+               "the existing manifest disagrees with the files")
+        b.add("manifest", [Finding("error", "manifest-not-written",
+                                   f"manifest not written: {why}", mpath.name)])
+        result.action = "not-written"
+        return result
+    if (verification is not None and verification.ok and existing is not None
+            and existing.algorithm == opts.manifest_algorithm):
+        manifest = existing  # unchanged files, same checksum: keep the original record
+        written, stats = mpath, None
+    else:
+        manifest, stats = compute_manifest(path, algorithm=opts.manifest_algorithm,
+                                           jobs=opts.jobs, on_progress=opts.on_progress)
+        written, manifest, _ = write_manifest(path, manifest=manifest)
+    result.action = "written" if stats is not None else "verified"
+    result.algorithm = manifest.algorithm
+    result.add_stats(stats)
+    rate = f", {stats.throughput / 1e9:.2f} GB/s" if stats and stats.bytes > _RATE_MIN else ""
+    b.add("manifest", [], f"{'wrote' if stats else 'kept'} {written.name}: "
+          f"{len(manifest.files)} file(s), {manifest.algorithm}{rate}")
+    return result

@@ -1,0 +1,161 @@
+"""``validate --values``: stream every floating tensor and look for NaN, Inf and all-zero.
+
+Tensors are read one at a time (DCP tensors one chunk at a time) through
+:class:`~ckpt_cli.tensors.TensorSource`, and examined in slices, so memory stays about one
+tensor (or chunk) whatever the checkpoint's size. Views of one storage (tied weights) are read
+once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ckpt_cli import dtypes
+from ckpt_cli.errors import CkptError
+from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
+from ckpt_cli.streaming import ProgressFn
+from ckpt_cli.tensors import TensorSource
+
+if TYPE_CHECKING:
+    import numpy as np
+
+_SLICE = 1 << 24  # elements examined at once (bounds the temporary masks)
+
+
+@dataclass(frozen=True, slots=True)
+class ValueStats:
+    """What ``--values`` read.
+
+    Attributes:
+        tensors: Floating tensors examined.
+        bytes: Bytes of them read.
+        skipped: Floating tensors whose values could not be examined (packed sub-byte types,
+            compressed chunks, tensors without data).
+        seconds: Wall time.
+    """
+
+    tensors: int
+    bytes: int
+    skipped: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class _Counts:
+    numel: int = 0
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    nonzero: bool = False
+
+    def add(self, arr: np.ndarray) -> None:
+        import numpy as np
+
+        flat = arr.reshape(-1)
+        self.numel += flat.size
+        # Damaged data holds signalling NaNs and the like: counting them must stay silent.
+        with np.errstate(all="ignore"):
+            for i in range(0, flat.size, _SLICE):
+                part = flat[i:i + _SLICE]
+                finite = np.isfinite(part)
+                if not finite.all():
+                    self.nan += int(np.isnan(part).sum())
+                    self.posinf += int(np.isposinf(part).sum())
+                    self.neginf += int(np.isneginf(part).sum())
+                if not self.nonzero and part.any():
+                    self.nonzero = True
+
+
+def _pieces(src: TensorSource, t: TensorInfo) -> Iterator[np.ndarray]:
+    if t.chunks:
+        for c in t.chunks:
+            yield src.read_chunk(t, c)
+    else:
+        yield src.read(t)
+
+
+def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None,
+                ) -> tuple[list[Finding], ValueStats]:
+    """Examine every floating tensor's values.
+
+    Args:
+        index: The checkpoint.
+        on_progress: Progress callback (label ``values``), in bytes.
+
+    Returns:
+        ``(findings, stats)``. NaN is an error in weights, optimizer state and buffers (a
+        warning in other state); Inf is an error in weights and optimizer state, a note for
+        -inf in buffers (attention masks hold it on purpose) and a warning otherwise; a
+        tensor of zeros is a warning in weights and a note elsewhere. Tensors that cannot be
+        read are warnings (their structural problem is reported by the other checks).
+    """
+    t0 = time.perf_counter()
+    todo: list[TensorInfo] = []
+    seen: set[tuple[object, ...]] = set()
+    skipped = 0
+    for t in index.tensors.values():
+        if not t.is_floating or t.numel == 0:
+            continue
+        if t.kind != "dense" or dtypes.DTYPES[t.dtype].numpy_name is None:
+            skipped += 1
+            continue
+        key = (t.file, t.offset, t.shape, t.stride, t.dtype, t.chunks)
+        if t.file is not None and key in seen:
+            continue  # another name for the same bytes (tied weights)
+        seen.add(key)
+        todo.append(t)
+    total = sum(t.nbytes for t in todo)
+    findings: list[Finding] = []
+    done = examined = 0
+    if on_progress:
+        on_progress("values", 0, total)
+    with TensorSource(index) as src:
+        for t in todo:
+            counts = _Counts()
+            try:
+                for arr in _pieces(src, t):
+                    counts.add(arr)
+                    del arr  # before the next read: memory holds one tensor, not two
+            except CkptError as e:
+                skipped += 1
+                findings.append(Finding("warning", "values-unreadable",
+                                        f"values not examined: {e.message}", _file(t), t.name))
+                continue
+            finally:
+                done += t.nbytes
+                if on_progress:
+                    on_progress("values", done, total)
+            examined += 1
+            findings.extend(_judge(t, counts))
+    return findings, ValueStats(examined, done, skipped, time.perf_counter() - t0)
+
+
+def _file(t: TensorInfo) -> str | None:
+    return t.file or (t.chunks[0].file if t.chunks else None)
+
+
+def _judge(t: TensorInfo, c: _Counts) -> list[Finding]:
+    out: list[Finding] = []
+    where = _file(t)
+    state = t.group in ("model", "optimizer", "buffer")  # what a resumed run computes with
+    if c.nan:
+        out.append(Finding("error" if state else "warning", "nan",
+                           f"{c.nan:,} of {c.numel:,} values are NaN", where, t.name))
+    inf = c.posinf + c.neginf
+    if inf and t.group in ("model", "optimizer"):
+        out.append(Finding("error", "inf", f"{inf:,} of {c.numel:,} values are infinite",
+                           where, t.name))
+    elif c.posinf or (c.neginf and t.group != "buffer"):
+        out.append(Finding("warning" if state else "info", "inf",
+                           f"{inf:,} of {c.numel:,} values are infinite", where, t.name))
+    elif c.neginf:
+        out.append(Finding("info", "inf", f"{c.neginf:,} of {c.numel:,} values are -inf (as "
+                           "in an attention mask)", where, t.name))
+    if not c.nonzero and not c.nan:
+        out.append(Finding("warning" if t.group == "model" else "info", "all-zero",
+                           f"all {c.numel:,} values are zero (never trained, or wiped?)",
+                           where, t.name))
+    return out

@@ -1,0 +1,133 @@
+"""Human report of ``validate``: one row per check, one line per problem, a verdict.
+
+A single checkpoint gets its checks (status, id, what was verified) and then its problems,
+one line each: ``error: FILE:LOCATION: explanation``. A run directory gets one row per
+checkpoint, the run's own checks, and the problems grouped by checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckpt_cli.render import human
+
+if TYPE_CHECKING:
+    from ckpt_cli.ops.validate import CheckpointReport, CheckResult, ValidateResult
+
+_STATUS = {"pass": ("ok", "green"), "warn": ("warn", "yellow"), "fail": ("FAIL", "bold red"),
+           "skip": ("skip", "dim")}
+
+
+def _status(status: str) -> Text:
+    word, style = _STATUS[status]
+    return Text(word, style=style)
+
+
+def checks_table(checks: list[CheckResult]) -> Table:
+    """Status, id and summary of each check."""
+    table = Table(box=None, pad_edge=False, show_edge=False, show_header=False)
+    table.add_column("status", no_wrap=True)
+    table.add_column("check", no_wrap=True)
+    table.add_column("summary")
+    for c in checks:
+        table.add_row(_status(c.status), c.id, c.summary)
+    return table
+
+
+def _headline(r: CheckpointReport) -> Text:
+    t = Text(str(r.path), style="bold")
+    facts = [x for x in (r.format and (r.format + (f" ({r.flavor})" if r.flavor and
+                                                   r.flavor != r.format else "")),
+                         f"step {r.step}" if r.step is not None else None) if x]
+    if r.index is not None:
+        facts.append(f"{len(r.index.files)} file(s), {human.size(r.index.file_bytes)}")
+    if facts:
+        t.append("  " + ", ".join(facts), style="dim")
+    return t
+
+
+def _verdict(errors: int, warnings: int, what: str) -> Text:
+    counts = f"{errors} error{'s' if errors != 1 else ''}, {warnings} warning" + (
+        "s" if warnings != 1 else "")
+    if errors:
+        return Text(f"INVALID: {what} ({counts})", style="bold red")
+    return Text(f"valid: {what} ({counts})", style="bold green" if not warnings else "bold")
+
+
+def render(result: ValidateResult, console: Console, *, verbose: bool = False) -> None:
+    """Print the report of a validation.
+
+    Args:
+        result: What ``validate`` returned.
+        console: Where to print (stdout: the report is the command's result).
+        verbose: Also print notes (info findings), and every check of each checkpoint of a
+            run directory.
+    """
+    min_sev = "info" if verbose else "warning"
+    if result.kind == "checkpoint":
+        r = result.checkpoints[0]
+        console.print(_headline(r))
+        console.print(checks_table(r.checks))
+        if any(_shown(f.severity, min_sev) for f in r.findings):
+            console.print()
+            human.print_findings(r.findings, console=console, min_severity=min_sev)
+        console.print()
+        console.print(_verdict(r.errors, r.warnings, r.name))
+        return
+    _render_run(result, console, verbose=verbose, min_sev=min_sev)
+
+
+def _shown(severity: str, min_sev: str) -> bool:
+    order = {"info": 0, "warning": 1, "error": 2}
+    return order[severity] >= order[min_sev]
+
+
+def _render_run(result: ValidateResult, console: Console, *, verbose: bool,
+                min_sev: str) -> None:
+    n = len(result.checkpoints)
+    console.print(Text(f"{result.path}  run directory, {n} checkpoint(s) validated",
+                       style="bold"))
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for col, just in (("Checkpoint", "left"), ("Step", "right"), ("Format", "left"),
+                      ("Result", "left"), ("Errors", "right"), ("Warnings", "right"),
+                      ("First problem", "left")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in result.checkpoints:
+        first = next((f for f in r.findings if f.severity == "error"), None) or next(
+            (f for f in r.findings if f.severity == "warning"), None)
+        problem = ""
+        if first is not None:
+            where = ":".join(x for x in (first.file, first.location) if x)
+            problem = f"{where}: {first.message}" if where else first.message
+        result_text = Text("valid", style="green") if r.valid else Text("INVALID",
+                                                                         style="bold red")
+        table.add_row(r.name, "-" if r.step is None else f"{r.step:,}", r.format or "?",
+                      result_text, str(r.errors), str(r.warnings),
+                      Text(problem, overflow="ellipsis", no_wrap=True))
+    console.print(table)
+    console.print()
+    console.print(checks_table(result.run_checks))
+    for c in result.run_checks:
+        human.print_findings(c.findings, console=console, min_severity=min_sev)
+    for r in result.checkpoints:
+        if verbose:
+            console.print()
+            console.print(_headline(r))
+            console.print(checks_table(r.checks))
+        if any(_shown(f.severity, min_sev) for f in r.findings):
+            if not verbose:
+                console.print()
+                console.print(Text(r.name, style="bold"))
+            human.print_findings(r.findings, console=console, min_severity=min_sev)
+    console.print()
+    errors = sum(r.errors for r in result.checkpoints) + sum(
+        1 for c in result.run_checks for f in c.findings if f.severity == "error")
+    warnings = sum(r.warnings for r in result.checkpoints) + sum(
+        1 for c in result.run_checks for f in c.findings if f.severity == "warning")
+    bad = sum(not r.valid for r in result.checkpoints)
+    what = (f"{n - bad} of {n} checkpoint(s) valid" if n else "no checkpoints")
+    console.print(_verdict(errors, warnings, what))

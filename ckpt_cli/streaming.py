@@ -1,0 +1,223 @@
+"""Reading every byte of large files: bounded memory, parallel threads, progress.
+
+``validate``'s CRC-32 pass and the integrity manifest read whole checkpoints. Both stream byte
+ranges through small reusable buffers with positioned reads (``os.preadv``), so memory is a
+buffer per thread whatever the file size, and a file that shrinks while it is read gives a
+clean "file ends early" error (and a failing disk an I/O error) instead of the SIGBUS an mmap
+would die of. The checksums applied to the buffers (ISA-L's CRC-32, xxh3, BLAKE3, OpenSSL's
+SHA-256) release the GIL, so threads overlap on several cores. Buffers are small enough to
+stay in L2 while they are checksummed right after the copy.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import TypeVar
+
+from ckpt_cli.errors import CkptError, CorruptCheckpointError
+
+_crc32_combine: Callable[[int, int, int], int] | None
+try:  # ISA-L's CRC-32 (x86 PCLMUL / ARM PMULL) is ~20x zlib's; zlib is the fallback.
+    from isal.isal_zlib import crc32 as _crc32
+    from isal.isal_zlib import crc32_combine as _crc32_combine
+except ImportError:  # pragma: no cover - isal has wheels for the platforms ckpt supports
+    from zlib import crc32 as _crc32
+
+    _crc32_combine = None
+
+BUFFER_SIZE = 512 << 10
+"""Bytes per positioned read: the copy and the checksum both run on L2-resident bytes
+(measured: 512 KiB reads hash at ~83% of a bare read's speed, 4 MiB ones at ~75%; a helper
+thread reading ahead was slower still on a busy 2-core machine)."""
+
+T = TypeVar("T")
+
+ProgressFn = Callable[[str, int, int], None]
+"""``on_progress(label, bytes_done, bytes_total)``: called from the calling thread only."""
+
+
+def default_jobs() -> int:
+    """Threads for reading and checksumming: the usable CPUs, at most 8."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def crc32(data: memoryview | bytes, value: int = 0) -> int:
+    """CRC-32 (the zip polynomial) of ``data``, continuing from ``value``."""
+    return _crc32(data, value)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int | None:
+    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``; None if unavailable."""
+    if _crc32_combine is None:  # pragma: no cover - see the import above
+        return None
+    return int(_crc32_combine(crc1, crc2, len2))
+
+
+class Meter:
+    """Bytes processed so far by worker threads, and a flag that asks them to stop.
+
+    Attributes:
+        done: Bytes processed.
+        stop: Set when the caller gives up (an error elsewhere, Ctrl-C): workers raise
+            :class:`Cancelled` at their next buffer.
+    """
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        """Count ``n`` more bytes; raise :class:`Cancelled` if the work was called off."""
+        if self.stop.is_set():
+            raise Cancelled
+        with self._lock:
+            self.done += n
+
+
+class Cancelled(Exception):
+    """Raised inside worker threads after :attr:`Meter.stop` is set."""
+
+
+def read_range(fd: int, start: int, length: int, buf: bytearray, meter: Meter | None = None,
+               *, path: str | Path = "") -> Iterator[memoryview]:
+    """Yield successive views of bytes ``[start, start + length)`` of an open file.
+
+    Each view is only valid until the next one is requested (the buffer is reused).
+
+    Args:
+        fd: An open file descriptor (shared between threads: positioned reads need no seek).
+        start: First byte.
+        length: Number of bytes.
+        buf: The buffer to read into.
+        meter: Counts the bytes read, and cancels.
+        path: The file's name, for the error message.
+
+    Yields:
+        Views of at most ``len(buf)`` bytes.
+
+    Raises:
+        CorruptCheckpointError: If the file ends before ``start + length``.
+        CkptError: If reading fails.
+        Cancelled: If ``meter.stop`` is set.
+    """
+    mv = memoryview(buf)
+    off, end = start, start + length
+    while off < end:
+        try:
+            n = os.preadv(fd, [mv[:min(len(mv), end - off)]], off)
+        except OSError as e:
+            raise CkptError(f"cannot read at byte {off:,}: {e.strerror}", path=path) from None
+        if n <= 0:
+            raise CorruptCheckpointError(
+                f"file ends at byte {off:,} but {end - off:,} more bytes were expected (it "
+                "shrank while being read, or is truncated)", path=path)
+        if meter is not None:
+            meter.add(n)
+        yield mv[:n]
+        off += n
+
+
+def run_parallel(jobs: Sequence[Callable[[Meter], T]], *, threads: int, total: int,
+                 label: str, on_progress: ProgressFn | None = None,
+                 meter: Meter | None = None) -> list[T]:
+    """Run ``jobs`` on a thread pool, reporting progress from the calling thread.
+
+    Args:
+        jobs: Callables taking the shared :class:`Meter` (they call ``meter.add`` as they go).
+        threads: Worker threads.
+        total: Bytes all jobs will process, for progress.
+        label: What is being done, for progress.
+        on_progress: Progress callback (about 10 calls per second, plus one at the end).
+        meter: The meter to use (a fresh one by default).
+
+    Returns:
+        The jobs' results, in order.
+
+    Raises:
+        Exception: The first exception a job raised; the other jobs are cancelled.
+        KeyboardInterrupt: Propagated after asking the workers to stop.
+    """
+    meter = meter or Meter()
+    if on_progress:
+        on_progress(label, 0, total)
+    if threads <= 1 or len(jobs) <= 1:
+        out = []
+        last = time.monotonic()
+        for j in jobs:
+            out.append(j(meter))
+            if on_progress and time.monotonic() - last > 0.1:
+                on_progress(label, meter.done, total)
+                last = time.monotonic()
+        if on_progress:
+            on_progress(label, meter.done, total)
+        return out
+    ex = ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="ckpt-read")
+    futures: list[Future[T]] = [ex.submit(j, meter) for j in jobs]
+    try:
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
+            if on_progress:
+                on_progress(label, meter.done, total)
+            for f in done:
+                if f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
+    except BaseException:
+        meter.stop.set()
+        raise
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+class OpenFiles:
+    """Read-only descriptors of the files being checked, opened once and shared by threads.
+
+    Use as a context manager; everything opened is closed on exit.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def open(self, path: Path, name: str | Path | None = None) -> int:
+        """A descriptor for ``path`` (opened on first use).
+
+        Args:
+            path: The file.
+            name: How to name it in an error message (default: ``path``).
+
+        Returns:
+            The descriptor.
+
+        Raises:
+            CkptError: If it cannot be opened.
+        """
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise CkptError(f"cannot open: {e.strerror}", path=name or path) from None
+            self._fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        """Close every descriptor."""
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,239 @@
+"""``ckpt validate`` end to end: report, exit codes, JSON schema, JUnit XML, no torch."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.conftest import run_cli
+from tests.helpers import damage
+from tests.helpers.makers import tiny_state_dict, training_checkpoint
+from tests.test_inspect_cli import _imports_torch
+
+CHECKPOINT_KEYS = {"name", "path", "format", "flavor", "step", "valid", "errors", "warnings",
+                   "bytes_read", "seconds", "checks", "findings", "manifest"}
+FINDING_KEYS = {"severity", "code", "message", "file", "location", "check"}
+CHECK_KEYS = {"id", "title", "status", "summary", "errors", "warnings"}
+
+
+def _json(*args: str | Path, code: int = 0) -> dict:  # type: ignore[type-arg]
+    r = run_cli("validate", *args, "--json")
+    assert r.exit_code == code, r.stdout + r.stderr
+    return json.loads(r.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def pt(tmp_path: Path) -> Path:
+    p = tmp_path / "train.pt"
+    torch.save(training_checkpoint(), p)
+    return p
+
+
+def test_valid_file_exits_0_with_a_report(pt: Path) -> None:
+    r = run_cli("validate", pt)
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(str(pt)) and "torch" in lines[0] and "step 100" in lines[0]
+    assert any(ln.split()[:2] == ["ok", "crc32"] for ln in lines)
+    assert lines[-1] == "valid: train.pt (0 errors, 0 warnings)"
+    assert r.stderr == ""
+
+
+def test_problem_is_one_line_with_file_location_and_explanation(pt: Path) -> None:
+    off, size = damage.zip_payload(pt, "data/1")
+    damage.flip(pt, off + size - 1)
+    r = run_cli("validate", pt)
+    assert r.exit_code == 1
+    errors = [ln for ln in r.stdout.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1
+    assert errors[0].startswith("error: train.pt:train/data/1: CRC-32 mismatch (storage of ")
+    assert "changed after the file was written" in errors[0]
+    assert any(ln.split()[:2] == ["FAIL", "crc32"] for ln in r.stdout.splitlines())
+    assert r.stdout.splitlines()[-1] == "INVALID: train.pt (1 error, 0 warnings)"
+
+
+def test_json_schema(pt: Path) -> None:
+    doc = _json(pt)
+    assert doc["schema_version"] == 1 and doc["command"] == "validate"
+    assert doc["kind"] == "checkpoint" and doc["valid"] is True and doc["strict"] is False
+    assert doc["run"] is None and doc["run_checks"] == [] and doc["run_findings"] == []
+    assert doc["summary"] == {"checkpoints": 1, "valid": 1, "invalid": 0, "errors": 0,
+                              "warnings": 0, "bytes_read": doc["summary"]["bytes_read"],
+                              "seconds": doc["summary"]["seconds"]}
+    (c,) = doc["checkpoints"]
+    assert set(c) == CHECKPOINT_KEYS
+    assert c["format"] == "torch" and c["step"] == 100 and c["findings"] == []
+    assert all(set(k) == CHECK_KEYS for k in c["checks"])
+    assert {k["id"]: k["status"] for k in c["checks"]}["crc32"] == "pass"
+    assert c["manifest"] == {"path": str(pt) + ".ckpt-manifest.json", "action": "absent",
+                             "algorithm": None, "files": 0, "bytes": 0, "seconds": 0.0,
+                             "threads": 1, "bytes_per_second": 0, "changed": [], "extra": []}
+
+
+def test_json_findings_and_exit_1(pt: Path) -> None:
+    damage.append(pt, b"trailing")
+    doc = _json(pt, code=1)
+    (c,) = doc["checkpoints"]
+    assert doc["valid"] is False and c["valid"] is False and c["errors"] == 1
+    (f,) = [f for f in c["findings"] if f["severity"] == "error"]
+    assert set(f) == FINDING_KEYS
+    assert f["code"] == "zip-trailing-bytes" and f["check"] == "zip-structure"
+    assert f["file"] == "train.pt"
+
+
+def test_run_directory_table_and_json(sample_copy: Path) -> None:
+    damage.truncate(sample_copy / "step_000300" / "checkpoint.pt", 1000)
+    r = run_cli("validate", sample_copy)
+    assert r.exit_code == 1
+    table = r.stdout.split("\n\n")[0].splitlines()  # the first block: header and one row each
+    rows = {ln.split()[0]: ln for ln in table if ln.startswith("step_")}
+    assert set(rows) == {"step_000100", "step_000200", "step_000300", "step_000400"}
+    assert "INVALID" in rows["step_000300"] and "valid" in rows["step_000100"]
+    assert r.stdout.splitlines()[-1].startswith("INVALID: 3 of 4 checkpoint(s) valid")
+    doc = _json(sample_copy, code=1)
+    assert doc["kind"] == "run" and doc["summary"]["invalid"] == 1
+    assert [c["name"] for c in doc["checkpoints"]] == sorted(rows)
+    assert doc["run"]["latest"] == "step_000400"
+    assert [k["id"] for k in doc["run_checks"]] == ["latest-pointer", "leftovers"]
+    doc = _json(sample_copy, "--latest")
+    assert [c["name"] for c in doc["checkpoints"]] == ["step_000400"]
+
+
+def test_junit_report(pt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "reports" / "junit.xml"
+    out.parent.mkdir()
+    off, _ = damage.zip_payload(pt, "data/0")
+    damage.flip(pt, off + 1)
+    r = run_cli("validate", pt, "--junit", out, "--values")
+    assert r.exit_code == 1
+    root = ET.parse(out).getroot()
+    assert root.tag == "testsuites" and root.get("failures") == "1"
+    (suite,) = root.findall("testsuite")
+    cases = {c.get("name"): c for c in suite.findall("testcase")}
+    assert {"readable", "crc32", "values", "leftovers"} <= set(cases)
+    assert int(suite.get("tests", "0")) == len(cases)
+    failure = cases["crc32"].find("failure")
+    assert failure is not None and failure.get("type") == "crc-mismatch"
+    assert "train/data/0" in (failure.text or "")
+    assert cases["readable"].find("failure") is None
+    skipped = cases["manifest"].find("skipped")
+    assert skipped is not None and "--write-manifest" in (skipped.get("message") or "")
+    assert list(tmp_path.glob("reports/.*")) == []  # written atomically, no temp left
+
+
+def test_strict_makes_warnings_fail(tmp_path: Path) -> None:
+    p = tmp_path / "w.pt"
+    torch.save({"model": tiny_state_dict(), "step": 5}, p)  # a step but no optimizer: a warning
+    r = run_cli("validate", p)
+    assert r.exit_code == 0 and "warning: " in r.stdout and "no optimizer state" in r.stdout
+    assert run_cli("validate", p, "--strict").exit_code == 1
+    assert run_cli("validate", p, "--require", "optimizer").exit_code == 1
+
+
+def test_write_manifest_then_detect_change(tmp_path: Path) -> None:
+    p = tmp_path / "m.safetensors"
+    save_file(tiny_state_dict(), str(p))
+    r = run_cli("validate", p, "--write-manifest")
+    assert r.exit_code == 0 and "wrote m.safetensors.ckpt-manifest.json" in r.stdout
+    damage.flip(p, p.stat().st_size - 1)  # tensor data: safetensors has no checksum of its own
+    r = run_cli("validate", p)
+    assert r.exit_code == 1
+    assert ("error: m.safetensors:m.safetensors.ckpt-manifest.json: content differs from the "
+            "manifest") in r.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--require", "rng"], "unknown requirement 'rng'"),
+    (["--latest"], "--latest needs a run directory"),
+    (["--manifest-hash", "md5"], "--manifest-hash must be one of"),
+    (["--input-format", "nope"], "unknown format 'nope'"),
+])
+def test_usage_errors_exit_2(pt: Path, args: list[str], fragment: str) -> None:
+    r = run_cli("validate", pt, *args)
+    assert r.exit_code == 2, r.stdout
+    assert fragment in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_unreadable_path_exits_2(tmp_path: Path) -> None:
+    r = run_cli("validate", tmp_path / "nope.pt")
+    assert r.exit_code == 2 and "no such file or directory" in r.stderr
+    (tmp_path / "x.txt").write_text("not a checkpoint")
+    r = run_cli("validate", tmp_path / "x.txt")
+    assert r.exit_code == 2 and "unrecognised file" in r.stderr and r.stdout == ""
+
+
+def test_empty_file_named_like_a_checkpoint_is_invalid_not_unknown(tmp_path: Path) -> None:
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(b"")
+    r = run_cli("validate", p)
+    assert r.exit_code == 1
+    assert "error: model.safetensors: 0 bytes is too short for a safetensors file" in r.stdout
+
+
+def test_junit_destination_problems_exit_2(pt: Path, tmp_path: Path) -> None:
+    r = run_cli("validate", pt, "--junit", tmp_path / "no" / "such" / "dir.xml")
+    assert r.exit_code == 2 and "parent directory does not exist" in r.stderr
+
+
+def test_validate_does_not_import_torch(tmp_path: Path) -> None:
+    save_file(tiny_state_dict(), str(tmp_path / "m.safetensors"))
+    torch.save(training_checkpoint(), tmp_path / "t.pt")
+    for argv in (["validate", str(tmp_path / "m.safetensors"), "--values"],
+                 ["validate", str(tmp_path / "t.pt"), "--values", "--json"],
+                 ["validate", str(tmp_path / "t.pt"), "--write-manifest"]):
+        imported, tail = _imports_torch(*argv)
+        assert not imported, (argv, tail)
+        assert "EXIT=0" in tail, (argv, tail)
+
+
+def test_validate_dcp_does_not_import_torch(sample_run: Path) -> None:
+    imported, tail = _imports_torch("validate", str(sample_run / "step_000400"), "--values")
+    assert not imported and "EXIT=0" in tail, tail
+
+
+def test_junit_of_a_run_directory(sample_copy: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run.xml"
+    (sample_copy / "latest").write_text("step_000900")
+    r = run_cli("validate", sample_copy, "--junit", out, "--quick")
+    assert r.exit_code == 1
+    suites = ET.parse(out).getroot().findall("testsuite")
+    assert [s.get("name") for s in suites] == [
+        *(str(sample_copy / f"step_000{n}00") for n in range(1, 5)),
+        f"{sample_copy} (run directory)"]
+    run_cases = {c.get("name"): c for c in suites[-1].findall("testcase")}
+    failure = run_cases["latest-pointer"].find("failure")
+    assert failure is not None and "step_000900" in (failure.text or "")
+    assert all(s.get("failures") == "0" for s in suites[:-1])
+
+
+def test_no_color_and_no_progress_when_not_a_terminal(pt: Path) -> None:
+    r = run_cli("validate", pt, "--values", "--write-manifest")
+    assert r.exit_code == 0
+    assert "\x1b[" not in r.stdout and r.stderr == ""
+
+
+def test_progress_bar_on_a_terminal(pt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from ckpt_cli.ops.validate import validate
+    from ckpt_cli.render import human, progress
+
+    buf = io.StringIO()
+    monkeypatch.setattr(human, "is_tty", lambda: True)
+    monkeypatch.setattr(human, "stderr", lambda: Console(file=buf, force_terminal=True,
+                                                         width=100))
+    with progress.progress_bar() as on_progress:
+        assert on_progress is not None
+        validate(pt, values=True, on_progress=on_progress)
+    shown = buf.getvalue()
+    assert "train.pt: CRC-32" in shown and "train.pt: values" in shown
+    with progress.progress_bar(enabled=False) as off:  # --quiet
+        assert off is None
