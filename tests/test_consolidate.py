@@ -85,7 +85,10 @@ def test_dcp_model_only(sample_run: Path, tmp_path: Path,
                 "--max-shard-size", "0", "--json")
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["files_before"] == 5 and doc["files_after"] == 1 and doc["lost_elements"] == 0
+    # One weights file and its integrity manifest beside it.
+    assert doc["files_before"] == 5 and doc["files_after"] == 2 and doc["lost_elements"] == 0
+    assert [f["path"] for f in doc["files"]] == ["model.safetensors",
+                                                 "model.safetensors.ckpt-manifest.json"]
     assert doc["dropped"] == {"optimizer": 84}
     got = load_file(out)
     for k, v in got.items():
@@ -216,3 +219,25 @@ def test_consolidate_round_trip_proven_by_ckpt_diff(sample_run: Path, tmp_path: 
     doc = json.loads(d.stdout)
     assert d.exit_code == 0 and doc["equal"] is True, d.stdout[-2000:]
     assert doc["summary"]["identical"] == len(doc["tensors"]) == 114
+
+
+def test_manifest_lets_validate_catch_bit_rot(sample_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cons"
+    assert run_cli("consolidate", sample_run / "step_000400", "-o", out,
+                   "--max-shard-size", "300KB").exit_code == 0
+    assert (out / "ckpt-manifest.json").is_file()
+    ok = run_cli("validate", out, "--json")
+    assert ok.exit_code == 0, ok.stdout
+    checks = {c["id"]: c["status"] for c in json.loads(ok.stdout)["checkpoints"][0]["checks"]}
+    assert checks["manifest"] == "pass"
+    shard = sorted(out.glob("model-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 1  # one flipped bit in tensor data: safetensors has no checksum of its own
+    shard.write_bytes(bytes(data))
+    bad = run_cli("validate", out)
+    assert bad.exit_code == 1 and shard.name in bad.stdout + bad.stderr
+    single = tmp_path / "one.safetensors"
+    assert run_cli("consolidate", sample_run / "step_000400", "-o", single,
+                   "--max-shard-size", "0").exit_code == 0
+    assert (tmp_path / "one.safetensors.ckpt-manifest.json").is_file()
+    assert run_cli("validate", single).exit_code == 0

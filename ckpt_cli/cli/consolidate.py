@@ -31,6 +31,9 @@ def consolidate_cmd(
     verify: Annotated[bool, typer.Option(
         "--verify", help="Re-read every output tensor and compare it with its source chunks "
                          "before the output is put in place.")] = False,
+    manifest: Annotated[bool, typer.Option(
+        "--manifest/--no-manifest", help="Write an integrity manifest that 'ckpt validate' "
+                                         "checks.")] = True,
     force: Annotated[bool, typer.Option("--force", "--overwrite",
                                         help="Replace an existing output.")] = False,
     quiet: QuietOpt = False,
@@ -58,7 +61,8 @@ def consolidate_cmd(
         with byte_progress("consolidating", enabled=not (quiet or json)) as bar:
             r = consolidate(source, output, fmt=fmt, max_shard_size=shard,
                             with_optimizer=with_optimizer, to=to, overwrite=force,
-                            verify=verify, on_progress=bar.advance, on_start=bar.start)
+                            verify=verify, manifest=manifest, on_progress=bar.advance,
+                            on_start=bar.start)
         if json:
             _emit_json(r)
         else:

@@ -26,6 +26,7 @@ from ckpt_cli.formats import check_exists, dcp, deepspeed, read_index
 from ckpt_cli.formats.directory import checkpoint_files
 from ckpt_cli.formats.rundir import tree_stats
 from ckpt_cli.formats.zero import PieceReader, ZeroPlan, natural_key, plan_zero, resolve_tag
+from ckpt_cli.manifest import manifest_path, write_manifest
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.convert import TARGETS, Selection, cast_array, select_tensors
 from ckpt_cli.tensors import TensorSource
@@ -117,7 +118,7 @@ def detect_kind(path: Path) -> str:
 def consolidate(source: str | Path, output: str | Path, *, fmt: str = "safetensors",
                 max_shard_size: int | None = DEFAULT_MAX_SHARD, with_optimizer: bool = False,
                 to: str = "keep", overwrite: bool = False, verify: bool = False,
-                on_progress: Callable[[int], None] | None = None,
+                manifest: bool = True, on_progress: Callable[[int], None] | None = None,
                 on_start: Callable[[int], None] | None = None) -> ConsolidateResult:
     """Merge a rank-sharded checkpoint into few large files.
 
@@ -131,6 +132,9 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str = "safetenso
         to: ``keep``, ``fp32``, ``fp16`` or ``bf16`` for floating model tensors.
         overwrite: Replace an existing output.
         verify: Re-read every output tensor and compare it with its source.
+        manifest: Write an integrity manifest (``ckpt-manifest.json``, or
+            ``<file>.ckpt-manifest.json`` beside a single-file output) that ``ckpt validate``
+            checks.
         on_progress: Called with bytes written.
         on_start: Called once with the total bytes to write.
 
@@ -163,16 +167,24 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str = "safetenso
 
     def check(tmp: Path) -> None:
         # Verified in place before the rename: a mismatch leaves no output behind.
-        checked.append(_verify(tmp, job))
+        if verify:
+            checked.append(_verify(tmp, job))
+        if manifest and tmp.is_dir():
+            write_manifest(tmp)  # inside the directory, so it arrives with it
 
     try:
         write = write_checkpoint(out, job.outs, fmt=fmt, max_shard_size=max_shard_size,
                                  metadata=job.metadata, aliases=job.aliases,
                                  overwrite=overwrite, on_progress=on_progress,
-                                 before_commit=check if verify else None)
+                                 before_commit=check)
+        if manifest and out.is_file():
+            write_manifest(out)  # a single file's manifest sits beside it
     finally:
         for close in job.close:
             close()
+    if manifest:
+        mpath = manifest_path(out)
+        write.files.append((mpath.name, mpath.stat().st_size))
     elements_out = sum(t.numel for t in job.outs)
     return ConsolidateResult(src, kind, out, write, files_before, bytes_before, job.elements_in,
                              elements_out, len(job.outs), job.aliases, job.dropped, job.details,
