@@ -8,6 +8,7 @@ import typer
 
 from ckpt_cli import __version__
 from ckpt_cli.cli.inspect import inspect_cmd
+from ckpt_cli.cli.prune import prune_cmd
 from ckpt_cli.cli.sample import sample_cmd
 
 app = typer.Typer(
@@ -36,6 +37,7 @@ def _root(
 
 app.command("inspect")(inspect_cmd)
 app.command("sample")(sample_cmd)
+app.command("prune")(prune_cmd)
 
 
 def main() -> None:
