@@ -321,6 +321,9 @@ def test_temporary_and_trash_names_are_never_checkpoints(sample_copy: Path) -> N
                  "000070.orbax-checkpoint-tmp-123"]
     for name in tmp_names:
         shutil.copytree(sample_copy / "step_000100", sample_copy / name)
+    r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--dry-run")
+    assert r.exit_code == 0, r.stderr
+    assert all(f"leftover {n}: a temporary name" in r.stdout for n in tmp_names)
     doc = _json(sample_copy, "--keep", "1", "--grace", "0", "--yes")
     assert set(doc["leftovers"]) == set(tmp_names)
     assert set(tmp_names) <= _names(sample_copy)
@@ -479,8 +482,8 @@ def test_a_second_prune_waits_for_the_lock(sample_copy: Path) -> None:
 
 def test_interrupted_prune_leaves_trash_that_the_next_run_removes(
         sample_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def half_then_interrupt(path: Path) -> str | None:
-        next(p for p in path.rglob("*") if p.is_file()).unlink()
+    def half_then_interrupt(root: Any, name: str) -> str | None:
+        next(p for p in (sample_copy / name).rglob("*") if p.is_file()).unlink()
         raise KeyboardInterrupt
 
     monkeypatch.setattr(prune_ops, "_remove", half_then_interrupt)
@@ -493,6 +496,8 @@ def test_interrupted_prune_leaves_trash_that_the_next_run_removes(
     listing = list_run(sample_copy)
     assert sorted(listing.leftovers) == trash
     assert [e.name for e in listing.entries] == ["step_000400"]
+    r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--dry-run")
+    assert all(f"would remove leftover trash {t}" in r.stdout for t in trash)
     result = prune(sample_copy, KEEP1)
     assert result.trash_removed == trash and result.ok
     assert _names(sample_copy) == {"step_000400", "export", "latest", ".ckpt-prune.lock"}
@@ -501,7 +506,7 @@ def test_interrupted_prune_leaves_trash_that_the_next_run_removes(
 
 
 def test_failed_deletion_exits_1(sample_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prune_ops, "_remove", lambda path: f"cannot remove {path.name}: EIO")
+    monkeypatch.setattr(prune_ops, "_remove", lambda root, name: f"cannot remove {name}: EIO")
     r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0")
     assert r.exit_code == 1
     assert "FAILED to delete step_000100" in r.stderr and "next prune" in r.stderr
@@ -548,10 +553,10 @@ def test_victim_written_while_being_moved_aside_is_put_back(
         sample_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_rename = os.rename
 
-    def rename_then_write(src: Any, dst: Any) -> None:
-        real_rename(src, dst)
-        if Path(src).name == "step_000100":  # a writer with an open handle keeps writing
-            (Path(dst) / "late.pt").write_bytes(b"late")
+    def rename_then_write(src: Any, dst: Any, **kw: Any) -> None:
+        real_rename(src, dst, **kw)
+        if src == "step_000100":  # a writer with an open handle keeps writing
+            (sample_copy / dst / "late.pt").write_bytes(b"late")
 
     monkeypatch.setattr(prune_ops.os, "rename", rename_then_write)
     result = prune(sample_copy, KEEP1)
@@ -559,6 +564,28 @@ def test_victim_written_while_being_moved_aside_is_put_back(
     assert "put back" in (result.outcomes["step_000100"].detail or "")
     assert (sample_copy / "step_000100" / "late.pt").is_file()
     assert (sample_copy / "step_000100" / "checkpoint.pt").is_file()
+
+
+def test_a_mount_point_inside_a_checkpoint_is_not_entered(
+        sample_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mnt = sample_copy / "step_000100" / "mnt"
+    mnt.mkdir()
+    (mnt / "other-filesystem.txt").write_text("not ours")
+    real_fstat = os.fstat
+
+    def fstat(fd: int) -> Any:  # what fstat says of a directory another file system is on
+        st = real_fstat(fd)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/mnt"):
+            return os.stat_result((*st[:2], st.st_dev + 1, *st[3:]))
+        return st
+
+    monkeypatch.setattr(prune_ops.os, "fstat", fstat)
+    result = prune(sample_copy, KEEP1)
+    assert result.outcomes["step_000100"].status == "failed"
+    assert "another file system is mounted there" in (result.outcomes["step_000100"].detail
+                                                      or "")
+    assert (sample_copy / ".ckpt-trash-step_000100" / "mnt" / "other-filesystem.txt").is_file()
+    assert result.outcomes["step_000200"].status == "deleted"
 
 
 def test_writer_creates_a_checkpoint_while_prune_runs(tmp_path: Path) -> None:

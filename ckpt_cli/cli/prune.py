@@ -168,18 +168,22 @@ class _View:
 
     def _plan(self, plan: PrunePlan) -> None:
         from ckpt_cli.render import human
-        from ckpt_cli.render.prune import decisions_table, headline, plan_line
+        from ckpt_cli.render.prune import decisions_table, headline, leftover_lines, plan_line
 
         if self.tty:
             self.out.print(headline(plan), style="bold", markup=False)
             if plan.decisions:
                 self.out.print(decisions_table(plan))
+            for line in leftover_lines(plan, dry_run=self.dry_run):
+                self.out.print(line, style="yellow", markup=False)
         else:
             _plain(headline(plan))
             # Deletions get their line when they happen (or fail), except in a dry run.
             for d in plan.decisions:
                 if not d.delete or self.dry_run:
                     _plain(plan_line(d, dry_run=self.dry_run))
+            for line in leftover_lines(plan, dry_run=self.dry_run):
+                _plain(line)
         human.print_findings([*plan.listing.findings, *plan.findings])
 
     def ask(self, plan: PrunePlan) -> bool:

@@ -36,7 +36,6 @@ from typing import Any
 
 import orjson
 
-from ckpt_cli.atomic import fsync_path
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.rundir import (
@@ -202,8 +201,12 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
         if plan.to_delete and confirm is not None and not confirm(plan):
             result.declined = True
             return result
-        _finish_trash(root, listing, result, report)
-        _delete(root, plan, result, clock, report)
+        held = _Root(root)
+        try:
+            _finish_trash(held, listing, result, report)
+            _delete(held, plan, result, clock, report)
+        finally:
+            held.close()
     return result
 
 
@@ -466,13 +469,49 @@ def _as_int(v: Any) -> int | None:
 # -- execution ---------------------------------------------------------------------------------
 
 
-def _finish_trash(root: Path, listing: RunListing, result: PruneResult,
+class _Root:
+    """The run directory, held open while deleting.
+
+    Every rename and removal is relative to this descriptor (``*at`` system calls), so
+    replacing the directory's path with a symlink mid-prune cannot redirect them elsewhere.
+
+    Args:
+        path: The run directory (already resolved: no symlink in it).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self.dev = os.fstat(self.fd).st_dev
+
+    def close(self) -> None:
+        """Release the descriptor."""
+        os.close(self.fd)
+
+    def lstat(self, name: str) -> os.stat_result:
+        """``lstat`` of a child."""
+        return os.lstat(name, dir_fd=self.fd)
+
+    def exists(self, name: str) -> bool:
+        """Whether a child exists (a dangling symlink counts)."""
+        try:
+            self.lstat(name)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def rename(self, src: str, dst: str) -> None:
+        """Rename a child (the caller checked that ``dst`` is free)."""
+        os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+
+def _finish_trash(root: _Root, listing: RunListing, result: PruneResult,
                   report: Callable[[PruneEvent], None]) -> None:
     """Remove what an interrupted prune renamed aside but did not get to remove."""
     for name in listing.leftovers:
         if not name.startswith(TRASH_PREFIX):
             continue  # other leftovers (writers' temporary names) may still be in use
-        err = _remove(root / name)
+        err = _remove(root, name)
         if err:
             result.trash_failed[name] = err
             report(PruneEvent("failed", name, err))
@@ -481,13 +520,13 @@ def _finish_trash(root: Path, listing: RunListing, result: PruneResult,
             report(PruneEvent("trash", name))
 
 
-def _delete(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], float],
+def _delete(root: _Root, plan: PrunePlan, result: PruneResult, clock: Callable[[], float],
             report: Callable[[PruneEvent], None]) -> None:
     victims = plan.to_delete
     total = len(victims)
-    moved: list[tuple[Decision, Path]] = []
+    moved: list[tuple[Decision, str]] = []
     done = 0
-    pointers = PointerWatch(root, plan)
+    pointers = PointerWatch(root.path, plan)
 
     def finish(d: Decision, status: str, detail: str | None = None) -> None:
         nonlocal done
@@ -496,38 +535,38 @@ def _delete(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[]
         report(PruneEvent(status, d.entry.name, detail, done, total, d))
 
     for d in victims:
-        src = root / d.entry.name
+        name = d.entry.name
         # Its top is stat-ed before the re-check walks it: whatever is added at its top after
         # this moment changes the top's modification time, which is compared after the rename.
         try:
-            top = os.lstat(src)
+            top = root.lstat(name)
         except OSError:
             top = None
-        why = recheck(root, d.entry, plan, clock(), pointers)
+        why = recheck(root.path, d.entry, plan, clock(), pointers)
         if why or top is None:
             finish(d, "skipped", why or "it is gone already (removed by someone else)")
             continue
         try:
-            trash = _trash_path(root, d.entry.name)
-            os.rename(src, trash)
+            trash = _trash_name(root, name)
+            root.rename(name, trash)
         except OSError as e:
             finish(d, "failed", f"could not move it aside: {e.strerror}")
             continue
-        why = _moved_unchanged(top, trash, d.entry, pointers)
+        why = _moved_unchanged(root, top, trash, d.entry, pointers)
         if why:
-            finish(d, *_put_back(src, trash, why))
+            finish(d, *_put_back(root, name, trash, why))
             continue
         moved.append((d, trash))
-        report(PruneEvent("moved", d.entry.name, None, done, total, d))
+        report(PruneEvent("moved", name, None, done, total, d))
     if moved:
         # The renames must be on disk before any file goes: after a crash the checkpoint is
         # then either whole under its name or (partly) gone under a trash name.
-        fsync_path(root)
+        os.fsync(root.fd)
     for d, trash in moved:
-        err = _remove(trash)
+        err = _remove(root, trash)
         if err:
-            finish(d, "failed", f"{err}; the rest is left as {trash.name} for the next prune "
-                                "to remove")
+            finish(d, "failed", f"{err}; the rest is left as {trash} for the next prune to "
+                                "remove")
         else:
             finish(d, "deleted")
 
@@ -633,7 +672,7 @@ def recheck(root: Path, entry: RunEntry, plan: PrunePlan, now: float,
     return None
 
 
-def _moved_unchanged(top: os.stat_result, trash: Path, entry: RunEntry,
+def _moved_unchanged(root: _Root, top: os.stat_result, trash: str, entry: RunEntry,
                      pointers: PointerWatch) -> str | None:
     """Whether anything changed a checkpoint, or a pointer moved to it, while it was being
     renamed aside (since the re-check, microseconds ago).
@@ -642,7 +681,7 @@ def _moved_unchanged(top: os.stat_result, trash: Path, entry: RunEntry,
     itself only sets the inode-change time.
     """
     try:
-        now = os.lstat(trash)
+        now = root.lstat(trash)
     except OSError as e:
         return f"cannot check it after moving it aside: {e.strerror}"
     if (now.st_ino, now.st_size, now.st_mtime_ns) != (top.st_ino, top.st_size, top.st_mtime_ns):
@@ -650,28 +689,28 @@ def _moved_unchanged(top: os.stat_result, trash: Path, entry: RunEntry,
     return pointers.protects(entry)
 
 
-def _put_back(src: Path, trash: Path, why: str) -> tuple[str, str]:
+def _put_back(root: _Root, name: str, trash: str, why: str) -> tuple[str, str]:
     """Undo a rename aside; if the name was taken meanwhile, keep the data under a rescue name."""
-    if not os.path.lexists(src):
+    if not root.exists(name):
         try:
-            os.rename(trash, src)
+            root.rename(trash, name)
             return "skipped", f"{why}; put back"
         except OSError:
             pass
-    rescue = src.parent / _fit(f"{RESCUE_PREFIX}{src.name}-{uuid.uuid4().hex[:8]}")
+    rescue = _fit(f"{RESCUE_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
     try:
-        os.rename(trash, rescue)
-        return "failed", f"{why}, and {src.name} was re-created meanwhile; kept as {rescue.name}"
+        root.rename(trash, rescue)
+        return "failed", f"{why}, and {name} was re-created meanwhile; kept as {rescue}"
     except OSError as e:
-        return "failed", f"{why}; it is left as {trash.name} ({e.strerror})"
+        return "failed", f"{why}; it is left as {trash} ({e.strerror})"
 
 
-def _trash_path(root: Path, name: str) -> Path:
+def _trash_name(root: _Root, name: str) -> str:
     """A free trash name for ``name``: ``.ckpt-trash-<name>``, made unique if taken."""
-    plain = root / _fit(TRASH_PREFIX + name)
-    if not os.path.lexists(plain):
+    plain = _fit(TRASH_PREFIX + name)
+    if not root.exists(plain):
         return plain
-    return root / _fit(f"{TRASH_PREFIX}{name}", f".{uuid.uuid4().hex[:8]}")
+    return _fit(f"{TRASH_PREFIX}{name}", f".{uuid.uuid4().hex[:8]}")
 
 
 def _fit(name: str, suffix: str = "") -> str:
@@ -683,28 +722,25 @@ def _fit(name: str, suffix: str = "") -> str:
     return name + suffix
 
 
-def _remove(path: Path) -> str | None:
-    """Remove a file or directory tree without following symlinks; None, or what failed.
+def _remove(root: _Root, name: str) -> str | None:
+    """Remove a child of the run directory, file or tree; None, or what failed.
 
     Walks with directory file descriptors and ``O_NOFOLLOW`` (as ``shutil.rmtree`` does on
     Linux, without its per-entry path building, which costs as much as the unlinks): a
-    directory swapped for a symlink mid-walk is unlinked as a link, never entered.
+    directory swapped for a symlink mid-walk is unlinked as a link, never entered, and a
+    directory on another file system (a mount point) is never entered.
     """
     try:
-        st = os.lstat(path)
+        st = root.lstat(name)
     except FileNotFoundError:
         return None
     except OSError as e:
-        return f"cannot check {path.name}: {e.strerror}"
+        return f"cannot check {name}: {e.strerror}"
     errors: list[str] = []
-    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        if stat.S_ISDIR(st.st_mode):
-            _remove_dir(parent, path.name, path.name, errors)
-        else:
-            _unlink(parent, path.name, path.name, errors)
-    finally:
-        os.close(parent)
+    if stat.S_ISDIR(st.st_mode):
+        _remove_dir(root.fd, name, name, errors, root.dev)
+    else:
+        _unlink(root.fd, name, name, errors)
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         return f"cannot remove {errors[0]}{more}"
@@ -722,7 +758,7 @@ def _unlink(dir_fd: int, name: str, where: str, errors: list[str],
         errors.append(f"{where}: {e.strerror}")
 
 
-def _remove_dir(parent: int, name: str, where: str, errors: list[str]) -> None:
+def _remove_dir(parent: int, name: str, where: str, errors: list[str], dev: int) -> None:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=parent)
@@ -734,6 +770,10 @@ def _remove_dir(parent: int, name: str, where: str, errors: list[str]) -> None:
         else:
             errors.append(f"{where}: {e.strerror}")
         return
+    if os.fstat(fd).st_dev != dev:
+        os.close(fd)
+        errors.append(f"{where}: another file system is mounted there; not entered")
+        return
     try:
         with os.scandir(fd) as it:
             children = [(c.name, c.is_dir(follow_symlinks=False)) for c in it]
@@ -742,7 +782,7 @@ def _remove_dir(parent: int, name: str, where: str, errors: list[str]) -> None:
         # overhead per file would otherwise cost more than the unlink system calls.
         for child, is_dir in children:
             if is_dir:
-                _remove_dir(fd, child, f"{where}/{child}", errors)
+                _remove_dir(fd, child, f"{where}/{child}", errors, dev)
                 continue
             try:
                 unlink(child, dir_fd=fd)

@@ -12,6 +12,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from ckpt_cli.formats.rundir import TRASH_PREFIX
 from ckpt_cli.ops.prune import PruneEvent, PruneResult
 from ckpt_cli.planning import Decision, PrunePlan
 from ckpt_cli.render import json as rj
@@ -85,6 +86,24 @@ def plan_line(d: Decision, *, dry_run: bool) -> str:
     """A decision as one plain log line: ``keep NAME (SIZE): why``."""
     verb = "keep" if not d.delete else "would delete" if dry_run else "delete"
     return f"{verb} {d.entry.name} ({size(d.entry.bytes)}): {'; '.join(d.reasons)}"
+
+
+def leftover_lines(plan: PrunePlan, *, dry_run: bool) -> list[str]:
+    """One line per temporary or trash name in the run directory.
+
+    Trash (``.ckpt-trash-*``) is what an interrupted prune renamed aside: this run removes it
+    (the removal gets its own line). Other temporary names may be writes in progress and are
+    never touched.
+    """
+    out = []
+    for name in plan.listing.leftovers:
+        if name.startswith(TRASH_PREFIX):
+            if dry_run:
+                out.append(f"would remove leftover trash {name} (from an interrupted prune)")
+        else:
+            out.append(f"leftover {name}: a temporary name (a write in progress or "
+                       "interrupted); never deleted by prune")
+    return out
 
 
 def event_line(event: PruneEvent) -> str | None:
