@@ -65,7 +65,11 @@ class PrunePolicy:
     grace: float = DEFAULT_GRACE
 
     def rules(self) -> list[str]:
-        """The retention rules this policy uses, in :data:`RULES` order."""
+        """The retention rules this policy uses.
+
+        Returns:
+            Rule names from :data:`RULES`, in that order.
+        """
         given = {"keep": self.keep, "keep-every": self.keep_every, "keep-best": self.keep_best,
                  "older-than": self.older_than, "max-total-size": self.max_total_size}
         return [r for r in RULES if given[r] is not None]

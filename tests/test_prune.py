@@ -318,7 +318,7 @@ def test_truncated_checkpoint_being_written_is_kept(sample_copy: Path) -> None:
 
 def test_temporary_and_trash_names_are_never_checkpoints(sample_copy: Path) -> None:
     tmp_names = [".step_000500.ckpt-tmp-0a1b2c", "step_000050.tmp", "step_000060.partial",
-                 "000070.orbax-checkpoint-tmp-123"]
+                 "000070.orbax-checkpoint-tmp-123", ".step_000080.ckpt-old-0a1b2c"]
     for name in tmp_names:
         shutil.copytree(sample_copy / "step_000100", sample_copy / name)
     r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--dry-run")

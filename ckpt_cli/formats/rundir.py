@@ -39,7 +39,7 @@ _LOOSE_FILE_PATTERN = re.compile(r"^.+?[_-](?P<step>\d+)\.(?:pt|pth|bin|ckpt|saf
 _METRIC = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_/]*)=(?P<val>[-+]?(?:\d+\.?\d*|\.\d+)"
                      r"(?:[eE][-+]?\d+)?)")
 TEMP_MARKERS = (".tmp", "-tmp-", ".ckpt-tmp-", ".partial", ".incomplete", ".orbax-checkpoint-tmp",
-                ".ckpt-trash-", "_tmp")
+                ".ckpt-trash-", "_tmp", ".ckpt-old-")
 POINTER_FILES = ("latest", "latest_checkpointed_iteration.txt", "latest_universal")
 TRASH_PREFIX = ".ckpt-trash-"
 """Prefix of an entry ``ckpt prune`` renamed out of the checkpoint namespace before removing it."""
@@ -76,8 +76,16 @@ def step_from_name(name: str, *, strict: bool = False) -> int | None:
 
 
 def is_last_copy(name: str) -> bool:
-    """Whether a name is a "last" checkpoint that training resumes from (Lightning
-    ``last.ckpt``/``last-v1.ckpt``, NeMo ``...-last.ckpt``), whatever its step."""
+    """Whether a name is a "last" checkpoint that training resumes from.
+
+    Lightning's ``last.ckpt``/``last-v1.ckpt`` and NeMo's ``...-last.ckpt``, whatever step.
+
+    Args:
+        name: A file or directory name.
+
+    Returns:
+        True for such names.
+    """
     stem = name.removesuffix(".ckpt")
     return name.startswith("last") or stem.endswith("-last")
 

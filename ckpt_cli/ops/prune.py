@@ -139,7 +139,14 @@ class PruneResult:
         return outcome.status if outcome else "would-delete"
 
     def named(self, status: str) -> list[Decision]:
-        """The decisions whose :meth:`status` is ``status``, oldest first."""
+        """The decisions with a given :meth:`status`.
+
+        Args:
+            status: ``kept``, ``would-delete``, ``deleted``, ``skipped`` or ``failed``.
+
+        Returns:
+            Those decisions, oldest first.
+        """
         return [d for d in self.plan.decisions if self.status(d) == status]
 
     @property
