@@ -247,6 +247,8 @@ class RunEntry:
         reason: Why it is not complete, or a note.
         latest: Whether a ``latest`` pointer names it.
         metrics: Metrics found in its name or metadata (for example ``val_loss``).
+        changed: Newest modification or inode-change time among its files: how recently
+            anything touched it, even a copy that preserved modification times.
     """
 
     name: str
@@ -261,6 +263,7 @@ class RunEntry:
     reason: str | None = None
     latest: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    changed: float = 0.0
 
 
 @dataclass(slots=True)

@@ -1,13 +1,36 @@
-"""Pure planning functions: decide a layout before anything is written.
+"""Pure planners: they decide from what they are given and never touch the filesystem.
 
-``plan_shards`` packs tensors into output files the way huggingface_hub does (greedy, in order,
-an oversize tensor alone in its own shard), and names the files HF-style.
+:func:`plan_shards` packs tensors into output files the way huggingface_hub does (greedy, in
+order, an oversize tensor alone in its own shard), and names the files HF-style.
+
+:func:`plan_prune` decides which checkpoints of a run directory ``ckpt prune`` keeps and which it
+deletes, and why. Everything it needs that comes from reading files (which checkpoints pass a
+quick validation, lock files, metric values) is gathered by :mod:`ckpt_cli.ops.prune` into a
+:class:`RunFacts` first, so the decision itself can be tested exhaustively.
+
+The rules, in words:
+
+- Each retention rule (``--keep``, ``--keep-every``, ``--keep-best``, ``--older-than``,
+  ``--max-total-size``) computes its own keep set; a checkpoint is kept if any rule keeps it.
+- Protections override every rule: what a pointer names, ``last.ckpt`` copies, anything that may
+  still be being written (incomplete, changed within the grace period, locked, newer than what
+  ``latest`` names), the newest valid checkpoint, and names the caller pins (HF Trainer's
+  ``best_model_checkpoint``).
+- If what a pointer names cannot be told, or no checkpoint passes validation, nothing is deleted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import humanize
+
+from ckpt_cli.errors import UsageError
+from ckpt_cli.formats.rundir import POINTER_UNREADABLE, is_last_copy
+from ckpt_cli.model import Finding, RunEntry, RunListing
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +95,449 @@ def plan_shards(sizes: Sequence[int], max_shard_size: int | None, *, stem: str =
     n = len(groups)
     return ShardPlan(tuple(shard_name(stem, ext, i + 1, n) for i in range(n)),
                      tuple(tuple(g) for g in groups), tuple(totals))
+
+
+DEFAULT_GRACE = 600.0
+"""Seconds: a checkpoint touched more recently than this may still be being written."""
+
+# Retention rules, in the order reports list them.
+RULES = ("keep", "keep-every", "keep-best", "older-than", "max-total-size")
+# Protections: reasons a checkpoint is never deleted, whatever the rules say.
+PROTECTIONS = ("halt", "pointer", "last-copy", "newer-than-pointer", "incomplete", "recent",
+               "locked", "newest-valid", "pinned")
+
+
+@dataclass(frozen=True, slots=True)
+class PrunePolicy:
+    """What to keep. Rules combine: a checkpoint is kept if any of them keeps it.
+
+    Attributes:
+        keep: Keep the newest N checkpoints.
+        keep_every: Keep checkpoints whose step is a multiple of this (milestones).
+        keep_best: Keep the N best checkpoints by ``metric``.
+        metric: The metric ``keep_best`` ranks by (``eval_loss``, ``val_loss``...).
+        mode: ``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy).
+        older_than: Seconds; checkpoints modified more recently are kept.
+        max_total_size: Bytes; the newest checkpoints that fit in it together are kept.
+        grace: Seconds; anything changed more recently may still be being written and is never
+            deleted. 0 turns this protection off (markers, locks and pointers still protect).
+    """
+
+    keep: int | None = None
+    keep_every: int | None = None
+    keep_best: int | None = None
+    metric: str | None = None
+    mode: Literal["min", "max"] = "min"
+    older_than: float | None = None
+    max_total_size: int | None = None
+    grace: float = DEFAULT_GRACE
+
+    def rules(self) -> list[str]:
+        """The retention rules this policy uses.
+
+        Returns:
+            Rule names from :data:`RULES`, in that order.
+        """
+        given = {"keep": self.keep, "keep-every": self.keep_every, "keep-best": self.keep_best,
+                 "older-than": self.older_than, "max-total-size": self.max_total_size}
+        return [r for r in RULES if given[r] is not None]
+
+    def check(self) -> None:
+        """Reject policies that cannot be meant.
+
+        Raises:
+            UsageError: No rule at all (that would delete everything unprotected), a count or
+                size below 1, ``keep_best`` without ``metric`` (or the reverse), a bad ``mode``,
+                or a negative ``grace``.
+        """
+        if not self.rules():
+            raise UsageError("say what to keep: --keep N, --keep-every STEPS, --keep-best N "
+                             "--metric NAME, --older-than AGE or --max-total-size SIZE")
+        for flag, value in (("--keep", self.keep), ("--keep-every", self.keep_every),
+                            ("--keep-best", self.keep_best),
+                            ("--max-total-size", self.max_total_size)):
+            if value is not None and value < 1:
+                raise UsageError(f"{flag} must be at least 1, not {value}")
+        if self.older_than is not None and not self.older_than > 0:
+            raise UsageError("--older-than must be positive")
+        if self.keep_best is not None and not self.metric:
+            raise UsageError("--keep-best needs --metric NAME (e.g. --metric eval_loss)")
+        if self.metric and self.keep_best is None:
+            raise UsageError("--metric is used only with --keep-best N")
+        if self.mode not in ("min", "max"):
+            raise UsageError(f"--mode must be min or max, not {self.mode!r}")
+        if not self.grace >= 0 or math.isinf(self.grace):
+            raise UsageError("--grace must be a duration of 0 or more")
+
+
+@dataclass(slots=True)
+class RunFacts:
+    """What reading the run directory's files found, for :func:`plan_prune`.
+
+    Attributes:
+        validity: For the checkpoints that were validated: None when valid, else why not. A
+            complete checkpoint missing here counts as valid (the caller validates from the
+            newest back and stops at the first valid one).
+        metrics: The ``--metric`` value of each checkpoint that has one (from a metrics file
+            or trainer state); a metric in the checkpoint's name is used when absent here.
+        locks: Checkpoints with a writer's lock file, and the file.
+        pinned: Checkpoints to keep for a reason found in the files (for example HF Trainer's
+            ``best_model_checkpoint``), and that reason.
+    """
+
+    validity: dict[str, str | None] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    locks: dict[str, str] = field(default_factory=dict)
+    pinned: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Decision:
+    """What happens to one checkpoint, and why.
+
+    Attributes:
+        entry: The checkpoint.
+        delete: Whether it is to be deleted.
+        kept_by: Retention rules (:data:`RULES`) that keep it.
+        protected_by: Protections (:data:`PROTECTIONS`) that forbid deleting it.
+        reasons: One plain sentence per rule or protection that decided, or, for a deletion,
+            why each rule let it go.
+        metric: Its ``--metric`` value, if any.
+        valid: Whether quick validation passed (None: not validated).
+    """
+
+    entry: RunEntry
+    delete: bool
+    kept_by: list[str] = field(default_factory=list)
+    protected_by: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    metric: float | None = None
+    valid: bool | None = None
+
+
+@dataclass(slots=True)
+class PrunePlan:
+    """The decisions for a run directory.
+
+    Attributes:
+        listing: The run directory as listed.
+        policy: The policy applied.
+        now: The time the plan was made for (seconds since the epoch).
+        decisions: One per checkpoint, oldest first.
+        newest_valid: The newest checkpoint that is complete and passed validation.
+        findings: Notes for the report (ordering by mtime, a budget that cannot be met...).
+    """
+
+    listing: RunListing
+    policy: PrunePolicy
+    now: float
+    decisions: list[Decision]
+    newest_valid: str | None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def to_delete(self) -> list[Decision]:
+        """The decisions to delete, oldest first."""
+        return [d for d in self.decisions if d.delete]
+
+    @property
+    def kept(self) -> list[Decision]:
+        """The decisions to keep, oldest first."""
+        return [d for d in self.decisions if not d.delete]
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes of all checkpoints."""
+        return sum(d.entry.bytes for d in self.decisions)
+
+    @property
+    def bytes_to_free(self) -> int:
+        """Bytes of the checkpoints to delete."""
+        return sum(d.entry.bytes for d in self.to_delete)
+
+
+def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
+               facts: RunFacts | None = None) -> PrunePlan:
+    """Decide what to keep and what to delete in a run directory.
+
+    Pure: the same arguments give the same plan, and nothing is read or written.
+
+    Args:
+        listing: The run directory's checkpoints, oldest first (``rundir.list_run``).
+        policy: The retention rules.
+        now: The current time (seconds since the epoch), for ages and the grace period.
+        facts: What reading files found (validation, metrics, locks, pins); none by default.
+
+    Returns:
+        The :class:`PrunePlan`.
+
+    Raises:
+        UsageError: If the policy is not usable (see :meth:`PrunePolicy.check`).
+    """
+    policy.check()
+    facts = facts or RunFacts()
+    entries = listing.entries
+    decisions = {e.name: Decision(e, delete=False) for e in entries}
+    findings: list[Finding] = []
+    # "last.ckpt" copies are not ranked: they duplicate a ranked checkpoint and are always kept,
+    # so "the newest N" means N distinct saves.
+    ranked = ranked_entries(entries)
+    for e in entries:
+        decisions[e.name].metric = _metric_of(e, policy, facts)
+        if e.name in facts.validity:
+            decisions[e.name].valid = facts.validity[e.name] is None
+
+    keep_sets = _keep_sets(ranked, entries, policy, now, decisions)
+    protections = _protections(listing, policy, now, facts)
+    newest_valid = _newest_valid(ranked, facts)
+    if newest_valid is not None:
+        protections.setdefault(newest_valid.name, []).append(
+            ("newest-valid", _newest_valid_reason(ranked, newest_valid, facts, keep_sets)))
+    halt = _halt_reason(listing, ranked, newest_valid)
+    if halt:
+        findings.append(Finding("error", "nothing-deleted", halt))
+
+    for e in entries:
+        d = decisions[e.name]
+        for code, reason in protections.get(e.name, []):
+            d.protected_by.append(code)
+            d.reasons.append(reason)
+        if halt:
+            d.protected_by.insert(0, "halt")
+            d.reasons.insert(0, halt)
+        for rule in RULES:
+            kept, reason = keep_sets.get(rule, {}).get(e.name, (False, ""))
+            if kept:
+                d.kept_by.append(rule)
+                d.reasons.append(reason)
+        d.delete = not d.kept_by and not d.protected_by
+        if d.delete:
+            why_not = [keep_sets[rule][e.name][1] for rule in RULES
+                       if rule in keep_sets and e.name in keep_sets[rule]]
+            d.reasons = ["not kept by any rule: " + "; ".join(why_not)]
+
+    plan = PrunePlan(listing, policy, now, [decisions[e.name] for e in entries],
+                     newest_valid.name if newest_valid else None, findings)
+    if policy.max_total_size is not None:
+        after = plan.bytes_total - plan.bytes_to_free
+        if after > policy.max_total_size:
+            findings.append(Finding(
+                "warning", "over-budget",
+                f"{_size(after)} stay after pruning, more than --max-total-size "
+                f"{_size(policy.max_total_size)}: other rules or protections keep the rest"))
+    return plan
+
+
+def ranked_entries(entries: list[RunEntry]) -> list[RunEntry]:
+    """The checkpoints the rules rank, oldest first: all but ``last.ckpt``-style copies.
+
+    Those copies duplicate a ranked checkpoint and are always kept, so "the newest N" means N
+    distinct saves.
+
+    Args:
+        entries: A listing's entries, oldest first.
+
+    Returns:
+        The ranked ones, in the same order.
+    """
+    return [e for e in entries if not is_last_copy(e.name)]
+
+
+def pointer_protections(entries: list[RunEntry],
+                        pointers: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """Checkpoints that pointers protect: what each names, and anything newer than that.
+
+    Writers (DeepSpeed, Megatron, ``ckpt sample``) update the pointer after the save finishes,
+    so a checkpoint newer than the newest one named may be a save in progress.
+
+    Args:
+        entries: A listing's entries, oldest first.
+        pointers: Pointer file -> the name it points to.
+
+    Returns:
+        Name -> ``(protection code, reason)``, the pointer's own target taking precedence.
+    """
+    named_by: dict[str, list[str]] = {}
+    for pointer, target in pointers.items():
+        named_by.setdefault(target, []).append(pointer)
+    ranked = ranked_entries(entries)
+    position = {e.name: i for i, e in enumerate(ranked)}
+    newest_target = max((position[t] for t in named_by if t in position), default=None)
+    out: dict[str, tuple[str, str]] = {}
+    if newest_target is not None:
+        target = ranked[newest_target].name
+        for e in ranked[newest_target + 1:]:
+            out[e.name] = ("newer-than-pointer",
+                           f"newer than {target}, which {' and '.join(sorted(named_by[target]))}"
+                           " names: may still be being written (writers update the pointer "
+                           "last)")
+    for e in entries:
+        if e.name in named_by:
+            out[e.name] = ("pointer", f"{' and '.join(sorted(named_by[e.name]))} names it")
+    return out
+
+
+def _metric_of(e: RunEntry, policy: PrunePolicy, facts: RunFacts) -> float | None:
+    if not policy.metric:
+        return None
+    value = facts.metrics.get(e.name, e.metrics.get(policy.metric))
+    return value if value is not None and not math.isnan(value) else None
+
+
+_KeepSet = dict[str, tuple[bool, str]]
+"""Per rule: checkpoint name -> (kept by this rule, the sentence saying why or why not)."""
+
+
+def _keep_sets(ranked: list[RunEntry], entries: list[RunEntry], policy: PrunePolicy,
+               now: float, decisions: Mapping[str, Decision]) -> dict[str, _KeepSet]:
+    """Each rule's own verdict on every ranked checkpoint, independent of the other rules."""
+    out: dict[str, _KeepSet] = {}
+    newest_first = list(reversed(ranked))
+    if policy.keep is not None:
+        n = policy.keep
+        out["keep"] = {e.name: (i < n, f"newest {n} (--keep {n})" if i < n else
+                                f"not among the newest {n}")
+                       for i, e in enumerate(newest_first)}
+    if policy.keep_every is not None:
+        k = policy.keep_every
+        out["keep-every"] = {
+            e.name: (True, f"step {e.step:,} is a multiple of {k:,} (--keep-every)")
+            if e.step is not None and e.step % k == 0 else
+            (False, f"step {e.step:,} is not a multiple of {k:,}" if e.step is not None
+             else "no step to compare with --keep-every")
+            for e in ranked}
+    if policy.keep_best is not None:
+        out["keep-best"] = _best(ranked, policy, decisions)
+    if policy.older_than is not None:
+        limit = policy.older_than
+        out["older-than"] = {
+            e.name: (now - e.mtime < limit,
+                     f"modified {_ago(now - e.mtime)}, within --older-than {_dur(limit)}"
+                     if now - e.mtime < limit else
+                     f"modified {_ago(now - e.mtime)}, older than {_dur(limit)}")
+            for e in ranked}
+    if policy.max_total_size is not None:
+        budget = policy.max_total_size
+        # last.ckpt copies always stay, so they use up budget first.
+        used = sum(e.bytes for e in entries if is_last_copy(e.name))
+        fits = True
+        verdict: _KeepSet = {}
+        for e in newest_first:
+            used += e.bytes
+            fits = fits and used <= budget
+            verdict[e.name] = (fits, f"the newest checkpoints up to here fit in "
+                                     f"--max-total-size {_size(budget)}" if fits else
+                               f"beyond --max-total-size {_size(budget)} (newest kept first)")
+        out["max-total-size"] = verdict
+    return out
+
+
+def _best(ranked: list[RunEntry], policy: PrunePolicy,
+          decisions: Mapping[str, Decision]) -> _KeepSet:
+    n, metric = policy.keep_best or 0, policy.metric
+    scored = [(decisions[e.name].metric, i, e) for i, e in enumerate(ranked)
+              if decisions[e.name].metric is not None]
+    sign = 1.0 if policy.mode == "min" else -1.0
+    # Better value first; among equal values the newer checkpoint wins.
+    scored.sort(key=lambda t: (sign * (t[0] or 0.0), -t[1]))
+    best = {e.name: rank for rank, (_v, _i, e) in enumerate(scored[:n])}
+    out: _KeepSet = {}
+    for e in ranked:
+        value = decisions[e.name].metric
+        if e.name in best:
+            out[e.name] = (True, f"best {n} by {metric} ({policy.mode}): {value:.6g} "
+                                 f"(--keep-best)")
+        elif value is None:
+            out[e.name] = (False, f"no {metric} value")
+        else:
+            out[e.name] = (False, f"{metric} {value:.6g} is not among the best {n}")
+    return out
+
+
+def _protections(listing: RunListing, policy: PrunePolicy, now: float,
+                 facts: RunFacts) -> dict[str, list[tuple[str, str]]]:
+    """Why each checkpoint must not be deleted, whatever the rules say (newest valid aside)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+
+    def add(name: str, code: str, reason: str) -> None:
+        out.setdefault(name, []).append((code, reason))
+
+    by_pointer = pointer_protections(listing.entries, listing.pointers)
+    for e in listing.entries:
+        if e.name in by_pointer:
+            add(e.name, *by_pointer[e.name])
+        if is_last_copy(e.name):
+            add(e.name, "last-copy", "a last checkpoint (last.ckpt): training resumes from it")
+        if not e.complete:
+            add(e.name, "incomplete", f"incomplete ({e.reason or 'unknown reason'}): may still "
+                                      "be being written")
+        age = now - e.changed
+        if age < 0:  # a clock ahead of ours (NFS): its age is unknown, so it may be in use
+            add(e.name, "recent", f"changed {_ago(age)}: may still be being written")
+        elif policy.grace and age < policy.grace:
+            add(e.name, "recent", f"changed {_ago(age)}, within --grace {_dur(policy.grace)}: "
+                                  "may still be being written")
+        if e.name in facts.locks:
+            add(e.name, "locked", f"lock file {facts.locks[e.name]} present: a writer may hold "
+                                  "it")
+        if e.name in facts.pinned:
+            add(e.name, "pinned", facts.pinned[e.name])
+    return out
+
+
+def _is_valid(e: RunEntry, facts: RunFacts) -> bool:
+    return e.complete and facts.validity.get(e.name) is None
+
+
+def _newest_valid(ranked: list[RunEntry], facts: RunFacts) -> RunEntry | None:
+    return next((e for e in reversed(ranked) if _is_valid(e, facts)), None)
+
+
+def _newest_valid_reason(ranked: list[RunEntry], newest: RunEntry, facts: RunFacts,
+                         keep_sets: Mapping[str, _KeepSet]) -> str:
+    newer = ranked[ranked.index(newest) + 1:]
+    if not newer:
+        return "the newest valid checkpoint"
+    why = ", ".join(f"{e.name}: {e.reason if not e.complete else facts.validity.get(e.name)}"
+                    for e in newer[-3:])
+    more = f" and {len(newer) - 3} more" if len(newer) > 3 else ""
+    dropped = "keep" in keep_sets and not keep_sets["keep"][newest.name][0]
+    note = ", kept although --keep would drop it" if dropped else ""
+    return (f"the newest valid checkpoint{note}: the {len(newer)} newer one(s) are incomplete "
+            f"or invalid ({why}{more})")
+
+
+def _halt_reason(listing: RunListing, ranked: list[RunEntry],
+                 newest_valid: RunEntry | None) -> str | None:
+    unreadable = [f for f in listing.findings if f.code == POINTER_UNREADABLE]
+    if unreadable:
+        return (f"nothing is deleted: {unreadable[0].message}, so what training resumes from "
+                "is unknown")
+    if ranked and newest_valid is None and any(e.complete for e in ranked):
+        return ("nothing is deleted: no checkpoint passed quick validation, so there is no "
+                "known-good checkpoint to fall back on")
+    return None
+
+
+def _size(n: int) -> str:
+    return humanize.naturalsize(n, binary=False, format="%.1f")
+
+
+def _dur(seconds: float) -> str:
+    """A duration as typed on the command line: ``7d``, ``10m``, ``90s``."""
+    for unit, secs in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= secs and seconds % secs == 0:
+            return f"{int(seconds // secs)}{unit}"
+    return f"{seconds:g}s"
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 0:
+        return "in the future (clock skew?)"
+    if seconds < 90:
+        return f"{seconds:.0f}s ago"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m ago"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f}h ago"
+    return f"{seconds / 86400:.1f}d ago"

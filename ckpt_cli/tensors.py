@@ -8,6 +8,8 @@ reading with positioned reads into a fresh buffer, so memory holds one tensor at
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 _MAX_OPEN = 64
+_MAP_MIN = 1 << 20  # below this a copy is as cheap as setting up a mapping
 _READ_CHUNK = 1 << 30
 
 
@@ -89,11 +92,15 @@ class TensorSource:
                     "(truncated)", path=self.index.path_of(rel))
             done += n
 
-    def read(self, t: TensorInfo) -> np.ndarray:
+    def read(self, t: TensorInfo, *, mapped: bool = False) -> np.ndarray:
         """Read one tensor's values.
 
         Args:
             t: A tensor of this source's index.
+            mapped: For a tensor stored as one contiguous byte range, return a read-only view
+                of the file mapped into memory instead of a copy (saves a copy of every byte
+                when the caller only reads, e.g. to cast). The mapping lives as long as the
+                array. Other tensors are read as usual.
 
         Returns:
             A C-contiguous numpy array of the tensor's shape. BF16/FP8 use ml_dtypes dtypes;
@@ -117,11 +124,30 @@ class TensorSource:
             self.read_into(t.file, t.offset, buf.data)
             return buf
         if t.stride is None:
+            if mapped and t.nbytes >= _MAP_MIN:
+                return self._map(t, dt)
             arr = np.empty(t.shape, dtype=dt)
             if arr.nbytes:
                 self.read_into(t.file, t.offset, arr.reshape(-1).view(np.uint8).data)
             return arr
         return self._read_strided(t, dt)
+
+    def _map(self, t: TensorInfo, dt: np.dtype[Any]) -> np.ndarray:
+        import numpy as np
+
+        assert t.file is not None and t.offset is not None
+        fd = self._fd(t.file)
+        end = t.offset + t.nbytes
+        if os.fstat(fd).st_size < end:
+            # Checked up front: touching a mapping past the end of a file is a SIGBUS.
+            raise CorruptCheckpointError(f"file ends before byte {end:,} (truncated)",
+                                         path=self.index.path_of(t.file))
+        start = t.offset - t.offset % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(fd, end - start, offset=start, prot=mmap.PROT_READ)
+        with contextlib.suppress(AttributeError, OSError):
+            m.madvise(mmap.MADV_SEQUENTIAL)
+        arr = np.frombuffer(m, dtype=dt, count=t.nbytes // dt.itemsize, offset=t.offset - start)
+        return arr.reshape(t.shape)
 
     def _read_strided(self, t: TensorInfo, dt: np.dtype[Any]) -> np.ndarray:
         import numpy as np

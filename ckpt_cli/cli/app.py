@@ -12,6 +12,7 @@ from ckpt_cli.cli.convert import convert_cmd
 from ckpt_cli.cli.diff import diff_cmd
 from ckpt_cli.cli.inspect import inspect_cmd
 from ckpt_cli.cli.plan import plan_cmd
+from ckpt_cli.cli.prune import prune_cmd
 from ckpt_cli.cli.sample import sample_cmd
 from ckpt_cli.cli.validate import validate_cmd
 
@@ -40,12 +41,13 @@ def _root(
 
 
 app.command("inspect")(inspect_cmd)
-app.command("sample")(sample_cmd)
+app.command("validate")(validate_cmd)
+app.command("diff")(diff_cmd)
 app.command("convert")(convert_cmd)
 app.command("consolidate")(consolidate_cmd)
+app.command("prune")(prune_cmd)
 app.command("plan")(plan_cmd)
-app.command("diff")(diff_cmd)
-app.command("validate")(validate_cmd)
+app.command("sample")(sample_cmd)
 
 
 def main() -> None:

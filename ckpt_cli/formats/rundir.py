@@ -5,18 +5,23 @@ Recognised entries: ``checkpoint-N`` (HF Trainer), ``global_stepN`` (DeepSpeed),
 (Orbax) and numbered ``.pt``/``.safetensors`` files, plus any directory that is a DCP checkpoint.
 Pointers (``latest``, ``latest_checkpointed_iteration.txt``, ``last.ckpt``) are resolved;
 temporary and trash names are reported as leftovers, never as checkpoints.
+
+``ckpt prune`` lists with ``strict=True``: loose files count as checkpoints only when their name
+says so (``model_1000.pt``, ``step=500.ckpt``), never merely because it ends in a number
+(``data_0001.bin`` may be a dataset shard).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron, safetensors, torchfile
-from ckpt_cli.formats.base import read_head
 from ckpt_cli.model import Finding, RunEntry, RunListing
 
 FILE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
@@ -28,13 +33,20 @@ _NAME_PATTERNS = (
     re.compile(r"^(?:checkpoint|ckpt|model|iter|iteration|epoch|save|state)[_-]?(?P<step>\d+)"
                r"(?:\.[a-z]+)?$"),
     re.compile(r"^(?P<step>\d+)(?:\.[a-z]+)?$"),
-    re.compile(r"^.+?[_-](?P<step>\d+)\.(?:pt|pth|bin|ckpt|safetensors)$"),
 )
+# Any name ending in a number: fine for listing, too loose to delete by (see ``strict``).
+_LOOSE_FILE_PATTERN = re.compile(r"^.+?[_-](?P<step>\d+)\.(?:pt|pth|bin|ckpt|safetensors)$")
 _METRIC = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_/]*)=(?P<val>[-+]?(?:\d+\.?\d*|\.\d+)"
                      r"(?:[eE][-+]?\d+)?)")
 TEMP_MARKERS = (".tmp", "-tmp-", ".ckpt-tmp-", ".partial", ".incomplete", ".orbax-checkpoint-tmp",
-                ".ckpt-trash-", "_tmp")
+                ".ckpt-trash-", "_tmp", ".ckpt-old-")
 POINTER_FILES = ("latest", "latest_checkpointed_iteration.txt", "latest_universal")
+TRASH_PREFIX = ".ckpt-trash-"
+"""Prefix of an entry ``ckpt prune`` renamed out of the checkpoint namespace before removing it."""
+LOCK_SUFFIX = ".lock"
+# Finding codes other modules act on.
+POINTER_UNREADABLE = "pointer-unreadable"
+MTIME_ORDER = "mtime-order"
 # Numbered files that are parts of one checkpoint, not checkpoints of their own.
 _PART_NAME = re.compile(r"rank|rng|random_states|optim|scheduler|shard|-of-|sampler|scaler",
                         re.IGNORECASE)
@@ -42,17 +54,40 @@ _PART_NAME = re.compile(r"rank|rng|random_states|optim|scheduler|shard|-of-|samp
 
 def is_leftover(name: str) -> bool:
     """Whether a name is a temporary (being written) or trash entry, never a checkpoint."""
-    return name.startswith(".ckpt-trash-") or any(m in name for m in TEMP_MARKERS) or (
+    return name.startswith(TRASH_PREFIX) or any(m in name for m in TEMP_MARKERS) or (
         name.startswith("tmp") and not name[3:4].isdigit())
 
 
-def step_from_name(name: str) -> int | None:
-    """The step a checkpoint's name encodes, or None."""
-    for pat in _NAME_PATTERNS:
+def step_from_name(name: str, *, strict: bool = False) -> int | None:
+    """The step a checkpoint's name encodes, or None.
+
+    Args:
+        name: A file or directory name.
+        strict: Ignore the catch-all "anything ending in ``_<number>.pt``" pattern.
+
+    Returns:
+        The step, or None.
+    """
+    for pat in _NAME_PATTERNS if strict else (*_NAME_PATTERNS, _LOOSE_FILE_PATTERN):
         m = pat.search(name)
         if m:
             return int(m.group("step"))
     return None
+
+
+def is_last_copy(name: str) -> bool:
+    """Whether a name is a "last" checkpoint that training resumes from.
+
+    Lightning's ``last.ckpt``/``last-v1.ckpt`` and NeMo's ``...-last.ckpt``, whatever step.
+
+    Args:
+        name: A file or directory name.
+
+    Returns:
+        True for such names.
+    """
+    stem = name.removesuffix(".ckpt")
+    return name.startswith("last") or stem.endswith("-last")
 
 
 def metrics_from_name(name: str) -> dict[str, float]:
@@ -69,15 +104,16 @@ def metrics_from_name(name: str) -> dict[str, float]:
     return out
 
 
-def _is_checkpoint_name(entry: os.DirEntry[str]) -> bool:
+def _is_checkpoint_name(entry: os.DirEntry[str], strict: bool = False) -> bool:
     name = entry.name
     if name.startswith(".") or name in POINTER_FILES:
         return False
     if entry.is_dir(follow_symlinks=False):
-        return step_from_name(name) is not None or (Path(entry.path) / dcp.METADATA).is_file()
+        return step_from_name(name, strict=strict) is not None or (
+            Path(entry.path) / dcp.METADATA).is_file()
     if entry.is_file(follow_symlinks=False):
         return name.endswith(FILE_EXTENSIONS) and not _PART_NAME.search(name) and (
-            step_from_name(name) is not None or name.startswith("last"))
+            step_from_name(name, strict=strict) is not None or is_last_copy(name))
     return False
 
 
@@ -101,16 +137,46 @@ def is_run_dir(path: Path) -> bool:
         return False
 
 
-def tree_stats(path: Path) -> tuple[int, int, float]:
-    """``(bytes, files, newest mtime)`` of a file or a directory tree (symlinks not followed)."""
+class TreeScan(NamedTuple):
+    """What one walk of a file or directory tree found (symlinks never followed).
+
+    Attributes:
+        bytes: Total size of the files (a symlink counts its own size, not its target's).
+        files: Number of non-directories.
+        mtime: Newest modification time, the top directory included.
+        changed: Newest of every modification and inode-change time. A copy that preserves
+            modification times (``cp -p``, ``rsync -a``) still sets inode-change times, which
+            nothing can set back, so a tree being copied in looks recent here.
+        exists: Whether the path existed.
+    """
+
+    bytes: int
+    files: int
+    mtime: float
+    changed: float
+    exists: bool = True
+
+
+def tree_scan(path: Path) -> TreeScan:
+    """Walk a file or directory tree once (symlinks are counted, never followed).
+
+    Args:
+        path: A file or directory.
+
+    Returns:
+        The :class:`TreeScan`; ``exists`` is False (and everything 0) when ``path`` is missing.
+    """
     try:
-        st = path.lstat()
+        st = os.lstat(path)
     except OSError:
-        return 0, 0, 0.0
-    if not path.is_dir() or path.is_symlink():
-        return st.st_size, 1, st.st_mtime
+        return TreeScan(0, 0, 0.0, 0.0, exists=False)
+    changed = max(st.st_mtime, st.st_ctime)
+    if not stat.S_ISDIR(st.st_mode):
+        return TreeScan(st.st_size, 1, st.st_mtime, changed)
+    # Plain comparisons instead of max() and st_mode instead of is_dir(): this loop runs once
+    # per file of every checkpoint when listing thousands of them.
     total, count, newest = 0, 0, st.st_mtime
-    stack = [str(path)]
+    stack = [os.fspath(path)]
     while stack:
         d = stack.pop()
         try:
@@ -120,33 +186,131 @@ def tree_stats(path: Path) -> tuple[int, int, float]:
                         est = e.stat(follow_symlinks=False)
                     except OSError:
                         continue
-                    newest = max(newest, est.st_mtime)
-                    if e.is_dir(follow_symlinks=False):
+                    m, c = est.st_mtime, est.st_ctime
+                    if m > newest:
+                        newest = m
+                    if m > changed:
+                        changed = m
+                    if c > changed:
+                        changed = c
+                    if stat.S_ISDIR(est.st_mode):
                         stack.append(e.path)
                     else:
                         total += est.st_size
                         count += 1
         except OSError:
             continue
-    return total, count, newest
+    return TreeScan(total, count, newest, changed)
+
+
+def tree_stats(path: Path) -> tuple[int, int, float]:
+    """``(bytes, files, newest mtime)`` of a file or a directory tree (symlinks not followed)."""
+    scan = tree_scan(path)
+    return scan.bytes, scan.files, scan.mtime
+
+
+def writer_lock(path: Path) -> str | None:
+    """A lock file a writer may hold on a checkpoint, if there is one.
+
+    Looks for ``<name>.lock`` and ``.<name>.lock`` beside it and for ``*.lock`` files (``.lock``
+    too) at the top of a checkpoint directory. Presence is enough: some writers lock by creating
+    the file rather than with ``flock``, and a stale lock is cheaper than a lost checkpoint.
+
+    Args:
+        path: The checkpoint file or directory.
+
+    Returns:
+        The lock file's path relative to the parent directory, or None.
+    """
+    for cand in (f"{path.name}{LOCK_SUFFIX}", f".{path.name}{LOCK_SUFFIX}"):
+        if os.path.lexists(path.parent / cand):
+            return cand
+    try:
+        if path.is_dir() and not path.is_symlink():
+            with os.scandir(path) as it:
+                for e in it:
+                    if e.name.endswith(LOCK_SUFFIX):
+                        return f"{path.name}/{e.name}"
+    except OSError:
+        return None
+    return None
+
+
+class _PointerError(Exception):
+    """A pointer file exists but what it names cannot be told."""
 
 
 def _read_pointer(root: Path, name: str) -> str | None:
+    """What a pointer file names: None when there is no such file.
+
+    Raises:
+        _PointerError: The file exists but cannot be read or parsed.
+    """
     p = root / name
     try:
         if p.is_symlink():
             return Path(os.readlink(p)).name
-        if not p.is_file() or p.stat().st_size > 4096:
+        if not p.exists():
             return None
+        if not p.is_file():
+            raise _PointerError("not a regular file")
+        if p.stat().st_size > 4096:
+            raise _PointerError("larger than 4 KB")
         text = p.read_text(errors="replace").strip()
-    except OSError:
-        return None
+    except OSError as e:
+        raise _PointerError(e.strerror or str(e)) from None
     if not text:
-        return None
+        raise _PointerError("empty (being rewritten?)")
     if name == "latest_checkpointed_iteration.txt":
-        return "release" if text == "release" else (
-            f"iter_{int(text):07d}" if text.isdigit() else None)
-    return Path(text.splitlines()[0].strip()).name
+        if text == "release":
+            return "release"
+        if not text.isdigit():
+            raise _PointerError(f"{text[:40]!r} is not an iteration number")
+        return f"iter_{int(text):07d}"
+    target = Path(text.splitlines()[0].strip()).name
+    if not target:
+        raise _PointerError(f"{text[:40]!r} names no checkpoint")
+    return target
+
+
+def read_pointers(root: Path, links: list[str] | None = None,
+                  ) -> tuple[dict[str, str], list[Finding]]:
+    """The pointer files of a run directory and what each names.
+
+    Pointers are ``latest`` (DeepSpeed, ckpt sample), ``latest_checkpointed_iteration.txt``
+    (Megatron), ``latest_universal`` and ``last*.ckpt`` symlinks (Lightning ``save_last="link"``).
+
+    Args:
+        root: The run directory.
+        links: The ``last*.ckpt`` names to check, when already known (re-reading pointers once
+            per checkpoint must not list a directory of thousands each time); by default the
+            directory is searched for them.
+
+    Returns:
+        ``({pointer file: entry name}, findings)``; a pointer that exists but cannot be read or
+        parsed gives a ``pointer-unreadable`` warning instead of an entry.
+    """
+    pointers: dict[str, str] = {}
+    findings: list[Finding] = []
+    for name in POINTER_FILES:
+        try:
+            target = _read_pointer(root, name)
+        except _PointerError as e:
+            findings.append(Finding("warning", POINTER_UNREADABLE,
+                                    f"cannot tell what {name} names: {e}", name))
+            continue
+        if target:
+            pointers[name] = target
+    for link in (sorted(root.glob("last*.ckpt")) if links is None
+                 else [root / name for name in links]):
+        if link.is_symlink():
+            try:
+                pointers[link.name] = Path(os.readlink(link)).name
+            except OSError as e:
+                findings.append(Finding("warning", POINTER_UNREADABLE,
+                                        f"cannot read the link {link.name}: {e.strerror}",
+                                        link.name))
+    return pointers, findings
 
 
 def quick_status(path: Path) -> tuple[str | None, bool, str | None]:
@@ -169,12 +333,18 @@ def quick_status(path: Path) -> tuple[str | None, bool, str | None]:
 
 
 def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
-    names = set(os.listdir(path))
+    # One scandir serves every check below: at thousands of checkpoints, per-name stat calls
+    # and pathlib objects are most of the cost of a listing.
+    with os.scandir(path) as it:
+        children = {e.name: e for e in it}
+    names = set(children)
     if not names:
         return None, False, "empty directory"
-    distcp = [n for n in names if n.endswith(".distcp")]
-    if dcp.metadata_file(path) is not None or distcp:
-        if dcp.metadata_file(path) is None:
+    has_metadata = dcp.METADATA in names or (
+        any(n.endswith(".metadata") and n.startswith("__") for n in names)
+        and dcp.metadata_file(path) is not None)
+    if has_metadata or any(n.endswith(".distcp") for n in names):
+        if not has_metadata:
             return "dcp", False, "no .metadata: the save did not finish"
         if path.name.startswith("iter_") and "common.pt" in names and "metadata.json" not in names:
             return "dcp", False, "no metadata.json: Megatron writes it last"
@@ -190,39 +360,31 @@ def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
                                          if missing else None)
     if path.name.startswith("checkpoint-") and "trainer_state.json" not in names:
         return "dir", False, "no trainer_state.json: HF Trainer writes it last"
-    files = [path / n for n in sorted(names)
-             if n.endswith((*FILE_EXTENSIONS, ".json")) and (path / n).is_file()]
-    data = [f for f in files if not f.name.endswith(".json")]
+    data = [children[n] for n in sorted(names)
+            if n.endswith(FILE_EXTENSIONS) and children[n].is_file()]
     if not data:
         return None, False, "no checkpoint files"
-    for f in data:
-        _fmt, ok, why = _file_status(f)
+    for e in data:
+        _fmt, ok, why = _file_status(Path(e.path))
         if not ok:
-            return "dir", False, f"{f.name}: {why}"
+            return "dir", False, f"{e.name}: {why}"
     return "dir", True, None
 
 
 def _file_status(path: Path) -> tuple[str | None, bool, str | None]:
-    size = path.stat().st_size
-    head = read_head(path, 16)
-    if safetensors.sniff_bytes(head[:9], size) is None or (
-            len(head) >= 8 and path.name.endswith(".safetensors")):
-        try:
-            n, header, _, _findings = safetensors.parse_header(path)
-        except CkptError as err:
-            return "safetensors", False, err.message
-        header.pop("__metadata__", None)
-        end = max((v["data_offsets"][1] for v in header.values()
-                   if isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
-                   and len(v["data_offsets"]) == 2 and isinstance(v["data_offsets"][1], int)),
-                  default=0)
-        if 8 + n + end != size:
-            return "safetensors", False, (f"file is {size:,} bytes, header implies "
-                                          f"{8 + n + end:,}")
-        return "safetensors", True, None
-    if head.startswith(torchfile.ZIP_MAGIC):
-        ok = _has_zip_end(path, size)
-        return "torch", ok, None if ok else "no zip end record: truncated or still being written"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 16, 0)
+        if safetensors.sniff_bytes(head[:9], size) is None or (
+                len(head) >= 8 and path.name.endswith(".safetensors")):
+            return _safetensors_status(path, size)
+        if head.startswith(torchfile.ZIP_MAGIC):
+            ok = _has_zip_end(fd, size)
+            return "torch", ok, None if ok else ("no zip end record: truncated or still being "
+                                                 "written")
+    finally:
+        os.close(fd)
     if torchfile.sniff_torch(path) is None:
         return "torch", size > 0, None if size else "empty file"
     if size == 0:
@@ -230,29 +392,117 @@ def _file_status(path: Path) -> tuple[str | None, bool, str | None]:
     return None, False, "not a recognised checkpoint file"
 
 
-def _has_zip_end(path: Path, size: int) -> bool:
-    """Whether a zip ends with an end-of-central-directory record (torch writes no comment)."""
+def _safetensors_status(path: Path, size: int) -> tuple[str | None, bool, str | None]:
+    try:
+        n, header, _, _findings = safetensors.parse_header(path)
+    except CkptError as err:
+        return "safetensors", False, err.message
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()
+               if isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
+               and len(v["data_offsets"]) == 2 and isinstance(v["data_offsets"][1], int)),
+              default=0)
+    if 8 + n + end != size:
+        return "safetensors", False, f"file is {size:,} bytes, header implies {8 + n + end:,}"
+    return "safetensors", True, None
+
+
+_EOCD = b"PK\x05\x06"
+
+
+def _has_zip_end(fd: int, size: int) -> bool:
+    """Whether a zip ends with an end-of-central-directory record.
+
+    torch writes no zip comment, so the record is almost always the last 22 bytes: read those
+    first and search the largest possible comment span only when they are not it.
+    """
     if size < 22:
         return False
-    with open(path, "rb") as f:
-        f.seek(max(0, size - 22 - 65535))
-        tail = f.read()
-    i = tail.rfind(b"PK\x05\x06")
+    last = os.pread(fd, 22, size - 22)
+    if last[:4] == _EOCD and last[20:22] == b"\0\0":
+        return True
+    start = max(0, size - 22 - 65535)
+    tail = os.pread(fd, size - start, start)
+    i = tail.rfind(_EOCD)
     if i < 0 or len(tail) - i < 22:
         return False
     (comment_len,) = struct.unpack("<H", tail[i + 20:i + 22])
     return bool(i + 22 + comment_len == len(tail))
 
 
+def _compile(pattern: str | None) -> re.Pattern[str] | None:
+    if not pattern:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise UsageError(f"--pattern is not a valid regular expression: {e}") from None
+
+
+def _recognise(entry: os.DirEntry[str], rx: re.Pattern[str] | None,
+               strict: bool) -> tuple[bool, int | None]:
+    """Whether a (non-symlink, non-leftover) child is a checkpoint, and the step its name gives.
+
+    With a pattern, hidden names and pointer files never match, whatever the pattern says.
+    """
+    if rx is None:
+        if not _is_checkpoint_name(entry, strict):
+            return False, None
+        return True, step_from_name(entry.name, strict=strict)
+    if entry.name.startswith(".") or entry.name in POINTER_FILES:
+        return False, None
+    m = rx.search(entry.name)
+    if not m:
+        return False, None
+    group = m.groupdict().get("step") or (m.group(1) if m.groups() else None)
+    return True, int(group) if group and str(group).isdigit() else None
+
+
+def run_dir_problem(path: Path, pattern: str | None = None) -> str | None:
+    """Why ``path`` is not a run directory of checkpoints (None when it is one).
+
+    Stricter than :func:`is_run_dir`: an HF Trainer output directory that also holds the final
+    model is a run directory here. A directory that is itself one checkpoint (DCP, DeepSpeed
+    tag, Megatron iteration, HF ``checkpoint-N``), or holds nothing recognised as a
+    checkpoint, is not.
+
+    Args:
+        path: A directory.
+        pattern: The ``--pattern`` regex, if any, instead of name recognition.
+
+    Returns:
+        A phrase saying what is wrong, or None.
+
+    Raises:
+        UsageError: If ``pattern`` is not a regex.
+    """
+    rx = _compile(pattern)
+    if (dcp.metadata_file(path) is not None or deepspeed.DeepSpeedReader().sniff(path) is None
+            or megatron.MegatronReader().sniff(path) is None
+            or ((path / "trainer_state.json").is_file()
+                and step_from_name(path.name, strict=True) is not None)):
+        return "is itself a checkpoint, not a run directory of checkpoints"
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                if not is_leftover(e.name) and not e.is_symlink() and _recognise(
+                        e, rx, strict=True)[0]:
+                    return None
+    except OSError as e:
+        return f"cannot be listed: {e.strerror}"
+    return "holds no checkpoints ckpt recognises (not a run directory)"
+
+
 def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool = True,
-             ) -> RunListing:
+             strict: bool = False) -> RunListing:
     """List the checkpoints of a run directory, oldest first.
 
     Args:
         root: The run directory.
         pattern: A regex overriding name recognition; a ``step`` group (or the first group)
-            gives the step.
+            gives the step. Hidden names and pointer files never match.
         step_from_metadata: Read checkpoint metadata for entries whose name has no step.
+        strict: Recognise loose files only by checkpoint-like names (see the module notes).
 
     Returns:
         The :class:`RunListing`.
@@ -262,20 +512,9 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
     """
     if not root.is_dir():
         raise CkptError("not a directory", path=root)
-    rx = None
-    if pattern:
-        try:
-            rx = re.compile(pattern)
-        except re.error as e:
-            raise CkptError(f"--pattern is not a valid regular expression: {e}") from None
+    rx = _compile(pattern)
     listing = RunListing(root=root)
-    for name in POINTER_FILES:
-        target = _read_pointer(root, name)
-        if target:
-            listing.pointers[name] = target
-    for link in sorted(root.glob("last*.ckpt")):
-        if link.is_symlink():
-            listing.pointers[link.name] = Path(os.readlink(link)).name
+    listing.pointers, listing.findings = read_pointers(root)
     try:
         with os.scandir(root) as it:
             children = sorted(it, key=lambda e: e.name)
@@ -286,18 +525,16 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
             listing.leftovers.append(entry.name)
             continue
         if entry.is_symlink():
-            continue  # pointers such as last.ckpt -> epoch=...ckpt; never an entry of their own
-        if rx is not None:
-            m = rx.search(entry.name)
-            if not m:
-                continue
-            groups = m.groupdict().get("step") or (m.group(1) if m.groups() else None)
-            step = int(groups) if groups and str(groups).isdigit() else None
-        elif _is_checkpoint_name(entry):
-            step = step_from_name(entry.name)
-        else:
+            # Pointers such as last.ckpt -> epoch=...ckpt, or links elsewhere: never an entry
+            # of their own, never followed.
+            if entry.name not in listing.pointers:
+                listing.findings.append(Finding(
+                    "info", "symlink-skipped", f"{entry.name} is a symbolic link; not followed",
+                    entry.name))
             continue
-        listing.entries.append(_entry(Path(entry.path), step))
+        matched, step = _recognise(entry, rx, strict)
+        if matched:
+            listing.entries.append(_entry(Path(entry.path), step))
     _fill_steps(listing, step_from_metadata)
     latest = listing.pointers.get("latest") or listing.pointers.get(
         "latest_checkpointed_iteration.txt") or next(
@@ -311,17 +548,18 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
     if latest in names:
         listing.latest = latest
     for en in listing.entries:
-        if en.name in listing.pointers.values() or en.name.startswith("last"):
+        if en.name in listing.pointers.values() or is_last_copy(en.name):
             en.latest = True
     return listing
 
 
 def _entry(path: Path, step: int | None) -> RunEntry:
-    size, files, mtime = tree_stats(path)
+    scan = tree_scan(path)
     fmt, complete, reason = quick_status(path)
     return RunEntry(name=path.name, path=path, step=step, step_source="name" if step is not None
-                    else "unknown", format=fmt, bytes=size, files=files, mtime=mtime,
-                    complete=complete, reason=reason, metrics=metrics_from_name(path.name))
+                    else "unknown", format=fmt, bytes=scan.bytes, files=scan.files,
+                    mtime=scan.mtime, complete=complete, reason=reason,
+                    metrics=metrics_from_name(path.name), changed=scan.changed)
 
 
 def _fill_steps(listing: RunListing, from_metadata: bool) -> None:
@@ -333,7 +571,7 @@ def _fill_steps(listing: RunListing, from_metadata: bool) -> None:
                 e.step, e.step_source = step, "metadata"
     if any(e.step is None for e in listing.entries):
         listing.findings.append(Finding(
-            "warning", "mtime-order",
+            "warning", MTIME_ORDER,
             "some checkpoints have no step in their name or metadata; they are ordered by "
             "modification time"))
         for e in listing.entries:

@@ -319,10 +319,10 @@ def _target_dtype(t: TensorInfo, name: str, target: str | None, keep_fp32: tuple
 def _loader(src: TensorSource, t: TensorInfo, dst: str, name: str, clamp: bool,
             stats: CastStats) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
-        arr = src.read(t)
         if dst == t.dtype:
-            return arr
-        return cast_array(arr, dst, name=name, clamp=clamp, stats=stats)
+            return src.read(t)
+        # The cast reads every value once: map the file instead of copying it first.
+        return cast_array(src.read(t, mapped=True), dst, name=name, clamp=clamp, stats=stats)
     return load
 
 

@@ -429,9 +429,9 @@ class _SideSource(TensorSource):
         super().__init__(index)
         self.label = label
 
-    def read(self, t: TensorInfo) -> np.ndarray:
+    def read(self, t: TensorInfo, *, mapped: bool = False) -> np.ndarray:
         try:
-            return super().read(t)
+            return super().read(t, mapped=mapped)
         except CkptError as e:
             raise on_side(e, self.label) from None
 

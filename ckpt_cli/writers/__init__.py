@@ -10,6 +10,7 @@ it is complete and fsynced.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -167,12 +168,14 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
                  on_progress: Callable[[int], None] | None) -> None:
     entries = [(tensors[i].name, tensors[i].dtype, tensors[i].shape) for i in members]
     with open(path, "wb", buffering=0) as f:
+        flusher = _Flusher(f.fileno())
         if fmt == "safetensors":
             head, _ = header_bytes(entries, meta)
             write_all(f, memoryview(head))
             for i in members:
                 arr = source.get(i)
                 write_all(f, _bytes_of(arr, tensors[i]))
+                flusher.wrote(tensors[i].nbytes)
                 if on_progress:
                     on_progress(tensors[i].nbytes)
                 del arr
@@ -184,10 +187,30 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
                 arr = source.get(i)
                 data = _bytes_of(arr, tensors[i])
                 zw.write_tensor(data)
+                flusher.wrote(len(data))
                 if on_progress:
                     on_progress(tensors[i].nbytes)
                 del arr, data
             zw.close()
+
+
+class _Flusher:
+    """Flushes written data to disk every few hundred MB while writing continues.
+
+    The atomic rename needs everything durable (fsync) first; flushing as we go overlaps that
+    disk work with reading and casting the next tensors instead of paying it all at the end.
+    """
+
+    EVERY = 256 << 20
+
+    def __init__(self, fd: int):
+        self.fd, self.pending = fd, 0
+
+    def wrote(self, n: int) -> None:
+        self.pending += n
+        if self.pending >= self.EVERY:
+            os.fdatasync(self.fd)  # releases the GIL: the prefetch thread keeps casting
+            self.pending = 0
 
 
 def _bytes_of(arr: np.ndarray, t: OutTensor) -> memoryview:

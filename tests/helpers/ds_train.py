@@ -1,7 +1,8 @@
 """Train a tiny model with DeepSpeed ZeRO on CPU (gloo, 2 processes) and save checkpoints.
 
 Usage: python ds_train.py OUT_DIR CONFIG [CONFIG ...]   where CONFIG is like ``z2-fp32``.
-Each config is saved to OUT_DIR/<config>/ with DeepSpeed's own ``engine.save_checkpoint``.
+Each config is saved to OUT_DIR/<config>/ with DeepSpeed's own ``engine.save_checkpoint``, once
+after the last step, or after every step with a ``+each`` suffix (``z1-fp32+each``).
 All configs run inside one pair of processes, so deepspeed is imported only once.
 """
 
@@ -22,7 +23,8 @@ def _worker(rank: int, world: int, port: int, out: str, configs: list[str]) -> N
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     for cfg_name in configs:
-        stage_s, dtype = cfg_name.split("-")
+        stage_s, dtype = cfg_name.removesuffix("+each").split("-")
+        each = cfg_name.endswith("+each")
         stage = int(stage_s[1:])
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13),
@@ -43,7 +45,10 @@ def _worker(rank: int, world: int, port: int, out: str, configs: list[str]) -> N
             loss = engine(x).float().pow(2).mean()
             engine.backward(loss)
             engine.step()
-        engine.save_checkpoint(os.path.join(out, cfg_name))
+            if each:
+                engine.save_checkpoint(os.path.join(out, cfg_name))
+        if not each:
+            engine.save_checkpoint(os.path.join(out, cfg_name))
         dist.barrier()
     dist.destroy_process_group()
 

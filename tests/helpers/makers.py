@@ -54,8 +54,13 @@ def hf_sharded(out: Path, sd: dict[str, torch.Tensor], max_shard_size: int) -> N
     save_torch_state_dict(sd, out, max_shard_size=max_shard_size)
 
 
-def hf_trainer_run(out: Path, steps: int = 4, save_steps: int = 2) -> Path:
-    """Train a tiny GPT-2 with transformers' Trainer; returns the output directory."""
+def hf_trainer_run(out: Path, steps: int = 4, save_steps: int = 2, *,
+                   evaluate: bool = False) -> Path:
+    """Train a tiny GPT-2 with transformers' Trainer; returns the output directory.
+
+    With ``evaluate``, it evaluates at every save and tracks the best checkpoint by eval_loss
+    (``best_model_checkpoint`` in trainer_state.json, eval_loss in its log_history).
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_DISABLED", "true")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -72,15 +77,26 @@ def hf_trainer_run(out: Path, steps: int = 4, save_steps: int = 2) -> Path:
             ids = (torch.arange(16) + i) % 64
             return {"input_ids": ids, "labels": ids}
 
+    extra: dict[str, Any] = {}
+    if evaluate:
+        extra = {"eval_strategy": "steps", "eval_steps": save_steps,
+                 "metric_for_best_model": "eval_loss", "greater_is_better": False,
+                 "per_device_eval_batch_size": 4}
     args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=save_steps,
                              per_device_train_batch_size=4, logging_steps=1, report_to=[],
-                             use_cpu=True, save_strategy="steps", disable_tqdm=True)
-    Trainer(model=model, args=args, train_dataset=DS()).train()
+                             use_cpu=True, save_strategy="steps", disable_tqdm=True, **extra)
+    Trainer(model=model, args=args, train_dataset=DS(),
+            eval_dataset=DS() if evaluate else None).train()
     return out
 
 
-def lightning_run(out: Path, steps: int = 4, every: int = 2) -> Path:
-    """Train a tiny LightningModule, keeping every checkpoint and last.ckpt."""
+def lightning_run(out: Path, steps: int = 4, every: int = 2, *, filename: str = "{epoch}-{step}",
+                  save_last: bool | str = True) -> Path:
+    """Train a tiny LightningModule, keeping every checkpoint and last.ckpt.
+
+    ``filename`` is ModelCheckpoint's template (``"{epoch}-{step}-{train_loss:.4f}"`` puts the
+    metric in the name); ``save_last="link"`` makes last.ckpt a symlink.
+    """
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -100,8 +116,9 @@ def lightning_run(out: Path, steps: int = 4, every: int = 2) -> Path:
 
     data = torch.utils.data.TensorDataset(torch.randn(16, 4))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
-    ck = ModelCheckpoint(dirpath=out, every_n_train_steps=every, save_top_k=-1, save_last=True,
-                         filename="{epoch}-{step}")
+    ck = ModelCheckpoint(dirpath=out, every_n_train_steps=every, save_top_k=-1,
+                         save_last=save_last,
+                         filename=filename)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[ck],
                         logger=False, enable_progress_bar=False, enable_model_summary=False)
     torch.manual_seed(0)

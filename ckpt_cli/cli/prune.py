@@ -1,0 +1,232 @@
+"""``ckpt prune``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
+from ckpt_cli.cli.options import DryRunOpt, JsonOpt, YesOpt
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from ckpt_cli.ops.prune import PruneEvent, PruneResult
+    from ckpt_cli.planning import PrunePlan, PrunePolicy
+
+
+def prune_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory whose checkpoints to prune.",
+                                            show_default=False)],
+    keep: Annotated[int | None, typer.Option(
+        "--keep", metavar="N", help="Keep the newest N checkpoints.", show_default=False)] = None,
+    keep_every: Annotated[str | None, typer.Option(
+        "--keep-every", metavar="STEPS",
+        help="Keep milestones: checkpoints whose step is a multiple of STEPS (e.g. 10K).")] = None,
+    keep_best: Annotated[int | None, typer.Option(
+        "--keep-best", metavar="N", help="Keep the N best checkpoints by --metric.")] = None,
+    metric: Annotated[str | None, typer.Option(
+        "--metric", metavar="NAME", help="Metric for --keep-best (eval_loss, val_loss...): from "
+        "trainer_state.json, Lightning file names or --metrics-file.")] = None,
+    mode: Annotated[str, typer.Option("--mode", metavar="min|max",
+                                      help="Whether lower (min) or higher (max) --metric values "
+                                           "are better.")] = "min",
+    metrics_file: Annotated[Path | None, typer.Option(
+        "--metrics-file", metavar="FILE", help="Metrics by step: CSV with a step column "
+        "(Lightning CSVLogger), JSON lines, or JSON.")] = None,
+    older_than: Annotated[str | None, typer.Option(
+        "--older-than", metavar="AGE", help="Keep checkpoints modified within AGE (e.g. 7d); "
+        "older ones may go.")] = None,
+    max_total_size: Annotated[str | None, typer.Option(
+        "--max-total-size", metavar="SIZE", help="Keep the newest checkpoints that fit in SIZE "
+        "together (e.g. 2TB); older ones may go.")] = None,
+    grace: Annotated[str, typer.Option(
+        "--grace", metavar="AGE", help="Never delete anything changed within AGE: it may still "
+        "be being written (0 turns this off).")] = "10m",
+    pattern: Annotated[str | None, typer.Option(
+        "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts "
+        "(a 'step' group gives the step).")] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Prune even /, $HOME or a directory that does not look like a run "
+        "directory.")] = False,
+    dry_run: DryRunOpt = False,
+    yes: YesOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Delete old checkpoints of a run directory by retention rules, safely, even from cron.
+
+    A checkpoint is kept if any rule keeps it. Never deleted: what latest /
+    latest_checkpointed_iteration.txt / last.ckpt points to, anything that may still be being
+    written (incomplete, changed within --grace, locked), and the newest valid checkpoint. On a
+    terminal it shows the plan and asks; elsewhere (cron) it proceeds and logs one line per
+    action.
+
+    Examples:
+      ckpt prune runs/gpt --keep 5 --dry-run
+      ckpt prune runs/gpt --keep 3 --keep-every 10K --yes
+      ckpt prune out/ --keep 2 --keep-best 1 --metric eval_loss
+      ckpt prune ckpts/ --older-than 7d --max-total-size 2TB
+      ckpt prune runs/gpt --keep 5 --json --yes
+    """
+    with handled():
+        from ckpt_cli.errors import UsageError
+        from ckpt_cli.ops.prune import prune
+
+        if json and not yes and not dry_run:
+            raise UsageError("--json never asks for confirmation: add --yes to delete, or "
+                             "--dry-run to only see the plan")
+        policy = _policy(keep, keep_every, keep_best, metric, mode, older_than, max_total_size,
+                         grace)
+        view = _View(tty=_is_terminal(), quiet=json, dry_run=dry_run)
+
+        def confirm(plan: PrunePlan) -> bool:
+            if yes or json or not _interactive():
+                return True
+            return view.ask(plan)
+
+        try:
+            result = prune(run_dir, policy, pattern=pattern, metrics_file=metrics_file,
+                           dry_run=dry_run, force=force, confirm=confirm, on_progress=view.event)
+        finally:
+            view.stop()
+        if json:
+            from ckpt_cli.render import json as rj
+            from ckpt_cli.render.prune import prune_doc
+
+            rj.emit("prune", prune_doc(result))
+        else:
+            view.finish(result)
+        raise typer.Exit(EXIT_OK if result.ok else EXIT_FINDINGS)
+
+
+def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
+            metric: str | None, mode: str, older_than: str | None, max_total_size: str | None,
+            grace: str) -> PrunePolicy:
+    from ckpt_cli.errors import UsageError
+    from ckpt_cli.planning import PrunePolicy
+    from ckpt_cli.units import parse_count, parse_duration, parse_size
+
+    if mode not in ("min", "max"):
+        raise UsageError(f"--mode must be min or max, not {mode!r}")
+    return PrunePolicy(
+        keep=keep, keep_best=keep_best, metric=metric, mode="max" if mode == "max" else "min",
+        keep_every=parse_count(keep_every, what="--keep-every") if keep_every else None,
+        older_than=parse_duration(older_than, what="--older-than") if older_than else None,
+        max_total_size=(parse_size(max_total_size, what="--max-total-size")
+                        if max_total_size else None),
+        grace=0.0 if grace.strip() in ("0", "0s") else parse_duration(grace, what="--grace"))
+
+
+def _interactive() -> bool:
+    """Whether someone can answer a prompt (a terminal on stdin); cron and pipes cannot."""
+    return sys.stdin.isatty()
+
+
+def _is_terminal() -> bool:
+    """Whether results go to a terminal (a table) or to a log such as cron mail (lines)."""
+    from ckpt_cli.render.human import is_tty
+
+    return is_tty() and sys.stdout.isatty()
+
+
+class _View:
+    """What the user sees while pruning.
+
+    On a terminal: the plan as a table, a prompt, a progress bar, then a summary. Elsewhere:
+    one plain line per decision and per action, as they happen, so that cron mail (or a log)
+    holds what was done even if the run is cut short.
+    """
+
+    def __init__(self, *, tty: bool, quiet: bool, dry_run: bool) -> None:
+        from ckpt_cli.render import human
+
+        self.tty, self.quiet, self.dry_run = tty, quiet, dry_run
+        self.out, self.err = human.stdout(), human.stderr()
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
+
+    def event(self, event: PruneEvent) -> None:
+        """Show one progress event."""
+        if self.quiet:
+            return
+        if event.kind == "planned" and event.plan is not None:
+            self._plan(event.plan)
+            return
+        from ckpt_cli.render.prune import event_line
+
+        line = event_line(event)
+        if self.tty:
+            if event.kind in ("skipped", "failed") and line:
+                self.err.print(line, soft_wrap=True, markup=False)
+            if event.kind in ("deleted", "skipped", "failed"):
+                self._advance(event)
+        elif line:
+            _plain(line, err=event.kind == "failed")
+
+    def _plan(self, plan: PrunePlan) -> None:
+        from ckpt_cli.render import human
+        from ckpt_cli.render.prune import decisions_table, headline, leftover_lines, plan_line
+
+        if self.tty:
+            self.out.print(headline(plan), style="bold", markup=False)
+            if plan.decisions:
+                self.out.print(decisions_table(plan))
+            for line in leftover_lines(plan, dry_run=self.dry_run):
+                self.out.print(line, style="yellow", markup=False)
+        else:
+            _plain(headline(plan))
+            # Deletions get their line when they happen (or fail), except in a dry run.
+            for d in plan.decisions:
+                if not d.delete or self.dry_run:
+                    _plain(plan_line(d, dry_run=self.dry_run))
+            for line in leftover_lines(plan, dry_run=self.dry_run):
+                _plain(line)
+        human.print_findings([*plan.listing.findings, *plan.findings])
+
+    def ask(self, plan: PrunePlan) -> bool:
+        """Ask whether to delete (the plan is on screen already); end of input means no."""
+        from ckpt_cli.render.human import size
+
+        n = len(plan.to_delete)
+        try:
+            return typer.confirm(f"Delete {n} checkpoint{'s' if n != 1 else ''} "
+                                 f"({size(plan.bytes_to_free)})?", default=False, err=True)
+        except typer.Abort:
+            return False
+
+    def _advance(self, event: PruneEvent) -> None:
+        from rich.progress import Progress
+
+        if self.progress is None:
+            self.progress = Progress(console=self.err, transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("deleting", total=event.total)
+        if self.task is not None:
+            self.progress.update(self.task, completed=event.done)
+
+    def stop(self) -> None:
+        """Take the progress bar off the screen."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def finish(self, result: PruneResult) -> None:
+        """The closing summary (stdout) and leftover-trash problems (stderr)."""
+        from ckpt_cli.render.prune import summary
+
+        for name, err in result.trash_failed.items():
+            self.err.print(f"ckpt: error: cannot remove leftover trash {name}: {err}",
+                           soft_wrap=True, markup=False)
+        if self.tty:
+            self.out.print(summary(result), markup=False)
+        else:
+            _plain(summary(result))
+
+
+def _plain(line: str, *, err: bool = False) -> None:
+    stream = sys.stderr if err else sys.stdout
+    stream.write(line + "\n")
+    stream.flush()

@@ -1,0 +1,147 @@
+"""Output of ``ckpt prune``: the JSON document, the decisions table, and plain log lines.
+
+On a terminal the plan is a rich table; otherwise (cron) every decision and every action is one
+plain line, so the mail cron sends reads as a log.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from ckpt_cli.formats.rundir import TRASH_PREFIX
+from ckpt_cli.ops.prune import PruneEvent, PruneResult
+from ckpt_cli.planning import Decision, PrunePlan
+from ckpt_cli.render import json as rj
+from ckpt_cli.render.human import size
+
+
+def prune_doc(result: PruneResult) -> dict[str, Any]:
+    """The ``--json`` document of a prune (see docs/json-schema.md, section ``prune``).
+
+    Args:
+        result: What the prune planned and did.
+
+    Returns:
+        The document body (``emit`` adds ``schema_version`` and ``command``).
+    """
+    plan = result.plan
+    doc: dict[str, Any] = {"path": str(result.path), "dry_run": result.dry_run,
+                           "declined": result.declined}
+    doc.update(rj.run_dict(plan.listing))
+    doc["run_warnings"] += [f.to_dict() for f in plan.findings]
+    doc["checkpoints"] = [_decision_dict(result, d) for d in plan.decisions]
+    pol = plan.policy
+    doc["policy"] = {"keep": pol.keep, "keep_every": pol.keep_every, "keep_best": pol.keep_best,
+                     "metric": pol.metric, "mode": pol.mode, "older_than": pol.older_than,
+                     "max_total_size": pol.max_total_size, "grace": pol.grace,
+                     "pattern": result.pattern,
+                     "metrics_file": str(result.metrics_file) if result.metrics_file else None}
+    doc["newest_valid"] = plan.newest_valid
+    doc["trash_removed"] = result.trash_removed
+    doc["trash_failed"] = result.trash_failed
+    doc["summary"] = {
+        "checkpoints": len(plan.decisions),
+        "kept": len(plan.kept),
+        "to_delete": len(plan.to_delete),
+        "deleted": len(result.named("deleted")),
+        "skipped": len(result.named("skipped")),
+        "failed": len(result.named("failed")),
+        "bytes_total": plan.bytes_total,
+        "bytes_to_free": plan.bytes_to_free,
+        "bytes_freed": result.bytes_freed,
+    }
+    return doc
+
+
+def _decision_dict(result: PruneResult, d: Decision) -> dict[str, Any]:
+    out = rj.run_entry_dict(d.entry)
+    outcome = result.outcomes.get(d.entry.name)
+    out.update({"action": "delete" if d.delete else "keep", "status": result.status(d),
+                "kept_by": d.kept_by, "protected_by": d.protected_by, "reasons": d.reasons,
+                "metric": d.metric, "valid": d.valid,
+                "detail": outcome.detail if outcome else None})
+    return out
+
+
+def decisions_table(plan: PrunePlan) -> Table:
+    """One row per checkpoint, oldest first: step, age, size, keep or delete, and why."""
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for col, just in (("Checkpoint", "left"), ("Step", "right"), ("Modified", "left"),
+                      ("Size", "right"), ("Action", "left"), ("Why", "left")):
+        table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    for d in plan.decisions:
+        e = d.entry
+        when = _dt.datetime.fromtimestamp(e.mtime).strftime("%Y-%m-%d %H:%M") if e.mtime else "-"
+        action = Text("delete", style="red") if d.delete else Text("keep", style="green")
+        table.add_row(e.name, "-" if e.step is None else f"{e.step:,}", when, size(e.bytes),
+                      action, "; ".join(d.reasons))
+    return table
+
+
+def plan_line(d: Decision, *, dry_run: bool) -> str:
+    """A decision as one plain log line: ``keep NAME (SIZE): why``."""
+    verb = "keep" if not d.delete else "would delete" if dry_run else "delete"
+    return f"{verb} {d.entry.name} ({size(d.entry.bytes)}): {'; '.join(d.reasons)}"
+
+
+def leftover_lines(plan: PrunePlan, *, dry_run: bool) -> list[str]:
+    """One line per temporary or trash name in the run directory.
+
+    Trash (``.ckpt-trash-*``) is what an interrupted prune renamed aside: this run removes it
+    (the removal gets its own line). Other temporary names may be writes in progress and are
+    never touched.
+    """
+    out = []
+    for name in plan.listing.leftovers:
+        if name.startswith(TRASH_PREFIX):
+            if dry_run:
+                out.append(f"would remove leftover trash {name} (from an interrupted prune)")
+        else:
+            out.append(f"leftover {name}: a temporary name (a write in progress or "
+                       "interrupted); never deleted by prune")
+    return out
+
+
+def event_line(event: PruneEvent) -> str | None:
+    """An action as one plain log line (None for events that are not actions)."""
+    if event.kind == "trash":
+        return f"removed leftover trash {event.name} (from an interrupted prune)"
+    d = event.decision
+    if event.kind not in ("deleted", "skipped", "failed"):
+        return None
+    what = f"{event.name} ({size(d.entry.bytes)})" if d else str(event.name)
+    if event.kind == "deleted":
+        return f"deleted {what}: {'; '.join(d.reasons)}" if d else f"deleted {what}"
+    if event.kind == "skipped":
+        return f"skipped {what}: kept after all, {event.detail}"
+    return f"FAILED to delete {what}: {event.detail}"
+
+
+def headline(plan: PrunePlan) -> str:
+    """What the plan does, in one line."""
+    n = len(plan.decisions)
+    return (f"{plan.listing.root}: {n} checkpoint{'s' if n != 1 else ''} "
+            f"({size(plan.bytes_total)}), "
+            f"{len(plan.kept)} kept, {len(plan.to_delete)} to delete "
+            f"({size(plan.bytes_to_free)})")
+
+
+def summary(result: PruneResult) -> str:
+    """What happened, in one line."""
+    plan = result.plan
+    if not plan.to_delete:
+        return f"nothing to delete in {result.path}"
+    if result.dry_run:
+        return (f"dry run: would delete {len(plan.to_delete)} checkpoint(s), freeing "
+                f"{size(plan.bytes_to_free)}; nothing was deleted")
+    if result.declined:
+        return "nothing was deleted"
+    parts = [f"deleted {len(result.named('deleted'))} checkpoint(s), freed "
+             f"{size(result.bytes_freed)}", f"{len(plan.kept)} kept"]
+    parts += [f"{len(result.named(status))} {status}" for status in ("skipped", "failed")
+              if result.named(status)]
+    return "; ".join(parts)
