@@ -241,3 +241,19 @@ def test_manifest_lets_validate_catch_bit_rot(sample_run: Path, tmp_path: Path) 
                    "--max-shard-size", "0").exit_code == 0
     assert (tmp_path / "one.safetensors.ckpt-manifest.json").is_file()
     assert run_cli("validate", single).exit_code == 0
+
+
+def test_fp16_range_is_checked(tmp_path: Path) -> None:
+    src = tmp_path / "ranks"
+    src.mkdir()
+    big = tiny_state_dict()
+    big["embed.weight"][0, 0] = 1e6
+    names = list(big)
+    for r in range(2):
+        torch.save({k: big[k] for k in names[r::2]}, src / f"rank_{r}.pt")
+    r = run_cli("consolidate", src, "-o", tmp_path / "o", "--to", "fp16")
+    assert r.exit_code == 2 and "exceed FP16's range" in r.stderr and "embed.weight" in r.stderr
+    assert not (tmp_path / "o").exists()
+    r = run_cli("consolidate", src, "-o", tmp_path / "o", "--to", "fp16", "--clamp")
+    assert r.exit_code == 0, r.stderr
+    assert load_dir(tmp_path / "o")["embed.weight"][0, 0].item() == 65504.0

@@ -28,6 +28,9 @@ def consolidate_cmd(
                                               "(default).")] = False,
     to: Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
                                     help="Cast floating-point model tensors.")] = "keep",
+    clamp: Annotated[bool, typer.Option(
+        "--clamp", help="With --to fp16: clamp values beyond FP16's range to ±65504 instead "
+                        "of refusing.")] = False,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Re-read every output tensor and compare it with its source chunks "
                          "before the output is put in place.")] = False,
@@ -60,7 +63,7 @@ def consolidate_cmd(
         shard = parse_size(max_shard_size, what="--max-shard-size", allow_zero=True) or None
         with byte_progress("consolidating", enabled=not (quiet or json)) as bar:
             r = consolidate(source, output, fmt=fmt, max_shard_size=shard,
-                            with_optimizer=with_optimizer, to=to, overwrite=force,
+                            with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force,
                             verify=verify, manifest=manifest, on_progress=bar.advance,
                             on_start=bar.start)
         if json:

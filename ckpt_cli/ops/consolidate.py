@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ckpt_cli.cast import CastStats, cast_array, check_overflow, prefer_torch
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, read_index
 from ckpt_cli.formats.directory import checkpoint_files
@@ -28,7 +29,7 @@ from ckpt_cli.formats.rundir import tree_stats
 from ckpt_cli.formats.zero import PieceReader, ZeroPlan, natural_key, plan_zero, resolve_tag
 from ckpt_cli.manifest import manifest_path, write_manifest
 from ckpt_cli.model import CheckpointIndex
-from ckpt_cli.ops.convert import TARGETS, Selection, cast_array, select_tensors
+from ckpt_cli.ops.convert import TARGETS, Selection, select_tensors
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import OutTensor, WriteResult, write_checkpoint
 
@@ -94,6 +95,8 @@ class _Job:
     details: dict[str, Any]
     close: list[Callable[[], None]]
     notes: list[str]
+    stats: CastStats = field(default_factory=CastStats)
+    cast_elements: int = 0
 
 
 def detect_kind(path: Path) -> str:
@@ -117,8 +120,9 @@ def detect_kind(path: Path) -> str:
 
 def consolidate(source: str | Path, output: str | Path, *, fmt: str = "safetensors",
                 max_shard_size: int | None = DEFAULT_MAX_SHARD, with_optimizer: bool = False,
-                to: str = "keep", overwrite: bool = False, verify: bool = False,
-                manifest: bool = True, on_progress: Callable[[int], None] | None = None,
+                to: str = "keep", clamp: bool = False, overwrite: bool = False,
+                verify: bool = False, manifest: bool = True,
+                on_progress: Callable[[int], None] | None = None,
                 on_start: Callable[[int], None] | None = None) -> ConsolidateResult:
     """Merge a rank-sharded checkpoint into few large files.
 
@@ -130,6 +134,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str = "safetenso
         with_optimizer: Keep optimizer state too (DCP and rank files), under the flattened
             names DCP uses, with non-tensor values in ``__metadata__["ckpt.objects"]``.
         to: ``keep``, ``fp32``, ``fp16`` or ``bf16`` for floating model tensors.
+        clamp: Clamp values beyond FP16's range instead of refusing.
         overwrite: Replace an existing output.
         verify: Re-read every output tensor and compare it with its source.
         manifest: Write an integrity manifest (``ckpt-manifest.json``, or
@@ -154,19 +159,23 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str = "safetenso
     if s == o or o.is_relative_to(s) or s.is_relative_to(o):
         raise UsageError(f"the output {out} would overwrite or sit inside the input {src}")
     target = TARGETS[to]
+    stats = CastStats()
     if kind == "deepspeed":
-        job = _deepspeed_job(src, target, with_optimizer)
+        job = _deepspeed_job(src, target, with_optimizer, stats, clamp)
     elif kind == "dcp":
-        job = _index_job("dcp", read_index(src, "dcp"), target, with_optimizer, fmt)
+        job = _index_job("dcp", read_index(src, "dcp"), target, with_optimizer, fmt, stats,
+                         clamp)
     else:
-        job = _rank_files_job(src, target, with_optimizer, fmt)
+        job = _rank_files_job(src, target, with_optimizer, fmt, stats, clamp)
+    prefer_torch(job.cast_elements)
     files_before, bytes_before = _input_size(src, kind)
     if on_start:
         on_start(sum(t.nbytes for t in job.outs))
     checked: list[int] = []
 
     def check(tmp: Path) -> None:
-        # Verified in place before the rename: a mismatch leaves no output behind.
+        # Checked in place before the rename: a problem leaves no output behind.
+        check_overflow(stats, clamp)
         if verify:
             checked.append(_verify(tmp, job))
         if manifest and tmp.is_dir():
@@ -202,16 +211,19 @@ def _cast_to(dst: str | None, dtype: str, floating: bool) -> str:
     return dst if dst and floating and dtype in ("F16", "BF16", "F32", "F64") else dtype
 
 
-def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool) -> _Job:
+def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool, stats: CastStats,
+                   clamp: bool) -> _Job:
     plan: ZeroPlan = plan_zero(src, moments=with_optimizer)
     reader = PieceReader()
     outs: list[OutTensor] = []
     expected: dict[str, Callable[[], np.ndarray]] = {}
+    casting = 0
     for t in plan.tensors:
         # zero_to_fp32 restores floating buffers to FP32; parameters already are FP32.
         base = "F32" if t.kind == "buffer" and t.dtype in ("F16", "BF16") else t.dtype
         dst = _cast_to(target, base, t.kind != "moment")
-        load = _gather(reader, t, dst)
+        casting += t.numel if dst != t.dtype else 0
+        load = _caster(reader.read, t, dst, stats, clamp)
         outs.append(OutTensor(t.name, dst, t.shape, load))
         expected[t.name] = load
     details = {"zero_stage": plan.stage, "world_size": plan.world_size, "step": plan.step,
@@ -224,28 +236,33 @@ def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool) -> _Job:
     notes = [] if with_optimizer else [
         "optimizer moments are not part of the output (--with-optimizer keeps them)"]
     return _Job("deepspeed", outs, expected, sum(t.numel for t in plan.tensors), plan.aliases,
-                {}, meta, details, [reader.close], notes)
+                {}, meta, details, [reader.close], notes, stats, casting)
 
 
-def _gather(reader: PieceReader, t: Any, dst: str) -> Callable[[], np.ndarray]:
+def _caster(read: Callable[[Any], np.ndarray], t: Any, dst: str, stats: CastStats,
+            clamp: bool) -> Callable[[], np.ndarray]:
+    """A loader: read ``t`` and cast it to ``dst`` (counting FP16 overflow in ``stats``)."""
     def load() -> np.ndarray:
-        arr = reader.read(t)
-        return arr if dst == t.dtype else cast_array(arr, dst, name=t.name)
+        arr = read(t)
+        return arr if dst == t.dtype else cast_array(arr, dst, name=t.name, clamp=clamp,
+                                                     stats=stats)
     return load
 
 
 def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optimizer: bool,
-               fmt: str) -> _Job:
+               fmt: str, stats: CastStats, clamp: bool) -> _Job:
     _check_complete(index)
     sel: Selection = select_tensors(index, keep_optimizer=with_optimizer)
     src = TensorSource(index)
     outs: list[OutTensor] = []
     expected: dict[str, Callable[[], np.ndarray]] = {}
+    casting = 0
     for out_name, src_name in sel.names.items():
         t = index.tensors[src_name]
         model_side = t.group in ("model", "buffer")
         dst = _cast_to(target, t.dtype, model_side and t.is_floating)
-        load = _reader(src, t, dst)
+        casting += t.numel if dst != t.dtype else 0
+        load = _caster(src.read, t, dst, stats, clamp)
         outs.append(OutTensor(out_name, dst, t.shape, load))
         expected[out_name] = load
     meta = {"ckpt.source": str(index.root.resolve()), "ckpt.source_format": index.format,
@@ -259,14 +276,7 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
                if index.layout.get(k) is not None}
     details["step"] = index.metadata.get("step")
     return _Job(kind, outs, expected, sum(index.tensors[s].numel for s in sel.names.values()),
-                {}, sel.dropped, meta, details, [src.close], list(sel.notes))
-
-
-def _reader(src: TensorSource, t: Any, dst: str) -> Callable[[], np.ndarray]:
-    def load() -> np.ndarray:
-        arr = src.read(t)
-        return arr if dst == t.dtype else cast_array(arr, dst, name=t.name)
-    return load
+                {}, sel.dropped, meta, details, [src.close], list(sel.notes), stats, casting)
 
 
 def _check_complete(index: CheckpointIndex) -> None:
@@ -299,14 +309,15 @@ def _check_complete(index: CheckpointIndex) -> None:
                                          f"{t.numel:,} elements", path=index.root)
 
 
-def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: str) -> _Job:
+def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: str,
+                    stats: CastStats, clamp: bool) -> _Job:
     files = sorted(checkpoint_files(src), key=lambda p: natural_key(p.name))
     outs: list[OutTensor] = []
     expected: dict[str, Callable[[], np.ndarray]] = {}
     owner: dict[str, Path] = {}
     dropped: dict[str, int] = {}
     closers: list[Callable[[], None]] = []
-    elements = 0
+    elements = casting = 0
     for f in files:
         index = read_index(f)
         _check_complete(index)
@@ -323,14 +334,15 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
             owner[out_name] = f
             t = index.tensors[src_name]
             dst = _cast_to(target, t.dtype, t.group in ("model", "buffer") and t.is_floating)
-            load = _reader(reader, t, dst)
+            casting += t.numel if dst != t.dtype else 0
+            load = _caster(reader.read, t, dst, stats, clamp)
             outs.append(OutTensor(out_name, dst, t.shape, load))
             expected[out_name] = load
             elements += t.numel
     meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": "rank-files",
             "ckpt.conversion": f"merged {len(files)} files by key; to={target or 'keep'}"}
     return _Job("rank-files", outs, expected, elements, {}, dropped, meta,
-                {"rank_files": len(files)}, closers, [])
+                {"rank_files": len(files)}, closers, [], stats, casting)
 
 
 def _verify(out: Path, job: _Job) -> int:

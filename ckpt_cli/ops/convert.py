@@ -10,19 +10,16 @@ appears only when complete.
 from __future__ import annotations
 
 import fnmatch
-import functools
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ckpt_cli import dtypes
+from ckpt_cli.cast import FP16_MAX, CastStats, cast_array, check_overflow, prefer_torch
 from ckpt_cli.errors import CkptError, UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.containers import MODEL_KEYS
@@ -36,21 +33,12 @@ if TYPE_CHECKING:
 
 TARGETS = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "keep": None}
 WRAPPERS = ("module.", "_orig_mod.")
-FP16_MAX = 65504.0
 _CASTABLE = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
              "F8_E8M0"}
 # Small JSON/text files that loaders expect next to the weights.
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
               "added_tokens.json", "preprocessor_config.json")
-_BLOCK = 1 << 21  # elements per cast block: small temporaries, work for every core
-
-
-@dataclass(slots=True)
-class CastStats:
-    """Per-tensor counts gathered while casting."""
-
-    overflow: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -166,13 +154,15 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         meta["ckpt.objects"] = orjson.dumps(index.objects, default=str).decode()
     notes = list(sel.notes)
     side = _side_files(index, out, notes)
+    prefer_torch(sum(index.tensors[sel.names[o.name]].numel for o in outs
+                     if o.dtype != index.tensors[sel.names[o.name]].dtype))
     if on_start:
         on_start(sum(o.nbytes for o in outs))
     try:
         result = write_checkpoint(out, outs, fmt=fmt, max_shard_size=max_shard_size,
                                   metadata=meta, aliases=aliases, overwrite=overwrite,
                                   side_files=side, on_progress=on_progress,
-                                  before_commit=lambda _tmp: _check_overflow(stats, clamp))
+                                  before_commit=lambda _tmp: check_overflow(stats, clamp))
     finally:
         source_reader.close()
     if clamp and stats.overflow:
@@ -324,65 +314,6 @@ def _loader(src: TensorSource, t: TensorInfo, dst: str, name: str, clamp: bool,
         # The cast reads every value once: map the file instead of copying it first.
         return cast_array(src.read(t, mapped=True), dst, name=name, clamp=clamp, stats=stats)
     return load
-
-
-def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False,
-               stats: CastStats | None = None) -> np.ndarray:
-    """Cast floating values to ``dst`` (round to nearest even), in parallel blocks.
-
-    Casting to FP16 counts values beyond FP16's range (which become inf) into ``stats``; with
-    ``clamp`` they are clamped to ±65504 instead. The check costs one pass over the output
-    (``isinf``), and exact counting happens only in blocks that have an inf.
-
-    Args:
-        arr: Source values.
-        dst: Target dtype code (``F16``, ``BF16``, ``F32``).
-        name: The tensor's name, for ``stats``.
-        clamp: Clamp out-of-range values (FP16 only).
-        stats: Where to count overflow.
-
-    Returns:
-        A new array of the target dtype and the same shape.
-    """
-    import numpy as np
-
-    out = np.empty(arr.shape, dtype=dtypes.numpy_dtype(dst))
-    src_flat, out_flat = arr.reshape(-1), out.reshape(-1)
-
-    def block(start: int) -> int:
-        s, o = src_flat[start:start + _BLOCK], out_flat[start:start + _BLOCK]
-        if dst != "F16":
-            o[...] = s
-            return 0
-        with np.errstate(over="ignore"):  # counted below; inf is what plain casting gives
-            o[...] = s
-        if not np.isinf(o).any():
-            return 0
-        over = int(np.count_nonzero(np.isinf(o))) - int(np.count_nonzero(np.isinf(s)))
-        if over and clamp:
-            o[...] = np.clip(s.astype(np.float32), -FP16_MAX, FP16_MAX)
-        return over
-
-    # numpy releases the GIL in casts, so blocks run on all cores.
-    over = sum(_pool().map(block, range(0, src_flat.size, _BLOCK)))
-    if stats is not None and over:
-        stats.overflow[name] = over
-    return out
-
-
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="ckpt-cast")
-
-
-def _check_overflow(stats: CastStats, clamp: bool) -> None:
-    if stats.overflow and not clamp:
-        worst = sorted(stats.overflow.items(), key=lambda kv: -kv[1])
-        listed = ", ".join(f"{n} ({c:,})" for n, c in worst[:5])
-        more = f" and {len(worst) - 5} more" if len(worst) > 5 else ""
-        raise CkptError(f"{sum(stats.overflow.values()):,} value(s) exceed FP16's range "
-                        f"(±{FP16_MAX:g}) and would become inf: {listed}{more}; nothing written",
-                        hint="use --to bf16, --keep-fp32 GLOB for those tensors, or --clamp")
 
 
 def _metadata(index: CheckpointIndex, src: Path, to: str, sel: Selection,

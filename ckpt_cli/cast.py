@@ -1,0 +1,172 @@
+"""Casting floating-point tensors between FP32, FP16 and BF16, with FP16's range checked.
+
+Rounding is to nearest even, bit for bit what torch's ``.to()`` gives. numpy converts at
+about 0.3-0.4 G elements/s per core here; torch's vectorised kernels at about 1.4 G/s. torch
+costs ~1.4 s to import, so it is only worth it for big conversions: :func:`prefer_torch`
+starts importing it in the background, and casts use it once it is there (numpy until then).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckpt_cli import dtypes
+from ckpt_cli.errors import CkptError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+FP16_MAX = 65504.0
+TORCH_WORTH_IT = 1_000_000_000
+"""Elements to cast above which importing torch for its faster kernels pays for itself."""
+
+_BLOCK = 1 << 21  # elements per cast block: small temporaries, work for every core
+_TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+@dataclass(slots=True)
+class CastStats:
+    """Per-tensor counts gathered while casting (values beyond FP16's range)."""
+
+    overflow: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, n: int) -> None:
+        """Record ``n`` out-of-range values in tensor ``name``."""
+        with self._lock:
+            self.overflow[name] = self.overflow.get(name, 0) + n
+
+
+class _TorchLoader:
+    """Imports torch on a background thread, once, and says whether it is ready."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self.torch: Any = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._load, name="ckpt-import-torch",
+                                            daemon=True)
+            self._thread.start()
+
+    def _load(self) -> None:
+        try:
+            import torch
+        except ImportError:
+            return
+        self.torch = torch
+
+
+_TORCH = _TorchLoader()
+
+
+def prefer_torch(elements: int) -> bool:
+    """Start importing torch for casts if ``elements`` to cast make it worth it.
+
+    Args:
+        elements: How many elements the caller is about to cast.
+
+    Returns:
+        Whether the background import was started.
+    """
+    if elements >= TORCH_WORTH_IT and os.environ.get("CKPT_NO_TORCH_CAST") is None:
+        _TORCH.start()
+        return True
+    return False
+
+
+def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False,
+               stats: CastStats | None = None) -> np.ndarray:
+    """Cast floating values to ``dst`` (round to nearest even), in parallel blocks.
+
+    Casting to FP16 counts values beyond FP16's range (which become inf) into ``stats``; with
+    ``clamp`` they are clamped to ±65504 instead. The check costs one pass over the output
+    (``isinf``); exact counting happens only in blocks that have an inf.
+
+    Args:
+        arr: Source values (any float dtype numpy or ml_dtypes knows).
+        dst: Target dtype code (``F16``, ``BF16``, ``F32``, ``F64``).
+        name: The tensor's name, for ``stats``.
+        clamp: Clamp out-of-range values (FP16 only).
+        stats: Where to count overflow.
+
+    Returns:
+        A new array of the target dtype and the same shape.
+    """
+    import numpy as np
+
+    out = np.empty(arr.shape, dtype=dtypes.numpy_dtype(dst))
+    src_flat, out_flat = arr.reshape(-1), out.reshape(-1)
+    torch = _TORCH.torch
+    use_torch = torch is not None and dst in _TORCH_DTYPES and arr.dtype.name in (
+        "float32", "float64", "float16", "bfloat16")
+
+    def block(start: int) -> int:
+        s, o = src_flat[start:start + _BLOCK], out_flat[start:start + _BLOCK]
+        if use_torch:
+            _torch_copy(torch, s, o, dst)
+        else:
+            with np.errstate(over="ignore"):  # counted below; inf is what plain casting gives
+                o[...] = s
+        if dst != "F16" or not np.isinf(o).any():
+            return 0
+        over = int(np.count_nonzero(np.isinf(o))) - int(np.count_nonzero(np.isinf(s)))
+        if over and clamp:
+            wide = s.astype(np.float32)
+            keep = np.isinf(wide)  # infinities in the source stay infinite
+            o[...] = np.clip(wide, -FP16_MAX, FP16_MAX)
+            o[keep] = wide[keep]
+        return over
+
+    # numpy and torch release the GIL in casts, so blocks run on all cores.
+    over = sum(_pool().map(block, range(0, src_flat.size, _BLOCK)))
+    if stats is not None and over:
+        stats.add(name, over)
+    return out
+
+
+def _torch_copy(torch: Any, s: np.ndarray, o: np.ndarray, dst: str) -> None:
+    """``o[...] = s`` with torch's kernels (both are plain buffers; bf16 travels as int16)."""
+    import numpy as np
+
+    def as_tensor(a: np.ndarray) -> Any:
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+    with warnings.catch_warnings():
+        # Mapped source arrays are read-only; torch only reads them here.
+        warnings.simplefilter("ignore", UserWarning)
+        src_t = as_tensor(s)
+    as_tensor(o).copy_(src_t)
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="ckpt-cast")
+
+
+def check_overflow(stats: CastStats, clamp: bool) -> None:
+    """Refuse a cast to FP16 that turned finite values into inf (unless they were clamped).
+
+    Args:
+        stats: Counts gathered by :func:`cast_array`.
+        clamp: Whether ``--clamp`` was given.
+
+    Raises:
+        CkptError: If any value overflowed and was not clamped.
+    """
+    if stats.overflow and not clamp:
+        worst = sorted(stats.overflow.items(), key=lambda kv: -kv[1])
+        listed = ", ".join(f"{n} ({c:,})" for n, c in worst[:5])
+        more = f" and {len(worst) - 5} more" if len(worst) > 5 else ""
+        raise CkptError(f"{sum(stats.overflow.values()):,} value(s) exceed FP16's range "
+                        f"(±{FP16_MAX:g}) and would become inf: {listed}{more}; nothing written",
+                        hint="use --to bf16, --keep-fp32 GLOB for those tensors, or --clamp")

@@ -1,0 +1,76 @@
+"""Casting: bit-exact with torch, whichever backend does it; FP16 overflow counted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from ckpt_cli import cast
+from ckpt_cli.cast import CastStats, cast_array
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test with the numpy casts, then with torch's kernels."""
+    saved = cast._TORCH.torch
+    cast._TORCH.torch = torch if request.param == "torch" else None
+    try:
+        yield request.param
+    finally:
+        cast._TORCH.torch = saved
+
+
+def _values() -> np.ndarray:
+    g = np.random.default_rng(0)
+    special = [0.0, -0.0, 1e-40, 6e-8, 3e-8, 65504.0, 65519.0, 65520.0, 1e5, -1e5, 3.4e38,
+               np.inf, -np.inf, np.nan, 1.0 + 2**-11, 1.0 + 3 * 2**-11]
+    return np.concatenate([g.standard_normal(5_000_000).astype(np.float32) * 100,
+                           np.array(special, np.float32)])
+
+
+@pytest.mark.parametrize("dst,tdt", [("F16", torch.float16), ("BF16", torch.bfloat16)])
+def test_bit_exact_with_torch(backend: str, dst: str, tdt: torch.dtype) -> None:
+    x = _values()
+    stats = CastStats()
+    ours = cast_array(x, dst, name="x", stats=stats)
+    want = torch.from_numpy(x).to(tdt)
+    got = torch.from_numpy(ours.view(np.int16)).view(tdt)
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), backend
+    if dst == "F16":
+        finite_big = np.isfinite(x) & (np.abs(x) >= 65520.0)
+        assert stats.overflow == {"x": int(finite_big.sum())}
+    else:
+        assert stats.overflow == {}
+
+
+def test_from_bf16_and_f64(backend: str) -> None:
+    x = _values()[:1000]
+    bf = x.astype(ml_dtypes.bfloat16)
+    want_bf = torch.from_numpy(bf.view(np.int16)).view(torch.bfloat16).to(torch.float16)
+    f64 = x.astype(np.float64) * (1 + 2**-30)  # values f32 cannot hold: rounded once, directly
+    want_64 = torch.from_numpy(f64).to(torch.float16)
+    for src, want in ((bf, want_bf), (f64, want_64)):
+        got = torch.from_numpy(cast_array(src, "F16"))
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), (backend, src.dtype)
+
+
+def test_clamp(backend: str) -> None:
+    x = np.array([1e5, -7e4, 6e4, np.inf], np.float32)
+    stats = CastStats()
+    got = cast_array(x, "F16", name="w", clamp=True, stats=stats)
+    assert got.tolist() == [65504.0, -65504.0, 60000.0, np.inf]
+    assert stats.overflow == {"w": 2}
+
+
+def test_prefer_torch_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[bool] = []
+    monkeypatch.setattr(cast._TORCH, "start", lambda: started.append(True))
+    assert cast.prefer_torch(cast.TORCH_WORTH_IT - 1) is False and started == []
+    assert cast.prefer_torch(cast.TORCH_WORTH_IT) is True and started == [True]
+    monkeypatch.setenv("CKPT_NO_TORCH_CAST", "1")
+    assert cast.prefer_torch(10 * cast.TORCH_WORTH_IT) is False
