@@ -29,7 +29,7 @@ from typing import Literal
 import humanize
 
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats.rundir import POINTER_UNREADABLE, is_last_copy
+from ckpt_cli.formats.rundir import DANGLING_POINTER, POINTER_UNREADABLE, is_last_copy
 from ckpt_cli.model import Finding, RunEntry, RunListing
 
 
@@ -104,7 +104,7 @@ DEFAULT_GRACE = 600.0
 RULES = ("keep", "keep-every", "keep-best", "older-than", "max-total-size")
 # Protections: reasons a checkpoint is never deleted, whatever the rules say.
 PROTECTIONS = ("halt", "pointer", "last-copy", "newer-than-pointer", "incomplete", "recent",
-               "locked", "newest-valid", "pinned")
+               "locked", "newest-valid", "pinned", "unordered")
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +329,8 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
 
 
 def ranked_entries(entries: list[RunEntry]) -> list[RunEntry]:
-    """The checkpoints the rules rank, oldest first: all but ``last.ckpt``-style copies.
+    """The checkpoints the rules rank, oldest first: all but ``last.ckpt``-style copies (and,
+    when some entries have a step, those that have none).
 
     Those copies duplicate a ranked checkpoint and are always kept, so "the newest N" means N
     distinct saves.
@@ -340,7 +341,12 @@ def ranked_entries(entries: list[RunEntry]) -> list[RunEntry]:
     Returns:
         The ranked ones, in the same order.
     """
-    return [e for e in entries if not is_last_copy(e.name)]
+    ranked = [e for e in entries if not is_last_copy(e.name)]
+    # Entries without a step cannot be placed among those with one: they are kept
+    # ("unordered") and do not take the places of the newest.
+    if any(e.step is not None for e in ranked):
+        ranked = [e for e in ranked if e.step is not None]
+    return ranked
 
 
 def pointer_protections(entries: list[RunEntry],
@@ -364,7 +370,17 @@ def pointer_protections(entries: list[RunEntry],
     position = {e.name: i for i, e in enumerate(ranked)}
     newest_target = max((position[t] for t in named_by if t in position), default=None)
     out: dict[str, tuple[str, str]] = {}
-    if newest_target is not None:
+    unordered = [e.name for e in entries if e.name in named_by and e.name not in position
+                 and not is_last_copy(e.name)]
+    if unordered:
+        # A pointer names a checkpoint with no step: which ones are newer cannot be told, and
+        # any of them may be a save in progress.
+        target = unordered[0]
+        for e in ranked:
+            out[e.name] = ("newer-than-pointer",
+                           f"{' and '.join(sorted(named_by[target]))} names {target}, which has "
+                           "no step: any checkpoint may be newer, and still being written")
+    elif newest_target is not None:
         target = ranked[newest_target].name
         for e in ranked[newest_target + 1:]:
             out[e.name] = ("newer-than-pointer",
@@ -463,7 +479,11 @@ def _protections(listing: RunListing, policy: PrunePolicy, now: float,
         out.setdefault(name, []).append((code, reason))
 
     by_pointer = pointer_protections(listing.entries, listing.pointers)
+    has_steps = any(e.step is not None for e in listing.entries)
     for e in listing.entries:
+        if has_steps and e.step is None and not is_last_copy(e.name):
+            add(e.name, "unordered", "no step in its name or metadata: cannot be ordered "
+                                     "against the checkpoints that have one")
         if e.name in by_pointer:
             add(e.name, *by_pointer[e.name])
         if is_last_copy(e.name):
@@ -513,6 +533,10 @@ def _halt_reason(listing: RunListing, ranked: list[RunEntry],
     if unreadable:
         return (f"nothing is deleted: {unreadable[0].message}, so what training resumes from "
                 "is unknown")
+    dangling = [f for f in listing.findings if f.code == DANGLING_POINTER]
+    if dangling:
+        return (f"nothing is deleted: {dangling[0].message}, so what training resumes from is "
+                "unknown (--pattern if it is a checkpoint ckpt does not recognise)")
     if ranked and newest_valid is None and any(e.complete for e in ranked):
         return ("nothing is deleted: no checkpoint passed quick validation, so there is no "
                 "known-good checkpoint to fall back on")

@@ -117,6 +117,13 @@ class TensorSource:
         if t.file is None or t.offset is None:
             raise UnsupportedError(f"tensor {t.name!r} ({t.kind}) has no readable data",
                                    path=self.index.root)
+        end = t.offset + t.nbytes
+        size = os.fstat(self._fd(t.file)).st_size
+        if end > size:
+            # Checked before allocating: a damaged header can claim exabytes.
+            raise CorruptCheckpointError(
+                f"tensor {t.name!r} needs bytes up to {end:,} but the file has {size:,}",
+                path=self.index.path_of(t.file))
         try:
             dt = dtypes.numpy_dtype(t.dtype)
         except KeyError:
@@ -137,11 +144,9 @@ class TensorSource:
 
         assert t.file is not None and t.offset is not None
         fd = self._fd(t.file)
+        # read() checked that the range lies within the file: touching a mapping past the end
+        # of a file is a SIGBUS, not an exception.
         end = t.offset + t.nbytes
-        if os.fstat(fd).st_size < end:
-            # Checked up front: touching a mapping past the end of a file is a SIGBUS.
-            raise CorruptCheckpointError(f"file ends before byte {end:,} (truncated)",
-                                         path=self.index.path_of(t.file))
         start = t.offset - t.offset % mmap.ALLOCATIONGRANULARITY
         m = mmap.mmap(fd, end - start, offset=start, prot=mmap.PROT_READ)
         with contextlib.suppress(AttributeError, OSError):

@@ -91,12 +91,13 @@ def parse_count(text: str, *, what: str = "count", whole: bool = False) -> int:
     return out
 
 
-def parse_duration(text: str, *, what: str = "duration") -> float:
+def parse_duration(text: str, *, what: str = "duration", allow_zero: bool = False) -> float:
     """Parse a duration such as ``30m``, ``4h``, ``7d``, ``5y``, ``1h30m`` or ``90`` (seconds).
 
     Args:
         text: The duration as typed.
         what: What it is, for the error message.
+        allow_zero: Accept 0 (``0``, ``0s``, ``0m``...).
 
     Returns:
         Seconds.
@@ -117,7 +118,7 @@ def parse_duration(text: str, *, what: str = "duration") -> float:
             if factor is None:
                 raise UsageError(f"{what} {text!r}: unknown unit {unit!r} (use s, m, h, d, w, y)")
             total += float(num) * factor
-    if not math.isfinite(total) or total <= 0:
+    if not math.isfinite(total) or total < 0 or (total == 0 and not allow_zero):
         raise UsageError(f"{what} must be positive, not {text!r}")
     return total
 

@@ -31,9 +31,9 @@ HELPERS = Path(__file__).parent / "helpers"
 KEEP1 = PrunePolicy(keep=1, grace=0)
 
 
-def _json(path: Path, *args: str) -> dict[str, Any]:
+def _json(path: Path, *args: str, exit_code: int = 0) -> dict[str, Any]:
     r = run_cli("prune", path, *args, "--json")
-    assert r.exit_code == 0, r.stderr
+    assert r.exit_code == exit_code, r.stderr
     return json.loads(r.stdout)  # type: ignore[no-any-return]
 
 
@@ -300,7 +300,7 @@ def test_unreadable_pointer_deletes_nothing(sample_copy: Path, pointer: str,
                                             content: str) -> None:
     (sample_copy / pointer).write_text(content)
     r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes", "--json")
-    assert r.exit_code == 0, r.stderr
+    assert r.exit_code == 1, r.stderr  # stopping is a finding: cron must hear of it
     doc = json.loads(r.stdout)
     assert set(_status(doc).values()) == {"kept"}
     assert all("nothing is deleted: cannot tell what" in _why(doc, n) for n in _status(doc))
@@ -389,7 +389,7 @@ def test_no_valid_checkpoint_deletes_nothing(dcp_run: Path, tmp_path: Path) -> N
     run = _copy(dcp_run, tmp_path)
     for d in run.iterdir():
         (d / ".metadata").write_bytes(b"\x80\x02garbage")
-    doc = _json(run, "--keep", "1", "--grace", "0", "--yes")
+    doc = _json(run, "--keep", "1", "--grace", "0", "--yes", exit_code=1)
     assert set(_status(doc).values()) == {"kept"}
     assert any(w["code"] == "nothing-deleted" for w in doc["run_warnings"])
     assert _names(run) >= {"step_100", "step_200", "step_300"}
@@ -739,3 +739,39 @@ def test_prune_does_not_import_torch(sample_run: Path) -> None:
     assert not imported, tail
     assert "EXIT=0" in tail, tail
 
+
+
+def test_dangling_or_zeroed_pointer_deletes_nothing(sample_copy: Path) -> None:
+    for content in (b"step_000999\n", b"\x00" * 16):
+        (sample_copy / "latest").write_bytes(content)
+        r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes", "--json")
+        assert r.exit_code == 1, r.stderr
+        assert set(_status(json.loads(r.stdout)).values()) == {"kept"}
+    assert {"step_000100", "step_000200", "step_000300"} <= _names(sample_copy)
+
+
+def test_pointer_naming_a_file_inside_a_checkpoint(sample_copy: Path) -> None:
+    (sample_copy / "latest").unlink()
+    (sample_copy / "latest").symlink_to("step_000200/checkpoint.pt")
+    doc = _json(sample_copy, "--keep", "1", "--grace", "0", "--dry-run")
+    assert "latest names it" in _why(doc, "step_000200")
+    assert _status(doc)["step_000200"] == "kept"
+
+
+def test_steps_decide_order_whatever_the_mtimes(tmp_path: Path) -> None:
+    run = tmp_path / "w"
+    run.mkdir()
+    for i in range(1, 13):
+        torch.save({"model": {"w": torch.ones(2)}}, run / f"epoch{i}.pt")
+    torch.save({"model": {"w": torch.ones(2)}}, run / "last.pt")  # no step anywhere
+    torch.save({"model": {"w": torch.ones(2)}}, run / "model.final.pt")  # no step either
+    # Restored or synced files: modification times in name order, not in step order.
+    for j, name in enumerate(sorted(p.name for p in run.iterdir())):
+        os.utime(run / name, (1000 + j, 1000 + j))
+    doc = _json(run, "--keep", "2", "--grace", "0", "--pattern", r"(epoch(?P<step>\d+)|"
+                r"last|model\.final)\.pt$", "--dry-run")
+    status = _status(doc)
+    assert status["epoch11.pt"] == status["epoch12.pt"] == "kept"
+    assert status["epoch10.pt"] == "would-delete"
+    assert status["model.final.pt"] == "kept"
+    assert "cannot be ordered" in _why(doc, "model.final.pt")

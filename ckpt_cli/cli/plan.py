@@ -136,7 +136,8 @@ def plan_cmd(
             snapshot_bandwidth=None if snapshot_bandwidth is None else parse_rate(
                 snapshot_bandwidth, what="--snapshot-bandwidth"),
             interval=None if interval is None else parse_duration(interval, what="--interval"),
-            restart=None if restart is None else parse_duration(restart, what="--restart"),
+            restart=None if restart is None else parse_duration(restart, what="--restart",
+                                                                allow_zero=True),
             on_progress=progress)
         if json:
             from ckpt_cli.render import json as rj

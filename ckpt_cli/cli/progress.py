@@ -14,6 +14,7 @@ class ProgressSink:
 
     def __init__(self, bar: Any = None, task: Any = None):
         self._bar, self._task = bar, task
+        self._labelled: dict[str, Any] = {}
 
     def start(self, total: int) -> None:
         """Set the total number of bytes."""
@@ -29,6 +30,21 @@ class ProgressSink:
         """Set bytes done and the total."""
         if self._bar is not None:
             self._bar.update(self._task, completed=done, total=total)
+
+    def labelled(self, label: str, done: int, total: int) -> None:
+        """Bytes done of one of several phases, each with a bar of its own (``crc32``...)."""
+        if self._bar is None:
+            return
+        task = self._labelled.get(label)
+        if task is None:
+            if self._task is not None and not self._labelled:
+                self._bar.remove_task(self._task)  # labelled phases replace the single bar
+                self._task = None
+            self._labelled[label] = self._bar.add_task(label, total=total, completed=done)
+        elif done == 0:
+            self._bar.reset(task, total=total)
+        else:
+            self._bar.update(task, completed=done, total=total)
 
 
 @contextmanager

@@ -78,6 +78,9 @@ def prune_cmd(
         if json and not yes and not dry_run:
             raise UsageError("--json never asks for confirmation: add --yes to delete, or "
                              "--dry-run to only see the plan")
+        if metrics_file is not None and keep_best is None:
+            raise UsageError("--metrics-file only feeds --keep-best; give --keep-best N "
+                             "--metric NAME too")
         policy = _policy(keep, keep_every, keep_best, metric, mode, older_than, max_total_size,
                          grace)
         view = _View(tty=_is_terminal(), quiet=json, dry_run=dry_run)
@@ -113,11 +116,12 @@ def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
         raise UsageError(f"--mode must be min or max, not {mode!r}")
     return PrunePolicy(
         keep=keep, keep_best=keep_best, metric=metric, mode="max" if mode == "max" else "min",
-        keep_every=parse_count(keep_every, what="--keep-every") if keep_every else None,
+        keep_every=parse_count(keep_every, what="--keep-every", whole=True) if keep_every
+        else None,
         older_than=parse_duration(older_than, what="--older-than") if older_than else None,
         max_total_size=(parse_size(max_total_size, what="--max-total-size")
                         if max_total_size else None),
-        grace=0.0 if grace.strip() in ("0", "0s") else parse_duration(grace, what="--grace"))
+        grace=parse_duration(grace, what="--grace", allow_zero=True))
 
 
 def _interactive() -> bool:

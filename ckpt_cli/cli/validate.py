@@ -58,15 +58,15 @@ def validate_cmd(
       ckpt validate run/ --latest --junit report.xml
       ckpt validate export/ --write-manifest
     """
+    from ckpt_cli.cli.progress import byte_progress
     from ckpt_cli.ops.validate import validate
-    from ckpt_cli.render.progress import progress_bar
 
     with handled():
-        with progress_bar(not quiet) as on_progress:
+        with byte_progress("validating", enabled=not (quiet or json)) as bar:
             result = validate(path, fmt=input_format, latest=latest, quick=quick, values=values,
                               require=require, write_manifest=write_manifest,
                               manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern,
-                              on_progress=on_progress)
+                              on_progress=bar.labelled)
         if junit is not None:
             from ckpt_cli.render.junit import write_junit
 

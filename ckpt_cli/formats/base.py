@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -129,3 +130,36 @@ def rel_to(path: Path, base: Path) -> str:
         return path.relative_to(base).as_posix()
     except ValueError:
         return path.name
+
+
+# Findings about pickle globals do not make tensor data unreadable: ckpt never runs them.
+_HARMLESS = {"unsafe-global", "unknown-global", "non-allowlisted-global"}
+
+
+def refuse_damaged(index: CheckpointIndex, names: Iterable[str]) -> None:
+    """Refuse to write output from tensors whose files the readers found damaged.
+
+    Only errors in files that hold the selected tensors count (a broken ``optimizer.pt``
+    does not stop an inference export), plus errors about no file in particular.
+
+    Args:
+        index: The source checkpoint.
+        names: The tensors that will be read.
+
+    Raises:
+        CorruptCheckpointError: Naming the first damaged file and the problem.
+    """
+    files: set[str] = set()
+    for n in names:
+        t = index.tensors[n]
+        files.update(x for x in (t.file, t.storage.file if t.storage else None) if x)
+        files.update(c.file for c in t.chunks)
+    bad = [f for f in index.findings if f.severity == "error" and f.code not in _HARMLESS
+           and (f.file is None or f.file in files)]
+    if bad:
+        f = bad[0]
+        more = f" (and {len(bad) - 1} more problem(s))" if len(bad) > 1 else ""
+        raise CorruptCheckpointError(
+            f"{f.message}" + (f" ({f.location})" if f.location else "") + more,
+            path=index.base / f.file if f.file else index.root,
+            hint=f"ckpt validate {index.root} lists every problem")

@@ -46,6 +46,7 @@ TRASH_PREFIX = ".ckpt-trash-"
 LOCK_SUFFIX = ".lock"
 # Finding codes other modules act on.
 POINTER_UNREADABLE = "pointer-unreadable"
+DANGLING_POINTER = "dangling-pointer"
 MTIME_ORDER = "mtime-order"
 # Numbered files that are parts of one checkpoint, not checkpoints of their own.
 _PART_NAME = re.compile(r"rank|rng|random_states|optim|scheduler|shard|-of-|sampler|scaler",
@@ -249,7 +250,7 @@ def _read_pointer(root: Path, name: str) -> str | None:
     p = root / name
     try:
         if p.is_symlink():
-            return Path(os.readlink(p)).name
+            return _pointer_target(root, os.readlink(p))
         if not p.exists():
             return None
         if not p.is_file():
@@ -259,18 +260,41 @@ def _read_pointer(root: Path, name: str) -> str | None:
         text = p.read_text(errors="replace").strip()
     except OSError as e:
         raise _PointerError(e.strerror or str(e)) from None
-    if not text:
-        raise _PointerError("empty (being rewritten?)")
+    if not text or not text.replace("\n", "").replace("\r", "").isprintable():
+        # Empty, or zero-filled after a crash, or binary: what it named is unknown.
+        raise _PointerError("empty or unreadable (being rewritten, or damaged?)")
     if name == "latest_checkpointed_iteration.txt":
         if text == "release":
             return "release"
         if not text.isdigit():
             raise _PointerError(f"{text[:40]!r} is not an iteration number")
         return f"iter_{int(text):07d}"
-    target = Path(text.splitlines()[0].strip()).name
+    target = _pointer_target(root, text.splitlines()[0].strip())
     if not target:
         raise _PointerError(f"{text[:40]!r} names no checkpoint")
     return target
+
+
+def _pointer_target(root: Path, raw: str) -> str:
+    """The entry of ``root`` a pointer names: the first component of its path below ``root``.
+
+    ``step_200``, ``./step_200``, ``step_200/model.pt`` and ``/abs/run/step_200/x`` all name
+    ``step_200``. A path outside ``root`` (``..``, another directory) names nothing here and
+    comes back as is, so it is reported as dangling.
+    """
+    p = Path(raw)
+    if p.is_absolute():
+        try:
+            p = p.relative_to(root.resolve())
+        except ValueError:
+            try:
+                p = p.relative_to(root.absolute())
+            except ValueError:
+                return raw
+    parts = [q for q in p.parts if q != "."]
+    if not parts or parts[0] == "..":
+        return raw
+    return parts[0]
 
 
 def read_pointers(root: Path, links: list[str] | None = None,
@@ -542,7 +566,7 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
     names = {en.name for en in listing.entries}
     for k, v in listing.pointers.items():
         if v not in names:
-            listing.findings.append(Finding("warning", "dangling-pointer",
+            listing.findings.append(Finding("warning", DANGLING_POINTER,
                                             f"{k} names {v!r}, which is not in the directory",
                                             k))
     if latest in names:
@@ -569,17 +593,26 @@ def _fill_steps(listing: RunListing, from_metadata: bool) -> None:
             step = _step_from_metadata(e.path)
             if step is not None:
                 e.step, e.step_source = step, "metadata"
-    if any(e.step is None for e in listing.entries):
-        listing.findings.append(Finding(
-            "warning", MTIME_ORDER,
-            "some checkpoints have no step in their name or metadata; they are ordered by "
-            "modification time"))
-        for e in listing.entries:
-            if e.step is None:
-                e.step_source = "mtime"
+    stepped = [e for e in listing.entries if e.step is not None]
+    # last.ckpt-style copies duplicate a ranked checkpoint: their missing step orders nothing.
+    unstepped = [e for e in listing.entries if e.step is None]
+    for e in unstepped:
+        e.step_source = "mtime"
+    if not stepped:
+        if unstepped and not all(is_last_copy(e.name) for e in unstepped):
+            listing.findings.append(Finding(
+                "warning", MTIME_ORDER, "no checkpoint has a step in its name or metadata; they "
+                "are ordered by modification time"))
         listing.entries.sort(key=lambda e: e.mtime)
-    else:
-        listing.entries.sort(key=lambda e: (e.step or 0, e.mtime))
+        return
+    if any(not is_last_copy(e.name) for e in unstepped):
+        names = ", ".join(e.name for e in unstepped if not is_last_copy(e.name))
+        listing.findings.append(Finding(
+            "warning", MTIME_ORDER, f"no step in the name or metadata of {names}: listed after "
+            "the others by modification time, and not ordered against them"))
+    # Steps decide the order; modification times (copies, restores, rsync) never override them.
+    listing.entries = (sorted(stepped, key=lambda e: (e.step or 0, e.mtime))
+                       + sorted(unstepped, key=lambda e: e.mtime))
 
 
 def _step_from_metadata(path: Path) -> int | None:

@@ -24,6 +24,7 @@ import orjson
 from ckpt_cli.cast import CastStats, cast_array, check_overflow, prefer_torch
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, read_index
+from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.directory import checkpoint_files
 from ckpt_cli.formats.rundir import tree_stats
 from ckpt_cli.formats.zero import PieceReader, ZeroPlan, natural_key, plan_zero, resolve_tag
@@ -251,8 +252,8 @@ def _caster(read: Callable[[Any], np.ndarray], t: Any, dst: str, stats: CastStat
 
 def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optimizer: bool,
                fmt: str, stats: CastStats, clamp: bool) -> _Job:
-    _check_complete(index)
     sel: Selection = select_tensors(index, keep_optimizer=with_optimizer)
+    _check_complete(index, list(sel.names.values()))
     src = TensorSource(index)
     outs: list[OutTensor] = []
     expected: dict[str, Callable[[], np.ndarray]] = {}
@@ -279,16 +280,9 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
                 {}, sel.dropped, meta, details, [src.close], list(sel.notes), stats, casting)
 
 
-def _check_complete(index: CheckpointIndex) -> None:
+def _check_complete(index: CheckpointIndex, names: list[str]) -> None:
     """Refuse inputs whose chunks or files are missing: the output would silently lack data."""
-    fatal = [f for f in index.findings if f.severity == "error" and f.code not in (
-        "unknown-global", "non-allowlisted-global")]
-    if fatal:
-        f = fatal[0]
-        where = index.base / f.file if f.file else index.root
-        more = f" (and {len(fatal) - 1} more problem(s))" if len(fatal) > 1 else ""
-        raise CorruptCheckpointError(f"{f.message}{' in ' + f.location if f.location else ''}"
-                                     f"{more}", path=where, hint=f"ckpt validate {index.root}")
+    refuse_damaged(index, names)
     for t in index.tensors.values():
         if not t.chunks:
             continue
@@ -320,8 +314,8 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
     elements = casting = 0
     for f in files:
         index = read_index(f)
-        _check_complete(index)
         sel = select_tensors(index, keep_optimizer=with_optimizer)
+        _check_complete(index, list(sel.names.values()))
         for g, n in sel.dropped.items():
             dropped[g] = dropped.get(g, 0) + n
         reader = TensorSource(index)

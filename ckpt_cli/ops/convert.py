@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli.cast import FP16_MAX, CastStats, cast_array, check_overflow, prefer_torch
-from ckpt_cli.errors import CkptError, UnsupportedError, UsageError
+from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
+from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.containers import MODEL_KEYS
 from ckpt_cli.formats.rundir import is_run_dir
 from ckpt_cli.model import CheckpointIndex, TensorInfo
@@ -136,6 +137,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     _check_supported(index)
     sel = select_tensors(index, keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
                          container=container)
+    refuse_damaged(index, sel.names.values())
     target = TARGETS[to]
     stats = CastStats()
     aliases, order = _dedupe_tied(index, sel)
@@ -190,12 +192,6 @@ def _check_supported(index: CheckpointIndex) -> None:
         raise UnsupportedError(
             f"Megatron checkpoint split over {index.layout['world_size']} model-parallel "
             "ranks; merging tensor/pipeline-parallel shards is not supported", path=index.root)
-    bad = [f for f in index.findings if f.severity == "error" and f.code in (
-        "missing-storage", "missing-shard", "missing-chunk", "truncated", "missing-file")]
-    if bad:
-        f = bad[0]
-        raise CkptError(f"{f.message}" + (f" ({f.location})" if f.location else ""),
-                        path=index.base / (f.file or ""), hint=f"ckpt validate {index.root}")
 
 
 def select_tensors(index: CheckpointIndex, *, keep_optimizer: bool = False,

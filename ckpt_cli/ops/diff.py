@@ -42,6 +42,7 @@ from ckpt_cli.compare import (
 )
 from ckpt_cli.errors import CkptError, UnknownFormatError, UsageError
 from ckpt_cli.formats import read_index
+from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.formats.rundir import is_run_dir, list_run
 from ckpt_cli.formats.torchfile import role_of
@@ -457,7 +458,9 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
         The :class:`DiffResult`.
 
     Raises:
-        CkptError: When tensor data cannot be read; the message starts with ``A:`` or ``B:``.
+        CkptError: When tensor data cannot be read, or a side's readers found damage in the
+            files compared (missing shards, truncation); the message starts with ``A:`` or
+            ``B:``.
         UsageError: When ``strip_prefixes`` would give two tensors of one side the same name,
             or a tolerance is negative.
     """
@@ -470,6 +473,16 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
                                           opts.strip_prefixes, auto=opts.auto_names)
     result = DiffResult(index_a, index_b, opts, scope, note, renames)
     _match(result, names_a, names_b, scope_a, scope_b)
+    # A side whose readers found damage in the files being compared (a missing shard, a
+    # truncated file) cannot be called equal or different: say what is wrong instead.
+    # (Structure alone needs no data and still works.)
+    for label, ix, names in (("A", index_a, names_a), ("B", index_b, names_b)):
+        in_scope = {n for n in names if n in (scope_a if label == "A" else scope_b)}
+        try:
+            if opts.values:
+                refuse_damaged(ix, in_scope)
+        except CkptError as e:
+            raise on_side(e, label) from None
     if opts.values:
         _compare_all(result, on_progress)
     else:
@@ -635,6 +648,8 @@ def _match(result: DiffResult, names_a: dict[str, str], names_b: dict[str, str],
     glob = result.options.filter_glob
     if glob:
         in_scope = {n for n in in_scope if fnmatch.fnmatchcase(n, glob)}
+        if not in_scope:
+            raise UsageError(f"--filter {glob!r} matches no tensor on either side")
     for ix, names, excluded in ((ia, names_a, result.excluded_a),
                                 (ib, names_b, result.excluded_b)):
         for orig, norm in names.items():
@@ -756,6 +771,12 @@ def _compare_all(result: DiffResult, on_progress: ProgressFn | None) -> None:
 
 
 _MAX_TIE_CANDIDATES = 8
+# Names of the tensors models tie (output heads and embeddings): only these are taken for tied
+# copies on equal values alone, so a missing bias that happens to equal another (all zeros)
+# still counts as missing.
+_TIEABLE = re.compile(r"(^|\.)(lm_head|embed_out|output|head|decoder|proj_out|wte|"
+                      r"word_embeddings|embed_tokens|tok_embeddings|embedding|embeddings|"
+                      r"shared)(\.|$)")
 
 
 def _value_ties(only: list[OnlyIn], result: DiffResult, src: TensorSource,
@@ -774,7 +795,7 @@ def _value_ties(only: list[OnlyIn], result: DiffResult, src: TensorSource,
             by_sig.setdefault((t.dtype, t.shape), []).append((td.name, t))
     out: list[OnlyIn] = []
     for o in only:
-        if o.tied_to is None and o.group in WEIGHT_GROUPS:
+        if o.tied_to is None and o.group in WEIGHT_GROUPS and _TIEABLE.search(o.name):
             t = ix.tensors[o.original]
             for name, u in by_sig.get((t.dtype, t.shape), [])[:_MAX_TIE_CANDIDATES]:
                 if comparable(t, u) is None and compare_values(

@@ -25,6 +25,7 @@ import contextlib
 import csv
 import errno
 import fcntl
+import math
 import os
 import stat
 import time
@@ -155,9 +156,15 @@ class PruneResult:
         return sum(d.entry.bytes for d in self.named("deleted"))
 
     @property
+    def halted(self) -> bool:
+        """Whether the plan stopped all deletion because the run's state is unclear."""
+        return any(f.code == "nothing-deleted" for f in self.plan.findings)
+
+    @property
     def ok(self) -> bool:
-        """Whether every deletion attempted (and every leftover trash removal) succeeded."""
-        return not self.named("failed") and not self.trash_failed
+        """Whether every deletion attempted (and every leftover trash removal) succeeded, and
+        nothing made the plan stop (a stop is a finding cron should report)."""
+        return not self.named("failed") and not self.trash_failed and not self.halted
 
 
 def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
@@ -224,7 +231,10 @@ def _check_root(path: Path, force: bool, pattern: str | None) -> Path:
     # Work on the real path: the root's own symlink is what the user named, but nothing below
     # it is ever followed.
     root = path.resolve(strict=True)
-    home = Path.home().resolve()
+    try:
+        home = Path.home().resolve()
+    except (RuntimeError, KeyError, OSError):  # no HOME and no passwd entry: nothing to guard
+        home = Path(root.anchor) / ".ckpt-no-home"
     hint = "pass --force if this really is the run directory to prune"
     what = ("the root directory" if root == Path(root.anchor) else "your home directory"
             if root == home else "a parent of your home directory" if root in home.parents
@@ -246,6 +256,14 @@ def _locked(root: Path) -> Iterator[None]:
         # O_NOFOLLOW: a lock file that is a symlink must not make us open (and create) a file
         # elsewhere.
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except PermissionError:
+        # Someone else's lock file in a shared run directory: flock works on a read-only
+        # descriptor too.
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise CkptError(f"cannot open the lock file {LOCK_NAME}: {e.strerror}", path=root,
+                            hint="prune needs to read or create the lock file") from None
     except OSError as e:
         raise CkptError(f"cannot open the lock file {LOCK_NAME}: {e.strerror}", path=root,
                         hint="prune needs write access to the run directory") from None
@@ -343,7 +361,9 @@ def _trainer_state(listing: RunListing) -> tuple[list[dict[str, Any]], tuple[str
         return [], None
     if not isinstance(data, dict):
         return [], None
-    history = [h for h in data.get("log_history") or [] if isinstance(h, dict)]
+    raw_history = data.get("log_history")
+    history = [h for h in raw_history if isinstance(h, dict)] if isinstance(
+        raw_history, list) else []
     best = data.get("best_model_checkpoint")
     names = {e.name for e in listing.entries}
     if isinstance(best, str) and Path(best).name in names:
@@ -361,7 +381,7 @@ def _metric_values(listing: RunListing, metric: str, history: list[dict[str, Any
     by_name: dict[str, float] = {}
     seen: set[str] = set()
     for h in history:
-        seen.update(k for k in h if k != "step")
+        seen.update(k for k in h if isinstance(k, str) and k != "step")
         value = next((h[k] for k in keys if _is_number(h.get(k))), None)
         if value is not None and isinstance(h.get("step"), int):
             by_step[h["step"]] = float(value)
@@ -444,7 +464,8 @@ def read_metrics_file(path: Path, keys: tuple[str, ...],
     for row in rows:
         if not isinstance(row, dict):
             continue
-        seen.update(k for k in row if k not in ("step", "global_step"))
+        # csv.DictReader files surplus fields under the key None.
+        seen.update(k for k in row if isinstance(k, str) and k not in ("step", "global_step"))
         step = _as_int(row.get("step", row.get("global_step")))
         value = next((_as_float(row.get(k)) for k in keys if _as_float(row.get(k)) is not None),
                      None)
@@ -470,7 +491,7 @@ def _as_float(v: Any) -> float | None:
 
 def _as_int(v: Any) -> int | None:
     f = _as_float(v)
-    return int(f) if f is not None and f == int(f) else None
+    return int(f) if f is not None and math.isfinite(f) and f == int(f) else None
 
 
 # -- execution ---------------------------------------------------------------------------------
@@ -568,7 +589,15 @@ def _delete(root: _Root, plan: PrunePlan, result: PruneResult, clock: Callable[[
     if moved:
         # The renames must be on disk before any file goes: after a crash the checkpoint is
         # then either whole under its name or (partly) gone under a trash name.
-        os.fsync(root.fd)
+        try:
+            os.fsync(root.fd)
+        except OSError as e:
+            # Some file systems cannot fsync a directory (EINVAL); their renames are as
+            # durable as they get. Anything else: stop before removing anything.
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise CkptError(f"cannot flush the renames to disk: {e.strerror}; the moved "
+                                "checkpoints stay as .ckpt-trash-* for the next prune",
+                                path=root.path) from None
     for d, trash in moved:
         err = _remove(root, trash)
         if err:
@@ -722,10 +751,11 @@ def _trash_name(root: _Root, name: str) -> str:
 
 def _fit(name: str, suffix: str = "") -> str:
     """Shorten a name so that with ``suffix`` it fits the 255-byte limit of file names."""
-    raw = name.encode()
-    room = _NAME_MAX - len(suffix.encode())
+    # fsencode keeps undecodable bytes of odd names (surrogateescape) instead of failing.
+    raw = os.fsencode(name)
+    room = _NAME_MAX - len(os.fsencode(suffix))
     if len(raw) > room:
-        name = raw[:room].decode("utf-8", "ignore")
+        name = os.fsdecode(raw[:room])
     return name + suffix
 
 

@@ -394,6 +394,10 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
                          f"not {manifest_algorithm!r}")
     if jobs is not None and jobs < 1:
         raise UsageError("--jobs must be at least 1")
+    if quick and write_manifest:
+        # A manifest vouches for the bytes; --quick never reads them (no CRC pass), so it
+        # could record a corrupt file as good.
+        raise UsageError("--write-manifest needs the full check; drop --quick")
     opts = Options(fmt, quick, values, parse_require(require), write_manifest,
                    manifest_algorithm, jobs or default_jobs(), on_progress)
     if fmt is not None:
@@ -753,9 +757,8 @@ def _complete(b: _Builder, path: Path, index: CheckpointIndex | None,
         _fmt, complete, reason = quick_status(path)
     if index is None and not complete:
         return  # the read error says more than the quick status
-    if complete or _has_errors(b):
-        b.add("complete", [], "commit markers present" if complete else
-              f"incomplete ({reason}); see the errors above")
+    if complete:
+        b.add("complete", [], "commit markers present")
         return
     b.add("complete", [Finding("error", "incomplete", f"the save did not finish: {reason}",
                                None)], "the save did not finish")
@@ -817,9 +820,15 @@ def _manifest(b: _Builder, path: Path, opts: Options, *,
         manifest = existing  # unchanged files, same checksum: keep the original record
         written, stats = mpath, None
     else:
-        manifest, stats = compute_manifest(path, algorithm=opts.manifest_algorithm,
-                                           jobs=opts.jobs, on_progress=opts.on_progress)
-        written, manifest, _ = write_manifest(path, manifest=manifest)
+        try:
+            manifest, stats = compute_manifest(path, algorithm=opts.manifest_algorithm,
+                                               jobs=opts.jobs, on_progress=opts.on_progress)
+            written, manifest, _ = write_manifest(path, manifest=manifest)
+        except CkptError as e:  # one unwritable checkpoint must not end a run's validation
+            b.add("manifest", [Finding("error", "manifest-not-written",
+                                       f"manifest not written: {e.message}", mpath.name)])
+            result.action = "not-written"
+            return result
     result.action = "written" if stats is not None else "verified"
     result.algorithm = manifest.algorithm
     result.add_stats(stats)

@@ -21,9 +21,21 @@ from ckpt_cli.model import GROUPS, CheckpointIndex, Finding, RunListing, TensorI
 _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
 
 
+class _Console(Console):
+    """A console whose closed pipe (``ckpt inspect x | head``) ends the command quietly.
+
+    rich's default exits with status 1; ``cli.errors.handled`` turns the BrokenPipeError into
+    a normal exit, as for any command piped into ``head``.
+    """
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def stdout() -> Console:
     """Console for results."""
-    return Console(highlight=False, soft_wrap=False)
+    return _Console(highlight=False, soft_wrap=False)
 
 
 def stderr() -> Console:
@@ -73,6 +85,8 @@ def duration(seconds: float | None, *, short: bool = False) -> str:
     minimum = "seconds" if seconds < 3600 else "minutes" if seconds < 86400 else "hours"
     if seconds >= 30 * 86400:
         minimum = "days" if seconds < 365 * 86400 else "months"
+    if seconds >= 1000 * 365 * 86400:  # beyond what dates (and humanize) can represent
+        return f"{seconds / (365 * 86400):,.3g} years"
     return humanize.precisedelta(seconds, minimum_unit=minimum, format="%0.0f")
 
 

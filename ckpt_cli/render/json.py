@@ -18,10 +18,29 @@ SCHEMA_VERSION = 1
 
 
 def dumps(doc: dict[str, Any]) -> bytes:
-    """Serialize a document (sorted keys, two-space indent, trailing newline)."""
-    return orjson.dumps(doc, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2
-                        | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS,
-                        default=_default) + b"\n"
+    """Serialize a document (sorted keys, two-space indent, trailing newline).
+
+    File names that are not valid UTF-8 (Python keeps their bytes as lone surrogates) are
+    written with ``\\xNN`` escapes instead of failing.
+    """
+    option = (orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+              | orjson.OPT_NON_STR_KEYS)
+    try:
+        return orjson.dumps(doc, option=option, default=_default) + b"\n"
+    except orjson.JSONEncodeError:
+        return orjson.dumps(_printable(doc), option=option, default=_default) + b"\n"
+
+
+def _printable(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return obj.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    if isinstance(obj, Path):
+        return _printable(str(obj))
+    if isinstance(obj, dict):
+        return {_printable(k): _printable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_printable(v) for v in obj]
+    return obj
 
 
 def emit(command: str, doc: dict[str, Any]) -> None:
