@@ -223,17 +223,18 @@ def test_progress_bar_on_a_terminal(pt: Path, monkeypatch: pytest.MonkeyPatch) -
 
     from rich.console import Console
 
+    from ckpt_cli.cli import progress
     from ckpt_cli.ops.validate import validate
-    from ckpt_cli.render import human, progress
 
     buf = io.StringIO()
-    monkeypatch.setattr(human, "is_tty", lambda: True)
-    monkeypatch.setattr(human, "stderr", lambda: Console(file=buf, force_terminal=True,
-                                                         width=100))
-    with progress.progress_bar() as on_progress:
-        assert on_progress is not None
-        validate(pt, values=True, on_progress=on_progress)
+    monkeypatch.setattr(progress, "is_tty", lambda: True)
+    monkeypatch.setattr(progress, "stderr", lambda: Console(file=buf, force_terminal=True,
+                                                            width=100))
+    with progress.byte_progress("validating") as bar:
+        validate(pt, values=True, on_progress=bar.labelled)
     shown = buf.getvalue()
     assert "train.pt: CRC-32" in shown and "train.pt: values" in shown
-    with progress.progress_bar(enabled=False) as off:  # --quiet
-        assert off is None
+    buf.truncate(0)
+    with progress.byte_progress("validating", enabled=False) as bar:  # --quiet, --json
+        validate(pt, values=True, on_progress=bar.labelled)
+    assert buf.getvalue() == ""

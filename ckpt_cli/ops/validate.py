@@ -760,6 +760,12 @@ def _complete(b: _Builder, path: Path, index: CheckpointIndex | None,
     if complete:
         b.add("complete", [], "commit markers present")
         return
+    if _has_errors(b):
+        # Damage found above also fails the quick commit-marker test; say so without
+        # counting the same problem twice.
+        b.add("complete", [Finding("warning", "incomplete", f"looks unfinished ({reason}); "
+                                   "see the errors above", None)], "looks unfinished")
+        return
     b.add("complete", [Finding("error", "incomplete", f"the save did not finish: {reason}",
                                None)], "the save did not finish")
 
