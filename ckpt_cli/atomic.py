@@ -11,10 +11,10 @@ import contextlib
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ckpt_cli.errors import CkptError, DestinationExistsError
+from ckpt_cli.errors import CkptError, DestinationExistsError, UsageError
 
 TMP_MARK = ".ckpt-tmp-"
 
@@ -44,8 +44,12 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(dirpath))
 
 
+def _is_empty_dir(p: Path) -> bool:
+    return p.is_dir() and not p.is_symlink() and not any(p.iterdir())
+
+
 def _check_dest(dest: Path, overwrite: bool) -> None:
-    if dest.exists() or dest.is_symlink():
+    if (dest.exists() or dest.is_symlink()) and not _is_empty_dir(dest):
         if not overwrite:
             raise DestinationExistsError("already exists", path=dest,
                                          hint="pass --overwrite (or --force) to replace it")
@@ -88,7 +92,7 @@ def atomic_dir(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
 def _replace_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
     old: Path | None = None
     if dest.exists() or dest.is_symlink():
-        if not overwrite:  # appeared while we were writing
+        if not overwrite and not _is_empty_dir(dest):  # appeared while we were writing
             raise DestinationExistsError("appeared while writing; not replaced", path=dest)
         if dest.is_dir() and not dest.is_symlink():
             old = dest.parent / f".{dest.name}.ckpt-old-{uuid.uuid4().hex[:12]}"
@@ -131,3 +135,25 @@ def atomic_file(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+
+
+def check_not_input(out: Path, source: Path, inputs: Iterable[Path] = ()) -> None:
+    """Refuse an output that would overwrite, contain or sit inside what is being read.
+
+    Args:
+        out: The output file or directory.
+        source: The path the user gave as input.
+        inputs: Every file the input consists of (an index's shards live beside it, not
+            below it).
+
+    Raises:
+        UsageError: If writing ``out`` (or replacing it) could touch an input.
+    """
+    o = out.resolve()
+    s = source.resolve()
+    if s == o or s.is_relative_to(o) or (source.is_dir() and o.is_relative_to(s)):
+        raise UsageError(f"the output {out} would overwrite or sit inside the input {source}")
+    for f in inputs:
+        r = f.resolve()
+        if r == o or r.is_relative_to(o):
+            raise UsageError(f"the output {out} would overwrite the input file {f}")

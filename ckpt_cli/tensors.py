@@ -127,6 +127,10 @@ class TensorSource:
         try:
             dt = dtypes.numpy_dtype(t.dtype)
         except KeyError:
+            if t.stride is not None:
+                raise UnsupportedError(f"tensor {t.name!r} is a strided view of packed "
+                                       f"{t.dtype} values, which ckpt cannot read",
+                                       path=self.index.root) from None
             buf = np.empty(t.nbytes, dtype=np.uint8)
             self.read_into(t.file, t.offset, buf.data)
             return buf

@@ -86,7 +86,8 @@ def ds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.helpers.makers import deepspeed_checkpoints
 
     return deepspeed_checkpoints(tmp_path_factory.mktemp("ds"),
-                                 ["z1-fp32", "z2-fp32", "z3-fp32", "z2-bf16", "z3-bf16"])
+                                 ["z1-fp32", "z2-fp32", "z3-fp32", "z2-bf16", "z3-bf16",
+                                  "z1-fp32+frozen", "z2-fp32+frozen"])
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -202,8 +202,10 @@ def test_refusals(sample_run: Path, tmp_path: Path) -> None:
     assert r.exit_code == 2 and "give -o a directory" in r.stderr
     out = tmp_path / "exists"
     out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier export")
     with pytest.raises(DestinationExistsError):
         convert(sample_run / "step_000100", out)
+    assert (out / "model.safetensors").read_bytes() == b"an earlier export"
     p = tmp_path / "garbage.pt"
     p.write_bytes(b"PK\x03\x04garbage")
     r = run_cli("convert", p, "-o", tmp_path / "g")

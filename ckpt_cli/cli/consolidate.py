@@ -18,8 +18,9 @@ def consolidate_cmd(
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
         show_default=False)],
-    fmt: Annotated[str, typer.Option("--format", "-f", metavar="safetensors|pt",
-                                     help="Output file format.")] = "safetensors",
+    fmt: Annotated[str | None, typer.Option(
+        "--format", "-f", metavar="safetensors|pt",
+        help="Output file format (default: from the output's suffix, else safetensors).")] = None,
     max_shard_size: Annotated[str, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Largest output file; 0 for one file.")] = "5GB",
     with_optimizer: Annotated[bool, typer.Option(

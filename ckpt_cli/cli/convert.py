@@ -19,8 +19,9 @@ def convert_cmd(
                                "model.safetensors or HF-style shards.", show_default=False)],
     to: Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
                                     help="Cast floating-point model tensors.")] = "keep",
-    fmt: Annotated[str, typer.Option("--format", "-f", metavar="safetensors|pt",
-                                     help="Output file format.")] = "safetensors",
+    fmt: Annotated[str | None, typer.Option(
+        "--format", "-f", metavar="safetensors|pt",
+        help="Output file format (default: from the output's suffix, else safetensors).")] = None,
     max_shard_size: Annotated[str | None, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Split into HF-style shards of at most SIZE "
                                                  "(e.g. 5GB) with an index.")] = None,

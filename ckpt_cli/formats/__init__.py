@@ -14,7 +14,7 @@ from ckpt_cli.formats.base import Reader
 from ckpt_cli.formats.dcp import DCPReader
 from ckpt_cli.formats.deepspeed import DeepSpeedReader
 from ckpt_cli.formats.directory import DirectoryReader
-from ckpt_cli.formats.hf_index import HFIndexReader
+from ckpt_cli.formats.hf_index import INDEX_SUFFIXES, HFIndexReader
 from ckpt_cli.formats.megatron import MegatronReader
 from ckpt_cli.formats.safetensors import SafetensorsReader
 from ckpt_cli.formats.torchfile import TorchReader
@@ -88,6 +88,8 @@ def detect(path: Path, fmt: str | None = None) -> Reader:
     if not is_dir and path.is_file() and path.stat().st_size == 0:
         raise UnknownFormatError("empty file (0 bytes): not a checkpoint, or its write never "
                                  "started", path=path)
+    if not is_dir and path.name.endswith(INDEX_SUFFIXES) and "hf-index" in _READERS:
+        return _READERS["hf-index"]  # an index file names a shard set: read it as one
     reasons: list[str] = []
     matches: list[Reader] = []
     try:

@@ -115,8 +115,11 @@ def contained_path(base: Path, rel: str, *, what: str, source: Path) -> Path:
                                     path=source)
     full = base / rel
     try:
+        # The directories on the way must stay inside; the file itself may be a symlink (the
+        # HF hub cache links every shard to ../../blobs/<hash>): reading through it is
+        # harmless, and it is where the checkpoint's author put the data.
         real_base = base.resolve()
-        if not full.resolve().is_relative_to(real_base):
+        if not full.parent.resolve().is_relative_to(real_base):
             raise UnsafeCheckpointError(
                 f"{what} path {rel!r} resolves outside the checkpoint directory", path=source)
     except OSError:
@@ -136,7 +139,8 @@ def rel_to(path: Path, base: Path) -> str:
 _HARMLESS = {"unsafe-global", "unknown-global", "non-allowlisted-global"}
 
 
-def refuse_damaged(index: CheckpointIndex, names: Iterable[str]) -> None:
+def refuse_damaged(index: CheckpointIndex, names: Iterable[str],
+                   also_files: Iterable[str] = ()) -> None:
     """Refuse to write output from tensors whose files the readers found damaged.
 
     Only errors in files that hold the selected tensors count (a broken ``optimizer.pt``
@@ -145,11 +149,12 @@ def refuse_damaged(index: CheckpointIndex, names: Iterable[str]) -> None:
     Args:
         index: The source checkpoint.
         names: The tensors that will be read.
+        also_files: More files whose errors count (relative to ``index.base``).
 
     Raises:
         CorruptCheckpointError: Naming the first damaged file and the problem.
     """
-    files: set[str] = set()
+    files: set[str] = set(also_files)
     for n in names:
         t = index.tensors[n]
         files.update(x for x in (t.file, t.storage.file if t.storage else None) if x)

@@ -51,12 +51,18 @@ _SCALAR_META = ("global_samples", "consumed_samples", "consumed_train_samples", 
 _MAX_DEPTH = 128
 
 
+MAX_NODES = 20_000_000
+"""Most tree nodes :func:`walk` visits: a pickle of a few hundred bytes can describe a tree of
+2**40 nodes by sharing lists ("billion laughs")."""
+
+
 def walk(obj: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
     """Yield ``(key path, leaf)`` for every leaf of a pickled tree, depth first, in order.
 
     Dicts and lists are entered; so are :class:`Opaque` objects that carry state (a pickled
     ``nn.Module`` yields its ``_parameters``/``_buffers``/``_modules`` under plain names).
-    Cycles and absurd depth end the descent at that node.
+    A container met a second time (shared, or a cycle) is not entered again: it is yielded
+    as a leaf. Tensors shared between names are leaves, so every name still gets its tensor.
 
     Args:
         obj: The unpickled object.
@@ -64,16 +70,24 @@ def walk(obj: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ..
 
     Yields:
         Pairs of the key path (strings) and the leaf object.
+
+    Raises:
+        ValueError: If the tree has more than :data:`MAX_NODES` nodes.
     """
-    stack: list[tuple[tuple[str, ...], Any, frozenset[int]]] = [(prefix, obj, frozenset())]
+    stack: list[tuple[tuple[str, ...], Any]] = [(prefix, obj)]
+    entered: set[int] = set()
+    nodes = 0
     while stack:
-        path, node, seen = stack.pop()
+        path, node = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise ValueError(f"the pickled object has more than {MAX_NODES:,} parts")
         children = _children(node)
-        if children is None or id(node) in seen or len(path) > _MAX_DEPTH:
+        if children is None or id(node) in entered or len(path) > _MAX_DEPTH:
             yield path, node
             continue
-        inner = seen | {id(node)}
-        stack.extend(((*path, k), v, inner) for k, v in reversed(children))
+        entered.add(id(node))
+        stack.extend(((*path, k), v) for k, v in reversed(children))
 
 
 def _children(node: Any) -> list[tuple[str, Any]] | None:
@@ -187,7 +201,13 @@ def to_plain(value: Any, limit: int = 256) -> Any:
     if isinstance(value, (bytes, bytearray)):
         return f"<{len(value)} bytes>"
     if isinstance(value, (list, tuple)):
-        return [to_plain(v, limit) for v in value[:4096]]
+        # One level only: a leaf list of containers is a shared or cyclic node (see walk),
+        # and descending into it could take 2**40 steps.
+        if _is_scalar_seq(value):
+            return [to_plain(v, limit) for v in value]
+        return f"<{type(value).__name__} of {len(value)} items>"
+    if isinstance(value, dict):
+        return f"<dict of {len(value)} items>"
     if isinstance(value, Opaque):
         num = numpy_scalar(value)
         if num is not None:

@@ -9,6 +9,9 @@ Each tensor chunk and each non-tensor item is a complete torch.save zip stored a
 
 from __future__ import annotations
 
+import bisect
+import functools
+import math
 import os
 import re
 from pathlib import Path
@@ -160,6 +163,7 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
     for rel, size in sorted(sizes.items()):
         index.files.append(FileInfo(rel, size, "shard", "dcp"))
     _check_bounds(index, sizes)
+    _check_tiling(index, meta_path.name)
     _read_objects(index, path, bytes_items, sizes)
     index.layout.update({"world_size": len(ranks) if ranks else None,
                          "ranks": sorted(ranks), "files_per_rank": _per_rank(distcp)})
@@ -243,12 +247,22 @@ def _tensor(name: str, f: dict[str, Any], storage: dict[Any, Any], index: Checkp
             dtype = first.code
     if dtype is None:
         raise CorruptCheckpointError(f"tensor {name!r} has no known dtype", path=meta_rel)
-    size = tuple(int(d) for d in (f.get("size") or ()))
+    size = _counts(f.get("size") or ())
+    if size is None:
+        raise CorruptCheckpointError(f"tensor {name!r} has a malformed size {f.get('size')!r}",
+                                     path=meta_rel)
+    raw_chunks = f.get("chunks") or []
+    if not isinstance(raw_chunks, list):
+        raise CorruptCheckpointError(f"tensor {name!r} has malformed chunks", path=meta_rel)
     chunks: list[Chunk] = []
-    for c in f.get("chunks") or []:
+    for c in raw_chunks:
         cf = c.fields() if isinstance(c, Opaque) else {}
-        offs = tuple(int(x) for x in cf.get("offsets", ()))
-        sizes = tuple(int(x) for x in cf.get("sizes", ()))
+        offs, sizes = _counts(cf.get("offsets")), _counts(cf.get("sizes"))
+        if offs is None or sizes is None or len(offs) != len(size) or len(sizes) != len(size):
+            index.add(Finding("error", "chunk-tiling", f"chunk {cf.get('offsets')!r} / "
+                              f"{cf.get('sizes')!r} does not describe a piece of a "
+                              f"{len(size)}-dimensional tensor", meta_rel, name))
+            continue
         loc = storage.get((name, offs))
         if loc is None:
             index.add(Finding("error", "missing-chunk",
@@ -266,6 +280,24 @@ def _tensor(name: str, f: dict[str, Any], storage: dict[Any, Any], index: Checkp
     return TensorInfo(name, dtype, size, dtypes.nbytes_of(dtype, numel), group,
                       chunks[0].file if len(chunks) == 1 else None, None, None, None, 0,
                       tuple(chunks))
+
+
+def _counts(raw: Any) -> tuple[int, ...] | None:
+    """A tuple of non-negative ints (offsets, sizes) from a pickle, or None if it is not one."""
+    if not isinstance(raw, (tuple, list)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in raw):
+        return None
+    return tuple(raw)
+
+
+def _check_tiling(index: CheckpointIndex, meta_rel: str) -> None:
+    """Every element of every tensor in exactly one chunk: else output would hold garbage."""
+    missing = {f.location for f in index.findings if f.code == "missing-chunk"}
+    for t in index.tensors.values():
+        if t.name in missing:
+            continue  # the missing chunk is already reported
+        for problem in tiling_problems(t.shape, [(c.offsets, c.sizes) for c in t.chunks]):
+            index.add(Finding("error", "chunk-tiling", problem, meta_rel, t.name))
 
 
 def _check_bounds(index: CheckpointIndex, sizes: dict[str, int]) -> None:
@@ -301,7 +333,12 @@ def _read_objects(index: CheckpointIndex, base: Path, items: list[tuple[str, str
             if isinstance(obj, TensorRecord):
                 index.objects[name] = containers.to_plain(obj)
             elif isinstance(obj, (dict, list)):
-                for sub, leaf in containers.walk(obj, tuple(name.split("."))):
+                try:
+                    leaves = list(containers.walk(obj, tuple(name.split("."))))
+                except ValueError as e:
+                    index.add(Finding("error", "bad-item", str(e), rel, name))
+                    continue
+                for sub, leaf in leaves:
                     index.objects[".".join(sub)] = containers.to_plain(leaf)
             else:
                 index.objects[name] = containers.to_plain(obj)
@@ -322,3 +359,81 @@ def _nested(objects: dict[str, Any]) -> dict[str, Any]:
     if lr is not None:
         out.setdefault("lr", lr)
     return out
+
+
+_MAX_CELLS = 1 << 22  # coverage grids larger than this use the pairwise check instead
+
+
+def tiling_problems(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...],
+                                                                tuple[int, ...]]]) -> list[str]:
+    """Why a tensor's chunks do not tile its shape exactly (empty if they do).
+
+    Every element of the tensor must lie in exactly one chunk: no chunk may stick out of the
+    shape, leave elements uncovered (a gap) or cover elements twice (an overlap).
+
+    Args:
+        shape: The tensor's global shape.
+        chunks: ``(offsets, sizes)`` of each chunk.
+
+    Returns:
+        Plain-words problems.
+    """
+    nd = len(shape)
+    problems: list[str] = []
+    good: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offs, sizes in chunks:
+        if len(offs) != nd or len(sizes) != nd:
+            problems.append(f"chunk at {list(offs)} has {len(offs)} dimensions, the tensor {nd}")
+        elif any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offs, sizes, shape, strict=True)):
+            problems.append(f"chunk at {list(offs)} of size {list(sizes)} lies outside the "
+                            f"tensor's shape {list(shape)}")
+        else:
+            good.append((offs, sizes))
+    if problems or math.prod(shape) == 0:
+        return problems
+    if nd == 0:  # a scalar: exactly one chunk must hold it
+        return [] if len(good) == 1 else [f"{len(good)} chunks hold this scalar, not 1"]
+    numel = math.prod(shape)
+    cuts = [sorted({0, d, *(o[k] for o, _ in good), *(o[k] + s[k] for o, s in good)})
+            for k, d in enumerate(shape)]
+    if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
+        return _pairwise(good, numel)
+    import numpy as np
+
+    # Cut every axis at every chunk boundary: each cell of the resulting grid is either wholly
+    # inside a chunk or wholly outside, so counting chunks per cell decides the tiling.
+    grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    for offs, sizes in good:
+        grid[tuple(slice(bisect.bisect_left(c, o), bisect.bisect_left(c, o + s))
+                   for c, o, s in zip(cuts, offs, sizes, strict=True))] += 1
+    if (grid == 1).all():
+        return []
+    volume = functools.reduce(np.multiply.outer,
+                              [np.diff(np.asarray(c, dtype=np.int64)) for c in cuts])
+    gap = int(volume[grid == 0].sum())
+    twice = int((volume * np.maximum(grid - 1, 0)).sum())
+    if gap:
+        at = [cuts[k][int(i)] for k, i in enumerate(np.argwhere(grid == 0)[0])]
+        problems.append(f"{gap:,} of {numel:,} elements are in no chunk (a gap, first at "
+                        f"{at}): a rank's shard is missing")
+    if twice:
+        at = [cuts[k][int(i)] for k, i in enumerate(np.argwhere(grid > 1)[0])]
+        problems.append(f"{twice:,} elements are covered by more than one chunk (an overlap, "
+                        f"first at {at})")
+    return problems
+
+
+def _pairwise(good: list[tuple[tuple[int, ...], tuple[int, ...]]], numel: int) -> list[str]:
+    """Tiling check without a grid: no two chunks intersect, and their volumes add up."""
+    boxes = sorted(b for b in good if math.prod(b[1]))
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1:]:
+            if ob[0] >= oa[0] + sa[0]:
+                break  # sorted by the first offset: no later box can meet this one
+            if all(b < a + s and a < b + t for a, s, b, t in zip(oa, sa, ob, sb, strict=True)):
+                return [f"chunks at {list(oa)} and {list(ob)} overlap"]
+    covered = sum(math.prod(s) for _, s in boxes)
+    if covered != numel:
+        return [f"chunks cover {covered:,} of {numel:,} elements (a gap): a rank's shard is "
+                "missing"]
+    return []

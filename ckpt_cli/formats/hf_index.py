@@ -153,6 +153,10 @@ def read_into(index: CheckpointIndex, index_file: Path, *, role: str = "shard",
             unreadable.add(shard)
             continue
         for n in names:
+            if n in found:
+                # Two shards hold it: a stale shard left beside a newer export (accelerate#2698).
+                index.add(Finding("error", "duplicate-tensor",
+                                  f"in both {found[n]} and {shard}", rel_index, n))
             found[n] = shard
     for tensor, shard in wm.items():
         got = found.get(tensor)

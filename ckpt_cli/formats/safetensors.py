@@ -186,7 +186,7 @@ def _tensor_info(name: str, entry: Any, rel: str, data_start: int, index: Checkp
         index.add(Finding("error", "bad-entry", "header entry is not an object", rel, name))
         return None
     dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in dtypes.DTYPES:
+    if not isinstance(dtype, str) or dtype not in dtypes.DTYPES:
         index.add(Finding("error", "unknown-dtype", f"unknown dtype {dtype!r}", rel, name))
         return None
     if (not isinstance(shape, list)

@@ -119,7 +119,8 @@ def zip_entries(fd: int, start: int, length: int, where: str) -> dict[str, ZipEn
         if "central directory" in msg.lower() or "not a zip" in msg.lower():
             msg = "no zip central directory: the file is truncated or was not fully written"
         raise CorruptCheckpointError(msg, path=where) from None
-    except (OSError, ValueError, EOFError, struct.error) as e:
+    except (OSError, ValueError, EOFError, struct.error, NotImplementedError,
+            zipfile.LargeZipFile) as e:
         raise CorruptCheckpointError(f"unreadable zip structure ({e})", path=where) from None
     out: dict[str, ZipEntry] = {}
     for info in infos:
@@ -350,9 +351,17 @@ def add_tree(index: CheckpointIndex, result: PickleResult,
         index.flavor = flavor
     added: set[str] = set()
     used: set[str] = set()
-    for path, leaf in containers.walk(tree):
+    try:
+        leaves = list(containers.walk(tree))
+    except ValueError as e:
+        raise CorruptCheckpointError(str(e), path=index.base / rel) from None
+    for path, leaf in leaves:
         name = prefix + ".".join(path)
         if isinstance(leaf, TensorRecord):
+            problem = _malformed(leaf)
+            if problem:
+                index.add(Finding("error", "bad-tensor", problem, rel, name))
+                continue
             info = _tensor_info(index, name, path, leaf, storages, rel, default)
             if len(path) > 1:
                 index.containers.setdefault(prefix + path[0] + ".", info.group if info.group
@@ -395,6 +404,25 @@ def _flavor(tree: Any) -> str | None:
         return "deepspeed"
     if "checkpoint_version" in tree and ("iteration" in tree or "args" in tree):
         return "megatron"
+    return None
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _malformed(rec: TensorRecord) -> str | None:
+    """Why a pickled tensor's geometry cannot be trusted, if it cannot (crafted or damaged)."""
+    if not isinstance(rec.shape, tuple) or not all(_is_count(d) for d in rec.shape):
+        return f"shape {rec.shape!r} is not a tuple of sizes"
+    if rec.kind in ("dense",) and rec.storage is not None:
+        if not isinstance(rec.stride, tuple) or len(rec.stride) != len(rec.shape) or not all(
+                _is_count(s) for s in rec.stride):
+            return f"strides {rec.stride!r} do not fit shape {list(rec.shape)}"
+        if not _is_count(rec.storage_offset):
+            return f"storage offset {rec.storage_offset!r} is not a non-negative count"
+    if rec.dtype not in dtypes.DTYPES:
+        return f"unknown dtype {rec.dtype!r}"
     return None
 
 

@@ -38,21 +38,36 @@ _DANGEROUS_NAMES = frozenset({
     "builtins.setattr", "builtins.delattr", "builtins.__import__", "builtins.globals",
     "builtins.locals", "builtins.vars", "builtins.input", "builtins.breakpoint",
     "builtins.memoryview", "builtins.exit", "builtins.quit", "builtins.help",
-    "__builtin__.eval", "__builtin__.exec", "__builtin__.open", "__builtin__.getattr",
-    "__builtin__.__import__", "__builtin__.compile", "__builtin__.execfile",
+    "builtins.execfile", "builtins.apply",
     "operator.attrgetter", "operator.methodcaller", "operator.itemgetter", "functools.partial",
-    "functools.reduce", "torch.load", "torch.hub.load", "torch.jit.load", "torch._C._jit_load",
-    "numpy.load", "numpy.testing._private.utils.runstring", "torch.serialization.load",
+    "functools.reduce", "torch.load", "torch.serialization.load", "numpy.load",
     "copyreg._reconstructor_ex",
 })
-# Non-torch names that commonly appear in training checkpoints and are plain data holders.
+# Modules whose functions reach code execution, the network or the file system when called
+# (torch.load of embedded bytes, exec of generated source, compiling extensions...).
+_DANGEROUS_PREFIXES = (
+    "torch.storage._load_from_bytes", "torch.fx.", "torch.utils.cpp_extension.", "torch.hub.",
+    "torch.jit.", "torch._C.", "torch.package.", "torch._dynamo.", "torch._inductor.",
+    "torch.utils.data.", "torch.multiprocessing.", "torch.distributed.rpc.",
+    "numpy.distutils.", "numpy.testing.", "numpy.f2py.", "numpy.lib.", "numpy.ctypeslib.",
+)
+# Names that commonly appear in training checkpoints and are plain data holders: torch's
+# weights_only loader refuses them, but reading their state as data is harmless.
+_BENIGN_NAMES = frozenset({
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar", "numpy.ndarray",
+    "numpy.dtype", "argparse.Namespace", "decimal.Decimal", "uuid.UUID", "fractions.Fraction",
+    "collections.defaultdict", "collections.deque", "collections.Counter",
+    "builtins.set", "builtins.frozenset", "builtins.complex", "builtins.bytearray",
+    "builtins.slice", "builtins.range", "builtins.object", "builtins.int", "builtins.float",
+    "builtins.str", "builtins.bytes", "builtins.bool", "builtins.tuple", "builtins.list",
+    "builtins.dict", "_codecs.encode", "copyreg._reconstructor",
+})
 _BENIGN_PREFIXES = (
-    "numpy.", "argparse.Namespace", "pathlib.", "datetime.", "decimal.Decimal", "uuid.UUID",
-    "fractions.Fraction", "collections.", "deepspeed.", "transformers.", "accelerate.",
-    "megatron.", "lightning.", "pytorch_lightning.", "lightning_fabric.", "omegaconf.",
-    "torch.optim.", "torch.distributed.checkpoint.", "torch.distributed.", "enum.",
-    "torch.nn.", "torch.cuda.amp.", "torch.amp.", "typing.", "builtins.", "__builtin__.",
-    "_codecs.", "copyreg.", "torch.",
+    "numpy.dtypes.", "pathlib.", "datetime.", "enum.", "deepspeed.", "transformers.",
+    "accelerate.", "megatron.", "lightning.", "pytorch_lightning.", "lightning_fabric.",
+    "omegaconf.", "torch.optim.", "torch.distributed.checkpoint.", "torch.nn.modules.",
+    "torch.nn.parameter.", "torch.cuda.amp.", "torch.amp.",
 )
 
 
@@ -67,12 +82,15 @@ def classify_global(qualname: str) -> str:
         names that run commands, import code or reach the file system, ``benign`` for common
         data classes of numpy, argparse, HF, DeepSpeed and the like, ``unknown`` otherwise.
     """
+    if qualname.startswith("__builtin__."):  # Python 2 pickles name builtins so
+        qualname = "builtins." + qualname.removeprefix("__builtin__.")
     if qualname in _ALLOWED_NAMES:
         return "allowed"
     module = qualname.rsplit(".", 1)[0]
-    if qualname in _DANGEROUS_NAMES or module.split(".", 1)[0] in _DANGEROUS_MODULES:
+    if (qualname in _DANGEROUS_NAMES or module.split(".", 1)[0] in _DANGEROUS_MODULES
+            or qualname.startswith(_DANGEROUS_PREFIXES)):
         return "dangerous"
-    if qualname.startswith(_BENIGN_PREFIXES):
+    if qualname in _BENIGN_NAMES or qualname.startswith(_BENIGN_PREFIXES):
         return "benign"
     return "unknown"
 
@@ -256,9 +274,12 @@ def _complex(*args: Any) -> complex:
 
 
 def _bytearray(*args: Any) -> bytearray:
-    if args and isinstance(args[0], str):
-        return bytearray(args[0], *args[1:2])
-    return bytearray(*args[:1])
+    # Pickles write bytearray(str, 'latin-1'); bytearray(10**12) would allocate a terabyte.
+    if len(args) == 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        return bytearray(_codecs_encode(args[0], args[1]))
+    if len(args) == 1 and isinstance(args[0], (bytes, bytearray)):
+        return bytearray(args[0])
+    raise pickle.UnpicklingError("bytearray with unexpected arguments")
 
 
 def _device(*args: Any) -> str:
@@ -274,6 +295,29 @@ def _reconstructor(cls: Any, base: Any = None, state: Any = None) -> Any:
     if isinstance(cls, type) and issubclass(cls, Opaque):
         return cls()
     raise pickle.UnpicklingError("copyreg._reconstructor on a non-stand-in class")
+
+
+class _StandIn:
+    """An allowlisted callable as the pickle sees it: callable, but immutable.
+
+    BUILD on a plain function would set attributes on ckpt's own code (``__defaults__``...),
+    changing how every later file is read; this wrapper refuses any state.
+    """
+
+    __slots__ = ("_fn",)
+    _fn: Callable[..., Any]
+
+    def __init__(self, fn: Callable[..., Any]):
+        object.__setattr__(self, "_fn", fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise pickle.UnpicklingError("a pickle tried to change an allowlisted function")
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError("a pickle tried to change an allowlisted function")
 
 
 _ALLOWED: dict[str, Any] = {
@@ -315,6 +359,8 @@ for _layout_name in ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "spars
                      "sparse_bsc", "_mkldnn", "jagged", "contiguous_format", "channels_last",
                      "channels_last_3d", "preserve_format"):
     _ALLOWED[f"torch.{_layout_name}"] = _layout_name
+_ALLOWED = {k: _StandIn(v) if callable(v) and not isinstance(v, (StorageType, DTypeRef))
+            else v for k, v in _ALLOWED.items()}
 # What torch.load(weights_only=True) accepts as well; copyreg is ours only (we never call cls).
 _ALLOWED_NAMES = frozenset(_ALLOWED) - {"copyreg._reconstructor", "copy_reg._reconstructor"}
 
@@ -353,6 +399,8 @@ class SafeUnpickler(pickle.Unpickler):
         self._opaque: dict[str, type[Opaque]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # protocol 0-2 pickles name builtins the Python 2 way
+            module = "builtins"
         qual = f"{module}.{name}"
         if qual in self._extra:
             self.globals[qual] = "allowed"

@@ -125,6 +125,7 @@ class ZeroPlan:
         aliases: Shared parameters, ``{alias: owner}``.
         files: Every file read.
         step: ``global_steps`` from the model states, if present.
+        notes: Remarks (frozen parameters found only in the module copy).
     """
 
     stage: int
@@ -133,6 +134,7 @@ class ZeroPlan:
     aliases: dict[str, str] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)
     step: int | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 def _parse(path: Path) -> TorchZip:
@@ -192,15 +194,20 @@ def resolve_tag(path: Path) -> Path:
     Raises:
         CkptError: If neither ``path`` nor the tag ``latest`` names holds model states.
     """
-    if any(deepspeed.MODEL_STATES.match(p.name) for p in path.iterdir()):
+    def has_states(d: Path) -> bool:
+        return any(deepspeed.MODEL_STATES.match(p.name) for p in d.iterdir())
+
+    if has_states(path):
         return path
     latest = path / "latest"
     if latest.is_file():
         tag = latest.read_text(errors="replace").strip()
-        if tag and "/" not in tag and (path / tag).is_dir():
-            return resolve_tag(path / tag)
-        raise CorruptCheckpointError(f"'latest' names {tag!r}, which is not a directory here",
-                                     path=latest)
+        # One plain directory name, as DeepSpeed writes it: never '.', '..' or a path.
+        plain = bool(tag) and tag not in (".", "..") and "/" not in tag and "\\" not in tag
+        if plain and (path / tag).is_dir() and has_states(path / tag):
+            return path / tag
+        raise CorruptCheckpointError(f"'latest' names {tag!r}, which is not a checkpoint "
+                                     "directory here", path=latest)
     raise CkptError("not a DeepSpeed checkpoint (no *_model_states.pt, no latest)", path=path)
 
 
@@ -274,6 +281,8 @@ def plan_zero(path: Path, *, include_frozen: bool = True, moments: bool = False)
         _plan_zero12(plan, first, optims, osd0, sources)
     else:
         _plan_zero3(plan, first, optims, sources)
+    if include_frozen and stage <= 2:
+        _plan_module_leftovers(plan, models[0], first)
     shared = _items(first.get("shared_params"))
     names = {t.name for t in plan.tensors if t.kind != "moment"}
     plan.aliases = {a: o for a, o in shared.items() if isinstance(o, str) and o in names}
@@ -313,6 +322,23 @@ def _plan_frozen(plan: ZeroPlan, models: list[tuple[Path, TorchZip]], world: int
                                          f"parameters, found {len(models)}")
         assert dtype is not None
         plan.tensors.append(ParamPlan(name, dtype, shape, pieces, "frozen"))
+
+
+def _plan_module_leftovers(plan: ZeroPlan, model: tuple[Path, TorchZip],
+                           first: dict[str, Any]) -> None:
+    """Frozen parameters DeepSpeed recorded nowhere but in ``module`` (ZeRO-1 saves no
+    ``frozen_param_shapes``; zero_to_fp32 then drops them): taken from that copy, as stored."""
+    path, tz = model
+    known = {t.name for t in plan.tensors}
+    known |= set(_items(first.get("shared_params")))
+    for name, rec in _items(first.get("module")).items():
+        if name in known or not isinstance(rec, TensorRecord) or rec.storage is None:
+            continue
+        seg = _segment(tz, rec, path, f"module entry {name}")
+        plan.tensors.append(ParamPlan(name, rec.dtype, tuple(rec.shape),
+                                      [Piece(seg.file, seg.start, seg.numel)], "frozen"))
+        plan.notes.append(f"{name}: not in param_shapes (a frozen parameter); taken from the "
+                          f"model states' {rec.dtype} copy")
 
 
 def _flat_groups(optims: list[tuple[Path, TorchZip]], key: str) -> list[list[Segment]]:
@@ -369,6 +395,10 @@ def _plan_zero12(plan: ZeroPlan, first: dict[str, Any], optims: list[tuple[Path,
         vecs = {k: FlatVector([rank[g] for rank in src], 4) for k, src in sources.items()}
         vec = vecs[""]
         pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
+        if isinstance(pads, list) and len(pads) != len(_items(group_shapes)):
+            raise CorruptCheckpointError(
+                f"param group {g}: {len(pads)} alignment paddings for "
+                f"{len(_items(group_shapes))} parameters", path=optims[0][0])
         offset = 0
         for i, (name, raw_shape) in enumerate(_items(group_shapes).items()):
             shape = _shape(raw_shape)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ckpt_cli.atomic import check_not_input
 from ckpt_cli.cast import CastStats, cast_array, check_overflow, prefer_torch
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, read_index
@@ -32,7 +33,7 @@ from ckpt_cli.manifest import manifest_path, write_manifest
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.convert import TARGETS, Selection, select_tensors
 from ckpt_cli.tensors import TensorSource
-from ckpt_cli.writers import OutTensor, WriteResult, write_checkpoint
+from ckpt_cli.writers import OutTensor, WriteResult, output_format, write_checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
@@ -119,7 +120,7 @@ def detect_kind(path: Path) -> str:
                      hint=f"for a single checkpoint use: ckpt convert {path} -o OUT")
 
 
-def consolidate(source: str | Path, output: str | Path, *, fmt: str = "safetensors",
+def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = None,
                 max_shard_size: int | None = DEFAULT_MAX_SHARD, with_optimizer: bool = False,
                 to: str = "keep", clamp: bool = False, overwrite: bool = False,
                 verify: bool = False, manifest: bool = True,
@@ -130,7 +131,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str = "safetenso
     Args:
         source: DCP directory, DeepSpeed tag/save directory, or directory of per-rank files.
         output: Output file or directory (see :func:`ckpt_cli.writers.write_checkpoint`).
-        fmt: ``safetensors`` or ``pt``.
+        fmt: ``safetensors`` or ``pt``; None infers it from ``output``'s suffix.
         max_shard_size: Largest output shard in bytes (None: one file).
         with_optimizer: Keep optimizer state too (DCP and rank files), under the flattened
             names DCP uses, with non-tensor values in ``__metadata__["ckpt.objects"]``.
@@ -156,9 +157,8 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str = "safetenso
     if to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
     kind = detect_kind(src)
-    s, o = src.resolve(), out.resolve()
-    if s == o or o.is_relative_to(s) or s.is_relative_to(o):
-        raise UsageError(f"the output {out} would overwrite or sit inside the input {src}")
+    check_not_input(out, src)
+    fmt = output_format(out, fmt)
     target = TARGETS[to]
     stats = CastStats()
     if kind == "deepspeed":
@@ -234,8 +234,8 @@ def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool, stats: C
                                f"gathered; to={target or 'keep'}"}
     if plan.step is not None:
         meta["ckpt.step"] = str(plan.step)
-    notes = [] if with_optimizer else [
-        "optimizer moments are not part of the output (--with-optimizer keeps them)"]
+    notes = list(plan.notes) + ([] if with_optimizer else [
+        "optimizer moments are not part of the output (--with-optimizer keeps them)"])
     return _Job("deepspeed", outs, expected, sum(t.numel for t in plan.tensors), plan.aliases,
                 {}, meta, details, [reader.close], notes, stats, casting)
 
@@ -281,26 +281,9 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
 
 
 def _check_complete(index: CheckpointIndex, names: list[str]) -> None:
-    """Refuse inputs whose chunks or files are missing: the output would silently lack data."""
+    """Refuse inputs whose chunks or files are missing, or whose chunks do not tile their
+    tensors (the readers' findings): the output would silently lack data or hold garbage."""
     refuse_damaged(index, names)
-    for t in index.tensors.values():
-        if not t.chunks:
-            continue
-        covered = 0
-        for c in t.chunks:
-            if len(c.offsets) != len(t.shape) or any(
-                    o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape,
-                                                          strict=True)):
-                raise CorruptCheckpointError(f"chunk {list(c.offsets)}+{list(c.sizes)} of "
-                                             f"{t.name} lies outside its shape {list(t.shape)}",
-                                             path=index.root)
-            n = 1
-            for s in c.sizes:
-                n *= s
-            covered += n
-        if covered != t.numel:
-            raise CorruptCheckpointError(f"the chunks of {t.name} cover {covered:,} of "
-                                         f"{t.numel:,} elements", path=index.root)
 
 
 def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: str,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ckpt_cli.atomic import check_not_input
 from ckpt_cli.cast import FP16_MAX, CastStats, cast_array, check_overflow, prefer_torch
 from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
@@ -27,7 +28,7 @@ from ckpt_cli.formats.containers import MODEL_KEYS
 from ckpt_cli.formats.rundir import is_run_dir
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.tensors import TensorSource
-from ckpt_cli.writers import OutTensor, WriteResult, write_checkpoint
+from ckpt_cli.writers import OutTensor, WriteResult, output_format, write_checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
@@ -90,7 +91,7 @@ class Selection:
 
 
 def convert(source: str | Path, output: str | Path, *, to: str = "keep",
-            fmt: str = "safetensors", max_shard_size: int | None = None,
+            fmt: str | None = None, max_shard_size: int | None = None,
             keep_optimizer: bool = False, keep_prefix: bool = False,
             keep_fp32: tuple[str, ...] = (), clamp: bool = False, overwrite: bool = False,
             container: str | None = None, input_format: str | None = None,
@@ -103,7 +104,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         output: A ``.safetensors``/``.pt``/``.bin`` file, or a directory for
             ``model.safetensors`` or HF-style shards + index.
         to: ``fp16``, ``bf16``, ``fp32`` or ``keep``: cast of floating-point model tensors.
-        fmt: ``safetensors`` or ``pt``.
+        fmt: ``safetensors`` or ``pt``; None infers it from ``output``'s suffix.
         max_shard_size: Largest output shard in bytes (None: one file).
         keep_optimizer: Keep every tensor (optimizer state included) under its own name: a
             pure format change. Non-tensor values go to ``__metadata__["ckpt.objects"]``.
@@ -127,16 +128,21 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     check_exists(src)
     if to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
-    if fmt not in ("safetensors", "pt"):
-        raise UsageError(f"--format must be safetensors or pt, not {fmt!r}")
+    fmt = output_format(out, fmt)
     if input_format is None and is_run_dir(src):
         raise UsageError(f"{src} is a run directory; name one of its checkpoints",
                          hint=f"ckpt inspect {src} lists them")
-    _check_not_source(src, out)
+    check_not_input(out, src)
     index = read_index(src, input_format)
+    check_not_input(out, src, (index.path_of(f.path) for f in index.files))
     _check_supported(index)
-    sel = select_tensors(index, keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
-                         container=container)
+    try:
+        sel = select_tensors(index, keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
+                             container=container)
+    except UsageError:
+        # Damage that left nothing to select explains the empty selection better.
+        refuse_damaged(index, (), also_files=(f.path for f in index.files))
+        raise
     refuse_damaged(index, sel.names.values())
     target = TARGETS[to]
     stats = CastStats()
@@ -174,12 +180,6 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
                          {o.name: (o.dtype, o.shape) for o in outs}, sel.renamed, sel.dropped,
                          dict(casts), aliases, dict(stats.overflow), clamp, meta, notes,
                          time.perf_counter() - t0)
-
-
-def _check_not_source(src: Path, out: Path) -> None:
-    s, o = src.resolve(), out.resolve()
-    if s == o or s.is_relative_to(o) or (src.is_dir() and o.is_relative_to(s)):
-        raise UsageError(f"the output {out} would overwrite or sit inside the input {src}")
 
 
 def _check_supported(index: CheckpointIndex) -> None:

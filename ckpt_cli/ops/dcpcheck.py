@@ -4,16 +4,14 @@ A torch.distributed.checkpoint directory is a ``.metadata`` pickle naming, for e
 chunk and every non-tensor item, a byte range ``(file, offset, length)`` holding an embedded
 torch.save zip. The reader already refuses paths that leave the directory and flags missing
 files and chunks that run past their file. Here: the items of each file must not overlap
-(and should cover it), every ``.distcp`` file must be referenced, the chunks of each tensor
-must tile its global shape exactly, and every item must decode to what the metadata says,
-with a sane zip whose records' CRC-32 are then verified.
+(and should cover it), every ``.distcp`` file must be referenced, and every item must decode
+to what the metadata says, with a sane zip whose records' CRC-32 are then verified. (That the
+chunks of each tensor tile its global shape exactly is checked by the DCP reader itself, so
+that consolidate refuses such input too.)
 """
 
 from __future__ import annotations
 
-import bisect
-import functools
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -28,7 +26,6 @@ from ckpt_cli.ops.zipcheck import CrcTask, ZipReport, check_zip, crc_tasks
 from ckpt_cli.streaming import OpenFiles
 
 _DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
-_MAX_CELLS = 1 << 22  # coverage grids larger than this use the pairwise check instead
 
 
 @dataclass(slots=True)
@@ -37,7 +34,6 @@ class DcpReport:
 
     Attributes:
         storage: Item placement: bounds, overlaps, unreferenced files (``dcp-storage``).
-        tiling: Chunks that do not tile their tensor (``dcp-tiling``).
         chunks: Items that do not decode (``dcp-chunks``).
         zips: Zip structure problems inside items (``zip-structure``).
         pickles: Pickle globals inside items (``pickle-safety``).
@@ -45,12 +41,12 @@ class DcpReport:
         items: Items (tensor chunks and objects) decoded.
         placed: Items named by ``.metadata``.
         files: Files they are stored in.
-        tensors: Tensors whose tiling was checked.
+        tensors: Tensors made of chunks (the DCP reader checks that they tile: its
+            ``chunk-tiling`` findings).
         undecoded: Items skipped because of storage transforms (compression).
     """
 
     storage: list[Finding] = field(default_factory=list)
-    tiling: list[Finding] = field(default_factory=list)
     chunks: list[Finding] = field(default_factory=list)
     zips: list[Finding] = field(default_factory=list)
     pickles: list[Finding] = field(default_factory=list)
@@ -105,7 +101,7 @@ def check_dcp(index: CheckpointIndex, directory: Path, files: OpenFiles, *, pref
     sizes = _file_sizes(directory, items)
     report.placed, report.files = len(items), len({i.rel for i in items})
     _placement(report, items, sizes, directory, prefix)
-    _tiling(report, index, prefix)
+    report.tensors = sum(1 for t in index.tensors.values() if t.chunks)
     if decode:
         _decode(report, index, items, sizes, directory, files, prefix)
     return report
@@ -182,92 +178,6 @@ def _placement(report: DcpReport, items: list[_Item], sizes: dict[str, int], dir
                 "warning", "unreferenced-file",
                 ".metadata does not reference this file (left over from another save?)",
                 prefix + name))
-
-
-def tiling_problems(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...],
-                                                                tuple[int, ...]]]) -> list[str]:
-    """Why a tensor's chunks do not tile its shape exactly (empty if they do).
-
-    Every element of the tensor must lie in exactly one chunk: no chunk may stick out of the
-    shape, leave elements uncovered (a gap) or cover elements twice (an overlap).
-
-    Args:
-        shape: The tensor's global shape.
-        chunks: ``(offsets, sizes)`` of each chunk.
-
-    Returns:
-        Plain-words problems.
-    """
-    nd = len(shape)
-    problems: list[str] = []
-    good: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for offs, sizes in chunks:
-        if len(offs) != nd or len(sizes) != nd:
-            problems.append(f"chunk at {list(offs)} has {len(offs)} dimensions, the tensor {nd}")
-        elif any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offs, sizes, shape, strict=True)):
-            problems.append(f"chunk at {list(offs)} of size {list(sizes)} lies outside the "
-                            f"tensor's shape {list(shape)}")
-        else:
-            good.append((offs, sizes))
-    if problems or math.prod(shape) == 0:
-        return problems
-    if nd == 0:  # a scalar: exactly one chunk must hold it
-        return [] if len(good) == 1 else [f"{len(good)} chunks hold this scalar, not 1"]
-    numel = math.prod(shape)
-    cuts = [sorted({0, d, *(o[k] for o, _ in good), *(o[k] + s[k] for o, s in good)})
-            for k, d in enumerate(shape)]
-    if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
-        return _pairwise(good, numel)
-    import numpy as np
-
-    # Cut every axis at every chunk boundary: each cell of the resulting grid is either wholly
-    # inside a chunk or wholly outside, so counting chunks per cell decides the tiling.
-    grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
-    for offs, sizes in good:
-        grid[tuple(slice(bisect.bisect_left(c, o), bisect.bisect_left(c, o + s))
-                   for c, o, s in zip(cuts, offs, sizes, strict=True))] += 1
-    if (grid == 1).all():
-        return []
-    volume = functools.reduce(np.multiply.outer,
-                              [np.diff(np.asarray(c, dtype=np.int64)) for c in cuts])
-    gap = int(volume[grid == 0].sum())
-    twice = int((volume * np.maximum(grid - 1, 0)).sum())
-    if gap:
-        at = [cuts[k][int(i)] for k, i in enumerate(np.argwhere(grid == 0)[0])]
-        problems.append(f"{gap:,} of {numel:,} elements are in no chunk (a gap, first at "
-                        f"{at}): a rank's shard is missing")
-    if twice:
-        at = [cuts[k][int(i)] for k, i in enumerate(np.argwhere(grid > 1)[0])]
-        problems.append(f"{twice:,} elements are covered by more than one chunk (an overlap, "
-                        f"first at {at})")
-    return problems
-
-
-def _pairwise(good: list[tuple[tuple[int, ...], tuple[int, ...]]], numel: int) -> list[str]:
-    """Tiling check without a grid: no two chunks intersect, and their volumes add up."""
-    boxes = sorted(b for b in good if math.prod(b[1]))
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1:]:
-            if ob[0] >= oa[0] + sa[0]:
-                break  # sorted by the first offset: no later box can meet this one
-            if all(b < a + s and a < b + t for a, s, b, t in zip(oa, sa, ob, sb, strict=True)):
-                return [f"chunks at {list(oa)} and {list(ob)} overlap"]
-    covered = sum(math.prod(s) for _, s in boxes)
-    if covered != numel:
-        return [f"chunks cover {covered:,} of {numel:,} elements (a gap): a rank's shard is "
-                "missing"]
-    return []
-
-
-def _tiling(report: DcpReport, index: CheckpointIndex, prefix: str) -> None:
-    incomplete = {f.location for f in index.findings if f.code == "missing-chunk"}
-    for t in index.tensors.values():
-        if t.name in incomplete:
-            continue  # the missing chunk is already reported
-        report.tensors += 1
-        for problem in tiling_problems(t.shape, [(c.offsets, c.sizes) for c in t.chunks]):
-            report.tiling.append(Finding("error", "chunk-tiling", problem, ".metadata"
-                                         if not prefix else prefix + ".metadata", t.name))
 
 
 def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],

@@ -103,9 +103,11 @@ _CODE_CHECK: dict[str, str] = {
     **dict.fromkeys(("unsafe-global", "unknown-global", "non-allowlisted-global"),
                     "pickle-safety"),
     **dict.fromkeys(("missing-shard", "bad-shard", "missing-tensor", "wrong-shard",
-                     "unindexed-tensor", "total-size", "bad-index"), "shard-index"),
+                     "unindexed-tensor", "total-size", "bad-index", "duplicate-tensor"),
+                    "shard-index"),
     **dict.fromkeys(("missing-file", "chunk-out-of-bounds", "missing-chunk"), "dcp-storage"),
     "bad-item": "dcp-chunks",
+    "chunk-tiling": "dcp-tiling",
     **dict.fromkeys(("world-size", "missing-rank"), "rank-files"),
 }
 _FORMAT_CODE_CHECK = {("megatron", "missing-file"): "rank-files"}
@@ -734,7 +736,7 @@ def _dcp_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFile
     for sub_index, directory, prefix in targets:
         rep = check_dcp(sub_index, directory, files, prefix=prefix, decode=not opts.quick)
         b.add("dcp-storage", rep.storage, f"{rep.placed:,} item(s) in {rep.files} file(s)")
-        b.add("dcp-tiling", rep.tiling, f"{rep.tensors:,} tensor(s)")
+        b.add("dcp-tiling", [], f"{rep.tensors:,} tensor(s)")
         b.add("pickle-safety", rep.pickles)
         if opts.quick:
             b.skip("dcp-chunks", "skipped (--quick)")

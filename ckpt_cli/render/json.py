@@ -21,14 +21,23 @@ def dumps(doc: dict[str, Any]) -> bytes:
     """Serialize a document (sorted keys, two-space indent, trailing newline).
 
     File names that are not valid UTF-8 (Python keeps their bytes as lone surrogates) are
-    written with ``\\xNN`` escapes instead of failing.
+    written with ``\\xNN`` escapes instead of failing, and integers beyond 64 bits in full.
     """
     option = (orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
               | orjson.OPT_NON_STR_KEYS)
     try:
         return orjson.dumps(doc, option=option, default=_default) + b"\n"
     except orjson.JSONEncodeError:
-        return orjson.dumps(_printable(doc), option=option, default=_default) + b"\n"
+        clean = _printable(doc)
+    try:
+        return orjson.dumps(clean, option=option, default=_default) + b"\n"
+    except orjson.JSONEncodeError:
+        # Integers beyond 64 bits (a crafted shape's element count): orjson cannot write
+        # them, the standard library can.
+        import json
+
+        return (json.dumps(clean, sort_keys=True, indent=2, default=_default,
+                           ensure_ascii=False) + "\n").encode()
 
 
 def _printable(obj: Any) -> Any:

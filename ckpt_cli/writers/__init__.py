@@ -22,7 +22,8 @@ import orjson
 
 from ckpt_cli import dtypes
 from ckpt_cli.atomic import atomic_dir, atomic_file
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import CkptError, DestinationExistsError, UnsupportedError, UsageError
+from ckpt_cli.manifest import manifest_path
 from ckpt_cli.planning import ShardPlan, plan_shards
 from ckpt_cli.writers.safetensors import header_bytes, write_all
 from ckpt_cli.writers.torchzip import TorchZipWriter
@@ -33,6 +34,32 @@ if TYPE_CHECKING:
 FORMATS = ("safetensors", "pt")
 FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 _NAMING = {"safetensors": ("model", ".safetensors"), "pt": ("pytorch_model", ".bin")}
+
+
+def output_format(dest: Path, fmt: str | None) -> str:
+    """The format to write: ``fmt``, or what ``dest``'s suffix says (a directory: safetensors).
+
+    Args:
+        dest: The output path.
+        fmt: ``safetensors``, ``pt``, or None to infer it.
+
+    Returns:
+        ``safetensors`` or ``pt``.
+
+    Raises:
+        UsageError: An unknown format, or one that contradicts the file name (``x.pt`` as
+            safetensors would mislead every later reader).
+    """
+    by_suffix = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt", ".bin": "pt"}
+    implied = by_suffix.get(dest.suffix)
+    if fmt is None:
+        return implied or "safetensors"
+    if fmt not in FORMATS:
+        raise UsageError(f"--format must be safetensors or pt, not {fmt!r}")
+    if implied and implied != fmt:
+        raise UsageError(f"--format {fmt} does not match the file name {dest.name!r}",
+                         hint=f"name it *.{'safetensors' if fmt == 'safetensors' else 'pt'}")
+    return fmt
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +152,7 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
     """
     if fmt not in FORMATS:
         raise UsageError(f"--format must be safetensors or pt, not {fmt!r}")
+    _check_dtypes(tensors, fmt)
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise UsageError("two output tensors have the same name")
@@ -139,36 +167,102 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
     if fmt == "safetensors":
         meta.setdefault("format", "pt")  # transformers refuses safetensors files without it
         meta.update(aliases or {})
-    if as_file:
-        with atomic_file(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
-            _write_shard(tmp, fmt, tensors, plan.members[0], meta, aliases, source, on_progress)
-            result.files.append((dest.name, tmp.stat().st_size))
-            if before_commit:
-                before_commit(tmp)
-    else:
-        with atomic_dir(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
-            for fname, members in zip(plan.files, plan.members, strict=True):
-                _write_shard(tmp / fname, fmt, tensors, members, meta, aliases, source,
-                             on_progress)
-                result.files.append((fname, (tmp / fname).stat().st_size))
-            if plan.sharded:
-                result.index_file = _write_index(tmp, fmt, tensors, plan, aliases, meta)
-                result.files.append((result.index_file, (tmp / result.index_file).stat().st_size))
-            for name, data in (side_files or {}).items():
-                (tmp / name).write_bytes(data)
-                result.files.append((name, len(data)))
-            if before_commit:
-                before_commit(tmp)
+    if overwrite and dest.is_dir() and not as_file:
+        _check_replaceable(dest)
+    try:
+        if as_file:
+            _write_file(dest, fmt, tensors, plan, meta, aliases, overwrite, result, on_progress,
+                        before_commit)
+        else:
+            _write_dir(dest, fmt, tensors, plan, meta, aliases, overwrite, side_files, result,
+                       on_progress, before_commit)
+    except OSError as e:
+        where = e.filename if isinstance(e.filename, str) else dest
+        raise CkptError(f"cannot write: {e.strerror or e}", path=where) from None
     result.tensor_bytes = sum(t.nbytes for t in tensors)
     return result
+
+
+def _write_file(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
+                meta: dict[str, str], aliases: dict[str, str] | None, overwrite: bool,
+                result: WriteResult, on_progress: Callable[[int], None] | None,
+                before_commit: Callable[[Path], None] | None) -> None:
+    with atomic_file(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
+        _write_shard(tmp, fmt, tensors, plan.members[0], meta, aliases, source, on_progress)
+        result.files.append((dest.name, tmp.stat().st_size))
+        if before_commit:
+            before_commit(tmp)
+    # An integrity manifest beside the file described what was there before.
+    with contextlib.suppress(FileNotFoundError):
+        manifest_path(dest).unlink()
+
+
+def _write_dir(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
+               meta: dict[str, str], aliases: dict[str, str] | None, overwrite: bool,
+               side_files: dict[str, bytes] | None, result: WriteResult,
+               on_progress: Callable[[int], None] | None,
+               before_commit: Callable[[Path], None] | None) -> None:
+    with atomic_dir(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
+        for fname, members in zip(plan.files, plan.members, strict=True):
+            _write_shard(tmp / fname, fmt, tensors, members, meta, aliases, source,
+                         on_progress)
+            result.files.append((fname, (tmp / fname).stat().st_size))
+        if plan.sharded:
+            result.index_file = _write_index(tmp, fmt, tensors, plan, aliases, meta)
+            result.files.append((result.index_file, (tmp / result.index_file).stat().st_size))
+        for name, data in (side_files or {}).items():
+            (tmp / name).write_bytes(data)
+            result.files.append((name, len(data)))
+        if before_commit:
+            before_commit(tmp)
+
+
+# What a directory ckpt may replace (--force) can hold: checkpoint files and their side files.
+_REPLACEABLE = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".txt", ".model",
+                ".distcp", ".metadata")
+
+
+def _check_replaceable(dest: Path) -> None:
+    """Refuse to replace a directory that holds anything but checkpoint files.
+
+    ``--force`` replaces an earlier output; it must not wipe a directory that only happens to
+    be named like one (photos, code, a whole run).
+    """
+    odd = sorted(p.name for p in dest.iterdir()
+                 if p.is_dir() or p.is_symlink() or not p.name.endswith(_REPLACEABLE))
+    if odd:
+        shown = ", ".join(odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else "")
+        raise DestinationExistsError(
+            f"holds more than checkpoint files ({shown}); not replacing it", path=dest,
+            hint="remove it yourself, or write to a new directory")
+
+
+# Dtypes each output format cannot hold: safetensors has no complex128 and no 6-bit floats;
+# torch has no 6-bit floats, and its float4 packs pairs with a shape ckpt does not write yet.
+_UNWRITABLE = {"safetensors": {"C128", "F6_E2M3", "F6_E3M2"},
+               "pt": {"F4", "F6_E2M3", "F6_E3M2"}}
+
+
+def _check_dtypes(tensors: Sequence[OutTensor], fmt: str) -> None:
+    bad = [t for t in tensors if t.dtype in _UNWRITABLE[fmt]]
+    if bad:
+        other = "pt" if fmt == "safetensors" else "safetensors"
+        hint = (f"--format {other} can hold {bad[0].dtype}"
+                if bad[0].dtype not in _UNWRITABLE[other] else None)
+        raise UnsupportedError(f"{fmt} cannot hold {bad[0].dtype} ({bad[0].name}"
+                               + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + ")",
+                               hint=hint)
 
 
 def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tuple[int, ...],
                  meta: dict[str, str], aliases: dict[str, str] | None, source: _Prefetch,
                  on_progress: Callable[[int], None] | None) -> None:
     entries = [(tensors[i].name, tensors[i].dtype, tensors[i].shape) for i in members]
-    with open(path, "wb", buffering=0) as f:
-        flusher = _Flusher(f.fileno())
+    # safetensors: raw writes, looped by write_all. Torch zips: zipfile writes once and ignores
+    # short writes (Linux caps one write at ~2 GiB), so it gets a buffered file, whose write()
+    # loops until everything is written.
+    with open(path, "wb", buffering=0 if fmt == "safetensors" else -1) as f:
+        flusher = _Flusher(f)
         if fmt == "safetensors":
             head, _ = header_bytes(entries, meta)
             write_all(f, memoryview(head))
@@ -203,13 +297,14 @@ class _Flusher:
 
     EVERY = 256 << 20
 
-    def __init__(self, fd: int):
-        self.fd, self.pending = fd, 0
+    def __init__(self, f: Any):
+        self.f, self.pending = f, 0
 
     def wrote(self, n: int) -> None:
         self.pending += n
         if self.pending >= self.EVERY:
-            os.fdatasync(self.fd)  # releases the GIL: the prefetch thread keeps casting
+            self.f.flush()
+            os.fdatasync(self.f.fileno())  # releases the GIL: the prefetch thread keeps casting
             self.pending = 0
 
 

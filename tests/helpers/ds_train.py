@@ -2,7 +2,8 @@
 
 Usage: python ds_train.py OUT_DIR CONFIG [CONFIG ...]   where CONFIG is like ``z2-fp32``.
 Each config is saved to OUT_DIR/<config>/ with DeepSpeed's own ``engine.save_checkpoint``, once
-after the last step, or after every step with a ``+each`` suffix (``z1-fp32+each``).
+after the last step, or after every step with a ``+each`` suffix (``z1-fp32+each``). A
+``+frozen`` suffix freezes the LayerNorm's parameters (DeepSpeed saves frozen parameters apart).
 All configs run inside one pair of processes, so deepspeed is imported only once.
 """
 
@@ -23,19 +24,24 @@ def _worker(rank: int, world: int, port: int, out: str, configs: list[str]) -> N
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     for cfg_name in configs:
-        stage_s, dtype = cfg_name.removesuffix("+each").split("-")
-        each = cfg_name.endswith("+each")
+        base, *flags = cfg_name.split("+")
+        stage_s, dtype = base.split("-")
+        each = "each" in flags
         stage = int(stage_s[1:])
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13),
                                     torch.nn.Linear(13, 5))
         model.register_buffer("counter", torch.arange(3, dtype=torch.float32))
+        if "frozen" in flags:
+            for p in model[1].parameters():
+                p.requires_grad_(False)
         cfg = {"train_micro_batch_size_per_gpu": 2,
                "zero_optimization": {"stage": stage},
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
         if dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable,
                                                config=cfg)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(3):
