@@ -30,6 +30,13 @@ class Run:
     seconds: float
     peak_rss: int  # bytes
     stdout: str
+    all_seconds: tuple[float, ...] = ()  # every round, when timed more than once
+
+    @property
+    def spread(self) -> str:
+        """``best / median / worst of N`` for reports."""
+        t = sorted(self.all_seconds or (self.seconds,))
+        return f"best {t[0]:.2f} / median {t[len(t) // 2]:.2f} / worst {t[-1]:.2f} s of {len(t)}"
 
 
 def timed(label: str, argv: list[str], *, env: dict[str, str] | None = None,
@@ -52,6 +59,37 @@ def timed(label: str, argv: list[str], *, env: dict[str, str] | None = None,
         if best is None or r.seconds < best.seconds:
             best = r
     assert best is not None
+    return best
+
+
+def timed_interleaved(runs: dict[str, list[str]], *, repeat: int = 5,
+                      setup: Any = None) -> dict[str, Run]:
+    """Time several commands in turn, ``repeat`` rounds; each one's fastest run.
+
+    Interleaving matters on a VM whose speed drifts: here, with virtio-balloon free-page
+    reporting, memory the guest freed goes back to the host and touching it again cost up to
+    ~10 s/GB at times (2 GB: 0.45 s in a quiet minute, 19-23 s in a busy one), which swamps
+    any difference in code. Every command sees the same conditions, and the best of several
+    rounds is what the code can do rather than what the neighbours did.
+
+    Args:
+        runs: Label -> argv.
+        repeat: Rounds.
+        setup: Called with the label before each run (untimed), e.g. to remove that
+            command's previous output.
+    """
+    best: dict[str, Run] = {}
+    seconds: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(repeat):
+        for label, argv in runs.items():
+            if setup is not None:
+                setup(label)
+            r = timed(label, argv)
+            seconds[label].append(r.seconds)
+            if label not in best or r.seconds < best[label].seconds:
+                best[label] = r
+    for label, r in best.items():
+        r.all_seconds = tuple(seconds[label])
     return best
 
 

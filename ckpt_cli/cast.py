@@ -87,8 +87,8 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
     """Cast floating values to ``dst`` (round to nearest even), in parallel blocks.
 
     Casting to FP16 counts values beyond FP16's range (which become inf) into ``stats``; with
-    ``clamp`` they are clamped to ±65504 instead. The check costs one pass over the output
-    (``isinf``); exact counting happens only in blocks that have an inf.
+    ``clamp`` they are clamped to ±65504 instead. The check costs one integer pass over the
+    output's bits; exact counting happens only in blocks that hold an inf or NaN.
 
     Args:
         arr: Source values (any float dtype numpy or ml_dtypes knows).
@@ -115,7 +115,7 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
         else:
             with np.errstate(over="ignore"):  # counted below; inf is what plain casting gives
                 o[...] = s
-        if dst != "F16" or not np.isinf(o).any():
+        if dst != "F16" or not _any_inf_or_nan(o):
             return 0
         over = int(np.count_nonzero(np.isinf(o))) - int(np.count_nonzero(np.isinf(s)))
         if over and clamp:
@@ -130,6 +130,18 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
     if stats is not None and over:
         stats.add(name, over)
     return out
+
+
+def _any_inf_or_nan(half: np.ndarray) -> bool:
+    """Whether an FP16 block holds an inf or a NaN: its magnitude bits reach 0x7C00.
+
+    Integer ops on the bits run about 3x faster than ``np.isinf`` on float16, which numpy
+    evaluates one element at a time; only blocks that hit go on to exact counting.
+    """
+    import numpy as np
+
+    bits = np.bitwise_and(half.view(np.uint16), 0x7FFF)
+    return bool(bits.size) and int(bits.max()) >= 0x7C00
 
 
 def _torch_copy(torch: Any, s: np.ndarray, o: np.ndarray, dst: str) -> None:

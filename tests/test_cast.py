@@ -67,6 +67,14 @@ def test_clamp(backend: str) -> None:
     assert stats.overflow == {"w": 2}
 
 
+def test_nan_and_source_inf_are_not_overflow(backend: str) -> None:
+    x = np.array([np.nan, 1.0, -np.inf, 65504.0], np.float32)
+    stats = CastStats()
+    got = cast_array(x, "F16", name="n", clamp=True, stats=stats)
+    assert np.isnan(got[0]) and got[1:].tolist() == [1.0, -np.inf, 65504.0]
+    assert stats.overflow == {}
+
+
 def test_prefer_torch_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[bool] = []
     monkeypatch.setattr(cast._TORCH, "start", lambda: started.append(True))
