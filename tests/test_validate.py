@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.model import Finding
+from ckpt_cli.ops.layoutcheck import directory_pointers
 from ckpt_cli.ops.validate import CHECKS, CheckpointReport, parse_require, validate
 from tests.conftest import requires_deepspeed, third_party_quiet
 from tests.helpers import damage
@@ -610,6 +611,25 @@ def test_megatron_tracker_file(tmp_path: Path) -> None:
     assert "iter_0000600" in found(r, "dangling-pointer")[0].message
     tracker.write_text("soon")
     assert found(report(d), "bad-pointer")
+
+
+def test_pointer_spellings_agree_with_the_run_listing(sample_copy: Path) -> None:
+    """validate and the run listing (prune, inspect) read a pointer with one parser."""
+    from ckpt_cli.formats.rundir import read_pointers
+
+    latest = sample_copy / "latest"
+    for text, ok in (("step_000300", True), ("./step_000300/", True),
+                     ("step_000300/model.pt", True), (f"{sample_copy}/step_000300", True),
+                     ("../elsewhere/step_000300", False), ("step_999", False)):
+        latest.write_text(text)
+        pointers, _ = read_pointers(sample_copy)
+        findings, named = directory_pointers(sample_copy)
+        assert (pointers.get("latest") == "step_000300") is ok, text
+        assert (named == ["latest -> step_000300"]) is ok, (text, findings)
+        assert [f.code for f in findings] == ([] if ok else ["dangling-pointer"]), text
+    latest.write_bytes(b"\0" * 16)  # zero-filled by a crash
+    findings, named = directory_pointers(sample_copy)
+    assert [f.code for f in findings] == ["bad-pointer"] and named == []
 
 
 def test_megatron_wrong_iteration(tmp_path: Path) -> None:

@@ -237,15 +237,17 @@ def writer_lock(path: Path) -> str | None:
     return None
 
 
-class _PointerError(Exception):
+class PointerError(Exception):
     """A pointer file exists but what it names cannot be told."""
 
 
-def _read_pointer(root: Path, name: str) -> str | None:
+def read_pointer(root: Path, name: str) -> str | None:
     """What a pointer file names: None when there is no such file.
 
+    The one parser of pointer files, shared by the run listing (prune, inspect) and validate.
+
     Raises:
-        _PointerError: The file exists but cannot be read or parsed.
+        PointerError: The file exists but cannot be read or parsed.
     """
     p = root / name
     try:
@@ -254,24 +256,24 @@ def _read_pointer(root: Path, name: str) -> str | None:
         if not p.exists():
             return None
         if not p.is_file():
-            raise _PointerError("not a regular file")
+            raise PointerError("not a regular file")
         if p.stat().st_size > 4096:
-            raise _PointerError("larger than 4 KB")
+            raise PointerError("larger than 4 KB")
         text = p.read_text(errors="replace").strip()
     except OSError as e:
-        raise _PointerError(e.strerror or str(e)) from None
+        raise PointerError(e.strerror or str(e)) from None
     if not text or not text.replace("\n", "").replace("\r", "").isprintable():
         # Empty, or zero-filled after a crash, or binary: what it named is unknown.
-        raise _PointerError("empty or unreadable (being rewritten, or damaged?)")
+        raise PointerError("empty or unreadable (being rewritten, or damaged?)")
     if name == "latest_checkpointed_iteration.txt":
         if text == "release":
             return "release"
         if not text.isdigit():
-            raise _PointerError(f"{text[:40]!r} is not an iteration number")
+            raise PointerError(f"{text[:40]!r} is not an iteration number")
         return f"iter_{int(text):07d}"
     target = _pointer_target(root, text.splitlines()[0].strip())
     if not target:
-        raise _PointerError(f"{text[:40]!r} names no checkpoint")
+        raise PointerError(f"{text[:40]!r} names no checkpoint")
     return target
 
 
@@ -318,8 +320,8 @@ def read_pointers(root: Path, links: list[str] | None = None,
     findings: list[Finding] = []
     for name in POINTER_FILES:
         try:
-            target = _read_pointer(root, name)
-        except _PointerError as e:
+            target = read_pointer(root, name)
+        except PointerError as e:
             findings.append(Finding("warning", POINTER_UNREADABLE,
                                     f"cannot tell what {name} names: {e}", name))
             continue

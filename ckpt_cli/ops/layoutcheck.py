@@ -16,7 +16,7 @@ from ckpt_cli.errors import CkptError
 from ckpt_cli.formats import deepspeed, hf_index, megatron
 from ckpt_cli.formats.base import rel_to
 from ckpt_cli.formats.containers import OPTIMIZER_KEYS
-from ckpt_cli.formats.rundir import POINTER_FILES, is_leftover
+from ckpt_cli.formats.rundir import POINTER_FILES, PointerError, is_leftover, read_pointer
 from ckpt_cli.model import CheckpointIndex, Finding
 
 _RANK_PREFIX = re.compile(r"^(?:mp_rank_\d+\S*|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_\w+)$")
@@ -116,35 +116,6 @@ def _megatron_ranks(index: CheckpointIndex, path: Path) -> list[Finding]:
     return out
 
 
-def _pointer_targets(directory: Path) -> list[tuple[str, str | None, str | None]]:
-    """``(pointer file, target name, problem)`` for each pointer file in ``directory``."""
-    out: list[tuple[str, str | None, str | None]] = []
-    for name in POINTER_FILES:
-        p = directory / name
-        if p.is_symlink():
-            out.append((name, Path(os.readlink(p)).name, None))
-            continue
-        if not p.is_file():
-            continue
-        try:
-            text = p.read_bytes()[:4097].decode("utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            out.append((name, None, "is not a readable text file"))
-            continue
-        if not text or len(text) > 4096 or "\n" in text:
-            out.append((name, None, "is empty or not a single line"))
-        elif name == "latest_checkpointed_iteration.txt":
-            if text == "release":
-                out.append((name, "release", None))
-            elif text.isdigit():
-                out.append((name, f"iter_{int(text):07d}", None))
-            else:
-                out.append((name, None, f"holds {text[:40]!r}, not an iteration number"))
-        else:
-            out.append((name, Path(text).name, None))
-    return out
-
-
 def pointer_findings(index: CheckpointIndex,
                      path: Path) -> tuple[list[Finding], str] | None:
     """``latest`` pointers inside the checkpoint, and (DeepSpeed/Megatron) beside it.
@@ -183,11 +154,18 @@ def directory_pointers(directory: Path, prefix: str = "") -> tuple[list[Finding]
     """
     findings: list[Finding] = []
     found: list[str] = []
-    for name, target, problem in _pointer_targets(directory):
+    for name in POINTER_FILES:
         rel = prefix + name
-        if problem:
-            findings.append(Finding("error", "bad-pointer", problem, rel))
-        elif target and not (directory / target).exists():
+        try:
+            target = read_pointer(directory, name)
+        except PointerError as e:
+            findings.append(Finding("error", "bad-pointer", str(e), rel))
+            continue
+        if target is None:
+            continue
+        # read_pointer gives an entry of ``directory``, or the raw text when the pointer
+        # leads out of it: that names nothing here either.
+        if "/" in target or not (directory / target).exists():
             findings.append(Finding(
                 "error", "dangling-pointer",
                 f"names {target!r}, which does not exist: resuming from it will fail", rel))
