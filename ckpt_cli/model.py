@@ -29,6 +29,8 @@ class StorageRef:
         start: Absolute byte offset of the storage's first byte in ``file``; None when missing.
         nbytes: Bytes the pickle says the storage holds.
         dtype: Canonical dtype of the storage's elements (``U8`` for untyped storages).
+        crc: The CRC-32 the zip records for the storage's entry (None: legacy, or unknown).
+        crc_len: Bytes that CRC covers (the entry's length).
     """
 
     file: str
@@ -36,6 +38,8 @@ class StorageRef:
     start: int | None
     nbytes: int
     dtype: str
+    crc: int | None = None
+    crc_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)

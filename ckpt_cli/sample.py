@@ -118,6 +118,8 @@ def write_sample(dest: Path, *, overwrite: bool = False,
     if dest.exists() and not overwrite:
         raise DestinationExistsError("already exists", path=dest,
                                      hint="pass --overwrite to replace it")
+    if overwrite and dest.is_dir() and not dest.is_symlink():
+        _check_is_a_sample(dest)
     say = on_progress or (lambda _msg: None)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
@@ -148,6 +150,18 @@ def write_sample(dest: Path, *, overwrite: bool = False,
         _export(model, tmp / "export")
         (tmp / "latest").write_text(dcp_dir.name + "\n")
     return written
+
+
+def _check_is_a_sample(dest: Path) -> None:
+    """``--overwrite`` replaces an earlier sample, never a directory of other things."""
+    ours = {f"step_{s:06d}" for s in (*STEPS, DCP_STEP)} | {"export", "latest"}
+    # ckpt's own leftovers (a prune's lock, trash, a manifest) may be there too.
+    odd = sorted(p.name for p in dest.iterdir()
+                 if p.name not in ours and not p.name.startswith((".ckpt-", "ckpt-")))
+    if odd:
+        shown = ", ".join(odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else "")
+        raise DestinationExistsError(f"is not a sample run ({shown}); not replacing it",
+                                     path=dest, hint="choose a new directory")
 
 
 def _export(model: TinyGPT, out: Path) -> None:

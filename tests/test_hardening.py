@@ -118,6 +118,13 @@ def test_chunks_that_do_not_tile_are_damage() -> None:
 
 # --- outputs --------------------------------------------------------------------------------------
 
+def sample_dir_with_shards(tmp_path: Path) -> Path:
+    d = tmp_path / "shards"
+    d.mkdir()
+    hf_sharded(d, tiny_state_dict(), max_shard_size=2000)
+    return d
+
+
 def test_force_does_not_wipe_a_directory_of_other_files(tmp_path: Path) -> None:
     src = tmp_path / "m.safetensors"
     save_file(tiny_state_dict(), str(src))
@@ -131,6 +138,19 @@ def test_force_does_not_wipe_a_directory_of_other_files(tmp_path: Path) -> None:
     convert(src, out)  # an empty directory holds nothing to lose: no --force needed
     assert (out / "model.safetensors").is_file()
     assert run_cli("convert", src, "-o", out).exit_code == 2  # now it holds an output
+    assert run_cli("convert", src, "-o", out, "--force").exit_code == 0
+    # Text and JSON files are not checkpoint files just because of their suffix.
+    for precious in ("notes.txt", "results.json"):
+        (out / precious).write_text("keep me")
+        r = run_cli("convert", src, "-o", out, "--force")
+        assert r.exit_code == 2 and precious in r.stderr
+        assert (out / precious).read_text() == "keep me"
+        (out / precious).unlink()
+    # What ckpt itself writes there (shards, index, manifest, config) may be replaced.
+    r = run_cli("consolidate", sample_dir_with_shards(tmp_path), "--max-shard-size", "1KB",
+                "-o", out, "--force")
+    assert r.exit_code == 0, r.output
+    (out / "config.json").write_text("{}")
     assert run_cli("convert", src, "-o", out, "--force").exit_code == 0
 
 
@@ -277,3 +297,132 @@ def test_zero1_frozen_parameters_are_kept(ds_dir: Path, tmp_path: Path) -> None:
     got2 = load_file(tmp_path / "o2.safetensors")
     assert {"1.weight", "1.bias"} <= set(got2) and not r2.notes[:-1]
     assert torch.equal(got["1.weight"], got2["1.weight"])  # ones: LayerNorm's initial weight
+
+
+# --- a shard the index names is missing or empty: never a smaller model -------------------------
+
+@pytest.mark.parametrize("damage", ["missing", "empty"])
+def test_hf_shard_missing_or_empty_is_refused_everywhere(sample_copy: Path, tmp_path: Path,
+                                                         damage: str) -> None:
+    export = sample_copy / "export"
+    shard = sorted(export.glob("model-*.safetensors"))[-1]
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(b"")
+    for argv in (("convert", export, "-o", tmp_path / "c.safetensors"),
+                 ("convert", export, "--to", "fp16", "-o", tmp_path / "c"),
+                 ("consolidate", export, "-o", tmp_path / "k")):
+        r = run_cli(*argv)
+        assert r.exit_code == 2, (argv, r.output)
+        assert shard.name in r.stderr and "Traceback" not in r.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name != "run"]
+    healthy = sample_copy / "step_000300"
+    for argv in (("diff", export, healthy), ("diff", "--structure-only", export, healthy),
+                 ("diff", healthy, export)):
+        r = run_cli(*argv)
+        assert r.exit_code == 2 and shard.name in r.stderr, (argv, r.output)
+
+
+def test_consolidate_reshards_an_hf_export_by_its_index(sample_run: Path, tmp_path: Path) -> None:
+    export = sample_run / "export"
+    r = run_cli("consolidate", export, "--max-shard-size", "0", "-o", tmp_path / "one",
+                "--verify", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["kind"] == "hf-index"
+    assert [f for f in os.listdir(tmp_path / "one") if f.endswith(".safetensors")] == [
+        "model.safetensors"]
+    want = {k: v for p in export.glob("*.safetensors") for k, v in load_file(p).items()}
+    got = load_file(tmp_path / "one" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_sample_overwrite_replaces_only_a_sample(tmp_path: Path) -> None:
+    d = tmp_path / "sm"
+    d.mkdir()
+    (d / "thesis.tex").write_text("four years of work")
+    (d / "latest").write_text("step_000400\n")
+    r = run_cli("sample", d, "--overwrite")
+    assert r.exit_code == 2 and "thesis.tex" in r.stderr and "not a sample run" in r.stderr
+    assert (d / "thesis.tex").read_text() == "four years of work"
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "deepspeed", "megatron", "dir"])
+def test_directory_format_forced_on_a_file(tmp_path: Path, fmt: str) -> None:
+    p = tmp_path / "x.pt"
+    torch.save({"a": torch.zeros(2)}, p)
+    for argv in (("inspect", p, "-F", fmt), ("validate", p, "-F", fmt),
+                 ("convert", p, "-F", fmt, "-o", tmp_path / "o"),
+                 ("diff", p, p, "--input-format-a", fmt)):
+        r = run_cli(*argv)
+        assert r.exit_code == 2 and "is not a directory" in r.stderr, (argv, r.output)
+
+
+def test_tensors_with_python_attributes_are_allowlisted(tmp_path: Path) -> None:
+    """DeepSpeed's optimizer state pickles tensors via _rebuild_from_type_v2(.., torch.Tensor)."""
+    t = torch.zeros(3)
+    t.ds_id = 5  # type: ignore[attr-defined]
+    p = torch.nn.Parameter(torch.ones(2))
+    p.extra = "x"  # type: ignore[attr-defined]
+    f = tmp_path / "attr.pt"
+    torch.save({"t": t, "p": p}, f)
+    assert classify_global("torch.Tensor") == "allowed"
+    index = read_index(f)
+    assert {n: x.shape for n, x in index.tensors.items()} == {"t": (3,), "p": (2,)}
+    assert not index.findings
+    r = run_cli("validate", f, "--strict")
+    assert r.exit_code == 0, r.output
+    # The class is an argument there; a pickle that calls it does not unpickle.
+    evil = (b"\x80\x02ctorch\nTensor\nq\x00)Rq\x01.")
+    with pytest.raises(Exception, match="not callable"):
+        safe_load(io.BytesIO(evil))
+
+
+@requires_deepspeed
+def test_deepspeed_checkpoints_pass_strict_validation(ds_dir: Path) -> None:
+    for name in ("z1-fp32", "z3-bf16"):
+        r = run_cli("validate", ds_dir / name, "--latest", "--strict")
+        assert r.exit_code == 0, (name, r.output)
+
+
+# --- damaged bytes are never laundered into a fresh, valid-looking output ----------------------
+
+def _flip_in_entry(path: Path, suffix: str, at: int) -> None:
+    with zipfile.ZipFile(path) as zf:
+        e = next(i for i in zf.infolist() if i.filename.endswith(suffix))
+    data = bytearray(path.read_bytes())
+    data[e.header_offset + 30 + len(e.filename) + len(e.extra) + at] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_convert_refuses_bytes_that_fail_their_crc(tmp_path: Path) -> None:
+    src = tmp_path / "a.pt"
+    torch.save({"model": {"w": torch.randn(1000, 100), "b": torch.randn(100)}}, src)
+    key = next(k for k, v in read_index(src).tensors.items() if v.shape == (1000, 100))
+    storage = read_index(src).tensors[key].storage
+    assert storage is not None
+    _flip_in_entry(src, f"data/{storage.key}", 5000)
+    for to in ("keep", "fp16"):
+        r = run_cli("convert", src, "--to", to, "-o", tmp_path / f"o-{to}.safetensors")
+        assert r.exit_code == 2 and "CRC-32" in r.stderr and "a.pt" in r.stderr, r.output
+        assert not (tmp_path / f"o-{to}.safetensors").exists()
+
+
+def test_consolidate_refuses_a_dcp_chunk_that_fails_its_crc(sample_copy: Path,
+                                                            tmp_path: Path) -> None:
+    from ckpt_cli.tensors import TensorSource
+
+    d = sample_copy / "step_000400"
+    index = read_index(d)
+    t = index.tensors["model.wte.weight"]
+    with TensorSource(index) as src:
+        sub = src.locate_chunk(t, t.chunks[1])
+    assert sub.file is not None and sub.offset is not None
+    data = bytearray((d / sub.file).read_bytes())
+    data[sub.offset + 100] ^= 4
+    (d / sub.file).write_bytes(bytes(data))
+    r = run_cli("consolidate", d, "-o", tmp_path / "out", "--verify")
+    assert r.exit_code == 2 and "CRC-32" in r.stderr and sub.file in r.stderr, r.output
+    assert not (tmp_path / "out").exists()

@@ -14,7 +14,8 @@ from ckpt_cli.cli.options import JsonOpt, QuietOpt
 def consolidate_cmd(
     source: Annotated[Path, typer.Argument(
         help="DCP directory, DeepSpeed checkpoint (global_stepN/ or its save dir with "
-             "'latest'), or a directory of per-rank files.", show_default=False)],
+             "'latest'), HF-style shards with an index, or a directory of per-rank files.",
+        show_default=False)],
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
         show_default=False)],

@@ -141,6 +141,11 @@ def read_index(path: str | Path, fmt: str | None = None) -> CheckpointIndex:
     except IsADirectoryError as e:
         raise CkptError("is a directory; this format is a single file", path=e.filename
                         or p) from None
+    except NotADirectoryError as e:
+        raise CkptError(f"is not a directory; the {reader.name} format is one",
+                        path=e.filename or p) from None
+    except OSError as e:
+        raise CkptError(f"cannot read: {e.strerror or e}", path=e.filename or p) from None
 
 
 __all__ = ["Reader", "check_exists", "detect", "get_reader", "read_index", "reader_names",

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
-from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.model import CheckpointIndex, Finding
 
 
 @runtime_checkable
@@ -135,8 +135,27 @@ def rel_to(path: Path, base: Path) -> str:
         return path.name
 
 
-# Findings about pickle globals do not make tensor data unreadable: ckpt never runs them.
-_HARMLESS = {"unsafe-global", "unknown-global", "non-allowlisted-global"}
+# Findings that do not make tensor data unreadable: pickle globals (ckpt never runs them),
+# and an HF index's bookkeeping (a tensor found in another shard than it says, or missing
+# from its weight_map, is still read from where it really is).
+_HARMLESS = {"unsafe-global", "unknown-global", "non-allowlisted-global",
+             "unindexed-tensor", "wrong-shard"}
+
+
+# Findings that mean tensors the checkpoint should hold are not there (a shard the index
+# names is missing or unreadable, or lacks a tensor) or are ambiguous: whatever the caller
+# selected, output or a comparison made from the rest would silently lack them.
+_INCOMPLETE = {"missing-shard", "bad-shard", "missing-tensor", "duplicate-tensor"}
+
+
+def refuse_incomplete(index: CheckpointIndex) -> None:
+    """Refuse a checkpoint whose readers found that some of its tensors are missing.
+
+    Raises:
+        CorruptCheckpointError: Naming the first missing piece.
+    """
+    _refuse(index, [f for f in index.findings
+                    if f.severity == "error" and f.code in _INCOMPLETE])
 
 
 def refuse_damaged(index: CheckpointIndex, names: Iterable[str],
@@ -144,7 +163,9 @@ def refuse_damaged(index: CheckpointIndex, names: Iterable[str],
     """Refuse to write output from tensors whose files the readers found damaged.
 
     Only errors in files that hold the selected tensors count (a broken ``optimizer.pt``
-    does not stop an inference export), plus errors about no file in particular.
+    does not stop an inference export), plus errors about no file in particular, errors about
+    a selected tensor itself, and those that say tensors are missing
+    (:func:`refuse_incomplete`).
 
     Args:
         index: The source checkpoint.
@@ -155,12 +176,18 @@ def refuse_damaged(index: CheckpointIndex, names: Iterable[str],
         CorruptCheckpointError: Naming the first damaged file and the problem.
     """
     files: set[str] = set(also_files)
-    for n in names:
+    selected = set(names)
+    for n in selected:
         t = index.tensors[n]
         files.update(x for x in (t.file, t.storage.file if t.storage else None) if x)
         files.update(c.file for c in t.chunks)
-    bad = [f for f in index.findings if f.severity == "error" and f.code not in _HARMLESS
-           and (f.file is None or f.file in files)]
+    _refuse(index, [f for f in index.findings if f.severity == "error"
+                    and f.code not in _HARMLESS
+                    and (f.file is None or f.file in files or f.code in _INCOMPLETE
+                         or f.location in selected)])
+
+
+def _refuse(index: CheckpointIndex, bad: list[Finding]) -> None:
     if bad:
         f = bad[0]
         more = f" (and {len(bad) - 1} more problem(s))" if len(bad) > 1 else ""

@@ -464,7 +464,8 @@ def _tensor_info(index: CheckpointIndex, name: str, path: tuple[str, ...], rec: 
     start, entry = storages.get(st.key, (None, None))
     itemsize = dtypes.DTYPES[code].itemsize
     stride = rec.stride if rec.stride != contiguous_strides(rec.shape) else None
-    ref = StorageRef(rel, st.key, start, st.nbytes, st.dtype)
+    ref = StorageRef(rel, st.key, start, st.nbytes, st.dtype,
+                     *((entry.crc, entry.size) if entry is not None else ()))
     offset = None if start is None else start + rec.storage_offset * itemsize
     if start is None:
         index.add(Finding("error", "missing-storage",

@@ -229,9 +229,30 @@ def _rebuild_parameter(data: Any, requires_grad: Any = False, *rest: Any) -> Any
     return data
 
 
+class TensorType:
+    """``torch.Tensor`` or ``torch.nn.Parameter`` named in a pickle: a marker, not callable.
+
+    torch pickles a tensor that carries Python attributes (DeepSpeed's optimizer state does)
+    as ``_rebuild_from_type_v2(rebuild, torch.Tensor, args, attributes)``; the class is only
+    an argument there. A pickle that tries to call it fails to unpickle.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     # func is one of our stand-ins (or an Opaque class); new_type is only recorded.
-    return func(*args)
+    out = func(*args)
+    if isinstance(out, TensorRecord) and isinstance(new_type, TensorType) and (
+            new_type.name.endswith("Parameter")):
+        out.is_parameter = True
+    return out
 
 
 def _rebuild_meta(dtype: Any, size: Any, stride: Any, requires_grad: Any = False,
@@ -352,6 +373,8 @@ for _cls, _code in dtypes.STORAGE_CLASSES.items():
     _ALLOWED[f"torch.{_cls}"] = StorageType(_code, _cls)
     _ALLOWED[f"torch.storage.{_cls}"] = StorageType(_code, _cls)
 _ALLOWED["torch.storage.TypedStorage"] = StorageType("U8", "TypedStorage")
+for _tt in ("torch.Tensor", "torch.nn.parameter.Parameter"):
+    _ALLOWED[_tt] = TensorType(_tt)
 for _d in dtypes.DTYPES.values():
     if _d.torch_name:
         _ALLOWED[f"torch.{_d.torch_name}"] = DTypeRef(_d.code, _d.torch_name)
@@ -359,7 +382,8 @@ for _layout_name in ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "spars
                      "sparse_bsc", "_mkldnn", "jagged", "contiguous_format", "channels_last",
                      "channels_last_3d", "preserve_format"):
     _ALLOWED[f"torch.{_layout_name}"] = _layout_name
-_ALLOWED = {k: _StandIn(v) if callable(v) and not isinstance(v, (StorageType, DTypeRef))
+_ALLOWED = {k: _StandIn(v) if callable(v) and not isinstance(v, (StorageType, DTypeRef,
+                                                                    TensorType))
             else v for k, v in _ALLOWED.items()}
 # What torch.load(weights_only=True) accepts as well; copyreg is ours only (we never call cls).
 _ALLOWED_NAMES = frozenset(_ALLOWED) - {"copyreg._reconstructor", "copy_reg._reconstructor"}

@@ -24,7 +24,7 @@ import orjson
 from ckpt_cli.atomic import check_not_input
 from ckpt_cli.cast import CastStats, cast_array, check_overflow, prefer_torch
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
-from ckpt_cli.formats import check_exists, dcp, deepspeed, read_index
+from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.directory import checkpoint_files
 from ckpt_cli.formats.rundir import tree_stats
@@ -102,11 +102,14 @@ class _Job:
 
 
 def detect_kind(path: Path) -> str:
-    """``dcp``, ``deepspeed`` or ``rank-files``; raises when there is nothing to merge."""
+    """``dcp``, ``deepspeed``, ``hf-index`` or ``rank-files``; raises when there is nothing
+    to merge."""
     check_exists(path)
     if path.is_dir():
         if dcp.DCPReader().sniff(path) is None:
             return "dcp"
+        if hf_index.find_index(path) is not None:
+            return "hf-index"  # shards of one state dict: the index says what belongs where
         if deepspeed.DeepSpeedReader().sniff(path) is None or (path / "latest").is_file():
             try:
                 resolve_tag(path)
@@ -163,9 +166,8 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
     stats = CastStats()
     if kind == "deepspeed":
         job = _deepspeed_job(src, target, with_optimizer, stats, clamp)
-    elif kind == "dcp":
-        job = _index_job("dcp", read_index(src, "dcp"), target, with_optimizer, fmt, stats,
-                         clamp)
+    elif kind in ("dcp", "hf-index"):
+        job = _index_job(kind, read_index(src, kind), target, with_optimizer, fmt, stats, clamp)
     else:
         job = _rank_files_job(src, target, with_optimizer, fmt, stats, clamp)
     prefer_torch(job.cast_elements)

@@ -28,7 +28,7 @@ from ckpt_cli.formats.containers import MODEL_KEYS
 from ckpt_cli.formats.rundir import is_run_dir
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.tensors import TensorSource
-from ckpt_cli.writers import OutTensor, WriteResult, output_format, write_checkpoint
+from ckpt_cli.writers import SIDE_FILES, OutTensor, WriteResult, output_format, write_checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,10 +37,6 @@ TARGETS = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "keep": None}
 WRAPPERS = ("module.", "_orig_mod.")
 _CASTABLE = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
              "F8_E8M0"}
-# Small JSON/text files that loaders expect next to the weights.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-              "added_tokens.json", "preprocessor_config.json")
 
 
 @dataclass(slots=True)

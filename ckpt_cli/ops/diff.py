@@ -42,7 +42,7 @@ from ckpt_cli.compare import (
 )
 from ckpt_cli.errors import CkptError, UnknownFormatError, UsageError
 from ckpt_cli.formats import read_index
-from ckpt_cli.formats.base import refuse_damaged
+from ckpt_cli.formats.base import refuse_damaged, refuse_incomplete
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.formats.rundir import is_run_dir, list_run
 from ckpt_cli.formats.torchfile import role_of
@@ -475,10 +475,11 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
     _match(result, names_a, names_b, scope_a, scope_b)
     # A side whose readers found damage in the files being compared (a missing shard, a
     # truncated file) cannot be called equal or different: say what is wrong instead.
-    # (Structure alone needs no data and still works.)
+    # Structure alone needs no data, but not a side with tensors missing.
     for label, ix, names in (("A", index_a, names_a), ("B", index_b, names_b)):
         in_scope = {n for n in names if n in (scope_a if label == "A" else scope_b)}
         try:
+            refuse_incomplete(ix)
             if opts.values:
                 refuse_damaged(ix, in_scope)
         except CkptError as e:

@@ -23,7 +23,7 @@ import orjson
 from ckpt_cli import dtypes
 from ckpt_cli.atomic import atomic_dir, atomic_file
 from ckpt_cli.errors import CkptError, DestinationExistsError, UnsupportedError, UsageError
-from ckpt_cli.manifest import manifest_path
+from ckpt_cli.manifest import MANIFEST_NAME, manifest_path
 from ckpt_cli.planning import ShardPlan, plan_shards
 from ckpt_cli.writers.safetensors import header_bytes, write_all
 from ckpt_cli.writers.torchzip import TorchZipWriter
@@ -217,19 +217,26 @@ def _write_dir(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPl
             before_commit(tmp)
 
 
-# What a directory ckpt may replace (--force) can hold: checkpoint files and their side files.
-_REPLACEABLE = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".txt", ".model",
-                ".distcp", ".metadata")
+# Small JSON/text files that loaders expect next to the weights (convert copies them).
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
+              "added_tokens.json", "preprocessor_config.json")
+# What a directory ckpt may replace (--force) can hold: weight files, indexes, manifests,
+# DCP metadata and the side files above. Nothing else: not notes.txt, not results.json.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".distcp",
+                    ".index.json", ".ckpt-manifest.json")
+_REPLACEABLE_NAMES = {*SIDE_FILES, MANIFEST_NAME, ".metadata"}
 
 
 def _check_replaceable(dest: Path) -> None:
     """Refuse to replace a directory that holds anything but checkpoint files.
 
     ``--force`` replaces an earlier output; it must not wipe a directory that only happens to
-    be named like one (photos, code, a whole run).
+    be named like one (photos, code, notes, a whole run).
     """
     odd = sorted(p.name for p in dest.iterdir()
-                 if p.is_dir() or p.is_symlink() or not p.name.endswith(_REPLACEABLE))
+                 if p.is_dir() or p.is_symlink()
+                 or not (p.name in _REPLACEABLE_NAMES or p.name.endswith(_WEIGHT_SUFFIXES)))
     if odd:
         shown = ", ".join(odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else "")
         raise DestinationExistsError(
