@@ -216,3 +216,17 @@ def test_golden_json(request: pytest.FixtureRequest) -> None:
     if request.config.getoption("--update-golden"):
         golden.write_text(text)
     assert text == golden.read_text()
+
+
+def test_a_closed_stderr_pipe_ends_quietly() -> None:
+    """``ckpt plan 2>&1 | head``: head is gone by the time the notes reach stderr."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)  # every write to stderr meets a closed pipe
+    p = subprocess.run([sys.executable, "-m", "ckpt_cli", "plan", "--params", "7B"],
+                       stdout=subprocess.PIPE, stderr=w, timeout=60)
+    os.close(w)
+    assert p.returncode == 0 and p.stdout.startswith(b"Plan for 7.0B")

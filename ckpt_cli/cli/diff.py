@@ -30,7 +30,7 @@ def diff_cmd(
                                                  "sides before matching (repeatable).")] = None,
     exact_names: Annotated[bool, typer.Option(
         "--exact-names", help="Do not strip wrapper prefixes (module., _orig_mod., model., "
-                              "state_dict.) automatically.")] = False,
+                              "state_dict., model_state_dict.) automatically.")] = False,
     rtol: Annotated[float | None, typer.Option(
         "--rtol", min=0.0, metavar="X",
         help="Relative tolerance for floats. Default: exact for the same dtype, the coarser "

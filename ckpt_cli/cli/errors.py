@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import typer
 
@@ -49,9 +49,13 @@ def handled() -> Iterator[None]:
         _say("ckpt: interrupted")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:
-        # Output piped into `head` and the like: not an error of ours.
+        # Output piped into `head` and the like: not an error of ours. Whatever is still
+        # buffered (on stdout, or on stderr when it shares the pipe: `2>&1 | head`) goes
+        # nowhere, so that flushing it at exit cannot fail again.
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        for stream in (sys.stdout, sys.stderr):
+            with suppress(OSError, ValueError):
+                os.dup2(devnull, stream.fileno())
         raise typer.Exit(EXIT_OK) from None
     except Exception as e:
         if os.environ.get("CKPT_DEBUG"):

@@ -39,8 +39,9 @@ def stdout() -> Console:
 
 
 def stderr() -> Console:
-    """Console for diagnostics and progress."""
-    return Console(stderr=True, highlight=False)
+    """Console for diagnostics and progress (a closed pipe ends quietly here too:
+    ``ckpt plan 2>&1 | head``)."""
+    return _Console(stderr=True, highlight=False)
 
 
 def size(n: int | float | None) -> str:
