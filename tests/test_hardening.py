@@ -426,3 +426,17 @@ def test_consolidate_refuses_a_dcp_chunk_that_fails_its_crc(sample_copy: Path,
     r = run_cli("consolidate", d, "-o", tmp_path / "out", "--verify")
     assert r.exit_code == 2 and "CRC-32" in r.stderr and sub.file in r.stderr, r.output
     assert not (tmp_path / "out").exists()
+
+
+@requires_deepspeed
+def test_consolidate_names_a_latest_that_points_nowhere(ds_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "z1"
+    shutil.copytree(ds_dir / "z1-fp32", run)
+    (run / "latest").write_text("global_step99")
+    r = run_cli("consolidate", run, "-o", tmp_path / "out")
+    assert r.exit_code == 2 and "global_step99" in r.stderr and "latest" in r.stderr, r.output
+
+
+def test_consolidate_of_a_run_directory_says_so(sample_run: Path, tmp_path: Path) -> None:
+    r = run_cli("consolidate", sample_run, "-o", tmp_path / "out")
+    assert r.exit_code == 2 and "is a run directory" in r.stderr, r.output

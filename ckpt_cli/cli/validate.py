@@ -22,7 +22,8 @@ def validate_cmd(
         "--require", metavar="LIST", help="Make missing training state an error: "
                                           "optimizer,step.")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Structure only: skip the CRC-32 pass "
-                                                        "(reads no tensor data).")] = False,
+                                                        "and chunk decoding (a manifest is "
+                                                        "still verified).")] = False,
     write_manifest: Annotated[bool, typer.Option(
         "--write-manifest", help="Record size and checksum of every file in a manifest "
                                  "inside the checkpoint (only if it is valid).")] = False,

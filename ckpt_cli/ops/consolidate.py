@@ -13,6 +13,7 @@ Output goes through the shared streaming writer (safetensors or torch zip, HF-st
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.directory import checkpoint_files
-from ckpt_cli.formats.rundir import tree_stats
+from ckpt_cli.formats.rundir import PointerError, is_run_dir, read_pointer, tree_stats
 from ckpt_cli.formats.zero import PieceReader, ZeroPlan, natural_key, plan_zero, resolve_tag
 from ckpt_cli.manifest import manifest_path, write_manifest
 from ckpt_cli.model import CheckpointIndex
@@ -110,14 +111,23 @@ def detect_kind(path: Path) -> str:
             return "dcp"
         if hf_index.find_index(path) is not None:
             return "hf-index"  # shards of one state dict: the index says what belongs where
+        pointer_error: CkptError | None = None
         if deepspeed.DeepSpeedReader().sniff(path) is None or (path / "latest").is_file():
             try:
                 resolve_tag(path)
                 return "deepspeed"
-            except CkptError:
-                pass
+            except CkptError as e:
+                with contextlib.suppress(PointerError):
+                    named = read_pointer(path, "latest")
+                    if named is not None and not (path / named).exists():
+                        pointer_error = e  # `latest` names a tag that is gone
         if len(checkpoint_files(path)) > 1:
             return "rank-files"
+        if pointer_error is not None:
+            raise pointer_error
+        if is_run_dir(path):
+            raise UsageError(f"{path} is a run directory; name one of its checkpoints",
+                             hint=f"ckpt inspect {path} lists them")
     raise UsageError(f"{path}: nothing to consolidate (expected a DCP directory, a DeepSpeed "
                      "checkpoint or a directory of per-rank files)",
                      hint=f"for a single checkpoint use: ckpt convert {path} -o OUT")
