@@ -440,3 +440,10 @@ def test_consolidate_names_a_latest_that_points_nowhere(ds_dir: Path, tmp_path: 
 def test_consolidate_of_a_run_directory_says_so(sample_run: Path, tmp_path: Path) -> None:
     r = run_cli("consolidate", sample_run, "-o", tmp_path / "out")
     assert r.exit_code == 2 and "is a run directory" in r.stderr, r.output
+
+
+def test_a_stray_distcp_file_is_not_a_rank(sample_copy: Path) -> None:
+    d = sample_copy / "step_000400"
+    shutil.copy(d / "__0_0.distcp", d / "__9_0.distcp")
+    layout = read_index(d).layout
+    assert layout["world_size"] == 4 and layout["ranks"] == [0, 1, 2, 3]

@@ -120,13 +120,7 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
                               f"metadata pickle references {qual}; not executed",
                               meta_path.name, qual))
     index.files.append(FileInfo(meta_path.name, file_size(meta_path), "metadata", "dcp"))
-    sizes: dict[str, int] = {}
-    ranks: set[int] = set()
-    for p in distcp:
-        sizes[p.name] = file_size(p)
-        m = _DISTCP.match(p.name)
-        if m:
-            ranks.add(int(m.group(1)))
+    sizes = {p.name: file_size(p) for p in distcp}
     storage = storage_map(fields.get("storage_data"), path, meta_path)
     raw_planner = fields.get("planner_data")
     planner: dict[str, Any] = raw_planner if isinstance(raw_planner, dict) else {}
@@ -165,8 +159,11 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
     _check_bounds(index, sizes)
     _check_tiling(index, meta_path.name)
     _read_objects(index, path, bytes_items, sizes)
+    # Ranks from the files .metadata names: a stray file (validate reports it) is not a rank.
+    named = [p for p in distcp if p.name in referenced] or distcp
+    ranks = {int(m.group(1)) for p in named if (m := _DISTCP.match(p.name))}
     index.layout.update({"world_size": len(ranks) if ranks else None,
-                         "ranks": sorted(ranks), "files_per_rank": _per_rank(distcp)})
+                         "ranks": sorted(ranks), "files_per_rank": _per_rank(named)})
     version = fields.get("version")
     if isinstance(version, str):
         index.metadata["dcp_version"] = version
