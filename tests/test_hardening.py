@@ -447,3 +447,20 @@ def test_a_stray_distcp_file_is_not_a_rank(sample_copy: Path) -> None:
     shutil.copy(d / "__0_0.distcp", d / "__9_0.distcp")
     layout = read_index(d).layout
     assert layout["world_size"] == 4 and layout["ranks"] == [0, 1, 2, 3]
+
+
+def test_checkpoints_nested_in_a_final_model_directory_are_pointed_out(
+        hf_trainer_dir: Path, tmp_path: Path) -> None:
+    """trainer.save_model() puts the final model beside checkpoint-N/: say they are there."""
+    out = tmp_path / "out"
+    shutil.copytree(hf_trainer_dir, out)
+    for name in ("model.safetensors", "config.json", "trainer_state.json"):
+        shutil.copy(out / "checkpoint-4" / name, out / name)
+    index = read_index(out)
+    nested = [f for f in index.findings if f.code == "nested-checkpoints"]
+    assert len(nested) == 1 and "checkpoint-2, checkpoint-4" in nested[0].message
+    r = run_cli("validate", out, "--strict")
+    assert r.exit_code == 1 and "checkpoint-2, checkpoint-4" in r.stdout + r.stderr
+    # Each checkpoint itself has none.
+    assert not [f for f in read_index(out / "checkpoint-4").findings
+                if f.code == "nested-checkpoints"]

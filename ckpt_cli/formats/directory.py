@@ -92,9 +92,23 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         p = path / name
         if p.is_file():
             _read_json_state(index, p)
+    from ckpt_cli.formats.rundir import step_from_name
+
+    nested: list[str] = []
     for sub in sorted(q for q in path.iterdir() if q.is_dir()):
         if dcp.metadata_file(sub) is not None:
             _merge_sub(index, sub)
+        elif not sub.is_symlink() and step_from_name(sub.name, strict=True) is not None:
+            nested.append(sub.name)
+    if nested:
+        # An HF Trainer output directory after training: the final model at the top, the
+        # checkpoints saved on the way below it. They are not part of this checkpoint.
+        shown = ", ".join(nested[:3]) + (f" and {len(nested) - 3} more" if len(nested) > 3
+                                         else "")
+        index.add(Finding("warning", "nested-checkpoints",
+                          f"also holds {len(nested)} checkpoint director"
+                          f"{'y' if len(nested) == 1 else 'ies'} ({shown}), not part of this "
+                          f"checkpoint: name them to inspect or validate them", None))
     if (path / "trainer_state.json").is_file():
         index.flavor = "hf-trainer"
     elif any(p.name.startswith("random_states_") for p in path.iterdir()):
