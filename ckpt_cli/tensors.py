@@ -13,6 +13,7 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 _MAX_OPEN = 64
 _MAP_MIN = 1 << 20  # below this a copy is as cheap as setting up a mapping
 _READ_CHUNK = 1 << 30
+_CRC_PIECE = 16 << 20
 
 
 class TensorSource:
@@ -135,6 +137,7 @@ class TensorSource:
                                        path=self.index.root) from None
             buf = np.empty(t.nbytes, dtype=np.uint8)
             self.read_into(t.file, t.offset, buf.data)
+            self._check_crc(t, buf)
             return buf
         if t.stride is None:
             if mapped and t.nbytes >= _MAP_MIN:
@@ -147,26 +150,43 @@ class TensorSource:
             return arr
         return self._read_strided(t, dt)
 
-    def _check_crc(self, t: TensorInfo, arr: np.ndarray) -> None:
-        """Compare the bytes of a tensor that fills its whole zip entry with the entry's CRC-32.
+    def _check_crc(self, t: TensorInfo, arr: np.ndarray | None = None) -> None:
+        """Compare the bytes of the zip entry that holds ``t`` with the entry's CRC-32.
 
         Writing output from damaged bytes would launder the damage into a file that then
-        validates clean; torch zips record a CRC-32 per storage, and checking it costs one
-        fast pass (ISA-L) over bytes that were read anyway. Views of part of a storage are
-        not checked here (``ckpt validate`` checks every record).
+        validates clean; torch zips record a CRC-32 per storage. When ``arr`` holds exactly
+        the entry's bytes (the usual case: a tensor owns its storage), checking costs one fast
+        pass (ISA-L) over bytes that were read anyway; for a view of part of a storage, or a
+        strided one, the whole entry is read once more, in pieces. Each entry is checked once
+        per source. A recorded CRC of 0 means the writer turned checksums off
+        (``torch.serialization.set_crc32_options(False)``): nothing to compare with.
         """
         import numpy as np
 
         s = t.storage
-        if (s is None or s.crc is None or s.start is None or t.offset != s.start
-                or t.nbytes != s.crc_len or (s.file, s.start) in self._crc_ok):
+        if (s is None or not s.crc or s.start is None or not s.crc_len
+                or (s.file, s.start) in self._crc_ok):
             return
-        got = crc32(arr.reshape(-1).view(np.uint8).data)
+        if arr is not None and t.offset == s.start and arr.nbytes == s.crc_len:
+            got = crc32(arr.reshape(-1).view(np.uint8).data)
+        else:
+            got = self._crc_of(s.file, s.start, s.crc_len)
         if got != s.crc:
             raise CorruptCheckpointError(
                 f"tensor {t.name!r}: its bytes fail the CRC-32 check (recorded {s.crc:#010x}, "
                 f"read {got:#010x}): the file is damaged", path=self.index.path_of(s.file))
         self._crc_ok.add((s.file, s.start))
+
+    def _crc_of(self, rel: str, offset: int, length: int) -> int:
+        """CRC-32 of a byte range of file ``rel``, read in bounded pieces."""
+        buf = memoryview(bytearray(min(length, _CRC_PIECE)))
+        value, done = 0, 0
+        while done < length:
+            n = min(len(buf), length - done)
+            self.read_into(rel, offset + done, buf[:n])
+            value = crc32(buf[:n], value)
+            done += n
+        return value
 
     def _map(self, t: TensorInfo, dt: np.dtype[Any]) -> np.ndarray:
         import numpy as np
@@ -193,7 +213,9 @@ class TensorSource:
         if any(d == 0 for d in t.shape):
             return np.empty(t.shape, dtype=dt)
         raw = np.empty((span - lo) * item, dtype=np.uint8)
-        self.read_into(t.file, t.offset + lo * item, raw.data)
+        first = t.offset + lo * item
+        self.read_into(t.file, first, raw.data)
+        self._check_crc(replace(t, offset=first), raw)
         base = raw.view(dt)
         view = np.lib.stride_tricks.as_strided(
             base[-lo:], shape=t.shape, strides=tuple(s * item for s in t.stride), writeable=False)

@@ -152,6 +152,23 @@ def test_force_does_not_wipe_a_directory_of_other_files(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     (out / "config.json").write_text("{}")
     assert run_cli("convert", src, "-o", out, "--force").exit_code == 0
+    # Checkpoints ckpt never writes into a directory are not its to replace.
+    for other in ("__0_0.distcp", ".metadata", "last.ckpt", "model_optim_rng.pt"):
+        (out / other).write_bytes(b"precious")
+        r = run_cli("convert", src, "-o", out, "--force")
+        assert r.exit_code == 2 and other in r.stderr, r.output
+        assert (out / other).read_bytes() == b"precious"
+        (out / other).unlink()
+
+
+def test_force_does_not_replace_a_file_with_a_directory(tmp_path: Path) -> None:
+    src = tmp_path / "m.safetensors"
+    save_file(tiny_state_dict(), str(src))
+    notes = tmp_path / "notes.txt"  # no weight suffix: the output would be a directory
+    notes.write_text("keep me")
+    r = run_cli("convert", src, "-o", notes, "--force")
+    assert r.exit_code == 2 and "is a file" in r.stderr and "notes.txt" in r.stderr, r.output
+    assert notes.read_text() == "keep me"
 
 
 def test_output_cannot_be_an_input_shard(tmp_path: Path) -> None:
@@ -404,10 +421,46 @@ def test_convert_refuses_bytes_that_fail_their_crc(tmp_path: Path) -> None:
     storage = read_index(src).tensors[key].storage
     assert storage is not None
     _flip_in_entry(src, f"data/{storage.key}", 5000)
-    for to in ("keep", "fp16"):
-        r = run_cli("convert", src, "--to", to, "-o", tmp_path / f"o-{to}.safetensors")
+    for to, ext in (("keep", "safetensors"), ("fp16", "safetensors"), ("keep", "pt")):
+        out = tmp_path / f"o-{to}.{ext}"
+        r = run_cli("convert", src, "--to", to, "-o", out)
         assert r.exit_code == 2 and "CRC-32" in r.stderr and "a.pt" in r.stderr, r.output
-        assert not (tmp_path / f"o-{to}.safetensors").exists()
+        assert "Exception ignored" not in r.stderr and not out.exists()
+
+
+def test_files_saved_with_crc_turned_off_convert(tmp_path: Path) -> None:
+    # torch.serialization.set_crc32_options(False) records CRC 0: no checksum, not a mismatch.
+    src = tmp_path / "nocrc.pt"
+    sd = {"w": torch.randn(300, 40), "b": torch.randn(40)}
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(sd, src)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with zipfile.ZipFile(src) as zf:
+        assert {i.CRC for i in zf.infolist() if "/data/" in i.filename} == {0}
+    out = tmp_path / "o.safetensors"
+    r = run_cli("convert", src, "-o", out)
+    assert r.exit_code == 0, r.output
+    got = load_file(out)
+    assert torch.equal(got["w"], sd["w"]) and torch.equal(got["b"], sd["b"])
+
+
+@pytest.mark.parametrize("kind", ["slice", "transpose"])
+def test_views_of_a_damaged_storage_are_refused(tmp_path: Path, kind: str) -> None:
+    # A view of part of a storage, and a strided view, are checked against the whole entry.
+    base = torch.randn(400, 50)
+    view = base[100:200] if kind == "slice" else base.t()
+    src = tmp_path / "v.pt"
+    torch.save({"v": view}, src)
+    t = read_index(src).tensors["v"]
+    assert t.storage is not None
+    assert (t.offset != t.storage.start) if kind == "slice" else (t.stride is not None)
+    # Damage bytes of the storage that the view itself does not cover (rows 0-99 of base).
+    _flip_in_entry(src, f"data/{t.storage.key}", 40)
+    r = run_cli("convert", src, "-o", tmp_path / "o.safetensors")
+    assert r.exit_code == 2 and "CRC-32" in r.stderr, r.output
+    assert not (tmp_path / "o.safetensors").exists()
 
 
 def test_consolidate_refuses_a_dcp_chunk_that_fails_its_crc(sample_copy: Path,
@@ -464,3 +517,42 @@ def test_checkpoints_nested_in_a_final_model_directory_are_pointed_out(
     # Each checkpoint itself has none.
     assert not [f for f in read_index(out / "checkpoint-4").findings
                 if f.code == "nested-checkpoints"]
+
+
+def test_generator_and_dataloader_state_are_not_code(tmp_path: Path) -> None:
+    # torch.save of a torch.Generator or a DataLoader: data torch's weights_only loader
+    # refuses, but nothing that runs code; a warning, not an invalid checkpoint.
+    src = tmp_path / "rng.pt"
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(6.0)),
+                                         batch_size=2, shuffle=True)
+    torch.save({"model": {"w": torch.randn(4, 4)}, "gen": torch.Generator().manual_seed(3),
+                "loader": loader}, src)
+    r = run_cli("validate", src, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["valid"], r.output
+    found = {(f["code"], f["location"]) for f in doc["checkpoints"][0]["findings"]}
+    assert not any(code == "unsafe-global" for code, _ in found), found
+    assert ("non-allowlisted-global", "torch._C.Generator") in found
+    assert ("unknown-global", "torch.utils.data.dataloader.DataLoader") in found
+    assert classify_global("torch._C.Generator") == "benign"
+    for gadget in ("torch._C._jit_script_compile", "numpy.memmap", "numpy.lib.npyio.load",
+                   "torch.fx.graph_module.reduce_graph_module"):
+        assert classify_global(gadget) == "dangerous", gadget
+
+
+@requires_deepspeed
+def test_consolidate_prefers_zero_shards_to_a_16bit_hf_export(ds_dir: Path,
+                                                              tmp_path: Path) -> None:
+    # HF Trainer + DeepSpeed saves the ZeRO shards (FP32 master weights) and a 16-bit HF
+    # export with an index side by side: the shards are what consolidate must merge.
+    from ckpt_cli.ops.consolidate import detect_kind
+
+    run = tmp_path / "checkpoint-2"
+    shutil.copytree(ds_dir / "z1-fp32", run)
+    hf_sharded(run, {k: v.half() for k, v in tiny_state_dict().items()}, max_shard_size=600)
+    assert (run / "model.safetensors.index.json").is_file()
+    assert detect_kind(run) == "deepspeed"
+    plain = tmp_path / "export"
+    plain.mkdir()
+    hf_sharded(plain, tiny_state_dict(), max_shard_size=1200)
+    assert detect_kind(plain) == "hf-index"

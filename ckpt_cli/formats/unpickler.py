@@ -42,14 +42,20 @@ _DANGEROUS_NAMES = frozenset({
     "operator.attrgetter", "operator.methodcaller", "operator.itemgetter", "functools.partial",
     "functools.reduce", "torch.load", "torch.serialization.load", "numpy.load",
     "copyreg._reconstructor_ex",
+    # numpy functions that open files by name (memmap in a write mode truncates one).
+    "numpy.memmap", "numpy.fromfile", "numpy.loadtxt", "numpy.genfromtxt", "numpy.save",
+    "numpy.savez", "numpy.savez_compressed", "numpy.savetxt", "numpy.fromregex",
 })
 # Modules whose functions reach code execution, the network or the file system when called
 # (torch.load of embedded bytes, exec of generated source, compiling extensions...).
 _DANGEROUS_PREFIXES = (
     "torch.storage._load_from_bytes", "torch.fx.", "torch.utils.cpp_extension.", "torch.hub.",
     "torch.jit.", "torch._C.", "torch.package.", "torch._dynamo.", "torch._inductor.",
-    "torch.utils.data.", "torch.multiprocessing.", "torch.distributed.rpc.",
-    "numpy.distutils.", "numpy.testing.", "numpy.f2py.", "numpy.lib.", "numpy.ctypeslib.",
+    "torch.multiprocessing.", "torch.distributed.rpc.",
+    "numpy.distutils.", "numpy.testing.", "numpy.f2py.", "numpy.ctypeslib.",
+    "numpy.core.memmap.", "numpy._core.memmap.", "numpy.lib.npyio.", "numpy.lib._npyio_impl.",
+    "numpy.lib.format.", "numpy.lib._format_impl.", "numpy.lib.utils.", "numpy.lib._utils_impl.",
+    "numpy.lib._datasource.", "numpy.lib.recfunctions.",
 )
 # Names that commonly appear in training checkpoints and are plain data holders: torch's
 # weights_only loader refuses them, but reading their state as data is harmless.
@@ -62,6 +68,9 @@ _BENIGN_NAMES = frozenset({
     "builtins.slice", "builtins.range", "builtins.object", "builtins.int", "builtins.float",
     "builtins.str", "builtins.bytes", "builtins.bool", "builtins.tuple", "builtins.list",
     "builtins.dict", "_codecs.encode", "copyreg._reconstructor",
+    # A random generator's state (torch.save of a torch.Generator): plain data, although it
+    # lives in torch._C, whose other names are refused.
+    "torch._C.Generator",
 })
 _BENIGN_PREFIXES = (
     "numpy.dtypes.", "pathlib.", "datetime.", "enum.", "deepspeed.", "transformers.",
@@ -87,10 +96,13 @@ def classify_global(qualname: str) -> str:
     if qualname in _ALLOWED_NAMES:
         return "allowed"
     module = qualname.rsplit(".", 1)[0]
-    if (qualname in _DANGEROUS_NAMES or module.split(".", 1)[0] in _DANGEROUS_MODULES
-            or qualname.startswith(_DANGEROUS_PREFIXES)):
+    if qualname in _DANGEROUS_NAMES:
         return "dangerous"
-    if qualname in _BENIGN_NAMES or qualname.startswith(_BENIGN_PREFIXES):
+    if qualname in _BENIGN_NAMES:  # exact names: exceptions within a refused module
+        return "benign"
+    if module.split(".", 1)[0] in _DANGEROUS_MODULES or qualname.startswith(_DANGEROUS_PREFIXES):
+        return "dangerous"
+    if qualname.startswith(_BENIGN_PREFIXES):
         return "benign"
     return "unknown"
 

@@ -48,7 +48,7 @@ class ConsolidateResult:
 
     Attributes:
         source: The input path.
-        kind: ``dcp``, ``deepspeed`` or ``rank-files``.
+        kind: ``dcp``, ``deepspeed``, ``hf-index`` or ``rank-files``.
         output: The output file or directory.
         write: Files written.
         files_before: Number of input files.
@@ -109,8 +109,6 @@ def detect_kind(path: Path) -> str:
     if path.is_dir():
         if dcp.DCPReader().sniff(path) is None:
             return "dcp"
-        if hf_index.find_index(path) is not None:
-            return "hf-index"  # shards of one state dict: the index says what belongs where
         pointer_error: CkptError | None = None
         if deepspeed.DeepSpeedReader().sniff(path) is None or (path / "latest").is_file():
             try:
@@ -121,6 +119,10 @@ def detect_kind(path: Path) -> str:
                     named = read_pointer(path, "latest")
                     if named is not None and not (path / named).exists():
                         pointer_error = e  # `latest` names a tag that is gone
+        # After DeepSpeed: an HF Trainer + DeepSpeed checkpoint holds both the ZeRO shards
+        # (full-precision master weights) and a 16-bit HF export with its index.
+        if hf_index.find_index(path) is not None and pointer_error is None:
+            return "hf-index"  # shards of one state dict: the index says what belongs where
         if len(checkpoint_files(path)) > 1:
             return "rank-files"
         if pointer_error is not None:

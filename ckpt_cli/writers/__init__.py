@@ -167,7 +167,7 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
     if fmt == "safetensors":
         meta.setdefault("format", "pt")  # transformers refuses safetensors files without it
         meta.update(aliases or {})
-    if overwrite and dest.is_dir() and not as_file:
+    if overwrite and not as_file:
         _check_replaceable(dest)
     try:
         if as_file:
@@ -215,25 +215,36 @@ def _write_dir(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPl
             result.files.append((name, len(data)))
         if before_commit:
             before_commit(tmp)
+        if overwrite:
+            # Again just before the swap: the directory may have changed during a long write.
+            _check_replaceable(dest)
 
 
 # Small JSON/text files that loaders expect next to the weights (convert copies them).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
               "added_tokens.json", "preprocessor_config.json")
-# What a directory ckpt may replace (--force) can hold: weight files, indexes, manifests,
-# DCP metadata and the side files above. Nothing else: not notes.txt, not results.json.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".distcp",
-                    ".index.json", ".ckpt-manifest.json")
-_REPLACEABLE_NAMES = {*SIDE_FILES, MANIFEST_NAME, ".metadata"}
+# What a directory ckpt may replace (--force) can hold: what ckpt itself writes there (weight
+# files, shard indexes, manifests, the side files above). Nothing else: not notes.txt, and not
+# a checkpoint ckpt does not write in a directory (a DCP checkpoint, .pt files of a run).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json", ".ckpt-manifest.json")
+_REPLACEABLE_NAMES = {*SIDE_FILES, MANIFEST_NAME}
 
 
 def _check_replaceable(dest: Path) -> None:
-    """Refuse to replace a directory that holds anything but checkpoint files.
+    """Refuse to replace a directory that holds anything but what ckpt writes in one.
 
     ``--force`` replaces an earlier output; it must not wipe a directory that only happens to
-    be named like one (photos, code, notes, a whole run).
+    be named like one (photos, code, notes, a whole run), nor a regular file where the
+    output is a directory.
     """
+    if not dest.is_dir():
+        if dest.exists() or dest.is_symlink():
+            raise DestinationExistsError(
+                "is a file, and this output is a directory (-o names a directory unless it "
+                "ends in .safetensors, .pt, .pth or .bin); not replacing it", path=dest,
+                hint="remove it yourself, or give -o a new name")
+        return
     odd = sorted(p.name for p in dest.iterdir()
                  if p.is_dir() or p.is_symlink()
                  or not (p.name in _REPLACEABLE_NAMES or p.name.endswith(_WEIGHT_SUFFIXES)))
@@ -284,15 +295,19 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
             here = {e[0] for e in entries}
             local = {a: n for a, n in (aliases or {}).items() if n in here}
             zw = TorchZipWriter(f, entries, local)
-            for i in members:
-                arr = source.get(i)
-                data = _bytes_of(arr, tensors[i])
-                zw.write_tensor(data)
-                flusher.wrote(len(data))
-                if on_progress:
-                    on_progress(tensors[i].nbytes)
-                del arr, data
-            zw.close()
+            try:
+                for i in members:
+                    arr = source.get(i)
+                    data = _bytes_of(arr, tensors[i])
+                    zw.write_tensor(data)
+                    flusher.wrote(len(data))
+                    if on_progress:
+                        on_progress(tensors[i].nbytes)
+                    del arr, data
+                zw.close()
+            except BaseException:
+                zw.abandon()
+                raise
 
 
 class _Flusher:

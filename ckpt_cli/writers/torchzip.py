@@ -176,3 +176,8 @@ class TorchZipWriter:
         self._put(f"{ARCHIVE}version", b"3\n")
         self._put(f"{ARCHIVE}.data/serialization_id", str(uuid.uuid4().int)[:40].encode())
         self.zf.close()
+
+    def abandon(self) -> None:
+        """Give up on an archive the caller discards: write nothing more, not even on
+        garbage collection (ZipFile would try to finish a file that is already closed)."""
+        self.zf.fp = None
