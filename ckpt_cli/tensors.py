@@ -45,6 +45,7 @@ class TensorSource:
         self.index = index
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._crc_ok: set[tuple[str, int]] = set()
+        self._crc_bad: dict[tuple[str, int], int] = {}  # damaged entry -> the CRC its bytes give
 
     def __enter__(self) -> TensorSource:
         return self
@@ -167,15 +168,19 @@ class TensorSource:
         if (s is None or not s.crc or s.start is None or not s.crc_len
                 or (s.file, s.start) in self._crc_ok):
             return
-        if arr is not None and t.offset == s.start and arr.nbytes == s.crc_len:
+        key = (s.file, s.start)
+        if key in self._crc_bad:  # many views of one damaged storage: read it once
+            got = self._crc_bad[key]
+        elif arr is not None and t.offset == s.start and arr.nbytes == s.crc_len:
             got = crc32(arr.reshape(-1).view(np.uint8).data)
         else:
             got = self._crc_of(s.file, s.start, s.crc_len)
         if got != s.crc:
+            self._crc_bad[key] = got
             raise CorruptCheckpointError(
                 f"tensor {t.name!r}: its bytes fail the CRC-32 check (recorded {s.crc:#010x}, "
                 f"read {got:#010x}): the file is damaged", path=self.index.path_of(s.file))
-        self._crc_ok.add((s.file, s.start))
+        self._crc_ok.add(key)
 
     def _crc_of(self, rel: str, offset: int, length: int) -> int:
         """CRC-32 of a byte range of file ``rel``, read in bounded pieces."""

@@ -42,21 +42,38 @@ _DANGEROUS_NAMES = frozenset({
     "operator.attrgetter", "operator.methodcaller", "operator.itemgetter", "functools.partial",
     "functools.reduce", "torch.load", "torch.serialization.load", "numpy.load",
     "copyreg._reconstructor_ex",
-    # numpy functions that open files by name (memmap in a write mode truncates one).
-    "numpy.memmap", "numpy.fromfile", "numpy.loadtxt", "numpy.genfromtxt", "numpy.save",
-    "numpy.savez", "numpy.savez_compressed", "numpy.savetxt", "numpy.fromregex",
+})
+# numpy callables that open files by name (memmap in a write mode truncates one), wherever
+# numpy exports them (numpy.fromfile, numpy._core.multiarray.fromfile, numpy.rec.fromfile,
+# numpy.ndarray.tofile...).
+_NUMPY_FILE_LEAVES = frozenset({
+    "fromfile", "tofile", "dump", "dumps", "load", "loads", "loadtxt", "genfromtxt", "save",
+    "savez", "savez_compressed", "savetxt", "fromregex", "memmap", "open_memmap", "DataSource",
 })
 # Modules whose functions reach code execution, the network or the file system when called
 # (torch.load of embedded bytes, exec of generated source, compiling extensions...).
 _DANGEROUS_PREFIXES = (
     "torch.storage._load_from_bytes", "torch.fx.", "torch.utils.cpp_extension.", "torch.hub.",
     "torch.jit.", "torch._C.", "torch.package.", "torch._dynamo.", "torch._inductor.",
-    "torch.multiprocessing.", "torch.distributed.rpc.",
-    "numpy.distutils.", "numpy.testing.", "numpy.f2py.", "numpy.ctypeslib.",
-    "numpy.core.memmap.", "numpy._core.memmap.", "numpy.lib.npyio.", "numpy.lib._npyio_impl.",
-    "numpy.lib.format.", "numpy.lib._format_impl.", "numpy.lib.utils.", "numpy.lib._utils_impl.",
-    "numpy.lib._datasource.", "numpy.lib.recfunctions.",
+    "torch.utils.data.", "torch.multiprocessing.", "torch.distributed.rpc.",
+    "numpy.distutils.", "numpy.testing.", "numpy.f2py.", "numpy.lib.", "numpy.ctypeslib.",
+    "numpy.core.memmap.", "numpy._core.memmap.",
 )
+# Data holders inside the modules above that training checkpoints carry (a DataLoader saved
+# for resumption: its dataset, sampler and collate function). Loading them with torch.load
+# runs no code beyond building the objects; they are reported as unknown (a warning), not as
+# dangerous. Anything else under torch.utils.data (datapipe decoders unpickle embedded bytes)
+# stays dangerous.
+_DATA_LOADER_NAMES = frozenset({
+    "torch.utils.data.dataloader.DataLoader", "torch.utils.data.dataset.TensorDataset",
+    "torch.utils.data.dataset.Subset", "torch.utils.data.dataset.ConcatDataset",
+    "torch.utils.data.sampler.RandomSampler", "torch.utils.data.sampler.SequentialSampler",
+    "torch.utils.data.sampler.BatchSampler", "torch.utils.data.sampler.SubsetRandomSampler",
+    "torch.utils.data.sampler.WeightedRandomSampler",
+    "torch.utils.data.distributed.DistributedSampler",
+    "torch.utils.data._utils.collate.default_collate",
+    "torch.utils.data._utils.collate.default_convert",
+})
 # Names that commonly appear in training checkpoints and are plain data holders: torch's
 # weights_only loader refuses them, but reading their state as data is harmless.
 _BENIGN_NAMES = frozenset({
@@ -71,6 +88,11 @@ _BENIGN_NAMES = frozenset({
     # A random generator's state (torch.save of a torch.Generator): plain data, although it
     # lives in torch._C, whose other names are refused.
     "torch._C.Generator",
+})
+# Data classes named in lower case under the benign packages below.
+_BENIGN_LOWERCASE = frozenset({
+    "deepspeed.utils.tensor_fragment.fragment_address", "datetime.datetime", "datetime.date",
+    "datetime.time", "datetime.timedelta", "datetime.timezone",
 })
 _BENIGN_PREFIXES = (
     "numpy.dtypes.", "pathlib.", "datetime.", "enum.", "deepspeed.", "transformers.",
@@ -96,15 +118,32 @@ def classify_global(qualname: str) -> str:
     if qualname in _ALLOWED_NAMES:
         return "allowed"
     module = qualname.rsplit(".", 1)[0]
-    if qualname in _DANGEROUS_NAMES:
+    top, leaf = module.split(".", 1)[0], qualname.rsplit(".", 1)[-1]
+    if (qualname in _DANGEROUS_NAMES or (top == "numpy" and leaf in _NUMPY_FILE_LEAVES)
+            or (top == "pathlib" and qualname.count(".") >= 2)):  # Path.write_text, .unlink
         return "dangerous"
     if qualname in _BENIGN_NAMES:  # exact names: exceptions within a refused module
         return "benign"
-    if module.split(".", 1)[0] in _DANGEROUS_MODULES or qualname.startswith(_DANGEROUS_PREFIXES):
+    if qualname in _DATA_LOADER_NAMES:
+        return "unknown"
+    if top in _DANGEROUS_MODULES or qualname.startswith(_DANGEROUS_PREFIXES):
         return "dangerous"
-    if qualname.startswith(_BENIGN_PREFIXES):
+    if qualname.startswith(_BENIGN_PREFIXES) and _looks_like_a_class(qualname):
         return "benign"
     return "unknown"
+
+
+def _looks_like_a_class(qualname: str) -> bool:
+    """Whether a name under a benign package is a data class rather than a function or a
+    method: packages such as transformers or deepspeed also export callables that load
+    models, launch processes or write files (``transformers.AutoModel.from_pretrained``,
+    ``pathlib.Path.write_text``)."""
+    leaf = qualname.rsplit(".", 1)[-1]
+    parent = qualname.rsplit(".", 2)[-2] if qualname.count(".") >= 2 else ""
+    # A nested name (protocol 4: ``Class.method``) has a capitalised parent component.
+    if parent[:1].isupper():
+        return False
+    return leaf[:1].isupper() or qualname in _BENIGN_LOWERCASE
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ from ckpt_cli.formats import deepspeed
 from ckpt_cli.formats.base import file_size
 from ckpt_cli.formats.torchfile import TorchZip, contiguous_strides, parse_zip
 from ckpt_cli.formats.unpickler import Opaque, TensorRecord
+from ckpt_cli.streaming import crc32
 
 if TYPE_CHECKING:
     import numpy as np
@@ -41,20 +42,30 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """``count`` elements at byte ``offset`` of ``file``."""
+    """``count`` elements at byte ``offset`` of ``file``.
+
+    ``entry`` is the zip record holding them, ``(start, length, crc)``, when it has a CRC-32
+    to check (None: the writer turned checksums off, or unknown).
+    """
 
     file: Path
     offset: int
     count: int
+    entry: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """A contiguous flat tensor stored in a file."""
+    """A contiguous flat tensor stored in a file (``entry``: as in :class:`Piece`)."""
 
     file: Path
     start: int  # byte offset of element 0
     numel: int
+    entry: tuple[int, int, int] | None = None
+
+    def whole(self) -> Piece:
+        """All of the segment as one piece."""
+        return Piece(self.file, self.start, self.numel, self.entry)
 
 
 class FlatVector:
@@ -86,7 +97,7 @@ class FlatVector:
             if hi <= pos or lo >= end:
                 continue
             a, b = max(pos, lo), min(end, hi)
-            out.append(Piece(seg.file, seg.start + (a - lo) * self.itemsize, b - a))
+            out.append(Piece(seg.file, seg.start + (a - lo) * self.itemsize, b - a, seg.entry))
         return out
 
 
@@ -161,7 +172,8 @@ def _segment(tz: TorchZip, rec: Any, path: Path, what: str) -> Segment:
     if entry is not None and end > tz.base + entry.data_offset + entry.size:
         raise CorruptCheckpointError(f"{what} runs past its storage record (truncated?)",
                                      path=path)
-    return Segment(path, start + rec.storage_offset * itemsize, numel)
+    check = (start, entry.size, entry.crc) if entry is not None and entry.crc else None
+    return Segment(path, start + rec.storage_offset * itemsize, numel, check)
 
 
 def _items(obj: Any) -> dict[str, Any]:
@@ -299,7 +311,7 @@ def _plan_buffers(plan: ZeroPlan, model: tuple[Path, TorchZip]) -> None:
         if isinstance(rec, TensorRecord):
             seg = _segment(tz, rec, path, f"buffer {name}")
             plan.tensors.append(ParamPlan(name, rec.dtype, tuple(rec.shape),
-                                          [Piece(seg.file, seg.start, seg.numel)], "buffer"))
+                                          [seg.whole()], "buffer"))
 
 
 def _plan_frozen(plan: ZeroPlan, models: list[tuple[Path, TorchZip]], world: int) -> None:
@@ -316,7 +328,7 @@ def _plan_frozen(plan: ZeroPlan, models: list[tuple[Path, TorchZip]], world: int
             rec = _items(top.get("frozen_param_fragments")).get(name)
             seg = _segment(tz, rec, path, f"frozen parameter {name}")
             dtype = rec.dtype if isinstance(rec, TensorRecord) else None
-            pieces.append(Piece(seg.file, seg.start, seg.numel))
+            pieces.append(seg.whole())
         if plan.stage == 3 and len(models) != world:
             raise CorruptCheckpointError(f"ZeRO-3 needs {world} model-states files for frozen "
                                          f"parameters, found {len(models)}")
@@ -336,7 +348,7 @@ def _plan_module_leftovers(plan: ZeroPlan, model: tuple[Path, TorchZip],
             continue
         seg = _segment(tz, rec, path, f"module entry {name}")
         plan.tensors.append(ParamPlan(name, rec.dtype, tuple(rec.shape),
-                                      [Piece(seg.file, seg.start, seg.numel)], "frozen"))
+                                      [seg.whole()], "frozen"))
         plan.notes.append(f"{name}: not in param_shapes (a frozen parameter); taken from the "
                           f"model states' {rec.dtype} copy")
 
@@ -444,6 +456,8 @@ class PieceReader:
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
+        # Zip records whose CRC-32 was checked: (file, start) -> the CRC their bytes give.
+        self._checked: dict[tuple[Path, int], int] = {}
 
     def close(self) -> None:
         """Close the files."""
@@ -468,6 +482,8 @@ class PieceReader:
             fd = self._fds.get(p.file)
             if fd is None:
                 fd = self._fds[p.file] = os.open(p.file, os.O_RDONLY)
+            if p.entry is not None:
+                self._check_entry(fd, p.file, p.entry, t.name)
             want = p.count * dt.itemsize
             mv = view[pos:pos + want].data
             got = 0
@@ -482,6 +498,31 @@ class PieceReader:
         if total < t.numel:
             raise CorruptCheckpointError(f"{t.name}: {total} elements found, {t.numel} needed")
         return flat[: t.numel].reshape(t.shape)
+
+    def _check_entry(self, fd: int, path: Path, entry: tuple[int, int, int], name: str) -> None:
+        """Check a zip record's CRC-32 once, before the first piece of it is used.
+
+        A parameter's pieces are slices of flat partitions that hold many parameters, so the
+        whole record is read once more (in 16 MiB pieces, from the page cache when it was just
+        read): damaged bytes must not be laundered into a clean-looking output.
+        """
+        start, length, crc = entry
+        got = self._checked.get((path, start))
+        if got is None:
+            buf = memoryview(bytearray(min(length, 16 << 20)))
+            got, done = 0, 0
+            while done < length:
+                n = os.preadv(fd, [buf[:min(len(buf), length - done)]], start + done)
+                if n <= 0:
+                    raise CorruptCheckpointError(f"file ends inside the record of {name} "
+                                                 "(truncated)", path=path)
+                got = crc32(buf[:n], got)
+                done += n
+            self._checked[(path, start)] = got
+        if got != crc:
+            raise CorruptCheckpointError(
+                f"{name}: the record holding it fails the CRC-32 check (recorded {crc:#010x}, "
+                f"read {got:#010x}): the file is damaged", path=path)
 
 
 def natural_key(name: str) -> list[Any]:

@@ -109,19 +109,24 @@ def detect_kind(path: Path) -> str:
     if path.is_dir():
         if dcp.DCPReader().sniff(path) is None:
             return "dcp"
+        has_index = hf_index.find_index(path) is not None
         pointer_error: CkptError | None = None
         if deepspeed.DeepSpeedReader().sniff(path) is None or (path / "latest").is_file():
             try:
-                resolve_tag(path)
-                return "deepspeed"
+                tag = resolve_tag(path)
+                # HF Trainer + DeepSpeed saves ZeRO shards (FP32 master weights) beside a
+                # 16-bit HF export with an index: the shards win when they hold the FP32
+                # weights (optimizer partitions); otherwise (stage 0, partitions deleted) the
+                # export is what there is.
+                if not has_index or any(deepspeed.OPTIM_STATES.match(p.name)
+                                        for p in tag.iterdir()):
+                    return "deepspeed"
             except CkptError as e:
                 with contextlib.suppress(PointerError):
                     named = read_pointer(path, "latest")
                     if named is not None and not (path / named).exists():
                         pointer_error = e  # `latest` names a tag that is gone
-        # After DeepSpeed: an HF Trainer + DeepSpeed checkpoint holds both the ZeRO shards
-        # (full-precision master weights) and a 16-bit HF export with its index.
-        if hf_index.find_index(path) is not None and pointer_error is None:
+        if has_index:
             return "hf-index"  # shards of one state dict: the index says what belongs where
         if len(checkpoint_files(path)) > 1:
             return "rank-files"

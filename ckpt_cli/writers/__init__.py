@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -225,9 +226,12 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
               "added_tokens.json", "preprocessor_config.json")
 # What a directory ckpt may replace (--force) can hold: what ckpt itself writes there (weight
-# files, shard indexes, manifests, the side files above). Nothing else: not notes.txt, and not
-# a checkpoint ckpt does not write in a directory (a DCP checkpoint, .pt files of a run).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json", ".ckpt-manifest.json")
+# files and shard indexes under the names it gives them, manifests, the side files above).
+# Nothing else: not notes.txt, not data/train.bin, and not a checkpoint ckpt does not write in
+# a directory (a DCP checkpoint, the .pt files of a run).
+_OWN_FILE = re.compile(r"(?:model|pytorch_model)(?:-\d{5,}-of-\d{5,})?(?:\.safetensors|\.bin)"
+                       r"|(?:model\.safetensors|pytorch_model\.bin)\.index\.json"
+                       r"|.*\.ckpt-manifest\.json")
 _REPLACEABLE_NAMES = {*SIDE_FILES, MANIFEST_NAME}
 
 
@@ -247,7 +251,7 @@ def _check_replaceable(dest: Path) -> None:
         return
     odd = sorted(p.name for p in dest.iterdir()
                  if p.is_dir() or p.is_symlink()
-                 or not (p.name in _REPLACEABLE_NAMES or p.name.endswith(_WEIGHT_SUFFIXES)))
+                 or not (p.name in _REPLACEABLE_NAMES or _OWN_FILE.fullmatch(p.name)))
     if odd:
         shown = ", ".join(odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else "")
         raise DestinationExistsError(
