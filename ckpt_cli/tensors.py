@@ -122,9 +122,9 @@ class TensorSource:
         if t.file is None or t.offset is None:
             raise UnsupportedError(f"tensor {t.name!r} ({t.kind}) has no readable data",
                                    path=self.index.root)
-        end = t.offset + t.nbytes
+        first, end = self._extent(t)
         size = os.fstat(self._fd(t.file)).st_size
-        if end > size:
+        if end > size or first < 0:
             # Checked before allocating: a damaged header can claim exabytes.
             raise CorruptCheckpointError(
                 f"tensor {t.name!r} needs bytes up to {end:,} but the file has {size:,}",
@@ -208,17 +208,34 @@ class TensorSource:
         arr = np.frombuffer(m, dtype=dt, count=t.nbytes // dt.itemsize, offset=t.offset - start)
         return arr.reshape(t.shape)
 
+    @staticmethod
+    def _extent(t: TensorInfo) -> tuple[int, int]:
+        """The byte range ``[first, end)`` of the file that a tensor's values occupy.
+
+        A strided view can cover less than its logical size (an expanded tensor, stride 0:
+        HF's ``position_ids``) or more (a transposed slice of a larger storage).
+        """
+        assert t.offset is not None
+        if t.stride is None:
+            return t.offset, t.offset + t.nbytes
+        if any(d == 0 for d in t.shape):
+            return t.offset, t.offset
+        item = dtypes.DTYPES[t.dtype].itemsize
+        pairs = list(zip(t.shape, t.stride, strict=False))
+        lo = sum((d - 1) * s for d, s in pairs if s < 0)
+        hi = sum((d - 1) * s for d, s in pairs if s > 0)
+        return t.offset + lo * item, t.offset + (hi + 1) * item
+
     def _read_strided(self, t: TensorInfo, dt: np.dtype[Any]) -> np.ndarray:
         import numpy as np
 
         assert t.stride is not None and t.file is not None and t.offset is not None
-        item = dt.itemsize
-        lo = min(0, sum((d - 1) * s for d, s in zip(t.shape, t.stride, strict=False) if s < 0))
-        span = sum((d - 1) * s for d, s in zip(t.shape, t.stride, strict=False) if s > 0) + 1
         if any(d == 0 for d in t.shape):
             return np.empty(t.shape, dtype=dt)
-        raw = np.empty((span - lo) * item, dtype=np.uint8)
-        first = t.offset + lo * item
+        item = dt.itemsize
+        first, end = self._extent(t)
+        lo = (first - t.offset) // item
+        raw = np.empty(end - first, dtype=np.uint8)
         self.read_into(t.file, first, raw.data)
         self._check_crc(replace(t, offset=first), raw)
         base = raw.view(dt)

@@ -644,3 +644,24 @@ def test_consolidate_prefers_zero_shards_to_a_16bit_hf_export(ds_dir: Path,
     plain.mkdir()
     hf_sharded(plain, tiny_state_dict(), max_shard_size=1200)
     assert detect_kind(plain) == "hf-index"
+
+
+def test_expanded_tensors_are_read(tmp_path: Path) -> None:
+    # Stride-0 views (HF's position_ids buffer: arange(n).expand(1, -1)) cover fewer bytes
+    # than their logical size: the reader must not demand the logical size from the file.
+    sd = {"position_ids": torch.arange(512).expand((1, -1)),
+          "z": torch.linspace(0, 1, 3).expand(100_000, 3), "w": torch.randn(4, 4)}
+    src = tmp_path / "exp.pt"
+    torch.save(sd, src)
+    assert src.stat().st_size < 100_000 * 3 * 4
+    r = run_cli("validate", src, "--values", "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and not any(
+        f["code"] == "values-unread" or "not examined" in f["message"]
+        for f in doc["checkpoints"][0]["findings"]), r.output
+    out = tmp_path / "exp.safetensors"
+    assert run_cli("convert", src, "-o", out).exit_code == 0
+    got = load_file(out)
+    for k, v in sd.items():
+        assert torch.equal(got[k], v.contiguous()), k
+    assert run_cli("diff", src, out).exit_code == 0
