@@ -22,7 +22,7 @@ class DType:
     Attributes:
         code: Canonical code, e.g. ``"BF16"``.
         bits: Bits per element (4 and 6 for the sub-byte float formats).
-        kind: ``"float"``, ``"int"``, ``"uint"``, ``"bool"`` or ``"complex"``.
+        kind: ``"float"``, ``"int"``, ``"uint"``, ``"bool"``, ``"complex"`` or ``"bits"``.
         torch_name: Attribute name in the ``torch`` module, or None if torch has none.
         numpy_name: Name in numpy or ml_dtypes, or None if neither has it.
     """
@@ -68,6 +68,14 @@ _TABLE: tuple[DType, ...] = (
     DType("I64", 64, "int", "int64", "int64"),
     DType("U64", 64, "uint", "uint64", "uint64"),
     DType("C128", 128, "complex", "complex128", "complex128"),
+    # torch-only types: half-precision complex, and raw bit containers. Described, compared
+    # byte for byte, never cast; neither safetensors nor ckpt's torch writer holds them.
+    DType("C32", 32, "complex", "complex32", None),
+    DType("BITS8", 8, "bits", "bits8", None),
+    DType("BITS16", 16, "bits", "bits16", None),
+    DType("BITS1X8", 8, "bits", "bits1x8", None),
+    DType("BITS2X4", 8, "bits", "bits2x4", None),
+    DType("BITS4X2", 8, "bits", "bits4x2", None),
 )
 
 DTYPES: dict[str, DType] = {d.code: d for d in _TABLE}
@@ -77,7 +85,7 @@ _BY_TORCH: dict[str, DType] = {d.torch_name: d for d in _TABLE if d.torch_name}
 # torch spells some dtypes two ways in its pickles and reprs.
 _BY_TORCH.update({"float": DTYPES["F32"], "double": DTYPES["F64"], "half": DTYPES["F16"],
                   "long": DTYPES["I64"], "int": DTYPES["I32"], "short": DTYPES["I16"],
-                  "cfloat": DTYPES["C64"], "cdouble": DTYPES["C128"]})
+                  "cfloat": DTYPES["C64"], "cdouble": DTYPES["C128"], "chalf": DTYPES["C32"]})
 
 # Legacy typed-storage classes that torch.save still names in its pickles.
 STORAGE_CLASSES: dict[str, str] = {

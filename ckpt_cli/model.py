@@ -29,7 +29,8 @@ class StorageRef:
         start: Absolute byte offset of the storage's first byte in ``file``; None when missing.
         nbytes: Bytes the pickle says the storage holds.
         dtype: Canonical dtype of the storage's elements (``U8`` for untyped storages).
-        crc: The CRC-32 the zip records for the storage's entry (None: legacy, or unknown).
+        crc: The CRC-32 the zip records for the storage's entry (None: legacy, unknown, or
+            a zip written with checksums off).
         crc_len: Bytes that CRC covers (the entry's length).
     """
 
@@ -201,10 +202,22 @@ class CheckpointIndex:
     def num_parameters(self) -> int:
         """Elements of the model group (trainable weights; buffers and optimizer excluded).
 
-        Where the files hold only placeholders for the weights (DeepSpeed ZeRO-3), the count
-        the checkpoint declares (``layout["param_count"]``) is used.
+        Tied weights (one storage under two names, e.g. an embedding and the output head) count
+        once, as ``model.num_parameters()`` counts them. Where the files hold only placeholders
+        for the weights (DeepSpeed ZeRO-3), the count the checkpoint declares
+        (``layout["param_count"]``) is used.
         """
-        counted = sum(t.numel for t in self.tensors.values() if t.group == "model")
+        seen: set[tuple[Any, ...]] = set()
+        counted = 0
+        for t in self.tensors.values():
+            if t.group != "model":
+                continue
+            if t.storage is not None:
+                key = (t.storage.file, t.storage.key, t.storage_offset, t.shape, t.stride)
+                if key in seen:
+                    continue
+                seen.add(key)
+            counted += t.numel
         declared = self.layout.get("param_count")
         return declared if isinstance(declared, int) and declared > counted else counted
 

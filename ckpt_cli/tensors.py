@@ -159,13 +159,14 @@ class TensorSource:
         the entry's bytes (the usual case: a tensor owns its storage), checking costs one fast
         pass (ISA-L) over bytes that were read anyway; for a view of part of a storage, or a
         strided one, the whole entry is read once more, in pieces. Each entry is checked once
-        per source. A recorded CRC of 0 means the writer turned checksums off
-        (``torch.serialization.set_crc32_options(False)``): nothing to compare with.
+        per source. A zip written with checksums off
+        (``torch.serialization.set_crc32_options(False)``) has none to compare with
+        (``crc`` None).
         """
         import numpy as np
 
         s = t.storage
-        if (s is None or not s.crc or s.start is None or not s.crc_len
+        if (s is None or s.crc is None or s.start is None or not s.crc_len
                 or (s.file, s.start) in self._crc_ok):
             return
         key = (s.file, s.start)
@@ -325,7 +326,7 @@ class TensorSource:
         return TensorInfo(t.name, rec.dtype, rec.shape, dtypes.nbytes_of(rec.dtype, _numel(
             rec.shape)), t.group, c.file, start + rec.storage_offset * item, stride,
             StorageRef(c.file, rec.storage.key, start, rec.storage.nbytes, rec.storage.dtype,
-                       entry.crc, entry.size), rec.storage_offset)
+                       tz.storage_crc(rec.storage.key), entry.size), rec.storage_offset)
 
 
 def _numel(shape: Iterable[int]) -> int:

@@ -22,7 +22,7 @@ from ckpt_cli.formats.unpickler import classify_global, safe_load
 from ckpt_cli.ops.consolidate import consolidate
 from ckpt_cli.ops.convert import convert
 from ckpt_cli.writers.torchzip import TorchZipWriter
-from tests.conftest import requires_deepspeed, run_cli
+from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.makers import hf_sharded, tiny_state_dict
 
 
@@ -665,3 +665,123 @@ def test_expanded_tensors_are_read(tmp_path: Path) -> None:
     for k, v in sd.items():
         assert torch.equal(got[k], v.contiguous()), k
     assert run_cli("diff", src, out).exit_code == 0
+
+
+@pytest.mark.parametrize("header_len", [640, 896, 1152, 1408])
+def test_safetensors_whose_length_bytes_look_like_a_pickle(tmp_path: Path,
+                                                           header_len: int) -> None:
+    # Header lengths 0x0280, 0x0380, 0x0480, 0x0580 start the file with \x80\x02..\x05, a
+    # pickle protocol header; the file is still a safetensors file.
+    path = tmp_path / "m.safetensors"
+    for n in range(header_len):
+        save_file({"w": torch.ones(4, 4)}, str(path), metadata={"note": "x" * n})
+        if struct.unpack("<Q", path.read_bytes()[:8])[0] >= header_len:
+            break
+    assert struct.unpack("<Q", path.read_bytes()[:8])[0] == header_len
+    assert read_index(path).format == "safetensors"
+    r = run_cli("convert", path, "-o", tmp_path / "o.safetensors")
+    assert r.exit_code == 0, r.output
+    assert torch.equal(load_file(tmp_path / "o.safetensors")["w"], torch.ones(4, 4))
+
+
+# --- what a real-file edge-case hunt found ------------------------------------------------------
+
+def test_torch_only_dtypes_are_described_and_refused_not_truncated(tmp_path: Path) -> None:
+    src = tmp_path / "c32.pt"
+    with third_party_quiet():  # "ComplexHalf support is experimental"
+        c = torch.tensor([1 + 2j, 3 - 4j, 0.5 + 0j], dtype=torch.complex32)
+    torch.save({"c": c, "b16": torch.tensor([1, 2, 3], dtype=torch.int16).view(torch.bits16),
+                "w": torch.ones(2)}, src)
+    index = read_index(src)
+    got = {n: (t.dtype, t.shape, t.nbytes) for n, t in index.tensors.items()}
+    assert got["c"] == ("C32", (3,), 12) and got["b16"] == ("BITS16", (3,), 6)
+    for out in ("o.safetensors", "o.pt"):
+        r = run_cli("convert", src, "-o", tmp_path / out)
+        assert r.exit_code == 2 and "C32" in r.stderr, r.output
+    assert run_cli("diff", src, src).exit_code == 0
+
+
+def test_convert_keeps_model_tensors_outside_containers(tmp_path: Path) -> None:
+    enc, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    src = tmp_path / "eh.pt"
+    torch.save({"encoder": enc.state_dict(), "head.weight": head.weight.data,
+                "head.bias": head.bias.data}, src)
+    out = tmp_path / "eh.safetensors"
+    assert run_cli("convert", src, "-o", out).exit_code == 0
+    assert sorted(load_file(out)) == ["encoder.bias", "encoder.weight", "head.bias",
+                                      "head.weight"]
+    # Submodules of a pickled nn.Module are parts of one model, not alternatives.
+    model = torch.nn.Sequential()
+    model.add_module("body", torch.nn.Linear(3, 3))
+    model.add_module("lm_head", torch.nn.Linear(3, 2))
+    torch.save(model, tmp_path / "module.pt")
+    out = tmp_path / "module.safetensors"
+    r = run_cli("convert", tmp_path / "module.pt", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert sorted(load_file(out)) == ["body.bias", "body.weight", "lm_head.bias",
+                                      "lm_head.weight"]
+
+
+def test_nested_wrapper_prefixes_are_all_stripped(tmp_path: Path) -> None:
+    lin = torch.nn.Linear(3, 3)
+    src = tmp_path / "cd.pt"  # torch.compile(DDP(model)).state_dict()
+    torch.save({"model": {"_orig_mod.module." + k: v for k, v in lin.state_dict().items()}}, src)
+    out = tmp_path / "cd.safetensors"
+    assert run_cli("convert", src, "-o", out).exit_code == 0
+    assert sorted(load_file(out)) == ["bias", "weight"]
+
+
+def test_convert_refuses_names_that_occur_twice(tmp_path: Path) -> None:
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    for r in range(2):
+        torch.save({"l1.w": torch.full((2,), float(r)), "l2.w": torch.ones(2)},
+                   ranks / f"rank_{r}.pt")
+    found = {f.code for f in read_index(ranks).findings}
+    assert "duplicate-name" in found
+    for extra in ((), ("--keep-optimizer",)):
+        r = run_cli("convert", ranks, "-o", tmp_path / "o.safetensors", *extra)
+        assert r.exit_code == 2 and "occur twice" in r.stderr and "consolidate" in r.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_skip_data_files_are_refused(tmp_path: Path) -> None:
+    # torch.serialization.skip_data() writes the structure but not the bytes (CRC 0 among
+    # real checksums): converting it would ship zeros.
+    src = tmp_path / "skip.pt"
+    with torch.serialization.skip_data():
+        torch.save({"a": torch.randn(300, 40)}, src)
+    r = run_cli("convert", src, "-o", tmp_path / "o.safetensors")
+    assert r.exit_code == 2 and "CRC-32" in r.stderr, r.output
+
+
+def test_gpt2_parameters_are_counted_like_transformers(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with third_party_quiet():
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                           n_positions=16))
+    torch.save(model.state_dict(), tmp_path / "gpt2.pt")
+    index = read_index(tmp_path / "gpt2.pt")
+    assert index.tensors["transformer.h.0.attn.c_attn.bias"].group == "model"
+    assert index.num_parameters == model.num_parameters()  # the tied head counts once
+
+
+def test_meta_quantized_and_sparse_tensors(tmp_path: Path) -> None:
+    src = tmp_path / "kinds.pt"
+    with third_party_quiet():  # torch deprecates its quantized dtypes
+        q = torch.quantize_per_tensor(torch.randn(4), 0.1, 10, torch.quint8)
+        qc = torch.quantize_per_channel(torch.randn(2, 3), torch.tensor([0.1, 0.2]),
+                                        torch.tensor([1, 2]), 0, torch.qint8)
+        torch.save({"q": q, "qc": qc, "sp": torch.randn(2, 3).to_sparse(), "w": torch.ones(2),
+                    "m": torch.empty(3, 4, device="meta")}, src)
+    index = read_index(src)
+    shapes = {n: (t.kind, t.shape) for n, t in index.tensors.items()}
+    assert shapes == {"q": ("quantized", (4,)), "qc": ("quantized", (2, 3)),
+                      "sp": ("sparse", (2, 3)), "w": ("dense", (2,)), "m": ("meta", (3, 4))}
+    assert index.tensors["m"].nbytes == 0
+    codes = {(f.code, f.location) for f in index.findings}
+    assert ("tensor-kind", "m") in codes
+    assert not any(c in ("unreferenced-storage", "unknown-global") for c, _ in codes), codes
+    r = run_cli("convert", src, "-o", tmp_path / "o.safetensors")
+    assert r.exit_code == 2 and "cannot convert" in r.stderr and "meta" in r.stderr, r.output

@@ -113,8 +113,8 @@ def detect(path: Path, fmt: str | None = None) -> Reader:
         return matches[0]
     if matches:
         names = ", ".join(m.name for m in matches)
-        raise UnknownFormatError(f"matches several formats ({names}); choose one with --format",
-                                 path=path)
+        raise UnknownFormatError(f"matches several formats ({names}); choose one with "
+                                 "--input-format", path=path)
     kind = "directory" if is_dir else "file"
     raise UnknownFormatError(f"unrecognised {kind} ({'; '.join(reasons)})", path=path)
 

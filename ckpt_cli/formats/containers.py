@@ -34,8 +34,10 @@ OTHER_KEYS = ("lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "rng_s
 
 _MEGATRON_MODEL = re.compile(r"^model\d+$")
 _BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked", "inv_freq",
-                    "position_ids", "masked_bias", "attn.bias", "token_type_ids", "_float_tensor",
-                    "mask")
+                    "position_ids", "masked_bias", "token_type_ids", "_float_tensor", "mask")
+# Matched as whole components: GPT-2's causal mask is ``h.0.attn.bias``, while
+# ``h.0.attn.c_attn.bias`` is a trainable bias.
+_BUFFER_COMPONENTS = ("attn.bias",)
 
 _STEP_KEYS = ("step", "global_step", "global_steps", "iteration", "steps", "train_step",
               "num_updates", "iter")
@@ -144,7 +146,9 @@ def group_of(path: tuple[str, ...], tensor: TensorRecord | None, default: str = 
         group = "model"
     else:
         group = default
-    if group == "model" and is_buffer_name(".".join(path), tensor.dtype if tensor else None):
+    # A quantized weight holds integers, but it is a weight.
+    dtype = tensor.dtype if tensor is not None and tensor.kind != "quantized" else None
+    if group == "model" and is_buffer_name(".".join(path), dtype):
         return "buffer"
     return group
 
@@ -160,7 +164,8 @@ def is_buffer_name(name: str, dtype: str | None) -> bool:
         True for well-known buffer names (``running_mean``, ``inv_freq``...) and integer or
         boolean tensors, which cannot be trained.
     """
-    if name.endswith(_BUFFER_SUFFIXES):
+    if name.endswith(_BUFFER_SUFFIXES) or any(
+            name == c or name.endswith("." + c) for c in _BUFFER_COMPONENTS):
         return True
     return dtype is not None and (dtype.startswith(("I", "U")) or dtype == "BOOL")
 

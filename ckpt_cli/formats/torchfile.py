@@ -166,6 +166,7 @@ class TorchZip:
     prefix: str
     pickle: PickleResult
     base: int
+    _crc_off: bool | None = None
 
     def storage_start(self, key: str) -> int | None:
         """Absolute file offset of storage ``key``'s bytes, or None if the record is missing."""
@@ -175,6 +176,20 @@ class TorchZip:
     def storage_entry(self, key: str) -> ZipEntry | None:
         """The record of storage ``key``."""
         return self.entries.get(f"{self.prefix}data/{key}")
+
+    def storage_crc(self, key: str) -> int | None:
+        """The CRC-32 recorded for storage ``key``; None when there is none to check.
+
+        ``torch.serialization.set_crc32_options(False)`` records 0 for every record: no
+        checksums. A 0 among real checksums is a checksum (``skip_data`` saves write it for
+        storages they left unwritten, and damage can too).
+        """
+        e = self.storage_entry(key)
+        if e is None:
+            return None
+        if self._crc_off is None:
+            self._crc_off = all(not x.crc for x in self.entries.values() if x.size)
+        return None if self._crc_off else e.crc
 
 
 def parse_zip(fd: int, start: int, length: int, where: str) -> TorchZip:
@@ -238,6 +253,11 @@ def sniff_torch(path: Path) -> str | None:
     if head.startswith(_LEGACY_HEAD):
         return None
     if len(head) >= 2 and head[0] == 0x80 and head[1] in (2, 3, 4, 5):
+        # A safetensors file whose header is 640, 896, 1152 or 1408 bytes long starts with
+        # the same two bytes (its length, little-endian); its header JSON follows at byte 8.
+        (n,) = struct.unpack_from("<Q", head.ljust(8, b"\0"))
+        if head[8:9] == b"{" and 8 + n <= path.stat().st_size:
+            return "a safetensors header, not a pickle"
         return None  # a plain pickle; read_index says what it is
     return "no zip magic (PK\\x03\\x04) or pickle protocol header"
 
@@ -313,11 +333,12 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, prefix: str) -> 
         finally:
             os.close(fd)
         result = tz.pickle
-        storages = {k: (tz.storage_start(k), tz.storage_entry(k)) for k in result.storages}
+        storages = {k: (tz.storage_start(k), tz.storage_entry(k), tz.storage_crc(k))
+                    for k in result.storages}
     elif read_head(path, len(_LEGACY_HEAD)) == _LEGACY_HEAD:
         fmt = "torch-legacy"
         result, starts = _read_legacy(path, size)
-        storages = {k: (starts.get(k), None) for k in result.storages}
+        storages = {k: (starts.get(k), None, None) for k in result.storages}
     else:
         fmt = "pickle"
         result = _read_plain_pickle(path)
@@ -327,7 +348,7 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, prefix: str) -> 
 
 
 def add_tree(index: CheckpointIndex, result: PickleResult,
-             storages: dict[str, tuple[int | None, Any]], *, rel: str, role: str,
+             storages: dict[str, tuple[int | None, Any, int | None]], *, rel: str, role: str,
              prefix: str) -> set[str]:
     """Flatten an unpickled torch tree into ``index``: tensors, objects, metadata, findings.
 
@@ -367,11 +388,16 @@ def add_tree(index: CheckpointIndex, result: PickleResult,
                 index.containers.setdefault(prefix + path[0] + ".", info.group if info.group
                                             != "buffer" else "model")
             if info.name in index.tensors:
+                first = index.tensors[info.name].file
                 info = _rename(info, index)
+                index.add(Finding("warning", "duplicate-name",
+                                  f"a tensor named {name!r} is already in {first}; this one is "
+                                  f"listed as {info.name!r}", rel, info.name))
             index.tensors[info.name] = info
             added.add(info.name)
-            if leaf.storage is not None:
-                used.add(leaf.storage.key)
+            for part in (leaf, *leaf.parts):
+                if part.storage is not None:
+                    used.add(part.storage.key)
         elif path:
             index.objects[name] = containers.to_plain(leaf)
     meta = containers.extract_metadata(tree)
@@ -443,7 +469,7 @@ def view_extent(shape: tuple[int, ...], stride: tuple[int, ...], offset: int) ->
 
 
 def _tensor_info(index: CheckpointIndex, name: str, path: tuple[str, ...], rec: TensorRecord,
-                 storages: dict[str, tuple[int | None, Any]], rel: str,
+                 storages: dict[str, tuple[int | None, Any, int | None]], rel: str,
                  default: str) -> TensorInfo:
     group = containers.group_of(path, rec, default)
     code = rec.dtype
@@ -456,16 +482,22 @@ def _tensor_info(index: CheckpointIndex, name: str, path: tuple[str, ...], rec: 
     nbytes = dtypes.nbytes_of(code, numel)
     st = rec.storage
     if st is None:
-        if rec.kind not in ("meta",):
-            index.add(Finding("warning", "tensor-kind",
-                              f"{rec.kind} tensor: data not described", rel, name))
+        if rec.kind == "meta":
+            message = "meta tensor: saved without data (shape and dtype only)"
+            nbytes = 0
+        elif rec.kind == "sparse":
+            message = "sparse tensor: described, its values not decoded"
+            nbytes = sum(p.storage.nbytes for p in rec.parts if p.storage is not None)
+        else:
+            message = f"{rec.kind} tensor: data not described"
+        index.add(Finding("warning", "tensor-kind", message, rel, name))
         return TensorInfo(name, code, shape, nbytes, group, None, None, None, None, 0, (),
                           rec.kind)
-    start, entry = storages.get(st.key, (None, None))
+    start, entry, crc = storages.get(st.key, (None, None, None))
     itemsize = dtypes.DTYPES[code].itemsize
     stride = rec.stride if rec.stride != contiguous_strides(rec.shape) else None
-    ref = StorageRef(rel, st.key, start, st.nbytes, st.dtype,
-                     *((entry.crc, entry.size) if entry is not None else ()))
+    ref = StorageRef(rel, st.key, start, st.nbytes, st.dtype, crc,
+                     entry.size if entry is not None else 0)
     offset = None if start is None else start + rec.storage_offset * itemsize
     if start is None:
         index.add(Finding("error", "missing-storage",

@@ -173,6 +173,7 @@ class TensorRecord:
     requires_grad: bool = False
     is_parameter: bool = False
     kind: str = "dense"
+    parts: tuple[TensorRecord, ...] = ()  # a sparse tensor's index and value tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,9 +269,12 @@ def _rebuild_tensor_v2(storage: Any, storage_offset: int, size: Any, stride: Any
 
 def _rebuild_tensor_v3(storage: Any, storage_offset: int, size: Any, stride: Any,
                        requires_grad: Any, hooks: Any, dtype: Any, *rest: Any) -> TensorRecord:
+    # A dtype ckpt does not know must not pass for bytes: the record names it, and the
+    # reader reports an unknown dtype instead of describing the tensor wrongly.
     code = dtype.code if isinstance(dtype, DTypeRef) else None
+    named = dtype.name if isinstance(dtype, DTypeRef) else getattr(dtype, "qualname", "?")
     return _rebuild_tensor(storage, storage_offset, size, stride, requires_grad,
-                           dtype=code or "U8")
+                           dtype=code or f"?{named}")
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any = False, *rest: Any) -> Any:
@@ -311,6 +315,29 @@ def _rebuild_meta(dtype: Any, size: Any, stride: Any, requires_grad: Any = False
     code = dtype.code if isinstance(dtype, DTypeRef) and dtype.code else "U8"
     return TensorRecord(None, 0, tuple(size), tuple(stride), code, bool(requires_grad),
                         kind="meta")
+
+
+def _rebuild_qtensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
+                     *rest: Any) -> TensorRecord:
+    # Quantized: integer values in a storage, plus a quantizer (scale, zero point) in `rest`.
+    if isinstance(storage, StorageRecord) and isinstance(size, tuple | list):
+        quantizer = rest[0] if rest and isinstance(rest[0], tuple | list) else ()
+        return TensorRecord(storage, storage_offset if isinstance(storage_offset, int) else 0,
+                            tuple(size), tuple(stride) if isinstance(stride, tuple | list)
+                            else (), storage.dtype, kind="quantized",
+                            parts=tuple(x for x in quantizer if isinstance(x, TensorRecord)))
+    return _other_tensor("quantized")(storage, storage_offset, size, stride, *rest)
+
+
+def _rebuild_sparse(layout: Any, data: Any, *rest: Any) -> TensorRecord:
+    # COO: (indices, values, size[, is_coalesced]); CSR/CSC/BSR/BSC: (compressed indices,
+    # plain indices, values, size). The shape is the size, the dtype the values'.
+    items = tuple(data) if isinstance(data, tuple | list) else ()
+    parts = tuple(x for x in items if isinstance(x, TensorRecord))
+    size = next((tuple(x) for x in items if isinstance(x, tuple | list)
+                 and all(isinstance(d, int) for d in x)), ())
+    return TensorRecord(None, 0, size, (), parts[-1].dtype if parts else "U8", kind="sparse",
+                        parts=parts)
 
 
 def _other_tensor(kind: str) -> Callable[..., TensorRecord]:
@@ -401,8 +428,8 @@ _ALLOWED: dict[str, Any] = {
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     "torch._tensor._rebuild_from_type": _rebuild_from_type_v2,
     "torch._utils._rebuild_meta_tensor_no_storage": _rebuild_meta,
-    "torch._utils._rebuild_qtensor": _other_tensor("quantized"),
-    "torch._utils._rebuild_sparse_tensor": _other_tensor("sparse"),
+    "torch._utils._rebuild_qtensor": _rebuild_qtensor,
+    "torch._utils._rebuild_sparse_tensor": _rebuild_sparse,
     "torch._utils._rebuild_nested_tensor": _other_tensor("nested"),
     "torch._utils._rebuild_wrapper_subclass": _other_tensor("subclass"),
     "torch._utils._rebuild_device_tensor_from_numpy": _other_tensor("numpy"),
@@ -410,6 +437,10 @@ _ALLOWED: dict[str, Any] = {
     "torch.Size": _size,
     "torch.device": _device,
     "torch.serialization._get_layout": _layout,
+    # Quantization schemes: names in a quantized tensor's quantizer parameters.
+    **{f"torch.{q}": q for q in ("per_tensor_affine", "per_channel_affine",
+                                 "per_tensor_symmetric", "per_channel_symmetric",
+                                 "per_channel_affine_float_qparams")},
     "collections.OrderedDict": _ordered_dict,
     "_codecs.encode": _codecs_encode,
     "builtins.set": _set,

@@ -172,7 +172,8 @@ def _segment(tz: TorchZip, rec: Any, path: Path, what: str) -> Segment:
     if entry is not None and end > tz.base + entry.data_offset + entry.size:
         raise CorruptCheckpointError(f"{what} runs past its storage record (truncated?)",
                                      path=path)
-    check = (start, entry.size, entry.crc) if entry is not None and entry.crc else None
+    crc = tz.storage_crc(rec.storage.key)
+    check = (start, entry.size, crc) if entry is not None and crc is not None else None
     return Segment(path, start + rec.storage_offset * itemsize, numel, check)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,26 +212,40 @@ def select_tensors(index: CheckpointIndex, *, keep_optimizer: bool = False,
         UsageError: No model weights, an unknown ``container``, or names that collide.
     """
     if keep_optimizer:
+        _refuse_other_kinds(index.tensors.values())
         names = {n: n for n, t in index.tensors.items() if t.kind == "dense"}
+        _refuse_duplicate_names(index, names)
         return Selection(names, [], _count_dropped(index, set(names.values())), [])
-    model = [t for t in index.tensors.values() if t.group in ("model", "buffer")
-             and t.kind == "dense" and t.numel >= 0]
+    model = [t for t in index.tensors.values() if t.group in ("model", "buffer")]
+    _refuse_other_kinds(model)
     if not model:
         raise UsageError(f"{index.root}: no model weights found (groups: "
                          f"{_group_summary(index)})")
     notes: list[str] = []
     renamed: list[str] = []
     prefixes = [c for c, g in index.containers.items() if g == "model"]
-    chosen = _choose_container(prefixes, container, notes)
+    # Model tensors outside every container ({"encoder": {...}, "head.weight": ...}) mean the
+    # containers are parts of one model, not alternatives: keep every name whole.
+    loose = not container and any(not t.name.startswith(tuple(prefixes)) for t in model)
+    chosen = "" if loose else _choose_container(prefixes, container, notes)
+    if loose and prefixes:
+        notes.append(f"model tensors both inside {', '.join(p.rstrip('.') for p in prefixes)} "
+                     "and outside it; kept every name whole (--container takes one container)")
     if chosen:
         model = [t for t in model if t.name.startswith(chosen)]
         renamed.append(f"removed container prefix {chosen!r}")
     names = {t.name: t.name.removeprefix(chosen) if chosen else t.name for t in model}
     if not keep_prefix:
-        for wrapper in WRAPPERS:
-            while names and all(v.startswith(wrapper) for v in names.values()):
-                names = {k: v.removeprefix(wrapper) for k, v in names.items()}
-                renamed.append(f"removed wrapper prefix {wrapper!r}")
+        # Wrappers nest in any order (torch.compile of DDP: "_orig_mod.module.").
+        stripped = True
+        while stripped and names:
+            stripped = False
+            for wrapper in WRAPPERS:
+                if all(v.startswith(wrapper) for v in names.values()):
+                    names = {k: v.removeprefix(wrapper) for k, v in names.items()}
+                    renamed.append(f"removed wrapper prefix {wrapper!r}")
+                    stripped = True
+    _refuse_duplicate_names(index, names)
     out: dict[str, str] = {}
     for src_name, out_name in names.items():
         if out_name in out:
@@ -239,6 +253,29 @@ def select_tensors(index: CheckpointIndex, *, keep_optimizer: bool = False,
                              "use --keep-prefix or --container")
         out[out_name] = src_name
     return Selection(out, renamed, _count_dropped(index, set(out.values())), notes)
+
+
+def _refuse_other_kinds(tensors: Iterable[TensorInfo]) -> None:
+    """Refuse rather than drop tensors ckpt cannot write: meta (no data), quantized, sparse,
+    nested and subclass tensors. A model missing them would load with holes."""
+    other = [t for t in tensors if t.kind != "dense"]
+    if other:
+        listed = ", ".join(f"{t.name} ({t.kind})" for t in other[:5])
+        more = f" and {len(other) - 5} more" if len(other) > 5 else ""
+        raise UnsupportedError(f"{len(other)} tensor(s) ckpt cannot convert: {listed}{more}; "
+                               "nothing written (ckpt converts dense tensors only)")
+
+
+def _refuse_duplicate_names(index: CheckpointIndex, names: dict[str, str]) -> None:
+    """Refuse tensors the reader had to rename (``l2.w#2``): two tensors share a name."""
+    dup = {f.location for f in index.findings if f.code == "duplicate-name"}
+    clash = sorted(n for n in names if n in dup)
+    if clash:
+        several = len(index.files) > 1
+        raise UsageError(f"{len(clash)} tensor name(s) occur twice in {index.root} (first: "
+                         f"{clash[0].rsplit('#', 1)[0]!r}); ckpt will not make up output names",
+                         hint="ckpt consolidate merges per-rank files by key" if several
+                         else None)
 
 
 def _choose_container(prefixes: list[str], wanted: str | None, notes: list[str]) -> str:
@@ -251,7 +288,14 @@ def _choose_container(prefixes: list[str], wanted: str | None, notes: list[str])
     if len(prefixes) <= 1:
         return prefixes[0] if prefixes else ""
     rank = {k + ".": i for i, k in enumerate(MODEL_KEYS)}
-    best = min(prefixes, key=lambda p: (rank.get(p, len(rank)), p))
+    known = [p for p in prefixes if p in rank]
+    if not known:
+        # {"encoder": {...}, "decoder": {...}}, or a pickled module's submodules: parts of one
+        # model. Nothing is left out; names keep their container.
+        notes.append(f"several model containers ({', '.join(p.rstrip('.') for p in prefixes)})"
+                     "; kept them all under their full names (--container takes one)")
+        return ""
+    best = min(known, key=lambda p: rank[p])
     others = ", ".join(p.rstrip(".") for p in prefixes if p != best)
     notes.append(f"several model containers; took {best.rstrip('.')!r}, left out {others} "
                  "(choose with --container)")

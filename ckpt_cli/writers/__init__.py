@@ -261,8 +261,9 @@ def _check_replaceable(dest: Path) -> None:
 
 # Dtypes each output format cannot hold: safetensors has no complex128 and no 6-bit floats;
 # torch has no 6-bit floats, and its float4 packs pairs with a shape ckpt does not write yet.
-_UNWRITABLE = {"safetensors": {"C128", "F6_E2M3", "F6_E3M2"},
-               "pt": {"F4", "F6_E2M3", "F6_E3M2"}}
+_TORCH_ONLY = {"C32", "BITS8", "BITS16", "BITS1X8", "BITS2X4", "BITS4X2"}
+_UNWRITABLE = {"safetensors": {"C128", "F6_E2M3", "F6_E3M2", *_TORCH_ONLY},
+               "pt": {"F4", "F6_E2M3", "F6_E3M2", *_TORCH_ONLY}}
 
 
 def _check_dtypes(tensors: Sequence[OutTensor], fmt: str) -> None:
