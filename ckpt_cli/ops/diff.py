@@ -413,12 +413,13 @@ def on_side(e: CkptError, label: str) -> CkptError:
         label: ``A`` or ``B``.
 
     Returns:
-        A copy of ``e`` (same class and exit code) whose text starts with ``label``.
+        A copy of ``e`` (same class, path and exit code) with ``side`` set, so that its text
+        starts with ``label``.
     """
-    if e.path == label or (e.path or "").startswith(f"{label}: "):
+    if e.side is not None:
         return e  # already labelled (a read inside a read)
     err = copy.copy(e)
-    err.path = f"{label}: {e.path}" if e.path else label
+    err.side = label
     err.args = (str(err),)
     return err
 
