@@ -760,3 +760,43 @@ def test_json_error_after_the_document_prints_no_second_one(
     assert r.exit_code == 2 and "failed after" in r.stderr
     doc = json.loads(r.stdout)
     assert doc["command"] == "inspect" and "error" not in doc
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("cfg", ["z3-fp32", "z3-bf16"])
+def test_diff_refuses_zero3_placeholders(ds_dir: Path, tmp_path: Path, cfg: str) -> None:
+    # ZeRO-3 model states hold [0]-shaped placeholders (once per rank): compared as stored, a
+    # checkpoint differed from its own consolidation, and two ZeRO-3 steps looked equal.
+    tag = ds_dir / cfg / "global_step3"
+    out = tmp_path / "full.safetensors"
+    assert run_cli("consolidate", tag, "-o", out).exit_code == 0
+    for side, args in (("A", (tag, out)), ("B", (out, tag))):
+        for extra in ((), ("--structure-only",), ("--all",)):
+            r = run_cli("diff", *args, *extra)
+            assert r.exit_code == 2 and r.stdout == "", r.output
+            lines = r.stderr.strip().splitlines()
+            assert lines[0].startswith(f"ckpt: error: {side}: {tag}: DeepSpeed ZeRO-3"), r.stderr
+            assert len(lines) == 2 and lines[1].startswith("hint: consolidate it first")
+            assert f"ckpt consolidate {tag}" in lines[1]
+    r = run_cli("diff", tag, ds_dir / "z3-fp32" / "global_step3", "--json")
+    err = json.loads(r.stdout)["error"]
+    assert r.exit_code == 2 and err["kind"] == "unsupported" and err["side"] == "A"
+    # The library API refuses too.
+    from ckpt_cli.ops.diff import diff
+
+    with pytest.raises(UnsupportedError, match="ZeRO-3"):
+        diff(out, tag)
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("cfg", ["z1-fp32", "z2-fp32", "z2-bf16", "z1-fp32+frozen"])
+def test_diff_of_zero12_against_its_consolidation_is_equal(ds_dir: Path, tmp_path: Path,
+                                                          cfg: str) -> None:
+    # ZeRO 1/2 keep the whole module in the model states: compared as stored, as before.
+    tag = ds_dir / cfg / "global_step3"
+    out = tmp_path / "full.safetensors"
+    assert run_cli("consolidate", tag, "-o", out).exit_code == 0
+    r = run_cli("diff", tag, out, "--no-metadata", "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["equal"], r.output
+    assert doc["summary"]["common"] == 7 and not doc["only_in_a"] and not doc["only_in_b"]
