@@ -1,9 +1,15 @@
 """Casting floating-point tensors between FP32, FP16 and BF16, with FP16's range checked.
 
-Rounding is to nearest even, bit for bit what torch's ``.to()`` gives. numpy converts at
-about 0.3-0.4 G elements/s per core here; torch's vectorised kernels at about 1.4 G/s. torch
-costs ~1.4 s to import, so it is only worth it for big conversions: :func:`prefer_torch`
-starts importing it in the background, and casts use it once it is there (numpy until then).
+Rounding is to nearest even, once. From FP32, FP16 and BF16 that is bit for bit what torch's
+``.to()`` gives. From FP64 it is not always: torch rounds FP64 to FP16 or BF16 through FP32,
+twice (``1 + 2**-11 + 2**-40`` becomes 1.0 in FP16, which is the tie ``1 + 2**-11`` rounded to
+even, instead of the nearest FP16 value, ``1 + 2**-10``); here every value is rounded directly.
+
+numpy converts at about 0.3-0.4 G elements/s per core here; torch's vectorised kernels at
+about 1.4 G/s. torch costs ~1.4 s to import, so it is only worth it for big conversions:
+:func:`prefer_torch` starts importing it in the background, and casts use it once it is there
+(numpy until then), except FP64 to FP16 or BF16, where torch's double rounding would make the
+result depend on which backend cast a block.
 """
 
 from __future__ import annotations
@@ -105,8 +111,10 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
     out = np.empty(arr.shape, dtype=dtypes.numpy_dtype(dst))
     src_flat, out_flat = arr.reshape(-1), out.reshape(-1)
     torch = _TORCH.torch
-    use_torch = torch is not None and dst in _TORCH_DTYPES and arr.dtype.name in (
-        "float32", "float64", "float16", "bfloat16")
+    # Not from FP64 to FP16/BF16: torch rounds those through FP32 (twice), numpy once.
+    use_torch = torch is not None and dst in _TORCH_DTYPES and (
+        arr.dtype.name in ("float32", "float16", "bfloat16")
+        or (arr.dtype.name == "float64" and dst in ("F32", "F64")))
 
     def block(start: int) -> int:
         s, o = src_flat[start:start + _BLOCK], out_flat[start:start + _BLOCK]

@@ -20,6 +20,10 @@ class CkptError(Exception):
     """
 
     exit_code: int = 2
+    #: A stable identifier of the kind of error (``error`` in ``--json`` documents).
+    kind: str = "error"
+    #: ``A`` or ``B`` when the error concerns one side of a comparison (``ckpt diff``).
+    side: str | None = None
 
     def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None):
         self.message = message
@@ -28,28 +32,41 @@ class CkptError(Exception):
         super().__init__(self.__str__())
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.message}" if self.path else self.message
+        where = ": ".join(p for p in (self.side, self.path) if p)
+        return f"{where}: {self.message}" if where else self.message
 
 
 class UsageError(CkptError):
     """An option or argument combination that cannot work."""
 
+    kind = "usage"
+
 
 class UnknownFormatError(CkptError):
     """No reader (or more than one) recognises the input."""
+
+    kind = "unknown-format"
 
 
 class CorruptCheckpointError(CkptError):
     """The input claims a known format but its bytes contradict it."""
 
+    kind = "corrupt"
+
 
 class UnsafeCheckpointError(CkptError):
     """Reading the input would need code execution or escapes its directory."""
+
+    kind = "unsafe"
 
 
 class DestinationExistsError(CkptError):
     """The output already exists and ``--overwrite``/``--force`` was not given."""
 
+    kind = "destination-exists"
+
 
 class UnsupportedError(CkptError):
     """The input is recognised but uses a feature ckpt cannot handle yet."""
+
+    kind = "unsupported"

@@ -1,4 +1,5 @@
-"""Casting: bit-exact with torch, whichever backend does it; FP16 overflow counted."""
+"""Casting: bit-exact with torch from FP32/FP16/BF16 and rounded once from FP64, whichever
+backend does it; FP16 overflow counted."""
 
 from __future__ import annotations
 
@@ -48,15 +49,32 @@ def test_bit_exact_with_torch(backend: str, dst: str, tdt: torch.dtype) -> None:
         assert stats.overflow == {}
 
 
-def test_from_bf16_and_f64(backend: str) -> None:
-    x = _values()[:1000]
-    bf = x.astype(ml_dtypes.bfloat16)
-    want_bf = torch.from_numpy(bf.view(np.int16)).view(torch.bfloat16).to(torch.float16)
-    f64 = x.astype(np.float64) * (1 + 2**-30)  # values f32 cannot hold: rounded once, directly
-    want_64 = torch.from_numpy(f64).to(torch.float16)
-    for src, want in ((bf, want_bf), (f64, want_64)):
-        got = torch.from_numpy(cast_array(src, "F16"))
-        assert torch.equal(got.nan_to_num(), want.nan_to_num()), (backend, src.dtype)
+def test_from_bf16(backend: str) -> None:
+    bf = _values()[:1000].astype(ml_dtypes.bfloat16)
+    want = torch.from_numpy(bf.view(np.int16)).view(torch.bfloat16).to(torch.float16)
+    got = torch.from_numpy(cast_array(bf, "F16"))
+    assert torch.equal(got.nan_to_num(), want.nan_to_num()), backend
+
+
+@pytest.mark.parametrize("dst,tdt,bits", [("F16", torch.float16, 10),
+                                          ("BF16", torch.bfloat16, 7)])
+def test_from_f64_rounds_once(backend: str, dst: str, tdt: torch.dtype, bits: int) -> None:
+    # Just above and below halfway between two neighbours, by less than FP32 can hold: the
+    # nearest value is clear, but rounding through FP32 (torch's FP64 -> FP16/BF16) lands on
+    # the tie and goes to even. ckpt rounds once, whichever backend casts.
+    k = np.arange(1, 2**bits, dtype=np.float64)
+    lo = 1 + k * 2.0**-bits  # representable; the last mantissa bit is k's
+    half, tiny = 2.0**-(bits + 1), 2.0**-40
+    x = np.concatenate([lo + half + tiny, lo + half - tiny, -(lo + half + tiny), lo + half])
+    even = np.where(k % 2 == 1, lo + 2 * half, lo)  # exact ties go to the even neighbour
+    want = np.concatenate([lo + 2 * half, lo, -(lo + 2 * half), even])
+    assert np.array_equal(cast_array(x, dst).astype(np.float64), want), backend
+    # What the README says torch does (double rounding).
+    via_torch = torch.from_numpy(x).to(tdt).double().numpy()
+    assert not np.array_equal(via_torch, want)
+    one = torch.tensor([1 + 2**-11 + 2**-40], dtype=torch.float64)
+    assert one.to(torch.float16).item() == 1.0
+    assert cast_array(one.numpy(), "F16").item() == 1.0009765625
 
 
 def test_clamp(backend: str) -> None:

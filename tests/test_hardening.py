@@ -785,3 +785,138 @@ def test_meta_quantized_and_sparse_tensors(tmp_path: Path) -> None:
     assert not any(c in ("unreferenced-storage", "unknown-global") for c, _ in codes), codes
     r = run_cli("convert", src, "-o", tmp_path / "o.safetensors")
     assert r.exit_code == 2 and "cannot convert" in r.stderr and "meta" in r.stderr, r.output
+
+
+# --- --json on failure: one error document on stdout --------------------------------------------
+
+def _failing_args(command: str, tmp: Path) -> tuple[list[str | Path], str, str | None]:
+    """Arguments that make ``command`` fail with exit 2, the error kind and the path named."""
+    missing = tmp / "nonexist.pt"
+    good = tmp / "good.safetensors"
+    save_file(tiny_state_dict(), str(good))
+    c128 = tmp / "c128.pt"
+    torch.save({"c": torch.ones(3, dtype=torch.complex128)}, c128)
+    other = tmp / "notes"
+    other.mkdir()
+    (other / "notes.txt").write_text("not a checkpoint")
+    return {
+        "inspect": (["inspect", missing], "error", str(missing)),
+        "validate": (["validate", missing], "error", str(missing)),
+        "diff": (["diff", good, missing], "error", str(missing)),
+        "convert": (["convert", c128, "-o", tmp / "x.safetensors"], "unsupported", None),
+        "consolidate": (["consolidate", missing, "-o", tmp / "out"], "error", str(missing)),
+        "prune": (["prune", other, "--keep", "1", "--yes"], "usage", str(other)),
+        "plan": (["plan"], "usage", None),
+        "sample": (["sample", other], "destination-exists", str(other)),
+    }[command]
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate", "diff", "convert", "consolidate",
+                                     "prune", "plan", "sample"])
+def test_json_failure_prints_one_error_document(command: str, tmp_path: Path) -> None:
+    args, kind, path = _failing_args(command, tmp_path)
+    r = run_cli(*args, "--json")
+    assert r.exit_code == 2, r.output
+    doc = json.loads(r.stdout)  # exactly one document: json.loads refuses trailing data
+    assert doc["schema_version"] == 1 and doc["command"] == command
+    assert doc["exit_code"] == 2
+    err = doc["error"]
+    assert set(err) == {"kind", "message", "path", "side", "hint", "text"}
+    assert err["kind"] == kind and err["path"] == path
+    # The one-line error on stderr is unchanged, and the document says the same.
+    first = r.stderr.splitlines()[0]
+    assert first == f"ckpt: error: {err['text']}", r.stderr
+    assert err["text"].endswith(err["message"])
+    if err["hint"] is not None:
+        assert f"hint: {err['hint']}" in r.stderr
+    assert err["side"] == ("B" if command == "diff" else None)
+    # Without --json stdout stays empty.
+    r = run_cli(*args)
+    assert r.exit_code == 2 and r.stdout == "", r.stdout
+
+
+def test_json_interrupt_and_internal_error_documents(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckpt_cli.ops.inspect
+
+    good = tmp_path / "good.safetensors"
+    save_file(tiny_state_dict(), str(good))
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt_cli.ops.inspect, "inspect", interrupted)
+    r = run_cli("inspect", good, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 130 and doc["exit_code"] == 130, r.output
+    assert doc["command"] == "inspect" and doc["error"]["kind"] == "interrupted"
+    assert r.stderr.strip() == "ckpt: interrupted"
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ckpt_cli.ops.inspect, "inspect", broken)
+    monkeypatch.delenv("CKPT_DEBUG", raising=False)
+    r = run_cli("inspect", good, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 101 and doc["exit_code"] == 101, r.output
+    assert doc["error"]["kind"] == "internal" and doc["error"]["message"] == "RuntimeError: boom"
+
+
+def test_json_error_after_the_document_prints_no_second_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckpt_cli.cli.inspect
+
+    good = tmp_path / "good.safetensors"
+    save_file(tiny_state_dict(), str(good))
+    real = ckpt_cli.cli.inspect._emit_json
+
+    def emit_then_fail(result: object) -> None:
+        real(result)
+        raise CkptError("failed after the document was printed")
+
+    monkeypatch.setattr(ckpt_cli.cli.inspect, "_emit_json", emit_then_fail)
+    r = run_cli("inspect", good, "--json")
+    assert r.exit_code == 2 and "failed after" in r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["command"] == "inspect" and "error" not in doc
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("cfg", ["z3-fp32", "z3-bf16"])
+def test_diff_refuses_zero3_placeholders(ds_dir: Path, tmp_path: Path, cfg: str) -> None:
+    # ZeRO-3 model states hold [0]-shaped placeholders (once per rank): compared as stored, a
+    # checkpoint differed from its own consolidation, and two ZeRO-3 steps looked equal.
+    tag = ds_dir / cfg / "global_step3"
+    out = tmp_path / "full.safetensors"
+    assert run_cli("consolidate", tag, "-o", out).exit_code == 0
+    for side, args in (("A", (tag, out)), ("B", (out, tag))):
+        for extra in ((), ("--structure-only",), ("--all",)):
+            r = run_cli("diff", *args, *extra)
+            assert r.exit_code == 2 and r.stdout == "", r.output
+            lines = r.stderr.strip().splitlines()
+            assert lines[0].startswith(f"ckpt: error: {side}: {tag}: DeepSpeed ZeRO-3"), r.stderr
+            assert len(lines) == 2 and lines[1].startswith("hint: consolidate it first")
+            assert f"ckpt consolidate {tag}" in lines[1]
+    r = run_cli("diff", tag, ds_dir / "z3-fp32" / "global_step3", "--json")
+    err = json.loads(r.stdout)["error"]
+    assert r.exit_code == 2 and err["kind"] == "unsupported" and err["side"] == "A"
+    # The library API refuses too.
+    from ckpt_cli.ops.diff import diff
+
+    with pytest.raises(UnsupportedError, match="ZeRO-3"):
+        diff(out, tag)
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("cfg", ["z1-fp32", "z2-fp32", "z2-bf16", "z1-fp32+frozen"])
+def test_diff_of_zero12_against_its_consolidation_is_equal(ds_dir: Path, tmp_path: Path,
+                                                          cfg: str) -> None:
+    # ZeRO 1/2 keep the whole module in the model states: compared as stored, as before.
+    tag = ds_dir / cfg / "global_step3"
+    out = tmp_path / "full.safetensors"
+    assert run_cli("consolidate", tag, "-o", out).exit_code == 0
+    r = run_cli("diff", tag, out, "--no-metadata", "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["equal"], r.output
+    assert doc["summary"]["common"] == 7 and not doc["only_in_a"] and not doc["only_in_b"]

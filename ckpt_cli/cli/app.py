@@ -10,6 +10,7 @@ from ckpt_cli import __version__
 from ckpt_cli.cli.consolidate import consolidate_cmd
 from ckpt_cli.cli.convert import convert_cmd
 from ckpt_cli.cli.diff import diff_cmd
+from ckpt_cli.cli.errors import json_errors
 from ckpt_cli.cli.inspect import inspect_cmd
 from ckpt_cli.cli.plan import plan_cmd
 from ckpt_cli.cli.prune import prune_cmd
@@ -40,14 +41,12 @@ def _root(
     """Inspect, validate, diff, convert, consolidate and prune deep-learning checkpoints."""
 
 
-app.command("inspect")(inspect_cmd)
-app.command("validate")(validate_cmd)
-app.command("diff")(diff_cmd)
-app.command("convert")(convert_cmd)
-app.command("consolidate")(consolidate_cmd)
-app.command("prune")(prune_cmd)
-app.command("plan")(plan_cmd)
-app.command("sample")(sample_cmd)
+for _name, _command in (("inspect", inspect_cmd), ("validate", validate_cmd),
+                        ("diff", diff_cmd), ("convert", convert_cmd),
+                        ("consolidate", consolidate_cmd), ("prune", prune_cmd),
+                        ("plan", plan_cmd), ("sample", sample_cmd)):
+    # json_errors: a failing command given --json prints an error document on stdout.
+    app.command(_name)(json_errors(_name, _command))
 
 
 def main() -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from contextvars import ContextVar
+from typing import Any
 
 import typer
 
@@ -26,16 +29,75 @@ def _say(text: str) -> None:
         pass
 
 
+# The running command's name while it runs with --json (set by json_errors), else None.
+_JSON_COMMAND: ContextVar[str | None] = ContextVar("ckpt_json_command", default=None)
+
+
+def json_errors(name: str, command: Callable[..., None]) -> Callable[..., None]:
+    """Register a command's name, so that :func:`handled` can print its ``--json`` errors.
+
+    Wraps the command function (typer reads the signature and help through the wrapper);
+    while it runs with its ``json`` parameter true, a failure inside :func:`handled` also
+    prints the error document. One call per command, in the app's wiring.
+
+    Args:
+        name: The command's name, as the documents' ``command``.
+        command: The typer command function.
+
+    Returns:
+        The wrapped function.
+    """
+
+    @functools.wraps(command)
+    def run(**kwargs: Any) -> None:
+        token = _JSON_COMMAND.set(name if kwargs.get("json") else None)
+        try:
+            command(**kwargs)
+        finally:
+            _JSON_COMMAND.reset(token)
+
+    return run
+
+
+class _JsonErrors:
+    """Prints a failing ``--json`` command's error document, unless it printed one already."""
+
+    def __init__(self) -> None:
+        self.command = _JSON_COMMAND.get()
+        self.before = 0
+        if self.command is not None:
+            from ckpt_cli.render import json as rj
+
+            self.before = rj.emitted()
+
+    def emit(self, kind: str, message: str, exit_code: int, *, path: str | None = None,
+             side: str | None = None, hint: str | None = None, text: str | None = None) -> None:
+        if self.command is None:
+            return
+        from ckpt_cli.render import json as rj
+
+        if rj.emitted() != self.before:
+            return  # its document is out (or half out): a second one would break the output
+        with suppress(OSError, ValueError):
+            rj.emit_error(self.command, {"kind": kind, "message": message, "path": path,
+                                         "side": side, "hint": hint,
+                                         "text": text if text is not None else message},
+                          exit_code)
+
+
 @contextmanager
 def handled() -> Iterator[None]:
     """Run a command body, mapping failures to one stderr line and an exit code.
 
     ``CkptError`` -> its message (and hint) and ``exit_code``; Ctrl-C -> 130; a closed pipe
-    -> quiet exit; anything else -> 101 with the traceback only under ``CKPT_DEBUG=1``.
+    -> quiet exit; anything else -> 101 with the traceback only under ``CKPT_DEBUG=1``. When
+    the command was given ``--json`` and has not printed its document, a failure also prints
+    one on stdout: ``{schema_version, command, error: {...}, exit_code}``.
 
     Raises:
         typer.Exit: Always, on failure.
     """
+    doc = _JsonErrors()
     try:
         yield
     except (typer.Exit, typer.Abort):
@@ -44,9 +106,12 @@ def handled() -> Iterator[None]:
         _say(f"ckpt: error: {e}")
         if e.hint:
             _say(f"hint: {e.hint}")
+        doc.emit(e.kind, e.message, e.exit_code, path=e.path, side=e.side, hint=e.hint,
+                 text=str(e))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         _say("ckpt: interrupted")
+        doc.emit("interrupted", "interrupted", EXIT_INTERRUPTED)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except BrokenPipeError:
         # Output piped into `head` and the like: not an error of ours. Whatever is still
@@ -62,4 +127,5 @@ def handled() -> Iterator[None]:
             raise
         _say(f"ckpt: internal error: {type(e).__name__}: {e} "
              "(set CKPT_DEBUG=1 for the traceback, and please report it)")
+        doc.emit("internal", f"{type(e).__name__}: {e}", EXIT_INTERNAL)
         raise typer.Exit(EXIT_INTERNAL) from None

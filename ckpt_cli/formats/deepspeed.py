@@ -46,6 +46,22 @@ def rank_files(path: Path) -> tuple[list[Path], list[Path], list[Path]]:
     return sorted(model, key=key), sorted(optim, key=key), sorted(expert)
 
 
+def is_zero3(index: CheckpointIndex) -> bool:
+    """Whether ``index`` is a DeepSpeed ZeRO-3 checkpoint.
+
+    ZeRO-3 partitions the parameters themselves: its per-rank model-states files hold empty
+    placeholders (shape ``[0]``) for every partitioned parameter, and the weights exist only
+    as flat FP32 partitions in the optimizer files (``ckpt consolidate`` rebuilds them). Known
+    from the recorded stage, or from the per-rank model-states files only ZeRO-3 writes.
+    """
+    if index.format != "deepspeed":
+        return False
+    if index.layout.get("zero_stage") == 3:
+        return True
+    return any((m := MODEL_STATES.match(Path(f.path).name)) is not None
+               and m.group("dp") is not None for f in index.files)
+
+
 class DeepSpeedReader:
     """Reads a DeepSpeed tag directory (``global_stepN/``)."""
 

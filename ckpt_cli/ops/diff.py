@@ -40,8 +40,8 @@ from ckpt_cli.compare import (
     default_tolerance,
     relative_l2,
 )
-from ckpt_cli.errors import CkptError, UnknownFormatError, UsageError
-from ckpt_cli.formats import read_index
+from ckpt_cli.errors import CkptError, UnknownFormatError, UnsupportedError, UsageError
+from ckpt_cli.formats import deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged, refuse_incomplete
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.formats.rundir import is_run_dir, list_run
@@ -413,12 +413,13 @@ def on_side(e: CkptError, label: str) -> CkptError:
         label: ``A`` or ``B``.
 
     Returns:
-        A copy of ``e`` (same class and exit code) whose text starts with ``label``.
+        A copy of ``e`` (same class, path and exit code) with ``side`` set, so that its text
+        starts with ``label``.
     """
-    if e.path == label or (e.path or "").startswith(f"{label}: "):
+    if e.side is not None:
         return e  # already labelled (a read inside a read)
     err = copy.copy(e)
-    err.path = f"{label}: {e.path}" if e.path else label
+    err.side = label
     err.args = (str(err),)
     return err
 
@@ -468,6 +469,8 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
     for label, val in (("--rtol", opts.rtol), ("--atol", opts.atol)):
         if val is not None and not (val >= 0 and math.isfinite(val)):
             raise UsageError(f"{label} must be a finite number >= 0, not {val}")
+    for label, ix in (("A", index_a), ("B", index_b)):
+        _refuse_zero3(ix, label)
     scope_a, scope_b, scope, note = _scope(index_a, index_b, opts.everything)
     names_a, names_b, renames = normalise(index_a, index_b, scope_a, scope_b,
                                           opts.strip_prefixes, auto=opts.auto_names)
@@ -493,6 +496,22 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
     if opts.metadata:
         result.metadata = diff_metadata(index_a, index_b, everything=scope == "all")
     return result
+
+
+def _refuse_zero3(index: CheckpointIndex, label: str) -> None:
+    """Refuse a DeepSpeed ZeRO-3 side: its model states hold placeholders, not the weights.
+
+    Compared as stored, every parameter would be a ``[0]``-shaped placeholder (once per rank
+    file), so a checkpoint would differ from its own consolidation. ZeRO 1/2 keep the whole
+    module in the model states and are compared as they are.
+    """
+    if deepspeed.is_zero3(index):
+        raise on_side(UnsupportedError(
+            "DeepSpeed ZeRO-3 checkpoint: its model-states files hold empty placeholders for "
+            "the partitioned parameters, whose weights are spread over the optimizer files",
+            path=index.root,
+            hint=f"consolidate it first (ckpt consolidate {index.root} -o OUT) and diff OUT"),
+            label)
 
 
 def _scope(a: CheckpointIndex, b: CheckpointIndex,

@@ -16,6 +16,10 @@ from ckpt_cli.model import CheckpointIndex, RunEntry, RunListing, TensorInfo
 
 SCHEMA_VERSION = 1
 
+# Documents written (or begun) by this process: a failing command prints its error document
+# only if it has not printed one already, so that stdout holds exactly one object.
+_emitted = 0
+
 
 def dumps(doc: dict[str, Any]) -> bytes:
     """Serialize a document (sorted keys, two-space indent, trailing newline).
@@ -59,9 +63,28 @@ def emit(command: str, doc: dict[str, Any]) -> None:
         command: The command name, stored as ``command``.
         doc: The document body.
     """
+    global _emitted
     body = {"schema_version": SCHEMA_VERSION, "command": command, **doc}
-    sys.stdout.buffer.write(dumps(body))
+    data = dumps(body)
+    _emitted += 1
+    sys.stdout.buffer.write(data)
     sys.stdout.flush()
+
+
+def emitted() -> int:
+    """How many documents :func:`emit` has written (or begun to write) in this process."""
+    return _emitted
+
+
+def emit_error(command: str, error: dict[str, Any], exit_code: int) -> None:
+    """Write the document of a command that failed: ``{error: {...}, exit_code}``.
+
+    Args:
+        command: The command name.
+        error: ``{kind, message, path, side, hint, text}`` (see docs/json-schema.md).
+        exit_code: The process's exit status.
+    """
+    emit(command, {"error": error, "exit_code": exit_code})
 
 
 def _default(obj: Any) -> Any:
