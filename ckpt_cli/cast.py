@@ -127,7 +127,9 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
             return 0
         over = int(np.count_nonzero(np.isinf(o))) - int(np.count_nonzero(np.isinf(s)))
         if over and clamp:
-            wide = s.astype(np.float32)
+            # FP64 stays FP64: through FP32 it would round twice, and values beyond FP32's
+            # range would become inf instead of ±65504.
+            wide = s.astype(np.float64 if s.dtype == np.float64 else np.float32)
             keep = np.isinf(wide)  # infinities in the source stay infinite
             o[...] = np.clip(wide, -FP16_MAX, FP16_MAX)
             o[keep] = wide[keep]

@@ -5,8 +5,10 @@ Nothing here imports torch or numpy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -179,11 +181,42 @@ class CheckpointIndex:
     findings: list[Finding] = field(default_factory=list)
     flavor: str | None = None
     containers: dict[str, str] = field(default_factory=dict)
+    duplicates: dict[str, str] = field(default_factory=dict)
+
+    def add_tensor(self, info: TensorInfo) -> TensorInfo:
+        """Add a tensor. One whose name is taken (the same key in two files, or ``"a.b"``
+        beside ``{"a": {"b": ...}}``) is listed as ``name#2`` and recorded in
+        :attr:`duplicates` (listed name -> the name it shares); see :meth:`note_duplicates`.
+
+        Returns:
+            The tensor as listed.
+        """
+        if info.name in self.tensors:
+            i = 2
+            while f"{info.name}#{i}" in self.tensors:
+                i += 1
+            shared = info.name
+            info = dataclasses.replace(info, name=f"{shared}#{i}")
+            self.duplicates[info.name] = shared
+        self.tensors[info.name] = info
+        return info
+
+    def note_duplicates(self, rel: str, names: Iterable[str]) -> None:
+        """One warning for the tensors of file ``rel`` whose names were taken (if any)."""
+        here = set(names)
+        dup = [n for n in self.duplicates if n in here]  # in the order they were read
+        if not dup:
+            return
+        where = sorted({self.tensors[self.duplicates[n]].file or "?" for n in dup})
+        shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+        self.add(Finding("warning", "duplicate-name",
+                         f"{len(dup)} tensor name(s) here are already taken (in {shown}); "
+                         f"listed with a #N suffix, e.g. {dup[0]!r}", rel, dup[0]))
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of all tensors (logical, not counting shared storage twice is not attempted)."""
-        return sum(t.nbytes for t in self.tensors.values())
+        """Bytes of all tensors, tied tensors (one storage, two names) once."""
+        return sum(t.nbytes for t in self.distinct_tensors())
 
     @property
     def file_bytes(self) -> int:
@@ -192,9 +225,9 @@ class CheckpointIndex:
 
     @property
     def bytes_by_group(self) -> dict[str, int]:
-        """Tensor bytes per group; every group in :data:`GROUPS` is present."""
+        """Tensor bytes per group (tied tensors once); every group in :data:`GROUPS` is present."""
         out = dict.fromkeys(GROUPS, 0)
-        for t in self.tensors.values():
+        for t in self.distinct_tensors():
             out[t.group] = out.get(t.group, 0) + t.nbytes
         return out
 
@@ -207,36 +240,39 @@ class CheckpointIndex:
         for the weights (DeepSpeed ZeRO-3), the count the checkpoint declares
         (``layout["param_count"]``) is used.
         """
-        seen: set[tuple[Any, ...]] = set()
-        counted = 0
-        for t in self.tensors.values():
-            if t.group != "model":
-                continue
-            if t.storage is not None:
-                key = (t.storage.file, t.storage.key, t.storage_offset, t.shape, t.stride)
-                if key in seen:
-                    continue
-                seen.add(key)
-            counted += t.numel
+        counted = sum(t.numel for t in self.distinct_tensors() if t.group == "model")
         declared = self.layout.get("param_count")
         return declared if isinstance(declared, int) and declared > counted else counted
 
     @property
     def params_by_dtype(self) -> dict[str, int]:
-        """Elements of model and buffer tensors per dtype code."""
+        """Elements of model and buffer tensors per dtype code (tied tensors once)."""
         c: Counter[str] = Counter()
-        for t in self.tensors.values():
+        for t in self.distinct_tensors():
             if t.group in ("model", "buffer"):
                 c[t.dtype] += t.numel
         return dict(c)
 
     @property
     def bytes_by_dtype(self) -> dict[str, int]:
-        """Bytes of all tensors per dtype code."""
+        """Bytes of all tensors per dtype code (tied tensors once)."""
         c: Counter[str] = Counter()
-        for t in self.tensors.values():
+        for t in self.distinct_tensors():
             c[t.dtype] += t.nbytes
         return dict(c)
+
+    def distinct_tensors(self) -> Iterator[TensorInfo]:
+        """The tensors, leaving out a second name for the same view of the same storage (tied
+        weights, which torch.save writes once)."""
+        seen: set[tuple[Any, ...]] = set()
+        for t in self.tensors.values():
+            if t.storage is not None:
+                key = (t.storage.file, t.storage.key, t.storage_offset, t.shape, t.stride,
+                       t.dtype)
+                if key in seen:
+                    continue
+                seen.add(key)
+            yield t
 
     def add(self, finding: Finding) -> None:
         """Record a finding."""

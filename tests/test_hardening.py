@@ -741,8 +741,18 @@ def test_convert_refuses_names_that_occur_twice(tmp_path: Path) -> None:
     assert "duplicate-name" in found
     for extra in ((), ("--keep-optimizer",)):
         r = run_cli("convert", ranks, "-o", tmp_path / "o.safetensors", *extra)
-        assert r.exit_code == 2 and "occur twice" in r.stderr and "consolidate" in r.stderr
+        assert r.exit_code == 2 and "occur twice" in r.stderr and "one at a time" in r.stderr
     assert not (tmp_path / "o.safetensors").exists()
+    # One warning per file, however many names it shares.
+    dups = [f for f in read_index(ranks).findings if f.code == "duplicate-name"]
+    assert len(dups) == 1 and dups[0].file == "rank_1.pt" and "2 tensor name(s)" in dups[0].message
+    # safetensors files in one directory too.
+    st = tmp_path / "st"
+    st.mkdir()
+    save_file({"a.w": torch.ones(2)}, str(st / "x.safetensors"))
+    save_file({"a.w": torch.zeros(2)}, str(st / "y.safetensors"))
+    assert [f.code for f in read_index(st).findings] == ["duplicate-name"]
+    assert run_cli("convert", st, "-o", tmp_path / "st.safetensors").exit_code == 2
 
 
 def test_skip_data_files_are_refused(tmp_path: Path) -> None:
@@ -920,3 +930,72 @@ def test_diff_of_zero12_against_its_consolidation_is_equal(ds_dir: Path, tmp_pat
     doc = json.loads(r.stdout)
     assert r.exit_code == 0 and doc["equal"], r.output
     assert doc["summary"]["common"] == 7 and not doc["only_in_a"] and not doc["only_in_b"]
+
+
+
+def test_scalars_beside_a_state_dict_do_not_keep_its_prefix(tmp_path: Path) -> None:
+    # The PyTorch tutorial's "general checkpoint": a loss tensor beside model_state_dict.
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    torch.save({"epoch": 5, "model_state_dict": net.state_dict(), "optimizer_state_dict": {},
+                "loss": torch.tensor(0.3), "step": torch.tensor(100)}, tmp_path / "t.pt")
+    out = tmp_path / "t.safetensors"
+    assert run_cli("convert", tmp_path / "t.pt", "-o", out).exit_code == 0
+    assert sorted(load_file(out)) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    # torchtitan: the model's weights at the top level, the step under train_state.
+    torch.save({**net.state_dict(), "train_state": {"step": torch.tensor(7)}},
+               tmp_path / "titan.pt")
+    out = tmp_path / "titan.safetensors"
+    assert run_cli("convert", tmp_path / "titan.pt", "-o", out).exit_code == 0
+    assert sorted(load_file(out)) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def test_a_left_out_container_may_hold_tensors_ckpt_cannot_write(tmp_path: Path) -> None:
+    src = tmp_path / "m.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "ema": {"w": torch.empty(2, device="meta")}},
+               src)
+    for extra in ((), ("--container", "model")):
+        out = tmp_path / f"o{len(extra)}.safetensors"
+        r = run_cli("convert", src, "-o", out, *extra)
+        assert r.exit_code == 0, r.output
+        assert list(load_file(out)) == ["w"]
+
+
+def test_fp64_clamp_rounds_once(tmp_path: Path) -> None:
+    import numpy as np
+
+    x = 1 + 2**-11 + 2**-40  # rounds to 1.0 through FP32, to 1 + 2**-10 directly
+    src = tmp_path / "f64.pt"
+    torch.save({"w": torch.tensor([x, 1e6, 1e39, -1e300], dtype=torch.float64),
+                "v": torch.tensor([x], dtype=torch.float64)}, src)
+    out = tmp_path / "o.safetensors"
+    r = run_cli("convert", src, "--to", "fp16", "--clamp", "-o", out)
+    assert r.exit_code == 0, r.output
+    got = load_file(out)
+    assert got["w"][0].item() == got["v"][0].item() == 1 + 2**-10
+    assert got["w"][1:].tolist() == [65504.0, 65504.0, -65504.0]
+    assert np.isfinite(got["w"].float().numpy()).all()
+
+
+def test_hf_dir_with_both_weight_formats(tmp_path: Path) -> None:
+    # Older save_pretrained outputs and hub repos hold model.safetensors and pytorch_model.bin.
+    sd = tiny_state_dict()
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    torch.save(sd, d / "pytorch_model.bin")
+    (d / "config.json").write_text("{}")
+    index = read_index(d)
+    codes = [f.code for f in index.findings]
+    assert "duplicate-weights" in codes and "duplicate-name" not in codes, codes
+    assert sorted(index.tensors) == sorted(sd)
+    out = tmp_path / "o.safetensors"
+    assert run_cli("convert", d, "-o", out).exit_code == 0
+    assert sorted(load_file(out)) == sorted(sd)
+
+
+def test_tied_weights_count_once_everywhere(tmp_path: Path) -> None:
+    emb = torch.randn(10, 4)
+    torch.save({"embed.weight": emb, "head.weight": emb, "b": torch.zeros(3)}, tmp_path / "t.pt")
+    index = read_index(tmp_path / "t.pt")
+    assert index.num_parameters == 43 and index.params_by_dtype == {"F32": 43}
+    assert index.bytes_by_group["model"] == 43 * 4 == index.total_bytes

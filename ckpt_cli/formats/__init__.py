@@ -114,7 +114,7 @@ def detect(path: Path, fmt: str | None = None) -> Reader:
     if matches:
         names = ", ".join(m.name for m in matches)
         raise UnknownFormatError(f"matches several formats ({names}); choose one with "
-                                 "--input-format", path=path)
+                                 "--input-format (diff: --input-format-a/-b)", path=path)
     kind = "directory" if is_dir else "file"
     raise UnknownFormatError(f"unrecognised {kind} ({'; '.join(reasons)})", path=path)
 

@@ -29,7 +29,7 @@ OPTIMIZER_KEYS = ("optimizer", "optimizer_states", "optimizer_state_dict", "opti
 OTHER_KEYS = ("lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "rng_state",
               "rng_states", "rng", "random_states", "scaler", "grad_scaler", "loops", "callbacks",
               "sampler", "data_sampler", "opt_param_scheduler", "rerun_state_machine",
-              "dataloader", "random_ltd", "loss_scaler")
+              "dataloader", "random_ltd", "loss_scaler", "train_state")
 """Top-level keys that hold neither model weights nor optimizer state."""
 
 _MEGATRON_MODEL = re.compile(r"^model\d+$")

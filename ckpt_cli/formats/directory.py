@@ -77,9 +77,17 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         done.update(f.path for f in index.files)
         wm = _weight_map_files(idx)
         done.update(wm)
-    for p in checkpoint_files(path):
+    files = checkpoint_files(path)
+    twins = _hf_twins(files, idx)
+    if twins:
+        index.add(Finding("info", "duplicate-weights",
+                          f"{', '.join(p.name for p in twins[:2])}"
+                          f"{f' and {len(twins) - 2} more' if len(twins) > 2 else ''}: the same "
+                          "weights in the older format beside their safetensors (transformers "
+                          "loads the safetensors); not read", twins[0].name))
+    for p in files:
         rel = rel_to(p, index.base)
-        if rel in done or p.suffix == ".distcp":
+        if rel in done or p.suffix == ".distcp" or p in twins:
             continue
         role = torchfile.role_of(p.name)
         prefix = "" if role == "weights" else p.name.split(".")[0] + "."
@@ -113,6 +121,21 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         index.flavor = "hf-trainer"
     elif any(p.name.startswith("random_states_") for p in path.iterdir()):
         index.flavor = "accelerate"
+
+
+def _hf_twins(files: list[Path], idx: Path | None) -> list[Path]:
+    """``pytorch_model*.bin`` (and ``adapter_model.bin``) beside the safetensors export of the
+    same weights: HF repos and older save_pretrained outputs hold both."""
+    names = {p.name for p in files}
+    st_model = (any(n.startswith("model") and n.endswith(".safetensors") for n in names)
+                or (idx is not None and idx.name == "model.safetensors.index.json"))
+    out = []
+    for p in files:
+        if st_model and p.name.startswith("pytorch_model") and p.suffix == ".bin":
+            out.append(p)
+        elif p.name == "adapter_model.bin" and "adapter_model.safetensors" in names:
+            out.append(p)
+    return out
 
 
 def _weight_map_files(idx: Path) -> set[str]:

@@ -152,11 +152,13 @@ def read_into(index: CheckpointIndex, index_file: Path, *, role: str = "shard",
             index.files.append(FileInfo(srel, spath.stat().st_size, role, None))
             unreadable.add(shard)
             continue
-        for n in names:
+        for listed in names:
+            n = index.duplicates.get(listed, listed)  # a second copy is listed as name#2
             if n in found:
                 # Two shards hold it: a stale shard left beside a newer export (accelerate#2698).
                 index.add(Finding("error", "duplicate-tensor",
                                   f"in both {found[n]} and {shard}", rel_index, n))
+                continue
             found[n] = shard
     for tensor, shard in wm.items():
         got = found.get(tensor)

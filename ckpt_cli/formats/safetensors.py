@@ -165,10 +165,11 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, default_group: s
         info = _tensor_info(name, entry, rel, data_start, index, default_group, prefix)
         if info is None:
             continue
-        index.tensors[info.name] = info
+        info = index.add_tensor(info)
         added.add(info.name)
         b, e = entry["data_offsets"]
         spans.append((b, e, name))
+    index.note_duplicates(rel, added)
     _check_spans(index, rel, spans, size - data_start)
     return added
 

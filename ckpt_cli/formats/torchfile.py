@@ -387,19 +387,14 @@ def add_tree(index: CheckpointIndex, result: PickleResult,
             if len(path) > 1:
                 index.containers.setdefault(prefix + path[0] + ".", info.group if info.group
                                             != "buffer" else "model")
-            if info.name in index.tensors:
-                first = index.tensors[info.name].file
-                info = _rename(info, index)
-                index.add(Finding("warning", "duplicate-name",
-                                  f"a tensor named {name!r} is already in {first}; this one is "
-                                  f"listed as {info.name!r}", rel, info.name))
-            index.tensors[info.name] = info
+            info = index.add_tensor(info)
             added.add(info.name)
             for part in (leaf, *leaf.parts):
                 if part.storage is not None:
                     used.add(part.storage.key)
         elif path:
             index.objects[name] = containers.to_plain(leaf)
+    index.note_duplicates(rel, added)
     meta = containers.extract_metadata(tree)
     for k, v in meta.items():
         index.metadata.setdefault(k, v)
@@ -410,15 +405,6 @@ def add_tree(index: CheckpointIndex, result: PickleResult,
                           f"{len(unused)} storage record(s) no tensor refers to", rel,
                           ", ".join(unused[:5])))
     return added
-
-
-def _rename(info: TensorInfo, index: CheckpointIndex) -> TensorInfo:
-    i = 2
-    while f"{info.name}#{i}" in index.tensors:
-        i += 1
-    return TensorInfo(f"{info.name}#{i}", info.dtype, info.shape, info.nbytes, info.group,
-                      info.file, info.offset, info.stride, info.storage, info.storage_offset,
-                      info.chunks, info.kind)
 
 
 def _flavor(tree: Any) -> str | None:

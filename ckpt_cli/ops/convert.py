@@ -217,20 +217,24 @@ def select_tensors(index: CheckpointIndex, *, keep_optimizer: bool = False,
         _refuse_duplicate_names(index, names)
         return Selection(names, [], _count_dropped(index, set(names.values())), [])
     model = [t for t in index.tensors.values() if t.group in ("model", "buffer")]
-    _refuse_other_kinds(model)
     if not model:
         raise UsageError(f"{index.root}: no model weights found (groups: "
                          f"{_group_summary(index)})")
     notes: list[str] = []
     renamed: list[str] = []
     prefixes = [c for c, g in index.containers.items() if g == "model"]
-    # Model tensors outside every container ({"encoder": {...}, "head.weight": ...}) mean the
-    # containers are parts of one model, not alternatives: keep every name whole.
-    loose = not container and any(not t.name.startswith(tuple(prefixes)) for t in model)
+    # Weights outside every container ({"encoder": {...}, "head.weight": ...}) mean the
+    # containers are parts of one model, not alternatives: keep every name whole. Scalars
+    # beside a state dict ({"model_state_dict": ..., "loss": tensor(0.3)}, a tensor `step`)
+    # are bookkeeping, not weights.
+    inside = set(prefixes)
+    loose = [] if container or not prefixes else [
+        t.name for t in model if t.shape and not _in_container(t.name, inside)]
     chosen = "" if loose else _choose_container(prefixes, container, notes)
-    if loose and prefixes:
-        notes.append(f"model tensors both inside {', '.join(p.rstrip('.') for p in prefixes)} "
-                     "and outside it; kept every name whole (--container takes one container)")
+    if loose:
+        notes.append(f"weights both inside {', '.join(p.rstrip('.') for p in prefixes)} and "
+                     f"outside (e.g. {loose[0]!r}); kept every name whole (--container takes "
+                     "one container)")
     if chosen:
         model = [t for t in model if t.name.startswith(chosen)]
         renamed.append(f"removed container prefix {chosen!r}")
@@ -246,6 +250,7 @@ def select_tensors(index: CheckpointIndex, *, keep_optimizer: bool = False,
                     renamed.append(f"removed wrapper prefix {wrapper!r}")
                     stripped = True
     _refuse_duplicate_names(index, names)
+    _refuse_other_kinds(index.tensors[n] for n in names)
     out: dict[str, str] = {}
     for src_name, out_name in names.items():
         if out_name in out:
@@ -253,6 +258,11 @@ def select_tensors(index: CheckpointIndex, *, keep_optimizer: bool = False,
                              "use --keep-prefix or --container")
         out[out_name] = src_name
     return Selection(out, renamed, _count_dropped(index, set(out.values())), notes)
+
+
+def _in_container(name: str, prefixes: set[str]) -> bool:
+    """Whether ``name`` starts with one of ``prefixes`` (each ends in a dot)."""
+    return any(name[:i + 1] in prefixes for i, ch in enumerate(name) if ch == ".")
 
 
 def _refuse_other_kinds(tensors: Iterable[TensorInfo]) -> None:
@@ -268,14 +278,12 @@ def _refuse_other_kinds(tensors: Iterable[TensorInfo]) -> None:
 
 def _refuse_duplicate_names(index: CheckpointIndex, names: dict[str, str]) -> None:
     """Refuse tensors the reader had to rename (``l2.w#2``): two tensors share a name."""
-    dup = {f.location for f in index.findings if f.code == "duplicate-name"}
-    clash = sorted(n for n in names if n in dup)
+    clash = [n for n in names if n in index.duplicates]
     if clash:
         several = len(index.files) > 1
         raise UsageError(f"{len(clash)} tensor name(s) occur twice in {index.root} (first: "
-                         f"{clash[0].rsplit('#', 1)[0]!r}); ckpt will not make up output names",
-                         hint="ckpt consolidate merges per-rank files by key" if several
-                         else None)
+                         f"{index.duplicates[clash[0]]!r}); ckpt will not make up output names",
+                         hint="convert its files one at a time" if several else None)
 
 
 def _choose_container(prefixes: list[str], wanted: str | None, notes: list[str]) -> str:
