@@ -588,6 +588,31 @@ def test_a_mount_point_inside_a_checkpoint_is_not_entered(
     assert result.outcomes["step_000200"].status == "deleted"
 
 
+def test_a_bind_mount_inside_a_checkpoint_keeps_it(sample_copy: Path, tmp_path: Path) -> None:
+    # A bind mount from the same file system has the run directory's device number: only the
+    # mount table tells it apart. Deleting through it would delete files outside the run.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    mnt = sample_copy / "step_000100" / "data"
+    mnt.mkdir()
+    if subprocess.run(["mount", "--bind", str(outside), str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here (not root, or no mount permission)")
+    try:
+        result = prune(sample_copy, KEEP1)
+        assert result.outcomes["step_000100"].status == "skipped"
+        assert "mounted inside it" in (result.outcomes["step_000100"].detail or "")
+        assert (outside / "precious.txt").read_text() == "keep me"
+        assert (sample_copy / "step_000100" / "checkpoint.pt").is_file()
+        assert result.outcomes["step_000200"].status == "deleted"
+    finally:  # wherever a failing prune may have moved it
+        for point in (mnt, sample_copy / ".ckpt-trash-step_000100" / "data"):
+            if os.path.ismount(point):
+                subprocess.run(["umount", str(point)], check=False)
+    assert (outside / "precious.txt").read_text() == "keep me"
+
+
 def test_writer_creates_a_checkpoint_while_prune_runs(tmp_path: Path) -> None:
     """Deterministic interleaving with a real writer process: after planning, a new checkpoint
     is half-written; in the middle of the deletions it is finished and ``latest`` moves to it."""
@@ -775,3 +800,60 @@ def test_steps_decide_order_whatever_the_mtimes(tmp_path: Path) -> None:
     assert status["epoch10.pt"] == "would-delete"
     assert status["model.final.pt"] == "kept"
     assert "cannot be ordered" in _why(doc, "model.final.pt")
+
+
+# -- a newest checkpoint that reads fine but cannot be loaded is not "the newest valid" --------
+
+
+def test_hf_checkpoint_without_its_weights_is_not_valid(hf_trainer_dir: Path,
+                                                       tmp_path: Path) -> None:
+    run = _copy(hf_trainer_dir, tmp_path)
+    weights = [p for p in (run / "checkpoint-4").iterdir()
+               if p.name.startswith(("model", "pytorch_model"))]
+    assert weights
+    for p in weights:
+        p.unlink()
+    r = run_cli("validate", run / "checkpoint-4")
+    assert r.exit_code == 1 and "without model weights" in r.output, r.output
+    doc = _json(run, "--keep", "1", "--grace", "0", "--dry-run")
+    assert _status(doc)["checkpoint-2"] == "kept" and "newest valid" in _why(doc, "checkpoint-2")
+
+
+def test_hf_shards_with_a_gap_and_no_index(tmp_path: Path) -> None:
+    from tests.helpers.makers import hf_sharded, tiny_state_dict
+
+    d = tmp_path / "checkpoint-9"
+    d.mkdir()
+    hf_sharded(d, tiny_state_dict(), max_shard_size=600)
+    shards = sorted(d.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    (d / "model.safetensors.index.json").unlink()
+    shards[1].unlink()
+    found = {(f.code, f.file) for f in prune_ops.read_index(d).findings}
+    assert ("missing-shard", shards[1].name) in found
+    assert prune_ops.quick_validate(d) is not None
+
+
+@requires_deepspeed
+def test_deepspeed_tags_missing_model_states(ds_dir: Path, tmp_path: Path) -> None:
+    for name, doomed in (("z3-fp32", "zero_pp_rank_1_mp_rank_00_model_states.pt"),
+                         ("z2-fp32", "mp_rank_00_model_states.pt")):
+        run = _copy(ds_dir / name, tmp_path, name)
+        tag = run / (run / "latest").read_text().strip()
+        (tag / doomed).unlink()
+        assert prune_ops.quick_validate(tag) is not None, name
+        assert run_cli("validate", tag).exit_code == 1, name
+
+
+def test_sweep_job_directories_are_not_checkpoints(tmp_path: Path) -> None:
+    # Hydra multirun: 0/, 1/, 2/ each hold a job's config and log (and maybe a model file).
+    sweep = tmp_path / "multirun"
+    for i in range(3):
+        job = sweep / str(i)
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "config.yaml").write_text("lr: 0.1\n")
+        (job / "main.log").write_text("done\n")
+        torch.save({"w": torch.ones(2)}, job / "model.pt")
+    r = run_cli("prune", sweep, "--keep", "1", "--grace", "0", "--yes")
+    assert r.exit_code == 2 and "holds no checkpoints" in r.stderr, r.output
+    assert all((sweep / str(i) / "main.log").is_file() for i in range(3))

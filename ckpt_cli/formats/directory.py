@@ -9,13 +9,14 @@ the file's stem as a prefix (``optimizer.state.0.exp_avg``), weights keep their 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
-from ckpt_cli.formats import dcp, hf_index, safetensors, torchfile
+from ckpt_cli.formats import dcp, deepspeed, hf_index, safetensors, torchfile
 from ckpt_cli.formats.base import file_size, read_head, rel_to
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
@@ -121,6 +122,43 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         index.flavor = "hf-trainer"
     elif any(p.name.startswith("random_states_") for p in path.iterdir()):
         index.flavor = "accelerate"
+    _missing_parts(index, files, idx)
+
+
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5,})-of-(?P<n>\d{5,})(?P<ext>\.[a-z]+)$")
+
+
+def _missing_parts(index: CheckpointIndex, files: list[Path], idx: Path | None) -> None:
+    """Errors for a directory that lacks the part a loader needs first: a training checkpoint
+    (HF Trainer, Accelerate) without model weights, HF shards with a gap, DeepSpeed optimizer
+    partitions without their model states. Such a checkpoint reads fine file by file, but
+    resuming from it fails, and prune must not keep it as the newest valid one."""
+    names = {p.name for p in files}
+    if idx is None:
+        groups: dict[tuple[str, str, int], set[int]] = {}
+        for name in names:
+            m = _SHARD.match(name)
+            if m:
+                key = (m["stem"], m["ext"], int(m["n"]))
+                groups.setdefault(key, set()).add(int(m["i"]))
+        for (stem, ext, n), have in sorted(groups.items()):
+            gone = [i for i in range(1, n + 1) if i not in have]
+            if gone:
+                first = f"{stem}-{gone[0]:05d}-of-{n:05d}{ext}"
+                index.add(Finding("error", "missing-shard",
+                                  f"{len(gone)} of {n} shards missing (and no index to say "
+                                  "what they held)", first))
+    optim = sorted(x for x in names if deepspeed.OPTIM_STATES.match(x))
+    if optim and not any(deepspeed.MODEL_STATES.match(x) for x in names):
+        index.add(Finding("error", "missing-rank-file",
+                          "DeepSpeed optimizer partitions without any *_model_states.pt: "
+                          "the checkpoint cannot be loaded", optim[0]))
+    if index.flavor in ("hf-trainer", "accelerate") and not any(
+            t.group in ("model", "buffer") for t in index.tensors.values()) and not any(
+            f.code == "bad-file" for f in index.findings):
+        index.add(Finding("error", "missing-weights",
+                          "a training checkpoint without model weights (model.safetensors, "
+                          "pytorch_model.bin or their shards): resuming from it fails"))
 
 
 def _hf_twins(files: list[Path], idx: Path | None) -> list[Path]:

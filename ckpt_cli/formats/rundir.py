@@ -105,11 +105,32 @@ def metrics_from_name(name: str) -> dict[str, float]:
     return out
 
 
+# What a job's or an experiment's output directory holds and a checkpoint does not.
+_JOB_MARKERS = (".hydra", ".submitit", "wandb", "lightning_logs", "tensorboard", "runs")
+_JOB_FILE_SUFFIXES = (".log", ".out", ".err", ".yaml", ".yml")
+
+
+def _job_output(path: Path) -> bool:
+    """Whether a directory looks like a job's output (config, logs), not a checkpoint.
+
+    Only bare numbers name both (Orbax step directories; Hydra multirun and other sweep job
+    directories), and deleting a job directory would take its logs and configs along.
+    """
+    try:
+        with os.scandir(path) as it:
+            return any(e.name in _JOB_MARKERS or e.name.endswith(_JOB_FILE_SUFFIXES)
+                       for e in it)
+    except OSError:
+        return False
+
+
 def _is_checkpoint_name(entry: os.DirEntry[str], strict: bool = False) -> bool:
     name = entry.name
     if name.startswith(".") or name in POINTER_FILES:
         return False
     if entry.is_dir(follow_symlinks=False):
+        if strict and name.isdigit() and _job_output(Path(entry.path)):
+            return False  # a sweep's job directory (Hydra multirun 0/, 1/...), not a checkpoint
         return step_from_name(name, strict=strict) is not None or (
             Path(entry.path) / dcp.METADATA).is_file()
     if entry.is_file(follow_symlinks=False):

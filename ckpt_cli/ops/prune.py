@@ -27,6 +27,7 @@ import errno
 import fcntl
 import math
 import os
+import re
 import stat
 import time
 import uuid
@@ -51,6 +52,7 @@ from ckpt_cli.formats.rundir import (
     writer_lock,
 )
 from ckpt_cli.model import RunEntry, RunListing
+from ckpt_cli.ops.layoutcheck import rank_findings
 from ckpt_cli.planning import (
     Decision,
     PrunePlan,
@@ -336,6 +338,11 @@ def quick_validate(path: Path) -> str | None:
     except Exception as e:  # a reader failing on odd input must not stop the prune: keep more
         return f"could not be read: {type(e).__name__}: {e}"
     errors = [f for f in index.findings if f.severity == "error"]
+    # Rank files against the world sizes the checkpoint records (a directory listing): a
+    # ZeRO-3 tag missing one rank's model states reads fine but cannot be loaded.
+    ranks = rank_findings(index, path) if path.is_dir() else None
+    if ranks is not None:
+        errors += [f for f in ranks[0] if f.severity == "error"]
     if errors:
         where = ":".join(x for x in (errors[0].file, errors[0].location) if x)
         return f"{where}: {errors[0].message}" if where else errors[0].message
@@ -511,6 +518,7 @@ class _Root:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self.dev = os.fstat(self.fd).st_dev
+        self.mount = (self.dev, mount_id(self.fd))
 
     def close(self) -> None:
         """Release the descriptor."""
@@ -692,6 +700,9 @@ def recheck(root: Path, entry: RunEntry, plan: PrunePlan, now: float,
         return f"cannot check it: {e.strerror}"
     if stat.S_ISLNK(st.st_mode):
         return "it is a symbolic link now; never followed"
+    inside = mounts_inside(path)
+    if inside:
+        return f"a file system is mounted inside it ({inside[0]}); not deleted"
     scan = tree_scan(Path(path))
     before = (entry.bytes, entry.files, entry.mtime, entry.changed)
     if (scan.bytes, scan.files, scan.mtime, scan.changed) != before:
@@ -775,7 +786,7 @@ def _remove(root: _Root, name: str) -> str | None:
         return f"cannot check {name}: {e.strerror}"
     errors: list[str] = []
     if stat.S_ISDIR(st.st_mode):
-        _remove_dir(root.fd, name, name, errors, root.dev)
+        _remove_dir(root.fd, name, name, errors, root.mount)
     else:
         _unlink(root.fd, name, name, errors)
     if errors:
@@ -795,7 +806,48 @@ def _unlink(dir_fd: int, name: str, where: str, errors: list[str],
         errors.append(f"{where}: {e.strerror}")
 
 
-def _remove_dir(parent: int, name: str, where: str, errors: list[str], dev: int) -> None:
+def mounts_inside(path: str) -> list[str]:
+    """Mount points at or below ``path`` (Linux ``/proc/self/mountinfo``; [] elsewhere).
+
+    A bind mount of a directory of the same file system looks like any directory to a walk;
+    deleting through it would delete what it shows, outside the run directory.
+    """
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) < 5:
+            continue
+        # Field 5 is the mount point, with space, tab, newline and backslash octal-escaped.
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if point == real or point.startswith(real.rstrip("/") + "/"):
+            found.append(point)
+    return found
+
+
+def mount_id(fd: int) -> int | None:
+    """The id of the mount an open file lies on (Linux ``/proc/self/fdinfo``), or None.
+
+    Device numbers do not tell a bind mount of a directory of the same file system from the
+    directory itself; mount ids do.
+    """
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _remove_dir(parent: int, name: str, where: str, errors: list[str],
+                mount: tuple[int, int | None]) -> None:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=parent)
@@ -807,7 +859,8 @@ def _remove_dir(parent: int, name: str, where: str, errors: list[str], dev: int)
         else:
             errors.append(f"{where}: {e.strerror}")
         return
-    if os.fstat(fd).st_dev != dev:
+    dev, mnt = mount
+    if os.fstat(fd).st_dev != dev or (mnt is not None and mount_id(fd) != mnt):
         os.close(fd)
         errors.append(f"{where}: another file system is mounted there; not entered")
         return
@@ -819,7 +872,7 @@ def _remove_dir(parent: int, name: str, where: str, errors: list[str], dev: int)
         # overhead per file would otherwise cost more than the unlink system calls.
         for child, is_dir in children:
             if is_dir:
-                _remove_dir(fd, child, f"{where}/{child}", errors, dev)
+                _remove_dir(fd, child, f"{where}/{child}", errors, mount)
                 continue
             try:
                 unlink(child, dir_fd=fd)

@@ -108,7 +108,8 @@ _CODE_CHECK: dict[str, str] = {
     **dict.fromkeys(("missing-file", "chunk-out-of-bounds", "missing-chunk"), "dcp-storage"),
     "bad-item": "dcp-chunks",
     "chunk-tiling": "dcp-tiling",
-    **dict.fromkeys(("world-size", "missing-rank"), "rank-files"),
+    **dict.fromkeys(("world-size", "missing-rank", "missing-rank-file"), "rank-files"),
+    "missing-weights": "complete",
 }
 _FORMAT_CODE_CHECK = {("megatron", "missing-file"): "rank-files"}
 _RATE_MIN = 64 << 20  # below this, a speed says more about start-up than throughput
