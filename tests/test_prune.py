@@ -857,3 +857,38 @@ def test_sweep_job_directories_are_not_checkpoints(tmp_path: Path) -> None:
     r = run_cli("prune", sweep, "--keep", "1", "--grace", "0", "--yes")
     assert r.exit_code == 2 and "holds no checkpoints" in r.stderr, r.output
     assert all((sweep / str(i) / "main.log").is_file() for i in range(3))
+
+
+def test_absolute_pointer_through_a_symlinked_directory(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for i in (1, 2, 3):
+        (run / f"step_{i}").mkdir(parents=True)
+        torch.save({"model": {"w": torch.ones(2)}, "step": i}, run / f"step_{i}" / "model.pt")
+    (tmp_path / "link").symlink_to(run)
+    (run / "latest").symlink_to(tmp_path / "link" / "step_2")
+    doc = _json(run, "--keep", "1", "--grace", "0", "--dry-run")
+    assert "latest names it" in _why(doc, "step_2")
+    assert _status(doc)["step_1"] == "would-delete"
+    assert run_cli("validate", run, "--latest").exit_code == 0
+
+
+@requires_deepspeed
+def test_lightning_deepspeed_strategy_checkpoints(ds_dir: Path, tmp_path: Path) -> None:
+    # Lightning's DeepSpeedStrategy saves epoch=E-step=S.ckpt/ as a DeepSpeed save directory
+    # of one tag named "checkpoint" (plus latest and zero_to_fp32.py).
+    src = ds_dir / "z2-fp32"
+    tag = src / (src / "latest").read_text().strip()
+    run = tmp_path / "ckpts"
+    for step in (2, 4, 6):
+        d = run / f"epoch=0-step={step}.ckpt"
+        shutil.copytree(tag, d / "checkpoint")
+        (d / "latest").write_text("checkpoint")
+        (d / "zero_to_fp32.py").write_text("# script\n")
+    r = run_cli("validate", run)
+    assert r.exit_code == 0 and "3 of 3" in r.output, r.output
+    doc = _json(run, "--keep", "1", "--grace", "0", "--dry-run")
+    assert _status(doc) == {"epoch=0-step=2.ckpt": "would-delete",
+                            "epoch=0-step=4.ckpt": "would-delete",
+                            "epoch=0-step=6.ckpt": "kept"}
+    out = tmp_path / "o.safetensors"
+    assert run_cli("consolidate", run / "epoch=0-step=6.ckpt", "-o", out).exit_code == 0

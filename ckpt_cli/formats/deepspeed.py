@@ -26,6 +26,34 @@ EXPERT_STATES = re.compile(r"^(?:layer_\d+_expert_\d+_mp_rank_\d+_model_states|"
                            r"expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
 
 
+def _has_model_states(path: Path) -> bool:
+    try:
+        return any(MODEL_STATES.match(p.name) for p in path.iterdir())
+    except OSError:
+        return False
+
+
+def tag_dir(path: Path) -> Path:
+    """The directory holding a checkpoint's rank files: ``path`` itself, or the one tag that
+    ``latest`` names in a save directory holding nothing else (Lightning's DeepSpeedStrategy
+    saves ``epoch=0-step=N.ckpt/`` as ``checkpoint/``, ``latest`` and ``zero_to_fp32.py``).
+    A save directory of step-numbered tags (``global_step300``) is a run directory, even with
+    one tag, not one checkpoint."""
+    if _has_model_states(path):
+        return path
+    latest = path / "latest"
+    try:
+        tag = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+        tags = [p for p in path.iterdir() if p.is_dir() and not p.is_symlink()
+                and _has_model_states(p)]
+    except OSError:
+        return path
+    if (tag and "/" not in tag and tag not in (".", "..") and not any(c.isdigit() for c in tag)
+            and [p.name for p in tags] == [tag]):
+        return path / tag
+    return path
+
+
 def rank_files(path: Path) -> tuple[list[Path], list[Path], list[Path]]:
     """The model-state, optimizer-state and MoE expert files of a tag directory, sorted by rank."""
     model, optim, expert = [], [], []
@@ -72,13 +100,13 @@ class DeepSpeedReader:
         """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
         if not path.is_dir():
             return "not a directory"
-        if any(MODEL_STATES.match(p.name) for p in path.iterdir()):
+        if _has_model_states(tag_dir(path)):
             return None
         return "no *_model_states.pt files"
 
     def read_index(self, path: Path) -> CheckpointIndex:
         """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""
-        model, optim, expert = rank_files(path)
+        model, optim, expert = rank_files(tag_dir(path))
         if not model:
             raise UnknownFormatError("no *_model_states.pt files", path=path)
         index = CheckpointIndex(format=self.name, root=path, base=path, flavor="deepspeed")

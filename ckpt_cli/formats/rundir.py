@@ -313,7 +313,14 @@ def _pointer_target(root: Path, raw: str) -> str:
             try:
                 p = p.relative_to(root.absolute())
             except ValueError:
-                return raw
+                # Through a symlinked directory (/runs/link/step_2 with /runs/link -> run):
+                # the first ancestor that resolves to the run directory.
+                real, above = root.resolve(), p.parts
+                at = next((i for i in range(2, len(above))
+                           if Path(os.path.realpath(Path(*above[:i]))) == real), None)
+                if at is None:
+                    return raw
+                p = Path(*above[at:])
     parts = [q for q in p.parts if q != "."]
     if not parts or parts[0] == "..":
         return raw
@@ -396,8 +403,11 @@ def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
         if path.name.startswith("iter_") and "common.pt" in names and "metadata.json" not in names:
             return "dcp", False, "no metadata.json: Megatron writes it last"
         return "dcp", True, None
-    if any(deepspeed.MODEL_STATES.match(n) for n in names):
-        model, optim, _ = deepspeed.rank_files(path)
+    # A DeepSpeed tag, or a save directory of one tag (Lightning's DeepSpeedStrategy).
+    is_tag = any(deepspeed.MODEL_STATES.match(n) for n in names)
+    tag = path if is_tag else deepspeed.tag_dir(path) if "latest" in names else path
+    if is_tag or tag != path:
+        model, optim, _ = deepspeed.rank_files(tag)
         bad = [p.name for p in model + optim if _file_status(p)[1] is False]
         return "deepspeed", not bad, (f"damaged: {', '.join(bad[:3])}" if bad else None)
     if megatron.rank_dirs(path):
