@@ -999,3 +999,19 @@ def test_tied_weights_count_once_everywhere(tmp_path: Path) -> None:
     index = read_index(tmp_path / "t.pt")
     assert index.num_parameters == 43 and index.params_by_dtype == {"F32": 43}
     assert index.bytes_by_group["model"] == 43 * 4 == index.total_bytes
+
+
+def test_machine_limits_are_errors_not_bugs(capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    import typer
+
+    from ckpt_cli.cli.errors import handled
+
+    with pytest.raises(typer.Exit) as exc, handled():
+        raise OSError(errno.ENAMETOOLONG, "File name too long", "/very/long/path")
+    assert exc.value.exit_code == 2
+    assert capsys.readouterr().err.strip() == "ckpt: error: /very/long/path: File name too long"
+    with pytest.raises(typer.Exit) as exc, handled():
+        raise OSError(errno.EBADF, "Bad file descriptor")  # a bug of ours: internal error
+    assert exc.value.exit_code == 101

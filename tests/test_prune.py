@@ -892,3 +892,15 @@ def test_lightning_deepspeed_strategy_checkpoints(ds_dir: Path, tmp_path: Path) 
                             "epoch=0-step=6.ckpt": "kept"}
     out = tmp_path / "o.safetensors"
     assert run_cli("consolidate", run / "epoch=0-step=6.ckpt", "-o", out).exit_code == 0
+
+
+def test_metrics_logged_a_step_before_the_checkpoint(lightning_metric_dir: Path,
+                                                     tmp_path: Path) -> None:
+    # Lightning's CSVLogger logs validation at step S-1 for the checkpoint named step=S.
+    run = _copy(lightning_metric_dir, tmp_path)
+    csv_file = tmp_path / "metrics.csv"
+    csv_file.write_text("epoch,step,val_loss\n0,1,0.9\n1,3,0.5\n2,5,0.7\n")
+    doc = _json(run, "--keep", "1", "--keep-best", "1", "--metric", "val_loss",
+                "--metrics-file", str(csv_file), "--grace", "0", "--dry-run")
+    step4 = next(n for n in _status(doc) if "step=4" in n)
+    assert "best 1 by val_loss" in _why(doc, step4) and "0.5" in _why(doc, step4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -19,6 +20,10 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 101
 EXIT_INTERRUPTED = 130
+# OS errors that say the machine's limits were reached, not that ckpt has a bug.
+_ENVIRONMENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT, errno.EMFILE,
+                                 errno.ENFILE, errno.EROFS, errno.EACCES, errno.EPERM,
+                                 errno.EIO, errno.ELOOP})
 
 
 def _say(text: str) -> None:
@@ -123,6 +128,15 @@ def handled() -> Iterator[None]:
                 os.dup2(devnull, stream.fileno())
         raise typer.Exit(EXIT_OK) from None
     except Exception as e:
+        if isinstance(e, OSError) and e.errno in _ENVIRONMENT_ERRNOS:
+            # Limits of the machine, not bugs: a path beyond PATH_MAX, a full disk, too many
+            # open files. One line naming the file, exit 2.
+            where = f"{e.filename}: " if isinstance(e.filename, str) else ""
+            _say(f"ckpt: error: {where}{e.strerror}")
+            doc.emit("os", e.strerror or str(e), EXIT_USAGE,
+                     path=e.filename if isinstance(e.filename, str) else None,
+                     text=f"{where}{e.strerror}")
+            raise typer.Exit(EXIT_USAGE) from None
         if os.environ.get("CKPT_DEBUG"):
             raise
         _say(f"ckpt: internal error: {type(e).__name__}: {e} "

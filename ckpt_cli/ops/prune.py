@@ -21,6 +21,7 @@ Nothing here prints or prompts; progress goes to ``on_progress``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import csv
 import errno
@@ -398,6 +399,8 @@ def _metric_values(listing: RunListing, metric: str, history: list[dict[str, Any
         by_name.update(file_names)
         seen.update(file_keys)
     out: dict[str, float] = {}
+    logged = sorted(by_step)
+    saved = sorted({e.step for e in listing.entries if e.step is not None})
     for e in listing.entries:
         seen.update(e.metrics)
         value = by_name.get(e.name)
@@ -405,6 +408,14 @@ def _metric_values(listing: RunListing, metric: str, history: list[dict[str, Any
             value = e.metrics.get(metric)
         if value is None and e.step is not None:
             value = by_step.get(e.step)
+            if value is None:
+                # Loggers do not always log at the step the checkpoint's name carries
+                # (Lightning's CSVLogger logs validation at step S-1 for a step=S checkpoint):
+                # the last value logged after the previous checkpoint, up to this one.
+                prev = saved[bisect.bisect_left(saved, e.step) - 1] if saved[0] < e.step else -1
+                i = bisect.bisect_right(logged, e.step) - 1
+                if i >= 0 and logged[i] > prev:
+                    value = by_step[logged[i]]
         if value is not None:
             out[e.name] = value
     if not out:
