@@ -55,6 +55,20 @@ def crc32(data: memoryview | bytes, value: int = 0) -> int:
     return _crc32(data, value)
 
 
+def crc32_range(fd: int, offset: int, length: int, piece: int = 16 << 20) -> int | None:
+    """CRC-32 of ``length`` bytes of an open file from ``offset``, read in bounded pieces;
+    None if the file ends first."""
+    buf = memoryview(bytearray(min(length, piece)))
+    value, done = 0, 0
+    while done < length:
+        n = os.preadv(fd, [buf[:min(len(buf), length - done)]], offset + done)
+        if n <= 0:
+            return None
+        value = crc32(buf[:n], value)
+        done += n
+    return value
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int | None:
     """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``; None if unavailable."""
     if _crc32_combine is None:  # pragma: no cover - see the import above

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.model import CheckpointIndex, Chunk, StorageRef, TensorInfo
-from ckpt_cli.streaming import crc32
+from ckpt_cli.streaming import crc32, crc32_range
 
 if TYPE_CHECKING:
     import numpy as np
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 _MAX_OPEN = 64
 _MAP_MIN = 1 << 20  # below this a copy is as cheap as setting up a mapping
 _READ_CHUNK = 1 << 30
-_CRC_PIECE = 16 << 20
 
 
 class TensorSource:
@@ -185,13 +184,10 @@ class TensorSource:
 
     def _crc_of(self, rel: str, offset: int, length: int) -> int:
         """CRC-32 of a byte range of file ``rel``, read in bounded pieces."""
-        buf = memoryview(bytearray(min(length, _CRC_PIECE)))
-        value, done = 0, 0
-        while done < length:
-            n = min(len(buf), length - done)
-            self.read_into(rel, offset + done, buf[:n])
-            value = crc32(buf[:n], value)
-            done += n
+        value = crc32_range(self._fd(rel), offset, length)
+        if value is None:
+            raise CorruptCheckpointError(f"file ends before byte {offset + length:,} "
+                                         "(truncated)", path=self.index.path_of(rel))
         return value
 
     def _map(self, t: TensorInfo, dt: np.dtype[Any]) -> np.ndarray:

@@ -34,7 +34,7 @@ from ckpt_cli.formats import deepspeed
 from ckpt_cli.formats.base import file_size
 from ckpt_cli.formats.torchfile import TorchZip, contiguous_strides, parse_zip
 from ckpt_cli.formats.unpickler import Opaque, TensorRecord
-from ckpt_cli.streaming import crc32
+from ckpt_cli.streaming import crc32_range
 
 if TYPE_CHECKING:
     import numpy as np
@@ -510,15 +510,10 @@ class PieceReader:
         start, length, crc = entry
         got = self._checked.get((path, start))
         if got is None:
-            buf = memoryview(bytearray(min(length, 16 << 20)))
-            got, done = 0, 0
-            while done < length:
-                n = os.preadv(fd, [buf[:min(len(buf), length - done)]], start + done)
-                if n <= 0:
-                    raise CorruptCheckpointError(f"file ends inside the record of {name} "
-                                                 "(truncated)", path=path)
-                got = crc32(buf[:n], got)
-                done += n
+            got = crc32_range(fd, start, length)
+            if got is None:
+                raise CorruptCheckpointError(f"file ends inside the record of {name} "
+                                             "(truncated)", path=path)
             self._checked[(path, start)] = got
         if got != crc:
             raise CorruptCheckpointError(
