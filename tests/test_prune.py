@@ -600,16 +600,17 @@ def test_a_bind_mount_inside_a_checkpoint_keeps_it(sample_copy: Path, tmp_path: 
                       capture_output=True).returncode != 0:
         pytest.skip("cannot bind-mount here (not root, or no mount permission)")
     try:
+        doc = _json(sample_copy, "--keep", "1", "--grace", "0", "--dry-run")
+        assert _status(doc)["step_000100"] == "kept"
+        assert "mounted inside it" in _why(doc, "step_000100")
         result = prune(sample_copy, KEEP1)
-        assert result.outcomes["step_000100"].status == "skipped"
-        assert "mounted inside it" in (result.outcomes["step_000100"].detail or "")
+        assert "step_000100" not in result.outcomes  # kept by the plan, never touched
         assert (outside / "precious.txt").read_text() == "keep me"
         assert (sample_copy / "step_000100" / "checkpoint.pt").is_file()
         assert result.outcomes["step_000200"].status == "deleted"
-    finally:  # wherever a failing prune may have moved it
-        for point in (mnt, sample_copy / ".ckpt-trash-step_000100" / "data"):
-            if os.path.ismount(point):
-                subprocess.run(["umount", str(point)], check=False)
+    finally:  # wherever a failing prune may have moved it (ismount misses same-fs binds)
+        for point in prune_ops.mounts_inside(str(sample_copy)):
+            subprocess.run(["umount", point], check=False)
     assert (outside / "precious.txt").read_text() == "keep me"
 
 
@@ -904,3 +905,46 @@ def test_metrics_logged_a_step_before_the_checkpoint(lightning_metric_dir: Path,
                 "--metrics-file", str(csv_file), "--grace", "0", "--dry-run")
     step4 = next(n for n in _status(doc) if "step=4" in n)
     assert "best 1 by val_loss" in _why(doc, step4) and "0.5" in _why(doc, step4)
+
+
+def test_weights_in_a_subdirectory_count(hf_trainer_dir: Path, tmp_path: Path) -> None:
+    # HF Trainer + DeepSpeed ZeRO-3 without gathered weights keeps them only in global_stepN/;
+    # Accelerate save hooks write unet/diffusion_pytorch_model.safetensors.
+    run = _copy(hf_trainer_dir, tmp_path)
+    ckpt = run / "checkpoint-4"
+    for p in list(ckpt.iterdir()):
+        if p.name.startswith(("model", "pytorch_model")):
+            p.unlink()
+    (ckpt / "global_step4").mkdir()
+    tag = ckpt / "global_step4"
+    torch.save({"module": {"w": torch.ones(2)}}, tag / "mp_rank_00_model_states.pt")
+    (ckpt / "latest").write_text("global_step4")
+    codes = {f.code for f in prune_ops.read_index(ckpt).findings}
+    assert "missing-weights" not in codes
+    assert prune_ops.quick_validate(ckpt) is None
+
+
+def test_a_metric_from_another_step_is_not_borrowed(tmp_path: Path) -> None:
+    # save_steps=200, eval_steps=300: the eval at 300 judged the step-300 model, which no
+    # checkpoint holds; it must not be credited to checkpoint 400.
+    run = tmp_path / "run"
+    for step in (200, 400, 600):
+        (run / f"step_{step}").mkdir(parents=True)
+        torch.save({"model": {"w": torch.ones(2)}, "step": step}, run / f"step_{step}" / "m.pt")
+    metrics = tmp_path / "m.csv"
+    metrics.write_text("step,eval_loss\n300,0.1\n")
+    r = run_cli("prune", run, "--keep", "1", "--keep-best", "1", "--metric", "eval_loss",
+                "--metrics-file", metrics, "--grace", "0", "--dry-run")
+    assert r.exit_code == 2 and "no checkpoint has a value" in r.stderr, r.output
+
+
+def test_a_skipped_job_directory_is_named(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for step in (100, 200, 300):
+        (run / str(step)).mkdir(parents=True)
+        torch.save({"model": {"w": torch.ones(2)}}, run / str(step) / "model.pt")
+    (run / "100" / "config.yaml").write_text("lr: 1\n")
+    doc = _json(run, "--keep", "1", "--grace", "0", "--dry-run")
+    assert set(_status(doc)) == {"200", "300"}
+    assert any(w["code"] == "job-dir-skipped" and w["file"] == "100"
+               for w in doc["run_warnings"]), doc["run_warnings"]

@@ -155,10 +155,20 @@ def _missing_parts(index: CheckpointIndex, files: list[Path], idx: Path | None) 
                           "the checkpoint cannot be loaded", optim[0]))
     if index.flavor in ("hf-trainer", "accelerate") and not any(
             t.group in ("model", "buffer") for t in index.tensors.values()) and not any(
-            f.code == "bad-file" for f in index.findings):
+            f.code == "bad-file" for f in index.findings) and not _weights_below(index.base):
         index.add(Finding("error", "missing-weights",
                           "a training checkpoint without model weights (model.safetensors, "
                           "pytorch_model.bin or their shards): resuming from it fails"))
+
+
+def _weights_below(path: Path) -> bool:
+    """Whether a subdirectory holds checkpoint files: HF Trainer + DeepSpeed ZeRO-3 keeps the
+    weights only in ``global_stepN/``, Accelerate save hooks write ``unet/...safetensors``."""
+    try:
+        subs = [p for p in path.iterdir() if p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return False
+    return any(checkpoint_files(sub) for sub in subs)
 
 
 def _hf_twins(files: list[Path], idx: Path | None) -> list[Path]:

@@ -305,7 +305,7 @@ def _pointer_target(root: Path, raw: str) -> str:
     ``step_200``. A path outside ``root`` (``..``, another directory) names nothing here and
     comes back as is, so it is reported as dangling.
     """
-    p = Path(raw)
+    p = Path(os.path.normpath(raw))  # run/step_6/../step_2 names step_2
     if p.is_absolute():
         try:
             p = p.relative_to(root.resolve())
@@ -592,6 +592,12 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
         matched, step = _recognise(entry, rx, strict)
         if matched:
             listing.entries.append(_entry(Path(entry.path), step))
+        elif (strict and rx is None and entry.name.isdigit()
+              and entry.is_dir(follow_symlinks=False)):
+            listing.findings.append(Finding(
+                "warning", "job-dir-skipped", f"{entry.name}/ holds logs or configs, like a "
+                "sweep's job directory: not treated as a checkpoint (--pattern selects it)",
+                entry.name))
     _fill_steps(listing, step_from_metadata)
     latest = listing.pointers.get("latest") or listing.pointers.get(
         "latest_checkpointed_iteration.txt") or next(

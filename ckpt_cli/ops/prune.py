@@ -21,7 +21,6 @@ Nothing here prints or prompts; progress goes to ``on_progress``.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import csv
 import errno
@@ -304,10 +303,14 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         CkptError: The metrics file cannot be read.
     """
     facts = RunFacts()
+    points = mount_points()
     for e in listing.entries:
         lock = writer_lock(e.path)
         if lock:
             facts.locks[e.name] = lock
+        inside = mounts_inside(str(e.path), points)
+        if inside:
+            facts.pinned[e.name] = f"a file system is mounted inside it ({inside[0]})"
     for e in reversed(ranked_entries(listing.entries)):
         if not e.complete:
             continue
@@ -399,8 +402,7 @@ def _metric_values(listing: RunListing, metric: str, history: list[dict[str, Any
         by_name.update(file_names)
         seen.update(file_keys)
     out: dict[str, float] = {}
-    logged = sorted(by_step)
-    saved = sorted({e.step for e in listing.entries if e.step is not None})
+    steps = {e.step for e in listing.entries if e.step is not None}
     for e in listing.entries:
         seen.update(e.metrics)
         value = by_name.get(e.name)
@@ -408,14 +410,10 @@ def _metric_values(listing: RunListing, metric: str, history: list[dict[str, Any
             value = e.metrics.get(metric)
         if value is None and e.step is not None:
             value = by_step.get(e.step)
-            if value is None:
-                # Loggers do not always log at the step the checkpoint's name carries
-                # (Lightning's CSVLogger logs validation at step S-1 for a step=S checkpoint):
-                # the last value logged after the previous checkpoint, up to this one.
-                prev = saved[bisect.bisect_left(saved, e.step) - 1] if saved[0] < e.step else -1
-                i = bisect.bisect_right(logged, e.step) - 1
-                if i >= 0 and logged[i] > prev:
-                    value = by_step[logged[i]]
+            if value is None and e.step - 1 not in steps:
+                # Lightning's CSVLogger logs validation at step S-1 for the checkpoint named
+                # step=S. Only that: a value from further back evaluated another model.
+                value = by_step.get(e.step - 1)
         if value is not None:
             out[e.name] = value
     if not out:
@@ -817,28 +815,28 @@ def _unlink(dir_fd: int, name: str, where: str, errors: list[str],
         errors.append(f"{where}: {e.strerror}")
 
 
-def mounts_inside(path: str) -> list[str]:
-    """Mount points at or below ``path`` (Linux ``/proc/self/mountinfo``; [] elsewhere).
+def mount_points() -> list[str]:
+    """Every mount point (Linux ``/proc/self/mountinfo``; [] elsewhere)."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = os.fsdecode(f.read()).splitlines()  # as realpath decodes names
+    except OSError:
+        return []
+    # Field 5 is the mount point, with space, tab, newline and backslash octal-escaped.
+    return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            for fields in (line.split(" ") for line in lines) if len(fields) >= 5]
+
+
+def mounts_inside(path: str, points: list[str] | None = None) -> list[str]:
+    """Mount points at or below ``path`` (``points``: from :func:`mount_points`).
 
     A bind mount of a directory of the same file system looks like any directory to a walk;
     deleting through it would delete what it shows, outside the run directory.
     """
     real = os.path.realpath(path)
-    try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return []
-    found = []
-    for line in lines:
-        fields = line.split(" ")
-        if len(fields) < 5:
-            continue
-        # Field 5 is the mount point, with space, tab, newline and backslash octal-escaped.
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        if point == real or point.startswith(real.rstrip("/") + "/"):
-            found.append(point)
-    return found
+    inside = real.rstrip("/") + "/"
+    return [p for p in (mount_points() if points is None else points)
+            if p == real or p.startswith(inside)]
 
 
 def mount_id(fd: int) -> int | None:
