@@ -303,12 +303,14 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         CkptError: The metrics file cannot be read.
     """
     facts = RunFacts()
-    points = mount_points()
+    # Mount points inside the run directory (usually none: then no per-checkpoint work).
+    points = mounts_inside(str(listing.root))
+    real_root = os.path.realpath(listing.root)
     for e in listing.entries:
         lock = writer_lock(e.path)
         if lock:
             facts.locks[e.name] = lock
-        inside = mounts_inside(str(e.path), points)
+        inside = points and mounts_inside(os.path.join(real_root, e.name), points)
         if inside:
             facts.pinned[e.name] = f"a file system is mounted inside it ({inside[0]})"
     for e in reversed(ranked_entries(listing.entries)):
@@ -572,6 +574,9 @@ def _delete(root: _Root, plan: PrunePlan, result: PruneResult, clock: Callable[[
     moved: list[tuple[Decision, str]] = []
     done = 0
     pointers = PointerWatch(root.path, plan)
+    # Mount points inside the run directory; mounts made after this are caught by the
+    # mount-id check of the removal walk.
+    points = mounts_inside(str(root.path))
 
     def finish(d: Decision, status: str, detail: str | None = None) -> None:
         nonlocal done
@@ -587,7 +592,7 @@ def _delete(root: _Root, plan: PrunePlan, result: PruneResult, clock: Callable[[
             top = root.lstat(name)
         except OSError:
             top = None
-        why = recheck(root.path, d.entry, plan, clock(), pointers)
+        why = recheck(root.path, d.entry, plan, clock(), pointers, points)
         if why or top is None:
             finish(d, "skipped", why or "it is gone already (removed by someone else)")
             continue
@@ -682,7 +687,7 @@ class PointerWatch:
 
 
 def recheck(root: Path, entry: RunEntry, plan: PrunePlan, now: float,
-            pointers: PointerWatch | None = None) -> str | None:
+            pointers: PointerWatch | None = None, points: list[str] | None = None) -> str | None:
     """Check right before deleting that a checkpoint is still what the plan decided about.
 
     Between planning and deleting (a prompt, other deletions) a writer may have added files to
@@ -696,6 +701,8 @@ def recheck(root: Path, entry: RunEntry, plan: PrunePlan, now: float,
         plan: The plan.
         now: The current time.
         pointers: A :class:`PointerWatch` shared across checks (one is made if None).
+        points: Mount points to consider (those inside the run directory), read once per
+            prune (all are read if None).
 
     Returns:
         None if it may be deleted, else why not.
@@ -709,7 +716,7 @@ def recheck(root: Path, entry: RunEntry, plan: PrunePlan, now: float,
         return f"cannot check it: {e.strerror}"
     if stat.S_ISLNK(st.st_mode):
         return "it is a symbolic link now; never followed"
-    inside = mounts_inside(path)
+    inside = mounts_inside(path, points)
     if inside:
         return f"a file system is mounted inside it ({inside[0]}); not deleted"
     scan = tree_scan(Path(path))
@@ -833,6 +840,8 @@ def mounts_inside(path: str, points: list[str] | None = None) -> list[str]:
     A bind mount of a directory of the same file system looks like any directory to a walk;
     deleting through it would delete what it shows, outside the run directory.
     """
+    if points is not None and not points:
+        return []
     real = os.path.realpath(path)
     inside = real.rstrip("/") + "/"
     return [p for p in (mount_points() if points is None else points)
