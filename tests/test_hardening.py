@@ -699,6 +699,13 @@ def test_torch_only_dtypes_are_described_and_refused_not_truncated(tmp_path: Pat
         r = run_cli("convert", src, "-o", tmp_path / out)
         assert r.exit_code == 2 and "C32" in r.stderr, r.output
     assert run_cli("diff", src, src).exit_code == 0
+    other = tmp_path / "c32b.pt"
+    with third_party_quiet():
+        torch.save({"c": c * 2, "b16": torch.tensor([1, 2, 3], dtype=torch.int16).view(
+            torch.bits16), "w": torch.ones(2)}, other)
+    r = run_cli("diff", src, other)
+    assert r.exit_code == 1 and "1 changed (1 compared byte for byte)" in r.output, r.output
+    assert "elements differ" not in r.output
 
 
 def test_convert_keeps_model_tensors_outside_containers(tmp_path: Path) -> None:

@@ -216,9 +216,12 @@ def _tensor_line(r: DiffResult) -> str:
     line = f"{len(r.tensors):,} in both" + (": " + ", ".join(parts) if parts else "")
     stats = [t.stats for t in r.tensors if t.stats is not None and not t.stats.raw_only]
     total = sum(s.elements for s in stats)
-    if total and r.changed:
-        changed = sum(s.changed for s in stats)
+    changed = sum(s.changed for s in stats)
+    if total and changed:
         line += f" ({human.count(changed)} of {human.count(total)} elements differ)"
+    raw = sum(1 for t in r.with_status("changed") if t.stats is not None and t.stats.raw_only)
+    if raw:
+        line += f" ({raw:,} compared byte for byte)"
     reasons = sorted({t.reason for t in r.with_status("skipped") if t.reason})
     if reasons:
         line += f"; skipped because {_names(reasons, 2)}"
