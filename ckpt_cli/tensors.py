@@ -43,8 +43,8 @@ class TensorSource:
     def __init__(self, index: CheckpointIndex):
         self.index = index
         self._fds: OrderedDict[str, int] = OrderedDict()
-        self._crc_ok: set[tuple[str, int]] = set()
-        self._crc_bad: dict[tuple[str, int], int] = {}  # damaged entry -> the CRC its bytes give
+        # Zip records whose CRC-32 was computed: (file, start) -> the CRC their bytes give.
+        self._crc_got: dict[tuple[str, int], int] = {}
 
     def __enter__(self) -> TensorSource:
         return self
@@ -165,22 +165,20 @@ class TensorSource:
         import numpy as np
 
         s = t.storage
-        if (s is None or s.crc is None or s.start is None or not s.crc_len
-                or (s.file, s.start) in self._crc_ok):
+        if s is None or s.crc is None or s.start is None or not s.crc_len:
             return
         key = (s.file, s.start)
-        if key in self._crc_bad:  # many views of one damaged storage: read it once
-            got = self._crc_bad[key]
-        elif arr is not None and t.offset == s.start and arr.nbytes == s.crc_len:
-            got = crc32(arr.reshape(-1).view(np.uint8).data)
-        else:
-            got = self._crc_of(s.file, s.start, s.crc_len)
+        got = self._crc_got.get(key)  # many views of one storage: read it once
+        if got is None:
+            if arr is not None and t.offset == s.start and arr.nbytes == s.crc_len:
+                got = crc32(arr.reshape(-1).view(np.uint8).data)
+            else:
+                got = self._crc_of(s.file, s.start, s.crc_len)
+            self._crc_got[key] = got
         if got != s.crc:
-            self._crc_bad[key] = got
             raise CorruptCheckpointError(
                 f"tensor {t.name!r}: its bytes fail the CRC-32 check (recorded {s.crc:#010x}, "
                 f"read {got:#010x}): the file is damaged", path=self.index.path_of(s.file))
-        self._crc_ok.add(key)
 
     def _crc_of(self, rel: str, offset: int, length: int) -> int:
         """CRC-32 of a byte range of file ``rel``, read in bounded pieces."""

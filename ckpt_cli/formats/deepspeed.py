@@ -26,32 +26,41 @@ EXPERT_STATES = re.compile(r"^(?:layer_\d+_expert_\d+_mp_rank_\d+_model_states|"
                            r"expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
 
 
-def _has_model_states(path: Path) -> bool:
+def has_model_states(path: Path) -> bool:
+    """Whether a directory holds ``*_model_states.pt`` files (a DeepSpeed tag)."""
     try:
         return any(MODEL_STATES.match(p.name) for p in path.iterdir())
     except OSError:
         return False
 
 
-def tag_dir(path: Path) -> Path:
+def latest_tag(path: Path) -> str | None:
+    """What a save directory's ``latest`` file names, if it is a plain directory name as
+    DeepSpeed writes it (never '.', '..' or a path); None without such a file."""
+    try:
+        tag = (path / "latest").read_text(errors="replace").strip()
+    except OSError:
+        return None
+    return tag if tag and tag not in (".", "..") and "/" not in tag and "\\" not in tag else None
+
+
+def tag_dir(path: Path) -> Path | None:
     """The directory holding a checkpoint's rank files: ``path`` itself, or the one tag that
     ``latest`` names in a save directory holding nothing else (Lightning's DeepSpeedStrategy
     saves ``epoch=0-step=N.ckpt/`` as ``checkpoint/``, ``latest`` and ``zero_to_fp32.py``).
-    A save directory of step-numbered tags (``global_step300``) is a run directory, even with
-    one tag, not one checkpoint."""
-    if _has_model_states(path):
+    None when ``path`` is neither. A save directory of step-numbered tags (``global_step300``)
+    is a run directory, even with one tag, not one checkpoint."""
+    if has_model_states(path):
         return path
-    latest = path / "latest"
+    tag = latest_tag(path)
+    if tag is None or any(c.isdigit() for c in tag):
+        return None
     try:
-        tag = latest.read_text(errors="replace").strip() if latest.is_file() else ""
-        tags = [p for p in path.iterdir() if p.is_dir() and not p.is_symlink()
-                and _has_model_states(p)]
+        tags = [p.name for p in path.iterdir() if p.is_dir() and not p.is_symlink()
+                and has_model_states(p)]
     except OSError:
-        return path
-    if (tag and "/" not in tag and tag not in (".", "..") and not any(c.isdigit() for c in tag)
-            and [p.name for p in tags] == [tag]):
-        return path / tag
-    return path
+        return None
+    return path / tag if tags == [tag] else None
 
 
 def rank_files(path: Path) -> tuple[list[Path], list[Path], list[Path]]:
@@ -100,13 +109,13 @@ class DeepSpeedReader:
         """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
         if not path.is_dir():
             return "not a directory"
-        if _has_model_states(tag_dir(path)):
+        if tag_dir(path) is not None:
             return None
         return "no *_model_states.pt files"
 
     def read_index(self, path: Path) -> CheckpointIndex:
         """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""
-        model, optim, expert = rank_files(tag_dir(path))
+        model, optim, expert = rank_files(tag_dir(path) or path)
         if not model:
             raise UnknownFormatError("no *_model_states.pt files", path=path)
         index = CheckpointIndex(format=self.name, root=path, base=path, flavor="deepspeed")

@@ -404,9 +404,9 @@ def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
             return "dcp", False, "no metadata.json: Megatron writes it last"
         return "dcp", True, None
     # A DeepSpeed tag, or a save directory of one tag (Lightning's DeepSpeedStrategy).
-    is_tag = any(deepspeed.MODEL_STATES.match(n) for n in names)
-    tag = path if is_tag else deepspeed.tag_dir(path) if "latest" in names else path
-    if is_tag or tag != path:
+    tag = path if any(deepspeed.MODEL_STATES.match(n) for n in names) else (
+        deepspeed.tag_dir(path) if "latest" in names else None)
+    if tag is not None:
         model, optim, _ = deepspeed.rank_files(tag)
         bad = [p.name for p in model + optim if _file_status(p)[1] is False]
         return "deepspeed", not bad, (f"damaged: {', '.join(bad[:3])}" if bad else None)

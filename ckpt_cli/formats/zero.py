@@ -207,19 +207,15 @@ def resolve_tag(path: Path) -> Path:
     Raises:
         CkptError: If neither ``path`` nor the tag ``latest`` names holds model states.
     """
-    def has_states(d: Path) -> bool:
-        return any(deepspeed.MODEL_STATES.match(p.name) for p in d.iterdir())
-
-    if has_states(path):
+    if deepspeed.has_model_states(path):
         return path
     latest = path / "latest"
     if latest.is_file():
-        tag = latest.read_text(errors="replace").strip()
-        # One plain directory name, as DeepSpeed writes it: never '.', '..' or a path.
-        plain = bool(tag) and tag not in (".", "..") and "/" not in tag and "\\" not in tag
-        if plain and (path / tag).is_dir() and has_states(path / tag):
+        tag = deepspeed.latest_tag(path)
+        if tag is not None and (path / tag).is_dir() and deepspeed.has_model_states(path / tag):
             return path / tag
-        raise CorruptCheckpointError(f"'latest' names {tag!r}, which is not a checkpoint "
+        named = latest.read_text(errors="replace").strip()
+        raise CorruptCheckpointError(f"'latest' names {named!r}, which is not a checkpoint "
                                      "directory here", path=latest)
     raise CkptError("not a DeepSpeed checkpoint (no *_model_states.pt, no latest)", path=path)
 

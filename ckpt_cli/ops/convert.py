@@ -213,7 +213,7 @@ def select_tensors(index: CheckpointIndex, *, keep_optimizer: bool = False,
     """
     if keep_optimizer:
         _refuse_other_kinds(index.tensors.values())
-        names = {n: n for n, t in index.tensors.items() if t.kind == "dense"}
+        names = {n: n for n in index.tensors}
         _refuse_duplicate_names(index, names)
         return Selection(names, [], _count_dropped(index, set(names.values())), [])
     model = [t for t in index.tensors.values() if t.group in ("model", "buffer")]

@@ -60,7 +60,7 @@ def ds_world(index: CheckpointIndex) -> tuple[int, int] | None:
 
 def _deepspeed_ranks(index: CheckpointIndex, path: Path) -> list[Finding]:
     """Exact rank-file sets of a DeepSpeed tag directory, from the world sizes in its files."""
-    model, optim, _expert = deepspeed.rank_files(deepspeed.tag_dir(path))
+    model, optim, _expert = deepspeed.rank_files(deepspeed.tag_dir(path) or path)
     out: list[Finding] = []
     world = ds_world(index)
     if world is None:

@@ -229,9 +229,9 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 # files and shard indexes under the names it gives them, manifests, the side files above).
 # Nothing else: not notes.txt, not data/train.bin, and not a checkpoint ckpt does not write in
 # a directory (a DCP checkpoint, the .pt files of a run).
-_OWN_FILE = re.compile(r"(?:model|pytorch_model)(?:-\d{5,}-of-\d{5,})?(?:\.safetensors|\.bin)"
-                       r"|(?:model\.safetensors|pytorch_model\.bin)\.index\.json"
-                       r"|.*\.ckpt-manifest\.json")
+_OWN_FILE = re.compile("|".join(
+    rf"{re.escape(stem)}(?:-\d{{5,}}-of-\d{{5,}})?{re.escape(ext)}(?:\.index\.json)?"
+    for stem, ext in _NAMING.values()) + r"|.*\.ckpt-manifest\.json")
 _REPLACEABLE_NAMES = {*SIDE_FILES, MANIFEST_NAME}
 
 
@@ -261,7 +261,9 @@ def _check_replaceable(dest: Path) -> None:
 
 # Dtypes each output format cannot hold: safetensors has no complex128 and no 6-bit floats;
 # torch has no 6-bit floats, and its float4 packs pairs with a shape ckpt does not write yet.
-_TORCH_ONLY = {"C32", "BITS8", "BITS16", "BITS1X8", "BITS2X4", "BITS4X2"}
+# Neither gets torch's own complex32 and raw bit types (no numpy dtype to write them from).
+_TORCH_ONLY = {d.code for d in dtypes.DTYPES.values()
+               if d.kind in ("complex", "bits") and d.numpy_name is None}
 _UNWRITABLE = {"safetensors": {"C128", "F6_E2M3", "F6_E3M2", *_TORCH_ONLY},
                "pt": {"F4", "F6_E2M3", "F6_E3M2", *_TORCH_ONLY}}
 
