@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated
 
 import typer
@@ -27,6 +28,33 @@ app = typer.Typer(
 )
 
 
+def command_help(doc: str | None) -> str:
+    """A command's docstring as the help text typer prints, with its paragraphs flowed.
+
+    Docstrings are hard-wrapped at the source's line length. In rich markup mode typer keeps
+    every line break after the first paragraph, so at any other terminal width lines would
+    break mid-sentence. Here the lines of a paragraph are joined (rich then wraps them to the
+    terminal); an indented line (an example, a table row) stays a line of its own, so write
+    examples indented and keep them short enough for 80 columns (76 characters).
+
+    Args:
+        doc: The docstring (None: no help).
+
+    Returns:
+        Paragraphs separated by blank lines, each one line of prose, plus indented lines.
+    """
+    paragraphs = []
+    for paragraph in inspect.cleandoc(doc or "").split("\n\n"):
+        lines: list[str] = []
+        for line in paragraph.splitlines():
+            if lines and not line[:1].isspace() and not lines[-1][:1].isspace():
+                lines[-1] += " " + line.strip()
+            else:
+                lines.append(line.rstrip())
+        paragraphs.append("\n".join(lines))
+    return "\n\n".join(paragraphs)
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"ckpt {__version__}")
@@ -46,7 +74,7 @@ for _name, _command in (("inspect", inspect_cmd), ("validate", validate_cmd),
                         ("consolidate", consolidate_cmd), ("prune", prune_cmd),
                         ("plan", plan_cmd), ("sample", sample_cmd)):
     # json_errors: a failing command given --json prints an error document on stdout.
-    app.command(_name)(json_errors(_name, _command))
+    app.command(_name, help=command_help(_command.__doc__))(json_errors(_name, _command))
 
 
 def main() -> None:

@@ -102,9 +102,10 @@ def plan_cmd(
     memory) and M the MTBF; the time lost counts checkpoint stalls plus rework after failures.
 
     Examples:
-      ckpt plan --params 175B --precision fp32 --optimizer adam --bandwidth 10GB/s --mtbf 4h
-      ckpt plan --params 70B --measure /lustre/ckpt --gpus 1024 --gpu-mtbf 5y --keep 5
-      ckpt plan --from run/step_1000 --bandwidth 2GB/s --mtbf 12h --interval 30m --async
+      ckpt plan --params 175B --precision fp32 --bandwidth 10GB/s --mtbf 4h
+      ckpt plan --params 70B --measure /lustre/ckpt --gpus 1024 --gpu-mtbf 5y
+      ckpt plan --params 7B --bandwidth 2GB/s --mtbf 12h --keep 5 --interval 30m
+      ckpt plan --from run/step_1000 --bandwidth 2GB/s --mtbf 12h --async
     """
     from rich.markup import escape
 

@@ -1,6 +1,8 @@
 """Human output: rich tables and bars on stdout; warnings, hints and progress on stderr.
 
 Rich honours ``NO_COLOR`` and ``COLUMNS``; nothing here colours text that is not a terminal.
+Off a terminal with ``COLUMNS`` unset nothing wraps: a line is as long as its content, so names
+and dates stay whole for ``grep``, ``less -S`` and copy-paste.
 """
 
 from __future__ import annotations
@@ -33,15 +35,36 @@ class _Console(Console):
         raise BrokenPipeError
 
 
+# Width off a terminal with COLUMNS unset: wide enough that nothing wraps or is cut. Tables
+# (expand=False) take only the width their content needs, so lines are not padded out to it.
+UNWRAPPED_WIDTH = 1_000_000
+
+
+def _width(stream: Any) -> int | None:
+    """The width to give a console on ``stream``: None (rich decides) on a terminal or when
+    ``COLUMNS`` is set, else :data:`UNWRAPPED_WIDTH`.
+
+    rich falls back to 80 columns, or to the size of whichever of stdin/stdout/stderr is a
+    terminal, so ``ckpt inspect x | grep`` would break tensor names and dates across lines.
+    """
+    if os.environ.get("COLUMNS", "").isdigit():
+        return None
+    try:
+        tty = bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed file
+        tty = False
+    return None if tty else UNWRAPPED_WIDTH
+
+
 def stdout() -> Console:
     """Console for results."""
-    return _Console(highlight=False, soft_wrap=False)
+    return _Console(highlight=False, soft_wrap=False, width=_width(sys.stdout))
 
 
 def stderr() -> Console:
     """Console for diagnostics and progress (a closed pipe ends quietly here too:
     ``ckpt plan 2>&1 | head``)."""
-    return _Console(stderr=True, highlight=False)
+    return _Console(stderr=True, highlight=False, width=_width(sys.stderr))
 
 
 def size(n: int | float | None) -> str:
