@@ -339,3 +339,24 @@ def test_clean_source_has_no_hostile_warning(tmp_path: Path) -> None:
     torch.save({"model": {"w": torch.ones(3)}, "step": 3}, src)
     res = convert(src, tmp_path / "out.safetensors")
     assert res.warnings == []
+
+
+def test_torchscript_shaped_source_is_named_hostile(tmp_path: Path) -> None:
+    import pickle
+    import zipfile
+
+    marker = tmp_path / "pwned"
+    src = tmp_path / "ts.pt"
+    torch.save({"w": torch.ones(2)}, src)
+    with zipfile.ZipFile(src) as zf:
+        entries = {i.filename: zf.read(i.filename) for i in zf.infolist()}
+    entries["ts/code/__torch__.py"] = b"def forward(self, x):\n    return x\n"
+    entries["ts/constants.pkl"] = pickle.dumps((_Hostile(marker),), protocol=2)
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in entries.items():
+            zf.writestr(name, data)
+    res = convert(src, tmp_path / "out.safetensors")
+    assert not marker.exists()
+    assert [w.code for w in res.warnings] == ["hostile-source"]
+    assert "is a TorchScript archive" in res.warnings[0].message
+    assert "system" in res.warnings[0].message
