@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,33 @@ def test_fp16_range_is_checked(tmp_path: Path) -> None:
     r = run_cli("consolidate", src, "-o", tmp_path / "o", "--to", "fp16", "--clamp")
     assert r.exit_code == 0, r.stderr
     assert load_dir(tmp_path / "o")["embed.weight"][0, 0].item() == 65504.0
+
+
+def test_hostile_rank_file_is_named(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    sd = tiny_state_dict()
+    names = list(sd)
+    src = tmp_path / "ranks"
+    src.mkdir()
+    for r in range(2):
+        extra = {"payload": _Hostile(marker)} if r == 1 else {}
+        torch.save({"model": {k: sd[k] for k in names[r::2]}, **extra}, src / f"rank_{r}.pt")
+    res = consolidate(src, tmp_path / "merged.safetensors")
+    assert not marker.exists()
+    assert [w.code for w in res.warnings] == ["hostile-source"]
+    assert str(src / "rank_1.pt") in res.warnings[0].message
+    assert "system" in res.warnings[0].message
+    r = run_cli("consolidate", src, "-o", tmp_path / "again.safetensors", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert [w["code"] for w in json.loads(r.stdout)["warnings"]] == ["hostile-source"]
+    assert "treat the source as hostile" in r.stderr
+
+
+class _Hostile:
+    """Pickles as ``os.system(<cmd>)``; ckpt must never run it."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))

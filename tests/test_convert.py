@@ -302,3 +302,61 @@ def test_round_trip_proven_by_ckpt_diff(sample_run: Path, tmp_path: Path, src_na
     save_file(tensors, str(shard), metadata={"format": "pt"})
     assert run_cli("diff", src, out).exit_code == 1
 
+
+
+class _Hostile:
+    """Pickles as ``os.system(<cmd>)``; ckpt must never run it."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_source_is_named_on_stderr_and_in_json(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    src = tmp_path / "evil.pt"
+    torch.save({"model": {"w": torch.ones(3)}, "payload": _Hostile(marker)}, src)
+    out = tmp_path / "out.safetensors"
+    r = run_cli("convert", src, "-o", out, "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert not marker.exists()
+    assert torch.equal(load_file(out)["w"], torch.ones(3))
+    qual = next(q for q in ("posix.system", "os.system") if q in r.stderr)
+    assert (f"warning: {src} references {qual}; its tensors were extracted without running "
+            "it; treat the source as hostile") in r.stderr
+    r = run_cli("convert", src, "-o", tmp_path / "out2.safetensors", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [(w["code"], w["severity"], w["location"]) for w in doc["warnings"]] == [
+        ("hostile-source", "warning", qual)]
+    assert "treat the source as hostile" in r.stderr
+
+
+def test_clean_source_has_no_hostile_warning(tmp_path: Path) -> None:
+    src = tmp_path / "clean.pt"
+    torch.save({"model": {"w": torch.ones(3)}, "step": 3}, src)
+    res = convert(src, tmp_path / "out.safetensors")
+    assert res.warnings == []
+
+
+def test_torchscript_shaped_source_is_named_hostile(tmp_path: Path) -> None:
+    import pickle
+    import zipfile
+
+    marker = tmp_path / "pwned"
+    src = tmp_path / "ts.pt"
+    torch.save({"w": torch.ones(2)}, src)
+    with zipfile.ZipFile(src) as zf:
+        entries = {i.filename: zf.read(i.filename) for i in zf.infolist()}
+    entries["ts/code/__torch__.py"] = b"def forward(self, x):\n    return x\n"
+    entries["ts/constants.pkl"] = pickle.dumps((_Hostile(marker),), protocol=2)
+    with zipfile.ZipFile(src, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in entries.items():
+            zf.writestr(name, data)
+    res = convert(src, tmp_path / "out.safetensors")
+    assert not marker.exists()
+    assert [w.code for w in res.warnings] == ["hostile-source"]
+    assert "is a TorchScript archive" in res.warnings[0].message
+    assert "system" in res.warnings[0].message

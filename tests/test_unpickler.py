@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import zipfile
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from ckpt_cli.errors import CorruptCheckpointError
 from ckpt_cli.formats import read_index
 from ckpt_cli.formats.unpickler import Opaque, classify_global, safe_load
+from tests.conftest import third_party_quiet
 
 
 class Evil:
@@ -115,3 +117,173 @@ def test_bytes_via_codecs_encode() -> None:
     buf = io.BytesIO()
     pickle.dump({"b": b"\x00\xff"}, buf, protocol=2)
     assert safe_load(buf.getvalue()).obj == {"b": b"\x00\xff"}
+
+
+def _legacy_with_sys_info(path: Path, sys_info: object) -> None:
+    """A real legacy torch.save stream whose sys_info pickle (the third) is replaced."""
+    torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=False)
+    data = path.read_bytes()
+    f = io.BytesIO(data)
+    for _ in range(2):
+        pickletools.dis(f, out=io.StringIO())  # walks the magic and protocol pickles
+    start = f.tell()
+    pickletools.dis(f, out=io.StringIO())
+    path.write_bytes(data[:start] + pickle.dumps(sys_info, protocol=2) + data[f.tell():])
+
+
+def test_legacy_sys_info_payload_is_reported(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "legacy.pt"
+    _legacy_with_sys_info(path, {"protocol_version": 1001, "little_endian": True,
+                                 "x": Evil(marker)})
+    index = read_index(path)
+    assert not marker.exists()
+    assert index.files[0].format == "torch-legacy" and list(index.tensors) == ["w"]
+    unsafe = [f for f in index.findings if f.code == "unsafe-global"]
+    assert unsafe and unsafe[0].severity == "error"
+    assert "system" in unsafe[0].message and "sys_info" in unsafe[0].message
+
+
+def test_real_legacy_and_zip_files_have_no_global_findings(tmp_path: Path) -> None:
+    # sys_info is a dict of plain values and the key list a list of strings: nothing to
+    # report, in a legacy stream as in a zip.
+    sd = {"w": torch.ones(3), "b": torch.zeros(2, dtype=torch.float16), "step": 3}
+    for legacy in (True, False):
+        path = tmp_path / f"real_{legacy}.pt"
+        torch.save(sd, path, _use_new_zipfile_serialization=not legacy)
+        index = read_index(path)
+        assert index.files[0].format == ("torch-legacy" if legacy else "torch")
+        assert sorted(index.tensors) == ["b", "w"]
+        assert index.findings == []
+
+
+def test_legacy_magic_pickle_payload_is_named_when_the_stream_breaks(tmp_path: Path) -> None:
+    # A payload in the magic number's pickle, after which the stream is garbage: torch.load
+    # would have run it before failing; the error says what it referenced.
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=False)
+    head = path.read_bytes()[:14]  # PROTO 2, LONG1 <magic>
+    payload = pickle.dumps(Evil(tmp_path / "pwned"), protocol=2)[2:-1]  # no PROTO, no STOP
+    path.write_bytes(head + b"0" + payload + b"0" + head[2:] + b"." + b"\x80\x02\xff")
+    with pytest.raises(CorruptCheckpointError, match=r"references (os|posix)\.system"):
+        read_index(path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def _with_records(path: Path, extra: dict[str, bytes]) -> None:
+    """Add records to a real torch.save zip (under its archive prefix)."""
+    with zipfile.ZipFile(path) as zf:
+        entries = {i.filename: zf.read(i.filename) for i in zf.infolist()}
+    prefix = next(n for n in entries if n.endswith("data.pkl"))[: -len("data.pkl")]
+    entries.update({prefix + k: v for k, v in extra.items()})
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in entries.items():
+            zf.writestr(name, data)
+
+
+def test_torchscript_shaped_zip_with_hostile_constants_is_reported(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "ts.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    _with_records(path, {"code/__torch__.py": b"def f(x):\n    return x\n",
+                         "constants.pkl": pickle.dumps((Evil(marker),), protocol=2)})
+    index = read_index(path)
+    assert not marker.exists()
+    codes = {(f.severity, f.code) for f in index.findings}
+    assert ("error", "torchscript-archive") in codes
+    unsafe = [f for f in index.findings if f.code == "unsafe-global"]
+    assert unsafe and "constants.pkl" in unsafe[0].message and "system" in unsafe[0].message
+
+
+def test_every_pkl_record_is_scanned(tmp_path: Path) -> None:
+    # Not TorchScript-shaped, but a second pickle record torch.jit.load would read.
+    path = tmp_path / "extra.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    _with_records(path, {"extra/more.pkl": pickle.dumps(Evil(tmp_path / "x"), protocol=2)})
+    index = read_index(path)
+    assert not any(f.code == "torchscript-archive" for f in index.findings)
+    unsafe = [f for f in index.findings if f.code == "unsafe-global"]
+    assert unsafe and "extra/more.pkl" in unsafe[0].message
+
+
+def test_unparsable_extra_pickle_still_reports_what_it_named(tmp_path: Path) -> None:
+    path = tmp_path / "broken.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    evil = pickle.dumps(Evil(tmp_path / "x"), protocol=2)[:-1] + b"\xff"  # no STOP
+    _with_records(path, {"constants.pkl": evil})
+    index = read_index(path)
+    codes = {f.code for f in index.findings}
+    assert {"unscanned-pickle", "unsafe-global", "torchscript-archive"} <= codes
+
+
+def test_real_torchscript_archive_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "scripted.pt"
+    with third_party_quiet():  # torch.jit.script is deprecated
+        torch.jit.save(torch.jit.script(_Scriptable()), path)
+    index = read_index(path)
+    script = [f for f in index.findings if f.code == "torchscript-archive"]
+    assert script and "CVE-2025-32434" in script[0].message
+    assert not any(f.code in ("unsafe-global", "unscanned-pickle") for f in index.findings)
+
+
+class _Scriptable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 2.0
+
+
+# Every opcode with a length field, as (opcode bytes, width of the length, name).
+_COUNTED_OPS = [(b"\x8e", 8, "BINBYTES8"), (b"B", 4, "BINBYTES"), (b"C", 1, "SHORT_BINBYTES"),
+                (b"X", 4, "BINUNICODE"), (b"\x8d", 8, "BINUNICODE8"),
+                (b"\x8c", 1, "SHORT_BINUNICODE"), (b"T", 4, "BINSTRING"),
+                (b"U", 1, "SHORT_BINSTRING"), (b"\x8b", 4, "LONG4"), (b"\x8a", 1, "LONG1"),
+                (b"\x96", 8, "BYTEARRAY8"), (b"\x95", 8, "FRAME")]
+
+
+@pytest.mark.parametrize("op,width,name", _COUNTED_OPS)
+def test_length_fields_are_bounded_before_allocation(op: bytes, width: int, name: str) -> None:
+    n = (1 << 40) if width == 8 else (2**31 - 1) if width == 4 else 200
+    data = b"\x80\x04" + op + n.to_bytes(width, "little") + b"abc."
+    with pytest.raises(pickle.UnpicklingError, match=rf"{name} at byte 2 declares {n:,} bytes "
+                                                     r"but only \d+ remain"):
+        safe_load(data)
+
+
+def test_length_check_covers_files_and_crafted_memo_indices(tmp_path: Path) -> None:
+    path = tmp_path / "big.pkl"
+    path.write_bytes(b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + b"abc.")
+    with open(path, "rb") as f, pytest.raises(pickle.UnpicklingError, match="BINBYTES8"):
+        safe_load(f)  # type: ignore[arg-type]
+    with pytest.raises(pickle.UnpicklingError, match=r"memo index 4,294,967,280"):
+        safe_load(b"\x80\x02Nr" + (0xFFFFFFF0).to_bytes(4, "little") + b".")
+
+
+def test_length_walk_knows_every_opcode_and_real_pickles_pass() -> None:
+    from ckpt_cli.formats import unpickler
+
+    known = (set(unpickler._NO_ARG) | set(unpickler._COUNTED) | set(unpickler._FIXED)
+             | set(unpickler._LINES))
+    assert known == {ord(o.code) for o in pickletools.opcodes}
+    obj = {"a": [1, 2.5, "x" * 300, b"y" * 70000, 2**3000, -5, (1,), {1, 2}], "b": None}
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        data = pickle.dumps(obj, protocol=protocol)
+        assert unpickler.check_lengths(data + b"tail") == len(data)
+        assert safe_load(data).obj == obj
+
+
+def test_huge_length_in_a_torch_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "huge.pt"
+    _torch_zip_with({"w": 1}, path)
+    with zipfile.ZipFile(path) as zf:
+        entries = {i.filename: zf.read(i.filename) for i in zf.infolist()}
+    pkl = next(n for n in entries if n.endswith("data.pkl"))
+    entries[pkl] = b"\x80\x02\x8e" + (1 << 42).to_bytes(8, "little") + b"."
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in entries.items():
+            zf.writestr(name, data)
+    with pytest.raises(CorruptCheckpointError, match=r"data\.pkl is not a readable pickle "
+                                                     r"\(BINBYTES8 at byte 2 declares"):
+        read_index(path)

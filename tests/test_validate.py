@@ -7,9 +7,13 @@ a failure or a buggy writer would, then asserts the right check fails with the r
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
+import pickletools
 import shutil
 import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +264,43 @@ def test_pickle_that_would_run_code(tmp_path: Path) -> None:
     r = report(p)
     bad = found(r, "unsafe-global")
     assert bad and "system" in bad[0].message and check_of(r, "unsafe-global") == "pickle-safety"
+
+
+def test_legacy_stream_payload_outside_the_main_pickle(tmp_path: Path) -> None:
+    # torch.load unpickles sys_info too: a payload there runs as surely as in the main pickle.
+    p = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(2)}, p, _use_new_zipfile_serialization=False)
+    assert_clean(report(p))  # the real stream: sys_info and the key list are plain data
+    data = p.read_bytes()
+    f = io.BytesIO(data)
+    for _ in range(2):
+        pickletools.dis(f, out=io.StringIO())
+    start = f.tell()
+    pickletools.dis(f, out=io.StringIO())
+    hostile = {"protocol_version": 1001, "little_endian": True, "x": _Evil()}
+    p.write_bytes(data[:start] + pickle.dumps(hostile, protocol=2) + data[f.tell():])
+    r = report(p)
+    bad = found(r, "unsafe-global")
+    assert bad and "sys_info" in bad[0].message and check_of(r, "unsafe-global") == "pickle-safety"
+    assert not r.valid
+
+
+def test_torchscript_shaped_zip(tmp_path: Path) -> None:
+    p = tmp_path / "ts.pt"
+    torch.save({"w": torch.ones(2)}, p)
+    with zipfile.ZipFile(p) as zf:
+        entries = {i.filename: zf.read(i.filename) for i in zf.infolist()}
+    entries["ts/code/__torch__.py"] = b"def forward(self, x):\n    return x\n"
+    entries["ts/constants.pkl"] = pickle.dumps((_Evil(),), protocol=2)
+    with zipfile.ZipFile(p, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in entries.items():
+            zf.writestr(name, data)
+    r = report(p)
+    assert found(r, "torchscript-archive") and check_of(r, "torchscript-archive") == "pickle-safety"
+    bad = found(r, "unsafe-global")
+    assert bad and "constants.pkl" in bad[0].message
+    assert next(c for c in r.checks if c.id == "pickle-safety").summary.startswith(
+        "a TorchScript archive")
 
 
 def test_crc_disabled_is_a_note(tmp_path: Path) -> None:

@@ -68,6 +68,9 @@ def consolidate_cmd(
                             with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force,
                             verify=verify, manifest=manifest, on_progress=bar.advance,
                             on_start=bar.start)
+        from ckpt_cli.render.human import print_messages
+
+        print_messages(r.warnings)  # hostile sources: whatever --quiet and --json say
         if json:
             _emit_json(r)
         else:
@@ -87,7 +90,8 @@ def _emit_json(r: Any) -> None:
         "tensor_bytes": r.write.tensor_bytes, "elements_in": r.elements_in,
         "elements_out": r.elements_out, "lost_elements": r.lost_elements,
         "aliases": r.aliases, "dropped": r.dropped, "details": r.details,
-        "verified": r.verified, "notes": r.notes, "seconds": round(r.seconds, 3)})
+        "verified": r.verified, "notes": r.notes, "seconds": round(r.seconds, 3),
+        "warnings": [w.to_dict() for w in r.warnings]})
 
 
 def _render(r: Any, quiet: bool) -> None:

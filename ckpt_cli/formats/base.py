@@ -135,11 +135,11 @@ def rel_to(path: Path, base: Path) -> str:
         return path.name
 
 
-# Findings that do not make tensor data unreadable: pickle globals (ckpt never runs them),
-# and an HF index's bookkeeping (a tensor found in another shard than it says, or missing
-# from its weight_map, is still read from where it really is).
+# Findings that do not make tensor data unreadable: pickle globals and TorchScript code (ckpt
+# never runs them), and an HF index's bookkeeping (a tensor found in another shard than it
+# says, or missing from its weight_map, is still read from where it really is).
 _HARMLESS = {"unsafe-global", "unknown-global", "non-allowlisted-global",
-             "unindexed-tensor", "wrong-shard"}
+             "torchscript-archive", "unscanned-pickle", "unindexed-tensor", "wrong-shard"}
 
 
 # Findings that mean tensors the checkpoint should hold are not there (a shard the index

@@ -15,8 +15,8 @@ import os
 import pickle
 import struct
 import zipfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,8 @@ from ckpt_cli.formats.unpickler import (
     StorageType,
     TensorRecord,
     safe_load,
+    scan_globals,
+    unpickler_for,
 )
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, StorageRef, TensorInfo
 
@@ -158,8 +160,11 @@ class TorchZip:
     Attributes:
         entries: Records by name.
         prefix: The ``<archive>/`` prefix.
-        pickle: The unpickled ``data.pkl``.
+        pickle: The unpickled ``data.pkl`` (with the globals of the zip's other ``.pkl``
+            records merged in).
         base: Absolute offset of the zip within its file.
+        unscanned: ``.pkl`` records other than ``data.pkl`` that could not be scanned, with
+            why.
     """
 
     entries: dict[str, ZipEntry]
@@ -167,6 +172,7 @@ class TorchZip:
     pickle: PickleResult
     base: int
     _crc_off: bool | None = None
+    unscanned: dict[str, str] = field(default_factory=dict)
 
     def storage_start(self, key: str) -> int | None:
         """Absolute file offset of storage ``key``'s bytes, or None if the record is missing."""
@@ -223,12 +229,51 @@ def parse_zip(fd: int, start: int, length: int, where: str) -> TorchZip:
         raise CorruptCheckpointError("data.pkl runs past the end of the file (truncated)",
                                      path=where)
     raw = os.pread(fd, pkl.size, start + pkl.data_offset)
+    up = None
     try:
-        result = safe_load(raw)
+        up = unpickler_for(raw)
+        result = PickleResult(up.load(), up.globals, up.storages)
     except UNPICKLE_ERRORS as e:
-        raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({_short(e)})",
-                                     path=where) from None
-    return TorchZip(entries, prefix, result, start)
+        seen = {q: (c, "") for q, c in (up.globals if up is not None else {}).items()}
+        raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({_short(e)})"
+                                     + _dangerous_note(seen), path=where) from None
+    tz = TorchZip(entries, prefix, result, start)
+    _scan_other_pickles(tz, fd, length)
+    return tz
+
+
+def _scan_other_pickles(tz: TorchZip, fd: int, length: int) -> None:
+    """Scan every ``.pkl`` record besides ``data.pkl`` (TorchScript's ``constants.pkl``...).
+
+    ``torch.jit.load`` unpickles them all; their globals join ``data.pkl``'s in
+    ``tz.pickle.globals`` (with the record named in ``sources``), those of a record that does
+    not parse too, up to where it stopped; the failure is noted in ``tz.unscanned``.
+    """
+    main = tz.pickle
+    for e in tz.entries.values():
+        if not e.name.endswith(".pkl") or e.name == f"{tz.prefix}data.pkl":
+            continue
+        short = e.name.removeprefix(tz.prefix)
+        if e.compressed or e.data_offset + e.size > length:
+            tz.unscanned[short] = ("compressed" if e.compressed
+                                   else "runs past the end of the file")
+            continue
+        found, error = scan_globals(os.pread(fd, e.size, tz.base + e.data_offset))
+        if error is not None:
+            tz.unscanned[short] = f"not a readable pickle ({_short(error)})"
+        for qual, cls in found.items():
+            if qual not in main.globals:
+                main.globals[qual] = cls
+                main.sources[qual] = short
+
+
+def is_torchscript(tz: TorchZip) -> bool:
+    """Whether a torch zip is shaped like a TorchScript archive (``torch.jit.save``):
+    ``code/`` records or a ``constants.pkl``. ``torch.load`` hands such a file to
+    ``torch.jit.load`` (torch <= 2.5.1 even with ``weights_only=True``: CVE-2025-32434)."""
+    # torch tests for a constants.pkl record; a code/ directory is the other half of the shape.
+    return any(n.startswith(f"{tz.prefix}code/") or n.rsplit("/", 1)[-1] == "constants.pkl"
+               for n in tz.entries)
 
 
 def _short(e: BaseException) -> str:
@@ -507,20 +552,32 @@ def _tensor_info(index: CheckpointIndex, name: str, path: tuple[str, ...], rec: 
 
 def _global_findings(index: CheckpointIndex, result: PickleResult, rel: str) -> None:
     for qual, cls in sorted(result.globals.items()):
+        where = result.sources.get(qual)
+        what = f"pickle ({where})" if where else "pickle"
         if cls == "dangerous":
             index.add(Finding("error", "unsafe-global",
-                              f"pickle would call {qual} if loaded with torch.load("
+                              f"{what} would call {qual} if loaded with torch.load("
                               "weights_only=False); not executed", rel, qual))
         elif cls == "unknown":
             index.add(Finding("warning", "unknown-global",
-                              f"pickle references {qual}; not imported or executed", rel, qual))
+                              f"{what} references {qual}; not imported or executed", rel, qual))
         elif cls == "benign":
             index.add(Finding("info", "non-allowlisted-global",
-                              f"pickle references {qual}; torch.load(weights_only=True) refuses "
-                              "it (ckpt reads it as data)", rel, qual))
+                              f"{what} references {qual}; torch.load(weights_only=True) "
+                              "refuses it (ckpt reads it as data)", rel, qual))
 
 
 def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: int) -> None:
+    if is_torchscript(tz):
+        index.add(Finding("error", "torchscript-archive",
+                          "a TorchScript archive (code/, constants.pkl): torch.load hands it to "
+                          "torch.jit.load, which runs its code (torch <= 2.5.1 even with "
+                          "weights_only=True: CVE-2025-32434); ckpt reads its tensors as data",
+                          rel))
+    for name, why in sorted(tz.unscanned.items()):
+        index.add(Finding("warning", "unscanned-pickle",
+                          f"pickle record {name} could not be scanned for globals: {why}", rel,
+                          name))
     bo = tz.entries.get(f"{tz.prefix}byteorder")
     if bo is not None and bo.size <= 8 and not bo.compressed:
         order = os.pread(fd, bo.size, tz.base + bo.data_offset).strip()
@@ -563,25 +620,46 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
             return StorageRecord(vkey, stype.dtype, location, vsize)
         return rec
 
-    try:
-        with open(path, "rb") as f:
-            magic = safe_load(f).obj
-            if magic != LEGACY_MAGIC:
-                raise CorruptCheckpointError(
-                    "a pickle, but not a torch.save file (no torch magic number)", path=path)
-            proto = safe_load(f).obj
-            if proto != 1001:
-                raise CorruptCheckpointError(f"unknown legacy protocol version {proto!r}",
-                                             path=path)
-            sys_info = safe_load(f).obj
-            if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
-                raise UnsupportedError("big-endian legacy checkpoint", path=path)
-            main = safe_load(f, persistent=persistent)
-            keys = safe_load(f).obj
-            pos = f.tell()
-    except UNPICKLE_ERRORS as e:
-        raise CorruptCheckpointError(f"legacy torch pickle is unreadable ({_short(e)})",
-                                     path=path) from None
+    # torch.load unpickles all five pickles of the stream with the same unpickler: a global
+    # in the magic number's, the protocol version's, sys_info's or the key list's pickle
+    # runs as surely as one in the main pickle's. Every one is scanned and reported.
+    seen: dict[str, tuple[str, str]] = {}  # qualname -> (classification, which pickle)
+
+    def load(f: Any, what: str, use: Callable[[Any], Any] | None = None) -> PickleResult:
+        up = None
+        try:
+            up = unpickler_for(f, persistent=use)
+            obj = up.load()
+        except UNPICKLE_ERRORS as e:
+            for qual, cls in (up.globals if up is not None else {}).items():
+                seen.setdefault(qual, (cls, what))
+            raise CorruptCheckpointError(
+                f"legacy torch pickle is unreadable ({what}: {_short(e)})"
+                + _dangerous_note(seen), path=path) from None
+        for qual, cls in up.globals.items():
+            seen.setdefault(qual, (cls, what))
+        return PickleResult(obj, up.globals, up.storages)
+
+    with open(path, "rb") as f:
+        magic = load(f, "magic number").obj
+        if magic != LEGACY_MAGIC:
+            raise CorruptCheckpointError(
+                "a pickle, but not a torch.save file (no torch magic number)"
+                + _dangerous_note(seen), path=path)
+        proto = load(f, "protocol version").obj
+        if proto != 1001:
+            raise CorruptCheckpointError(f"unknown legacy protocol version {proto!r}"
+                                         + _dangerous_note(seen), path=path)
+        sys_info = load(f, "sys_info").obj
+        if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
+            raise UnsupportedError("big-endian legacy checkpoint", path=path)
+        main = load(f, "main", persistent)
+        keys = load(f, "storage keys").obj
+        pos = f.tell()
+    for qual, (cls, what) in seen.items():
+        if qual not in main.globals:
+            main.globals[qual] = cls
+            main.sources[qual] = f"the {what} pickle"
     if not isinstance(keys, list):
         raise CorruptCheckpointError("legacy storage key list is missing", path=path)
     starts: dict[str, int] = {}
@@ -606,6 +684,12 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
     for vkey, (root, _) in views.items():
         main.storages.setdefault(vkey, storages[root])
     return main, starts
+
+
+def _dangerous_note(seen: dict[str, tuple[str, str]]) -> str:
+    """What a stream that failed to parse had referenced: it may have run already."""
+    bad = sorted(q for q, (cls, _) in seen.items() if cls == "dangerous")
+    return f"; it references {', '.join(bad)}" if bad else ""
 
 
 def iter_zip_crc(path: Path) -> Iterator[ZipEntry]:

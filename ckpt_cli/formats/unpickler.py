@@ -16,6 +16,8 @@ Every global seen is kept with a classification, so callers can report
 from __future__ import annotations
 
 import io
+import mmap
+import os
 import pickle
 import struct
 from collections import OrderedDict
@@ -479,11 +481,14 @@ class PickleResult:
         obj: The unpickled tree: plain containers, :class:`TensorRecord` and :class:`Opaque`.
         globals: Every global referenced, with its classification.
         storages: Every storage persistent id, by key.
+        sources: For globals merged in from another pickle of the same file (a legacy
+            stream's sys_info, a zip's ``constants.pkl``), which one.
     """
 
     obj: Any
     globals: dict[str, str] = field(default_factory=dict)
     storages: dict[str, StorageRecord] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -536,12 +541,156 @@ class SafeUnpickler(pickle.Unpickler):
         return rec
 
 
+# Opcodes followed by a length and that many bytes: (name, width of the length, signed).
+# The C unpickler allocates the length it reads before it reads the bytes (BINBYTES8 of a
+# terabyte is a MemoryError; a few gigabytes are allocated for a 100-byte file).
+_COUNTED: dict[int, tuple[str, int, bool]] = {
+    ord(k): v for k, v in {
+        "U": ("SHORT_BINSTRING", 1, False), "T": ("BINSTRING", 4, True),
+        "C": ("SHORT_BINBYTES", 1, False), "B": ("BINBYTES", 4, False),
+        "\x8e": ("BINBYTES8", 8, False), "\x96": ("BYTEARRAY8", 8, False),
+        "\x8c": ("SHORT_BINUNICODE", 1, False), "X": ("BINUNICODE", 4, False),
+        "\x8d": ("BINUNICODE8", 8, False), "\x8a": ("LONG1", 1, False),
+        "\x8b": ("LONG4", 4, True),
+    }.items()}
+# Opcodes with a fixed-size argument, by its size (FRAME's is a length, checked as such).
+_FIXED: dict[int, int] = {ord(k): n for k, n in {
+    "J": 4, "K": 1, "M": 2, "G": 8, "h": 1, "j": 4, "q": 1, "r": 4, "\x82": 1, "\x83": 2,
+    "\x84": 4, "\x80": 1, "\x95": 8}.items()}
+# Opcodes whose argument is one or two newline-terminated lines.
+_LINES: dict[int, int] = {ord(k): n for k, n in {
+    "I": 1, "L": 1, "F": 1, "S": 1, "V": 1, "g": 1, "p": 1, "P": 1, "c": 2, "i": 2}.items()}
+_NO_ARG = frozenset(b"N\x88\x89]aelt)\x85\x86\x87}dsu\x8f\x90\x91012(\x94\x93Rbo\x81\x92Q"
+                    b"\x97\x98.")
+_STOP, _FRAME, _PUT, _LONG_BINPUT = ord("."), 0x95, ord("p"), ord("r")
+# The walk's fast path, by opcode: the argument's size for opcodes that need no check, -1
+# for those with a one-byte length, -3 for LONG_BINPUT, -2 for the rest (STOP, longer
+# lengths, FRAME, lines, unknown opcodes).
+_SKIP = [-2] * 256
+for _op in _NO_ARG - {_STOP}:
+    _SKIP[_op] = 0
+for _op, _n in _FIXED.items():
+    if _op not in (_FRAME, _LONG_BINPUT):
+        _SKIP[_op] = _n
+for _op, (_name, _n, _signed) in _COUNTED.items():
+    if _n == 1:
+        _SKIP[_op] = -1
+_SKIP[_LONG_BINPUT] = -3  # as common as BINGET in torch's pickles
+
+
+class PickleLengthError(pickle.UnpicklingError):
+    """What :func:`check_lengths` refused, and at which byte (the opcode's offset)."""
+
+    def __init__(self, message: str, at: int):
+        super().__init__(message)
+        self.at = at
+
+
+def check_lengths(buf: bytes | mmap.mmap, start: int = 0) -> int:
+    """Walk the opcodes of the pickle at ``buf[start:]`` without building anything, and
+    check every length it declares against the bytes that remain after it.
+
+    ``pickle``'s C unpickler allocates a BINBYTES8, BINUNICODE8, BYTEARRAY8, LONG4, FRAME...
+    payload (and grows its memo to a LONG_BINPUT index) before it learns that the bytes are
+    not there; a crafted length of terabytes would end in a late ``MemoryError`` or exhaust
+    memory. Payloads are skipped by index arithmetic, never copied.
+
+    Args:
+        buf: The bytes holding the pickle (bytes, or an mmap of a file); they may continue
+            past its STOP (a legacy torch stream, tensor bytes).
+        start: Where the pickle starts.
+
+    Returns:
+        The offset just past the pickle's STOP opcode.
+
+    Raises:
+        PickleLengthError: A length larger than what remains, a crafted memo index, an
+            unknown opcode, or no STOP before the end.
+    """
+    end, pos, ops, skip = len(buf), start, 0, _SKIP
+    while pos < end:
+        op = buf[pos]
+        ops += 1
+        n = skip[op]
+        if n >= 0:  # most opcodes: skip the fixed-size argument
+            pos += n + 1
+            continue
+        if n == -1:  # SHORT_BINUNICODE and the like: a length of at most 255
+            if pos + 1 >= end:
+                break
+            n = buf[pos + 1]
+            if pos + 2 + n > end:
+                raise PickleLengthError(_too_long(_COUNTED[op][0], pos, n, end - pos - 2), pos)
+            pos += n + 2
+            continue
+        if n == -3:
+            if pos + 5 > end:
+                break
+            _check_memo(int.from_bytes(buf[pos + 1:pos + 5], "little"), pos, ops)
+            pos += 5
+            continue
+        at, pos = pos, pos + 1
+        if op == _STOP:
+            return pos
+        counted = _COUNTED.get(op)
+        if counted is not None:
+            name, size, signed = counted
+            if pos + size > end:
+                break
+            n = int.from_bytes(buf[pos:pos + size], "little", signed=signed)
+            pos += size
+            if n < 0 or n > end - pos:
+                raise PickleLengthError(_too_long(name, at, n, end - pos), at)
+            pos += n
+            continue
+        width = _FIXED.get(op)
+        if width is not None:
+            if pos + width > end:
+                break
+            if op == _FRAME:  # the frame's opcodes follow; only its length is checked
+                n = int.from_bytes(buf[pos:pos + 8], "little")
+                if n > end - pos - 8:
+                    raise PickleLengthError(_too_long("FRAME", at, n, end - pos - 8), at)
+            pos += width
+            continue
+        lines = _LINES.get(op)
+        if lines is None:
+            raise PickleLengthError(f"unknown opcode {op:#04x} at byte {at:,}", at)
+        for _ in range(lines):
+            nl = buf.find(b"\n", pos)
+            if nl < 0:
+                pos = end
+                break
+            if op == _PUT:
+                text = bytes(buf[pos:nl]).strip()
+                if text.isdigit():
+                    _check_memo(int(text), at, ops)
+            pos = nl + 1
+    raise PickleLengthError(f"pickle data was truncated (no STOP after byte {start:,})", end)
+
+
+def _too_long(name: str, at: int, n: int, left: int) -> str:
+    return f"{name} at byte {at:,} declares {n:,} bytes but only {max(left, 0):,} remain"
+
+
+def _check_memo(index: int, at: int, ops: int) -> None:
+    # A pickler numbers memo entries from 0, one per object already built: an index past
+    # the opcodes read so far is crafted (the C unpickler would size its memo by it).
+    if index >= ops:
+        raise PickleLengthError(f"memo index {index:,} at byte {at:,} exceeds the "
+                                f"{ops:,} opcodes up to it", at)
+
+
 def safe_load(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None = None,
               persistent: Callable[[Any], Any] | None = None) -> PickleResult:
     """Unpickle ``data`` safely.
 
+    Every length field is checked against the bytes that remain (:func:`check_lengths`)
+    before the unpickler allocates anything.
+
     Args:
-        data: The pickle bytes, or a binary file positioned at it.
+        data: The pickle bytes, or a binary file positioned at it (left just past the
+            pickle's STOP).
         extra: Extra stand-ins by qualified name.
         persistent: Replaces the default ``persistent_load`` (torch storage ids).
 
@@ -552,10 +701,77 @@ def safe_load(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None = No
         pickle.UnpicklingError: Malformed pickle (also EOFError, ValueError and the like, which
             callers turn into :class:`ckpt_cli.errors.CorruptCheckpointError`).
     """
-    f = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    up = SafeUnpickler(f, extra, persistent)
+    up = unpickler_for(data, extra, persistent)
     obj = up.load()
     return PickleResult(obj, up.globals, up.storages)
+
+
+def unpickler_for(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None = None,
+                  persistent: Callable[[Any], Any] | None = None) -> SafeUnpickler:
+    """A :class:`SafeUnpickler` for ``data`` whose lengths were checked (see :func:`safe_load`).
+
+    Its ``globals`` holds what it saw even when ``load`` fails part-way, which
+    :func:`safe_load` loses.
+
+    Args:
+        data: The pickle bytes, or a binary file positioned at it.
+        extra: Extra stand-ins by qualified name.
+        persistent: Replaces the default ``persistent_load``.
+
+    Returns:
+        The unpickler, positioned at the pickle.
+
+    Raises:
+        pickle.UnpicklingError: A declared length larger than what remains, and the like.
+    """
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        raw = bytes(data) if not isinstance(data, bytes) else data
+        check_lengths(raw)
+        return SafeUnpickler(io.BytesIO(raw), extra, persistent)
+    f = data
+    if isinstance(f, io.BytesIO):
+        check_lengths(f.getvalue(), f.tell())
+        return SafeUnpickler(f, extra, persistent)
+    try:
+        fileno = f.fileno()
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        fileno = -1
+    start = f.tell()
+    if fileno >= 0 and os.fstat(fileno).st_size > 0:
+        # An mmap: the walk reads only opcodes and length fields, never the payloads.
+        with mmap.mmap(fileno, 0, access=mmap.ACCESS_READ) as mm:
+            check_lengths(mm, start)
+        return SafeUnpickler(f, extra, persistent)
+    rest = f.read()
+    check_lengths(rest)
+    f.seek(start)
+    return SafeUnpickler(f, extra, persistent)
+
+
+def scan_globals(data: bytes) -> tuple[dict[str, str], BaseException | None]:
+    """The globals a pickle names, even one that does not parse to the end.
+
+    A pickle that fails part-way (or declares an impossible length) still ran what it
+    reached under ``pickle.load``: everything before the failure is unpickled safely and its
+    globals kept.
+
+    Args:
+        data: The pickle bytes.
+
+    Returns:
+        ``(globals with their classification, the error that stopped it or None)``.
+    """
+    error: BaseException | None = None
+    try:
+        check_lengths(data)
+    except PickleLengthError as e:
+        error, data = e, data[:e.at]  # the opcodes before it passed the checks
+    up = SafeUnpickler(io.BytesIO(data))
+    try:
+        up.load()
+    except UNPICKLE_ERRORS as e:
+        error = error or e
+    return up.globals, error
 
 
 UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,

@@ -137,6 +137,8 @@ class ZeroPlan:
         files: Every file read.
         step: ``global_steps`` from the model states, if present.
         notes: Remarks (frozen parameters found only in the module copy).
+        unsafe: Files whose pickles name globals that run code under ``torch.load``, with
+            those globals (nothing of them ran).
     """
 
     stage: int
@@ -146,6 +148,7 @@ class ZeroPlan:
     files: list[Path] = field(default_factory=list)
     step: int | None = None
     notes: list[str] = field(default_factory=list)
+    unsafe: dict[Path, list[str]] = field(default_factory=dict)
 
 
 def _parse(path: Path) -> TorchZip:
@@ -276,6 +279,10 @@ def plan_zero(path: Path, *, include_frozen: bool = True, moments: bool = False)
             + (f"; missing rank(s) {missing}" if missing else ""), path=tag)
     plan = ZeroPlan(stage=max(stage, 1), world_size=world,
                     files=[p for p, _ in models] + [p for p, _ in optims])
+    for p, tz in (*models, *optims):
+        bad = sorted(q for q, cls in tz.pickle.globals.items() if cls == "dangerous")
+        if bad:
+            plan.unsafe[p] = bad
     steps = first.get("global_steps")
     plan.step = steps if isinstance(steps, int) else None
     _plan_buffers(plan, models[0])

@@ -31,8 +31,14 @@ from ckpt_cli.formats.directory import checkpoint_files
 from ckpt_cli.formats.rundir import PointerError, is_run_dir, read_pointer, tree_stats
 from ckpt_cli.formats.zero import PieceReader, ZeroPlan, natural_key, plan_zero, resolve_tag
 from ckpt_cli.manifest import manifest_path, write_manifest
-from ckpt_cli.model import CheckpointIndex
-from ckpt_cli.ops.convert import TARGETS, Selection, select_tensors
+from ckpt_cli.model import CheckpointIndex, Finding
+from ckpt_cli.ops.convert import (
+    TARGETS,
+    Selection,
+    hostile_warning,
+    hostile_warnings,
+    select_tensors,
+)
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import OutTensor, WriteResult, output_format, write_checkpoint
 
@@ -62,6 +68,7 @@ class ConsolidateResult:
         verified: Tensors re-read from the output and compared with the source (``--verify``).
         notes: Remarks.
         seconds: Wall time.
+        warnings: Source files whose pickles would run code under ``torch.load``.
     """
 
     source: Path
@@ -79,6 +86,7 @@ class ConsolidateResult:
     verified: int | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    warnings: list[Finding] = field(default_factory=list)
 
     @property
     def lost_elements(self) -> int:
@@ -100,6 +108,7 @@ class _Job:
     notes: list[str]
     stats: CastStats = field(default_factory=CastStats)
     cast_elements: int = 0
+    warnings: list[Finding] = field(default_factory=list)
 
 
 def detect_kind(path: Path) -> str:
@@ -218,7 +227,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
     return ConsolidateResult(src, kind, out, write, files_before, bytes_before, job.elements_in,
                              elements_out, len(job.outs), job.aliases, job.dropped, job.details,
                              checked[0] if checked else None, job.notes,
-                             time.perf_counter() - t0)
+                             time.perf_counter() - t0, job.warnings)
 
 
 def _input_size(src: Path, kind: str) -> tuple[int, int]:
@@ -256,7 +265,8 @@ def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool, stats: C
     notes = list(plan.notes) + ([] if with_optimizer else [
         "optimizer moments are not part of the output (--with-optimizer keeps them)"])
     return _Job("deepspeed", outs, expected, sum(t.numel for t in plan.tensors), plan.aliases,
-                {}, meta, details, [reader.close], notes, stats, casting)
+                {}, meta, details, [reader.close], notes, stats, casting,
+                [hostile_warning(p, quals) for p, quals in plan.unsafe.items()])
 
 
 def _caster(read: Callable[[Any], np.ndarray], t: Any, dst: str, stats: CastStats,
@@ -296,7 +306,8 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
                if index.layout.get(k) is not None}
     details["step"] = index.metadata.get("step")
     return _Job(kind, outs, expected, sum(index.tensors[s].numel for s in sel.names.values()),
-                {}, sel.dropped, meta, details, [src.close], list(sel.notes), stats, casting)
+                {}, sel.dropped, meta, details, [src.close], list(sel.notes), stats, casting,
+                hostile_warnings(index))
 
 
 def _check_complete(index: CheckpointIndex, names: list[str]) -> None:
@@ -314,8 +325,10 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
     dropped: dict[str, int] = {}
     closers: list[Callable[[], None]] = []
     elements = casting = 0
+    warnings: list[Finding] = []
     for f in files:
         index = read_index(f)
+        warnings += hostile_warnings(index)
         sel = select_tensors(index, keep_optimizer=with_optimizer)
         _check_complete(index, list(sel.names.values()))
         for g, n in sel.dropped.items():
@@ -338,7 +351,7 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
     meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": "rank-files",
             "ckpt.conversion": f"merged {len(files)} files by key; to={target or 'keep'}"}
     return _Job("rank-files", outs, expected, elements, {}, dropped, meta,
-                {"rank_files": len(files)}, closers, [], stats, casting)
+                {"rank_files": len(files)}, closers, [], stats, casting, warnings)
 
 
 def _verify(out: Path, job: _Job) -> int:

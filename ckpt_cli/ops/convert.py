@@ -13,7 +13,7 @@ import fnmatch
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.containers import MODEL_KEYS
 from ckpt_cli.formats.rundir import is_run_dir
-from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import SIDE_FILES, OutTensor, WriteResult, output_format, write_checkpoint
 
@@ -58,6 +58,8 @@ class ConvertResult:
         metadata: The ``__metadata__`` written.
         notes: Plain-words remarks (what was dropped, chosen, copied).
         seconds: Wall time.
+        warnings: Source files whose pickles would run code under ``torch.load`` (see
+            :func:`hostile_warnings`).
     """
 
     source: Path
@@ -74,6 +76,7 @@ class ConvertResult:
     metadata: dict[str, str]
     notes: list[str]
     seconds: float
+    warnings: list[Finding] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +178,54 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     return ConvertResult(src, index.format, out, result,
                          {o.name: (o.dtype, o.shape) for o in outs}, sel.renamed, sel.dropped,
                          dict(casts), aliases, dict(stats.overflow), clamp, meta, notes,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, hostile_warnings(index))
+
+
+def hostile_warnings(index: CheckpointIndex) -> list[Finding]:
+    """One ``hostile-source`` warning per source file whose pickles name globals that run
+    code under ``torch.load(weights_only=False)``, or that is a TorchScript archive.
+
+    ckpt ran none of it (the tensors come from the inert pickle records), but whoever made
+    the file meant it to run: the user should know, whatever the output looks like.
+
+    Args:
+        index: The source's index (its readers' findings).
+
+    Returns:
+        The warnings, by file.
+    """
+    named: dict[str | None, list[str]] = {}
+    script: set[str | None] = set()
+    for f in index.findings:
+        if f.code == "unsafe-global" and f.location:
+            named.setdefault(f.file, []).append(f.location)
+        elif f.code == "torchscript-archive":
+            script.add(f.file)
+            named.setdefault(f.file, [])
+    return [hostile_warning(index.path_of(rel) if rel else index.root, sorted(set(quals)),
+                            torchscript=rel in script, rel=rel)
+            for rel, quals in named.items()]
+
+
+def hostile_warning(path: Path, qualnames: list[str], *, torchscript: bool = False,
+                    rel: str | None = None) -> Finding:
+    """The ``hostile-source`` warning for one source file.
+
+    Args:
+        path: The file, as shown to the user.
+        qualnames: The dangerous globals its pickles name.
+        torchscript: Whether it is a TorchScript archive.
+        rel: The file as the index names it.
+
+    Returns:
+        The warning.
+    """
+    what = " and ".join(x for x in (
+        "is a TorchScript archive (torch.load would run its code)" if torchscript else "",
+        f"references {', '.join(qualnames)}" if qualnames else "") if x)
+    return Finding("warning", "hostile-source",
+                   f"{path} {what}; its tensors were extracted without running it; treat the "
+                   "source as hostile", rel, ", ".join(qualnames) or None)
 
 
 def _check_supported(index: CheckpointIndex) -> None:

@@ -100,8 +100,8 @@ _CODE_CHECK: dict[str, str] = {
     **dict.fromkeys(("missing-storage", "short-storage", "view-out-of-bounds",
                      "unreferenced-storage", "tensor-kind"), "storages"),
     **dict.fromkeys(("compressed-entry", "big-endian"), "zip-structure"),
-    **dict.fromkeys(("unsafe-global", "unknown-global", "non-allowlisted-global"),
-                    "pickle-safety"),
+    **dict.fromkeys(("unsafe-global", "unknown-global", "non-allowlisted-global",
+                     "torchscript-archive", "unscanned-pickle"), "pickle-safety"),
     **dict.fromkeys(("missing-shard", "bad-shard", "missing-tensor", "wrong-shard",
                      "unindexed-tensor", "total-size", "bad-index", "duplicate-tensor"),
                     "shard-index"),
@@ -647,7 +647,9 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
     if fmts & {"torch", "torch-legacy", "pickle", "dcp"}:
         found = b.findings.get("pickle-safety", [])
         worst = {f.severity for f in found}
+        script = any(f.code == "torchscript-archive" for f in found)
         b.add("pickle-safety", [], "only allowlisted globals" if not found else
+              "a TorchScript archive: torch.load runs its code" if script else
               "globals that run code if loaded unsafely" if "error" in worst else
               "unknown globals (not imported, not executed)" if "warning" in worst else
               f"{len(found)} data-holder global(s) outside torch's allowlist, read as data")

@@ -159,6 +159,16 @@ def print_findings(findings: Iterable[Finding], *, console: Console | None = Non
         con.print(line, soft_wrap=True)
 
 
+def print_messages(findings: Iterable[Finding]) -> None:
+    """Print findings as ``<severity>: <message>`` on stderr: for messages that name their
+    file themselves (``convert``'s hostile-source warnings)."""
+    con = stderr()
+    for f in findings:
+        line = Text(f"{f.severity}: ", style=_SEVERITY_STYLE[f.severity])
+        line.append(f.message)
+        con.print(line, soft_wrap=True)
+
+
 def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
     """The key facts of a checkpoint as a two-column grid."""
     grid = Table.grid(padding=(0, 2))
