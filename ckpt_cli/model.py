@@ -168,6 +168,8 @@ class CheckpointIndex:
         flavor: A more specific producer, e.g. ``lightning``, ``hf-trainer``, ``deepspeed``.
         containers: Top-level keys of the pickled tree that hold nested tensors (``model``,
             ``optimizer``, ``state_dict``...), as name prefixes with their group.
+        name_step: The step the checkpoint's name gives (``step_000400``, ``checkpoint-50``;
+            a file inside such a directory), shown when the contents record none.
     """
 
     format: str
@@ -182,6 +184,7 @@ class CheckpointIndex:
     flavor: str | None = None
     containers: dict[str, str] = field(default_factory=dict)
     duplicates: dict[str, str] = field(default_factory=dict)
+    name_step: int | None = None
 
     def add_tensor(self, info: TensorInfo) -> TensorInfo:
         """Add a tensor. One whose name is taken (the same key in two files, or ``"a.b"``
@@ -273,6 +276,17 @@ class CheckpointIndex:
                     continue
                 seen.add(key)
             yield t
+
+    @property
+    def step(self) -> tuple[int | None, str | None]:
+        """The training step and where it came from: ``metadata`` (recorded in the
+        checkpoint), ``name`` (only its name gives one) or None."""
+        recorded = self.metadata.get("step")
+        if isinstance(recorded, int) and not isinstance(recorded, bool):
+            return recorded, "metadata"
+        if self.name_step is not None:
+            return self.name_step, "name"
+        return None, None
 
     def add(self, finding: Finding) -> None:
         """Record a finding."""

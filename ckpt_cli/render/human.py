@@ -150,9 +150,24 @@ def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
     n = index.num_parameters
     grid.add_row("Parameters", f"{n:,}" + (f" ({count(n)})" if n >= 1000 else ""))
     meta = index.metadata
-    facts = [f"{k} {_fmt(meta[k])}" for k in ("step", "epoch", "lr") if k in meta]
+    step, source = index.step
+    facts = [f"step {step:,}" + (" (from the name; none recorded)" if source == "name" else "")
+             ] if step is not None else []
+    facts += [f"{k} {_fmt(meta[k])}" for k in ("epoch", "lr") if k in meta]
     if facts:
         grid.add_row("Training", ", ".join(facts))
+    sched = meta.get("scheduler")
+    if isinstance(sched, dict) and sched:
+        # Where the schedule stands first; torch's private flags say nothing to a reader.
+        first = [k for k in ("last_epoch", "_last_lr", "last_batch_iteration", "num_steps")
+                 if k in sched]
+        rest = [k for k in sched if k not in first and not (
+            k.startswith("_") and isinstance(sched[k], bool))]
+        grid.add_row("Scheduler", ", ".join(f"{k.lstrip('_')} {_fmt(sched[k])}"
+                                             for k in (first + rest)[:6]))
+    rng = meta.get("rng_states")
+    if isinstance(rng, list) and rng:
+        grid.add_row("RNG state", ", ".join(str(r) for r in rng))
     versions = [f"{k} {meta[k]}" for k in ("ds_version", "pytorch-lightning_version",
                                             "checkpoint_version", "dcp_version") if k in meta]
     if versions:
@@ -171,6 +186,8 @@ def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.6g}"
+    if isinstance(v, list) and len(v) <= 8:
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
     return str(v)
 
 
