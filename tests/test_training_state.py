@@ -120,3 +120,92 @@ def test_hostile_bytes_item_is_reported_not_run(tmp_path: Path) -> None:
     assert not marker.exists()
     index = read_index(d)
     assert "posix.system" in str(index.objects["train_state.hook"])
+
+
+# --- tied weights: one model, one parameter count, whatever the format ----------------------
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(64, 16)
+        self.h = torch.nn.Linear(16, 16)
+        self.lm_head = torch.nn.Linear(16, 64, bias=False)
+        if tie:
+            self.lm_head.weight = self.wte.weight
+
+
+def test_tied_weights_counted_once_in_every_format(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = _TiedLM()
+    expected = sum(p.numel() for p in model.parameters())  # torch counts the tie once
+    sd = model.state_dict()
+    torch.save(sd, tmp_path / "m.pt")
+    dcp_save({"model": sd}, tmp_path / "dcp")
+    # safetensors refuses shared storage: a clone per name is how such files hold a tie.
+    save_file({k: v.detach().clone() for k, v in sd.items()}, str(tmp_path / "m.safetensors"))
+    ties = {}
+    for name in ("m.pt", "dcp", "m.safetensors"):
+        doc = _json("inspect", tmp_path / name)
+        assert doc["num_parameters"] == expected, name
+        ties[name] = doc["tied_tensors"]
+    assert [t["tie"] for t in ties["m.pt"]] == ["storage"]
+    assert ties["dcp"] == [{"name": "model.lm_head.weight", "tied_to": "model.wte.weight",
+                            "tie": "values", "counted_twice": False}]
+    assert [(t["name"], t["tie"]) for t in ties["m.safetensors"]] == [
+        ("lm_head.weight", "values")]
+
+
+def test_untied_head_of_the_same_shape_is_counted_twice(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = _TiedLM(tie=False)
+    save_file(model.state_dict(), str(tmp_path / "m.safetensors"))
+    doc = _json("inspect", tmp_path / "m.safetensors")
+    assert doc["num_parameters"] == sum(p.numel() for p in model.parameters())
+    assert doc["tied_tensors"] == []
+
+
+def test_tie_detection_samples_only_the_candidates(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpt_cli import ties
+    from ckpt_cli.tensors import TensorSource
+
+    torch.manual_seed(0)
+    big = _TiedLM()
+    big.wte = torch.nn.Embedding(4096, 64)  # 1 MiB: far more than the samples
+    big.lm_head.weight = big.wte.weight
+    d = dcp_save({"model": big.state_dict()}, tmp_path / "dcp")
+    index = read_index(d)
+    assert index.aliases == {"model.lm_head.weight": "model.wte.weight"}
+    read: list[int] = []
+    orig = TensorSource.read_into
+
+    def counting(self: TensorSource, rel: str, offset: int, out: memoryview) -> None:
+        read.append(len(out))
+        orig(self, rel, offset, out)
+
+    monkeypatch.setattr(TensorSource, "read_into", counting)
+    index.aliases.clear()
+    ties.find_ties(index)
+    assert index.aliases == {"model.lm_head.weight": "model.wte.weight"}
+    # Two candidates, one chunk each (one process), three windows each; h.weight never read.
+    assert sum(read) == 2 * 3 * ties.WINDOW
+
+
+def test_unverifiable_tie_is_said_to_be_counted_twice(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _TiedLM()
+    d = dcp_save({"model": model.state_dict()}, tmp_path / "dcp")
+    for p in d.glob("*.distcp"):
+        p.unlink()  # the bytes cannot be sampled
+    doc = _json("inspect", d)
+    assert doc["tied_tensors"] == [{"name": "model.lm_head.weight",
+                                    "tied_to": "model.wte.weight", "tie": "unverified",
+                                    "counted_twice": True}]
+    assert doc["num_parameters"] == sum(p.numel() for p in model.parameters()) + 64 * 16
+    out = run_cli("inspect", d).stdout
+    assert "may repeat model.wte.weight" in out and "counted twice" in out

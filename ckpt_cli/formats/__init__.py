@@ -152,7 +152,8 @@ def read_index(path: str | Path, fmt: str | None = None) -> CheckpointIndex:
 
 def _complete(index: CheckpointIndex) -> None:
     """What every format shares once read: training facts from nested leaves (the same
-    names whatever the reader), and the step the checkpoint's name gives."""
+    names whatever the reader), the step the checkpoint's name gives, and tied weights that
+    no storage sharing records (found the same way for every format)."""
     from ckpt_cli.formats import containers
     from ckpt_cli.formats.rundir import step_from_name
 
@@ -163,6 +164,9 @@ def _complete(index: CheckpointIndex) -> None:
     names = [root.name] if root.is_dir() else [root.name, root.parent.name]
     index.name_step = next((s for n in names if (s := step_from_name(n, strict=True))
                             is not None), None)
+    from ckpt_cli.ties import find_ties
+
+    find_ties(index)
 
 
 __all__ = ["Reader", "check_exists", "detect", "get_reader", "read_index", "reader_names",

@@ -149,6 +149,9 @@ def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
     grid.add_row("Tensors", f"{len(index.tensors):,}")
     n = index.num_parameters
     grid.add_row("Parameters", f"{n:,}" + (f" ({count(n)})" if n >= 1000 else ""))
+    tied = index.tied_tensors()
+    if tied:
+        grid.add_row("Tied", tied_text(tied))
     meta = index.metadata
     step, source = index.step
     facts = [f"step {step:,}" + (" (from the name; none recorded)" if source == "name" else "")
@@ -177,10 +180,36 @@ def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
     if dt:
         grid.add_row("Dtypes", ", ".join(f"{k} {count(v)} ({100 * v / total:.0f}%)"
                                           for k, v in sorted(dt.items(), key=lambda kv: -kv[1])))
-    lay = {k: v for k, v in index.layout.items() if v not in (None, [], {}) and k != "ranks"}
+    master = index.layout.get("master_weights")
+    if isinstance(master, dict):
+        # ZeRO-3: the model states hold placeholders; say where the weights are instead.
+        grid.add_row("Weights", f"{master['dtype']} master weights in {master['partitions']} "
+                     f"flat partitions (optimizer files): {master['parameters']:,} parameters, "
+                     f"{size(master['consolidated_bytes'])} once consolidated "
+                     "(ckpt consolidate)")
+    lay = {k: v for k, v in index.layout.items()
+           if v not in (None, [], {}) and k not in ("ranks", "master_weights")}
     if lay:
         grid.add_row("Layout", ", ".join(f"{k} {_fmt(v)}" for k, v in lay.items()))
     return grid
+
+
+_TIE_HOW = {"storage": "one storage", "values": "same shape, dtype and sampled bytes"}
+
+
+def tied_text(tied: list[dict[str, Any]], limit: int = 3) -> str:
+    """Tied tensors in a sentence each, saying which are counted once and which twice."""
+    parts = []
+    for t in tied[:limit]:
+        if t["counted_twice"]:
+            parts.append(f"{t['name']} may repeat {t['tied_to']} (same shape and dtype; bytes "
+                         "not compared): counted twice")
+        else:
+            parts.append(f"{t['name']} = {t['tied_to']} ({_TIE_HOW.get(t['tie'], t['tie'])}): "
+                         "counted once")
+    if len(tied) > limit:
+        parts.append(f"and {len(tied) - limit} more")
+    return "; ".join(parts)
 
 
 def _fmt(v: Any) -> str:

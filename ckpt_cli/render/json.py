@@ -114,6 +114,7 @@ def index_summary(index: CheckpointIndex) -> dict[str, Any]:
         "file_bytes": index.file_bytes,
         "num_tensors": len(index.tensors),
         "num_parameters": index.num_parameters,
+        "tied_tensors": index.tied_tensors(),
         "total_bytes": index.total_bytes,
         "bytes_by_group": index.bytes_by_group,
         "params_by_dtype": index.params_by_dtype,
