@@ -168,6 +168,13 @@ class CheckpointIndex:
         flavor: A more specific producer, e.g. ``lightning``, ``hf-trainer``, ``deepspeed``.
         containers: Top-level keys of the pickled tree that hold nested tensors (``model``,
             ``optimizer``, ``state_dict``...), as name prefixes with their group.
+        aliases: Tied copies found by value where no storage sharing is recorded (DCP,
+            safetensors): copy -> the tensor it repeats; counted once (see
+            :mod:`ckpt_cli.ties`).
+        possible_aliases: Same tie-like name, dtype and shape, but bytes not sampled: counted
+            twice, and said so.
+        name_step: The step the checkpoint's name gives (``step_000400``, ``checkpoint-50``;
+            a file inside such a directory), shown when the contents record none.
     """
 
     format: str
@@ -182,6 +189,9 @@ class CheckpointIndex:
     flavor: str | None = None
     containers: dict[str, str] = field(default_factory=dict)
     duplicates: dict[str, str] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    possible_aliases: dict[str, str] = field(default_factory=dict)
+    name_step: int | None = None
 
     def add_tensor(self, info: TensorInfo) -> TensorInfo:
         """Add a tensor. One whose name is taken (the same key in two files, or ``"a.b"``
@@ -238,11 +248,14 @@ class CheckpointIndex:
         Tied weights (one storage under two names, e.g. an embedding and the output head) count
         once, as ``model.num_parameters()`` counts them. Where the files hold only placeholders
         for the weights (DeepSpeed ZeRO-3), the count the checkpoint declares
-        (``layout["param_count"]``) is used.
+        (``layout["param_count"]``) is used: its flat master-weight partitions, grouped as
+        model weights, are padded.
         """
         counted = sum(t.numel for t in self.distinct_tensors() if t.group == "model")
         declared = self.layout.get("param_count")
-        return declared if isinstance(declared, int) and declared > counted else counted
+        if isinstance(declared, int) and (declared > counted or "master_weights" in self.layout):
+            return declared
+        return counted
 
     @property
     def params_by_dtype(self) -> dict[str, int]:
@@ -263,16 +276,53 @@ class CheckpointIndex:
 
     def distinct_tensors(self) -> Iterator[TensorInfo]:
         """The tensors, leaving out a second name for the same view of the same storage (tied
-        weights, which torch.save writes once)."""
-        seen: set[tuple[Any, ...]] = set()
+        weights, which torch.save writes once) and the tied copies in :attr:`aliases`."""
+        return self._distinct({})
+
+    def _distinct(self, ties: dict[str, tuple[str, str]]) -> Iterator[TensorInfo]:
+        """:meth:`distinct_tensors`, noting each left-out name in ``ties`` (-> kept, how)."""
+        seen: dict[tuple[Any, ...], str] = {}
         for t in self.tensors.values():
+            if t.name in self.aliases:
+                ties[t.name] = (self.aliases[t.name], "values")
+                continue
             if t.storage is not None:
                 key = (t.storage.file, t.storage.key, t.storage_offset, t.shape, t.stride,
                        t.dtype)
                 if key in seen:
+                    ties[t.name] = (seen[key], "storage")
                     continue
-                seen.add(key)
+                seen[key] = t.name
             yield t
+
+    def tied_tensors(self) -> list[dict[str, Any]]:
+        """Tensors that repeat another (tied weights), and whether counts include them twice.
+
+        Returns:
+            ``{name, tied_to, tie, counted_twice}`` each: ``tie`` is ``storage`` (one storage,
+            two names), ``values`` (same shape, dtype and sampled bytes, where no storage
+            sharing is recorded) or ``unverified`` (a tie-like name of the same shape and
+            dtype whose bytes could not be sampled: ``counted_twice``).
+        """
+        ties: dict[str, tuple[str, str]] = {}
+        for _ in self._distinct(ties):
+            pass
+        out = [{"name": n, "tied_to": to, "tie": how, "counted_twice": False}
+               for n, (to, how) in ties.items()]
+        out.extend({"name": n, "tied_to": to, "tie": "unverified", "counted_twice": True}
+                   for n, to in self.possible_aliases.items())
+        return out
+
+    @property
+    def step(self) -> tuple[int | None, str | None]:
+        """The training step and where it came from: ``metadata`` (recorded in the
+        checkpoint), ``name`` (only its name gives one) or None."""
+        recorded = self.metadata.get("step")
+        if isinstance(recorded, int) and not isinstance(recorded, bool):
+            return recorded, "metadata"
+        if self.name_step is not None:
+            return self.name_step, "name"
+        return None, None
 
     def add(self, finding: Finding) -> None:
         """Record a finding."""

@@ -14,7 +14,7 @@ from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnknownFormatError
 from ckpt_cli.formats import detect, read_index
 from ckpt_cli.tensors import iter_tensors
-from tests.conftest import requires_deepspeed
+from tests.conftest import requires_deepspeed, run_cli
 from tests.helpers.makers import (
     hf_sharded,
     megatron_legacy,
@@ -256,6 +256,28 @@ def test_deepspeed_layouts(ds_dir: Path, cfg: str, stage: int) -> None:
     assert index.metadata["step"] == 3
     assert index.num_parameters == 7 * 13 + 13 + 13 + 13 + 13 * 5 + 5
     assert not [f for f in index.findings if f.severity == "error"]
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("cfg", ["z3-fp32", "z3-bf16"])
+def test_zero3_master_weights_count_as_model_weights(ds_dir: Path, cfg: str) -> None:
+    tag = ds_dir / cfg / "global_step3"
+    index = read_index(tag)
+    params = 7 * 13 + 13 + 13 + 13 * 5 + 5 + 13
+    master = index.layout["master_weights"]
+    assert master["parameters"] == params and master["partitions"] == 2
+    assert master["dtype"] == "F32" and master["consolidated_bytes"] == 4 * params
+    # The flat partitions are padded to a multiple of the world size.
+    assert master["elements"] == params + master["padding"] and master["elements"] % 2 == 0
+    groups = index.bytes_by_group
+    assert groups["model"] == master["bytes"] == 4 * master["elements"]
+    assert groups["optimizer"] > 0 and index.num_parameters == params
+    # Every rank's copy of the module's buffer is a buffer, not a weight.
+    assert {t.group for n, t in index.tensors.items() if n.endswith("counter")} == {"buffer"}
+    out = " ".join(run_cli("inspect", tag).stdout.split())  # rich wraps the row
+    assert "F32 master weights in 2 flat partitions" in out
+    assert f"{params} parameters, {4 * params} Bytes once consolidated" in out
+    assert "master_weights" not in read_index(ds_dir / "z2-fp32" / "global_step3").layout
 
 
 def test_megatron_legacy(tmp_path: Path) -> None:

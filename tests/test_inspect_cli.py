@@ -91,8 +91,18 @@ def test_hf_export_and_dcp_of_the_sample(sample_run: Path) -> None:
     assert doc["format"] == "hf-index" and doc["warnings"] == []
     dcp = _json(sample_run / "step_000400")
     assert dcp["layout"]["world_size"] == 4
-    # The export drops the tied lm_head, so it has one tensor (and 32K params) less.
-    assert dcp["num_parameters"] > doc["num_parameters"]
+    # The export drops the tied lm_head (one tensor less), DCP writes it as a second tensor
+    # and the torch file as a second name of one storage: one model, one parameter count.
+    torch_doc = _json(sample_run / "step_000300")
+    assert dcp["num_tensors"] > doc["num_tensors"]
+    assert dcp["num_parameters"] == doc["num_parameters"] == torch_doc["num_parameters"]
+    tie = {"name": "model.lm_head.weight", "tied_to": "model.wte.weight",
+           "counted_twice": False}
+    assert dcp["tied_tensors"] == [{**tie, "tie": "values"}]
+    assert torch_doc["tied_tensors"] == [{**tie, "tie": "storage"}]
+    assert doc["tied_tensors"] == []
+    assert "model.lm_head.weight = model.wte.weight" in run_cli(
+        "inspect", sample_run / "step_000400").stdout
 
 
 @pytest.mark.parametrize("content,fragment", [

@@ -59,9 +59,11 @@ def _emit_json(result: Any) -> None:
         doc.update(rj.index_summary(result.index))
     else:
         doc.update({"format": None, "flavor": None, "files": [], "num_files": 0,
-                    "file_bytes": 0, "num_tensors": 0, "num_parameters": 0, "total_bytes": 0,
+                    "file_bytes": 0, "num_tensors": 0, "num_parameters": 0, "tied_tensors": [],
+                    "total_bytes": 0,
                     "bytes_by_group": {}, "params_by_dtype": {}, "bytes_by_dtype": {},
-                    "metadata": {}, "layout": {}, "warnings": []})
+                    "metadata": {}, "step": None, "step_source": None, "layout": {},
+                    "warnings": []})
     if result.run is not None:
         doc.update(rj.run_dict(result.run))
         doc["described"] = result.described

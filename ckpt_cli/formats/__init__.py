@@ -135,7 +135,7 @@ def read_index(path: str | Path, fmt: str | None = None) -> CheckpointIndex:
     p = Path(path)
     reader = detect(p, fmt)
     try:
-        return reader.read_index(p)
+        index = reader.read_index(p)
     except PermissionError as e:
         raise CkptError(f"cannot read: {e.strerror}", path=e.filename or p) from None
     except IsADirectoryError as e:
@@ -146,6 +146,27 @@ def read_index(path: str | Path, fmt: str | None = None) -> CheckpointIndex:
                         path=e.filename or p) from None
     except OSError as e:
         raise CkptError(f"cannot read: {e.strerror or e}", path=e.filename or p) from None
+    _complete(index)
+    return index
+
+
+def _complete(index: CheckpointIndex) -> None:
+    """What every format shares once read: training facts from nested leaves (the same
+    names whatever the reader), the step the checkpoint's name gives, and tied weights that
+    no storage sharing records (found the same way for every format)."""
+    from ckpt_cli.formats import containers
+    from ckpt_cli.formats.rundir import step_from_name
+
+    for k, v in containers.training_facts(index.objects, index.tensors).items():
+        index.metadata.setdefault(k, v)
+    root = index.root
+    # A file inside a step directory (step_000300/checkpoint.pt) is named by its directory.
+    names = [root.name] if root.is_dir() else [root.name, root.parent.name]
+    index.name_step = next((s for n in names if (s := step_from_name(n, strict=True))
+                            is not None), None)
+    from ckpt_cli.ties import find_ties
+
+    find_ties(index)
 
 
 __all__ = ["Reader", "check_exists", "detect", "get_reader", "read_index", "reader_names",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ckpt_cli.formats.unpickler import Opaque, TensorRecord
@@ -340,3 +340,70 @@ def _plain_mapping(obj: Any) -> dict[str, Any]:
             continue
         out[_key(k)] = to_plain(v)
     return out
+
+
+STATE_KEYS = ("train_state", "training_state", "trainer_state", "state", "progress",
+              "client_state", "extra_state", "app", "meta", "metadata", "loop_state")
+"""Keys of dicts that hold a loop's own counters (``{"train_state": {"step": 50}}``, the
+torch.distributed.checkpoint recipe), searched for the step and epoch when the top level
+has none."""
+
+SCHEDULER_KEYS = ("lr_scheduler", "scheduler", "lr_schedulers", "schedulers",
+                  "opt_param_scheduler")
+RNG_KEYS = ("rng_state", "rng_states", "rng", "random_states", "rng_tracker_states")
+_MAX_SCHEDULER_FIELDS = 32
+_MAX_RNG_NAMES = 16
+
+
+def training_facts(objects: dict[str, Any], tensor_names: Iterable[str]) -> dict[str, Any]:
+    """Training metadata found in nested non-tensor leaves, in any format.
+
+    Works on flattened names (``train_state.step``, ``scheduler.last_epoch``), which every
+    reader produces alike: a torch.save file, DCP ``bytes`` items (each its own small pickle),
+    the separate ``scheduler.pt``/``rng_state.pth`` files of a checkpoint directory.
+
+    Args:
+        objects: The index's non-tensor leaves by flattened name.
+        tensor_names: The index's tensor names (RNG states are often tensors).
+
+    Returns:
+        ``step``/``epoch`` from a training-state dict (:data:`STATE_KEYS`); ``scheduler``:
+        the scalar fields of the (first) learning-rate scheduler's state dict; ``rng_states``:
+        the names of the RNG states saved. Keys that were not found are absent.
+    """
+    out: dict[str, Any] = {}
+    for key in STATE_KEYS:
+        for k in _STEP_KEYS:
+            v = _number(objects.get(f"{key}.{k}"))
+            if isinstance(v, int) and "step" not in out:
+                out["step"] = v
+        for k in _EPOCH_KEYS:
+            v = _number(objects.get(f"{key}.{k}"))
+            if v is not None and "epoch" not in out:
+                out["epoch"] = v
+    for key in SCHEDULER_KEYS:
+        # Lightning keeps a list of schedulers: the first one's state is the one shown.
+        for prefix in (f"{key}.", f"{key}.0."):
+            fields = {k[len(prefix):]: v for k, v in objects.items()
+                      if k.startswith(prefix) and "." not in k[len(prefix):]
+                      and _is_plain(v)}
+            if fields:
+                out["scheduler"] = dict(list(fields.items())[:_MAX_SCHEDULER_FIELDS])
+                break
+        if "scheduler" in out:
+            break
+    rng: dict[str, None] = {}
+    for name in (*tensor_names, *objects):
+        parts = name.split(".")
+        if parts[0] in RNG_KEYS and len(rng) < _MAX_RNG_NAMES:
+            rng[".".join(parts[:2])] = None
+    if rng:
+        out["rng_states"] = list(rng)
+    return out
+
+
+def _is_plain(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    return isinstance(v, list) and len(v) <= 64 and all(
+        x is None or isinstance(x, (bool, int, float, str)) for x in v)

@@ -123,8 +123,10 @@ class DeepSpeedReader:
             _read(index, p, "weights", "" if i == 0 else p.stem + ".")
         for p in optim:
             _read(index, p, "optimizer", p.stem + ".")
-        _mark_buffers(index)
+        _mark_buffers(index, model)
         _layout(index, model, optim)
+        if is_zero3(index):
+            _master_weights(index)
         return index
 
 
@@ -140,9 +142,12 @@ def _listed(objects: dict[str, Any], key: str) -> list[Any]:
     return out
 
 
-def _mark_buffers(index: CheckpointIndex) -> None:
-    """DeepSpeed records which module entries are buffers (``buffer_names``)."""
-    names = {f"module.{n}" for n in _listed(index.objects, "buffer_names") if isinstance(n, str)}
+def _mark_buffers(index: CheckpointIndex, model: list[Path]) -> None:
+    """DeepSpeed records which module entries are buffers (``buffer_names``); under ZeRO-3
+    every rank's model states hold them (listed under the file's stem after the first)."""
+    listed = [n for n in _listed(index.objects, "buffer_names") if isinstance(n, str)]
+    prefixes = ["", *(p.stem + "." for p in model[1:])]
+    names = {f"{pre}module.{n}" for pre in prefixes for n in listed}
     for name in names & set(index.tensors):
         index.tensors[name] = dataclasses.replace(index.tensors[name], group="buffer")
 
@@ -183,6 +188,31 @@ def _layout(index: CheckpointIndex, model: list[Path], optim: list[Path]) -> Non
         if missing:
             index.add(Finding("error", "missing-rank",
                               f"optimizer state of data-parallel rank(s) {missing} is missing"))
+
+
+_FLAT_GROUP = re.compile(r"(?:^|\.)fp32_flat_groups\.\d+$")
+
+
+def _master_weights(index: CheckpointIndex) -> None:
+    """Count ZeRO-3's FP32 master weights as the model's weights.
+
+    The model states hold ``[0]`` placeholders; the weights are the flat FP32 partitions
+    (``fp32_flat_groups``) in every rank's optimizer file, padded to a multiple of the world
+    size. Grouped as ``model`` they show the model is there and what it weighs; the count and
+    size once consolidated come from ``param_shapes`` (``layout["master_weights"]``).
+    """
+    flat = [n for n in index.tensors if _FLAT_GROUP.search(n)]
+    if not flat:
+        return
+    for n in flat:
+        index.tensors[n] = dataclasses.replace(index.tensors[n], group="model")
+    elements = sum(index.tensors[n].numel for n in flat)
+    declared = index.layout.get("param_count")
+    params = declared if isinstance(declared, int) else elements
+    index.layout["master_weights"] = {
+        "dtype": "F32", "partitions": len(flat), "elements": elements,
+        "bytes": sum(index.tensors[n].nbytes for n in flat), "parameters": params,
+        "padding": max(0, elements - params), "consolidated_bytes": 4 * params}
 
 
 def _stage(objs: dict[str, Any], optim: list[Path]) -> int | None:

@@ -182,10 +182,28 @@ def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
     grid.add_row("Tensors", f"{len(index.tensors):,}")
     n = index.num_parameters
     grid.add_row("Parameters", f"{n:,}" + (f" ({count(n)})" if n >= 1000 else ""))
+    tied = index.tied_tensors()
+    if tied:
+        grid.add_row("Tied", tied_text(tied))
     meta = index.metadata
-    facts = [f"{k} {_fmt(meta[k])}" for k in ("step", "epoch", "lr") if k in meta]
+    step, source = index.step
+    facts = [f"step {step:,}" + (" (from the name; none recorded)" if source == "name" else "")
+             ] if step is not None else []
+    facts += [f"{k} {_fmt(meta[k])}" for k in ("epoch", "lr") if k in meta]
     if facts:
         grid.add_row("Training", ", ".join(facts))
+    sched = meta.get("scheduler")
+    if isinstance(sched, dict) and sched:
+        # Where the schedule stands first; torch's private flags say nothing to a reader.
+        first = [k for k in ("last_epoch", "_last_lr", "last_batch_iteration", "num_steps")
+                 if k in sched]
+        rest = [k for k in sched if k not in first and not (
+            k.startswith("_") and isinstance(sched[k], bool))]
+        grid.add_row("Scheduler", ", ".join(f"{k.lstrip('_')} {_fmt(sched[k])}"
+                                             for k in (first + rest)[:6]))
+    rng = meta.get("rng_states")
+    if isinstance(rng, list) and rng:
+        grid.add_row("RNG state", ", ".join(str(r) for r in rng))
     versions = [f"{k} {meta[k]}" for k in ("ds_version", "pytorch-lightning_version",
                                             "checkpoint_version", "dcp_version") if k in meta]
     if versions:
@@ -195,15 +213,43 @@ def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
     if dt:
         grid.add_row("Dtypes", ", ".join(f"{k} {count(v)} ({100 * v / total:.0f}%)"
                                           for k, v in sorted(dt.items(), key=lambda kv: -kv[1])))
-    lay = {k: v for k, v in index.layout.items() if v not in (None, [], {}) and k != "ranks"}
+    master = index.layout.get("master_weights")
+    if isinstance(master, dict):
+        # ZeRO-3: the model states hold placeholders; say where the weights are instead.
+        grid.add_row("Weights", f"{master['dtype']} master weights in {master['partitions']} "
+                     f"flat partitions (optimizer files): {master['parameters']:,} parameters, "
+                     f"{size(master['consolidated_bytes'])} once consolidated "
+                     "(ckpt consolidate)")
+    lay = {k: v for k, v in index.layout.items()
+           if v not in (None, [], {}) and k not in ("ranks", "master_weights")}
     if lay:
         grid.add_row("Layout", ", ".join(f"{k} {_fmt(v)}" for k, v in lay.items()))
     return grid
 
 
+_TIE_HOW = {"storage": "one storage", "values": "same shape, dtype and sampled bytes"}
+
+
+def tied_text(tied: list[dict[str, Any]], limit: int = 3) -> str:
+    """Tied tensors in a sentence each, saying which are counted once and which twice."""
+    parts = []
+    for t in tied[:limit]:
+        if t["counted_twice"]:
+            parts.append(f"{t['name']} may repeat {t['tied_to']} (same shape and dtype; bytes "
+                         "not compared): counted twice")
+        else:
+            parts.append(f"{t['name']} = {t['tied_to']} ({_TIE_HOW.get(t['tie'], t['tie'])}): "
+                         "counted once")
+    if len(tied) > limit:
+        parts.append(f"and {len(tied) - limit} more")
+    return "; ".join(parts)
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.6g}"
+    if isinstance(v, list) and len(v) <= 8:
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
     return str(v)
 
 
