@@ -94,3 +94,19 @@ def test_umask_is_read_without_changing_it() -> None:
         assert umask() == 0o027
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize(("decided", "code"), [(None, 141), (0, 0), (1, 1)])
+def test_a_closed_pipe_exits_with_the_decided_status(decided: int | None, code: int) -> None:
+    """141 (as a shell reports SIGPIPE) when the command was cut short before its result."""
+    prog = ("import typer\n"
+            "from ckpt_cli.cli.errors import handled\n"
+            "try:\n"
+            "    with handled() as outcome:\n"
+            f"        outcome.exit_code = {decided}\n"
+            "        raise BrokenPipeError\n"
+            "except typer.Exit as e:\n"
+            "    raise SystemExit(e.exit_code)\n")
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, timeout=60)
+    assert p.returncode == code, p.stderr
+    assert p.stderr == b""

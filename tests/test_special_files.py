@@ -187,6 +187,7 @@ def test_the_helpers_refuse_special_files_without_opening_them(tmp_path: Path) -
     assert not_regular(link) == "not a regular file (a FIFO)"  # the target counts
     assert not_regular(tmp_path) == "not a regular file (a directory)"
     assert not_regular(regular) is None and not_regular(tmp_path / "missing") is None
+    assert not_regular(Path(os.devnull)) == "not a regular file (a character device)"
     for call in (lambda p: open_regular(p), lambda p: read_head(p, 4),
                  lambda p: read_small(p, 4), file_size):
         for p in (fifo, link):
