@@ -91,6 +91,12 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
         torch.save({"model": dict(SD), "step": step}, run / f"step_{step}" / "checkpoint.pt")
     _fifo(run / "latest")
     cases["fifo-latest-pointer"] = run
+    ds = root / "deepspeed"  # hand-made: only the names DeepSpeed gives its rank files
+    (ds / "global_step10").mkdir(parents=True)
+    (ds / "latest").write_text("global_step10")
+    _fifo(ds / "global_step10" / "mp_rank_00_model_states.pt")
+    _fifo(ds / "global_step10" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    cases["fifo-deepspeed-rank-files"] = ds
     (root / "out").mkdir()
     cases["good"] = root / "good.safetensors"
     save_file(dict(SD), cases["good"])
@@ -118,6 +124,7 @@ EXPECTED = {
     "fifo-dcp-metadata": ".metadata: not a regular file (a FIFO)",
     "fifo-distcp": "__0_0.distcp: not a regular file (a FIFO)",
     "fifo-latest-pointer": "latest: not a regular file",
+    "fifo-deepspeed-rank-files": "mp_rank_00_model_states.pt: not a regular file (a FIFO)",
 }
 # Checkpoint arguments that are files: validate reports them as a usage error (exit 2).
 ARGUMENT_CASES = {"fifo-argument", "symlink-to-fifo-argument", "socket-argument",
@@ -137,7 +144,8 @@ def test_validate_reports_a_special_file(tree: dict[str, Path], case: str) -> No
         assert "INVALID" in r.stdout
 
 
-@pytest.mark.parametrize("case", sorted(set(EXPECTED) - {"fifo-latest-pointer"}))
+@pytest.mark.parametrize("case", sorted(set(EXPECTED) - {"fifo-latest-pointer",
+                                                         "fifo-deepspeed-rank-files"}))
 @pytest.mark.parametrize("command", ["inspect", "diff", "convert", "consolidate"])
 def test_every_command_answers_at_once(tree: dict[str, Path], case: str,
                                        command: str) -> None:
@@ -201,3 +209,21 @@ def test_the_helpers_refuse_special_files_without_opening_them(tmp_path: Path) -
         assert os.get_blocking(fd)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("command", ["inspect", "consolidate", "prune"])
+def test_fifo_rank_files_of_a_deepspeed_save_are_not_read(tree: dict[str, Path],
+                                                          command: str) -> None:
+    ds = tree["fifo-deepspeed-rank-files"]
+    out = tree["good"].parent / "out" / "ds.safetensors"
+    args = {"inspect": [ds], "consolidate": [ds, "-o", out],
+            "prune": [ds, "--keep", "1", "--dry-run"]}[command]
+    r = _run(command, *args)
+    assert "Traceback" not in r.stderr and not out.exists()
+    if command == "inspect":
+        assert r.returncode == 0 and "not a regular" in r.stdout
+    elif command == "consolidate":
+        assert r.returncode == 2 and EXPECTED["fifo-deepspeed-rank-files"] in r.stderr
+    else:  # the tag is kept as incomplete, saying why
+        assert r.returncode == 0 and "0 to delete" in r.stdout
+        assert "not a regular file (a FIFO)" in r.stdout

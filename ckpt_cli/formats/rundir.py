@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron, safetensors, torchfile
+from ckpt_cli.formats.base import open_regular
 from ckpt_cli.model import Finding, RunEntry, RunListing
 
 FILE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
@@ -449,7 +450,7 @@ def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
 
 
 def _file_status(path: Path) -> tuple[str | None, bool, str | None]:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)  # a FIFO among a tag's rank files must not block the listing
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 16, 0)
