@@ -44,6 +44,33 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(dirpath))
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where the kernel shows it."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    # Elsewhere the only way to read it is to set it; put it straight back.
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: Path) -> None:
+    """Give a file a library wrote the mode ``open()`` would have (``0o666`` minus the umask).
+
+    safetensors' ``save_file`` writes through a private temporary file and keeps its 0600
+    mode; every other file ckpt writes gets the usual permissions, so these should too.
+
+    Args:
+        path: A regular file ckpt created.
+    """
+    os.chmod(path, 0o666 & ~umask())
+
+
 def _is_empty_dir(p: Path) -> bool:
     return p.is_dir() and not p.is_symlink() and not any(p.iterdir())
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_cli.atomic import atomic_dir
+from ckpt_cli.atomic import atomic_dir, honour_umask
 from ckpt_cli.errors import DestinationExistsError
 
 VOCAB, DIM, LAYERS, HEADS, CONTEXT = 512, 64, 2, 4, 32
@@ -184,6 +184,7 @@ def _export(model: TinyGPT, out: Path) -> None:
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / fname), metadata={"format": "pt"})
+        honour_umask(out / fname)
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(v.numel() * v.element_size() for v in sd.values())
     index = {"metadata": {"total_size": total,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError
+from ckpt_cli.formats.base import open_regular
 
 _crc32_combine: Callable[[int, int, int], int] | None
 try:  # ISA-L's CRC-32 (x86 PCLMUL / ARM PMULL) is ~20x zlib's; zlib is the fallback.
@@ -218,10 +219,7 @@ class OpenFiles:
         """
         fd = self._fds.get(path)
         if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as e:
-                raise CkptError(f"cannot open: {e.strerror}", path=name or path) from None
+            fd = open_regular(path, name)
             self._fds[path] = fd
         return fd
 

@@ -19,7 +19,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes
-from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
+from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
+from ckpt_cli.formats.base import open_regular
 from ckpt_cli.model import CheckpointIndex, Chunk, StorageRef, TensorInfo
 from ckpt_cli.streaming import crc32, crc32_range
 
@@ -65,10 +66,7 @@ class TensorSource:
             self._fds.move_to_end(rel)
             return fd
         path = self.index.path_of(rel)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise CkptError(f"cannot open: {e.strerror}", path=path) from None
+        fd = open_regular(path)
         self._fds[rel] = fd
         if len(self._fds) > _MAX_OPEN:
             _, old = self._fds.popitem(last=False)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckpt_cli.cli.errors import handled
+from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import JsonOpt, QuietOpt
 
 
@@ -57,7 +57,7 @@ def consolidate_cmd(
       ckpt consolidate ds_run -o model/              # follows ds_run/latest
       ckpt consolidate fsdp_ckpt/ --with-optimizer -o resume/ --verify
     """
-    with handled():
+    with handled() as outcome:
         from ckpt_cli.cli.progress import byte_progress
         from ckpt_cli.ops.consolidate import consolidate
         from ckpt_cli.units import parse_size
@@ -68,6 +68,7 @@ def consolidate_cmd(
                             with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force,
                             verify=verify, manifest=manifest, on_progress=bar.advance,
                             on_start=bar.start)
+        outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.human import print_messages
 
         print_messages(r.warnings)  # hostile sources: whatever --quiet and --json say

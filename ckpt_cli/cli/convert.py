@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckpt_cli.cli.errors import handled
+from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import InputFormatOpt, JsonOpt, QuietOpt
 
 
@@ -58,7 +58,7 @@ def convert_cmd(
       ckpt convert dcp_dir/ --max-shard-size 5GB -o export/
       ckpt convert model.bin --keep-fp32 '*norm*' --to fp16 -o model.safetensors
     """
-    with handled():
+    with handled() as outcome:
         from ckpt_cli.cli.progress import byte_progress
         from ckpt_cli.ops.convert import convert
         from ckpt_cli.units import parse_size
@@ -70,6 +70,7 @@ def convert_cmd(
                              keep_fp32=tuple(keep_fp32 or ()), clamp=clamp, overwrite=force,
                              container=container, input_format=input_format,
                              on_progress=bar.advance, on_start=bar.start)
+        outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.human import print_messages
 
         print_messages(result.warnings)  # hostile sources: whatever --quiet and --json say

@@ -80,7 +80,7 @@ def diff_cmd(
     from ckpt_cli.ops.diff import DiffOptions, diff
     from ckpt_cli.render import diff as rd
 
-    with handled():
+    with handled() as outcome:
         options = DiffOptions(everything=everything, values=not structure_only, rtol=rtol,
                               atol=atol, strip_prefixes=tuple(strip_prefix or ()),
                               auto_names=not exact_names, metadata=metadata,
@@ -88,6 +88,7 @@ def diff_cmd(
         with byte_progress("comparing", enabled=not (quiet or json)) as bar:
             result = diff(a, b, options, fmt_a=input_format_a, fmt_b=input_format_b,
                           on_progress=bar.update)
+        outcome.exit_code = code = EXIT_OK if result.equal or exit_zero else EXIT_FINDINGS
         if not quiet:
             rd.print_warnings(result)
         if json:
@@ -96,4 +97,4 @@ def diff_cmd(
             emit("diff", rd.to_json(result, str(a), str(b), by_module=by_module, depth=depth))
         else:
             rd.render(result, str(a), str(b), top=top, by_module=by_module, depth=depth)
-    raise typer.Exit(EXIT_OK if result.equal or exit_zero else EXIT_FINDINGS)
+    raise typer.Exit(code)

@@ -20,6 +20,9 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 101
 EXIT_INTERRUPTED = 130
+# 128 + SIGPIPE, what a shell reports for a program a closed pipe stopped: the output was cut
+# short before the command knew its result.
+EXIT_BROKEN_PIPE = 141
 # OS errors that say the machine's limits were reached, not that ckpt has a bug.
 _ENVIRONMENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT, errno.EMFILE,
                                  errno.ENFILE, errno.EROFS, errno.EACCES, errno.EPERM,
@@ -90,21 +93,39 @@ class _JsonErrors:
                           exit_code)
 
 
+class Outcome:
+    """A command's exit status, set as soon as its result is known (before it is printed).
+
+    Attributes:
+        exit_code: The status the command ends with, or None while it is still working.
+    """
+
+    def __init__(self) -> None:
+        self.exit_code: int | None = None
+
+
 @contextmanager
-def handled() -> Iterator[None]:
+def handled() -> Iterator[Outcome]:
     """Run a command body, mapping failures to one stderr line and an exit code.
 
     ``CkptError`` -> its message (and hint) and ``exit_code``; Ctrl-C -> 130; a closed pipe
-    -> quiet exit; anything else -> 101 with the traceback only under ``CKPT_DEBUG=1``. When
-    the command was given ``--json`` and has not printed its document, a failure also prints
-    one on stdout: ``{schema_version, command, error: {...}, exit_code}``.
+    -> quiet exit with the status the command had decided on (``Outcome.exit_code``: a
+    ``validate`` with findings piped into ``head`` still exits 1), or 141 when it was cut
+    short before knowing it; anything else -> 101 with the traceback only under
+    ``CKPT_DEBUG=1``. When the command was given ``--json`` and has not printed its document,
+    a failure also prints one on stdout: ``{schema_version, command, error: {...}, exit_code}``.
+
+    Yields:
+        The command's :class:`Outcome`: set ``exit_code`` once the result is known, before
+        rendering it, and exit with it after the block.
 
     Raises:
         typer.Exit: Always, on failure.
     """
     doc = _JsonErrors()
+    outcome = Outcome()
     try:
-        yield
+        yield outcome
     except (typer.Exit, typer.Abort):
         raise
     except CkptError as e:
@@ -126,7 +147,8 @@ def handled() -> Iterator[None]:
         for stream in (sys.stdout, sys.stderr):
             with suppress(OSError, ValueError):
                 os.dup2(devnull, stream.fileno())
-        raise typer.Exit(EXIT_OK) from None
+        code = outcome.exit_code
+        raise typer.Exit(EXIT_BROKEN_PIPE if code is None else code) from None
     except Exception as e:
         if isinstance(e, OSError) and e.errno in _ENVIRONMENT_ERRNOS:
             # Limits of the machine, not bugs: a path beyond PATH_MAX, a full disk, too many

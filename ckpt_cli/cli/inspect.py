@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckpt_cli.cli.errors import handled
+from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import InputFormatOpt, JsonOpt
 
 
@@ -42,9 +42,10 @@ def inspect_cmd(
     """
     from ckpt_cli.ops.inspect import inspect
 
-    with handled():
+    with handled() as outcome:
         result = inspect(path, fmt=input_format, tensors=tensors, filter_glob=filter_glob,
                          sort=sort, tree=tree, depth=depth, pattern=pattern)
+        outcome.exit_code = EXIT_OK
         if json:
             _emit_json(result)
         else:

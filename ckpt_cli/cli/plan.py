@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckpt_cli.cli.errors import handled
+from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import InputFormatOpt, JsonOpt, QuietOpt
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def plan_cmd(
     from ckpt_cli.render.human import size as human_size
     from ckpt_cli.units import parse_count, parse_duration, parse_rate, parse_size
 
-    with handled():
+    with handled() as outcome:
         err = None if quiet or json else _stderr()
 
         def progress(done: int, total: int) -> None:
@@ -140,6 +140,7 @@ def plan_cmd(
             restart=None if restart is None else parse_duration(restart, what="--restart",
                                                                 allow_zero=True),
             on_progress=progress)
+        outcome.exit_code = EXIT_OK
         if json:
             from ckpt_cli.render import json as rj
 

@@ -71,7 +71,7 @@ def prune_cmd(
       ckpt prune ckpts/ --older-than 7d --max-total-size 2TB
       ckpt prune runs/gpt --keep 5 --json --yes
     """
-    with handled():
+    with handled() as outcome:
         from ckpt_cli.errors import UsageError
         from ckpt_cli.ops.prune import prune
 
@@ -95,6 +95,7 @@ def prune_cmd(
                            dry_run=dry_run, force=force, confirm=confirm, on_progress=view.event)
         finally:
             view.stop()
+        outcome.exit_code = code = EXIT_OK if result.ok else EXIT_FINDINGS
         if json:
             from ckpt_cli.render import json as rj
             from ckpt_cli.render.prune import prune_doc
@@ -102,7 +103,7 @@ def prune_cmd(
             rj.emit("prune", prune_doc(result))
         else:
             view.finish(result)
-        raise typer.Exit(EXIT_OK if result.ok else EXIT_FINDINGS)
+        raise typer.Exit(code)
 
 
 def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,

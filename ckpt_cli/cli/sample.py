@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ckpt_cli.cli.errors import handled
+from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import JsonOpt, QuietOpt
 
 
@@ -29,7 +29,7 @@ def sample_cmd(
       ckpt sample demo-run
       ckpt inspect demo-run
     """
-    with handled():
+    with handled() as outcome:
         from ckpt_cli.render import human
 
         err = human.stderr()
@@ -41,6 +41,7 @@ def sample_cmd(
         from ckpt_cli.sample import write_sample
 
         written = write_sample(dest, overwrite=overwrite, on_progress=progress)
+        outcome.exit_code = EXIT_OK
         if json:
             from ckpt_cli.render import json as rj
 

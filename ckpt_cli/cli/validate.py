@@ -62,12 +62,13 @@ def validate_cmd(
     from ckpt_cli.cli.progress import byte_progress
     from ckpt_cli.ops.validate import validate
 
-    with handled():
+    with handled() as outcome:
         with byte_progress("validating", enabled=not (quiet or json)) as bar:
             result = validate(path, fmt=input_format, latest=latest, quick=quick, values=values,
                               require=require, write_manifest=write_manifest,
                               manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern,
                               on_progress=bar.labelled)
+        outcome.exit_code = code = result.exit_code(strict=strict)
         if junit is not None:
             from ckpt_cli.render.junit import write_junit
 
@@ -81,4 +82,4 @@ def validate_cmd(
             from ckpt_cli.render.checks import render
 
             render(result, human.stdout(), verbose=verbose)
-    raise typer.Exit(result.exit_code(strict=strict))
+    raise typer.Exit(code)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpt_cli.errors import CkptError, UnknownFormatError
-from ckpt_cli.formats.base import Reader
+from ckpt_cli.formats.base import Reader, not_regular
 from ckpt_cli.formats.dcp import DCPReader
 from ckpt_cli.formats.deepspeed import DeepSpeedReader
 from ckpt_cli.formats.directory import DirectoryReader
@@ -82,9 +82,12 @@ def detect(path: Path, fmt: str | None = None) -> Reader:
             specific directory readers match (pass ``--format``).
     """
     check_exists(path)
+    is_dir = path.is_dir()
+    special = None if is_dir else not_regular(path)
+    if special is not None:
+        raise CkptError(special, path=path)  # never opened: a FIFO would block the read
     if fmt:
         return get_reader(fmt)
-    is_dir = path.is_dir()
     if not is_dir and path.is_file() and path.stat().st_size == 0:
         raise UnknownFormatError("empty file (0 bytes): not a checkpoint, or its write never "
                                  "started", path=path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -49,6 +50,114 @@ class Reader(Protocol):
         ...
 
 
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISDIR, "a directory"))
+
+
+def special_kind(mode: int) -> str | None:
+    """What a ``st_mode`` that is not a regular file's is (``"a FIFO"``), or None if it is one."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def not_regular(path: Path) -> str | None:
+    """Why ``path`` (followed through symlinks) is no regular file, or None when it is one or is
+    missing (callers report a missing file themselves).
+
+    Reading a FIFO blocks until someone writes to it, a socket cannot be read at all, and
+    reading a device may never end or have effects: none of them is a checkpoint file, so
+    they are told apart before anything opens them.
+
+    Args:
+        path: The path to check.
+
+    Returns:
+        ``"not a regular file (a FIFO)"`` and the like, or None.
+    """
+    try:
+        kind = special_kind(path.stat().st_mode)
+    except OSError:
+        return None
+    return None if kind is None else f"not a regular file ({kind})"
+
+
+def present(path: Path) -> bool:
+    """Whether ``path`` (through symlinks) exists and is not a directory.
+
+    Listings of checkpoint files use this rather than ``is_file()``: a FIFO or socket named
+    ``model.safetensors`` must be reported, not skipped as if it were not there.
+    """
+    try:
+        return not stat.S_ISDIR(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def open_regular(path: Path, name: str | Path | None = None) -> int:
+    """Open a regular file for reading, refusing FIFOs, sockets and devices without blocking.
+
+    The check is made before opening (a device is never opened) and again on the descriptor
+    (the path may have been replaced in between); ``O_NONBLOCK`` keeps the open of a FIFO
+    that appeared in that gap from waiting for a writer.
+
+    Args:
+        path: The file.
+        name: How to name it in an error message (default: ``path``).
+
+    Returns:
+        A blocking, read-only descriptor the caller closes.
+
+    Raises:
+        CkptError: If it is missing or cannot be opened.
+        CorruptCheckpointError: If it is not a regular file.
+    """
+    where = name or path
+    why = not_regular(path)
+    if why is not None:
+        raise CorruptCheckpointError(why, path=where)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CkptError("no such file", path=where) from None
+    except OSError as e:
+        raise CkptError(f"cannot open: {e.strerror}", path=where) from None
+    try:
+        kind = special_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise CorruptCheckpointError(f"not a regular file ({kind})", path=where)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small(path: Path, limit: int) -> bytes:
+    """The whole of a small regular file (an index, a pointer, a metadata pickle).
+
+    Args:
+        path: The file.
+        limit: The most bytes to read; a longer file is cut there (callers check the size
+            first when that matters).
+
+    Returns:
+        Its bytes.
+
+    Raises:
+        CkptError: If it cannot be read or is not a regular file.
+    """
+    fd = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    except OSError as e:
+        raise CkptError(f"cannot read: {e.strerror}", path=path) from None
+    finally:
+        os.close(fd)
+
+
 def file_size(path: Path) -> int:
     """Size of a file in bytes, as a :class:`CkptError` when it cannot be read.
 
@@ -59,7 +168,8 @@ def file_size(path: Path) -> int:
         Its size.
 
     Raises:
-        CkptError: If it is missing or not a regular file.
+        CkptError: If it is missing or cannot be read.
+        CorruptCheckpointError: If it is not a regular file (a FIFO, socket, device...).
     """
     try:
         st = path.stat()
@@ -67,8 +177,9 @@ def file_size(path: Path) -> int:
         raise CkptError("no such file", path=path) from None
     except OSError as e:
         raise CkptError(f"cannot read: {e.strerror}", path=path) from None
-    if not path.is_file():
-        raise CkptError("not a regular file", path=path)
+    kind = special_kind(st.st_mode)
+    if kind is not None:
+        raise CorruptCheckpointError(f"not a regular file ({kind})", path=path)
     return st.st_size
 
 
@@ -83,13 +194,15 @@ def read_head(path: Path, n: int) -> bytes:
         The bytes read.
 
     Raises:
-        CkptError: If the file cannot be opened.
+        CkptError: If the file cannot be opened or is not a regular file.
     """
+    fd = open_regular(path)
     try:
-        with open(path, "rb") as f:
-            return f.read(n)
+        return os.pread(fd, n, 0)
     except OSError as e:
         raise CkptError(f"cannot read: {e.strerror}", path=path) from None
+    finally:
+        os.close(fd)
 
 
 def contained_path(base: Path, rel: str, *, what: str, source: Path) -> Path:

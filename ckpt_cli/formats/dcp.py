@@ -20,7 +20,7 @@ from typing import Any
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError, CorruptCheckpointError
 from ckpt_cli.formats import containers
-from ckpt_cli.formats.base import contained_path, file_size
+from ckpt_cli.formats.base import contained_path, file_size, open_regular, present
 from ckpt_cli.formats.torchfile import parse_zip
 from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, DTypeRef, Opaque, TensorRecord, safe_load
 from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, TensorInfo
@@ -35,7 +35,7 @@ _MAX_BYTES_ITEMS = 4096
 def metadata_file(path: Path) -> Path | None:
     """The DCP metadata file of a directory: ``.metadata`` or a lone ``__<rank>.metadata``."""
     p = path / METADATA
-    if p.is_file():
+    if present(p):  # a FIFO there is reported when read, not taken for an unfinished save
         return p
     alts = sorted(path.glob("__*.metadata"))
     return alts[0] if len(alts) == 1 else None
@@ -77,7 +77,7 @@ def parse_metadata(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         CorruptCheckpointError: If it is not a DCP metadata pickle.
     """
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             result = safe_load(f)
     except UNPICKLE_ERRORS as e:
         raise CorruptCheckpointError(f"not a readable DCP metadata pickle ({e})",

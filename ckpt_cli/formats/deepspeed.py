@@ -16,6 +16,7 @@ from typing import Any
 
 from ckpt_cli.errors import CkptError, UnknownFormatError
 from ckpt_cli.formats import torchfile
+from ckpt_cli.formats.base import read_small
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 MODEL_STATES = re.compile(
@@ -38,8 +39,8 @@ def latest_tag(path: Path) -> str | None:
     """What a save directory's ``latest`` file names, if it is a plain directory name as
     DeepSpeed writes it (never '.', '..' or a path); None without such a file."""
     try:
-        tag = (path / "latest").read_text(errors="replace").strip()
-    except OSError:
+        tag = read_small(path / "latest", 4096).decode(errors="replace").strip()
+    except (OSError, CkptError):
         return None
     return tag if tag and tag not in (".", "..") and "/" not in tag and "\\" not in tag else None
 

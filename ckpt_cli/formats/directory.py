@@ -17,7 +17,7 @@ import orjson
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, safetensors, torchfile
-from ckpt_cli.formats.base import file_size, read_head, rel_to
+from ckpt_cli.formats.base import file_size, present, read_head, rel_to
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 CHECKPOINT_EXTENSIONS = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".distcp")
@@ -28,7 +28,7 @@ def checkpoint_files(path: Path) -> list[Path]:
     """Top-level files of ``path`` that look like checkpoint data, sorted by name."""
     try:
         return sorted(p for p in path.iterdir()
-                      if p.name.endswith(CHECKPOINT_EXTENSIONS) and p.is_file()
+                      if p.name.endswith(CHECKPOINT_EXTENSIONS) and present(p)
                       and not p.name.startswith("."))
     except OSError:
         return []

@@ -14,15 +14,27 @@ import orjson
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnknownFormatError
 from ckpt_cli.formats import safetensors, torchfile
-from ckpt_cli.formats.base import contained_path, file_size, read_head, rel_to
+from ckpt_cli.formats.base import (
+    contained_path,
+    file_size,
+    not_regular,
+    present,
+    read_head,
+    read_small,
+    rel_to,
+)
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json", ".pt.index.json")
 
 
 def find_index(path: Path) -> Path | None:
-    """The index file of a directory (the one ending like an HF index), or None."""
-    found = [p for p in path.iterdir() if p.name.endswith(INDEX_SUFFIXES) and p.is_file()]
+    """The index file of a directory (the one ending like an HF index), or None.
+
+    A FIFO or socket by that name counts too (reading it then says what it is): skipping it
+    would call the directory something else, or valid.
+    """
+    found = [p for p in path.iterdir() if p.name.endswith(INDEX_SUFFIXES) and present(p)]
     if len(found) == 1:
         return found[0]
     # Prefer safetensors when a directory holds both exports.
@@ -85,7 +97,7 @@ def load_index_json(index_file: Path) -> tuple[dict[str, str], dict[str, Any]]:
         raise CorruptCheckpointError(f"index file is {size:,} bytes; refusing to parse",
                                      path=index_file)
     try:
-        data = orjson.loads(index_file.read_bytes())
+        data = orjson.loads(read_small(index_file, size + 1))
     except orjson.JSONDecodeError as e:
         raise CorruptCheckpointError(f"index is not valid JSON ({e})", path=index_file) from None
     except OSError as e:
@@ -132,6 +144,11 @@ def read_into(index: CheckpointIndex, index_file: Path, *, role: str = "shard",
     for shard, expected in shards.items():
         spath = base / shard
         srel = rel_to(spath, index.base)
+        special = not_regular(spath)
+        if special is not None:
+            index.add(Finding("error", "bad-shard", special, srel))
+            unreadable.add(shard)
+            continue
         if not spath.is_file():
             index.add(Finding("error", "missing-shard",
                               f"named by the index for {len(expected)} tensor(s) but missing",

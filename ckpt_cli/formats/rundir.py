@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron, safetensors, torchfile
+from ckpt_cli.formats.base import open_regular
 from ckpt_cli.model import Finding, RunEntry, RunListing
 
 FILE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
@@ -57,6 +58,22 @@ def is_leftover(name: str) -> bool:
     """Whether a name is a temporary (being written) or trash entry, never a checkpoint."""
     return name.startswith(TRASH_PREFIX) or any(m in name for m in TEMP_MARKERS) or (
         name.startswith("tmp") and not name[3:4].isdigit())
+
+
+def in_progress_reason(name: str) -> str | None:
+    """Why a checkpoint's own name says it is unfinished (a writer's temporary name), or None.
+
+    The markers of :func:`is_leftover`, except the bare ``tmp`` prefix, which
+    ``tempfile.mkdtemp`` gives to directories anyone may save finished checkpoints in.
+    """
+    if name.startswith(TRASH_PREFIX) or ".ckpt-old-" in name:
+        return "named like ckpt's trash: it was being deleted or replaced"
+    if name.startswith("tmp-checkpoint-"):
+        return "named like HF Trainer's temporary save (tmp-checkpoint-*): not renamed yet"
+    marker = max((m for m in TEMP_MARKERS if m in name), key=len, default=None)
+    if marker is None:
+        return None
+    return f"its name marks an unfinished save ({marker!r}): the writer renames it when done"
 
 
 def step_from_name(name: str, *, strict: bool = False) -> int | None:
@@ -379,11 +396,15 @@ def quick_status(path: Path) -> tuple[str | None, bool, str | None]:
         ``(format or None, complete, reason when incomplete)``.
     """
     try:
-        if path.is_dir():
-            return _dir_status(path)
-        return _file_status(path)
+        fmt, complete, reason = _dir_status(path) if path.is_dir() else _file_status(path)
     except (OSError, CkptError) as e:
         return None, False, f"unreadable: {e}"
+    unfinished = in_progress_reason(path.name) if complete else None
+    if unfinished is not None:
+        # Orbax, HF Trainer and ckpt itself save under a temporary name and rename when
+        # done: such a path holds what was written so far, whatever its markers say.
+        return fmt, False, unfinished
+    return fmt, complete, reason
 
 
 def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
@@ -429,7 +450,7 @@ def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
 
 
 def _file_status(path: Path) -> tuple[str | None, bool, str | None]:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)  # a FIFO among a tag's rank files must not block the listing
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 16, 0)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import deepspeed
-from ckpt_cli.formats.base import file_size
+from ckpt_cli.formats.base import file_size, open_regular
 from ckpt_cli.formats.torchfile import TorchZip, contiguous_strides, parse_zip
 from ckpt_cli.formats.unpickler import Opaque, TensorRecord
 from ckpt_cli.streaming import crc32_range
@@ -152,7 +152,7 @@ class ZeroPlan:
 
 
 def _parse(path: Path) -> TorchZip:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         return parse_zip(fd, 0, file_size(path), str(path))
     finally:
@@ -485,7 +485,7 @@ class PieceReader:
         for p in t.pieces:
             fd = self._fds.get(p.file)
             if fd is None:
-                fd = self._fds[p.file] = os.open(p.file, os.O_RDONLY)
+                fd = self._fds[p.file] = open_regular(p.file)
             if p.entry is not None:
                 self._check_entry(fd, p.file, p.entry, t.name)
             want = p.count * dt.itemsize
