@@ -95,7 +95,8 @@ def handled() -> Iterator[None]:
     """Run a command body, mapping failures to one stderr line and an exit code.
 
     ``CkptError`` -> its message (and hint) and ``exit_code``; Ctrl-C -> 130; a closed pipe
-    -> quiet exit; anything else -> 101 with the traceback only under ``CKPT_DEBUG=1``. When
+    -> quiet exit; ``MemoryError`` -> one line, 2; anything else -> 101 with the traceback
+    only under ``CKPT_DEBUG=1``. When
     the command was given ``--json`` and has not printed its document, a failure also prints
     one on stdout: ``{schema_version, command, error: {...}, exit_code}``.
 
@@ -127,6 +128,15 @@ def handled() -> Iterator[None]:
             with suppress(OSError, ValueError):
                 os.dup2(devnull, stream.fileno())
         raise typer.Exit(EXIT_OK) from None
+    except MemoryError as e:
+        # The machine's (or ulimit's) memory ran out: a limit, not a bug. Operations that
+        # know which tensor it was raise a CkptError naming it; this is the fallback.
+        detail = f" ({e})" if str(e) else ""
+        _say(f"ckpt: error: out of memory{detail}")
+        _say("hint: free memory or raise the limit (ulimit -v)")
+        doc.emit("memory", f"out of memory{detail}", EXIT_USAGE,
+                 hint="free memory or raise the limit (ulimit -v)")
+        raise typer.Exit(EXIT_USAGE) from None
     except Exception as e:
         if isinstance(e, OSError) and e.errno in _ENVIRONMENT_ERRNOS:
             # Limits of the machine, not bugs: a path beyond PATH_MAX, a full disk, too many
