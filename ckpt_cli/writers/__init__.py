@@ -358,9 +358,13 @@ def _tensor_bytes(source: _Prefetch, i: int, t: OutTensor) -> Iterator[memoryvie
         for arr in source.pieces(i):
             yield _bytes_of(arr, t)
         return
+    try:
+        want: np.dtype[Any] = dtypes.numpy_dtype(t.dtype)
+    except KeyError:  # packed sub-byte values (F4) travel as raw bytes
+        want = np.dtype(np.uint8)
     total = 0
     for arr in source.pieces(i):
-        if arr.dtype != dtypes.numpy_dtype(t.dtype):
+        if arr.dtype != want:
             raise ValueError(f"{t.name}: produced a piece of {arr.dtype}, expected {t.dtype}")
         data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
         total += len(data)
@@ -390,7 +394,9 @@ def out_of_memory(name: str, nbytes: int) -> OutOfMemoryError:
 
 
 def _mib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / (1 << 20):.0f} MiB" if n >= 1 << 20 else f"{n:,} bytes"
 
 
 def _bytes_of(arr: np.ndarray, t: OutTensor) -> memoryview:
