@@ -65,7 +65,9 @@ class _TorchLoader:
     def _load(self) -> None:
         try:
             import torch
-        except ImportError:
+        except (ImportError, OSError, MemoryError):
+            # Not installed, or it cannot load (its libraries need more address space than
+            # `ulimit -v` leaves): casts stay on numpy.
             return
         self.torch = torch
 

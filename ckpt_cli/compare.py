@@ -2,8 +2,10 @@
 
 Used by ``ckpt diff`` and by commands that verify what they wrote. Memory stays small: a tensor
 stored as one contiguous byte range is read block by block with positioned reads into reused
-buffers; other tensors (strided views, DCP chunks) are read whole once and then walked in
-blocks, so the upcast temporaries are always block-sized.
+buffers; DCP chunks split along the first dimension are streamed piece by piece
+(:meth:`~ckpt_cli.tensors.TensorSource.iter_pieces`); other layouts (strided views, chunks split
+along other dimensions) are read whole once and then walked in blocks, so the upcast
+temporaries are always block-sized.
 
 Rules:
 
@@ -21,7 +23,7 @@ Rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -208,8 +210,10 @@ class _Acc:
 class _Flat:
     """Flat, block-wise access to one tensor's elements.
 
-    A tensor stored as one contiguous byte range is read block by block; anything else is read
-    whole once (strided views, DCP chunks) and sliced.
+    A tensor stored as one contiguous byte range is read block by block; other decodable
+    layouts come piece by piece from :meth:`TensorSource.iter_pieces` (bounded for DCP chunks
+    split along the first dimension, one whole buffer for strided views), asked for in order;
+    packed sub-byte dtypes are read whole.
     """
 
     def __init__(self, src: TensorSource, t: TensorInfo, block: int):
@@ -217,27 +221,58 @@ class _Flat:
 
         self.src, self.t = src, t
         self.whole: np.ndarray | None = None
+        self._pieces: Iterator[np.ndarray] | None = None
         try:
             self.dt: np.dtype[Any] | None = dtypes.numpy_dtype(t.dtype)
         except KeyError:
             self.dt = None
-        streamable = (self.dt is not None and not t.chunks and t.stride is None
-                      and t.file is not None and t.offset is not None)
-        if streamable:
-            assert self.dt is not None
-            self.buf = np.empty(min(block, max(t.numel, 1)) * self.dt.itemsize, dtype=np.uint8)
-        else:
+        if self.dt is None:
             self.whole = src.read(t).reshape(-1)
+            return
+        self.buf = np.empty(min(block, max(t.numel, 1)) * self.dt.itemsize, dtype=np.uint8)
+        if t.chunks or t.stride is not None or t.file is None or t.offset is None:
+            self._pieces = src.iter_pieces(t)
+            self._cur = np.empty(0, dtype=self.dt)  # the rest of the current piece
+            self._pos = 0  # index of self._cur's first element
 
     def get(self, i: int, j: int) -> np.ndarray:
-        """Elements ``[i, j)`` (a view valid until the next call)."""
+        """Elements ``[i, j)`` (a view valid until the next call; blocks asked for in order)."""
         if self.whole is not None:
             return self.whole[i:j]
-        assert self.dt is not None and self.t.file is not None and self.t.offset is not None
+        assert self.dt is not None
+        if self._pieces is not None:
+            return self._next(i, j)
+        assert self.t.file is not None and self.t.offset is not None
         size = self.dt.itemsize
         out = self.buf[: (j - i) * size]
         self.src.read_into(self.t.file, self.t.offset + i * size, out.data)
         return out.view(self.dt)
+
+    def _next(self, i: int, j: int) -> np.ndarray:
+        """The next block from the pieces: a view of one piece, or pieces copied together."""
+        assert self._pieces is not None and self.dt is not None
+        if i != self._pos:
+            raise ValueError(f"blocks asked for out of order ({i} after {self._pos})")
+        n = j - i
+        if self._cur.size >= n:  # the common case: the block lies inside one piece
+            out, self._cur = self._cur[:n], self._cur[n:]
+            self._pos = j
+            return out
+        out = self.buf[: n * self.dt.itemsize].view(self.dt)
+        got = 0
+        while got < n:
+            if not self._cur.size:
+                piece = next(self._pieces, None)
+                if piece is None:
+                    raise ValueError(f"{self.t.name}: its pieces end at element {i + got}")
+                self._cur = piece.reshape(-1)
+                continue
+            k = min(n - got, self._cur.size)
+            out[got:got + k] = self._cur[:k]
+            self._cur = self._cur[k:]
+            got += k
+        self._pos = j
+        return out
 
 
 def work_dtype(dtype_a: str, dtype_b: str) -> str:

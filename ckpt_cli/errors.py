@@ -70,3 +70,9 @@ class UnsupportedError(CkptError):
     """The input is recognised but uses a feature ckpt cannot handle yet."""
 
     kind = "unsupported"
+
+
+class OutOfMemoryError(CkptError):
+    """An allocation failed: the data did not fit the memory there is (or ``ulimit -v``)."""
+
+    kind = "memory"

@@ -36,6 +36,15 @@ BUFFER_SIZE = 512 << 10
 (measured: 512 KiB reads hash at ~83% of a bare read's speed, 4 MiB ones at ~75%; a helper
 thread reading ahead was slower still on a busy 2-core machine)."""
 
+PIECE_BYTES = 64 << 20
+"""Bytes of one piece of a tensor streamed through ``convert``/``consolidate``/``diff``: tensors
+larger than this are read, cast, checked and written piece by piece, so memory stays bounded
+whatever the size of one tensor (a large model's embedding is several GB)."""
+
+MEMORY_BUDGET = 4 * PIECE_BYTES
+"""Tensor data in memory at once while writing streamed tensors: the piece being written, one
+queued, and one being read plus its cast (see :class:`ckpt_cli.writers.OutTensor`)."""
+
 T = TypeVar("T")
 
 ProgressFn = Callable[[str, int, int], None]

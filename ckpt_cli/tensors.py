@@ -148,6 +148,108 @@ class TensorSource:
             return arr
         return self._read_strided(t, dt)
 
+    def iter_pieces(self, t: TensorInfo, *, piece_bytes: int | None = None,
+                    mapped: bool = False) -> Iterator[np.ndarray]:
+        """Yield one tensor's values in row-major order, as flat arrays of bounded size.
+
+        A tensor stored as one contiguous byte range, or as DCP chunks split along the first
+        dimension only (FSDP's ``Shard(0)``), is read ``piece_bytes`` at a time, so memory holds
+        a piece, not the tensor; its CRC-32 (torch zips) is computed over the pieces as they are
+        read and checked before the last one is handed out. Other layouts (strided views,
+        chunks split along other dimensions, packed sub-byte dtypes) are read whole into one
+        buffer and yielded in slices of it, so a cast of the pieces makes no second copy of the
+        whole tensor.
+
+        Args:
+            t: A tensor of this source's index.
+            piece_bytes: Largest piece (default :data:`ckpt_cli.streaming.PIECE_BYTES`).
+            mapped: Pieces may be read-only views of the file mapped into memory (see
+                :meth:`read`); each mapping covers one piece.
+
+        Yields:
+            1-D arrays of the tensor's dtype, together holding every element once, in order.
+
+        Raises:
+            CorruptCheckpointError: Truncated files, chunks that do not decode, CRC mismatch.
+            UnsupportedError: Compressed DCP chunks, tensors without data.
+        """
+        from ckpt_cli import streaming
+
+        piece = piece_bytes or streaming.PIECE_BYTES
+        if t.chunks:
+            subs = self._row_chunks(t)
+            if subs is None:
+                yield from split_pieces(self.read(t), piece)
+                return
+            for sub in subs:
+                yield from self._contiguous_pieces(sub, piece, mapped)
+            return
+        if t.stride is None and t.file is not None and t.offset is not None:
+            yield from self._contiguous_pieces(t, piece, mapped)
+            return
+        yield from split_pieces(self.read(t, mapped=mapped), piece)
+
+    def _row_chunks(self, t: TensorInfo) -> list[TensorInfo] | None:
+        """The chunks of ``t`` as contiguous tensors in row order, when the tensor is just
+        their concatenation (split along the first dimension only); else None."""
+        if not t.shape or any(c.transforms for c in t.chunks):
+            return None
+        chunks = sorted(t.chunks, key=lambda c: c.offsets[0])
+        row = 0
+        for c in chunks:
+            if c.offsets[0] != row or any(
+                    o != 0 or s != d for o, s, d in
+                    zip(c.offsets[1:], c.sizes[1:], t.shape[1:], strict=True)):
+                return None
+            row += c.sizes[0]
+        if row != t.shape[0]:
+            return None
+        subs = [self.locate_chunk(t, c) for c in chunks if c.sizes[0]]
+        if any(s.stride is not None or s.file is None or s.offset is None for s in subs):
+            return None
+        return subs
+
+    def _contiguous_pieces(self, t: TensorInfo, piece: int,
+                           mapped: bool) -> Iterator[np.ndarray]:
+        """Pieces of a tensor stored as one contiguous byte range (see :meth:`iter_pieces`)."""
+        import numpy as np
+
+        assert t.file is not None and t.offset is not None
+        if t.nbytes <= piece or t.dtype not in dtypes.DTYPES or (
+                dtypes.DTYPES[t.dtype].numpy_name is None):
+            yield self.read(t, mapped=mapped).reshape(-1)
+            return
+        dt = dtypes.numpy_dtype(t.dtype)
+        size = os.fstat(self._fd(t.file)).st_size
+        if t.offset < 0 or t.offset + t.nbytes > size:
+            raise CorruptCheckpointError(
+                f"tensor {t.name!r} needs bytes up to {t.offset + t.nbytes:,} but the file has "
+                f"{size:,}", path=self.index.path_of(t.file))
+        s = t.storage
+        # The running CRC covers the zip entry when the tensor is exactly its bytes; otherwise
+        # (a view of part of a storage) _check_crc reads the entry itself, in pieces.
+        whole_entry = (s is not None and s.crc is not None and t.offset == s.start
+                       and t.nbytes == s.crc_len and (s.file, s.start) not in self._crc_got)
+        running = 0
+        step = max(1, piece // dt.itemsize)
+        numel = t.nbytes // dt.itemsize
+        for start in range(0, numel, step):
+            count = min(step, numel - start)
+            off = t.offset + start * dt.itemsize
+            if mapped and count * dt.itemsize >= _MAP_MIN:
+                arr = self._map_range(t.file, off, count, dt)
+            else:
+                arr = np.empty(count, dtype=dt)
+                self.read_into(t.file, off, arr.view(np.uint8).data)
+            if whole_entry:
+                running = crc32(arr.view(np.uint8).data, running)
+            if start + count >= numel:  # checked before the last piece leaves
+                if whole_entry:
+                    assert s is not None
+                    self._crc_got[(s.file, s.start or 0)] = running
+                self._check_crc(t)
+            yield arr
+
     def _check_crc(self, t: TensorInfo, arr: np.ndarray | None = None) -> None:
         """Compare the bytes of the zip entry that holds ``t`` with the entry's CRC-32.
 
@@ -187,19 +289,22 @@ class TensorSource:
         return value
 
     def _map(self, t: TensorInfo, dt: np.dtype[Any]) -> np.ndarray:
+        assert t.file is not None and t.offset is not None
+        return self._map_range(t.file, t.offset, t.nbytes // dt.itemsize, dt).reshape(t.shape)
+
+    def _map_range(self, rel: str, offset: int, count: int, dt: np.dtype[Any]) -> np.ndarray:
+        """``count`` values of file ``rel`` from ``offset``, as a read-only mapped array."""
         import numpy as np
 
-        assert t.file is not None and t.offset is not None
-        fd = self._fd(t.file)
-        # read() checked that the range lies within the file: touching a mapping past the end
-        # of a file is a SIGBUS, not an exception.
-        end = t.offset + t.nbytes
-        start = t.offset - t.offset % mmap.ALLOCATIONGRANULARITY
+        fd = self._fd(rel)
+        # The callers checked that the range lies within the file: touching a mapping past
+        # the end of a file is a SIGBUS, not an exception.
+        end = offset + count * dt.itemsize
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
         m = mmap.mmap(fd, end - start, offset=start, prot=mmap.PROT_READ)
         with contextlib.suppress(AttributeError, OSError):
             m.madvise(mmap.MADV_SEQUENTIAL)
-        arr = np.frombuffer(m, dtype=dt, count=t.nbytes // dt.itemsize, offset=t.offset - start)
-        return arr.reshape(t.shape)
+        return np.frombuffer(m, dtype=dt, count=count, offset=offset - start)
 
     @staticmethod
     def _extent(t: TensorInfo) -> tuple[int, int]:
@@ -319,6 +424,27 @@ class TensorSource:
             rec.shape)), t.group, c.file, start + rec.storage_offset * item, stride,
             StorageRef(c.file, rec.storage.key, start, rec.storage.nbytes, rec.storage.dtype,
                        tz.storage_crc(rec.storage.key), entry.size), rec.storage_offset)
+
+
+def split_pieces(arr: np.ndarray, piece_bytes: int | None = None) -> Iterator[np.ndarray]:
+    """Flat views of ``arr`` of at most ``piece_bytes`` each (no copies), in order.
+
+    Args:
+        arr: A C-contiguous array.
+        piece_bytes: Largest piece (default :data:`ckpt_cli.streaming.PIECE_BYTES`).
+
+    Yields:
+        1-D views that together cover ``arr`` (one empty view for an empty array).
+    """
+    from ckpt_cli import streaming
+
+    flat = arr.reshape(-1)
+    step = max(1, (piece_bytes or streaming.PIECE_BYTES) // max(flat.itemsize, 1))
+    if flat.size <= step:
+        yield flat
+        return
+    for i in range(0, flat.size, step):
+        yield flat[i:i + step]
 
 
 def _numel(shape: Iterable[int]) -> int:

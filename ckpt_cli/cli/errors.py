@@ -111,9 +111,10 @@ def handled() -> Iterator[Outcome]:
     ``CkptError`` -> its message (and hint) and ``exit_code``; Ctrl-C -> 130; a closed pipe
     -> quiet exit with the status the command had decided on (``Outcome.exit_code``: a
     ``validate`` with findings piped into ``head`` still exits 1), or 141 when it was cut
-    short before knowing it; anything else -> 101 with the traceback only under
-    ``CKPT_DEBUG=1``. When the command was given ``--json`` and has not printed its document,
-    a failure also prints one on stdout: ``{schema_version, command, error: {...}, exit_code}``.
+    short before knowing it; ``MemoryError`` -> one line, 2; anything else -> 101 with the
+    traceback only under ``CKPT_DEBUG=1``. When the command was given ``--json`` and has not
+    printed its document, a failure also prints one on stdout:
+    ``{schema_version, command, error: {...}, exit_code}``.
 
     Yields:
         The command's :class:`Outcome`: set ``exit_code`` once the result is known, before
@@ -149,6 +150,15 @@ def handled() -> Iterator[Outcome]:
                 os.dup2(devnull, stream.fileno())
         code = outcome.exit_code
         raise typer.Exit(EXIT_BROKEN_PIPE if code is None else code) from None
+    except MemoryError as e:
+        # The machine's (or ulimit's) memory ran out: a limit, not a bug. Operations that
+        # know which tensor it was raise a CkptError naming it; this is the fallback.
+        detail = f" ({e})" if str(e) else ""
+        _say(f"ckpt: error: out of memory{detail}")
+        _say("hint: free memory or raise the limit (ulimit -v)")
+        doc.emit("memory", f"out of memory{detail}", EXIT_USAGE,
+                 hint="free memory or raise the limit (ulimit -v)")
+        raise typer.Exit(EXIT_USAGE) from None
     except Exception as e:
         if isinstance(e, OSError) and e.errno in _ENVIRONMENT_ERRNOS:
             # Limits of the machine, not bugs: a path beyond PATH_MAX, a full disk, too many

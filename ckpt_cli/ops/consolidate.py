@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +39,7 @@ from ckpt_cli.ops.convert import (
     hostile_warnings,
     select_tensors,
 )
-from ckpt_cli.tensors import TensorSource
+from ckpt_cli.tensors import TensorSource, split_pieces
 from ckpt_cli.writers import OutTensor, WriteResult, output_format, write_checkpoint
 
 if TYPE_CHECKING:
@@ -253,7 +253,8 @@ def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool, stats: C
         dst = _cast_to(target, base, t.kind != "moment")
         casting += t.numel if dst != t.dtype else 0
         load = _caster(reader.read, t, dst, stats, clamp)
-        outs.append(OutTensor(t.name, dst, t.shape, load))
+        outs.append(OutTensor(t.name, dst, t.shape, load, _piece_caster(
+            lambda p: split_pieces(reader.read(p)), t, dst, stats, clamp)))
         expected[t.name] = load
     details = {"zero_stage": plan.stage, "world_size": plan.world_size, "step": plan.step,
                "tag": resolve_tag(src).name}
@@ -279,6 +280,19 @@ def _caster(read: Callable[[Any], np.ndarray], t: Any, dst: str, stats: CastStat
     return load
 
 
+def _piece_caster(pieces_of: Callable[[Any], Iterator[np.ndarray]], t: Any, dst: str,
+                  stats: CastStats, clamp: bool) -> Callable[[], Iterator[np.ndarray]]:
+    """Pieces of ``t`` cast to ``dst`` one at a time: memory holds the source (a piece, or the
+    one buffer a whole-read layout needs) and one cast piece, never a cast copy of the whole
+    tensor. FP16 overflow adds up in ``stats`` across the pieces."""
+    def pieces() -> Iterator[np.ndarray]:
+        for piece in pieces_of(t):
+            yield piece if dst == t.dtype else cast_array(piece, dst, name=t.name, clamp=clamp,
+                                                          stats=stats)
+            del piece
+    return pieces
+
+
 def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optimizer: bool,
                fmt: str, stats: CastStats, clamp: bool) -> _Job:
     sel: Selection = select_tensors(index, keep_optimizer=with_optimizer)
@@ -293,7 +307,8 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
         dst = _cast_to(target, t.dtype, model_side and t.is_floating)
         casting += t.numel if dst != t.dtype else 0
         load = _caster(src.read, t, dst, stats, clamp)
-        outs.append(OutTensor(out_name, dst, t.shape, load))
+        outs.append(OutTensor(out_name, dst, t.shape, load,
+                              _piece_caster(src.iter_pieces, t, dst, stats, clamp)))
         expected[out_name] = load
     meta = {"ckpt.source": str(index.root.resolve()), "ckpt.source_format": index.format,
             "ckpt.conversion": "; ".join([f"to={target or 'keep'}", *sel.renamed])}
@@ -345,7 +360,8 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
             dst = _cast_to(target, t.dtype, t.group in ("model", "buffer") and t.is_floating)
             casting += t.numel if dst != t.dtype else 0
             load = _caster(reader.read, t, dst, stats, clamp)
-            outs.append(OutTensor(out_name, dst, t.shape, load))
+            outs.append(OutTensor(out_name, dst, t.shape, load,
+                                  _piece_caster(reader.iter_pieces, t, dst, stats, clamp)))
             expected[out_name] = load
             elements += t.numel
     meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": "rank-files",
@@ -355,18 +371,40 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
 
 
 def _verify(out: Path, job: _Job) -> int:
-    """Compare every written tensor, re-read from the output, with its source values."""
-    import numpy as np
-
+    """Compare every written tensor, re-read from the output, with its source values (both
+    piece by piece, so a tensor larger than memory can be verified)."""
     index = read_index(out)
     checked = 0
     with TensorSource(index) as reader:
         for o in job.outs:
-            got = reader.read(index.tensors[o.name])
-            want = job.expected[o.name]()
-            if got.shape != want.shape or got.dtype != want.dtype or not np.array_equal(
-                    got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)):
+            t = index.tensors[o.name]
+            want = o.pieces() if o.pieces is not None else split_pieces(job.expected[o.name]())
+            if (t.shape != o.shape or t.dtype != o.dtype
+                    or not _same_bytes(reader.iter_pieces(t), want)):
                 raise CorruptCheckpointError(f"verification failed: {o.name} in the output "
                                              "differs from its source", path=out)
             checked += 1
     return checked
+
+
+def _same_bytes(a: Iterator[np.ndarray], b: Iterator[np.ndarray]) -> bool:
+    """Whether two streams of pieces hold the same bytes (piece boundaries may differ)."""
+    import numpy as np
+
+    def stream(pieces: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+        for p in pieces:
+            yield np.ascontiguousarray(p).reshape(-1).view(np.uint8)
+
+    sa, sb = stream(a), stream(b)
+    x = y = np.empty(0, dtype=np.uint8)
+    while True:
+        if not x.size:
+            x = next(sa, None)  # type: ignore[arg-type]
+        if not y.size:
+            y = next(sb, None)  # type: ignore[arg-type]
+        if x is None or y is None:
+            return x is None and y is None
+        n = min(x.size, y.size)
+        if n and not np.array_equal(x[:n], y[:n]):
+            return False
+        x, y = x[n:], y[n:]

@@ -3,7 +3,8 @@
 From any checkpoint the readers know, keep the model weights and buffers (found inside the
 usual containers, with wrapper prefixes stripped), drop optimizer state, schedulers and RNG
 state, cast floating tensors, and write safetensors (or a torch zip), sharded HF-style when
-asked. Values stream one tensor at a time through a cast that checks FP16's range; the output
+asked. Values stream one tensor at a time (a large tensor in pieces, so memory stays within a
+fixed budget) through a cast that checks FP16's range across the whole tensor; the output
 appears only when complete.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -155,7 +156,8 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         if dst != t.dtype:
             casts[f"{t.dtype}->{dst}"] += 1
         outs.append(OutTensor(out_name, dst, t.shape,
-                              _loader(source_reader, t, dst, out_name, clamp, stats)))
+                              _loader(source_reader, t, dst, out_name, clamp, stats),
+                              _pieces(source_reader, t, dst, out_name, clamp, stats)))
     meta = _metadata(index, src, to, sel, keep_optimizer, fmt)
     if keep_optimizer and fmt == "safetensors" and index.objects:
         meta["ckpt.objects"] = orjson.dumps(index.objects, default=str).decode()
@@ -408,6 +410,21 @@ def _loader(src: TensorSource, t: TensorInfo, dst: str, name: str, clamp: bool,
         # The cast reads every value once: map the file instead of copying it first.
         return cast_array(src.read(t, mapped=True), dst, name=name, clamp=clamp, stats=stats)
     return load
+
+
+def _pieces(src: TensorSource, t: TensorInfo, dst: str, name: str, clamp: bool,
+            stats: CastStats) -> Callable[[], Iterator[np.ndarray]]:
+    """Like :func:`_loader`, piece by piece: a tensor of several GB never sits in memory whole.
+    Overflow counts add up in ``stats`` across the pieces; the refusal comes before the
+    output is renamed into place."""
+    def pieces() -> Iterator[np.ndarray]:
+        if dst == t.dtype:
+            yield from src.iter_pieces(t)
+            return
+        for piece in src.iter_pieces(t, mapped=True):
+            yield cast_array(piece, dst, name=name, clamp=clamp, stats=stats)
+            del piece
+    return pieces
 
 
 def _metadata(index: CheckpointIndex, src: Path, to: str, sel: Selection,

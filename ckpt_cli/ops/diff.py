@@ -24,8 +24,9 @@ import copy
 import dataclasses
 import fnmatch
 import math
+import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,13 +41,20 @@ from ckpt_cli.compare import (
     default_tolerance,
     relative_l2,
 )
-from ckpt_cli.errors import CkptError, UnknownFormatError, UnsupportedError, UsageError
+from ckpt_cli.errors import (
+    CkptError,
+    OutOfMemoryError,
+    UnknownFormatError,
+    UnsupportedError,
+    UsageError,
+)
 from ckpt_cli.formats import deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged, refuse_incomplete
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.formats.rundir import is_run_dir, list_run
 from ckpt_cli.formats.torchfile import role_of
 from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.streaming import PIECE_BYTES
 from ckpt_cli.tensors import TensorSource
 
 if TYPE_CHECKING:
@@ -253,6 +261,9 @@ class DiffResult:
         only_a: Names only in A, in A's order.
         only_b: Names only in B, in B's order.
         metadata: Non-tensor values that differ.
+        same_checkpoint: Why both sides are one checkpoint (the same path, or the same file
+            or directory by device and inode), when they are: then no value was read and
+            every common tensor is ``identical``; None otherwise.
     """
 
     index_a: CheckpointIndex
@@ -267,6 +278,7 @@ class DiffResult:
     only_a: list[OnlyIn] = field(default_factory=list)
     only_b: list[OnlyIn] = field(default_factory=list)
     metadata: list[MetaDiff] = field(default_factory=list)
+    same_checkpoint: str | None = None
 
     def with_status(self, *statuses: str) -> list[TensorDiff]:
         """Common tensors whose status is one of ``statuses``, in A's order."""
@@ -382,7 +394,38 @@ def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
     """
     index_a = _read_side(a, fmt_a, "A")
     index_b = _read_side(b, fmt_b, "B")
-    return diff_indexes(index_a, index_b, options, on_progress=on_progress)
+    same = same_checkpoint(index_a, index_b)
+    return diff_indexes(index_a, index_b, options, on_progress=on_progress, same=same)
+
+
+def same_checkpoint(index_a: CheckpointIndex, index_b: CheckpointIndex) -> str | None:
+    """Why two sides are one checkpoint on disk, or None if they may differ.
+
+    The same path, or the same file or directory reached another way (a symlink, a hard
+    link, ``./x`` and ``x``): same device and inode. Two files that merely hold equal bytes
+    are not the same checkpoint; their values are compared as usual.
+
+    Args:
+        index_a: Side A, as read.
+        index_b: Side B, as read.
+
+    Returns:
+        A reason in plain words, or None.
+    """
+    if index_a.format != index_b.format:
+        return None  # one file read as two formats (--format-a/--format-b) is two views
+    ra, rb = index_a.root, index_b.root
+    what = "directory" if ra.is_dir() else "file"
+    if os.path.normpath(os.path.abspath(ra)) == os.path.normpath(os.path.abspath(rb)):
+        return f"A and B are the same path, so the same {what}"
+    try:
+        sa, sb = ra.stat(), rb.stat()
+    except OSError:
+        return None
+    if (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):
+        return (f"A and B are the same {what} (device {sa.st_dev}, inode {sa.st_ino}: a link "
+                "or another name for it)")
+    return None
 
 
 def _read_side(path: str | Path, fmt: str | None, label: str) -> CheckpointIndex:
@@ -443,10 +486,17 @@ class _SideSource(TensorSource):
         except CkptError as e:
             raise on_side(e, self.label) from None
 
+    def iter_pieces(self, t: TensorInfo, *, piece_bytes: int | None = None,
+                    mapped: bool = False) -> Iterator[np.ndarray]:
+        try:
+            yield from super().iter_pieces(t, piece_bytes=piece_bytes, mapped=mapped)
+        except CkptError as e:
+            raise on_side(e, self.label) from None
+
 
 def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
                  options: DiffOptions | None = None, *,
-                 on_progress: ProgressFn | None = None) -> DiffResult:
+                 on_progress: ProgressFn | None = None, same: str | None = None) -> DiffResult:
     """Compare two checkpoints already read (the API other commands use to verify output).
 
     Args:
@@ -454,6 +504,8 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
         index_b: Side B.
         options: What to compare (default :class:`DiffOptions`).
         on_progress: Called as values are compared with ``(bytes_done, bytes_total)``.
+        same: Why both sides are one checkpoint on disk (see :func:`same_checkpoint`): then
+            values are not read and every common tensor is ``identical``.
 
     Returns:
         The :class:`DiffResult`.
@@ -474,7 +526,7 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
     scope_a, scope_b, scope, note = _scope(index_a, index_b, opts.everything)
     names_a, names_b, renames = normalise(index_a, index_b, scope_a, scope_b,
                                           opts.strip_prefixes, auto=opts.auto_names)
-    result = DiffResult(index_a, index_b, opts, scope, note, renames)
+    result = DiffResult(index_a, index_b, opts, scope, note, renames, same_checkpoint=same)
     _match(result, names_a, names_b, scope_a, scope_b)
     # A side whose readers found damage in the files being compared (a missing shard, a
     # truncated file) cannot be called equal or different: say what is wrong instead.
@@ -487,7 +539,12 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
                 refuse_damaged(ix, in_scope)
         except CkptError as e:
             raise on_side(e, label) from None
-    if opts.values:
+    if opts.values and same:
+        # Reading every byte of one file twice can only find it equal to itself.
+        for t in result.tensors:
+            if t.status != "shape_changed":
+                t.status, t.reason = "identical", same
+    elif opts.values:
         _compare_all(result, on_progress)
     else:
         for t in result.tensors:
@@ -779,7 +836,17 @@ def _compare_all(result: DiffResult, on_progress: ProgressFn | None) -> None:
     with _SideSource(result.index_a, "A") as src_a, _SideSource(result.index_b, "B") as src_b:
         for td, ta, tb in todo:
             tol = default_tolerance(ta.dtype, tb.dtype, rtol=opts.rtol, atol=opts.atol)
-            stats = compare_values(src_a, ta, src_b, tb, tol, block=opts.block, on_block=tick)
+            try:
+                stats = compare_values(src_a, ta, src_b, tb, tol, block=opts.block,
+                                       on_block=tick)
+            except MemoryError:
+                raise OutOfMemoryError(
+                    f"out of memory comparing tensor {td.name!r} ({ta.nbytes:,} + "
+                    f"{tb.nbytes:,} bytes): ckpt compares in blocks of "
+                    f"{opts.block:,} elements from pieces of at most {PIECE_BYTES >> 20} "
+                    "MiB, but reads strided views and DCP chunks split along other "
+                    "dimensions whole",
+                    hint="free memory or raise the limit (ulimit -v)") from None
             kinds = {dtypes.DTYPES[ta.dtype].kind, dtypes.DTYPES[tb.dtype].kind}
             if not kinds & {"float", "complex"}:
                 tol = EXACT

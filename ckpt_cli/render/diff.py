@@ -115,6 +115,7 @@ def to_json(r: DiffResult, path_a: str, path_b: str, *, by_module: bool = False,
         "scope_note": r.scope_note,
         "values_compared": o.values,
         "metadata_compared": o.metadata,
+        "same_checkpoint": r.same_checkpoint,
         "options": {"rtol": o.rtol, "atol": o.atol, "strip_prefixes": list(o.strip_prefixes),
                     "auto_names": o.auto_names, "filter": o.filter_glob},
         "renames": [dataclasses.asdict(x) for x in r.renames],
@@ -179,6 +180,8 @@ def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
         scope += f" ({r.scope_note})"
     _add(grid, "Scope", scope)
     _add(grid, "Tensors", _tensor_line(r))
+    if r.same_checkpoint and r.options.values:
+        _add(grid, "Values", f"not read: {r.same_checkpoint}")
     for line in _dtype_lines(r):
         _add(grid, "Dtypes", line)
     only = [(side, items) for side, items in (("A", r.only_a), ("B", r.only_b)) if items]

@@ -4,7 +4,9 @@ Shared by ``convert`` and ``consolidate``. The caller describes each output tens
 produce its values (:class:`OutTensor`); the writer plans shards (:func:`plan_shards`), builds
 everything under a temporary sibling (:mod:`ckpt_cli.atomic`), streams one tensor at a time
 while a background thread prepares the next one, and renames the result into place only when
-it is complete and fsynced.
+it is complete and fsynced. A tensor larger than a piece
+(:data:`ckpt_cli.streaming.PIECE_BYTES`) can be produced piece by piece (:attr:`OutTensor.pieces`),
+so memory stays within :data:`ckpt_cli.streaming.MEMORY_BUDGET` whatever one tensor's size.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import queue
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,9 +25,16 @@ import orjson
 
 from ckpt_cli import dtypes
 from ckpt_cli.atomic import atomic_dir, atomic_file
-from ckpt_cli.errors import CkptError, DestinationExistsError, UnsupportedError, UsageError
+from ckpt_cli.errors import (
+    CkptError,
+    DestinationExistsError,
+    OutOfMemoryError,
+    UnsupportedError,
+    UsageError,
+)
 from ckpt_cli.manifest import MANIFEST_NAME, manifest_path
 from ckpt_cli.planning import ShardPlan, plan_shards
+from ckpt_cli.streaming import MEMORY_BUDGET, PIECE_BYTES
 from ckpt_cli.writers.safetensors import header_bytes, write_all
 from ckpt_cli.writers.torchzip import TorchZipWriter
 
@@ -72,12 +81,16 @@ class OutTensor:
         dtype: Output dtype code.
         shape: Output shape.
         load: Returns the values: a C-contiguous numpy array of ``dtype`` and ``shape``.
+        pieces: Optionally, returns an iterator over the values in row-major order as
+            flat arrays of ``dtype`` (together ``nbytes``); used instead of ``load`` when
+            given, so that a large tensor never sits in memory whole.
     """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray]
+    pieces: Callable[[], Iterator[np.ndarray]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -292,25 +305,25 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
             head, _ = header_bytes(entries, meta)
             write_all(f, memoryview(head))
             for i in members:
-                arr = source.get(i)
-                write_all(f, _bytes_of(arr, tensors[i]))
-                flusher.wrote(tensors[i].nbytes)
-                if on_progress:
-                    on_progress(tensors[i].nbytes)
-                del arr
+                for data in _tensor_bytes(source, i, tensors[i]):
+                    write_all(f, data)
+                    flusher.wrote(len(data))
+                    if on_progress:
+                        on_progress(len(data))
+                    del data
         else:
             here = {e[0] for e in entries}
             local = {a: n for a, n in (aliases or {}).items() if n in here}
             zw = TorchZipWriter(f, entries, local)
             try:
                 for i in members:
-                    arr = source.get(i)
-                    data = _bytes_of(arr, tensors[i])
-                    zw.write_tensor(data)
-                    flusher.wrote(len(data))
-                    if on_progress:
-                        on_progress(tensors[i].nbytes)
-                    del arr, data
+                    with zw.tensor_record(tensors[i].nbytes) as record:
+                        for data in _tensor_bytes(source, i, tensors[i]):
+                            record.write(data)
+                            flusher.wrote(len(data))
+                            if on_progress:
+                                on_progress(len(data))
+                            del data
                 zw.close()
             except BaseException:
                 zw.abandon()
@@ -335,6 +348,55 @@ class _Flusher:
             self.f.flush()
             os.fdatasync(self.f.fileno())  # releases the GIL: the prefetch thread keeps casting
             self.pending = 0
+
+
+def _tensor_bytes(source: _Prefetch, i: int, t: OutTensor) -> Iterator[memoryview]:
+    """The bytes of tensor ``i``, piece by piece, checked against its dtype and shape."""
+    import numpy as np
+
+    if t.pieces is None:
+        for arr in source.pieces(i):
+            yield _bytes_of(arr, t)
+        return
+    try:
+        want: np.dtype[Any] = dtypes.numpy_dtype(t.dtype)
+    except KeyError:  # packed sub-byte values (F4) travel as raw bytes
+        want = np.dtype(np.uint8)
+    total = 0
+    for arr in source.pieces(i):
+        if arr.dtype != want:
+            raise ValueError(f"{t.name}: produced a piece of {arr.dtype}, expected {t.dtype}")
+        data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
+        total += len(data)
+        if total > t.nbytes:
+            break
+        yield data
+    if total != t.nbytes:
+        raise ValueError(f"{t.name}: produced {total:,} bytes, expected {t.nbytes:,}")
+
+
+def out_of_memory(name: str, nbytes: int) -> OutOfMemoryError:
+    """The error for an allocation that failed while tensor ``name`` was read or cast.
+
+    Args:
+        name: The tensor.
+        nbytes: Its size in bytes.
+
+    Returns:
+        A one-line error naming the tensor and the memory budget.
+    """
+    return OutOfMemoryError(
+        f"out of memory on tensor {name!r} ({_mib(nbytes)}): ckpt streams tensors in pieces "
+        f"of {_mib(PIECE_BYTES)} within a budget of about {_mib(MEMORY_BUDGET)} (strided "
+        "views, DCP chunks split along other dimensions and ZeRO partitions are assembled "
+        "whole); nothing written",
+        hint="free memory or raise the limit (ulimit -v)")
+
+
+def _mib(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / (1 << 20):.0f} MiB" if n >= 1 << 20 else f"{n:,} bytes"
 
 
 def _bytes_of(arr: np.ndarray, t: OutTensor) -> memoryview:
@@ -370,12 +432,15 @@ def _write_index(tmp: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardP
     return name
 
 
-class _Prefetch:
-    """Produces tensors in order on a background thread, one ahead of the writer.
+_END = object()  # after a tensor's last piece
 
-    Reading and casting the next tensor (numpy and file reads release the GIL) overlaps
-    with writing the current one; at most two tensors are in memory at a time besides the
-    one being produced.
+
+class _Prefetch:
+    """Produces tensors (or pieces of them) in order on a background thread, one ahead.
+
+    Reading and casting the next piece (numpy and file reads release the GIL) overlaps
+    with writing the current one; at most two pieces are in memory at a time besides the
+    one being produced. A tensor without :attr:`OutTensor.pieces` is one piece.
     """
 
     def __init__(self, tensors: Sequence[OutTensor]):
@@ -385,25 +450,40 @@ class _Prefetch:
         self._thread = threading.Thread(target=self._run, name="ckpt-prefetch", daemon=True)
         self._thread.start()
 
+    def _put(self, item: tuple[int, Any, BaseException | None]) -> bool:
+        while not self._stop.is_set():
+            with contextlib.suppress(queue.Full):
+                self._q.put(item, timeout=0.1)
+                return True
+        return False
+
     def _run(self) -> None:
         for i, t in enumerate(self._tensors):
             if self._stop.is_set():
                 return
             try:
-                item: tuple[int, Any, BaseException | None] = (i, t.load(), None)
-            except BaseException as e:  # handed to the writer thread, which re-raises it
-                item = (i, None, e)
-            while not self._stop.is_set():
+                pieces = t.pieces() if t.pieces is not None else iter((t.load(),))
                 try:
-                    self._q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if item[2] is not None:
+                    for arr in pieces:
+                        if not self._put((i, arr, None)):
+                            return
+                        del arr
+                finally:
+                    close = getattr(pieces, "close", None)
+                    if close is not None:
+                        close()  # a generator's mappings and files go now, not at GC
+                if not self._put((i, _END, None)):
+                    return
+            except MemoryError:
+                # Not a bug: the tensor does not fit the memory there is. Say which one.
+                self._put((i, None, out_of_memory(t.name, t.nbytes)))
+                return
+            except BaseException as e:  # handed to the writer thread, which re-raises it
+                self._put((i, None, e))
                 return
 
-    def get(self, i: int) -> np.ndarray:
-        """The values of tensor ``i`` (tensors must be asked for in order)."""
+    def pieces(self, i: int) -> Iterator[np.ndarray]:
+        """The values of tensor ``i``, piece by piece (tensors must be asked for in order)."""
         while True:
             try:
                 j, arr, err = self._q.get(timeout=0.1)
@@ -415,7 +495,10 @@ class _Prefetch:
                 raise err
             if j != i:
                 raise RuntimeError(f"tensor {j} produced while {i} was expected")
-            return arr  # type: ignore[no-any-return]
+            if arr is _END:
+                return
+            yield arr
+            del arr
 
     def __enter__(self) -> _Prefetch:
         return self

@@ -164,10 +164,21 @@ class TorchZipWriter:
         Args:
             data: The tensor's bytes (a flat byte view).
         """
+        with self.tensor_record(len(data)) as out:
+            out.write(data)
+
+    def tensor_record(self, size: int) -> Any:
+        """Open the next tensor's record, to write its ``size`` bytes in pieces.
+
+        Args:
+            size: The tensor's size in bytes (the record's header states it up front).
+
+        Returns:
+            A writable file object; close it (``with``) after the last piece.
+        """
         i = self._next
         self._next += 1
-        with self._open(f"{ARCHIVE}data/{i}", len(data)) as out:
-            out.write(data)
+        return self._open(f"{ARCHIVE}data/{i}", size)
 
     def close(self) -> None:
         """Write the trailing records and the central directory."""
