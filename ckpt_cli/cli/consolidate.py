@@ -68,6 +68,10 @@ def consolidate_cmd(
                             with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force,
                             verify=verify, manifest=manifest, on_progress=bar.advance,
                             on_start=bar.start)
+        if not quiet:
+            from ckpt_cli.render.human import note_followed
+
+            note_followed(r.followed)
         if json:
             _emit_json(r)
         else:
@@ -87,7 +91,8 @@ def _emit_json(r: Any) -> None:
         "tensor_bytes": r.write.tensor_bytes, "elements_in": r.elements_in,
         "elements_out": r.elements_out, "lost_elements": r.lost_elements,
         "aliases": r.aliases, "dropped": r.dropped, "details": r.details,
-        "verified": r.verified, "notes": r.notes, "seconds": round(r.seconds, 3)})
+        "verified": r.verified, "notes": r.notes, "seconds": round(r.seconds, 3),
+        "followed": r.followed.to_dict() if r.followed else None})
 
 
 def _render(r: Any, quiet: bool) -> None:

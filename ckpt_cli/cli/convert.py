@@ -70,6 +70,10 @@ def convert_cmd(
                              keep_fp32=tuple(keep_fp32 or ()), clamp=clamp, overwrite=force,
                              container=container, input_format=input_format,
                              on_progress=bar.advance, on_start=bar.start)
+        if not quiet:
+            from ckpt_cli.render.human import note_followed
+
+            note_followed(result.followed)
         if json:
             _emit_json(result)
         else:
@@ -87,7 +91,8 @@ def _emit_json(r: Any) -> None:
         "tensors": [{"name": n, "dtype": d, "shape": list(s)} for n, (d, s) in r.tensors.items()],
         "renamed": r.renamed, "dropped": r.dropped, "casts": r.casts, "aliases": r.aliases,
         "overflow": r.overflow, "clamped": r.clamped,
-        "metadata": r.metadata, "notes": r.notes, "seconds": round(r.seconds, 3)})
+        "metadata": r.metadata, "notes": r.notes, "seconds": round(r.seconds, 3),
+        "followed": r.followed.to_dict() if r.followed else None})
 
 
 def _render(r: Any, quiet: bool) -> None:

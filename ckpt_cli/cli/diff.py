@@ -89,6 +89,10 @@ def diff_cmd(
             result = diff(a, b, options, fmt_a=input_format_a, fmt_b=input_format_b,
                           on_progress=bar.update)
         if not quiet:
+            from ckpt_cli.render.human import note_followed
+
+            note_followed(result.followed_a, "A")
+            note_followed(result.followed_b, "B")
             rd.print_warnings(result)
         if json:
             from ckpt_cli.render.json import emit
