@@ -66,6 +66,10 @@ def test_hf_output_dir_validate_covers_checkpoints_and_final_model(hf_output: Pa
     assert [c["name"] for c in doc["checkpoints"]] == ["checkpoint-2", "checkpoint-4",
                                                        hf_output.name]
     assert doc["checkpoints"][-1]["path"] == str(hf_output)
+    # save_model() writes weights only, by design: a note, not a warning, for the final model.
+    final = doc["checkpoints"][-1]
+    assert [f["severity"] for f in final["findings"] if f["code"] == "no-optimizer"] == ["info"]
+    assert run_cli("validate", hf_output, "--strict").exit_code == 0
     # Damage to the final model is found, as a finding of its own report.
     out = tmp_path / "out"
     shutil.copytree(hf_output, out)

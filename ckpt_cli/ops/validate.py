@@ -441,7 +441,8 @@ def _validate_run(root: Path, opts: Options, *, latest: bool, pattern: str | Non
         result.checkpoints.append(validate_checkpoint(e.path, opts, entry=e))
     if final_model:
         # Trained last, so reported last; its own entry so that damage is a finding.
-        result.checkpoints.append(validate_checkpoint(root, opts, entry=run_entry(root)))
+        result.checkpoints.append(_final_model_report(
+            validate_checkpoint(root, opts, entry=run_entry(root))))
     dangling, named = directory_pointers(root)
     # Symlink pointers (Lightning's last.ckpt) are resolved by the listing.
     dangling += [dataclasses.replace(f, severity="error", message=f.message
@@ -461,6 +462,19 @@ def _validate_run(root: Path, opts: Options, *, latest: bool, pattern: str | Non
             "error", "no-checkpoints", "the run directory holds no checkpoint", None))
         result.run_checks[0].status = "fail"
     return result
+
+
+def _final_model_report(report: CheckpointReport) -> CheckpointReport:
+    """A final model (``trainer.save_model()``) holds weights only by design: that it cannot
+    resume training is a note, not a warning (the checkpoints beside it resume)."""
+    for i, c in enumerate(report.checks):
+        if c.id == "resumable" and any(f.code == "no-optimizer" for f in c.findings):
+            notes = [dataclasses.replace(
+                f, severity="info", message="the final model holds weights only (as "
+                "save_model() writes it); resume from the checkpoints beside it")
+                if f.code == "no-optimizer" else f for f in c.findings]
+            report.checks[i] = _result(c.id, notes, c.summary)
+    return report
 
 
 def _result(check_id: str, findings: list[Finding], summary: str) -> CheckResult:
