@@ -31,6 +31,7 @@ class Run:
     peak_rss: int  # bytes
     stdout: str
     all_seconds: tuple[float, ...] = ()  # every round, when timed more than once
+    cpu_seconds: float = 0.0  # user + system time: what the code costs on a busy machine
 
     @property
     def spread(self) -> str:
@@ -55,7 +56,8 @@ def timed(label: str, argv: list[str], *, env: dict[str, str] | None = None,
         p.returncode = os.waitstatus_to_exitcode(status)
         if p.returncode:
             raise SystemExit(f"{label} failed ({p.returncode}): {err.decode()[-2000:]}")
-        r = Run(label, dt, usage.ru_maxrss * 1024, out.decode())
+        r = Run(label, dt, usage.ru_maxrss * 1024, out.decode(),
+                cpu_seconds=usage.ru_utime + usage.ru_stime)
         if best is None or r.seconds < best.seconds:
             best = r
     assert best is not None
@@ -163,6 +165,22 @@ def big_training_state(n_layers: int = 12, dim: int = 1536, vocab: int = 32000,
                                                     "eps": 1e-8, "weight_decay": 0.1,
                                                     "params": list(range(len(model)))}]}
     return {"model": model, "optimizer": optimizer, "step": 1000, "epoch": 3, "lr": 3e-4}
+
+
+def many_checkpoints(n: int = 20_000) -> Path:
+    """A run directory of ``n`` small safetensors checkpoints (``step_000001.safetensors``...)
+    and a ``latest`` pointer: the shape of a long run that saved often. Written once."""
+    out = DATA / f"run_many_{n}"
+    if not (out / "latest").exists():
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        for i in range(1, n + 1):
+            save_file({"w": np.full((16, 16), i, np.float32), "b": np.zeros(16, np.float32)},
+                      str(out / f"step_{i:06d}.safetensors"), metadata={"step": str(i)})
+        (out / "latest").write_text(f"step_{n:06d}.safetensors\n")  # written last: complete
+    return out
 
 
 def in_subprocess(func: str, *args: object) -> None:

@@ -3,14 +3,17 @@
 Peer: ``torch.load(path, mmap=True, weights_only=True, map_location="cpu")`` and a walk that
 counts parameters. Both run as fresh processes (import time included, as for a user).
 Also: inspect of a DCP directory and of a run directory at growing file counts (the cost per
-file must stay flat).
+file must stay flat), and of a run directory of 20,000 small checkpoints (target: at most 2 s)
+against a plain listing (scandir + stat of every entry) and, with
+``CKPT_BENCH_BASELINE=/path/to/older/checkout``, that checkout's ckpt.
 
-Run: python -m bench.bench_inspect [--quick]
+Run: python -m bench.bench_inspect [--quick | --many]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from bench._common import (
     ckpt_argv,
     human_bytes,
     in_subprocess,
+    many_checkpoints,
     report,
     timed,
     train_checkpoint,
@@ -122,11 +126,51 @@ def bench_scaling() -> None:
     report("inspect cost vs number of files (linear = constant marginal cost)", rows)
 
 
+LISTING = """
+import os, sys
+n = 0
+with os.scandir(sys.argv[1]) as it:
+    for e in it:
+        e.stat(follow_symlinks=False)
+        n += 1
+print(n)
+"""
+
+
+def bench_many_checkpoints(n: int = 20_000) -> None:
+    d = many_checkpoints(n)
+    warm(d)
+    runs = {"plain listing (scandir+stat)": [PY, "-c", LISTING, str(d)],
+            "ckpt inspect": ckpt_argv("inspect", str(d)),
+            "ckpt inspect --json": ckpt_argv("inspect", str(d), "--json")}
+    baseline = os.environ.get("CKPT_BENCH_BASELINE")
+    if baseline:
+        # -P: not the current directory first on sys.path, so PYTHONPATH picks the checkout.
+        runs["baseline ckpt inspect"] = [PY, "-P", "-m", "ckpt_cli", "inspect", str(d)]
+    results = {label: timed(label, argv, repeat=3, env={"PYTHONPATH": baseline}
+                            if label.startswith("baseline") and baseline else None)
+               for label, argv in runs.items()}
+    entries = len(json.loads(results["ckpt inspect --json"].stdout)["checkpoints"])
+    rows = [(label, f"{r.seconds:.2f} s wall, {r.cpu_seconds:.2f} s CPU, peak RSS "
+                    f"{human_bytes(r.peak_rss)}"
+             + (f", {r.stdout.count(chr(10)):,} lines" if label.endswith("inspect") else ""))
+            for label, r in results.items()]
+    rows.append(("entries in --json", f"{entries:,} (of {n:,})"))
+    ours = results["ckpt inspect"]
+    rows.append(("target", f"ckpt inspect <= 2 s: {'met' if ours.seconds <= 2 else 'MISSED'}"
+                           f" (wall; CPU {ours.cpu_seconds:.2f} s: a busy machine inflates wall)"))
+    report(f"inspect of a run directory of {n:,} small checkpoints", rows)
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     DATA.mkdir(parents=True, exist_ok=True)
+    if "--many" in sys.argv:  # only the 20,000-checkpoint run directory
+        bench_many_checkpoints()
+        return
     bench_big_file(quick)
     bench_scaling()
+    bench_many_checkpoints(2_000 if quick else 20_000)
 
 
 if __name__ == "__main__":

@@ -187,8 +187,9 @@ def test_keep_optimizer_is_a_pure_format_change(sample_run: Path, tmp_path: Path
     assert objects["step"] == 100 and objects["optimizer.param_groups.0.weight_decay"] == 0.1
 
 
-def test_refusals(sample_run: Path, tmp_path: Path) -> None:
-    r = run_cli("convert", sample_run, "-o", tmp_path / "x")
+def test_refusals(sample_run: Path, sample_copy: Path, tmp_path: Path) -> None:
+    (sample_copy / "latest").unlink()  # with it, convert reads the checkpoint it names
+    r = run_cli("convert", sample_copy, "-o", tmp_path / "x")
     assert r.exit_code == 2 and "run directory" in r.stderr
     r = run_cli("convert", sample_run / "step_000100", "-o", sample_run / "step_000100" / "x")
     assert r.exit_code == 2 and "inside the input" in r.stderr

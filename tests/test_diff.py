@@ -533,7 +533,9 @@ def test_missing_and_truncated_data(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "B: unknown format 'nope'" in r.stderr
 
 
-def test_run_directory_is_refused_with_a_hint(sample_run: Path) -> None:
+def test_run_directory_is_refused_with_a_hint(sample_copy: Path) -> None:
+    sample_run = sample_copy
+    (sample_run / "latest").unlink()  # with it, diff reads the checkpoint it names
     r = run_cli("diff", sample_run / "export", sample_run)
     assert r.exit_code == 2 and "Traceback" not in r.stderr
     first, hint = r.stderr.strip().splitlines()

@@ -72,6 +72,10 @@ def consolidate_cmd(
         from ckpt_cli.render.human import print_messages
 
         print_messages(r.warnings)  # hostile sources: whatever --quiet and --json say
+        if not quiet:
+            from ckpt_cli.render.human import note_followed
+
+            note_followed(r.followed)
         if json:
             _emit_json(r)
         else:
@@ -92,7 +96,8 @@ def _emit_json(r: Any) -> None:
         "elements_out": r.elements_out, "lost_elements": r.lost_elements,
         "aliases": r.aliases, "dropped": r.dropped, "details": r.details,
         "verified": r.verified, "notes": r.notes, "seconds": round(r.seconds, 3),
-        "warnings": [w.to_dict() for w in r.warnings]})
+        "warnings": [w.to_dict() for w in r.warnings],
+        "followed": r.followed.to_dict() if r.followed else None})
 
 
 def _render(r: Any, quiet: bool) -> None:

@@ -74,6 +74,10 @@ def convert_cmd(
         from ckpt_cli.render.human import print_messages
 
         print_messages(result.warnings)  # hostile sources: whatever --quiet and --json say
+        if not quiet:
+            from ckpt_cli.render.human import note_followed
+
+            note_followed(result.followed)
         if json:
             _emit_json(result)
         else:
@@ -92,7 +96,8 @@ def _emit_json(r: Any) -> None:
         "renamed": r.renamed, "dropped": r.dropped, "casts": r.casts, "aliases": r.aliases,
         "overflow": r.overflow, "clamped": r.clamped,
         "metadata": r.metadata, "notes": r.notes, "seconds": round(r.seconds, 3),
-        "warnings": [w.to_dict() for w in r.warnings]})
+        "warnings": [w.to_dict() for w in r.warnings],
+        "followed": r.followed.to_dict() if r.followed else None})
 
 
 def _render(r: Any, quiet: bool) -> None:

@@ -90,6 +90,10 @@ def diff_cmd(
                           on_progress=bar.update)
         outcome.exit_code = code = EXIT_OK if result.equal or exit_zero else EXIT_FINDINGS
         if not quiet:
+            from ckpt_cli.render.human import note_followed
+
+            note_followed(result.followed_a, "A")
+            note_followed(result.followed_b, "B")
             rd.print_warnings(result)
         if json:
             from ckpt_cli.render.json import emit

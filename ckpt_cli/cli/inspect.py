@@ -26,19 +26,24 @@ def inspect_cmd(
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Run directories: which entries are checkpoints "
                                            "(a 'step' group gives the step).")] = None,
+    all_rows: Annotated[bool, typer.Option(
+        "--all", help="Run directories: a row for every checkpoint (by default a long run "
+                      "shows its oldest and newest few).")] = False,
     input_format: InputFormatOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Show what is in a checkpoint: format, tensors, parameters, dtypes, bytes, step.
 
     Reads headers and pickles only (never tensor data, never torch), so it is fast on
-    checkpoints of any size. A run directory gets a table of its checkpoints.
+    checkpoints of any size. A run directory gets a table of its checkpoints (and an HF
+    Trainer output directory its final model too).
 
     Examples:
       ckpt inspect model.safetensors
       ckpt inspect run/step_1000 --tree --depth 2
       ckpt inspect train.pt --tensors --filter '*.attn.*' --sort size
       ckpt inspect run/ --json
+      ckpt inspect run/ --all
     """
     from ckpt_cli.ops.inspect import inspect
 
@@ -49,7 +54,7 @@ def inspect_cmd(
         if json:
             _emit_json(result)
         else:
-            _render(result)
+            _render(result, all_rows)
 
 
 def _emit_json(result: Any) -> None:
@@ -69,6 +74,7 @@ def _emit_json(result: Any) -> None:
         doc.update(rj.run_dict(result.run))
         doc["described"] = result.described
         doc["describe_error"] = result.describe_error
+        doc["final_model"] = result.final_model
     if result.tensors is not None:
         doc["tensors"] = [rj.tensor_dict(t) for t in result.tensors]
     if result.tree is not None:
@@ -76,7 +82,7 @@ def _emit_json(result: Any) -> None:
     rj.emit("inspect", doc)
 
 
-def _render(result: Any) -> None:
+def _render(result: Any, all_rows: bool = False) -> None:
     from rich.text import Text
 
     from ckpt_cli.render import human
@@ -84,9 +90,9 @@ def _render(result: Any) -> None:
     out = human.stdout()
     if result.run is not None:
         run = result.run
-        out.print(Text(f"{result.path}  run directory, {len(run.entries)} checkpoint(s)",
+        out.print(Text(f"{result.path}  run directory, {len(run.entries):,} checkpoint(s)",
                        style="bold"))
-        out.print(human.run_table(run))
+        out.print(human.run_table(run, limit=None if all_rows else human.RUN_ROWS))
         if run.leftovers:
             out.print(Text(f"Leftovers (temporary or trash): {', '.join(run.leftovers)}",
                            style="yellow"))
@@ -97,7 +103,8 @@ def _render(result: Any) -> None:
         if result.index is None:
             return
         out.print()
-        out.print(Text(f"{result.described} (latest complete checkpoint)", style="bold"))
+        out.print(Text(f"{result.path} (final model)" if result.final_model
+                       else f"{result.described} (latest complete checkpoint)", style="bold"))
     index = result.index
     if result.run is None:
         out.print(Text(str(result.path), style="bold"))

@@ -22,6 +22,8 @@ from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 CHECKPOINT_EXTENSIONS = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".distcp")
 _JSON_STATE = ("trainer_state.json", "config.json", "meta.json", "metadata.json")
+NESTED_CHECKPOINTS = "nested-checkpoints"
+"""Finding code: checkpoint directories below this one (an HF Trainer output directory)."""
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -114,7 +116,7 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         # checkpoints saved on the way below it. They are not part of this checkpoint.
         shown = ", ".join(nested[:3]) + (f" and {len(nested) - 3} more" if len(nested) > 3
                                          else "")
-        index.add(Finding("warning", "nested-checkpoints",
+        index.add(Finding("warning", NESTED_CHECKPOINTS,
                           f"also holds {len(nested)} checkpoint director"
                           f"{'y' if len(nested) == 1 else 'ies'} ({shown}), not part of this "
                           f"checkpoint: name them to inspect or validate them", None))

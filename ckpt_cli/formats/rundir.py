@@ -20,7 +20,7 @@ import struct
 from pathlib import Path
 from typing import NamedTuple
 
-from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron, safetensors, torchfile
 from ckpt_cli.formats.base import open_regular
 from ckpt_cli.model import Finding, RunEntry, RunListing
@@ -110,8 +110,10 @@ def is_last_copy(name: str) -> bool:
 
 def metrics_from_name(name: str) -> dict[str, float]:
     """``key=value`` metrics in a name (Lightning: ``epoch=2-step=300-val_loss=0.12.ckpt``)."""
-    stem = name.removesuffix(".ckpt").removesuffix(".pt")
     out: dict[str, float] = {}
+    if "=" not in name:
+        return out
+    stem = name.removesuffix(".ckpt").removesuffix(".pt")
     for m in _METRIC.finditer(stem):
         key = m.group("key").lstrip("-_")
         if key not in ("epoch", "step"):
@@ -142,18 +144,27 @@ def _job_output(path: Path) -> bool:
 
 
 def _is_checkpoint_name(entry: os.DirEntry[str], strict: bool = False) -> bool:
+    return _checkpoint_step(entry, strict)[0]
+
+
+def _checkpoint_step(entry: os.DirEntry[str], strict: bool = False) -> tuple[bool, int | None]:
+    """Whether a child is named or laid out like a checkpoint, and the step its name gives
+    (one pass over the name patterns: a listing does this for every entry)."""
     name = entry.name
     if name.startswith(".") or name in POINTER_FILES:
-        return False
+        return False, None
     if entry.is_dir(follow_symlinks=False):
         if strict and name.isdigit() and _job_output(Path(entry.path)):
-            return False  # a sweep's job directory (Hydra multirun 0/, 1/...), not a checkpoint
-        return step_from_name(name, strict=strict) is not None or (
-            Path(entry.path) / dcp.METADATA).is_file()
+            # A sweep's job directory (Hydra multirun 0/, 1/...), not a checkpoint.
+            return False, None
+        step = step_from_name(name, strict=strict)
+        return step is not None or (Path(entry.path) / dcp.METADATA).is_file(), step
     if entry.is_file(follow_symlinks=False):
-        return name.endswith(FILE_EXTENSIONS) and not _PART_NAME.search(name) and (
-            step_from_name(name, strict=strict) is not None or is_last_copy(name))
-    return False
+        if not name.endswith(FILE_EXTENSIONS) or _PART_NAME.search(name):
+            return False, None
+        step = step_from_name(name, strict=strict)
+        return step is not None or is_last_copy(name), step
+    return False, None
 
 
 def is_run_dir(path: Path) -> bool:
@@ -384,6 +395,69 @@ def read_pointers(root: Path, links: list[str] | None = None,
     return pointers, findings
 
 
+# The pointers a training job writes to say which checkpoint to resume from, in the order
+# they are trusted. Lightning's last.ckpt is a copy (or link) of a ranked checkpoint, not a
+# choice among them, so it is not followed here.
+RESUME_POINTERS = ("latest", "latest_checkpointed_iteration.txt")
+
+
+class Followed(NamedTuple):
+    """A run directory's pointer followed to the one checkpoint it names.
+
+    Attributes:
+        pointer: The pointer file (``latest``, ``latest_checkpointed_iteration.txt``).
+        checkpoint: The entry it names.
+        path: That entry's path.
+    """
+
+    pointer: str
+    checkpoint: str
+    path: Path
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON-ready form."""
+        return {"pointer": self.pointer, "checkpoint": self.checkpoint, "path": str(self.path)}
+
+
+def follow_pointer(path: Path) -> Followed | None:
+    """The checkpoint a run directory's resume pointer names, for commands that need one.
+
+    ``convert``, ``diff`` and ``consolidate`` of a DeepSpeed save directory (``latest``) or a
+    Megatron one (``latest_checkpointed_iteration.txt``) read what training would resume from,
+    as DeepSpeed's own ``zero_to_fp32`` does. Anything that is not a run directory is left as
+    it is (None), so single checkpoints, HF Trainer checkpoint directories and a DeepSpeed
+    save directory of one non-numbered tag keep their own handling.
+
+    Args:
+        path: The path a command was given.
+
+    Returns:
+        The :class:`Followed` pointer, or None when ``path`` is not a run directory or has no
+        resume pointer.
+
+    Raises:
+        CorruptCheckpointError: If a pointer cannot be read, or names an entry that is not
+            there (resuming from it would fail too).
+    """
+    if not is_run_dir(path):
+        return None
+    for name in RESUME_POINTERS:
+        try:
+            target = read_pointer(path, name)
+        except PointerError as e:
+            raise CorruptCheckpointError(f"cannot tell which checkpoint {name} names: {e}",
+                                         path=path / name) from None
+        if target is None:
+            continue
+        chosen = path / target
+        if "/" in target or target in (".", "..") or not os.path.lexists(chosen):
+            raise CorruptCheckpointError(f"{name} names {target!r}, which is not in the "
+                                         "directory", path=path / name,
+                                         hint=f"ckpt inspect {path} lists its checkpoints")
+        return Followed(name, target, chosen)
+    return None
+
+
 def quick_status(path: Path) -> tuple[str | None, bool, str | None]:
     """Detect a checkpoint's format cheaply and whether it looks complete.
 
@@ -452,17 +526,29 @@ def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
 def _file_status(path: Path) -> tuple[str | None, bool, str | None]:
     fd = open_regular(path)  # a FIFO among a tag's rank files must not block the listing
     try:
-        size = os.fstat(fd).st_size
-        head = os.pread(fd, 16, 0)
-        if safetensors.sniff_bytes(head[:9], size) is None or (
-                len(head) >= 8 and path.name.endswith(".safetensors")):
-            return _safetensors_status(path, size)
-        if head.startswith(torchfile.ZIP_MAGIC):
-            ok = _has_zip_end(fd, size)
-            return "torch", ok, None if ok else ("no zip end record: truncated or still being "
-                                                 "written")
+        status = _open_file_status(path, fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+    return status if status is not None else _other_file_status(path)
+
+
+def _open_file_status(path: Path, fd: int,
+                      size: int) -> tuple[str | None, bool, str | None] | None:
+    """:func:`_file_status` of an open file: safetensors and zip checks on ``fd`` itself;
+    None for anything else (see :func:`_other_file_status`)."""
+    head = os.pread(fd, 16, 0)
+    if safetensors.sniff_bytes(head[:9], size) is None or (
+            len(head) >= 8 and path.name.endswith(".safetensors")):
+        return _safetensors_status(path, size, fd)
+    if head.startswith(torchfile.ZIP_MAGIC):
+        ok = _has_zip_end(fd, size)
+        return "torch", ok, None if ok else ("no zip end record: truncated or still being "
+                                             "written")
+    return None
+
+
+def _other_file_status(path: Path) -> tuple[str | None, bool, str | None]:
+    size = path.stat().st_size
     if torchfile.sniff_torch(path) is None:
         return "torch", size > 0, None if size else "empty file"
     if size == 0:
@@ -470,9 +556,10 @@ def _file_status(path: Path) -> tuple[str | None, bool, str | None]:
     return None, False, "not a recognised checkpoint file"
 
 
-def _safetensors_status(path: Path, size: int) -> tuple[str | None, bool, str | None]:
+def _safetensors_status(path: Path, size: int,
+                        fd: int | None = None) -> tuple[str | None, bool, str | None]:
     try:
-        n, header, _, _findings = safetensors.parse_header(path)
+        n, header, _, _findings = safetensors.parse_header(path, fd=fd, size=size)
     except CkptError as err:
         return "safetensors", False, err.message
     header.pop("__metadata__", None)
@@ -524,9 +611,7 @@ def _recognise(entry: os.DirEntry[str], rx: re.Pattern[str] | None,
     With a pattern, hidden names and pointer files never match, whatever the pattern says.
     """
     if rx is None:
-        if not _is_checkpoint_name(entry, strict):
-            return False, None
-        return True, step_from_name(entry.name, strict=strict)
+        return _checkpoint_step(entry, strict)
     if entry.name.startswith(".") or entry.name in POINTER_FILES:
         return False, None
     m = rx.search(entry.name)
@@ -571,6 +656,26 @@ def run_dir_problem(path: Path, pattern: str | None = None) -> str | None:
     return "holds no checkpoints ckpt recognises (not a run directory)"
 
 
+def holds_final_model(path: Path) -> bool:
+    """Whether ``path`` is one checkpoint with checkpoints below it: an HF Trainer output dir.
+
+    ``trainer.save_model()`` writes the final model (``model.safetensors``, ``config.json``,
+    ``trainer_state.json``) into ``output_dir`` beside the ``checkpoint-N/`` saved on the way.
+    Such a directory is no run directory for :func:`is_run_dir` (it is a checkpoint itself),
+    but commands that describe or check it cover both: the final model and the run.
+
+    Args:
+        path: A directory.
+
+    Returns:
+        True when ``path`` is a checkpoint directory of loose files (not itself named like a
+        checkpoint) holding run-directory entries.
+    """
+    if not path.is_dir() or step_from_name(path.name, strict=True) is not None:
+        return False
+    return not is_run_dir(path) and run_dir_problem(path) is None
+
+
 def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool = True,
              strict: bool = False) -> RunListing:
     """List the checkpoints of a run directory, oldest first.
@@ -598,6 +703,7 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
             children = sorted(it, key=lambda e: e.name)
     except OSError as err:
         raise CkptError(f"cannot list: {err.strerror}", path=root) from None
+    found: list[tuple[str, int | None, bool]] = []
     for entry in children:
         if is_leftover(entry.name):
             listing.leftovers.append(entry.name)
@@ -612,13 +718,14 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
             continue
         matched, step = _recognise(entry, rx, strict)
         if matched:
-            listing.entries.append(_entry(Path(entry.path), step))
+            found.append((entry.path, step, entry.is_file(follow_symlinks=False)))
         elif (strict and rx is None and entry.name.isdigit()
               and entry.is_dir(follow_symlinks=False)):
             listing.findings.append(Finding(
                 "warning", "job-dir-skipped", f"{entry.name}/ holds logs or configs, like a "
                 "sweep's job directory: not treated as a checkpoint (--pattern selects it)",
                 entry.name))
+    listing.entries = _entries(found)
     _fill_steps(listing, step_from_metadata)
     latest = listing.pointers.get("latest") or listing.pointers.get(
         "latest_checkpointed_iteration.txt") or next(
@@ -637,13 +744,73 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
     return listing
 
 
-def _entry(path: Path, step: int | None) -> RunEntry:
-    scan = tree_scan(path)
-    fmt, complete, reason = quick_status(path)
+# The first entries are read in turn; when each took this long, the storage is slow (a network
+# file system, a cold disk) and threads overlap the waits for the rest. On a warm local disk
+# an entry takes ~50 us of Python, and threads contending for the GIL only add to that.
+_PROBE = 64
+_SLOW_ENTRY = 0.5e-3
+
+
+def _entries(found: list[tuple[str, int | None, bool]]) -> list[RunEntry]:
+    """The run entries of ``(path, step, is_file)``, in the order given."""
+    import time
+
+    out: list[RunEntry] = []
+    t0 = time.perf_counter()
+    for i, (p, step, is_file) in enumerate(found):
+        out.append(_entry(p, step, is_file))
+        if (i + 1 == _PROBE and len(found) > 2 * _PROBE
+                and time.perf_counter() - t0 > _PROBE * _SLOW_ENTRY):
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=16) as pool:
+                out.extend(pool.map(lambda f: _entry(*f), found[i + 1:], chunksize=64))
+            break
+    return out
+
+
+def _entry(where: str, step: int | None, is_file: bool = False) -> RunEntry:
+    path = Path(where)
+    scan: TreeScan | None = None
+    status: tuple[str | None, bool, str | None] | None = None
+    if is_file:
+        # One open serves the sizes and times (fstat) and the status (header reads): at
+        # thousands of checkpoints, each extra stat or open is a measurable share.
+        try:
+            fd = os.open(where, os.O_RDONLY)
+        except OSError:
+            pass
+        else:
+            try:
+                st = os.fstat(fd)
+                scan = TreeScan(st.st_size, 1, st.st_mtime, max(st.st_mtime, st.st_ctime))
+                status = _open_file_status(path, fd, st.st_size)
+            except (OSError, CkptError) as e:
+                status = None, False, f"unreadable: {e}"
+            finally:
+                os.close(fd)
+            if status is None:
+                status = quick_status(path)
+    if scan is None:
+        scan = tree_scan(path)
+    fmt, complete, reason = status if status is not None else quick_status(path)
     return RunEntry(name=path.name, path=path, step=step, step_source="name" if step is not None
                     else "unknown", format=fmt, bytes=scan.bytes, files=scan.files,
                     mtime=scan.mtime, complete=complete, reason=reason,
                     metrics=metrics_from_name(path.name), changed=scan.changed)
+
+
+def run_entry(path: Path) -> RunEntry:
+    """The run-listing entry of one checkpoint file or directory (its step from its name).
+
+    Args:
+        path: The checkpoint.
+
+    Returns:
+        The :class:`RunEntry`.
+    """
+    step = step_from_name(path.name)
+    return _entry(os.fspath(path), step, path.is_file() and not path.is_symlink())
 
 
 def _fill_steps(listing: RunListing, from_metadata: bool) -> None:

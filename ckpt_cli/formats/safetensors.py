@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -68,11 +69,15 @@ class SafetensorsReader:
         return index
 
 
-def parse_header(path: Path) -> tuple[int, dict[str, Any], int, list[Finding]]:
+def parse_header(path: Path, *, fd: int | None = None,
+                 size: int | None = None) -> tuple[int, dict[str, Any], int, list[Finding]]:
     """Read and parse a safetensors header.
 
     Args:
         path: The file.
+        fd: The file already open for reading (with ``size``): positioned reads, no second
+            open (a run listing reads the headers of thousands of files).
+        size: Its size, with ``fd``.
 
     Returns:
         ``(header_length, header_dict, file_size, findings)``; findings cover duplicate keys.
@@ -80,21 +85,22 @@ def parse_header(path: Path) -> tuple[int, dict[str, Any], int, list[Finding]]:
     Raises:
         CorruptCheckpointError: If there is no parseable header.
     """
-    size = file_size(path)
+    if fd is None or size is None:
+        with open(path, "rb") as f:
+            return parse_header(path, fd=f.fileno(), size=file_size(path))
     if size < 8:
         raise CorruptCheckpointError(
             f"{size} bytes is too short for a safetensors file (needs 8 for the header length)",
             path=path)
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > MAX_HEADER:
-            raise CorruptCheckpointError(
-                f"header length {n:,} exceeds the {MAX_HEADER:,}-byte limit", path=path)
-        if 8 + n > size:
-            raise CorruptCheckpointError(
-                f"header length {n:,} runs past the end of the {size:,}-byte file "
-                "(truncated or not safetensors)", path=path)
-        raw = f.read(n)
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))
+    if n > MAX_HEADER:
+        raise CorruptCheckpointError(
+            f"header length {n:,} exceeds the {MAX_HEADER:,}-byte limit", path=path)
+    if 8 + n > size:
+        raise CorruptCheckpointError(
+            f"header length {n:,} runs past the end of the {size:,}-byte file "
+            "(truncated or not safetensors)", path=path)
+    raw = os.pread(fd, n, 8)
     try:
         header = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

@@ -28,7 +28,14 @@ from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.directory import checkpoint_files
-from ckpt_cli.formats.rundir import PointerError, is_run_dir, read_pointer, tree_stats
+from ckpt_cli.formats.rundir import (
+    Followed,
+    PointerError,
+    follow_pointer,
+    is_run_dir,
+    read_pointer,
+    tree_stats,
+)
 from ckpt_cli.formats.zero import PieceReader, ZeroPlan, natural_key, plan_zero, resolve_tag
 from ckpt_cli.manifest import manifest_path, write_manifest
 from ckpt_cli.model import CheckpointIndex, Finding
@@ -69,6 +76,8 @@ class ConsolidateResult:
         notes: Remarks.
         seconds: Wall time.
         warnings: Source files whose pickles would run code under ``torch.load``.
+        followed: The run directory's pointer followed to the checkpoint merged, if
+            ``source`` was a run directory.
     """
 
     source: Path
@@ -87,6 +96,7 @@ class ConsolidateResult:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     warnings: list[Finding] = field(default_factory=list)
+    followed: Followed | None = None
 
     @property
     def lost_elements(self) -> int:
@@ -185,6 +195,12 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
     src, out = Path(source), Path(output)
     if to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
+    check_exists(src)
+    # A run directory's resume pointer names the checkpoint (DeepSpeed's `latest` is also
+    # followed by detect_kind for a save directory of one tag; Megatron's tracker only here).
+    followed = follow_pointer(src) if src.is_dir() else None
+    if followed is not None:
+        src = followed.path
     kind = detect_kind(src)
     check_not_input(out, src)
     fmt = output_format(out, fmt)
@@ -224,10 +240,11 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
         mpath = manifest_path(out)
         write.files.append((mpath.name, mpath.stat().st_size))
     elements_out = sum(t.numel for t in job.outs)
-    return ConsolidateResult(src, kind, out, write, files_before, bytes_before, job.elements_in,
+    return ConsolidateResult(Path(source), kind, out, write, files_before, bytes_before,
+                             job.elements_in,
                              elements_out, len(job.outs), job.aliases, job.dropped, job.details,
                              checked[0] if checked else None, job.notes,
-                             time.perf_counter() - t0, job.warnings)
+                             time.perf_counter() - t0, job.warnings, followed)
 
 
 def _input_size(src: Path, kind: str) -> tuple[int, int]:

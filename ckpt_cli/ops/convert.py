@@ -26,7 +26,7 @@ from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.containers import MODEL_KEYS
-from ckpt_cli.formats.rundir import is_run_dir
+from ckpt_cli.formats.rundir import Followed, follow_pointer, is_run_dir
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import SIDE_FILES, OutTensor, WriteResult, output_format, write_checkpoint
@@ -61,6 +61,8 @@ class ConvertResult:
         seconds: Wall time.
         warnings: Source files whose pickles would run code under ``torch.load`` (see
             :func:`hostile_warnings`).
+        followed: The run directory's pointer followed to the checkpoint read, if
+            ``source`` was a run directory.
     """
 
     source: Path
@@ -78,6 +80,7 @@ class ConvertResult:
     notes: list[str]
     seconds: float
     warnings: list[Finding] = field(default_factory=list)
+    followed: Followed | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,8 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     """Convert a checkpoint.
 
     Args:
-        source: Any checkpoint the readers know (not a run directory: name one checkpoint).
+        source: Any checkpoint the readers know, or a run directory whose ``latest`` (or
+            Megatron tracker) pointer names the checkpoint to read.
         output: A ``.safetensors``/``.pt``/``.bin`` file, or a directory for
             ``model.safetensors`` or HF-style shards + index.
         to: ``fp16``, ``bf16``, ``fp32`` or ``keep``: cast of floating-point model tensors.
@@ -129,7 +133,10 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     if to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
     fmt = output_format(out, fmt)
-    if input_format is None and is_run_dir(src):
+    followed = follow_pointer(src) if input_format is None else None
+    if followed is not None:
+        src = followed.path
+    elif input_format is None and is_run_dir(src):
         raise UsageError(f"{src} is a run directory; name one of its checkpoints",
                          hint=f"ckpt inspect {src} lists them")
     check_not_input(out, src)
@@ -177,10 +184,11 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     if clamp and stats.overflow:
         notes.append(f"clamped {sum(stats.overflow.values()):,} value(s) beyond FP16's range "
                      f"to ±{FP16_MAX:g} in {len(stats.overflow)} tensor(s)")
-    return ConvertResult(src, index.format, out, result,
+    return ConvertResult(Path(source), index.format, out, result,
                          {o.name: (o.dtype, o.shape) for o in outs}, sel.renamed, sel.dropped,
                          dict(casts), aliases, dict(stats.overflow), clamp, meta, notes,
-                         time.perf_counter() - t0, hostile_warnings(index))
+                         time.perf_counter() - t0, hostile_warnings(index),
+                         followed)
 
 
 def hostile_warnings(index: CheckpointIndex) -> list[Finding]:

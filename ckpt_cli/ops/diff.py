@@ -51,7 +51,7 @@ from ckpt_cli.errors import (
 from ckpt_cli.formats import deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged, refuse_incomplete
 from ckpt_cli.formats.containers import group_of
-from ckpt_cli.formats.rundir import is_run_dir, list_run
+from ckpt_cli.formats.rundir import Followed, follow_pointer, is_run_dir, list_run
 from ckpt_cli.formats.torchfile import role_of
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.streaming import PIECE_BYTES
@@ -264,6 +264,8 @@ class DiffResult:
         same_checkpoint: Why both sides are one checkpoint (the same path, or the same file
             or directory by device and inode), when they are: then no value was read and
             every common tensor is ``identical``; None otherwise.
+        followed_a: The run directory pointer followed to A's checkpoint, if A was one.
+        followed_b: The same for B.
     """
 
     index_a: CheckpointIndex
@@ -279,6 +281,8 @@ class DiffResult:
     only_b: list[OnlyIn] = field(default_factory=list)
     metadata: list[MetaDiff] = field(default_factory=list)
     same_checkpoint: str | None = None
+    followed_a: Followed | None = None
+    followed_b: Followed | None = None
 
     def with_status(self, *statuses: str) -> list[TensorDiff]:
         """Common tensors whose status is one of ``statuses``, in A's order."""
@@ -392,10 +396,12 @@ def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
         CkptError: For unreadable input; the message starts with ``A:`` or ``B:``.
         UsageError: For contradictory options.
     """
-    index_a = _read_side(a, fmt_a, "A")
-    index_b = _read_side(b, fmt_b, "B")
+    index_a, followed_a = _read_side(a, fmt_a, "A")
+    index_b, followed_b = _read_side(b, fmt_b, "B")
     same = same_checkpoint(index_a, index_b)
-    return diff_indexes(index_a, index_b, options, on_progress=on_progress, same=same)
+    result = diff_indexes(index_a, index_b, options, on_progress=on_progress, same=same)
+    result.followed_a, result.followed_b = followed_a, followed_b
+    return result
 
 
 def same_checkpoint(index_a: CheckpointIndex, index_b: CheckpointIndex) -> str | None:
@@ -428,9 +434,11 @@ def same_checkpoint(index_a: CheckpointIndex, index_b: CheckpointIndex) -> str |
     return None
 
 
-def _read_side(path: str | Path, fmt: str | None, label: str) -> CheckpointIndex:
+def _read_side(path: str | Path, fmt: str | None,
+               label: str) -> tuple[CheckpointIndex, Followed | None]:
     try:
-        return read_index(path, fmt)
+        followed = follow_pointer(Path(path)) if fmt is None else None
+        return read_index(followed.path if followed else path, fmt), followed
     except UnknownFormatError as e:
         raise on_side(_run_dir_error(Path(path)) or e, label) from None
     except CkptError as e:

@@ -9,7 +9,8 @@ from typing import Any
 
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
-from ckpt_cli.formats.rundir import is_run_dir, list_run
+from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
+from ckpt_cli.formats.rundir import holds_final_model, is_run_dir, list_run
 from ckpt_cli.model import CheckpointIndex, RunListing, TensorInfo
 
 
@@ -50,6 +51,8 @@ class InspectResult:
         tensors: Selected tensors (``--tensors``), filtered and sorted.
         tree: Module tree (``--tree``).
         describe_error: Why the run's latest checkpoint could not be read, if it could not.
+        final_model: Whether ``index`` is the final model at the top of the run directory
+            (an HF Trainer ``output_dir``) rather than one of its checkpoints.
     """
 
     path: Path
@@ -60,6 +63,7 @@ class InspectResult:
     tensors: list[TensorInfo] | None = None
     tree: TreeNode | None = None
     describe_error: str | None = None
+    final_model: bool = False
 
 
 def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
@@ -92,6 +96,8 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
         raise UsageError("--depth must be at least 1")
     if fmt is None and is_run_dir(p):
         result = _inspect_run(p, pattern)
+    elif fmt is None and holds_final_model(p):
+        result = _inspect_final(p, pattern)
     else:
         result = InspectResult(p, "checkpoint", read_index(p, fmt))
     if result.index is not None:
@@ -115,6 +121,15 @@ def _inspect_run(p: Path, pattern: str | None) -> InspectResult:
         except CkptError as e:
             result.describe_error = str(e)
     return result
+
+
+def _inspect_final(p: Path, pattern: str | None) -> InspectResult:
+    """An HF Trainer output directory: the table of its checkpoints and the final model."""
+    index = read_index(p)
+    # The checkpoints are listed with the run, so the hint to name them is moot here.
+    index.findings = [f for f in index.findings if f.code != NESTED_CHECKPOINTS]
+    return InspectResult(p, "run", index, list_run(p, pattern), described=p.name,
+                         final_model=True)
 
 
 def select_tensors(index: CheckpointIndex, filter_glob: str | None,

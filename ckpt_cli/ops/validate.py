@@ -38,7 +38,15 @@ from ckpt_cli.formats import (
     read_index,
 )
 from ckpt_cli.formats.base import rel_to
-from ckpt_cli.formats.rundir import POINTER_FILES, is_run_dir, list_run, quick_status
+from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
+from ckpt_cli.formats.rundir import (
+    POINTER_FILES,
+    holds_final_model,
+    is_run_dir,
+    list_run,
+    quick_status,
+    run_entry,
+)
 from ckpt_cli.manifest import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
@@ -275,6 +283,8 @@ class ValidateResult:
         checkpoints: One report per checkpoint validated (oldest first for a run).
         run: The run listing, for a run directory.
         run_checks: Checks of the run directory itself (pointers, leftovers).
+        final_model: Whether the run directory itself holds a final model (an HF Trainer
+            ``output_dir``): then the last report is that model's.
     """
 
     path: Path
@@ -282,6 +292,7 @@ class ValidateResult:
     checkpoints: list[CheckpointReport] = field(default_factory=list)
     run: RunListing | None = None
     run_checks: list[CheckResult] = field(default_factory=list)
+    final_model: bool = False
 
     @property
     def findings(self) -> list[Finding]:
@@ -318,6 +329,7 @@ class ValidateResult:
             "checkpoints": [r.to_dict() for r in self.checkpoints],
             "run": rj.run_dict(self.run) if self.run is not None else None,
             "run_checks": [c.to_dict() for c in self.run_checks],
+            "final_model": self.final_model,
             "run_findings": [{**f.to_dict(), "check": owner[id(f)]}
                              for c in self.run_checks for f in c.findings],
         }
@@ -407,6 +419,8 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
         get_reader(fmt)  # an unknown --input-format is a usage error, even for a run dir
     if fmt is None and is_run_dir(p):
         return _validate_run(p, opts, latest=latest, pattern=pattern)
+    if fmt is None and holds_final_model(p):
+        return _validate_run(p, opts, latest=latest, pattern=pattern, final_model=True)
     if latest:
         raise UsageError("--latest needs a run directory (a directory of checkpoints)",
                          path=p)
@@ -415,16 +429,20 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
     return result
 
 
-def _validate_run(root: Path, opts: Options, *, latest: bool,
-                  pattern: str | None) -> ValidateResult:
+def _validate_run(root: Path, opts: Options, *, latest: bool, pattern: str | None,
+                  final_model: bool = False) -> ValidateResult:
     run = list_run(root, pattern)
-    result = ValidateResult(root, "run", run=run)
+    result = ValidateResult(root, "run", run=run, final_model=final_model)
     entries = run.entries
     if latest and entries:
         target = next((e for e in entries if e.name == run.latest), entries[-1])
-        entries = [target]
+        entries = [] if final_model else [target]  # the final model is the newest
     for e in entries:
         result.checkpoints.append(validate_checkpoint(e.path, opts, entry=e))
+    if final_model:
+        # Trained last, so reported last; its own entry so that damage is a finding.
+        result.checkpoints.append(_final_model_report(
+            validate_checkpoint(root, opts, entry=run_entry(root))))
     dangling, named = directory_pointers(root)
     # Symlink pointers (Lightning's last.ckpt) are resolved by the listing.
     dangling += [dataclasses.replace(f, severity="error", message=f.message
@@ -444,6 +462,19 @@ def _validate_run(root: Path, opts: Options, *, latest: bool,
             "error", "no-checkpoints", "the run directory holds no checkpoint", None))
         result.run_checks[0].status = "fail"
     return result
+
+
+def _final_model_report(report: CheckpointReport) -> CheckpointReport:
+    """A final model (``trainer.save_model()``) holds weights only by design: that it cannot
+    resume training is a note, not a warning (the checkpoints beside it resume)."""
+    for i, c in enumerate(report.checks):
+        if c.id == "resumable" and any(f.code == "no-optimizer" for f in c.findings):
+            notes = [dataclasses.replace(
+                f, severity="info", message="the final model holds weights only (as "
+                "save_model() writes it); resume from the checkpoints beside it")
+                if f.code == "no-optimizer" else f for f in c.findings]
+            report.checks[i] = _result(c.id, notes, c.summary)
+    return report
 
 
 def _result(check_id: str, findings: list[Finding], summary: str) -> CheckResult:
@@ -546,6 +577,9 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
             raise  # a single unreadable or unrecognisable path: a usage error, exit 2
         b.add("readable", [Finding("error", "unreadable", e.message,
                                    _rel_path(e.path, path))], "could not read")
+    if index is not None and entry is not None:
+        # Validated as part of a run: the checkpoints below are reported in turn.
+        index.findings = [f for f in index.findings if f.code != NESTED_CHECKPOINTS]
     if index is not None:
         report.index = index
         report.format, report.flavor = index.format, index.flavor

@@ -123,6 +123,8 @@ def to_json(r: DiffResult, path_a: str, path_b: str, *, by_module: bool = False,
         "only_in_a": [_only(x) for x in r.only_a],
         "only_in_b": [_only(x) for x in r.only_b],
         "tensors": [tensor_json(t) for t in r.tensors],
+        "followed": {"a": r.followed_a.to_dict() if r.followed_a else None,
+                     "b": r.followed_b.to_dict() if r.followed_b else None},
         "metadata": [_meta(m) for m in r.metadata],
     }
     if by_module:

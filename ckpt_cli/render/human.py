@@ -310,8 +310,22 @@ def module_tree(node: Any) -> Tree:
     return tree
 
 
-def run_table(run: RunListing) -> Table:
-    """A run directory's checkpoints, oldest first."""
+RUN_ROWS = 20
+"""Rows of a run table by default: the oldest and newest half each, the rest counted."""
+
+
+def run_table(run: RunListing, limit: int | None = None) -> Table:
+    """A run directory's checkpoints, oldest first.
+
+    Args:
+        run: The listing.
+        limit: At most this many rows: the oldest ``limit // 2``, a row counting the rest,
+            and the newest (incomplete and pointed-to entries among the rest are counted
+            too). None shows every entry.
+
+    Returns:
+        The table.
+    """
     import datetime as _dt
 
     table = Table(box=None, pad_edge=False, show_edge=False)
@@ -319,7 +333,14 @@ def run_table(run: RunListing) -> Table:
                       ("Size", "right"), ("Files", "right"), ("Format", "left"),
                       ("Status", "left")):
         table.add_column(col, justify=just)  # type: ignore[arg-type]
-    for e in run.entries:
+    entries, hidden = run.entries, []
+    if limit is not None and len(entries) > limit:
+        head = limit // 2
+        hidden = entries[head:len(entries) - (limit - head)]
+        entries = [*entries[:head], *entries[len(entries) - (limit - head):]]
+    for i, e in enumerate(entries):
+        if hidden and i == limit // 2:  # type: ignore[operator]
+            table.add_row(*_hidden_row(hidden))
         when = _dt.datetime.fromtimestamp(e.mtime).strftime("%Y-%m-%d %H:%M") if e.mtime else "-"
         status = Text("complete", style="green") if e.complete else Text(
             f"incomplete: {e.reason}", style="red")
@@ -328,6 +349,35 @@ def run_table(run: RunListing) -> Table:
         table.add_row(e.name, "-" if e.step is None else f"{e.step:,}", when, size(e.bytes),
                       f"{e.files:,}", e.format or "?", status)
     return table
+
+
+def _hidden_row(hidden: list[Any]) -> tuple[Text | str, ...]:
+    """The row standing for entries a run table leaves out: how many, their size, and any
+    among them that are incomplete or pointed to (so truncation never hides a problem)."""
+    bad = sum(1 for e in hidden if not e.complete)
+    latest = [e.name for e in hidden if e.latest]
+    status = Text(f"{bad:,} incomplete", style="red") if bad else Text("all complete",
+                                                                        style="green")
+    if latest:
+        status.append(f", latest: {', '.join(latest[:2])}", style="bold")
+    status.append(" (--all)", style="dim")
+    return (Text(f"... {len(hidden):,} more", style="dim"), "", "",
+            size(sum(e.bytes for e in hidden)), f"{sum(e.files for e in hidden):,}", "",
+            status)
+
+
+def note_followed(followed: Any, side: str | None = None) -> None:
+    """Say on stderr which checkpoint a run directory's pointer chose (``convert run/``).
+
+    Args:
+        followed: A :class:`ckpt_cli.formats.rundir.Followed`, or None (nothing printed).
+        side: ``A``/``B`` for ``diff``.
+    """
+    if followed is None:
+        return
+    where = f"{side}: " if side else ""
+    stderr().print(f"note: {where}{followed.path.parent}: {followed.pointer} names "
+                   f"{followed.checkpoint}; reading that checkpoint", soft_wrap=True)
 
 
 def is_tty() -> bool:

@@ -55,11 +55,13 @@ def hf_sharded(out: Path, sd: dict[str, torch.Tensor], max_shard_size: int) -> N
 
 
 def hf_trainer_run(out: Path, steps: int = 4, save_steps: int = 2, *,
-                   evaluate: bool = False) -> Path:
+                   evaluate: bool = False, final: bool = False) -> Path:
     """Train a tiny GPT-2 with transformers' Trainer; returns the output directory.
 
     With ``evaluate``, it evaluates at every save and tracks the best checkpoint by eval_loss
-    (``best_model_checkpoint`` in trainer_state.json, eval_loss in its log_history).
+    (``best_model_checkpoint`` in trainer_state.json, eval_loss in its log_history). With
+    ``final``, ``trainer.save_model()`` and ``save_state()`` put the final model into the
+    output directory itself, beside its ``checkpoint-N/``.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_DISABLED", "true")
@@ -85,8 +87,12 @@ def hf_trainer_run(out: Path, steps: int = 4, save_steps: int = 2, *,
     args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=save_steps,
                              per_device_train_batch_size=4, logging_steps=1, report_to=[],
                              use_cpu=True, save_strategy="steps", disable_tqdm=True, **extra)
-    Trainer(model=model, args=args, train_dataset=DS(),
-            eval_dataset=DS() if evaluate else None).train()
+    trainer = Trainer(model=model, args=args, train_dataset=DS(),
+                      eval_dataset=DS() if evaluate else None)
+    trainer.train()
+    if final:
+        trainer.save_model()
+        trainer.save_state()
     return out
 
 
