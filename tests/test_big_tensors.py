@@ -205,6 +205,19 @@ def test_diff_of_a_checkpoint_with_itself_reads_nothing(tmp_path: Path,
     assert json.loads(run_cli("diff", a, copy, "--json").stdout)["same_checkpoint"] is None
 
 
+@pytest.mark.requires_torch
+def test_diff_with_itself_still_skips_what_has_no_data(tmp_path: Path) -> None:
+    import torch
+
+    path = tmp_path / "meta.pt"
+    torch.save({"w": torch.ones(3), "m": torch.empty(2, device="meta")}, path)
+    r = diff(path, path)
+    assert r.same_checkpoint
+    status = {t.name_a: (t.status, t.reason) for t in r.tensors}
+    assert status["w"] == ("identical", r.same_checkpoint)
+    assert status["m"][0] == "skipped" and "meta" in (status["m"][1] or "")
+
+
 # --- under an address-space limit ---------------------------------------------------------------
 
 ROWS, COLS = 20_480, 16_384  # float32: 1.25 GiB

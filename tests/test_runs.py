@@ -82,6 +82,27 @@ def test_hf_output_dir_validate_covers_checkpoints_and_final_model(hf_output: Pa
 
 
 @requires_torch
+def test_a_damaged_final_model_without_trainer_state_is_still_checked(hf_output: Path,
+                                                                      tmp_path: Path) -> None:
+    # save_model() alone writes no trainer_state.json: the directory then lists like a run,
+    # and a truncated final model must not be passed over as "2 of 2 checkpoints valid".
+    out = tmp_path / "out"
+    shutil.copytree(hf_output, out)
+    (out / "trainer_state.json").unlink(missing_ok=True)
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[:len(data) // 2])
+    r = run_cli("validate", out, "--json")
+    assert r.exit_code == 1, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["final_model"] is True and doc["valid"] is False
+    by_name = {c["name"]: c for c in doc["checkpoints"]}
+    assert by_name["checkpoint-4"]["valid"] and not by_name["out"]["valid"]
+    r = run_cli("inspect", out)  # describes the final model and names the damage
+    assert r.exit_code == 0 and f"{out} (final model)" in r.stdout
+    assert "truncated" in r.stdout + r.stderr
+
+
+@requires_torch
 def test_a_checkpoint_of_the_run_is_still_one_checkpoint(hf_output: Path) -> None:
     doc = _json("inspect", hf_output / "checkpoint-4")
     assert doc["kind"] == "checkpoint" and "checkpoints" not in doc

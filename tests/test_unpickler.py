@@ -287,3 +287,34 @@ def test_huge_length_in_a_torch_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match=r"data\.pkl is not a readable pickle "
                                                      r"\(BINBYTES8 at byte 2 declares"):
         read_index(path)
+
+
+def test_length_walk_without_an_mmap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under an address-space limit a multi-GB file cannot be mapped: the walk then reads it
+    block by block, with the same verdicts, and a legacy file still reads."""
+    import errno
+    import mmap
+
+    from ckpt_cli.formats import unpickler
+
+    obj = {"a": [1, "x\ny" * 300, b"y" * (3 << 20), 2**3000], "b": None}
+    for protocol in (0, 2, 4):  # protocol 0 has newline-terminated arguments
+        path = tmp_path / f"p{protocol}.pkl"
+        data = pickle.dumps(obj, protocol=protocol)
+        path.write_bytes(b"pad" + data + b"tail" * 1000)
+        with open(path, "rb") as f:
+            view = unpickler._PreadView(f.fileno(), os.fstat(f.fileno()).st_size)
+            assert unpickler.check_lengths(view, 3) == 3 + len(data)
+    bad = tmp_path / "bad.pkl"
+    bad.write_bytes(b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + b"abc.")
+
+    def no_room(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(unpickler.mmap, "mmap", no_room)
+    with open(bad, "rb") as f, pytest.raises(pickle.UnpicklingError, match="BINBYTES8"):
+        safe_load(f)  # type: ignore[arg-type]
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)
+    index = read_index(legacy)
+    assert list(index.tensors) == ["w"] and index.findings == []

@@ -673,7 +673,21 @@ def holds_final_model(path: Path) -> bool:
     """
     if not path.is_dir() or step_from_name(path.name, strict=True) is not None:
         return False
-    return not is_run_dir(path) and run_dir_problem(path) is None
+    if not is_run_dir(path):
+        return run_dir_problem(path) is None
+    # Listed like a run directory by its children (no trainer_state.json beside them, say):
+    # still an output dir when files by the final model's names lie there, whatever state
+    # they are in, so that a damaged final model is checked rather than passed over.
+    try:
+        with os.scandir(path) as it:
+            return any(_FINAL_MODEL.fullmatch(e.name) and e.is_file() for e in it)
+    except OSError:
+        return False
+
+
+# The names transformers' save_model() gives a final model's weights (and their index).
+_FINAL_MODEL = re.compile(r"(?:model|pytorch_model|adapter_model|diffusion_pytorch_model)"
+                          r"(?:-\d+-of-\d+)?\.(?:safetensors|bin)(?:\.index\.json)?")
 
 
 def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool = True,
@@ -777,12 +791,16 @@ def _entry(where: str, step: int | None, is_file: bool = False) -> RunEntry:
         # One open serves the sizes and times (fstat) and the status (header reads): at
         # thousands of checkpoints, each extra stat or open is a measurable share.
         try:
-            fd = os.open(where, os.O_RDONLY)
+            # Non-blocking: the listing saw a regular file, but a FIFO swapped in since must
+            # not hang the open; the descriptor is checked again below.
+            fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
             pass
         else:
             try:
                 st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise CkptError("not a regular file", path=path)
                 scan = TreeScan(st.st_size, 1, st.st_mtime, max(st.st_mtime, st.st_ctime))
                 status = _open_file_status(path, fd, st.st_size)
             except (OSError, CkptError) as e:

@@ -23,7 +23,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 from ckpt_cli import dtypes
 
@@ -586,7 +586,52 @@ class PickleLengthError(pickle.UnpicklingError):
         self.at = at
 
 
-def check_lengths(buf: bytes | mmap.mmap, start: int = 0) -> int:
+class _PreadView:
+    """Read-only ``bytes``-like access to a file through ``os.pread``, a block at a time: what
+    :func:`check_lengths` needs (``len``, an index, a slice, ``find``) without mapping the
+    file."""
+
+    _BLOCK = 1 << 20
+
+    def __init__(self, fd: int, size: int):
+        self._fd, self._size = fd, size
+        self._at, self._block = -1, b""
+
+    def __len__(self) -> int:
+        return self._size
+
+    def _load(self, pos: int) -> None:
+        at = pos - pos % self._BLOCK
+        if at != self._at:
+            self._block, self._at = os.pread(self._fd, self._BLOCK, at), at
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> bytes: ...
+
+    def __getitem__(self, i: int | slice) -> int | bytes:
+        if isinstance(i, slice):
+            lo, hi = i.start or 0, min(i.stop if i.stop is not None else self._size, self._size)
+            return os.pread(self._fd, max(hi - lo, 0), lo)
+        self._load(i)
+        return self._block[i - self._at]
+
+    def find(self, sub: bytes, start: int) -> int:
+        pos = start
+        while pos < self._size:
+            self._load(pos)
+            hit = self._block.find(sub, pos - self._at)
+            if hit >= 0:
+                return self._at + hit
+            pos = self._at + len(self._block)
+            if not self._block:
+                break
+        return -1
+
+
+def check_lengths(buf: bytes | mmap.mmap | _PreadView, start: int = 0) -> int:
     """Walk the opcodes of the pickle at ``buf[start:]`` without building anything, and
     check every length it declares against the bytes that remain after it.
 
@@ -737,10 +782,18 @@ def unpickler_for(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None 
     except (OSError, AttributeError, io.UnsupportedOperation):
         fileno = -1
     start = f.tell()
-    if fileno >= 0 and os.fstat(fileno).st_size > 0:
-        # An mmap: the walk reads only opcodes and length fields, never the payloads.
-        with mmap.mmap(fileno, 0, access=mmap.ACCESS_READ) as mm:
-            check_lengths(mm, start)
+    size = os.fstat(fileno).st_size if fileno >= 0 else 0
+    if size > 0:
+        # An mmap: the walk reads only opcodes and length fields, never the payloads. Mapping
+        # a multi-GB file can fail under an address-space limit (ulimit -v on a login node):
+        # then the same walk runs over positioned reads of the file.
+        try:
+            mm = mmap.mmap(fileno, 0, access=mmap.ACCESS_READ)
+        except (OSError, MemoryError, OverflowError):
+            check_lengths(_PreadView(fileno, size), start)
+        else:
+            with mm:
+                check_lengths(mm, start)
         return SafeUnpickler(f, extra, persistent)
     rest = f.read()
     check_lengths(rest)

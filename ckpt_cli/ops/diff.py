@@ -549,9 +549,13 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
             raise on_side(e, label) from None
     if opts.values and same:
         # Reading every byte of one file twice can only find it equal to itself.
+        # What could not be compared with another checkpoint (no data, meta or sparse
+        # tensors) is not called identical to itself either.
         for t in result.tensors:
-            if t.status != "shape_changed":
-                t.status, t.reason = "identical", same
+            if t.status == "shape_changed":
+                continue
+            why = comparable(index_a.tensors[t.name_a], index_b.tensors[t.name_b])
+            t.status, t.reason = ("skipped", why) if why else ("identical", same)
     elif opts.values:
         _compare_all(result, on_progress)
     else:

@@ -94,10 +94,10 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
         raise UsageError(f"--sort must be name or size, not {sort!r}")
     if depth < 1:
         raise UsageError("--depth must be at least 1")
-    if fmt is None and is_run_dir(p):
-        result = _inspect_run(p, pattern)
-    elif fmt is None and holds_final_model(p):
+    if fmt is None and holds_final_model(p):
         result = _inspect_final(p, pattern)
+    elif fmt is None and is_run_dir(p):
+        result = _inspect_run(p, pattern)
     else:
         result = InspectResult(p, "checkpoint", read_index(p, fmt))
     if result.index is not None:

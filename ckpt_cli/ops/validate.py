@@ -417,10 +417,10 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
                    manifest_algorithm, jobs or default_jobs(), on_progress)
     if fmt is not None:
         get_reader(fmt)  # an unknown --input-format is a usage error, even for a run dir
-    if fmt is None and is_run_dir(p):
-        return _validate_run(p, opts, latest=latest, pattern=pattern)
     if fmt is None and holds_final_model(p):
         return _validate_run(p, opts, latest=latest, pattern=pattern, final_model=True)
+    if fmt is None and is_run_dir(p):
+        return _validate_run(p, opts, latest=latest, pattern=pattern)
     if latest:
         raise UsageError("--latest needs a run directory (a directory of checkpoints)",
                          path=p)
