@@ -68,3 +68,15 @@ def test_prune_never_deletes_an_unfinished_save(tmp_path: Path) -> None:
     doc = json.loads(v.stdout)
     assert {c["name"] for c in doc["checkpoints"]} == {"step_200"}
     assert "step_300.orbax-checkpoint-tmp-1700000000" in v.stdout
+
+
+def test_a_file_entry_under_an_unfinished_name_is_incomplete(tmp_path: Path) -> None:
+    # The listing's one-open path for files must apply the same name check as the general one.
+    from ckpt_cli.formats.rundir import quick_status, run_entry
+
+    path = tmp_path / "w.orbax-checkpoint-tmp-1.safetensors"
+    save_file(tiny_state_dict(), str(path))
+    entry = run_entry(path)
+    assert entry.format == "safetensors" and entry.complete is False
+    assert entry.reason and ".orbax-checkpoint-tmp" in entry.reason
+    assert (entry.format, entry.complete, entry.reason) == quick_status(path)

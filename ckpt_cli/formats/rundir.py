@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron, safetensors, torchfile
-from ckpt_cli.formats.base import open_regular
+from ckpt_cli.formats.base import open_regular, special_kind
 from ckpt_cli.model import Finding, RunEntry, RunListing
 
 FILE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
@@ -470,9 +470,16 @@ def quick_status(path: Path) -> tuple[str | None, bool, str | None]:
         ``(format or None, complete, reason when incomplete)``.
     """
     try:
-        fmt, complete, reason = _dir_status(path) if path.is_dir() else _file_status(path)
+        status = _dir_status(path) if path.is_dir() else _file_status(path)
     except (OSError, CkptError) as e:
         return None, False, f"unreadable: {e}"
+    return _named_unfinished(path, status)
+
+
+def _named_unfinished(path: Path, status: tuple[str | None, bool, str | None]
+                      ) -> tuple[str | None, bool, str | None]:
+    """``status``, made incomplete when the checkpoint's own name marks an unfinished save."""
+    fmt, complete, reason = status
     unfinished = in_progress_reason(path.name) if complete else None
     if unfinished is not None:
         # Orbax, HF Trainer and ckpt itself save under a temporary name and rename when
@@ -799,16 +806,17 @@ def _entry(where: str, step: int | None, is_file: bool = False) -> RunEntry:
         else:
             try:
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise CkptError("not a regular file", path=path)
+                kind = special_kind(st.st_mode)
+                if kind is not None:
+                    raise CorruptCheckpointError(f"not a regular file ({kind})", path=path)
                 scan = TreeScan(st.st_size, 1, st.st_mtime, max(st.st_mtime, st.st_ctime))
                 status = _open_file_status(path, fd, st.st_size)
             except (OSError, CkptError) as e:
                 status = None, False, f"unreadable: {e}"
             finally:
                 os.close(fd)
-            if status is None:
-                status = quick_status(path)
+            if status is not None:
+                status = _named_unfinished(path, status)  # as quick_status does
     if scan is None:
         scan = tree_scan(path)
     fmt, complete, reason = status if status is not None else quick_status(path)

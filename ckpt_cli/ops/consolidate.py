@@ -44,6 +44,7 @@ from ckpt_cli.ops.convert import (
     Selection,
     hostile_warning,
     hostile_warnings,
+    piece_caster,
     select_tensors,
 )
 from ckpt_cli.tensors import TensorSource, split_pieces
@@ -270,8 +271,8 @@ def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool, stats: C
         dst = _cast_to(target, base, t.kind != "moment")
         casting += t.numel if dst != t.dtype else 0
         load = _caster(reader.read, t, dst, stats, clamp)
-        outs.append(OutTensor(t.name, dst, t.shape, load, _piece_caster(
-            lambda p: split_pieces(reader.read(p)), t, dst, stats, clamp)))
+        outs.append(OutTensor(t.name, dst, t.shape, load, piece_caster(
+            lambda p: split_pieces(reader.read(p)), t, dst, t.name, clamp, stats)))
         expected[t.name] = load
     details = {"zero_stage": plan.stage, "world_size": plan.world_size, "step": plan.step,
                "tag": resolve_tag(src).name}
@@ -297,19 +298,6 @@ def _caster(read: Callable[[Any], np.ndarray], t: Any, dst: str, stats: CastStat
     return load
 
 
-def _piece_caster(pieces_of: Callable[[Any], Iterator[np.ndarray]], t: Any, dst: str,
-                  stats: CastStats, clamp: bool) -> Callable[[], Iterator[np.ndarray]]:
-    """Pieces of ``t`` cast to ``dst`` one at a time: memory holds the source (a piece, or the
-    one buffer a whole-read layout needs) and one cast piece, never a cast copy of the whole
-    tensor. FP16 overflow adds up in ``stats`` across the pieces."""
-    def pieces() -> Iterator[np.ndarray]:
-        for piece in pieces_of(t):
-            yield piece if dst == t.dtype else cast_array(piece, dst, name=t.name, clamp=clamp,
-                                                          stats=stats)
-            del piece
-    return pieces
-
-
 def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optimizer: bool,
                fmt: str, stats: CastStats, clamp: bool) -> _Job:
     sel: Selection = select_tensors(index, keep_optimizer=with_optimizer)
@@ -325,7 +313,7 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
         casting += t.numel if dst != t.dtype else 0
         load = _caster(src.read, t, dst, stats, clamp)
         outs.append(OutTensor(out_name, dst, t.shape, load,
-                              _piece_caster(src.iter_pieces, t, dst, stats, clamp)))
+                              piece_caster(src.iter_pieces, t, dst, t.name, clamp, stats)))
         expected[out_name] = load
     meta = {"ckpt.source": str(index.root.resolve()), "ckpt.source_format": index.format,
             "ckpt.conversion": "; ".join([f"to={target or 'keep'}", *sel.renamed])}
@@ -378,7 +366,7 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
             casting += t.numel if dst != t.dtype else 0
             load = _caster(reader.read, t, dst, stats, clamp)
             outs.append(OutTensor(out_name, dst, t.shape, load,
-                                  _piece_caster(reader.iter_pieces, t, dst, stats, clamp)))
+                                  piece_caster(reader.iter_pieces, t, dst, t.name, clamp, stats)))
             expected[out_name] = load
             elements += t.numel
     meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": "rank-files",

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -162,9 +163,11 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         dst = _target_dtype(t, out_name, target, keep_fp32, keep_optimizer)
         if dst != t.dtype:
             casts[f"{t.dtype}->{dst}"] += 1
+        # A cast reads every value once: map the file rather than copy it (as _loader does).
+        pieces_of = partial(source_reader.iter_pieces, mapped=dst != t.dtype)
         outs.append(OutTensor(out_name, dst, t.shape,
                               _loader(source_reader, t, dst, out_name, clamp, stats),
-                              _pieces(source_reader, t, dst, out_name, clamp, stats)))
+                              piece_caster(pieces_of, t, dst, out_name, clamp, stats)))
     meta = _metadata(index, src, to, sel, keep_optimizer, fmt)
     if keep_optimizer and fmt == "safetensors" and index.objects:
         meta["ckpt.objects"] = orjson.dumps(index.objects, default=str).decode()
@@ -420,17 +423,28 @@ def _loader(src: TensorSource, t: TensorInfo, dst: str, name: str, clamp: bool,
     return load
 
 
-def _pieces(src: TensorSource, t: TensorInfo, dst: str, name: str, clamp: bool,
-            stats: CastStats) -> Callable[[], Iterator[np.ndarray]]:
-    """Like :func:`_loader`, piece by piece: a tensor of several GB never sits in memory whole.
-    Overflow counts add up in ``stats`` across the pieces; the refusal comes before the
-    output is renamed into place."""
+def piece_caster(pieces_of: Callable[[Any], Iterator[np.ndarray]], t: Any, dst: str,
+                 name: str, clamp: bool, stats: CastStats) -> Callable[[], Iterator[np.ndarray]]:
+    """Like :func:`_loader`, piece by piece: a tensor of several GB never sits in memory whole
+    (it holds the source piece, or the one buffer a whole-read layout needs, and one cast
+    piece). Overflow counts add up in ``stats`` across the pieces; the refusal comes before
+    the output is renamed into place.
+
+    Args:
+        pieces_of: Yields the source pieces of a tensor (``TensorSource.iter_pieces``...).
+        t: The source tensor (its ``dtype`` says whether to cast).
+        dst: The dtype to write.
+        name: The tensor's name in messages.
+        clamp: Clamp FP16 overflow instead of refusing it.
+        stats: Where overflow is counted.
+
+    Returns:
+        A function yielding the pieces to write.
+    """
     def pieces() -> Iterator[np.ndarray]:
-        if dst == t.dtype:
-            yield from src.iter_pieces(t)
-            return
-        for piece in src.iter_pieces(t, mapped=True):
-            yield cast_array(piece, dst, name=name, clamp=clamp, stats=stats)
+        for piece in pieces_of(t):
+            yield piece if dst == t.dtype else cast_array(piece, dst, name=name, clamp=clamp,
+                                                          stats=stats)
             del piece
     return pieces
 
