@@ -29,8 +29,9 @@ from typing import Literal
 import humanize
 
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats.rundir import DANGLING_POINTER, POINTER_UNREADABLE, is_last_copy
+from ckpt_cli.formats.names import is_last_copy
 from ckpt_cli.model import Finding, RunEntry, RunListing
+from ckpt_cli.runs import DANGLING_POINTER, POINTER_UNREADABLE
 
 
 @dataclass(frozen=True, slots=True)

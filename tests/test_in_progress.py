@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_cli.formats.rundir import in_progress_reason
+from ckpt_cli.formats.names import in_progress_reason
 from tests.conftest import run_cli
 from tests.helpers.makers import tiny_state_dict, training_checkpoint
 
@@ -72,7 +72,7 @@ def test_prune_never_deletes_an_unfinished_save(tmp_path: Path) -> None:
 
 def test_a_file_entry_under_an_unfinished_name_is_incomplete(tmp_path: Path) -> None:
     # The listing's one-open path for files must apply the same name check as the general one.
-    from ckpt_cli.formats.rundir import quick_status, run_entry
+    from ckpt_cli.runs import quick_status, run_entry
 
     path = tmp_path / "w.orbax-checkpoint-tmp-1.safetensors"
     save_file(tiny_state_dict(), str(path))

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_cli.formats.rundir import list_run
 from ckpt_cli.ops import prune as prune_ops
 from ckpt_cli.ops.prune import PruneEvent, prune
 from ckpt_cli.planning import PrunePlan, PrunePolicy
+from ckpt_cli.runs import list_run
 from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.makers import hf_trainer_run, lightning_run, megatron_legacy
 

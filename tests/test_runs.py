@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ckpt_cli.formats import rundir
+from ckpt_cli import runs
 from tests.conftest import HAS_DEEPSPEED, requires_deepspeed, run_cli, third_party_quiet
 
 requires_torch = pytest.mark.requires_torch
@@ -182,7 +182,7 @@ def ds_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @requires_deepspeed
 def test_convert_and_consolidate_follow_deepspeed_latest(ds_run: Path, tmp_path: Path) -> None:
     assert (ds_run / "latest").read_text().strip() == "global_step3"
-    assert rundir.is_run_dir(ds_run)
+    assert runs.is_run_dir(ds_run)
     # convert follows `latest` too; a ZeRO tag itself is consolidate's job, and the error
     # says so about the tag it chose (not "a run directory").
     r = run_cli("convert", ds_run, "-o", tmp_path / "c.safetensors")
@@ -254,14 +254,14 @@ def test_long_run_json_keeps_every_entry(long_run: Path) -> None:
 def test_slow_storage_listing_in_threads_gives_the_same_entries(
         long_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The thread pool taken for slow storage lists exactly what the sequential path does."""
-    def key(e: rundir.RunEntry) -> tuple:  # type: ignore[type-arg]
+    def key(e: runs.RunEntry) -> tuple:  # type: ignore[type-arg]
         return (e.name, e.step, e.format, e.bytes, e.files, e.mtime, e.complete, e.reason,
                 e.latest)
 
-    sequential = [key(e) for e in rundir.list_run(long_run).entries]
-    monkeypatch.setattr(rundir, "_SLOW_ENTRY", 0.0)  # every probe counts as slow
-    monkeypatch.setattr(rundir, "_PROBE", 8)
-    threaded = [key(e) for e in rundir.list_run(long_run).entries]
+    sequential = [key(e) for e in runs.list_run(long_run).entries]
+    monkeypatch.setattr(runs, "_SLOW_ENTRY", 0.0)  # every probe counts as slow
+    monkeypatch.setattr(runs, "_PROBE", 8)
+    threaded = [key(e) for e in runs.list_run(long_run).entries]
     assert threaded == sequential and len(threaded) == 300
 
 
@@ -269,7 +269,7 @@ def test_a_file_entry_reads_like_the_generic_status(long_run: Path) -> None:
     """The one-open status of a file entry agrees with quick_status and tree_scan."""
     for name in ("step_0001.safetensors", "step_0150.safetensors"):
         p = long_run / name
-        e = rundir.run_entry(p)
-        assert (e.format, e.complete, e.reason) == rundir.quick_status(p)
-        scan = rundir.tree_scan(p)
+        e = runs.run_entry(p)
+        assert (e.format, e.complete, e.reason) == runs.quick_status(p)
+        scan = runs.tree_scan(p)
         assert (e.bytes, e.files, e.mtime) == (scan.bytes, scan.files, scan.mtime)

@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.model import Finding
-from ckpt_cli.ops.layoutcheck import directory_pointers
 from ckpt_cli.ops.validate import CHECKS, CheckpointReport, parse_require, validate
+from ckpt_cli.ops.validate.layoutcheck import directory_pointers
 from tests.conftest import requires_deepspeed, third_party_quiet
 from tests.helpers import damage
 from tests.helpers.makers import (
@@ -656,7 +656,7 @@ def test_megatron_tracker_file(tmp_path: Path) -> None:
 
 def test_pointer_spellings_agree_with_the_run_listing(sample_copy: Path) -> None:
     """validate and the run listing (prune, inspect) read a pointer with one parser."""
-    from ckpt_cli.formats.rundir import read_pointers
+    from ckpt_cli.runs import read_pointers
 
     latest = sample_copy / "latest"
     for text, ok in (("step_000300", True), ("./step_000300/", True),

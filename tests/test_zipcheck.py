@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_cli.ops.zipcheck import check_zip, crc_tasks, verify_crcs
+from ckpt_cli.ops.validate.zipcheck import check_zip, crc_tasks, verify_crcs
 from tests.helpers import damage
 
 

@@ -16,6 +16,7 @@ from ckpt_cli.formats.deepspeed import DeepSpeedReader
 from ckpt_cli.formats.directory import DirectoryReader
 from ckpt_cli.formats.hf_index import INDEX_SUFFIXES, HFIndexReader
 from ckpt_cli.formats.megatron import MegatronReader
+from ckpt_cli.formats.names import step_from_name
 from ckpt_cli.formats.safetensors import SafetensorsReader
 from ckpt_cli.formats.torchfile import TorchReader
 from ckpt_cli.model import CheckpointIndex
@@ -158,7 +159,6 @@ def _complete(index: CheckpointIndex) -> None:
     names whatever the reader), the step the checkpoint's name gives, and tied weights that
     no storage sharing records (found the same way for every format)."""
     from ckpt_cli.formats import containers
-    from ckpt_cli.formats.rundir import step_from_name
 
     for k, v in containers.training_facts(index.objects, index.tensors).items():
         index.metadata.setdefault(k, v)

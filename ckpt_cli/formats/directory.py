@@ -18,6 +18,7 @@ import orjson
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, safetensors, torchfile
 from ckpt_cli.formats.base import file_size, present, read_head, rel_to
+from ckpt_cli.formats.names import step_from_name
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 CHECKPOINT_EXTENSIONS = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".distcp")
@@ -103,8 +104,6 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         p = path / name
         if p.is_file():
             _read_json_state(index, p)
-    from ckpt_cli.formats.rundir import step_from_name
-
     nested: list[str] = []
     for sub in sorted(q for q in path.iterdir() if q.is_dir()):
         if dcp.metadata_file(sub) is not None:

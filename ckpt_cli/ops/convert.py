@@ -27,8 +27,8 @@ from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.containers import MODEL_KEYS
-from ckpt_cli.formats.rundir import Followed, follow_pointer, is_run_dir
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
+from ckpt_cli.runs import Followed, follow_pointer, is_run_dir
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import SIDE_FILES, OutTensor, WriteResult, output_format, write_checkpoint
 

@@ -51,9 +51,9 @@ from ckpt_cli.errors import (
 from ckpt_cli.formats import deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged, refuse_incomplete
 from ckpt_cli.formats.containers import group_of
-from ckpt_cli.formats.rundir import Followed, follow_pointer, is_run_dir, list_run
 from ckpt_cli.formats.torchfile import role_of
 from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.runs import Followed, follow_pointer, is_run_dir, list_run
 from ckpt_cli.streaming import PIECE_BYTES
 from ckpt_cli.tensors import TensorSource
 

@@ -10,8 +10,8 @@ from typing import Any
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
-from ckpt_cli.formats.rundir import holds_final_model, is_run_dir, list_run
 from ckpt_cli.model import CheckpointIndex, RunListing, TensorInfo
+from ckpt_cli.runs import holds_final_model, is_run_dir, list_run
 
 
 @dataclass(slots=True)

@@ -40,19 +40,9 @@ import orjson
 
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
-from ckpt_cli.formats.rundir import (
-    LOCK_SUFFIX,
-    POINTER_FILES,
-    POINTER_UNREADABLE,
-    TRASH_PREFIX,
-    list_run,
-    read_pointers,
-    run_dir_problem,
-    tree_scan,
-    writer_lock,
-)
+from ckpt_cli.formats.names import TRASH_PREFIX
 from ckpt_cli.model import RunEntry, RunListing
-from ckpt_cli.ops.layoutcheck import rank_findings
+from ckpt_cli.ops.validate.layoutcheck import rank_findings
 from ckpt_cli.planning import (
     Decision,
     PrunePlan,
@@ -61,6 +51,16 @@ from ckpt_cli.planning import (
     plan_prune,
     pointer_protections,
     ranked_entries,
+)
+from ckpt_cli.runs import (
+    LOCK_SUFFIX,
+    POINTER_FILES,
+    POINTER_UNREADABLE,
+    list_run,
+    read_pointers,
+    run_dir_problem,
+    tree_scan,
+    writer_lock,
 )
 
 LOCK_NAME = ".ckpt-prune.lock"

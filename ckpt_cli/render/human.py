@@ -370,7 +370,7 @@ def note_followed(followed: Any, side: str | None = None) -> None:
     """Say on stderr which checkpoint a run directory's pointer chose (``convert run/``).
 
     Args:
-        followed: A :class:`ckpt_cli.formats.rundir.Followed`, or None (nothing printed).
+        followed: A :class:`ckpt_cli.runs.Followed`, or None (nothing printed).
         side: ``A``/``B`` for ``diff``.
     """
     if followed is None:

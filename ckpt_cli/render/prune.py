@@ -12,7 +12,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from ckpt_cli.formats.rundir import TRASH_PREFIX
+from ckpt_cli.formats.names import TRASH_PREFIX
 from ckpt_cli.ops.prune import PruneEvent, PruneResult
 from ckpt_cli.planning import Decision, PrunePlan
 from ckpt_cli.render import json as rj

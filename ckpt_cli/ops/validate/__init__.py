@@ -39,14 +39,6 @@ from ckpt_cli.formats import (
 )
 from ckpt_cli.formats.base import rel_to
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
-from ckpt_cli.formats.rundir import (
-    POINTER_FILES,
-    holds_final_model,
-    is_run_dir,
-    list_run,
-    quick_status,
-    run_entry,
-)
 from ckpt_cli.manifest import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
@@ -59,8 +51,8 @@ from ckpt_cli.manifest import (
     write_manifest,
 )
 from ckpt_cli.model import CheckpointIndex, Finding, RunEntry, RunListing
-from ckpt_cli.ops.dcpcheck import check_dcp
-from ckpt_cli.ops.layoutcheck import (
+from ckpt_cli.ops.validate.dcpcheck import check_dcp
+from ckpt_cli.ops.validate.layoutcheck import (
     directory_pointers,
     ds_world,
     leftover_findings,
@@ -70,8 +62,16 @@ from ckpt_cli.ops.layoutcheck import (
     resumable_findings,
     stray_shards,
 )
-from ckpt_cli.ops.valuecheck import ValueStats, scan_values
-from ckpt_cli.ops.zipcheck import CrcTask, check_zip, crc_tasks, verify_crcs
+from ckpt_cli.ops.validate.valuecheck import ValueStats, scan_values
+from ckpt_cli.ops.validate.zipcheck import CrcTask, check_zip, crc_tasks, verify_crcs
+from ckpt_cli.runs import (
+    POINTER_FILES,
+    holds_final_model,
+    is_run_dir,
+    list_run,
+    quick_status,
+    run_entry,
+)
 from ckpt_cli.streaming import OpenFiles, ProgressFn, default_jobs
 
 Status = Literal["pass", "warn", "fail", "skip"]

@@ -22,7 +22,7 @@ from ckpt_cli.formats import dcp
 from ckpt_cli.formats.torchfile import TorchZip, ZipEntry, archive_prefix, view_extent
 from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, TensorRecord, safe_load
 from ckpt_cli.model import CheckpointIndex, Chunk, Finding, TensorInfo
-from ckpt_cli.ops.zipcheck import CrcTask, ZipReport, check_zip, crc_tasks
+from ckpt_cli.ops.validate.zipcheck import CrcTask, ZipReport, check_zip, crc_tasks
 from ckpt_cli.streaming import OpenFiles
 
 _DISTCP = re.compile(r"^__\d+_\d+\.distcp$")

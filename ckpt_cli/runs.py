@@ -23,27 +23,18 @@ from typing import NamedTuple
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron, safetensors, torchfile
 from ckpt_cli.formats.base import open_regular, special_kind
+from ckpt_cli.formats.names import (
+    FILE_EXTENSIONS,
+    in_progress_reason,
+    is_last_copy,
+    is_leftover,
+    step_from_name,
+)
 from ckpt_cli.model import Finding, RunEntry, RunListing
 
-FILE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
-_NAME_PATTERNS = (
-    re.compile(r"^checkpoint-(?P<step>\d+)$"),
-    re.compile(r"^global_step(?P<step>\d+)$"),
-    re.compile(r"^iter_(?P<step>\d+)$"),
-    re.compile(r"(?:^|[-_])step[=_-]?(?P<step>\d+)(?:$|[-_.])"),
-    re.compile(r"^(?:checkpoint|ckpt|model|iter|iteration|epoch|save|state)[_-]?(?P<step>\d+)"
-               r"(?:\.[a-z]+)?$"),
-    re.compile(r"^(?P<step>\d+)(?:\.[a-z]+)?$"),
-)
-# Any name ending in a number: fine for listing, too loose to delete by (see ``strict``).
-_LOOSE_FILE_PATTERN = re.compile(r"^.+?[_-](?P<step>\d+)\.(?:pt|pth|bin|ckpt|safetensors)$")
 _METRIC = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_/]*)=(?P<val>[-+]?(?:\d+\.?\d*|\.\d+)"
                      r"(?:[eE][-+]?\d+)?)")
-TEMP_MARKERS = (".tmp", "-tmp-", ".ckpt-tmp-", ".partial", ".incomplete", ".orbax-checkpoint-tmp",
-                ".ckpt-trash-", "_tmp", ".ckpt-old-")
 POINTER_FILES = ("latest", "latest_checkpointed_iteration.txt", "latest_universal")
-TRASH_PREFIX = ".ckpt-trash-"
-"""Prefix of an entry ``ckpt prune`` renamed out of the checkpoint namespace before removing it."""
 LOCK_SUFFIX = ".lock"
 # Finding codes other modules act on.
 POINTER_UNREADABLE = "pointer-unreadable"
@@ -52,60 +43,6 @@ MTIME_ORDER = "mtime-order"
 # Numbered files that are parts of one checkpoint, not checkpoints of their own.
 _PART_NAME = re.compile(r"rank|rng|random_states|optim|scheduler|shard|-of-|sampler|scaler",
                         re.IGNORECASE)
-
-
-def is_leftover(name: str) -> bool:
-    """Whether a name is a temporary (being written) or trash entry, never a checkpoint."""
-    return name.startswith(TRASH_PREFIX) or any(m in name for m in TEMP_MARKERS) or (
-        name.startswith("tmp") and not name[3:4].isdigit())
-
-
-def in_progress_reason(name: str) -> str | None:
-    """Why a checkpoint's own name says it is unfinished (a writer's temporary name), or None.
-
-    The markers of :func:`is_leftover`, except the bare ``tmp`` prefix, which
-    ``tempfile.mkdtemp`` gives to directories anyone may save finished checkpoints in.
-    """
-    if name.startswith(TRASH_PREFIX) or ".ckpt-old-" in name:
-        return "named like ckpt's trash: it was being deleted or replaced"
-    if name.startswith("tmp-checkpoint-"):
-        return "named like HF Trainer's temporary save (tmp-checkpoint-*): not renamed yet"
-    marker = max((m for m in TEMP_MARKERS if m in name), key=len, default=None)
-    if marker is None:
-        return None
-    return f"its name marks an unfinished save ({marker!r}): the writer renames it when done"
-
-
-def step_from_name(name: str, *, strict: bool = False) -> int | None:
-    """The step a checkpoint's name encodes, or None.
-
-    Args:
-        name: A file or directory name.
-        strict: Ignore the catch-all "anything ending in ``_<number>.pt``" pattern.
-
-    Returns:
-        The step, or None.
-    """
-    for pat in _NAME_PATTERNS if strict else (*_NAME_PATTERNS, _LOOSE_FILE_PATTERN):
-        m = pat.search(name)
-        if m:
-            return int(m.group("step"))
-    return None
-
-
-def is_last_copy(name: str) -> bool:
-    """Whether a name is a "last" checkpoint that training resumes from.
-
-    Lightning's ``last.ckpt``/``last-v1.ckpt`` and NeMo's ``...-last.ckpt``, whatever step.
-
-    Args:
-        name: A file or directory name.
-
-    Returns:
-        True for such names.
-    """
-    stem = name.removesuffix(".ckpt")
-    return name.startswith("last") or stem.endswith("-last")
 
 
 def metrics_from_name(name: str) -> dict[str, float]:

@@ -16,8 +16,9 @@ from ckpt_cli.errors import CkptError
 from ckpt_cli.formats import deepspeed, hf_index, megatron
 from ckpt_cli.formats.base import rel_to
 from ckpt_cli.formats.containers import OPTIMIZER_KEYS
-from ckpt_cli.formats.rundir import POINTER_FILES, PointerError, is_leftover, read_pointer
+from ckpt_cli.formats.names import is_leftover
 from ckpt_cli.model import CheckpointIndex, Finding
+from ckpt_cli.runs import POINTER_FILES, PointerError, read_pointer
 
 _RANK_PREFIX = re.compile(r"^(?:mp_rank_\d+\S*|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_\w+)$")
 
