@@ -35,8 +35,8 @@ from ckpt_cli import dtypes
 from ckpt_cli.compare import (
     BLOCK_ELEMENTS,
     EXACT,
+    DiffStats,
     Tolerance,
-    ValueStats,
     compare_values,
     default_tolerance,
     relative_l2,
@@ -176,7 +176,7 @@ class TensorDiff:
     shape_a: tuple[int, ...]
     shape_b: tuple[int, ...]
     status: str = "not_compared"
-    stats: ValueStats | None = None
+    stats: DiffStats | None = None
     tolerance: Tolerance | None = None
     reason: str | None = None
 

@@ -60,7 +60,7 @@ from ckpt_cli.ops.validate.layoutcheck import (
     resumable_findings,
     stray_shards,
 )
-from ckpt_cli.ops.validate.valuecheck import ValueStats, scan_values
+from ckpt_cli.ops.validate.valuecheck import ValueScan, scan_values
 from ckpt_cli.ops.validate.zipcheck import CrcTask, check_zip, crc_tasks, verify_crcs
 from ckpt_cli.runs import (
     POINTER_FILES,
@@ -804,7 +804,7 @@ def _complete(b: _Builder, path: Path, index: CheckpointIndex | None,
                                None)], "the save did not finish")
 
 
-def _values_summary(stats: ValueStats) -> str:
+def _values_summary(stats: ValueScan) -> str:
     rate = (f", {stats.bytes / stats.seconds / 1e9:.2f} GB/s" if stats.seconds > 0
             and stats.bytes > _RATE_MIN else "")
     skipped = f", {stats.skipped} not examinable" if stats.skipped else ""
