@@ -139,7 +139,7 @@ def relative_l2(norm_diff: float, norm_a: float, norm_b: float) -> float:
 
 
 @dataclass(slots=True)
-class ValueStats:
+class DiffStats:
     """How the values of two same-shaped tensors differ.
 
     Attributes:
@@ -201,8 +201,8 @@ class _Acc:
         self.ss_a = self.ss_b = self.ss_d = 0.0
         self.changed = self.outside = self.mismatched = self.matched = 0
 
-    def stats(self, elements: int) -> ValueStats:
-        return ValueStats(elements, self.max_abs, self.sum_abs / self.n if self.n else 0.0,
+    def stats(self, elements: int) -> DiffStats:
+        return DiffStats(elements, self.max_abs, self.sum_abs / self.n if self.n else 0.0,
                           math.sqrt(self.ss_a), math.sqrt(self.ss_b), math.sqrt(self.ss_d),
                           self.changed, self.outside, self.mismatched, self.matched)
 
@@ -296,7 +296,7 @@ def work_dtype(dtype_a: str, dtype_b: str) -> str:
 
 def compare_values(src_a: TensorSource, ta: TensorInfo, src_b: TensorSource, tb: TensorInfo,
                    tol: Tolerance, *, block: int = BLOCK_ELEMENTS,
-                   on_block: Callable[[int], None] | None = None) -> ValueStats:
+                   on_block: Callable[[int], None] | None = None) -> DiffStats:
     """Compare the values of two tensors of the same shape.
 
     Args:
@@ -309,7 +309,7 @@ def compare_values(src_a: TensorSource, ta: TensorInfo, src_b: TensorSource, tb:
         on_block: Called with the number of bytes (both sides) done after each block.
 
     Returns:
-        The :class:`ValueStats`.
+        The :class:`DiffStats`.
 
     Raises:
         ValueError: If the tensors have different element counts.
@@ -487,7 +487,7 @@ def _exact_block(x: np.ndarray, y: np.ndarray, acc: _Acc) -> None:
 
 
 def _compare_raw(fa: _Flat, fb: _Flat, n: int,
-                 on_block: Callable[[int], None] | None) -> ValueStats:
+                 on_block: Callable[[int], None] | None) -> DiffStats:
     """Dtypes numpy cannot decode (F4, F6): equal only if the packed bytes are."""
     import numpy as np
 
@@ -496,4 +496,4 @@ def _compare_raw(fa: _Flat, fb: _Flat, n: int,
     diff = int(np.count_nonzero(fa.whole.view(np.uint8) != fb.whole.view(np.uint8)))
     if on_block is not None:
         on_block(fa.t.nbytes + fb.t.nbytes)
-    return ValueStats(n, changed=diff, outside=diff, raw_only=True)
+    return DiffStats(n, changed=diff, outside=diff, raw_only=True)

@@ -369,6 +369,12 @@ class RunEntry:
     changed: float = 0.0
 
 
+# Codes of a run listing's findings that other layers act on (prune halts on the first two).
+POINTER_UNREADABLE = "pointer-unreadable"
+DANGLING_POINTER = "dangling-pointer"
+MTIME_ORDER = "mtime-order"
+
+
 @dataclass(slots=True)
 class RunListing:
     """A run directory: its checkpoints ordered by step (oldest first).

@@ -30,16 +30,19 @@ from ckpt_cli.formats.names import (
     is_leftover,
     step_from_name,
 )
-from ckpt_cli.model import Finding, RunEntry, RunListing
+from ckpt_cli.model import (
+    DANGLING_POINTER,
+    MTIME_ORDER,
+    POINTER_UNREADABLE,
+    Finding,
+    RunEntry,
+    RunListing,
+)
 
 _METRIC = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_/]*)=(?P<val>[-+]?(?:\d+\.?\d*|\.\d+)"
                      r"(?:[eE][-+]?\d+)?)")
 POINTER_FILES = ("latest", "latest_checkpointed_iteration.txt", "latest_universal")
 LOCK_SUFFIX = ".lock"
-# Finding codes other modules act on.
-POINTER_UNREADABLE = "pointer-unreadable"
-DANGLING_POINTER = "dangling-pointer"
-MTIME_ORDER = "mtime-order"
 # Numbered files that are parts of one checkpoint, not checkpoints of their own.
 _PART_NAME = re.compile(r"rank|rng|random_states|optim|scheduler|shard|-of-|sampler|scaler",
                         re.IGNORECASE)

@@ -1,8 +1,11 @@
-"""Parsing of the quantities users type: sizes, counts, durations and rates.
+"""The quantities users type and read: sizes, counts, durations and rates, and name order.
 
 Sizes use decimal units like the HF hub (``5GB`` = 5e9 bytes); binary units are spelled
 ``GiB``. Counts take ``K M B T`` suffixes (``175B`` parameters). Durations accept ``90s``,
 ``30m``, ``4h``, ``7d``, ``2w``, ``5y`` and combinations such as ``1h30m``.
+
+Torch-free and humanize-free, so that the library (``ops``, the planners) and the output layer
+(``render``) format sizes and order names the same way.
 """
 
 from __future__ import annotations
@@ -144,3 +147,58 @@ def parse_rate(text: str, *, what: str = "bandwidth") -> float:
         raise UsageError(f"{what} {text!r} looks like bits per second; give bytes per second "
                          "(100 Gb/s = 12.5GB/s)")
     return float(_size(base, what, False, shown=text))
+
+
+_SIZE_SUFFIXES = ("kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB", "RB", "QB")
+
+
+def format_size(n: float) -> str:
+    """Bytes in decimal units with one decimal: ``999 Bytes``, ``1 Byte``, ``14.2 MB``.
+
+    The project's one size formatter (tables, reasons, messages); the text is that of
+    ``humanize.naturalsize(n, format="%.1f")``, which the output always used.
+
+    Args:
+        n: A number of bytes (negative is allowed: ``-1.5 kB``).
+
+    Returns:
+        The size as text.
+    """
+    value = float(n)
+    magnitude = abs(value)
+    if magnitude == 1:
+        return f"{int(value)} Byte"
+    if magnitude < 1000:
+        return f"{int(value)} Bytes"
+    # The unit comes from the unrounded value; if rounding to one decimal reaches 1000 of it
+    # (999,999 bytes would read "1000.0 kB"), the next unit up is used instead.
+    exp = int(min(math.log(magnitude, 1000), len(_SIZE_SUFFIXES)))
+    if exp < len(_SIZE_SUFFIXES) and abs(float(f"{magnitude / 1000 ** exp:.1f}")) >= 1000:
+        exp += 1
+    return f"{value / 1000 ** exp:.1f} {_SIZE_SUFFIXES[exp - 1]}"
+
+
+def natural_key(name: str) -> list[tuple[int, int | str]]:
+    """Sort key putting ``layers.2`` before ``layers.10`` and ``rank_2`` before ``rank_10``.
+
+    Args:
+        name: A tensor, module or file name.
+
+    Returns:
+        The key: runs of digits compare as numbers, the text between them as text.
+    """
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p]
+
+
+def require_positive(value: float, what: str) -> None:
+    """Refuse a quantity that is not a positive finite number.
+
+    Args:
+        value: The quantity.
+        what: What it is, for the message (``--params``, ``MTBF``...).
+
+    Raises:
+        UsageError: Zero, negative, NaN or infinite.
+    """
+    if not (value > 0 and math.isfinite(value)):
+        raise UsageError(f"{what} must be positive, not {value!r}")

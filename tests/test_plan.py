@@ -1,4 +1,5 @@
-"""``ckpt_cli.ops.plan``: the size model, Young and Daly, the overhead model, ``--measure``."""
+"""The size model, Young and Daly, the overhead model (``ckpt_cli.cadence``), ``--measure``
+(``ckpt_cli.measure``) and ``ckpt_cli.ops.plan``."""
 
 from __future__ import annotations
 
@@ -14,19 +15,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.ops import plan as P
-from ckpt_cli.ops.plan import (
+from ckpt_cli import measure as M
+from ckpt_cli.cadence import (
     bytes_per_parameter,
     daly_interval,
     expected_overhead,
     job_mtbf,
-    measure_bandwidth,
-    plan,
-    size_from_checkpoint,
     size_from_params,
     young_interval,
 )
+from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.measure import measure_bandwidth
+from ckpt_cli.ops.plan import plan, size_from_checkpoint
 
 HOUR = 3600.0
 
@@ -420,7 +420,7 @@ def test_measure_writes_fsyncs_and_removes(tmp_path: Path,
         synced.append(os.fstat(fd).st_size)
         real_fsync(fd)
 
-    monkeypatch.setattr(P.os, "fsync", fsync)
+    monkeypatch.setattr(M.os, "fsync", fsync)
     seen: list[tuple[int, int]] = []
     m = measure_bandwidth(tmp_path, size=3 << 20, streams=3,
                           on_progress=lambda done, total: seen.append((done, total)))
@@ -460,14 +460,14 @@ def test_measure_write_error_is_reported_and_cleaned_up(tmp_path: Path,
     def full(fd: int, data: object, offset: int) -> int:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(P.os, "pwrite", full)
+    monkeypatch.setattr(M.os, "pwrite", full)
     with pytest.raises(CkptError, match="No space left on device"):
         measure_bandwidth(tmp_path, size=1 << 20, streams=2)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_measure_checks_free_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(P.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    monkeypatch.setattr(M.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
     with pytest.raises(UsageError, match="only 1,000 are free"):
         measure_bandwidth(tmp_path, size=1 << 20)
     assert list(tmp_path.iterdir()) == []

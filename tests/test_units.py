@@ -1,11 +1,22 @@
-"""Parsing of sizes, counts, durations and rates."""
+"""Parsing of sizes, counts, durations and rates; the size formatter and the natural sort."""
 
 from __future__ import annotations
 
+import humanize
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckpt_cli.errors import UsageError
-from ckpt_cli.units import parse_count, parse_duration, parse_rate, parse_size
+from ckpt_cli.units import (
+    format_size,
+    natural_key,
+    parse_count,
+    parse_duration,
+    parse_rate,
+    parse_size,
+    require_positive,
+)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -67,3 +78,36 @@ def test_rate_errors_quote_what_was_typed() -> None:
         parse_rate("0GB/s", what="--bandwidth")
     with pytest.raises(UsageError, match=r"--bandwidth '5XB/s': unknown unit 'XB'"):
         parse_rate("5XB/s", what="--bandwidth")
+
+
+# -- formatting and ordering ------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,text", [
+    (0, "0 Bytes"), (1, "1 Byte"), (999, "999 Bytes"), (1000, "1.0 kB"), (14_200_000, "14.2 MB"),
+    (999_949, "999.9 kB"), (999_950, "1.0 MB"), (10**9, "1.0 GB"), (2.5e12, "2.5 TB"),
+    (-1500, "-1.5 kB"), (10**33, "1000.0 QB"),
+])
+def test_format_size(n: float, text: str) -> None:
+    assert format_size(n) == text
+
+
+@settings(max_examples=300)
+@given(st.one_of(st.integers(min_value=-10**33, max_value=10**33),
+                 st.floats(min_value=0, max_value=1e33)))
+def test_format_size_reads_as_the_output_always_did(n: float) -> None:
+    # Reports and --json messages were written with humanize; the text must not change.
+    assert format_size(n) == humanize.naturalsize(n, binary=False, format="%.1f")
+
+
+def test_natural_key_orders_numbers_as_numbers() -> None:
+    names = ["layers.10.w", "layers.2.w", "layers.2", "rank_10", "rank_2", "a", "1a", ""]
+    assert sorted(names, key=natural_key) == [
+        "", "1a", "a", "layers.2", "layers.2.w", "layers.10.w", "rank_2", "rank_10"]
+    assert natural_key("zero_pp_rank_3_mp_rank_00") == natural_key("zero_pp_rank_3_mp_rank_0")
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf")])
+def test_require_positive(value: float) -> None:
+    with pytest.raises(UsageError, match="--x must be positive"):
+        require_positive(value, "--x")
+    require_positive(0.5, "--x")

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from rich.table import Table
     from rich.text import Text
 
-    from ckpt_cli.ops.plan import IntervalFigures, PlanResult
+    from ckpt_cli.results import IntervalFigures, PlanResult
 
 _Dur = "DURATION"
 

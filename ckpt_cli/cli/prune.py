@@ -14,8 +14,8 @@ from ckpt_cli.cli.options import DryRunOpt, JsonOpt, YesOpt
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-    from ckpt_cli.ops.prune import PruneEvent, PruneResult
-    from ckpt_cli.planning import PrunePlan, PrunePolicy
+    from ckpt_cli.results import PruneEvent, PruneResult
+    from ckpt_cli.retention import PrunePlan, PrunePolicy
 
 
 def prune_cmd(
@@ -110,7 +110,7 @@ def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
             metric: str | None, mode: str, older_than: str | None, max_total_size: str | None,
             grace: str) -> PrunePolicy:
     from ckpt_cli.errors import UsageError
-    from ckpt_cli.planning import PrunePolicy
+    from ckpt_cli.retention import PrunePolicy
     from ckpt_cli.units import parse_count, parse_duration, parse_size
 
     if mode not in ("min", "max"):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -522,11 +521,6 @@ class PieceReader:
             raise CorruptCheckpointError(
                 f"{name}: the record holding it fails the CRC-32 check (recorded {crc:#010x}, "
                 f"read {got:#010x}): the file is damaged", path=path)
-
-
-def natural_key(name: str) -> list[Any]:
-    """Sort key that orders ``rank_2`` before ``rank_10``."""
-    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]
 
 
 def loader(reader: PieceReader, t: ParamPlan,

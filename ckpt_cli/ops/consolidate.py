@@ -28,7 +28,7 @@ from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.directory import checkpoint_files
-from ckpt_cli.formats.zero import PieceReader, ZeroPlan, natural_key, plan_zero, resolve_tag
+from ckpt_cli.formats.zero import PieceReader, ZeroPlan, plan_zero, resolve_tag
 from ckpt_cli.manifest import manifest_path, write_manifest
 from ckpt_cli.model import CheckpointIndex, Finding
 from ckpt_cli.ops.convert import (
@@ -48,6 +48,7 @@ from ckpt_cli.runs import (
     tree_stats,
 )
 from ckpt_cli.tensors import TensorSource, split_pieces
+from ckpt_cli.units import natural_key
 from ckpt_cli.writers import OutTensor, WriteResult, output_format, write_checkpoint
 
 if TYPE_CHECKING:

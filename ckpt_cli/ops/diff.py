@@ -35,8 +35,8 @@ from ckpt_cli import dtypes
 from ckpt_cli.compare import (
     BLOCK_ELEMENTS,
     EXACT,
+    DiffStats,
     Tolerance,
-    ValueStats,
     compare_values,
     default_tolerance,
     relative_l2,
@@ -56,6 +56,7 @@ from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.runs import Followed, follow_pointer, is_run_dir, list_run
 from ckpt_cli.streaming import PIECE_BYTES
 from ckpt_cli.tensors import TensorSource
+from ckpt_cli.units import natural_key
 
 if TYPE_CHECKING:
     import numpy as np
@@ -175,7 +176,7 @@ class TensorDiff:
     shape_a: tuple[int, ...]
     shape_b: tuple[int, ...]
     status: str = "not_compared"
-    stats: ValueStats | None = None
+    stats: DiffStats | None = None
     tolerance: Tolerance | None = None
     reason: str | None = None
 
@@ -368,12 +369,7 @@ class DiffResult:
             mod(o.name).only_in_a += 1
         for o in self.only_b:
             mod(o.name).only_in_b += 1
-        return sorted(mods.values(), key=lambda m: _natural(m.name))
-
-
-def _natural(name: str) -> list[tuple[int, int | str]]:
-    """Sort key putting ``layers.2`` before ``layers.10``."""
-    return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p]
+        return sorted(mods.values(), key=lambda m: natural_key(m.name))
 
 
 def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,

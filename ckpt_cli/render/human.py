@@ -19,6 +19,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from ckpt_cli.model import GROUPS, CheckpointIndex, Finding, RunListing, TensorInfo
+from ckpt_cli.units import format_size
 
 _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
 
@@ -71,7 +72,7 @@ def size(n: int | float | None) -> str:
     """Bytes in decimal units (``14.2 MB``), as checkpoint tools and the HF hub use."""
     if n is None:
         return "-"
-    return humanize.naturalsize(n, binary=False, format="%.1f")
+    return format_size(n)
 
 
 def rate(bytes_per_second: float | None) -> str:

@@ -33,7 +33,7 @@ from ckpt_cli.errors import (
     UsageError,
 )
 from ckpt_cli.manifest import MANIFEST_NAME, manifest_path
-from ckpt_cli.planning import ShardPlan, plan_shards
+from ckpt_cli.shardplan import ShardPlan, plan_shards
 from ckpt_cli.streaming import MEMORY_BUDGET, PIECE_BYTES
 from ckpt_cli.writers.safetensors import header_bytes, write_all
 from ckpt_cli.writers.torchzip import TorchZipWriter

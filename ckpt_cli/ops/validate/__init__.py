@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import humanize
-
 from ckpt_cli.errors import (
     CkptError,
     CorruptCheckpointError,
@@ -62,7 +60,7 @@ from ckpt_cli.ops.validate.layoutcheck import (
     resumable_findings,
     stray_shards,
 )
-from ckpt_cli.ops.validate.valuecheck import ValueStats, scan_values
+from ckpt_cli.ops.validate.valuecheck import ValueScan, scan_values
 from ckpt_cli.ops.validate.zipcheck import CrcTask, check_zip, crc_tasks, verify_crcs
 from ckpt_cli.runs import (
     POINTER_FILES,
@@ -73,6 +71,7 @@ from ckpt_cli.runs import (
     run_entry,
 )
 from ckpt_cli.streaming import OpenFiles, ProgressFn, default_jobs
+from ckpt_cli.units import format_size
 
 Status = Literal["pass", "warn", "fail", "skip"]
 
@@ -677,7 +676,7 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
             dt = time.perf_counter() - t0
             streamed = total
             rate = f", {total / dt / 1e9:.2f} GB/s" if dt > 0 and total > _RATE_MIN else ""
-            b.add("crc32", found, f"{len(tasks):,} record(s), {_size(total)}{rate}")
+            b.add("crc32", found, f"{len(tasks):,} record(s), {format_size(total)}{rate}")
     if fmts & {"torch", "torch-legacy", "pickle", "dcp"}:
         found = b.findings.get("pickle-safety", [])
         worst = {f.severity for f in found}
@@ -693,10 +692,6 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
             b.add(cid, *got)
     b.add("resumable", *resumable_findings(index, opts.require))
     return streamed
-
-
-def _size(n: int) -> str:
-    return humanize.naturalsize(n, binary=False, format="%.1f")
 
 
 def _collapse_truncation(findings: list[Finding]) -> list[Finding]:
@@ -809,11 +804,11 @@ def _complete(b: _Builder, path: Path, index: CheckpointIndex | None,
                                None)], "the save did not finish")
 
 
-def _values_summary(stats: ValueStats) -> str:
+def _values_summary(stats: ValueScan) -> str:
     rate = (f", {stats.bytes / stats.seconds / 1e9:.2f} GB/s" if stats.seconds > 0
             and stats.bytes > _RATE_MIN else "")
     skipped = f", {stats.skipped} not examinable" if stats.skipped else ""
-    return f"{stats.tensors:,} floating tensor(s), {_size(stats.bytes)}{rate}{skipped}"
+    return f"{stats.tensors:,} floating tensor(s), {format_size(stats.bytes)}{rate}{skipped}"
 
 
 def _manifest(b: _Builder, path: Path, opts: Options, *,

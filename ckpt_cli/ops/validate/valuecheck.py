@@ -26,7 +26,7 @@ _SLICE = 1 << 24  # elements examined at once (bounds the temporary masks)
 
 
 @dataclass(frozen=True, slots=True)
-class ValueStats:
+class ValueScan:
     """What ``--values`` read.
 
     Attributes:
@@ -78,7 +78,7 @@ def _pieces(src: TensorSource, t: TensorInfo) -> Iterator[np.ndarray]:
 
 
 def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None,
-                ) -> tuple[list[Finding], ValueStats]:
+                ) -> tuple[list[Finding], ValueScan]:
     """Examine every floating tensor's values.
 
     Args:
@@ -130,7 +130,7 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
                     on_progress("values", done, total)
             examined += 1
             findings.extend(_judge(t, counts))
-    return findings, ValueStats(examined, done, skipped, time.perf_counter() - t0)
+    return findings, ValueScan(examined, done, skipped, time.perf_counter() - t0)
 
 
 def _file(t: TensorInfo) -> str | None:

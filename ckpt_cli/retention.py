@@ -1,12 +1,9 @@
-"""Pure planners: they decide from what they are given and never touch the filesystem.
+"""Retention: which checkpoints of a run directory ``ckpt prune`` keeps and deletes, and why.
 
-:func:`plan_shards` packs tensors into output files the way huggingface_hub does (greedy, in
-order, an oversize tensor alone in its own shard), and names the files HF-style.
-
-:func:`plan_prune` decides which checkpoints of a run directory ``ckpt prune`` keeps and which it
-deletes, and why. Everything it needs that comes from reading files (which checkpoints pass a
-quick validation, lock files, metric values) is gathered by :mod:`ckpt_cli.ops.prune` into a
-:class:`RunFacts` first, so the decision itself can be tested exhaustively.
+Pure: :func:`plan_prune` decides from what it is given and never touches the filesystem.
+Everything it needs that comes from reading files (which checkpoints pass a quick validation,
+lock files, metric values) is gathered by :mod:`ckpt_cli.ops.prune` into a :class:`RunFacts`
+first, so the decision itself can be tested exhaustively.
 
 The rules, in words:
 
@@ -22,81 +19,14 @@ The rules, in words:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-import humanize
-
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.names import is_last_copy
-from ckpt_cli.model import Finding, RunEntry, RunListing
-from ckpt_cli.runs import DANGLING_POINTER, POINTER_UNREADABLE
-
-
-@dataclass(frozen=True, slots=True)
-class ShardPlan:
-    """Which tensors go to which file.
-
-    Attributes:
-        files: Output file names, in order.
-        members: For each file, the indices (into the planned sequence) of its tensors.
-        sizes: For each file, the bytes of tensor data it holds.
-    """
-
-    files: tuple[str, ...]
-    members: tuple[tuple[int, ...], ...]
-    sizes: tuple[int, ...]
-
-    @property
-    def sharded(self) -> bool:
-        """Whether more than one file is written (an index file is then needed)."""
-        return len(self.files) > 1
-
-
-def shard_name(stem: str, ext: str, i: int, n: int) -> str:
-    """HF shard file name: ``model-00001-of-00003.safetensors`` (``model.safetensors`` if n=1)."""
-    if n == 1:
-        return f"{stem}{ext}"
-    return f"{stem}-{i:05d}-of-{n:05d}{ext}"
-
-
-def plan_shards(sizes: Sequence[int], max_shard_size: int | None, *, stem: str = "model",
-                ext: str = ".safetensors") -> ShardPlan:
-    """Pack tensors of the given byte sizes into shards of at most ``max_shard_size`` bytes.
-
-    Tensors keep their order; each lands in exactly one shard; a tensor larger than the limit
-    gets a shard of its own. With no limit everything goes into one file.
-
-    Args:
-        sizes: Byte size of each tensor, in output order.
-        max_shard_size: Largest shard in bytes, or None for a single file.
-        stem: File name stem (``model``, ``pytorch_model``).
-        ext: File extension (``.safetensors``, ``.bin``).
-
-    Returns:
-        The :class:`ShardPlan`.
-
-    Raises:
-        ValueError: If ``max_shard_size`` is not positive or a size is negative.
-    """
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise ValueError("max_shard_size must be positive")
-    groups: list[list[int]] = [[]]
-    totals: list[int] = [0]
-    for i, size in enumerate(sizes):
-        if size < 0:
-            raise ValueError("tensor sizes cannot be negative")
-        full = max_shard_size is not None and groups[-1] and totals[-1] + size > max_shard_size
-        if full:
-            groups.append([])
-            totals.append(0)
-        groups[-1].append(i)
-        totals[-1] += size
-    n = len(groups)
-    return ShardPlan(tuple(shard_name(stem, ext, i + 1, n) for i in range(n)),
-                     tuple(tuple(g) for g in groups), tuple(totals))
-
+from ckpt_cli.model import DANGLING_POINTER, POINTER_UNREADABLE, Finding, RunEntry, RunListing
+from ckpt_cli.units import format_size
 
 DEFAULT_GRACE = 600.0
 """Seconds: a checkpoint touched more recently than this may still be being written."""
@@ -324,8 +254,8 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
         if after > policy.max_total_size:
             findings.append(Finding(
                 "warning", "over-budget",
-                f"{_size(after)} stay after pruning, more than --max-total-size "
-                f"{_size(policy.max_total_size)}: other rules or protections keep the rest"))
+                f"{format_size(after)} stay after pruning, more than --max-total-size "
+                f"{format_size(policy.max_total_size)}: other rules or protections keep the rest"))
     return plan
 
 
@@ -443,8 +373,8 @@ def _keep_sets(ranked: list[RunEntry], entries: list[RunEntry], policy: PrunePol
             used += e.bytes
             fits = fits and used <= budget
             verdict[e.name] = (fits, f"the newest checkpoints up to here fit in "
-                                     f"--max-total-size {_size(budget)}" if fits else
-                               f"beyond --max-total-size {_size(budget)} (newest kept first)")
+                                     f"--max-total-size {format_size(budget)}" if fits else
+                               f"beyond --max-total-size {format_size(budget)} (newest kept first)")
         out["max-total-size"] = verdict
     return out
 
@@ -542,10 +472,6 @@ def _halt_reason(listing: RunListing, ranked: list[RunEntry],
         return ("nothing is deleted: no checkpoint passed quick validation, so there is no "
                 "known-good checkpoint to fall back on")
     return None
-
-
-def _size(n: int) -> str:
-    return humanize.naturalsize(n, binary=False, format="%.1f")
 
 
 def _dur(seconds: float) -> str:
