@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import humanize
 
@@ -146,12 +146,6 @@ class CheckResult:
         """What the check verifies."""
         return CHECKS.get(self.id, self.id)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (findings are listed once, at the checkpoint level)."""
-        return {"id": self.id, "title": self.title, "status": self.status,
-                "summary": self.summary, "errors": _count(self.findings, "error"),
-                "warnings": _count(self.findings, "warning")}
-
 
 def _count(findings: Iterable[Finding], severity: str) -> int:
     return sum(1 for f in findings if f.severity == severity)
@@ -197,13 +191,6 @@ class ManifestResult:
             self.bytes += stats.bytes
             self.seconds += stats.seconds
             self.threads = max(self.threads, stats.threads)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"path": str(self.path), "action": self.action, "algorithm": self.algorithm,
-                "files": self.files, "bytes": self.bytes, "seconds": round(self.seconds, 6),
-                "threads": self.threads, "bytes_per_second": round(self.throughput),
-                "changed": self.changed, "extra": self.extra}
 
 
 @dataclass(slots=True)
@@ -261,17 +248,6 @@ class CheckpointReport:
         """The result of one check, if it ran or was skipped."""
         return next((c for c in self.checks if c.id == check_id), None)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        owner = {id(f): c.id for c in self.checks for f in c.findings}
-        return {"name": self.name, "path": str(self.path), "format": self.format,
-                "flavor": self.flavor, "step": self.step, "valid": self.valid,
-                "errors": self.errors, "warnings": self.warnings,
-                "bytes_read": self.bytes_read, "seconds": round(self.seconds, 6),
-                "checks": [c.to_dict() for c in self.checks],
-                "findings": [{**f.to_dict(), "check": owner[id(f)]} for f in self.findings],
-                "manifest": self.manifest.to_dict() if self.manifest else None}
-
 
 @dataclass(slots=True)
 class ValidateResult:
@@ -310,29 +286,6 @@ class ValidateResult:
         bad = _count(self.findings, "error") + (_count(self.findings, "warning")
                                                  if strict else 0)
         return 1 if bad else 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (without ``schema_version``/``command``, which the CLI adds)."""
-        from ckpt_cli.render import json as rj
-
-        owner = {id(f): c.id for c in self.run_checks for f in c.findings}
-        findings = self.findings
-        return {
-            "path": str(self.path), "kind": self.kind, "valid": self.valid,
-            "summary": {"checkpoints": len(self.checkpoints),
-                        "valid": sum(r.valid for r in self.checkpoints),
-                        "invalid": sum(not r.valid for r in self.checkpoints),
-                        "errors": _count(findings, "error"),
-                        "warnings": _count(findings, "warning"),
-                        "bytes_read": sum(r.bytes_read for r in self.checkpoints),
-                        "seconds": round(sum(r.seconds for r in self.checkpoints), 6)},
-            "checkpoints": [r.to_dict() for r in self.checkpoints],
-            "run": rj.run_dict(self.run) if self.run is not None else None,
-            "run_checks": [c.to_dict() for c in self.run_checks],
-            "final_model": self.final_model,
-            "run_findings": [{**f.to_dict(), "check": owner[id(f)]}
-                             for c in self.run_checks for f in c.findings],
-        }
 
 
 @dataclass(frozen=True, slots=True)
