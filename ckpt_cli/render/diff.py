@@ -11,8 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ckpt_cli.model import CheckpointIndex
-from ckpt_cli.ops.diff import DiffResult, MetaDiff, ModuleDiff, OnlyIn, TensorDiff
 from ckpt_cli.render import human
+from ckpt_cli.results import DiffResult, MetaDiff, ModuleDiff, OnlyIn, TensorDiff
 
 _STATUS_STYLE = {"equal": "bold green", "different": "bold red"}
 

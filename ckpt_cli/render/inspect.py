@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ckpt_cli.ops.inspect import InspectResult
+    from ckpt_cli.results import InspectResult
 
 
 def show(result: InspectResult, *, json: bool, all_rows: bool = False) -> None:
