@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
-from ckpt_cli.cli.options import JsonOpt, QuietOpt
+from ckpt_cli.cli.options import CastToOpt, ForceOpt, JsonOpt, OutputFormatOpt, QuietOpt
 
 
 def consolidate_cmd(
@@ -19,17 +19,14 @@ def consolidate_cmd(
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
         show_default=False)],
-    fmt: Annotated[str | None, typer.Option(
-        "--format", "-f", metavar="safetensors|pt",
-        help="Output file format (default: from the output's suffix, else safetensors).")] = None,
+    fmt: OutputFormatOpt = None,
     max_shard_size: Annotated[str, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Largest output file; 0 for one file.")] = "5GB",
     with_optimizer: Annotated[bool, typer.Option(
         "--with-optimizer/--model-only", help="Keep the optimizer state too (to resume on a "
                                               "different world size), or only the model "
                                               "(default).")] = False,
-    to: Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
-                                    help="Cast floating-point model tensors.")] = "keep",
+    to: CastToOpt = "keep",
     clamp: Annotated[bool, typer.Option(
         "--clamp", help="With --to fp16: clamp values beyond FP16's range to ±65504 instead "
                         "of refusing.")] = False,
@@ -39,8 +36,7 @@ def consolidate_cmd(
     manifest: Annotated[bool, typer.Option(
         "--manifest/--no-manifest", help="Write an integrity manifest that 'ckpt validate' "
                                          "checks.")] = True,
-    force: Annotated[bool, typer.Option("--force", "--overwrite",
-                                        help="Replace an existing output.")] = False,
+    force: ForceOpt = False,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:

@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
-from ckpt_cli.cli.options import InputFormatOpt, JsonOpt, QuietOpt
+from ckpt_cli.cli.options import (
+    CastToOpt,
+    ForceOpt,
+    InputFormatOpt,
+    JsonOpt,
+    OutputFormatOpt,
+    QuietOpt,
+)
 
 
 def convert_cmd(
@@ -17,11 +24,8 @@ def convert_cmd(
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Output: a .safetensors/.pt/.bin file, or a directory for "
                                "model.safetensors or HF-style shards.", show_default=False)],
-    to: Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
-                                    help="Cast floating-point model tensors.")] = "keep",
-    fmt: Annotated[str | None, typer.Option(
-        "--format", "-f", metavar="safetensors|pt",
-        help="Output file format (default: from the output's suffix, else safetensors).")] = None,
+    to: CastToOpt = "keep",
+    fmt: OutputFormatOpt = None,
     max_shard_size: Annotated[str | None, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Split into HF-style shards of at most SIZE "
                                                  "(e.g. 5GB) with an index.")] = None,
@@ -39,8 +43,7 @@ def convert_cmd(
     container: Annotated[str | None, typer.Option(
         "--container", metavar="NAME", help="Which top-level container holds the weights "
                                             "when there are several (model, ema...).")] = None,
-    force: Annotated[bool, typer.Option("--force", "--overwrite",
-                                        help="Replace an existing output.")] = False,
+    force: ForceOpt = False,
     input_format: InputFormatOpt = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
