@@ -1,17 +1,640 @@
-"""Result dataclasses of the commands: what each ``ops`` call returns and ``render`` shows.
+"""Results of the commands: what ``ckpt_cli.ops`` returns and ``ckpt_cli.render`` shows.
 
-Plain data with derived figures and ``to_dict`` (the ``--json`` body); no I/O.
+One home for the result dataclasses, so that ops (which builds them) and render (which turns
+them into tables and JSON documents) both import them from here and never each other.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ckpt_cli.cadence import DAY, CheckpointSize, Overhead, expected_overhead
+from ckpt_cli.compare import DiffStats, Tolerance, relative_l2
 from ckpt_cli.measure import Measurement
+from ckpt_cli.model import CheckpointIndex, Finding, RunListing, TensorInfo
 from ckpt_cli.retention import Decision, PrunePlan
+from ckpt_cli.runs import Followed
+from ckpt_cli.units import natural_key
+from ckpt_cli.writers import WriteResult
+
+if TYPE_CHECKING:
+    from ckpt_cli.manifest import HashStats
+    from ckpt_cli.ops.diff import DiffOptions
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class TreeNode:
+    """A module prefix with the totals of the tensors below it.
+
+    Attributes:
+        name: This level's name component (the full prefix is the path from the root).
+        tensors: Number of tensors below.
+        parameters: Elements below.
+        bytes: Bytes below.
+        children: Sub-prefixes by name, in first-seen order.
+    """
+
+    name: str
+    tensors: int = 0
+    parameters: int = 0
+    bytes: int = 0
+    children: dict[str, TreeNode] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"name": self.name, "tensors": self.tensors, "parameters": self.parameters,
+                "bytes": self.bytes, "children": [c.to_dict() for c in self.children.values()]}
+
+
+@dataclass(slots=True)
+class InspectResult:
+    """What ``inspect`` found.
+
+    Attributes:
+        path: The path inspected.
+        kind: ``checkpoint`` or ``run``.
+        index: The checkpoint described (for a run directory: its latest complete one).
+        run: The run listing, for a run directory.
+        described: For a run directory, the name of the checkpoint ``index`` describes.
+        tensors: Selected tensors (``--tensors``), filtered and sorted.
+        tree: Module tree (``--tree``).
+        describe_error: Why the run's latest checkpoint could not be read, if it could not.
+        final_model: Whether ``index`` is the final model at the top of the run directory
+            (an HF Trainer ``output_dir``) rather than one of its checkpoints.
+    """
+
+    path: Path
+    kind: str
+    index: CheckpointIndex | None
+    run: RunListing | None = None
+    described: str | None = None
+    tensors: list[TensorInfo] | None = None
+    tree: TreeNode | None = None
+    describe_error: str | None = None
+    final_model: bool = False
+
+
+# -- validate ----------------------------------------------------------------------------------
+
+Status = Literal["pass", "warn", "fail", "skip"]
+
+
+CHECKS: dict[str, str] = {
+    "readable": "format recognised and metadata readable",
+    "complete": "the save finished (commit markers present, files whole)",
+    "safetensors-header": "safetensors headers: dtypes, shapes, offsets, file length",
+    "zip-structure": "zip end records, central directory, local headers, descriptors",
+    "crc32": "CRC-32 of every zip record matches its bytes",
+    "storages": "every storage a pickle references exists; every view fits in it",
+    "pickle-safety": "pickles reference only allowlisted globals",
+    "shard-index": "the index's shards exist, are valid and hold exactly its tensors",
+    "dcp-storage": "DCP items lie inside existing files without overlapping",
+    "dcp-tiling": "the chunks of each tensor tile its shape exactly",
+    "dcp-chunks": "every DCP chunk and item decodes to what .metadata says",
+    "rank-files": "the set of rank files matches the world sizes",
+    "latest-pointer": "latest pointers name existing checkpoints",
+    "resumable": "training state: step and optimizer state",
+    "values": "floating tensors hold no NaN, Inf or all-zero values",
+    "manifest": "files match the integrity manifest",
+    "leftovers": "no temporary or trash entries left by interrupted writes",
+}
+"""Every check ``validate`` knows, by id, with what it verifies (in report order)."""
+
+
+@dataclass(slots=True)
+class CheckResult:
+    """The outcome of one check on one checkpoint.
+
+    Attributes:
+        id: The check's id (a key of :data:`CHECKS`).
+        status: ``fail`` (errors), ``warn`` (warnings only), ``pass``, or ``skip`` (not run).
+        summary: One line: what was verified, or why it was skipped.
+        findings: The problems and notes it found.
+    """
+
+    id: str
+    status: Status
+    summary: str
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        """What the check verifies."""
+        return CHECKS.get(self.id, self.id)
+
+
+def _count(findings: Iterable[Finding], severity: str) -> int:
+    return sum(1 for f in findings if f.severity == severity)
+
+
+@dataclass(slots=True)
+class ManifestResult:
+    """What was done with the integrity manifest.
+
+    Attributes:
+        path: The manifest file.
+        action: ``verified`` (present and checked), ``written``, ``absent``, ``not-written``
+            (asked for but the checkpoint is invalid or the old manifest disagrees),
+            ``unreadable`` (present but malformed).
+        algorithm: Its checksum.
+        files: Files hashed.
+        bytes: Bytes hashed.
+        seconds: Hashing wall time.
+        threads: Hashing threads.
+        changed: Files whose checksum or size changed, or that are missing.
+        extra: Files not in the manifest.
+    """
+
+    path: Path
+    action: str
+    algorithm: str | None = None
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    threads: int = 1
+    changed: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Hashing speed in bytes per second (0 when nothing was hashed)."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def add_stats(self, stats: HashStats | None) -> None:
+        """Account for one hashing pass."""
+        if stats is not None:
+            self.files += stats.files
+            self.bytes += stats.bytes
+            self.seconds += stats.seconds
+            self.threads = max(self.threads, stats.threads)
+
+
+@dataclass(slots=True)
+class CheckpointReport:
+    """Everything ``validate`` found about one checkpoint.
+
+    Attributes:
+        path: The checkpoint (file or directory).
+        format: The reader that read it, or None if none could.
+        flavor: The producer, when known.
+        step: The training step it records.
+        checks: Results in :data:`CHECKS` order.
+        bytes_read: Bytes streamed (CRC, values, hashing).
+        seconds: Wall time.
+        manifest: What happened with the manifest.
+        index: The metadata read (not part of the JSON output).
+    """
+
+    path: Path
+    format: str | None = None
+    flavor: str | None = None
+    step: int | None = None
+    checks: list[CheckResult] = field(default_factory=list)
+    bytes_read: int = 0
+    seconds: float = 0.0
+    manifest: ManifestResult | None = None
+    index: CheckpointIndex | None = None
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's file or directory name."""
+        return self.path.name
+
+    @property
+    def findings(self) -> list[Finding]:
+        """All findings of all checks."""
+        return [f for c in self.checks for f in c.findings]
+
+    @property
+    def errors(self) -> int:
+        """Number of error findings."""
+        return _count(self.findings, "error")
+
+    @property
+    def warnings(self) -> int:
+        """Number of warning findings."""
+        return _count(self.findings, "warning")
+
+    @property
+    def valid(self) -> bool:
+        """No errors (warnings and notes allowed)."""
+        return self.errors == 0
+
+    def check(self, check_id: str) -> CheckResult | None:
+        """The result of one check, if it ran or was skipped."""
+        return next((c for c in self.checks if c.id == check_id), None)
+
+
+@dataclass(slots=True)
+class ValidateResult:
+    """The result of ``validate`` on a checkpoint or a run directory.
+
+    Attributes:
+        path: The path given.
+        kind: ``checkpoint`` or ``run``.
+        checkpoints: One report per checkpoint validated (oldest first for a run).
+        run: The run listing, for a run directory.
+        run_checks: Checks of the run directory itself (pointers, leftovers).
+        final_model: Whether the run directory itself holds a final model (an HF Trainer
+            ``output_dir``): then the last report is that model's.
+    """
+
+    path: Path
+    kind: str
+    checkpoints: list[CheckpointReport] = field(default_factory=list)
+    run: RunListing | None = None
+    run_checks: list[CheckResult] = field(default_factory=list)
+    final_model: bool = False
+
+    @property
+    def findings(self) -> list[Finding]:
+        """All findings: the run's, then each checkpoint's."""
+        return [f for c in self.run_checks for f in c.findings] + [
+            f for r in self.checkpoints for f in r.findings]
+
+    @property
+    def valid(self) -> bool:
+        """No errors anywhere."""
+        return _count(self.findings, "error") == 0
+
+    def exit_code(self, *, strict: bool = False) -> int:
+        """0 when valid (and, with ``strict``, without warnings), else 1."""
+        bad = _count(self.findings, "error") + (_count(self.findings, "warning")
+                                                 if strict else 0)
+        return 1 if bad else 0
+
+
+# -- diff --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Rename:
+    """A prefix stripped from one side's names.
+
+    Attributes:
+        side: ``a`` or ``b``.
+        prefix: The prefix removed.
+        tensors: How many tensor names it changed.
+        source: ``option`` (``--strip-prefix``) or ``auto``.
+    """
+
+    side: str
+    prefix: str
+    tensors: int
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class OnlyIn:
+    """A tensor present on one side only.
+
+    Attributes:
+        name: Its name after normalisation.
+        original: Its name in its checkpoint.
+        dtype: Canonical dtype code.
+        shape: Shape.
+        group: Its group on that side.
+        tied_to: When it is a tied copy of a tensor both sides have, that tensor's name; such
+            an entry is not a difference (the other side dropped a duplicate, as HF exports
+            drop ``lm_head.weight`` when it is tied to the embeddings).
+        tie: How the tie was recognised: ``storage`` (both names view the same stored bytes),
+            ``recorded`` (the other side's safetensors metadata names the copy it dropped) or
+            ``values`` (same dtype, shape and exactly the same values).
+    """
+
+    name: str
+    original: str
+    dtype: str
+    shape: tuple[int, ...]
+    group: str
+    tied_to: str | None = None
+    tie: str | None = None
+
+
+@dataclass(slots=True)
+class TensorDiff:
+    """One tensor name present on both sides.
+
+    Attributes:
+        name: The normalised name.
+        name_a: Its name in A.
+        name_b: Its name in B.
+        group: Its group (A's, or B's when A says ``other``).
+        dtype_a: Dtype in A.
+        dtype_b: Dtype in B.
+        shape_a: Shape in A.
+        shape_b: Shape in B.
+        status: One of :data:`STATUSES`.
+        stats: Value statistics, when values were compared.
+        tolerance: The tolerance that decided ``status``, when values were compared.
+        reason: Why values were skipped.
+    """
+
+    name: str
+    name_a: str
+    name_b: str
+    group: str
+    dtype_a: str
+    dtype_b: str
+    shape_a: tuple[int, ...]
+    shape_b: tuple[int, ...]
+    status: str = "not_compared"
+    stats: DiffStats | None = None
+    tolerance: Tolerance | None = None
+    reason: str | None = None
+
+    @property
+    def parameters(self) -> int:
+        """Elements (of A's shape)."""
+        return math.prod(self.shape_a)
+
+    @property
+    def dtype_changed(self) -> bool:
+        """Whether the two sides store it in different dtypes."""
+        return self.dtype_a != self.dtype_b
+
+    @property
+    def rel_l2(self) -> float:
+        """Relative L2 change (0 without statistics)."""
+        return self.stats.rel_l2 if self.stats is not None else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class MetaDiff:
+    """A non-tensor value that differs.
+
+    Attributes:
+        key: Flattened key (``step``, ``hyper_parameters.lr``, ``loss``).
+        a: A's value (None when absent; see ``status``).
+        b: B's value (likewise).
+        status: ``changed``, ``only_in_a`` or ``only_in_b``.
+    """
+
+    key: str
+    a: Any
+    b: Any
+    status: str
+
+
+@dataclass(slots=True)
+class ModuleDiff:
+    """The roll-up of one module prefix (``--by-module``).
+
+    Attributes:
+        name: The prefix (``layers.3.attn``); ``(top level)`` for names without a dot.
+        tensors: Tensors present on both sides.
+        changed: Of those, how many are different (changed or shape changed).
+        only_in_a: Tensors only in A.
+        only_in_b: Tensors only in B.
+        parameters: Elements of the common tensors.
+        norm_a: L2 norm of A's compared values.
+        norm_b: L2 norm of B's compared values.
+        norm_diff: L2 norm of the differences.
+    """
+
+    name: str
+    tensors: int = 0
+    changed: int = 0
+    only_in_a: int = 0
+    only_in_b: int = 0
+    parameters: int = 0
+    norm_a: float = 0.0
+    norm_b: float = 0.0
+    norm_diff: float = 0.0
+
+    @property
+    def rel_l2(self) -> float:
+        """``||A - B|| / max(||A||, ||B||)`` over the module's compared tensors."""
+        return relative_l2(self.norm_diff, self.norm_a, self.norm_b)
+
+
+@dataclass(slots=True)
+class DiffResult:
+    """What ``diff`` found.
+
+    Attributes:
+        index_a: Side A.
+        index_b: Side B.
+        options: The options used.
+        scope: ``weights`` (model weights and buffers) or ``all``.
+        scope_note: Why the scope differs from the one asked for, if it does.
+        renames: Prefixes stripped, per side.
+        excluded_a: A's tensors outside the scope, counted by group.
+        excluded_b: B's tensors outside the scope, counted by group.
+        tensors: Names on both sides, in A's order.
+        only_a: Names only in A, in A's order.
+        only_b: Names only in B, in B's order.
+        metadata: Non-tensor values that differ.
+        same_checkpoint: Why both sides are one checkpoint (the same path, or the same file
+            or directory by device and inode), when they are: then no value was read and
+            every common tensor is ``identical``; None otherwise.
+        followed_a: The run directory pointer followed to A's checkpoint, if A was one.
+        followed_b: The same for B.
+    """
+
+    index_a: CheckpointIndex
+    index_b: CheckpointIndex
+    options: DiffOptions
+    scope: str
+    scope_note: str | None = None
+    renames: list[Rename] = field(default_factory=list)
+    excluded_a: dict[str, int] = field(default_factory=dict)
+    excluded_b: dict[str, int] = field(default_factory=dict)
+    tensors: list[TensorDiff] = field(default_factory=list)
+    only_a: list[OnlyIn] = field(default_factory=list)
+    only_b: list[OnlyIn] = field(default_factory=list)
+    metadata: list[MetaDiff] = field(default_factory=list)
+    same_checkpoint: str | None = None
+    followed_a: Followed | None = None
+    followed_b: Followed | None = None
+
+    def with_status(self, *statuses: str) -> list[TensorDiff]:
+        """Common tensors whose status is one of ``statuses``, in A's order."""
+        return [t for t in self.tensors if t.status in statuses]
+
+    @property
+    def changed(self) -> list[TensorDiff]:
+        """Tensors whose values differ beyond the tolerance, most changed first."""
+        return sorted(self.with_status("changed"), key=lambda t: (-t.rel_l2, t.name))
+
+    @property
+    def shape_changes(self) -> list[TensorDiff]:
+        """Tensors whose shape differs."""
+        return self.with_status("shape_changed")
+
+    @property
+    def dtype_changes(self) -> list[TensorDiff]:
+        """Tensors (of the same shape or not) stored in different dtypes."""
+        return [t for t in self.tensors if t.dtype_changed]
+
+    @property
+    def metadata_changes(self) -> list[MetaDiff]:
+        """Non-tensor values present on both sides with different values."""
+        return [m for m in self.metadata if m.status == "changed"]
+
+    def differences(self) -> list[str]:
+        """Why the checkpoints differ, one short phrase each (empty when they are equal)."""
+        out: list[str] = []
+        untied_a = [o for o in self.only_a if o.tied_to is None]
+        untied_b = [o for o in self.only_b if o.tied_to is None]
+        for n, what in ((len(self.changed), "changed"),
+                        (len(untied_a), "only in A"),
+                        (len(untied_b), "only in B"),
+                        (len(self.shape_changes), "with a different shape")):
+            if n:
+                out.append(f"{n} tensor{'s' if n != 1 else ''} {what}")
+        if not self.options.values and self.dtype_changes:
+            n = len(self.dtype_changes)
+            out.append(f"{n} tensor{'s' if n != 1 else ''} with a different dtype")
+        if self.metadata_changes:
+            n = len(self.metadata_changes)
+            out.append(f"{n} metadata value{'s' if n != 1 else ''} changed")
+        return out
+
+    @property
+    def equal(self) -> bool:
+        """Whether the checkpoints are equal (values within tolerance).
+
+        Different only when: a tensor is changed beyond tolerance, a name is on one side only
+        (tied aliases excepted), a shape differs, a non-tensor value on both sides differs, or,
+        without values, a dtype differs. A dtype change whose values are within the tolerance
+        is reported but is not a difference.
+        """
+        return not self.differences()
+
+    def by_module(self, depth: int | None = None) -> list[ModuleDiff]:
+        """Roll tensors up by module prefix, in natural name order (``layers.2`` < ``layers.10``).
+
+        Args:
+            depth: Name components kept (``2``: ``layers.3``); None keeps all but the last
+                (the module that owns the tensor).
+
+        Returns:
+            One :class:`ModuleDiff` per prefix.
+        """
+        mods: dict[str, ModuleDiff] = {}
+
+        def mod(name: str) -> ModuleDiff:
+            parts = name.split(".")[:-1]
+            key = ".".join(parts[:depth] if depth is not None else parts) or "(top level)"
+            return mods.setdefault(key, ModuleDiff(key))
+
+        for t in self.tensors:
+            m = mod(t.name)
+            m.tensors += 1
+            m.parameters += t.parameters
+            m.changed += t.status in ("changed", "shape_changed")
+            if t.stats is not None:
+                m.norm_a = math.hypot(m.norm_a, t.stats.norm_a)
+                m.norm_b = math.hypot(m.norm_b, t.stats.norm_b)
+                m.norm_diff = math.hypot(m.norm_diff, t.stats.norm_diff)
+        for o in self.only_a:
+            mod(o.name).only_in_a += 1
+        for o in self.only_b:
+            mod(o.name).only_in_b += 1
+        return sorted(mods.values(), key=lambda m: natural_key(m.name))
+
+
+# -- convert -----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ConvertResult:
+    """What ``convert`` did.
+
+    Attributes:
+        source: The input path.
+        source_format: Its format.
+        output: The written file or directory.
+        write: Files written and sizes.
+        tensors: Output tensors, in order (name -> (dtype, shape)).
+        renamed: How names were changed (container and wrapper prefixes stripped).
+        dropped: Tensors left out, counted per group.
+        casts: ``"F32->F16"`` -> number of tensors.
+        aliases: Tied tensors written once: ``{dropped name: kept name}``.
+        overflow: Tensors with values beyond FP16's range (count), when casting to FP16.
+        clamped: Whether overflowing values were clamped (``--clamp``).
+        metadata: The ``__metadata__`` written.
+        notes: Plain-words remarks (what was dropped, chosen, copied).
+        seconds: Wall time.
+        warnings: Source files whose pickles would run code under ``torch.load`` (see
+            :func:`hostile_warnings`).
+        followed: The run directory's pointer followed to the checkpoint read, if
+            ``source`` was a run directory.
+    """
+
+    source: Path
+    source_format: str
+    output: Path
+    write: WriteResult
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    renamed: list[str]
+    dropped: dict[str, int]
+    casts: dict[str, int]
+    aliases: dict[str, str]
+    overflow: dict[str, int]
+    clamped: bool
+    metadata: dict[str, str]
+    notes: list[str]
+    seconds: float
+    warnings: list[Finding] = field(default_factory=list)
+    followed: Followed | None = None
+
+
+# -- consolidate -------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ConsolidateResult:
+    """What ``consolidate`` did.
+
+    Attributes:
+        source: The input path.
+        kind: ``dcp``, ``deepspeed``, ``hf-index`` or ``rank-files``.
+        output: The output file or directory.
+        write: Files written.
+        files_before: Number of input files.
+        bytes_before: Bytes of the input on disk.
+        elements_in: Elements of the selected source tensors (padding excluded).
+        elements_out: Elements written.
+        tensors: Number of tensors written.
+        aliases: Tied/shared tensors written once.
+        dropped: Source tensors left out, per group.
+        details: Facts about the source (world size, ZeRO stage, step...).
+        verified: Tensors re-read from the output and compared with the source (``--verify``).
+        notes: Remarks.
+        seconds: Wall time.
+        warnings: Source files whose pickles would run code under ``torch.load``.
+        followed: The run directory's pointer followed to the checkpoint merged, if
+            ``source`` was a run directory.
+    """
+
+    source: Path
+    kind: str
+    output: Path
+    write: WriteResult
+    files_before: int
+    bytes_before: int
+    elements_in: int
+    elements_out: int
+    tensors: int
+    aliases: dict[str, str]
+    dropped: dict[str, int]
+    details: dict[str, Any] = field(default_factory=dict)
+    verified: int | None = None
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    warnings: list[Finding] = field(default_factory=list)
+    followed: Followed | None = None
+
+    @property
+    def lost_elements(self) -> int:
+        """Selected source elements that did not reach the output (0 when all is well)."""
+        return self.elements_in - self.elements_out
+
 
 # -- ckpt plan ---------------------------------------------------------------------------------
 

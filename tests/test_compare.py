@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from ckpt_cli.compare import EXACT, compare_values, default_tolerance, work_dtype
 from ckpt_cli.formats import read_index
-from ckpt_cli.ops.diff import DiffOptions, DiffResult, diff
+from ckpt_cli.ops.diff import DiffOptions, diff
+from ckpt_cli.results import DiffResult
 from ckpt_cli.tensors import TensorSource
 
 _SETTINGS = settings(max_examples=100, deadline=None,

@@ -458,12 +458,26 @@ def test_refuses_roots_that_cannot_be_meant(sample_copy: Path, tmp_path: Path,
     r = run_cli("prune", path, "--keep", "1", "--grace", "0", "--yes")
     assert r.exit_code == 2, r.stdout
     lines = r.stderr.strip().splitlines()
-    assert lines[0].startswith("ckpt: error:") and "--force" in lines[-1]
+    assert lines[0].startswith("ckpt: error:") and "--any-dir" in lines[-1]
     assert "Traceback" not in r.stderr
     assert sorted(str(p) for p in home.rglob("*")) == before
     if target == "home":
-        doc = _json(path, "--keep", "1", "--grace", "0", "--dry-run", "--force")
+        doc = _json(path, "--keep", "1", "--grace", "0", "--dry-run", "--any-dir")
         assert doc["summary"]["to_delete"] == 3
+
+
+def test_old_force_still_prunes_any_dir_and_warns(sample_copy: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    shutil.copytree(sample_copy, home)
+    monkeypatch.setenv("HOME", str(home))
+    r = run_cli("prune", home, "--keep", "1", "--grace", "0", "--dry-run", "--json", "--force")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["summary"]["to_delete"] == 3
+    warned = [line for line in r.stderr.splitlines() if "deprecated" in line]
+    assert warned == ["ckpt: warning: prune --force is deprecated; use --any-dir (same "
+                      "meaning)"]
+    assert "--force" not in run_cli("prune", "--help").stdout
 
 
 def test_a_second_prune_waits_for_the_lock(sample_copy: Path) -> None:

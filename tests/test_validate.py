@@ -23,8 +23,9 @@ from safetensors.torch import save_file
 
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.model import Finding
-from ckpt_cli.ops.validate import CHECKS, CheckpointReport, parse_require, validate
+from ckpt_cli.ops.validate import parse_require, validate
 from ckpt_cli.ops.validate.layoutcheck import directory_pointers
+from ckpt_cli.results import CHECKS, CheckpointReport
 from tests.conftest import requires_deepspeed, third_party_quiet
 from tests.helpers import damage
 from tests.helpers.makers import (

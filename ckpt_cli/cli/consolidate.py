@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
-from ckpt_cli.cli.options import JsonOpt, QuietOpt
+from ckpt_cli.cli.options import CastToOpt, ForceOpt, JsonOpt, OutputFormatOpt, QuietOpt
 
 
 def consolidate_cmd(
@@ -19,17 +19,14 @@ def consolidate_cmd(
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
         show_default=False)],
-    fmt: Annotated[str | None, typer.Option(
-        "--format", "-f", metavar="safetensors|pt",
-        help="Output file format (default: from the output's suffix, else safetensors).")] = None,
+    fmt: OutputFormatOpt = None,
     max_shard_size: Annotated[str, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Largest output file; 0 for one file.")] = "5GB",
     with_optimizer: Annotated[bool, typer.Option(
         "--with-optimizer/--model-only", help="Keep the optimizer state too (to resume on a "
                                               "different world size), or only the model "
                                               "(default).")] = False,
-    to: Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
-                                    help="Cast floating-point model tensors.")] = "keep",
+    to: CastToOpt = "keep",
     clamp: Annotated[bool, typer.Option(
         "--clamp", help="With --to fp16: clamp values beyond FP16's range to ±65504 instead "
                         "of refusing.")] = False,
@@ -39,8 +36,7 @@ def consolidate_cmd(
     manifest: Annotated[bool, typer.Option(
         "--manifest/--no-manifest", help="Write an integrity manifest that 'ckpt validate' "
                                          "checks.")] = True,
-    force: Annotated[bool, typer.Option("--force", "--overwrite",
-                                        help="Replace an existing output.")] = False,
+    force: ForceOpt = False,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:
@@ -69,56 +65,6 @@ def consolidate_cmd(
                             verify=verify, manifest=manifest, on_progress=bar.advance,
                             on_start=bar.start)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
-        from ckpt_cli.render.human import print_messages
+        from ckpt_cli.render.consolidate import show
 
-        print_messages(r.warnings)  # hostile sources: whatever --quiet and --json say
-        if not quiet:
-            from ckpt_cli.render.human import note_followed
-
-            note_followed(r.followed)
-        if json:
-            _emit_json(r)
-        else:
-            _render(r, quiet)
-
-
-def _emit_json(r: Any) -> None:
-    from ckpt_cli.render import json as rj
-
-    rj.emit("consolidate", {
-        "source": str(r.source), "kind": r.kind, "output": str(r.output),
-        "files_before": r.files_before, "bytes_before": r.bytes_before,
-        "files_after": len(r.write.files),
-        "bytes_after": sum(b for _, b in r.write.files),
-        "files": [{"path": n, "bytes": b} for n, b in r.write.files],
-        "index_file": r.write.index_file, "num_tensors": r.tensors,
-        "tensor_bytes": r.write.tensor_bytes, "elements_in": r.elements_in,
-        "elements_out": r.elements_out, "lost_elements": r.lost_elements,
-        "aliases": r.aliases, "dropped": r.dropped, "details": r.details,
-        "verified": r.verified, "notes": r.notes, "seconds": round(r.seconds, 3),
-        "warnings": [w.to_dict() for w in r.warnings],
-        "followed": r.followed.to_dict() if r.followed else None})
-
-
-def _render(r: Any, quiet: bool) -> None:
-    from ckpt_cli.render import human
-
-    out = human.stdout()
-    after = len(r.write.files)
-    out.print(f"{r.files_before:,} files ({human.size(r.bytes_before)}) -> {after} file"
-              f"{'s' if after != 1 else ''} ({human.size(sum(b for _, b in r.write.files))}), "
-              f"{r.lost_elements:,} elements lost")
-    facts = ", ".join(f"{k} {v}" for k, v in r.details.items() if v is not None)
-    out.print(f"Wrote {r.output}: {r.tensors:,} tensors, {human.size(r.write.tensor_bytes)} "
-              f"from a {r.kind} checkpoint ({facts}) in {r.seconds:.1f} s")
-    dropped = {g: n for g, n in r.dropped.items() if n}
-    if dropped:
-        out.print("Dropped: " + ", ".join(f"{g} {n}" for g, n in sorted(dropped.items())))
-    if r.aliases:
-        out.print("Shared (written once): " + ", ".join(f"{a} -> {k}" for a, k in
-                                                       sorted(r.aliases.items())))
-    if r.verified is not None:
-        out.print(f"Verified: {r.verified:,} tensors equal their sources")
-    if not quiet:
-        for note in r.notes:
-            human.stderr().print(f"note: {note}", soft_wrap=True)
+        show(r, json=json, quiet=quiet)

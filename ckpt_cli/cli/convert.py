@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
-from ckpt_cli.cli.options import InputFormatOpt, JsonOpt, QuietOpt
+from ckpt_cli.cli.options import (
+    CastToOpt,
+    ForceOpt,
+    InputFormatOpt,
+    JsonOpt,
+    OutputFormatOpt,
+    QuietOpt,
+)
 
 
 def convert_cmd(
@@ -17,11 +24,8 @@ def convert_cmd(
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Output: a .safetensors/.pt/.bin file, or a directory for "
                                "model.safetensors or HF-style shards.", show_default=False)],
-    to: Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
-                                    help="Cast floating-point model tensors.")] = "keep",
-    fmt: Annotated[str | None, typer.Option(
-        "--format", "-f", metavar="safetensors|pt",
-        help="Output file format (default: from the output's suffix, else safetensors).")] = None,
+    to: CastToOpt = "keep",
+    fmt: OutputFormatOpt = None,
     max_shard_size: Annotated[str | None, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Split into HF-style shards of at most SIZE "
                                                  "(e.g. 5GB) with an index.")] = None,
@@ -39,8 +43,7 @@ def convert_cmd(
     container: Annotated[str | None, typer.Option(
         "--container", metavar="NAME", help="Which top-level container holds the weights "
                                             "when there are several (model, ema...).")] = None,
-    force: Annotated[bool, typer.Option("--force", "--overwrite",
-                                        help="Replace an existing output.")] = False,
+    force: ForceOpt = False,
     input_format: InputFormatOpt = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
@@ -71,53 +74,6 @@ def convert_cmd(
                              container=container, input_format=input_format,
                              on_progress=bar.advance, on_start=bar.start)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
-        from ckpt_cli.render.human import print_messages
+        from ckpt_cli.render.convert import show
 
-        print_messages(result.warnings)  # hostile sources: whatever --quiet and --json say
-        if not quiet:
-            from ckpt_cli.render.human import note_followed
-
-            note_followed(result.followed)
-        if json:
-            _emit_json(result)
-        else:
-            _render(result, quiet)
-
-
-def _emit_json(r: Any) -> None:
-    from ckpt_cli.render import json as rj
-
-    rj.emit("convert", {
-        "source": str(r.source), "source_format": r.source_format, "output": str(r.output),
-        "files": [{"path": n, "bytes": b} for n, b in r.write.files],
-        "index_file": r.write.index_file,
-        "num_tensors": len(r.tensors), "tensor_bytes": r.write.tensor_bytes,
-        "tensors": [{"name": n, "dtype": d, "shape": list(s)} for n, (d, s) in r.tensors.items()],
-        "renamed": r.renamed, "dropped": r.dropped, "casts": r.casts, "aliases": r.aliases,
-        "overflow": r.overflow, "clamped": r.clamped,
-        "metadata": r.metadata, "notes": r.notes, "seconds": round(r.seconds, 3),
-        "warnings": [w.to_dict() for w in r.warnings],
-        "followed": r.followed.to_dict() if r.followed else None})
-
-
-def _render(r: Any, quiet: bool) -> None:
-    from ckpt_cli.render import human
-
-    out = human.stdout()
-    files = len(r.write.files)
-    out.print(f"Wrote {r.output}: {len(r.tensors):,} tensors, {human.size(r.write.tensor_bytes)} "
-              f"in {files} file{'s' if files != 1 else ''} ({r.seconds:.1f} s)")
-    if r.casts:
-        out.print("Cast: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.casts.items())))
-    dropped = {g: n for g, n in r.dropped.items() if n}
-    if dropped:
-        out.print("Dropped: " + ", ".join(f"{g} {n}" for g, n in sorted(dropped.items())))
-    if r.renamed:
-        out.print("Names: " + "; ".join(r.renamed))
-    if r.aliases:
-        out.print("Tied (written once): " + ", ".join(f"{a} -> {k}" for a, k in
-                                                     sorted(r.aliases.items())))
-    if not quiet:
-        err = human.stderr()
-        for note in r.notes:
-            err.print(f"note: {note}", soft_wrap=True)
+        show(result, json=json, quiet=quiet)

@@ -89,16 +89,6 @@ def diff_cmd(
             result = diff(a, b, options, fmt_a=input_format_a, fmt_b=input_format_b,
                           on_progress=bar.update)
         outcome.exit_code = code = EXIT_OK if result.equal or exit_zero else EXIT_FINDINGS
-        if not quiet:
-            from ckpt_cli.render.human import note_followed
-
-            note_followed(result.followed_a, "A")
-            note_followed(result.followed_b, "B")
-            rd.print_warnings(result)
-        if json:
-            from ckpt_cli.render.json import emit
-
-            emit("diff", rd.to_json(result, str(a), str(b), by_module=by_module, depth=depth))
-        else:
-            rd.render(result, str(a), str(b), top=top, by_module=by_module, depth=depth)
+        rd.show(result, str(a), str(b), json=json, quiet=quiet, top=top, by_module=by_module,
+                depth=depth)
     raise typer.Exit(code)

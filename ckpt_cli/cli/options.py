@@ -16,3 +16,10 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar o
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n",
                                          help="Show what would be done and stop.")]
+ForceOpt = Annotated[bool, typer.Option("--force", "--overwrite",
+                                        help="Replace an existing output.")]
+CastToOpt = Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
+                                        help="Cast floating-point model tensors.")]
+OutputFormatOpt = Annotated[str | None, typer.Option(
+    "--format", "-f", metavar="safetensors|pt",
+    help="Output file format (default: from the output's suffix, else safetensors).")]

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -13,10 +12,6 @@ from ckpt_cli.cli.options import InputFormatOpt, JsonOpt, QuietOpt
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    from ckpt_cli.results import IntervalFigures, PlanResult
 
 _Dur = "DURATION"
 
@@ -141,17 +136,9 @@ def plan_cmd(
                                                                 allow_zero=True),
             on_progress=progress)
         outcome.exit_code = EXIT_OK
-        if json:
-            from ckpt_cli.render import json as rj
+        from ckpt_cli.render.plan import show
 
-            rj.emit("plan", result.to_dict())
-        else:
-            _render(result)
-            if not quiet:
-                err = err or _stderr()
-                for note in result.notes:
-                    err.print(f"note: {note}", soft_wrap=True)
-
+        show(result, json=json, quiet=quiet, err=err)
 
 def _whole(text: str | None, what: str) -> int | None:
     from ckpt_cli.units import parse_count
@@ -163,149 +150,3 @@ def _stderr() -> Console:
     from ckpt_cli.render import human
 
     return human.stderr()
-
-
-_PRECISION_LABEL = {"fp32": "fp32", "bf16": "pure bf16",
-                    "mixed": "mixed precision (bf16 weights, fp32 master and state)"}
-_STATE_LABEL = {"adam": "m, v in {state}", "adamw": "m, v in {state}",
-                "sgd": "momentum in {state}", "adafactor": "factored, not counted"}
-_OPTIMIZER_LABEL = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD with momentum",
-                    "adafactor": "Adafactor"}
-
-
-def _render(r: PlanResult) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    from ckpt_cli.render import human
-
-    out = human.stdout()
-    s = r.size
-    precision, optimizer = s.precision or "", s.optimizer_name or ""  # both set with --params
-    if s.path is None:
-        title = (f"{human.count(s.parameters)} parameters, {_PRECISION_LABEL[precision]}, "
-                 f"{_OPTIMIZER_LABEL[optimizer]}")
-    else:
-        title = f"{s.path} ({s.format}, {human.count(s.parameters)} parameters)"
-    out.print(Text(f"Plan for {title}", style="bold"), soft_wrap=True)
-    out.print()
-
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
-    parts = f"weights {human.size(s.weights)}"
-    if s.master:
-        parts += f" + master {human.size(s.master)}"
-    parts += f" + optimizer {human.size(s.optimizer)}"
-    if s.path is not None:
-        parts += f" + other {human.size(s.other)}"
-    grid.add_row("Training checkpoint", f"{human.size(s.training)}  ({parts})")
-    grid.add_row("Inference checkpoint", f"{human.size(s.inference)}  (weights only)")
-    if s.per_parameter is not None:
-        b = s.per_parameter
-        state = "fp32" if precision == "mixed" else precision
-        weights = "bf16" if precision != "fp32" else "fp32"
-        what = (f"{b.training} = {b.weights} weights ({weights})"
-                + (f" + {b.master} fp32 master" if b.master else "")
-                + f" + {b.optimizer} optimizer ({_OPTIMIZER_LABEL[optimizer]} "
-                + _STATE_LABEL[optimizer].format(state=state) + ")")
-        grid.add_row("Bytes per parameter", f"{what}; inference {b.inference}")
-    files = f"{r.files_per_checkpoint:,} per checkpoint"
-    if r.inodes_per_checkpoint != r.files_per_checkpoint:
-        files += f" ({r.inodes_per_checkpoint:,} inodes with their directories)"
-    grid.add_row("Files", files)
-    if r.bandwidth is not None:
-        m = r.measurement
-        how = "given" if m is None else (
-            f"measured: {human.size(m.bytes)} in {m.streams} streams, {m.seconds:.2f} s")
-        grid.add_row("Bandwidth", f"{human.rate(r.bandwidth)}  ({how})")
-        grid.add_row("Write time", human.duration(r.write_seconds))
-    if r.async_save:
-        grid.add_row("Snapshot (blocks)",
-                     f"{human.duration(r.snapshot_seconds)}  ({human.rate(r.snapshot_bandwidth)} "
-                     f"per rank x {r.files_per_checkpoint:,} ranks); the write overlaps compute")
-    if r.mtbf is not None:
-        how = "job" if r.gpus is None else (
-            f"{human.duration(r.gpu_mtbf)} per GPU / {r.gpus:,} GPUs")
-        grid.add_row("MTBF", f"{human.duration(r.mtbf)}  ({how})")
-    if r.restart:
-        grid.add_row("Restart", human.duration(r.restart))
-    if r.keep is not None:
-        grid.add_row(f"Retention (--keep {r.keep})",
-                     f"{human.size(r.steady_bytes)}, {r.steady_files:,} files "
-                     f"({human.size(r.peak_bytes)} while the next one is written)")
-    out.print(grid)
-
-    cols = [(name, f) for name, f in (("Young sqrt(2CM)", r.young), ("Daly (optimum)", r.daly),
-                                      ("--interval", r.current)) if f is not None]
-    if cols:
-        out.print()
-        out.print(_interval_table(r, cols))
-    if r.daly is not None and r.daly.overhead is not None:
-        out.print()
-        out.print(_plot(r, r.daly, r.daly.overhead.total, out.width))
-
-
-def _interval_table(r: PlanResult, cols: list[tuple[str, IntervalFigures]]) -> Table:
-    from rich.table import Table
-
-    from ckpt_cli.render import human
-
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    table.add_column("Checkpoint every")
-    for name, _f in cols:
-        table.add_column(name, justify="right")
-
-    def row(label: str, cell: Any) -> None:
-        table.add_row(label, *(cell(f) for _name, f in cols))
-
-    row("Compute between saves", lambda f: human.duration(f.seconds, short=True))
-    if r.async_save:
-        row("Training blocked per save", lambda f: human.duration(f.blocking, short=True))
-    if any(f.overhead is not None for _n, f in cols):
-        row("Expected time lost", lambda f: _pct(f.overhead and f.overhead.total))
-        row("  stalled by saves", lambda f: _pct(f.overhead and f.overhead.checkpointing))
-        row("  to failures", lambda f: _pct(f.overhead and f.overhead.failures))
-    row("Saves per day", lambda f: f"{f.checkpoints_per_day:,.1f}")
-    row("Written per day", lambda f: human.size(f.bytes_per_day))
-    row("Files per day", lambda f: f"{f.files_per_day:,.0f}")
-    if r.inodes_per_checkpoint != r.files_per_checkpoint:
-        row("Inodes per day", lambda f: f"{f.inodes_per_day:,.0f}")
-    return table
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _plot(r: PlanResult, optimum: IntervalFigures, best: float, columns: int) -> Text:
-    from rich.text import Text
-
-    from ckpt_cli.render import human
-    from ckpt_cli.render.plot import Mark, log_x_plot
-
-    lo, hi = r.curve_range()
-    # Room above the optimum (and above --interval) so the bottom of the curve is visible.
-    top = 2.5 * best
-    if r.current is not None and r.current.overhead is not None:
-        top = max(top, 1.2 * r.current.overhead.total)
-    top = min(1.0, max(top, 0.01))
-    marks = [Mark(optimum.seconds, "◆", "bold green")]
-    if r.current is not None:
-        marks.append(Mark(r.current.seconds, "●", "bold yellow"))
-
-    def lost(tau: float) -> float:
-        over = r.overhead_at(tau)
-        return math.nan if over is None else over.total
-
-    text = Text("Expected time lost vs interval (log scale)\n", style="bold")
-    text.append(log_x_plot(lost, lo, hi, y_max=top, width=max(20, min(72, columns - 10)),
-                           height=10, marks=marks, fmt_x=lambda x: human.duration(x, short=True),
-                           fmt_y=lambda y: f"{100 * y:.{0 if top >= 0.05 else 1}f}%"))
-    text.append("\n◆ ", style="bold green")
-    text.append(f"optimum (Daly) {human.duration(optimum.seconds)}: {_pct(best)} lost")
-    if r.current is not None and r.current.overhead is not None:
-        text.append("\n● ", style="bold yellow")
-        text.append(f"--interval {human.duration(r.current.seconds)}: "
-                    f"{_pct(r.current.overhead.total)} lost")
-    return text

@@ -49,9 +49,11 @@ def prune_cmd(
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts "
         "(a 'step' group gives the step).")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="Prune even /, $HOME or a directory that does not look like a run "
+    any_dir: Annotated[bool, typer.Option(
+        "--any-dir", help="Prune even /, $HOME or a directory that does not look like a run "
         "directory.")] = False,
+    old_force: Annotated[bool, typer.Option(
+        "--force", hidden=True, help="Deprecated name of --any-dir.")] = False,
     dry_run: DryRunOpt = False,
     yes: YesOpt = False,
     json: JsonOpt = False,
@@ -75,6 +77,10 @@ def prune_cmd(
         from ckpt_cli.errors import UsageError
         from ckpt_cli.ops.prune import prune
 
+        if old_force:
+            sys.stderr.write("ckpt: warning: prune --force is deprecated; use --any-dir (same "
+                             "meaning)\n")
+            any_dir = True
         if json and not yes and not dry_run:
             raise UsageError("--json never asks for confirmation: add --yes to delete, or "
                              "--dry-run to only see the plan")
@@ -92,7 +98,7 @@ def prune_cmd(
 
         try:
             result = prune(run_dir, policy, pattern=pattern, metrics_file=metrics_file,
-                           dry_run=dry_run, force=force, confirm=confirm, on_progress=view.event)
+                           dry_run=dry_run, force=any_dir, confirm=confirm, on_progress=view.event)
         finally:
             view.stop()
         outcome.exit_code = code = EXIT_OK if result.ok else EXIT_FINDINGS

@@ -42,13 +42,6 @@ def sample_cmd(
 
         written = write_sample(dest, overwrite=overwrite, on_progress=progress)
         outcome.exit_code = EXIT_OK
-        if json:
-            from ckpt_cli.render import json as rj
+        from ckpt_cli.render.sample import show
 
-            rj.emit("sample", {"path": str(dest), "checkpoints": [str(p) for p in written],
-                               "export": str(dest / "export"), "latest": written[-1].name})
-        else:
-            out = human.stdout()
-            out.print(f"Wrote {dest}: {len(written)} checkpoints, an HF export in "
-                      f"{dest / 'export'}, latest -> {written[-1].name}")
-            out.print(f"Next: ckpt inspect {dest}")
+        show(dest, written, json=json)

@@ -73,13 +73,7 @@ def validate_cmd(
             from ckpt_cli.render.junit import write_junit
 
             write_junit(result, junit)
-        if json:
-            from ckpt_cli.render import json as rj
+        from ckpt_cli.render.validate import show
 
-            rj.emit("validate", {**result.to_dict(), "strict": strict})
-        else:
-            from ckpt_cli.render import human
-            from ckpt_cli.render.checks import render
-
-            render(result, human.stdout(), verbose=verbose)
+        show(result, json=json, strict=strict, verbose=verbose)
     raise typer.Exit(code)

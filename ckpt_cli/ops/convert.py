@@ -14,7 +14,7 @@ import fnmatch
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,9 +28,10 @@ from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.containers import MODEL_KEYS
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
-from ckpt_cli.runs import Followed, follow_pointer, is_run_dir
+from ckpt_cli.results import ConvertResult
+from ckpt_cli.runs import follow_pointer, is_run_dir
 from ckpt_cli.tensors import TensorSource
-from ckpt_cli.writers import SIDE_FILES, OutTensor, WriteResult, output_format, write_checkpoint
+from ckpt_cli.writers import SIDE_FILES, OutTensor, output_format, write_checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
@@ -39,49 +40,6 @@ TARGETS = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "keep": None}
 WRAPPERS = ("module.", "_orig_mod.")
 _CASTABLE = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
              "F8_E8M0"}
-
-
-@dataclass(slots=True)
-class ConvertResult:
-    """What ``convert`` did.
-
-    Attributes:
-        source: The input path.
-        source_format: Its format.
-        output: The written file or directory.
-        write: Files written and sizes.
-        tensors: Output tensors, in order (name -> (dtype, shape)).
-        renamed: How names were changed (container and wrapper prefixes stripped).
-        dropped: Tensors left out, counted per group.
-        casts: ``"F32->F16"`` -> number of tensors.
-        aliases: Tied tensors written once: ``{dropped name: kept name}``.
-        overflow: Tensors with values beyond FP16's range (count), when casting to FP16.
-        clamped: Whether overflowing values were clamped (``--clamp``).
-        metadata: The ``__metadata__`` written.
-        notes: Plain-words remarks (what was dropped, chosen, copied).
-        seconds: Wall time.
-        warnings: Source files whose pickles would run code under ``torch.load`` (see
-            :func:`hostile_warnings`).
-        followed: The run directory's pointer followed to the checkpoint read, if
-            ``source`` was a run directory.
-    """
-
-    source: Path
-    source_format: str
-    output: Path
-    write: WriteResult
-    tensors: dict[str, tuple[str, tuple[int, ...]]]
-    renamed: list[str]
-    dropped: dict[str, int]
-    casts: dict[str, int]
-    aliases: dict[str, str]
-    overflow: dict[str, int]
-    clamped: bool
-    metadata: dict[str, str]
-    notes: list[str]
-    seconds: float
-    warnings: list[Finding] = field(default_factory=list)
-    followed: Followed | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,67 +3,14 @@
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
-from ckpt_cli.model import CheckpointIndex, RunListing, TensorInfo
+from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.results import InspectResult, TreeNode
 from ckpt_cli.runs import holds_final_model, is_run_dir, list_run
-
-
-@dataclass(slots=True)
-class TreeNode:
-    """A module prefix with the totals of the tensors below it.
-
-    Attributes:
-        name: This level's name component (the full prefix is the path from the root).
-        tensors: Number of tensors below.
-        parameters: Elements below.
-        bytes: Bytes below.
-        children: Sub-prefixes by name, in first-seen order.
-    """
-
-    name: str
-    tensors: int = 0
-    parameters: int = 0
-    bytes: int = 0
-    children: dict[str, TreeNode] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"name": self.name, "tensors": self.tensors, "parameters": self.parameters,
-                "bytes": self.bytes, "children": [c.to_dict() for c in self.children.values()]}
-
-
-@dataclass(slots=True)
-class InspectResult:
-    """What ``inspect`` found.
-
-    Attributes:
-        path: The path inspected.
-        kind: ``checkpoint`` or ``run``.
-        index: The checkpoint described (for a run directory: its latest complete one).
-        run: The run listing, for a run directory.
-        described: For a run directory, the name of the checkpoint ``index`` describes.
-        tensors: Selected tensors (``--tensors``), filtered and sorted.
-        tree: Module tree (``--tree``).
-        describe_error: Why the run's latest checkpoint could not be read, if it could not.
-        final_model: Whether ``index`` is the final model at the top of the run directory
-            (an HF Trainer ``output_dir``) rather than one of its checkpoints.
-    """
-
-    path: Path
-    kind: str
-    index: CheckpointIndex | None
-    run: RunListing | None = None
-    described: str | None = None
-    tensors: list[TensorInfo] | None = None
-    tree: TreeNode | None = None
-    describe_error: str | None = None
-    final_model: bool = False
 
 
 def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,

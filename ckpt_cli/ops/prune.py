@@ -136,7 +136,7 @@ def _check_root(path: Path, force: bool, pattern: str | None) -> Path:
         home = Path.home().resolve()
     except (RuntimeError, KeyError, OSError):  # no HOME and no passwd entry: nothing to guard
         home = Path(root.anchor) / ".ckpt-no-home"
-    hint = "pass --force if this really is the run directory to prune"
+    hint = "pass --any-dir if this really is the run directory to prune"
     what = ("the root directory" if root == Path(root.anchor) else "your home directory"
             if root == home else "a parent of your home directory" if root in home.parents
             else None)

@@ -11,8 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ckpt_cli.model import CheckpointIndex
-from ckpt_cli.ops.diff import DiffResult, MetaDiff, ModuleDiff, OnlyIn, TensorDiff
 from ckpt_cli.render import human
+from ckpt_cli.results import DiffResult, MetaDiff, ModuleDiff, OnlyIn, TensorDiff
 
 _STATUS_STYLE = {"equal": "bold green", "different": "bold red"}
 
@@ -423,3 +423,20 @@ def print_warnings(r: DiffResult) -> None:
     for label, ix in (("A", r.index_a), ("B", r.index_b)):
         human.print_findings(dataclasses.replace(f, file=f"{label}: {f.file}" if f.file
                                                  else label) for f in ix.findings)
+
+
+def show(r: DiffResult, a: str, b: str, *, json: bool, quiet: bool, top: int, by_module: bool,
+         depth: int | None) -> None:
+    """Print the result: notes and warnings on stderr, the tables or JSON on stdout."""
+    if not quiet:
+        from ckpt_cli.render.human import note_followed
+
+        note_followed(r.followed_a, "A")
+        note_followed(r.followed_b, "B")
+        print_warnings(r)
+    if json:
+        from ckpt_cli.render.json import emit
+
+        emit("diff", to_json(r, a, b, by_module=by_module, depth=depth))
+    else:
+        render(r, a, b, top=top, by_module=by_module, depth=depth)

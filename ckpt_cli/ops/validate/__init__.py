@@ -17,9 +17,8 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
 
 from ckpt_cli.errors import (
     CkptError,
@@ -40,7 +39,6 @@ from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
 from ckpt_cli.manifest import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
-    HashStats,
     Verification,
     compute_manifest,
     manifest_path,
@@ -48,7 +46,7 @@ from ckpt_cli.manifest import (
     verify_manifest,
     write_manifest,
 )
-from ckpt_cli.model import CheckpointIndex, Finding, RunEntry, RunListing
+from ckpt_cli.model import CheckpointIndex, Finding, RunEntry
 from ckpt_cli.ops.validate.dcpcheck import check_dcp
 from ckpt_cli.ops.validate.layoutcheck import (
     directory_pointers,
@@ -62,6 +60,14 @@ from ckpt_cli.ops.validate.layoutcheck import (
 )
 from ckpt_cli.ops.validate.valuecheck import ValueScan, scan_values
 from ckpt_cli.ops.validate.zipcheck import CrcTask, check_zip, crc_tasks, verify_crcs
+from ckpt_cli.results import (
+    CHECKS,
+    CheckpointReport,
+    CheckResult,
+    ManifestResult,
+    Status,
+    ValidateResult,
+)
 from ckpt_cli.runs import (
     POINTER_FILES,
     holds_final_model,
@@ -72,29 +78,6 @@ from ckpt_cli.runs import (
 )
 from ckpt_cli.streaming import OpenFiles, ProgressFn, default_jobs
 from ckpt_cli.units import format_size
-
-Status = Literal["pass", "warn", "fail", "skip"]
-
-CHECKS: dict[str, str] = {
-    "readable": "format recognised and metadata readable",
-    "complete": "the save finished (commit markers present, files whole)",
-    "safetensors-header": "safetensors headers: dtypes, shapes, offsets, file length",
-    "zip-structure": "zip end records, central directory, local headers, descriptors",
-    "crc32": "CRC-32 of every zip record matches its bytes",
-    "storages": "every storage a pickle references exists; every view fits in it",
-    "pickle-safety": "pickles reference only allowlisted globals",
-    "shard-index": "the index's shards exist, are valid and hold exactly its tensors",
-    "dcp-storage": "DCP items lie inside existing files without overlapping",
-    "dcp-tiling": "the chunks of each tensor tile its shape exactly",
-    "dcp-chunks": "every DCP chunk and item decodes to what .metadata says",
-    "rank-files": "the set of rank files matches the world sizes",
-    "latest-pointer": "latest pointers name existing checkpoints",
-    "resumable": "training state: step and optimizer state",
-    "values": "floating tensors hold no NaN, Inf or all-zero values",
-    "manifest": "files match the integrity manifest",
-    "leftovers": "no temporary or trash entries left by interrupted writes",
-}
-"""Every check ``validate`` knows, by id, with what it verifies (in report order)."""
 
 REQUIREMENTS = ("optimizer", "step")
 """What ``--require`` accepts."""
@@ -122,216 +105,6 @@ _FORMAT_CODE_CHECK = {("megatron", "missing-file"): "rank-files"}
 _RATE_MIN = 64 << 20  # below this, a speed says more about start-up than throughput
 _EXTENSION_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch",
                       ".bin": "torch", ".ckpt": "torch"}
-
-
-@dataclass(slots=True)
-class CheckResult:
-    """The outcome of one check on one checkpoint.
-
-    Attributes:
-        id: The check's id (a key of :data:`CHECKS`).
-        status: ``fail`` (errors), ``warn`` (warnings only), ``pass``, or ``skip`` (not run).
-        summary: One line: what was verified, or why it was skipped.
-        findings: The problems and notes it found.
-    """
-
-    id: str
-    status: Status
-    summary: str
-    findings: list[Finding] = field(default_factory=list)
-
-    @property
-    def title(self) -> str:
-        """What the check verifies."""
-        return CHECKS.get(self.id, self.id)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (findings are listed once, at the checkpoint level)."""
-        return {"id": self.id, "title": self.title, "status": self.status,
-                "summary": self.summary, "errors": _count(self.findings, "error"),
-                "warnings": _count(self.findings, "warning")}
-
-
-def _count(findings: Iterable[Finding], severity: str) -> int:
-    return sum(1 for f in findings if f.severity == severity)
-
-
-@dataclass(slots=True)
-class ManifestResult:
-    """What was done with the integrity manifest.
-
-    Attributes:
-        path: The manifest file.
-        action: ``verified`` (present and checked), ``written``, ``absent``, ``not-written``
-            (asked for but the checkpoint is invalid or the old manifest disagrees),
-            ``unreadable`` (present but malformed).
-        algorithm: Its checksum.
-        files: Files hashed.
-        bytes: Bytes hashed.
-        seconds: Hashing wall time.
-        threads: Hashing threads.
-        changed: Files whose checksum or size changed, or that are missing.
-        extra: Files not in the manifest.
-    """
-
-    path: Path
-    action: str
-    algorithm: str | None = None
-    files: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    threads: int = 1
-    changed: list[str] = field(default_factory=list)
-    extra: list[str] = field(default_factory=list)
-
-    @property
-    def throughput(self) -> float:
-        """Hashing speed in bytes per second (0 when nothing was hashed)."""
-        return self.bytes / self.seconds if self.seconds > 0 else 0.0
-
-    def add_stats(self, stats: HashStats | None) -> None:
-        """Account for one hashing pass."""
-        if stats is not None:
-            self.files += stats.files
-            self.bytes += stats.bytes
-            self.seconds += stats.seconds
-            self.threads = max(self.threads, stats.threads)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {"path": str(self.path), "action": self.action, "algorithm": self.algorithm,
-                "files": self.files, "bytes": self.bytes, "seconds": round(self.seconds, 6),
-                "threads": self.threads, "bytes_per_second": round(self.throughput),
-                "changed": self.changed, "extra": self.extra}
-
-
-@dataclass(slots=True)
-class CheckpointReport:
-    """Everything ``validate`` found about one checkpoint.
-
-    Attributes:
-        path: The checkpoint (file or directory).
-        format: The reader that read it, or None if none could.
-        flavor: The producer, when known.
-        step: The training step it records.
-        checks: Results in :data:`CHECKS` order.
-        bytes_read: Bytes streamed (CRC, values, hashing).
-        seconds: Wall time.
-        manifest: What happened with the manifest.
-        index: The metadata read (not part of the JSON output).
-    """
-
-    path: Path
-    format: str | None = None
-    flavor: str | None = None
-    step: int | None = None
-    checks: list[CheckResult] = field(default_factory=list)
-    bytes_read: int = 0
-    seconds: float = 0.0
-    manifest: ManifestResult | None = None
-    index: CheckpointIndex | None = None
-
-    @property
-    def name(self) -> str:
-        """The checkpoint's file or directory name."""
-        return self.path.name
-
-    @property
-    def findings(self) -> list[Finding]:
-        """All findings of all checks."""
-        return [f for c in self.checks for f in c.findings]
-
-    @property
-    def errors(self) -> int:
-        """Number of error findings."""
-        return _count(self.findings, "error")
-
-    @property
-    def warnings(self) -> int:
-        """Number of warning findings."""
-        return _count(self.findings, "warning")
-
-    @property
-    def valid(self) -> bool:
-        """No errors (warnings and notes allowed)."""
-        return self.errors == 0
-
-    def check(self, check_id: str) -> CheckResult | None:
-        """The result of one check, if it ran or was skipped."""
-        return next((c for c in self.checks if c.id == check_id), None)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        owner = {id(f): c.id for c in self.checks for f in c.findings}
-        return {"name": self.name, "path": str(self.path), "format": self.format,
-                "flavor": self.flavor, "step": self.step, "valid": self.valid,
-                "errors": self.errors, "warnings": self.warnings,
-                "bytes_read": self.bytes_read, "seconds": round(self.seconds, 6),
-                "checks": [c.to_dict() for c in self.checks],
-                "findings": [{**f.to_dict(), "check": owner[id(f)]} for f in self.findings],
-                "manifest": self.manifest.to_dict() if self.manifest else None}
-
-
-@dataclass(slots=True)
-class ValidateResult:
-    """The result of ``validate`` on a checkpoint or a run directory.
-
-    Attributes:
-        path: The path given.
-        kind: ``checkpoint`` or ``run``.
-        checkpoints: One report per checkpoint validated (oldest first for a run).
-        run: The run listing, for a run directory.
-        run_checks: Checks of the run directory itself (pointers, leftovers).
-        final_model: Whether the run directory itself holds a final model (an HF Trainer
-            ``output_dir``): then the last report is that model's.
-    """
-
-    path: Path
-    kind: str
-    checkpoints: list[CheckpointReport] = field(default_factory=list)
-    run: RunListing | None = None
-    run_checks: list[CheckResult] = field(default_factory=list)
-    final_model: bool = False
-
-    @property
-    def findings(self) -> list[Finding]:
-        """All findings: the run's, then each checkpoint's."""
-        return [f for c in self.run_checks for f in c.findings] + [
-            f for r in self.checkpoints for f in r.findings]
-
-    @property
-    def valid(self) -> bool:
-        """No errors anywhere."""
-        return _count(self.findings, "error") == 0
-
-    def exit_code(self, *, strict: bool = False) -> int:
-        """0 when valid (and, with ``strict``, without warnings), else 1."""
-        bad = _count(self.findings, "error") + (_count(self.findings, "warning")
-                                                 if strict else 0)
-        return 1 if bad else 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (without ``schema_version``/``command``, which the CLI adds)."""
-        from ckpt_cli.render import json as rj
-
-        owner = {id(f): c.id for c in self.run_checks for f in c.findings}
-        findings = self.findings
-        return {
-            "path": str(self.path), "kind": self.kind, "valid": self.valid,
-            "summary": {"checkpoints": len(self.checkpoints),
-                        "valid": sum(r.valid for r in self.checkpoints),
-                        "invalid": sum(not r.valid for r in self.checkpoints),
-                        "errors": _count(findings, "error"),
-                        "warnings": _count(findings, "warning"),
-                        "bytes_read": sum(r.bytes_read for r in self.checkpoints),
-                        "seconds": round(sum(r.seconds for r in self.checkpoints), 6)},
-            "checkpoints": [r.to_dict() for r in self.checkpoints],
-            "run": rj.run_dict(self.run) if self.run is not None else None,
-            "run_checks": [c.to_dict() for c in self.run_checks],
-            "final_model": self.final_model,
-            "run_findings": [{**f.to_dict(), "check": owner[id(f)]}
-                             for c in self.run_checks for f in c.findings],
-        }
 
 
 @dataclass(frozen=True, slots=True)

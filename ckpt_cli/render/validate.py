@@ -7,7 +7,8 @@ checkpoint, the run's own checks, and the problems grouped by checkpoint.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -16,7 +17,13 @@ from rich.text import Text
 from ckpt_cli.render import human
 
 if TYPE_CHECKING:
-    from ckpt_cli.ops.validate import CheckpointReport, CheckResult, ValidateResult
+    from ckpt_cli.model import Finding
+    from ckpt_cli.results import (
+        CheckpointReport,
+        CheckResult,
+        ManifestResult,
+        ValidateResult,
+    )
 
 _STATUS = {"pass": ("ok", "green"), "warn": ("warn", "yellow"), "fail": ("FAIL", "bold red"),
            "skip": ("skip", "dim")}
@@ -131,3 +138,67 @@ def _render_run(result: ValidateResult, console: Console, *, verbose: bool,
     bad = sum(not r.valid for r in result.checkpoints)
     what = (f"{n - bad} of {n} checkpoint(s) valid" if n else "no checkpoints")
     console.print(_verdict(errors, warnings, what))
+
+
+def check_dict(c: CheckResult) -> dict[str, Any]:
+    """JSON-ready form of one check (findings are listed once, at the checkpoint level)."""
+    return {"id": c.id, "title": c.title, "status": c.status, "summary": c.summary,
+            "errors": _count(c.findings, "error"), "warnings": _count(c.findings, "warning")}
+
+
+def manifest_dict(m: ManifestResult) -> dict[str, Any]:
+    """JSON-ready form of what was done with the integrity manifest."""
+    return {"path": str(m.path), "action": m.action, "algorithm": m.algorithm,
+            "files": m.files, "bytes": m.bytes, "seconds": round(m.seconds, 6),
+            "threads": m.threads, "bytes_per_second": round(m.throughput),
+            "changed": m.changed, "extra": m.extra}
+
+
+def report_dict(r: CheckpointReport) -> dict[str, Any]:
+    """JSON-ready form of one checkpoint's report."""
+    owner = {id(f): c.id for c in r.checks for f in c.findings}
+    return {"name": r.name, "path": str(r.path), "format": r.format,
+            "flavor": r.flavor, "step": r.step, "valid": r.valid,
+            "errors": r.errors, "warnings": r.warnings,
+            "bytes_read": r.bytes_read, "seconds": round(r.seconds, 6),
+            "checks": [check_dict(c) for c in r.checks],
+            "findings": [{**f.to_dict(), "check": owner[id(f)]} for f in r.findings],
+            "manifest": manifest_dict(r.manifest) if r.manifest else None}
+
+
+def result_dict(result: ValidateResult) -> dict[str, Any]:
+    """JSON-ready form (without ``schema_version``/``command``, which ``emit`` adds)."""
+    from ckpt_cli.render import json as rj
+
+    owner = {id(f): c.id for c in result.run_checks for f in c.findings}
+    findings = result.findings
+    return {
+        "path": str(result.path), "kind": result.kind, "valid": result.valid,
+        "summary": {"checkpoints": len(result.checkpoints),
+                    "valid": sum(r.valid for r in result.checkpoints),
+                    "invalid": sum(not r.valid for r in result.checkpoints),
+                    "errors": _count(findings, "error"),
+                    "warnings": _count(findings, "warning"),
+                    "bytes_read": sum(r.bytes_read for r in result.checkpoints),
+                    "seconds": round(sum(r.seconds for r in result.checkpoints), 6)},
+        "checkpoints": [report_dict(r) for r in result.checkpoints],
+        "run": rj.run_dict(result.run) if result.run is not None else None,
+        "run_checks": [check_dict(c) for c in result.run_checks],
+        "final_model": result.final_model,
+        "run_findings": [{**f.to_dict(), "check": owner[id(f)]}
+                         for c in result.run_checks for f in c.findings],
+    }
+
+
+def _count(findings: Iterable[Finding], severity: str) -> int:
+    return sum(1 for f in findings if f.severity == severity)
+
+
+def show(result: ValidateResult, *, json: bool, strict: bool, verbose: bool) -> None:
+    """The command's output: the JSON document, or the human report on stdout."""
+    if json:
+        from ckpt_cli.render import json as rj
+
+        rj.emit("validate", {**result_dict(result), "strict": strict})
+    else:
+        render(result, human.stdout(), verbose=verbose)

@@ -1,0 +1,63 @@
+"""Output of ``ckpt consolidate``: the JSON document or the human summary."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckpt_cli.results import ConsolidateResult
+
+
+def show(r: ConsolidateResult, *, json: bool, quiet: bool) -> None:
+    """Print the result: warnings and notes on stderr, the summary or JSON on stdout."""
+    from ckpt_cli.render.human import note_followed, print_messages
+
+    print_messages(r.warnings)  # hostile sources: whatever --quiet and --json say
+    if not quiet:
+        note_followed(r.followed)
+    if json:
+        _emit_json(r)
+    else:
+        _render(r, quiet)
+
+
+def _emit_json(r: ConsolidateResult) -> None:
+    from ckpt_cli.render import json as rj
+
+    rj.emit("consolidate", {
+        "source": str(r.source), "kind": r.kind, "output": str(r.output),
+        "files_before": r.files_before, "bytes_before": r.bytes_before,
+        "files_after": len(r.write.files),
+        "bytes_after": sum(b for _, b in r.write.files),
+        "files": [{"path": n, "bytes": b} for n, b in r.write.files],
+        "index_file": r.write.index_file, "num_tensors": r.tensors,
+        "tensor_bytes": r.write.tensor_bytes, "elements_in": r.elements_in,
+        "elements_out": r.elements_out, "lost_elements": r.lost_elements,
+        "aliases": r.aliases, "dropped": r.dropped, "details": r.details,
+        "verified": r.verified, "notes": r.notes, "seconds": round(r.seconds, 3),
+        "warnings": [w.to_dict() for w in r.warnings],
+        "followed": r.followed.to_dict() if r.followed else None})
+
+
+def _render(r: ConsolidateResult, quiet: bool) -> None:
+    from ckpt_cli.render import human
+
+    out = human.stdout()
+    after = len(r.write.files)
+    out.print(f"{r.files_before:,} files ({human.size(r.bytes_before)}) -> {after} file"
+              f"{'s' if after != 1 else ''} ({human.size(sum(b for _, b in r.write.files))}), "
+              f"{r.lost_elements:,} elements lost")
+    facts = ", ".join(f"{k} {v}" for k, v in r.details.items() if v is not None)
+    out.print(f"Wrote {r.output}: {r.tensors:,} tensors, {human.size(r.write.tensor_bytes)} "
+              f"from a {r.kind} checkpoint ({facts}) in {r.seconds:.1f} s")
+    dropped = {g: n for g, n in r.dropped.items() if n}
+    if dropped:
+        out.print("Dropped: " + ", ".join(f"{g} {n}" for g, n in sorted(dropped.items())))
+    if r.aliases:
+        out.print("Shared (written once): " + ", ".join(f"{a} -> {k}" for a, k in
+                                                       sorted(r.aliases.items())))
+    if r.verified is not None:
+        out.print(f"Verified: {r.verified:,} tensors equal their sources")
+    if not quiet:
+        for note in r.notes:
+            human.stderr().print(f"note: {note}", soft_wrap=True)

@@ -1,0 +1,60 @@
+"""Output of ``ckpt convert``: the JSON document or the human summary."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckpt_cli.results import ConvertResult
+
+
+def show(r: ConvertResult, *, json: bool, quiet: bool) -> None:
+    """Print the result: warnings and notes on stderr, the summary or JSON on stdout."""
+    from ckpt_cli.render.human import note_followed, print_messages
+
+    print_messages(r.warnings)  # hostile sources: whatever --quiet and --json say
+    if not quiet:
+        note_followed(r.followed)
+    if json:
+        _emit_json(r)
+    else:
+        _render(r, quiet)
+
+
+def _emit_json(r: ConvertResult) -> None:
+    from ckpt_cli.render import json as rj
+
+    rj.emit("convert", {
+        "source": str(r.source), "source_format": r.source_format, "output": str(r.output),
+        "files": [{"path": n, "bytes": b} for n, b in r.write.files],
+        "index_file": r.write.index_file,
+        "num_tensors": len(r.tensors), "tensor_bytes": r.write.tensor_bytes,
+        "tensors": [{"name": n, "dtype": d, "shape": list(s)} for n, (d, s) in r.tensors.items()],
+        "renamed": r.renamed, "dropped": r.dropped, "casts": r.casts, "aliases": r.aliases,
+        "overflow": r.overflow, "clamped": r.clamped,
+        "metadata": r.metadata, "notes": r.notes, "seconds": round(r.seconds, 3),
+        "warnings": [w.to_dict() for w in r.warnings],
+        "followed": r.followed.to_dict() if r.followed else None})
+
+
+def _render(r: ConvertResult, quiet: bool) -> None:
+    from ckpt_cli.render import human
+
+    out = human.stdout()
+    files = len(r.write.files)
+    out.print(f"Wrote {r.output}: {len(r.tensors):,} tensors, {human.size(r.write.tensor_bytes)} "
+              f"in {files} file{'s' if files != 1 else ''} ({r.seconds:.1f} s)")
+    if r.casts:
+        out.print("Cast: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.casts.items())))
+    dropped = {g: n for g, n in r.dropped.items() if n}
+    if dropped:
+        out.print("Dropped: " + ", ".join(f"{g} {n}" for g, n in sorted(dropped.items())))
+    if r.renamed:
+        out.print("Names: " + "; ".join(r.renamed))
+    if r.aliases:
+        out.print("Tied (written once): " + ", ".join(f"{a} -> {k}" for a, k in
+                                                     sorted(r.aliases.items())))
+    if not quiet:
+        err = human.stderr()
+        for note in r.notes:
+            err.print(f"note: {note}", soft_wrap=True)
