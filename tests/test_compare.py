@@ -19,6 +19,8 @@ from ckpt_cli.formats import read_index
 from ckpt_cli.ops.diff import DiffOptions, DiffResult, diff
 from ckpt_cli.tensors import TensorSource
 
+pytestmark = pytest.mark.requires_torch
+
 _SETTINGS = settings(max_examples=100, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 

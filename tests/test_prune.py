@@ -27,6 +27,8 @@ from ckpt_cli.runs import list_run
 from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.makers import hf_trainer_run, lightning_run, megatron_legacy
 
+pytestmark = pytest.mark.requires_torch
+
 HELPERS = Path(__file__).parent / "helpers"
 KEEP1 = PrunePolicy(keep=1, grace=0)
 

@@ -15,6 +15,8 @@ from tests.helpers import damage
 from tests.helpers.makers import tiny_state_dict, training_checkpoint
 from tests.test_inspect_cli import _imports_torch
 
+pytestmark = pytest.mark.requires_torch
+
 CHECKPOINT_KEYS = {"name", "path", "format", "flavor", "step", "valid", "errors", "warnings",
                    "bytes_read", "seconds", "checks", "findings", "manifest"}
 FINDING_KEYS = {"severity", "code", "message", "file", "location", "check"}
