@@ -29,8 +29,9 @@ from ckpt_cli.errors import (
 from ckpt_cli.formats import read_index
 from ckpt_cli.ops.consolidate import consolidate
 from ckpt_cli.ops.convert import cast_array, convert
-from tests.conftest import run_cli, third_party_quiet
+from tests.conftest import Golden, run_cli, third_party_quiet
 from tests.helpers.damage import flip_in_entry
+from tests.helpers.golden import safetensors_run, stable
 from tests.helpers.makers import hf_sharded, tiny_state_dict
 
 pytestmark = pytest.mark.requires_torch
@@ -592,3 +593,14 @@ def test_fp64_clamp_rounds_once(tmp_path: Path) -> None:
     assert got["w"][0].item() == got["v"][0].item() == 1 + 2**-10
     assert got["w"][1:].tolist() == [65504.0, 65504.0, -65504.0]
     assert np.isfinite(got["w"].float().numpy()).all()
+
+
+def test_golden_json(tmp_path: Path, golden: Golden) -> None:
+    """``convert --json`` is a contract: a byte-exact input gives the same report."""
+    run = safetensors_run(tmp_path)
+    src = run / "step_000300" / "model.safetensors"
+    r = run_cli("convert", src, "-o", tmp_path / "out.pt", "--to", "fp16", "--json")
+    assert r.exit_code == 0, r.output
+    golden("convert_to_pt.json", json.loads(r.stdout), stable(tmp_path))
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert got["w"].dtype == torch.float16 and got["b"].dtype == torch.int64
