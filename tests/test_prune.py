@@ -956,7 +956,7 @@ def test_a_skipped_job_directory_is_named(tmp_path: Path) -> None:
 def test_golden_dry_run_json(tmp_path: Path, golden: Golden) -> None:
     """``prune --dry-run --json`` is a contract: the same run dir gives the same plan."""
     run = safetensors_run(tmp_path)
-    r = run_cli("prune", run, "--keep", "2", "--dry-run", "--json")
+    r = run_cli("prune", run, "--keep", "2", "--grace", "0", "--dry-run", "--json")
     assert r.exit_code == 0, r.output
     golden("prune_dry_run.json", json.loads(r.stdout), stable(tmp_path))
     assert len(list(run.iterdir())) == 5  # a dry run deletes nothing
