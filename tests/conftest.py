@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import difflib
+import functools
 import importlib.util
+import json
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner, Result
@@ -90,7 +95,102 @@ def ds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                   "z1-fp32+frozen", "z2-fp32+frozen"])
 
 
+GOLDEN = Path(__file__).parent / "golden"
+
+Golden = Callable[..., None]
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest) -> Golden:
+    """``golden(name, doc, normalise=None)``: compare ``doc`` with tests/golden/NAME.
+
+    The document (after ``normalise``, which pins what varies: paths, times, the last bits of
+    floats) is written as sorted, indented JSON. With ``--update-golden`` the file is rewritten
+    instead; a difference fails with a unified diff of the two texts.
+    """
+    update = bool(request.config.getoption("--update-golden"))
+
+    def check(name: str, doc: Any, normalise: Callable[[Any], Any] | None = None) -> None:
+        if normalise is not None:
+            doc = normalise(doc)
+        text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+        path = GOLDEN / name
+        if update:
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(text)
+            return
+        if not path.is_file():
+            pytest.fail(f"no golden file {path.name}: run pytest with --update-golden to make "
+                        f"it, and review it before committing")
+        want = path.read_text()
+        if text != want:
+            diff = "".join(difflib.unified_diff(want.splitlines(keepends=True),
+                                                text.splitlines(keepends=True),
+                                                f"golden/{name}", "current output"))
+            pytest.fail(f"output differs from golden/{name} (if intended, rerun with "
+                        f"--update-golden and review the change):\n{diff}", pytrace=False)
+
+    return check
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     """``--update-golden`` rewrites tests/golden/*.json from the current output."""
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite golden files instead of comparing against them")
+
+
+# --- every test that imports torch carries the requires_torch marker ---------------------------
+
+def _is_torch(module: str | None) -> bool:
+    return module is not None and (module == "torch" or module.startswith("torch.")
+                                   or module == "safetensors.torch")
+
+
+def imports_torch(nodes: list[ast.stmt]) -> bool:
+    """Whether any import statement among ``nodes`` (searched through) imports torch."""
+    for stmt in nodes:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Import) and any(_is_torch(a.name) for a in node.names):
+                return True
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and _is_torch(node.module):
+                return True
+    return False
+
+
+def module_imports_torch(tree: ast.Module) -> bool:
+    """Whether the module imports torch at its top level (outside functions and classes)."""
+    top = [s for s in tree.body
+           if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    return imports_torch(top)
+
+
+def function_imports_torch(tree: ast.Module, name: str) -> bool:
+    """Whether the test function ``name`` (top level or in a class) imports torch itself."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            if imports_torch(node.body):
+                return True
+    return False
+
+
+@functools.cache
+def _parsed(path: str) -> ast.Module:
+    return ast.parse(Path(path).read_text(), filename=path)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse to run when a test imports torch without the ``requires_torch`` marker."""
+    missing = []
+    for item in items:
+        if not isinstance(item, pytest.Function) or item.get_closest_marker("requires_torch"):
+            continue
+        tree = _parsed(str(item.path))
+        name = item.originalname
+        if module_imports_torch(tree) or function_imports_torch(tree, name):
+            missing.append(f"{item.path.name}::{name}")
+    if missing:
+        shown = ", ".join(sorted(set(missing))[:20])
+        raise pytest.UsageError(
+            f"{len(missing)} test(s) import torch without the requires_torch marker (add "
+            f"`pytestmark = pytest.mark.requires_torch` to the file, or "
+            f"@pytest.mark.requires_torch to the test): {shown}")

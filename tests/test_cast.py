@@ -13,6 +13,8 @@ import torch
 from ckpt_cli import cast
 from ckpt_cli.cast import CastStats, cast_array
 
+pytestmark = pytest.mark.requires_torch
+
 
 @pytest.fixture(params=["numpy", "torch"])
 def backend(request: pytest.FixtureRequest) -> Iterator[str]:

@@ -20,6 +20,8 @@ from ckpt_cli.ops.diff import DiffOptions, diff
 from ckpt_cli.results import DiffResult
 from ckpt_cli.tensors import TensorSource
 
+pytestmark = pytest.mark.requires_torch
+
 _SETTINGS = settings(max_examples=100, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 

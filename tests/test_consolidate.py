@@ -7,6 +7,8 @@ import io
 import json
 import math
 import os
+import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,10 @@ from ckpt_cli.errors import CorruptCheckpointError, UsageError
 from ckpt_cli.formats import read_index
 from ckpt_cli.ops.consolidate import consolidate
 from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
-from tests.helpers.makers import tiny_state_dict
+from tests.helpers.damage import flip_in_entry
+from tests.helpers.makers import hf_sharded, tiny_state_dict
+
+pytestmark = pytest.mark.requires_torch
 
 
 def flatten(tree: object, prefix: str = "") -> dict[str, object]:
@@ -288,3 +293,125 @@ class _Hostile:
 
     def __reduce__(self) -> tuple[object, tuple[str]]:
         return (os.system, (f"touch {self.marker}",))
+
+
+@requires_deepspeed
+def test_deepspeed_latest_naming_itself(ds_dir: Path, tmp_path: Path) -> None:
+    src = tmp_path / "ds"
+    shutil.copytree(ds_dir / "z2-fp32", src)
+    for bad in (".", "..", "global_step3/../.."):
+        (src / "latest").write_text(bad)
+        r = run_cli("consolidate", src, "-o", tmp_path / "o")
+        assert r.exit_code == 2 and "Traceback" not in r.stderr and "latest" in r.stderr
+
+
+@requires_deepspeed
+def test_zero1_frozen_parameters_are_kept(ds_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o.safetensors"
+    r = consolidate(ds_dir / "z1-fp32+frozen", out, max_shard_size=None)
+    got = load_file(out)
+    assert {"1.weight", "1.bias"} <= set(got)  # the frozen LayerNorm, from module
+    assert any("frozen parameter" in n for n in r.notes)
+    r2 = consolidate(ds_dir / "z2-fp32+frozen", tmp_path / "o2.safetensors", max_shard_size=None)
+    got2 = load_file(tmp_path / "o2.safetensors")
+    assert {"1.weight", "1.bias"} <= set(got2) and not r2.notes[:-1]
+    assert torch.equal(got["1.weight"], got2["1.weight"])  # ones: LayerNorm's initial weight
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty"])
+def test_hf_shard_missing_or_empty_is_refused_everywhere(sample_copy: Path, tmp_path: Path,
+                                                         damage: str) -> None:
+    export = sample_copy / "export"
+    shard = sorted(export.glob("model-*.safetensors"))[-1]
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(b"")
+    for argv in (("convert", export, "-o", tmp_path / "c.safetensors"),
+                 ("convert", export, "--to", "fp16", "-o", tmp_path / "c"),
+                 ("consolidate", export, "-o", tmp_path / "k")):
+        r = run_cli(*argv)
+        assert r.exit_code == 2, (argv, r.output)
+        assert shard.name in r.stderr and "Traceback" not in r.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name != "run"]
+    healthy = sample_copy / "step_000300"
+    for argv in (("diff", export, healthy), ("diff", "--structure-only", export, healthy),
+                 ("diff", healthy, export)):
+        r = run_cli(*argv)
+        assert r.exit_code == 2 and shard.name in r.stderr, (argv, r.output)
+
+
+def test_consolidate_reshards_an_hf_export_by_its_index(sample_run: Path, tmp_path: Path) -> None:
+    export = sample_run / "export"
+    r = run_cli("consolidate", export, "--max-shard-size", "0", "-o", tmp_path / "one",
+                "--verify", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["kind"] == "hf-index"
+    assert [f for f in os.listdir(tmp_path / "one") if f.endswith(".safetensors")] == [
+        "model.safetensors"]
+    want = {k: v for p in export.glob("*.safetensors") for k, v in load_file(p).items()}
+    got = load_file(tmp_path / "one" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@requires_deepspeed
+def test_consolidate_refuses_damaged_zero_partitions(ds_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "z1"
+    shutil.copytree(ds_dir / "z1-fp32", run)
+    tag = run / (run / "latest").read_text().strip()
+    optim = sorted(tag.glob("*optim_states.pt"))[0]
+    with zipfile.ZipFile(optim) as zf:  # damage every record: the FP32 partition is one
+        records = [i for i in zf.infolist() if "/data/" in i.filename and i.file_size]
+    for rec in records:
+        flip_in_entry(optim, rec.filename, rec.file_size // 2)
+    r = run_cli("consolidate", run, "-o", tmp_path / "out.safetensors")
+    assert r.exit_code == 2 and "CRC-32" in r.stderr and optim.name in r.stderr, r.output
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@requires_deepspeed
+def test_consolidate_names_a_latest_that_points_nowhere(ds_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "z1"
+    shutil.copytree(ds_dir / "z1-fp32", run)
+    (run / "latest").write_text("global_step99")
+    r = run_cli("consolidate", run, "-o", tmp_path / "out")
+    assert r.exit_code == 2 and "global_step99" in r.stderr and "latest" in r.stderr, r.output
+
+
+def test_consolidate_of_a_run_directory_says_so(sample_copy: Path, tmp_path: Path) -> None:
+    # With a `latest` pointer the checkpoint it names is merged, and the choice is said.
+    r = run_cli("consolidate", sample_copy, "-o", tmp_path / "out")
+    assert r.exit_code == 0 and "latest names step_000400" in r.stderr, r.output
+    (sample_copy / "latest").unlink()
+    r = run_cli("consolidate", sample_copy, "-o", tmp_path / "out2")
+    assert r.exit_code == 2 and "is a run directory" in r.stderr, r.output
+
+
+@requires_deepspeed
+def test_consolidate_prefers_zero_shards_to_a_16bit_hf_export(ds_dir: Path,
+                                                              tmp_path: Path) -> None:
+    # HF Trainer + DeepSpeed saves the ZeRO shards (FP32 master weights) and a 16-bit HF
+    # export with an index side by side: the shards are what consolidate must merge.
+    from ckpt_cli.ops.consolidate import detect_kind
+
+    run = tmp_path / "checkpoint-2"
+    shutil.copytree(ds_dir / "z1-fp32", run)
+    hf_sharded(run, {k: v.half() for k, v in tiny_state_dict().items()}, max_shard_size=600)
+    assert (run / "model.safetensors.index.json").is_file()
+    assert detect_kind(run) == "deepspeed"
+    # Without the FP32 partitions (stage 0, or deleted to save space) the export is what
+    # there is; likewise when `latest` names a tag that was deleted.
+    tag = run / (run / "latest").read_text().strip()
+    for p in tag.glob("*optim_states.pt"):
+        p.unlink()
+    assert detect_kind(run) == "hf-index"
+    shutil.rmtree(tag)
+    assert detect_kind(run) == "hf-index"
+    r = run_cli("consolidate", run, "-o", tmp_path / "o.safetensors")
+    assert r.exit_code == 0 and "hf-index" in r.output, r.output
+    plain = tmp_path / "export"
+    plain.mkdir()
+    hf_sharded(plain, tiny_state_dict(), max_shard_size=1200)
+    assert detect_kind(plain) == "hf-index"

@@ -12,15 +12,16 @@ import pytest
 import torch
 from safetensors.torch import save_file, save_model
 
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import read_index
 from ckpt_cli.ops.diff import DiffOptions, diff, diff_indexes
 from ckpt_cli.results import DiffResult
-from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
+from tests.conftest import Golden, requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.makers import tiny_state_dict, training_checkpoint
 from tests.test_inspect_cli import _imports_torch
 
-GOLDEN = Path(__file__).parent / "golden"
+pytestmark = pytest.mark.requires_torch
+
 
 
 def _json(*args: str | Path, code: int = 0) -> dict[str, Any]:
@@ -480,7 +481,7 @@ def _significant(v: Any, digits: int = 6) -> Any:
     return v
 
 
-def test_golden_json(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_golden_json(tmp_path: Path, golden: Golden) -> None:
     """The diff JSON is a contract: byte-exact inputs give byte-exact output."""
     a = tiny_state_dict(seed=0)
     b = {**a, "head.weight": a["head.weight"] * 1.01, "extra.bias": torch.zeros(3)}
@@ -490,11 +491,7 @@ def test_golden_json(tmp_path: Path, request: pytest.FixtureRequest) -> None:
               metadata={"step": "4"})
     doc = _json(tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-module", code=1)
     doc["a"]["path"], doc["b"]["path"] = "a.safetensors", "b.safetensors"
-    text = json.dumps(_significant(doc), indent=2, sort_keys=True) + "\n"
-    golden = GOLDEN / "diff_safetensors.json"
-    if request.config.getoption("--update-golden"):
-        golden.write_text(text)
-    assert text == golden.read_text()
+    golden("diff_safetensors.json", doc, _significant)
 
 
 @pytest.mark.parametrize("side", ["A", "B"])
@@ -569,3 +566,43 @@ def test_diff_does_not_import_torch(tmp_path: Path) -> None:
         imported, tail = _imports_torch(*argv)
         assert not imported, (argv, tail)
         assert "EXIT=0" in tail, (argv, tail)
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("cfg", ["z3-fp32", "z3-bf16"])
+def test_diff_refuses_zero3_placeholders(ds_dir: Path, tmp_path: Path, cfg: str) -> None:
+    # ZeRO-3 model states hold [0]-shaped placeholders (once per rank): compared as stored, a
+    # checkpoint differed from its own consolidation, and two ZeRO-3 steps looked equal.
+    tag = ds_dir / cfg / "global_step3"
+    out = tmp_path / "full.safetensors"
+    assert run_cli("consolidate", tag, "-o", out).exit_code == 0
+    for side, args in (("A", (tag, out)), ("B", (out, tag))):
+        for extra in ((), ("--structure-only",), ("--all",)):
+            r = run_cli("diff", *args, *extra)
+            assert r.exit_code == 2 and r.stdout == "", r.output
+            lines = r.stderr.strip().splitlines()
+            assert lines[0].startswith(f"ckpt: error: {side}: {tag}: DeepSpeed ZeRO-3"), r.stderr
+            assert len(lines) == 2 and lines[1].startswith("hint: consolidate it first")
+            assert f"ckpt consolidate {tag}" in lines[1]
+    r = run_cli("diff", tag, ds_dir / "z3-fp32" / "global_step3", "--json")
+    err = json.loads(r.stdout)["error"]
+    assert r.exit_code == 2 and err["kind"] == "unsupported" and err["side"] == "A"
+    # The library API refuses too.
+    from ckpt_cli.ops.diff import diff
+
+    with pytest.raises(UnsupportedError, match="ZeRO-3"):
+        diff(out, tag)
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("cfg", ["z1-fp32", "z2-fp32", "z2-bf16", "z1-fp32+frozen"])
+def test_diff_of_zero12_against_its_consolidation_is_equal(ds_dir: Path, tmp_path: Path,
+                                                          cfg: str) -> None:
+    # ZeRO 1/2 keep the whole module in the model states: compared as stored, as before.
+    tag = ds_dir / cfg / "global_step3"
+    out = tmp_path / "full.safetensors"
+    assert run_cli("consolidate", tag, "-o", out).exit_code == 0
+    r = run_cli("diff", tag, out, "--no-metadata", "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["equal"], r.output
+    assert doc["summary"]["common"] == 7 and not doc["only_in_a"] and not doc["only_in_b"]

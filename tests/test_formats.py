@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ckpt_cli import dtypes
-from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnknownFormatError
+from ckpt_cli.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    UnknownFormatError,
+)
 from ckpt_cli.formats import detect, read_index
 from ckpt_cli.tensors import iter_tensors
-from tests.conftest import requires_deepspeed, run_cli
+from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.makers import (
     hf_sharded,
     megatron_legacy,
     tiny_state_dict,
     training_checkpoint,
 )
+
+pytestmark = pytest.mark.requires_torch
 
 ALL_TORCH_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                     torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -352,3 +359,80 @@ def test_truncated_safetensors_header_and_data(tmp_path: Path) -> None:
 def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(CkptError, match="no such file or directory"):
         read_index(tmp_path / "nope.pt")
+
+
+def test_hf_hub_cache_symlinks_are_read(tmp_path: Path) -> None:
+    """The hub cache links each shard of snapshots/<rev>/ to ../../blobs/<hash>."""
+    (tmp_path / "plain").mkdir()
+    hf_sharded(tmp_path / "plain", tiny_state_dict(), max_shard_size=1200)
+    snap = tmp_path / "cache" / "snapshots" / "abc123"
+    blobs = tmp_path / "cache" / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for f in (tmp_path / "plain").iterdir():
+        blob = blobs / f"{abs(hash(f.name)):x}"
+        shutil.copy(f, blob)
+        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    index = read_index(snap)
+    assert index.format == "hf-index" and index.findings == []
+    assert len(index.tensors) == len(tiny_state_dict())
+
+
+def test_a_tensor_in_two_shards_is_reported(tmp_path: Path) -> None:
+    hf_sharded(tmp_path, tiny_state_dict(), max_shard_size=1200)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    first, second = load_file(shards[0]), load_file(shards[1])
+    name = next(iter(first))
+    second[name] = first[name]  # a stale copy left in another shard
+    save_file(second, str(shards[1]), metadata={"format": "pt"})
+    index = read_index(tmp_path)
+    assert any(f.code == "duplicate-tensor" and f.location == name for f in index.findings)
+    assert run_cli("validate", tmp_path).exit_code == 1
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "deepspeed", "megatron", "dir"])
+def test_directory_format_forced_on_a_file(tmp_path: Path, fmt: str) -> None:
+    p = tmp_path / "x.pt"
+    torch.save({"a": torch.zeros(2)}, p)
+    for argv in (("inspect", p, "-F", fmt), ("validate", p, "-F", fmt),
+                 ("convert", p, "-F", fmt, "-o", tmp_path / "o"),
+                 ("diff", p, p, "--input-format-a", fmt)):
+        r = run_cli(*argv)
+        assert r.exit_code == 2 and "is not a directory" in r.stderr, (argv, r.output)
+
+
+def test_gpt2_parameters_are_counted_like_transformers(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with third_party_quiet():
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                           n_positions=16))
+    torch.save(model.state_dict(), tmp_path / "gpt2.pt")
+    index = read_index(tmp_path / "gpt2.pt")
+    assert index.tensors["transformer.h.0.attn.c_attn.bias"].group == "model"
+    assert index.num_parameters == model.num_parameters()  # the tied head counts once
+
+
+def test_hf_dir_with_both_weight_formats(tmp_path: Path) -> None:
+    # Older save_pretrained outputs and hub repos hold model.safetensors and pytorch_model.bin.
+    sd = tiny_state_dict()
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    torch.save(sd, d / "pytorch_model.bin")
+    (d / "config.json").write_text("{}")
+    index = read_index(d)
+    codes = [f.code for f in index.findings]
+    assert "duplicate-weights" in codes and "duplicate-name" not in codes, codes
+    assert sorted(index.tensors) == sorted(sd)
+    out = tmp_path / "o.safetensors"
+    assert run_cli("convert", d, "-o", out).exit_code == 0
+    assert sorted(load_file(out)) == sorted(sd)
+
+
+def test_tied_weights_count_once_everywhere(tmp_path: Path) -> None:
+    emb = torch.randn(10, 4)
+    torch.save({"embed.weight": emb, "head.weight": emb, "b": torch.zeros(3)}, tmp_path / "t.pt")
+    index = read_index(tmp_path / "t.pt")
+    assert index.num_parameters == 43 and index.params_by_dtype == {"F32": 43}
+    assert index.bytes_by_group["model"] == 43 * 4 == index.total_bytes

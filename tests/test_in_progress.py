@@ -13,6 +13,8 @@ from ckpt_cli.formats.names import in_progress_reason
 from tests.conftest import run_cli
 from tests.helpers.makers import tiny_state_dict, training_checkpoint
 
+pytestmark = pytest.mark.requires_torch
+
 IN_PROGRESS = ["step_300.orbax-checkpoint-tmp-1700000000", "model.tmp", "tmp-checkpoint-500",
                ".step_300.ckpt-tmp-0123456789ab"]
 

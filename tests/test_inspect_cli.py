@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import run_cli
+from tests.conftest import Golden, run_cli
 from tests.helpers.makers import tiny_state_dict, training_checkpoint
 
-GOLDEN = Path(__file__).parent / "golden"
+pytestmark = pytest.mark.requires_torch
+
 REQUIRED_KEYS = {"schema_version", "command", "format", "files", "num_tensors", "num_parameters",
                  "total_bytes", "bytes_by_group", "metadata", "warnings"}
 
@@ -176,7 +177,7 @@ def test_python_dash_m(tmp_path: Path) -> None:
     assert r.returncode == 0 and r.stdout.startswith("ckpt ")
 
 
-def test_golden_json(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_golden_json(tmp_path: Path, golden: Golden) -> None:
     """The JSON schema is a contract: a byte-exact safetensors file gives byte-exact JSON."""
     path = tmp_path / "golden.safetensors"
     save_file(tiny_state_dict(), str(path), metadata={"format": "pt", "step": "3"})
@@ -184,9 +185,4 @@ def test_golden_json(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     assert r.exit_code == 0
     doc = json.loads(r.stdout)
     doc["path"] = "golden.safetensors"
-    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
-    golden = GOLDEN / "inspect_safetensors.json"
-    if request.config.getoption("--update-golden"):
-        golden.parent.mkdir(exist_ok=True)
-        golden.write_text(text)
-    assert text == golden.read_text()
+    golden("inspect_safetensors.json", doc)

@@ -25,6 +25,8 @@ from ckpt_cli.manifest import (
 from tests.helpers import damage
 from tests.helpers.makers import hf_sharded, tiny_state_dict
 
+pytestmark = pytest.mark.requires_torch
+
 
 @pytest.fixture
 def ckpt(tmp_path: Path) -> Path:

@@ -14,6 +14,8 @@ import torch
 from tests.helpers import damage
 from tests.helpers.makers import training_checkpoint
 
+pytestmark = pytest.mark.requires_torch
+
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100"}
 
 

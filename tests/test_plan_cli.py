@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import Golden, run_cli
 from tests.test_inspect_cli import _imports_torch
 
-GOLDEN = Path(__file__).parent / "golden"
 WORKED = ("--params", "175B", "--precision", "fp32", "--optimizer", "adam",
           "--bandwidth", "10GB/s", "--mtbf", "4h")
 
@@ -208,14 +207,10 @@ def _rounded(x: Any) -> Any:
     return x
 
 
-def test_golden_json(request: pytest.FixtureRequest) -> None:
+def test_golden_json(golden: Golden) -> None:
     """The JSON schema is a contract: the worked example gives the same document."""
-    doc = _rounded(_json(*WORKED, "--interval", "30m", "--keep", "3", "--restart", "5m"))
-    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
-    golden = GOLDEN / "plan_worked_example.json"
-    if request.config.getoption("--update-golden"):
-        golden.write_text(text)
-    assert text == golden.read_text()
+    doc = _json(*WORKED, "--interval", "30m", "--keep", "3", "--restart", "5m")
+    golden("plan_worked_example.json", doc, _rounded)
 
 
 def test_a_closed_stderr_pipe_ends_quietly() -> None:

@@ -24,8 +24,11 @@ from ckpt_cli.ops import prune as prune_ops
 from ckpt_cli.ops.prune import PruneEvent, prune
 from ckpt_cli.retention import PrunePlan, PrunePolicy
 from ckpt_cli.runs import list_run
-from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
+from tests.conftest import Golden, requires_deepspeed, run_cli, third_party_quiet
+from tests.helpers.golden import safetensors_run, stable
 from tests.helpers.makers import hf_trainer_run, lightning_run, megatron_legacy
+
+pytestmark = pytest.mark.requires_torch
 
 HELPERS = Path(__file__).parent / "helpers"
 KEEP1 = PrunePolicy(keep=1, grace=0)
@@ -962,3 +965,12 @@ def test_a_skipped_job_directory_is_named(tmp_path: Path) -> None:
     assert set(_status(doc)) == {"200", "300"}
     assert any(w["code"] == "job-dir-skipped" and w["file"] == "100"
                for w in doc["run_warnings"]), doc["run_warnings"]
+
+
+def test_golden_dry_run_json(tmp_path: Path, golden: Golden) -> None:
+    """``prune --dry-run --json`` is a contract: the same run dir gives the same plan."""
+    run = safetensors_run(tmp_path)
+    r = run_cli("prune", run, "--keep", "2", "--grace", "0", "--dry-run", "--json")
+    assert r.exit_code == 0, r.output
+    golden("prune_dry_run.json", json.loads(r.stdout), stable(tmp_path))
+    assert len(list(run.iterdir())) == 5  # a dry run deletes nothing

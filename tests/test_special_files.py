@@ -23,6 +23,8 @@ from ckpt_cli.errors import CkptError, CorruptCheckpointError
 from ckpt_cli.formats.base import file_size, not_regular, open_regular, read_head, read_small
 from tests.conftest import third_party_quiet
 
+pytestmark = pytest.mark.requires_torch
+
 ENV = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
 SD = {"a.weight": torch.arange(16.0).reshape(4, 4), "b.weight": torch.ones(8)}
 SHARD_2 = "model-00002-of-00002.safetensors"

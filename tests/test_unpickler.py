@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import pickletools
+import time
 import zipfile
 from pathlib import Path
 
@@ -15,7 +17,10 @@ import torch
 from ckpt_cli.errors import CorruptCheckpointError
 from ckpt_cli.formats import read_index
 from ckpt_cli.formats.unpickler import Opaque, classify_global, safe_load
-from tests.conftest import third_party_quiet
+from tests.conftest import run_cli, third_party_quiet
+from tests.helpers.damage import replace_pickle
+
+pytestmark = pytest.mark.requires_torch
 
 
 class Evil:
@@ -318,3 +323,114 @@ def test_length_walk_without_an_mmap(tmp_path: Path, monkeypatch: pytest.MonkeyP
     torch.save({"w": torch.ones(3)}, legacy, _use_new_zipfile_serialization=False)
     index = read_index(legacy)
     assert list(index.tensors) == ["w"] and index.findings == []
+
+
+@pytest.mark.parametrize("name", ["torch.storage._load_from_bytes",
+                                  "torch.fx.graph_module._forward_from_src",
+                                  "torch.utils.cpp_extension.load_inline",
+                                  "torch.hub.load_state_dict_from_url",
+                                  "numpy.distutils.exec_command.exec_command",
+                                  "__builtin__.setattr", "__builtin__.globals"])
+def test_code_execution_gadgets_are_dangerous(name: str) -> None:
+    assert classify_global(name) == "dangerous"
+
+
+def test_shared_lists_do_not_explode(tmp_path: Path) -> None:
+    """A 'billion laughs' pickle: 40 levels of [a, a] describe 2**40 leaves in a few bytes."""
+    node: list[object] = [1]
+    for _ in range(40):
+        node = [node, node]
+    p = tmp_path / "laughs.pt"
+    torch.save({"w": torch.ones(1)}, p)
+    replace_pickle(p, pickle.dumps({"w": 1, "x": node}, protocol=2))
+    t0 = time.monotonic()
+    read_index(p)
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("module", [b"builtins", b"__builtin__"])
+def test_bytearray_of_a_huge_size_is_refused(module: bytes) -> None:
+    # bytearray(2**30): a real bytearray pickles as its text, never as a size.
+    crafted = b"\x80\x02c" + module + b"\nbytearray\nJ\x00\x00\x00\x40\x85R."
+    with pytest.raises(pickle.UnpicklingError):
+        safe_load(crafted)
+    assert safe_load(pickle.dumps(bytearray(b"ab"), protocol=2)).obj == bytearray(b"ab")
+
+
+def test_a_pickle_cannot_change_the_standins() -> None:
+    from ckpt_cli.formats import unpickler
+
+    # GLOBAL an allowlisted rebuild function, then BUILD it with slot state that would set
+    # its __defaults__ for every later file read in this process.
+    crafted = (b"\x80\x02ctorch._utils\n_rebuild_meta_tensor_no_storage\n"
+               b"N}X\x0c\x00\x00\x00__defaults__\x88\x85s\x86b.")
+    with pytest.raises(pickle.UnpicklingError):
+        safe_load(crafted)
+    assert unpickler._rebuild_meta.__defaults__ == (False,)
+
+
+def test_tensors_with_python_attributes_are_allowlisted(tmp_path: Path) -> None:
+    """DeepSpeed's optimizer state pickles tensors via _rebuild_from_type_v2(.., torch.Tensor)."""
+    t = torch.zeros(3)
+    t.ds_id = 5  # type: ignore[attr-defined]
+    p = torch.nn.Parameter(torch.ones(2))
+    p.extra = "x"  # type: ignore[attr-defined]
+    f = tmp_path / "attr.pt"
+    torch.save({"t": t, "p": p}, f)
+    assert classify_global("torch.Tensor") == "allowed"
+    index = read_index(f)
+    assert {n: x.shape for n, x in index.tensors.items()} == {"t": (3,), "p": (2,)}
+    assert not index.findings
+    r = run_cli("validate", f, "--strict")
+    assert r.exit_code == 0, r.output
+    # The class is an argument there; a pickle that calls it does not unpickle.
+    evil = (b"\x80\x02ctorch\nTensor\nq\x00)Rq\x01.")
+    with pytest.raises(Exception, match="not callable"):
+        safe_load(io.BytesIO(evil))
+
+
+def test_generator_and_dataloader_state_are_not_code(tmp_path: Path) -> None:
+    # torch.save of a torch.Generator or a DataLoader: data torch's weights_only loader
+    # refuses, but nothing that runs code; a warning, not an invalid checkpoint.
+    src = tmp_path / "rng.pt"
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(6.0)),
+                                         batch_size=2, shuffle=True)
+    torch.save({"model": {"w": torch.randn(4, 4)}, "gen": torch.Generator().manual_seed(3),
+                "loader": loader}, src)
+    r = run_cli("validate", src, "--json")
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["valid"], r.output
+    found = {(f["code"], f["location"]) for f in doc["checkpoints"][0]["findings"]}
+    assert not any(code == "unsafe-global" for code, _ in found), found
+    assert ("non-allowlisted-global", "torch._C.Generator") in found
+    assert ("unknown-global", "torch.utils.data.dataloader.DataLoader") in found
+    assert classify_global("torch._C.Generator") == "benign"
+    for gadget in ("torch._C._jit_script_compile", "numpy.memmap", "numpy.lib.npyio.load",
+                   "torch.fx.graph_module.reduce_graph_module",
+                   # unpickles bytes it is given, writes files, views raw memory, reads files
+                   "torch.utils.data.datapipes.utils.decoder.basichandlers",
+                   "torch.utils.data.datapipes.gen_pyi.gen_from_template",
+                   "numpy.lib.stride_tricks.as_strided", "numpy._core.multiarray.fromfile",
+                   "numpy.rec.fromfile", "numpy.ndarray.tofile", "pathlib.Path.write_text"):
+        assert classify_global(gadget) == "dangerous", gadget
+    # Callables under packages whose data classes are benign are not benign themselves.
+    for callable_ in ("transformers.AutoModel.from_pretrained", "transformers.pipeline",
+                      "deepspeed.launcher.runner.main"):
+        assert classify_global(callable_) == "unknown", callable_
+    for data in ("deepspeed.utils.tensor_fragment.fragment_address", "datetime.datetime",
+                 "transformers.training_args.TrainingArguments", "pathlib.PosixPath"):
+        assert classify_global(data) == "benign", data
+
+
+def test_a_datapipe_gadget_makes_a_checkpoint_invalid(tmp_path: Path) -> None:
+    # A pickle that calls a torch.utils.data decoder on embedded pickle bytes runs them under
+    # torch.load(weights_only=False); ckpt must call it dangerous, not just unknown.
+    class Gadget:
+        def __reduce__(self) -> tuple[object, ...]:
+            from torch.utils.data.datapipes.utils.decoder import basichandlers
+            return (basichandlers, ("pickle", b"not executed"))
+
+    src = tmp_path / "evil.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "x": Gadget()}, src)
+    r = run_cli("validate", src)
+    assert r.exit_code == 1 and "INVALID" in r.output, r.output

@@ -8,6 +8,7 @@ a failure or a buggy writer would, then asserts the right check fails with the r
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import pickletools
@@ -22,11 +23,12 @@ import torch
 from safetensors.torch import save_file
 
 from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.formats import read_index
 from ckpt_cli.model import Finding
 from ckpt_cli.ops.validate import parse_require, validate
 from ckpt_cli.ops.validate.layoutcheck import directory_pointers
 from ckpt_cli.results import CHECKS, CheckpointReport
-from tests.conftest import requires_deepspeed, third_party_quiet
+from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers import damage
 from tests.helpers.makers import (
     hf_sharded,
@@ -34,6 +36,8 @@ from tests.helpers.makers import (
     tiny_state_dict,
     training_checkpoint,
 )
+
+pytestmark = pytest.mark.requires_torch
 
 
 def report(path: Path, **kw: Any) -> CheckpointReport:
@@ -1013,3 +1017,30 @@ def test_lightning_last_symlink(lightning_dir: Path, tmp_path: Path) -> None:
     result = validate(d)
     (pointer,) = [c for c in result.run_checks if c.id == "latest-pointer"]
     assert [(f.code, f.file) for f in pointer.findings] == [("dangling-pointer", "last.ckpt")]
+
+
+@requires_deepspeed
+def test_deepspeed_checkpoints_pass_strict_validation(ds_dir: Path) -> None:
+    for name in ("z1-fp32", "z3-bf16"):
+        r = run_cli("validate", ds_dir / name, "--latest", "--strict")
+        assert r.exit_code == 0, (name, r.output)
+
+
+def test_checkpoints_nested_in_a_final_model_directory_are_pointed_out(
+        hf_trainer_dir: Path, tmp_path: Path) -> None:
+    """trainer.save_model() puts the final model beside checkpoint-N/: say they are there."""
+    out = tmp_path / "out"
+    shutil.copytree(hf_trainer_dir, out)
+    for name in ("model.safetensors", "config.json", "trainer_state.json"):
+        shutil.copy(out / "checkpoint-4" / name, out / name)
+    index = read_index(out)
+    nested = [f for f in index.findings if f.code == "nested-checkpoints"]
+    assert len(nested) == 1 and "checkpoint-2, checkpoint-4" in nested[0].message
+    # validate covers them, each in turn, beside the final model (so no hint to name them).
+    r = run_cli("validate", out, "--json")
+    doc = json.loads(r.stdout)
+    assert [c["name"] for c in doc["checkpoints"]] == ["checkpoint-2", "checkpoint-4", "out"]
+    assert "nested-checkpoints" not in r.stdout
+    # Each checkpoint itself has none.
+    assert not [f for f in read_index(out / "checkpoint-4").findings
+                if f.code == "nested-checkpoints"]

@@ -10,10 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import run_cli
+from tests.conftest import Golden, run_cli
 from tests.helpers import damage
+from tests.helpers.golden import safetensors_run, stable
 from tests.helpers.makers import tiny_state_dict, training_checkpoint
 from tests.test_inspect_cli import _imports_torch
+
+pytestmark = pytest.mark.requires_torch
 
 CHECKPOINT_KEYS = {"name", "path", "format", "flavor", "step", "valid", "errors", "warnings",
                    "bytes_read", "seconds", "checks", "findings", "manifest"}
@@ -238,3 +241,11 @@ def test_progress_bar_on_a_terminal(pt: Path, monkeypatch: pytest.MonkeyPatch) -
     with progress.byte_progress("validating", enabled=False) as bar:  # --quiet, --json
         validate(pt, values=True, on_progress=bar.labelled)
     assert buf.getvalue() == ""
+
+
+def test_golden_json(tmp_path: Path, golden: Golden) -> None:
+    """``validate --json`` of a run dir is a contract (timings aside)."""
+    run = safetensors_run(tmp_path)
+    r = run_cli("validate", run, "--json")
+    assert r.exit_code == 0, r.output
+    golden("validate_run.json", json.loads(r.stdout), stable(tmp_path))

@@ -23,6 +23,8 @@ from ckpt_cli.ops.validate import validate
 from tests.conftest import run_cli
 from tests.helpers.makers import hf_sharded, tiny_state_dict, training_checkpoint
 
+pytestmark = pytest.mark.requires_torch
+
 Mutation = Callable[[bytes, random.Random], tuple[bytes, str]]
 
 

@@ -13,6 +13,8 @@ import torch
 from ckpt_cli.ops.validate.zipcheck import check_zip, crc_tasks, verify_crcs
 from tests.helpers import damage
 
+pytestmark = pytest.mark.requires_torch
+
 
 class _Unseekable(io.RawIOBase):
     """A write-only stream: zipfile then writes data descriptors after each record."""

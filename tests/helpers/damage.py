@@ -83,3 +83,25 @@ def replace_in_zip_pickle(path: Path, old: bytes, new: bytes) -> None:
     assert i >= 0, old
     data[i:i + len(old)] = new
     path.write_bytes(bytes(data))
+
+
+def replace_pickle(path: Path, data: bytes) -> None:
+    with zipfile.ZipFile(path) as zf:
+        entries = {i.filename: zf.read(i.filename) for i in zf.infolist()}
+    entries[next(n for n in entries if n.endswith("data.pkl"))] = data
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, payload in entries.items():
+            zf.writestr(name, payload)
+
+
+def flip_in_entry(path: Path, suffix: str, at: int) -> None:
+    """Flip one bit of byte ``at`` of a zip record's payload."""
+    with zipfile.ZipFile(path) as zf:
+        e = next(i for i in zf.infolist() if i.filename.endswith(suffix))
+    data = bytearray(path.read_bytes())
+    # The payload follows the local header, whose extra field (torch's alignment padding)
+    # need not match the central directory's.
+    name_len, extra_len = struct.unpack_from("<HH", data, e.header_offset + 26)
+    assert 0 <= at < e.file_size
+    data[e.header_offset + 30 + name_len + extra_len + at] ^= 1
+    path.write_bytes(bytes(data))

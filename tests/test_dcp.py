@@ -1,0 +1,56 @@
+"""Distributed checkpoints (formats/dcp): ranks, chunks and their checks."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ckpt_cli.errors import CkptError
+from ckpt_cli.formats import read_index
+from ckpt_cli.ops.convert import convert
+from tests.conftest import run_cli
+
+
+def test_truncated_rank_file_stops_convert(sample_copy: Path, tmp_path: Path) -> None:
+    d = sample_copy / "step_000400"
+    (d / "__3_0.distcp").write_bytes((d / "__3_0.distcp").read_bytes()[:100])
+    with pytest.raises(CkptError, match=r"__3_0\.distcp"):
+        convert(d, tmp_path / "o.safetensors")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_chunks_that_do_not_tile_are_damage() -> None:
+    from ckpt_cli.formats.dcp import tiling_problems
+
+    whole = [((0, 0), (2, 4)), ((2, 0), (2, 4))]
+    assert tiling_problems((4, 4), whole) == []
+    assert "a gap" in tiling_problems((4, 4), whole[:1])[0]
+    assert "overlap" in tiling_problems((4, 4), [*whole, ((1, 0), (2, 4))])[-1]
+    assert "outside" in tiling_problems((4, 4), [((3, 0), (2, 4))])[0]
+
+
+def test_consolidate_refuses_a_dcp_chunk_that_fails_its_crc(sample_copy: Path,
+                                                            tmp_path: Path) -> None:
+    from ckpt_cli.tensors import TensorSource
+
+    d = sample_copy / "step_000400"
+    index = read_index(d)
+    t = index.tensors["model.wte.weight"]
+    with TensorSource(index) as src:
+        sub = src.locate_chunk(t, t.chunks[1])
+    assert sub.file is not None and sub.offset is not None
+    data = bytearray((d / sub.file).read_bytes())
+    data[sub.offset + 100] ^= 4
+    (d / sub.file).write_bytes(bytes(data))
+    r = run_cli("consolidate", d, "-o", tmp_path / "out", "--verify")
+    assert r.exit_code == 2 and "CRC-32" in r.stderr and sub.file in r.stderr, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_stray_distcp_file_is_not_a_rank(sample_copy: Path) -> None:
+    d = sample_copy / "step_000400"
+    shutil.copy(d / "__0_0.distcp", d / "__9_0.distcp")
+    layout = read_index(d).layout
+    assert layout["world_size"] == 4 and layout["ranks"] == [0, 1, 2, 3]
