@@ -18,6 +18,7 @@ import functools
 import os
 import threading
 import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -194,3 +195,33 @@ def check_overflow(stats: CastStats, clamp: bool) -> None:
         raise CkptError(f"{sum(stats.overflow.values()):,} value(s) exceed FP16's range "
                         f"(±{FP16_MAX:g}) and would become inf: {listed}{more}; nothing written",
                         hint="use --to bf16, --keep-fp32 GLOB for those tensors, or --clamp")
+
+
+TARGETS: dict[str, str | None] = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "keep": None}
+"""``--to`` choices and the dtype each casts floating tensors to (``keep``: none)."""
+
+
+def piece_caster(pieces_of: Callable[[Any], Iterator[np.ndarray]], t: Any, dst: str,
+                 name: str, clamp: bool, stats: CastStats) -> Callable[[], Iterator[np.ndarray]]:
+    """Cast a tensor piece by piece: a tensor of several GB never sits in memory whole
+    (it holds the source piece, or the one buffer a whole-read layout needs, and one cast
+    piece). Overflow counts add up in ``stats`` across the pieces; the refusal comes before
+    the output is renamed into place.
+
+    Args:
+        pieces_of: Yields the source pieces of a tensor (``TensorSource.iter_pieces``...).
+        t: The source tensor (its ``dtype`` says whether to cast).
+        dst: The dtype to write.
+        name: The tensor's name in messages.
+        clamp: Clamp FP16 overflow instead of refusing it.
+        stats: Where overflow is counted.
+
+    Returns:
+        A function yielding the pieces to write.
+    """
+    def pieces() -> Iterator[np.ndarray]:
+        for piece in pieces_of(t):
+            yield piece if dst == t.dtype else cast_array(piece, dst, name=name, clamp=clamp,
+                                                          stats=stats)
+            del piece
+    return pieces

@@ -150,16 +150,18 @@ def test_memory_error_names_the_tensor_and_budget(tmp_path: Path,
     src = tmp_path / "m.safetensors"
     save_file({"emb": _values(1000), "b": np.zeros(3, dtype=np.float32)}, str(src))
 
+    from ckpt_cli import cast
     from ckpt_cli.ops import convert as convert_op
 
-    real = convert_op.cast_array
+    real = cast.cast_array
 
     def no_memory(arr: np.ndarray, dst: str, **k: Any) -> np.ndarray:
         if k["name"] == "emb":
             raise MemoryError("Unable to allocate 8.00 GiB for an array")
         return real(arr, dst, **k)
 
-    monkeypatch.setattr(convert_op, "cast_array", no_memory)
+    monkeypatch.setattr(convert_op, "cast_array", no_memory)  # whole-tensor loads
+    monkeypatch.setattr(cast, "cast_array", no_memory)  # piece_caster
     r = run_cli("convert", src, "-o", tmp_path / "o.safetensors", "--to", "fp16")
     assert r.exit_code == 2, r.output
     first = r.stderr.splitlines()[0]

@@ -50,6 +50,22 @@ class Reader(Protocol):
         ...
 
 
+def wrong_kind(path: Path, *, directory: bool) -> str | None:
+    """The opening every reader's ``sniff`` shares: why ``path`` is not the kind of path its
+    format is (``"not a directory"``, ``"not a file"``), or None when it is.
+
+    Args:
+        path: The path being sniffed.
+        directory: Whether the format is a directory layout.
+
+    Returns:
+        The reason detect lists for this reader, or None.
+    """
+    if directory:
+        return None if path.is_dir() else "not a directory"
+    return None if path.is_file() else "not a file"
+
+
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISDIR, "a directory"))

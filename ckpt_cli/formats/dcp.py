@@ -20,7 +20,7 @@ from typing import Any
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError, CorruptCheckpointError
 from ckpt_cli.formats import containers
-from ckpt_cli.formats.base import contained_path, file_size, open_regular, present
+from ckpt_cli.formats.base import contained_path, file_size, open_regular, present, wrong_kind
 from ckpt_cli.formats.torchfile import parse_zip
 from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, DTypeRef, Opaque, TensorRecord, safe_load
 from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, TensorInfo
@@ -49,8 +49,8 @@ class DCPReader:
 
     def sniff(self, path: Path) -> str | None:
         """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
-        if not path.is_dir():
-            return "not a directory"
+        if (why := wrong_kind(path, directory=True)) is not None:
+            return why
         if metadata_file(path) is not None:
             return None
         if any(_DISTCP.match(p.name) for p in path.iterdir()):

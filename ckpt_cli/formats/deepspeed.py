@@ -16,7 +16,7 @@ from typing import Any
 
 from ckpt_cli.errors import CkptError, UnknownFormatError
 from ckpt_cli.formats import torchfile
-from ckpt_cli.formats.base import read_small
+from ckpt_cli.formats.base import read_small, wrong_kind
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 MODEL_STATES = re.compile(
@@ -108,8 +108,8 @@ class DeepSpeedReader:
 
     def sniff(self, path: Path) -> str | None:
         """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
-        if not path.is_dir():
-            return "not a directory"
+        if (why := wrong_kind(path, directory=True)) is not None:
+            return why
         if tag_dir(path) is not None:
             return None
         return "no *_model_states.pt files"

@@ -17,7 +17,7 @@ import orjson
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, safetensors, torchfile
-from ckpt_cli.formats.base import file_size, present, read_head, rel_to
+from ckpt_cli.formats.base import file_size, present, read_head, rel_to, wrong_kind
 from ckpt_cli.formats.names import step_from_name
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
@@ -45,8 +45,8 @@ class DirectoryReader:
 
     def sniff(self, path: Path) -> str | None:
         """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
-        if not path.is_dir():
-            return "not a directory"
+        if (why := wrong_kind(path, directory=True)) is not None:
+            return why
         if checkpoint_files(path) or (path / "trainer_state.json").is_file():
             return None
         return "no checkpoint files (.safetensors/.pt/.pth/.bin/.ckpt) at its top level"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ckpt_cli.errors import CkptError, UnknownFormatError
 from ckpt_cli.formats import torchfile
+from ckpt_cli.formats.base import wrong_kind
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 RANK_DIR = re.compile(r"^mp_rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?(?:_(?P<ep>\d{3}))?$")
@@ -36,8 +37,8 @@ class MegatronReader:
 
     def sniff(self, path: Path) -> str | None:
         """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
-        if not path.is_dir():
-            return "not a directory"
+        if (why := wrong_kind(path, directory=True)) is not None:
+            return why
         if rank_dirs(path):
             return None
         return "no mp_rank_XX directories"

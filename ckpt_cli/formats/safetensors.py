@@ -20,7 +20,7 @@ import orjson
 
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CorruptCheckpointError
-from ckpt_cli.formats.base import file_size, read_head, rel_to
+from ckpt_cli.formats.base import file_size, read_head, rel_to, wrong_kind
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
 
@@ -58,8 +58,8 @@ class SafetensorsReader:
 
     def sniff(self, path: Path) -> str | None:
         """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
-        if not path.is_file():
-            return "not a file"
+        if (why := wrong_kind(path, directory=False)) is not None:
+            return why
         return sniff_bytes(read_head(path, 9), path.stat().st_size)
 
     def read_index(self, path: Path) -> CheckpointIndex:

@@ -23,7 +23,7 @@ from typing import Any
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import containers
-from ckpt_cli.formats.base import file_size, read_head, rel_to
+from ckpt_cli.formats.base import file_size, read_head, rel_to, wrong_kind
 from ckpt_cli.formats.unpickler import (
     UNPICKLE_ERRORS,
     PickleResult,
@@ -290,8 +290,8 @@ def sniff_torch(path: Path) -> str | None:
     Returns:
         None on a match, else why not.
     """
-    if not path.is_file():
-        return "not a file"
+    if (why := wrong_kind(path, directory=False)) is not None:
+        return why
     head = read_head(path, 16)
     if head.startswith(ZIP_MAGIC):
         return None

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli.atomic import check_not_input
-from ckpt_cli.cast import CastStats, cast_array, check_overflow, prefer_torch
+from ckpt_cli.cast import (
+    TARGETS,
+    CastStats,
+    cast_array,
+    check_overflow,
+    piece_caster,
+    prefer_torch,
+)
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
@@ -31,14 +38,6 @@ from ckpt_cli.formats.directory import checkpoint_files
 from ckpt_cli.formats.zero import PieceReader, ZeroPlan, plan_zero, resolve_tag
 from ckpt_cli.manifest import manifest_path, write_manifest
 from ckpt_cli.model import CheckpointIndex, Finding
-from ckpt_cli.ops.convert import (
-    TARGETS,
-    Selection,
-    hostile_warning,
-    hostile_warnings,
-    piece_caster,
-    select_tensors,
-)
 from ckpt_cli.results import ConsolidateResult
 from ckpt_cli.runs import (
     PointerError,
@@ -47,6 +46,7 @@ from ckpt_cli.runs import (
     read_pointer,
     tree_stats,
 )
+from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, select_tensors
 from ckpt_cli.tensors import TensorSource, split_pieces
 from ckpt_cli.units import natural_key
 from ckpt_cli.writers import OutTensor, output_format, write_checkpoint

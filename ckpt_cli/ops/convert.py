@@ -13,8 +13,7 @@ from __future__ import annotations
 import fnmatch
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,34 +21,32 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli.atomic import check_not_input
-from ckpt_cli.cast import FP16_MAX, CastStats, cast_array, check_overflow, prefer_torch
+from ckpt_cli.cast import (
+    FP16_MAX,
+    TARGETS,
+    CastStats,
+    cast_array,
+    check_overflow,
+    piece_caster,
+    prefer_torch,
+)
 from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.base import refuse_damaged
-from ckpt_cli.formats.containers import MODEL_KEYS
-from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
+from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.results import ConvertResult
 from ckpt_cli.runs import follow_pointer, is_run_dir
+from ckpt_cli.selection import Selection, hostile_warnings, select_tensors
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import SIDE_FILES, OutTensor, output_format, write_checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
 
-TARGETS = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "keep": None}
-WRAPPERS = ("module.", "_orig_mod.")
 _CASTABLE = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
              "F8_E8M0"}
 
 
-@dataclass(frozen=True, slots=True)
-class Selection:
-    """Which source tensors become which output names."""
-
-    names: dict[str, str]  # output name -> source tensor name
-    renamed: list[str]
-    dropped: dict[str, int]
-    notes: list[str]
 
 
 def convert(source: str | Path, output: str | Path, *, to: str = "keep",
@@ -152,53 +149,6 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
                          followed)
 
 
-def hostile_warnings(index: CheckpointIndex) -> list[Finding]:
-    """One ``hostile-source`` warning per source file whose pickles name globals that run
-    code under ``torch.load(weights_only=False)``, or that is a TorchScript archive.
-
-    ckpt ran none of it (the tensors come from the inert pickle records), but whoever made
-    the file meant it to run: the user should know, whatever the output looks like.
-
-    Args:
-        index: The source's index (its readers' findings).
-
-    Returns:
-        The warnings, by file.
-    """
-    named: dict[str | None, list[str]] = {}
-    script: set[str | None] = set()
-    for f in index.findings:
-        if f.code == "unsafe-global" and f.location:
-            named.setdefault(f.file, []).append(f.location)
-        elif f.code == "torchscript-archive":
-            script.add(f.file)
-            named.setdefault(f.file, [])
-    return [hostile_warning(index.path_of(rel) if rel else index.root, sorted(set(quals)),
-                            torchscript=rel in script, rel=rel)
-            for rel, quals in named.items()]
-
-
-def hostile_warning(path: Path, qualnames: list[str], *, torchscript: bool = False,
-                    rel: str | None = None) -> Finding:
-    """The ``hostile-source`` warning for one source file.
-
-    Args:
-        path: The file, as shown to the user.
-        qualnames: The dangerous globals its pickles name.
-        torchscript: Whether it is a TorchScript archive.
-        rel: The file as the index names it.
-
-    Returns:
-        The warning.
-    """
-    what = " and ".join(x for x in (
-        "is a TorchScript archive (torch.load would run its code)" if torchscript else "",
-        f"references {', '.join(qualnames)}" if qualnames else "") if x)
-    return Finding("warning", "hostile-source",
-                   f"{path} {what}; its tensors were extracted without running it; treat the "
-                   "source as hostile", rel, ", ".join(qualnames) or None)
-
-
 def _check_supported(index: CheckpointIndex) -> None:
     if index.format == "deepspeed":
         raise UnsupportedError(
@@ -209,136 +159,6 @@ def _check_supported(index: CheckpointIndex) -> None:
         raise UnsupportedError(
             f"Megatron checkpoint split over {index.layout['world_size']} model-parallel "
             "ranks; merging tensor/pipeline-parallel shards is not supported", path=index.root)
-
-
-def select_tensors(index: CheckpointIndex, *, keep_optimizer: bool = False,
-                   keep_prefix: bool = False, container: str | None = None) -> Selection:
-    """Choose the tensors to write and their output names.
-
-    The model's weights are found inside the usual containers (``model``, ``state_dict``,
-    ``module``...) and that container prefix is removed; then wrapper prefixes that every name
-    carries (``module.`` from DDP, ``_orig_mod.`` from torch.compile) are removed unless
-    ``keep_prefix``. Optimizer state, schedulers and RNG state are dropped.
-
-    Args:
-        index: The source checkpoint.
-        keep_optimizer: Keep everything under the original names.
-        keep_prefix: Keep wrapper prefixes.
-        container: The container to take weights from, when there are several.
-
-    Returns:
-        The :class:`Selection`.
-
-    Raises:
-        UsageError: No model weights, an unknown ``container``, or names that collide.
-    """
-    if keep_optimizer:
-        _refuse_other_kinds(index.tensors.values())
-        names = {n: n for n in index.tensors}
-        _refuse_duplicate_names(index, names)
-        return Selection(names, [], _count_dropped(index, set(names.values())), [])
-    model = [t for t in index.tensors.values() if t.group in ("model", "buffer")]
-    if not model:
-        raise UsageError(f"{index.root}: no model weights found (groups: "
-                         f"{_group_summary(index)})")
-    notes: list[str] = []
-    renamed: list[str] = []
-    prefixes = [c for c, g in index.containers.items() if g == "model"]
-    # Weights outside every container ({"encoder": {...}, "head.weight": ...}) mean the
-    # containers are parts of one model, not alternatives: keep every name whole. Scalars
-    # beside a state dict ({"model_state_dict": ..., "loss": tensor(0.3)}, a tensor `step`)
-    # are bookkeeping, not weights.
-    inside = set(prefixes)
-    loose = [] if container or not prefixes else [
-        t.name for t in model if t.shape and not _in_container(t.name, inside)]
-    chosen = "" if loose else _choose_container(prefixes, container, notes)
-    if loose:
-        notes.append(f"weights both inside {', '.join(p.rstrip('.') for p in prefixes)} and "
-                     f"outside (e.g. {loose[0]!r}); kept every name whole (--container takes "
-                     "one container)")
-    if chosen:
-        model = [t for t in model if t.name.startswith(chosen)]
-        renamed.append(f"removed container prefix {chosen!r}")
-    names = {t.name: t.name.removeprefix(chosen) if chosen else t.name for t in model}
-    if not keep_prefix:
-        # Wrappers nest in any order (torch.compile of DDP: "_orig_mod.module.").
-        stripped = True
-        while stripped and names:
-            stripped = False
-            for wrapper in WRAPPERS:
-                if all(v.startswith(wrapper) for v in names.values()):
-                    names = {k: v.removeprefix(wrapper) for k, v in names.items()}
-                    renamed.append(f"removed wrapper prefix {wrapper!r}")
-                    stripped = True
-    _refuse_duplicate_names(index, names)
-    _refuse_other_kinds(index.tensors[n] for n in names)
-    out: dict[str, str] = {}
-    for src_name, out_name in names.items():
-        if out_name in out:
-            raise UsageError(f"{out[out_name]!r} and {src_name!r} both become {out_name!r}; "
-                             "use --keep-prefix or --container")
-        out[out_name] = src_name
-    return Selection(out, renamed, _count_dropped(index, set(out.values())), notes)
-
-
-def _in_container(name: str, prefixes: set[str]) -> bool:
-    """Whether ``name`` starts with one of ``prefixes`` (each ends in a dot)."""
-    return any(name[:i + 1] in prefixes for i, ch in enumerate(name) if ch == ".")
-
-
-def _refuse_other_kinds(tensors: Iterable[TensorInfo]) -> None:
-    """Refuse rather than drop tensors ckpt cannot write: meta (no data), quantized, sparse,
-    nested and subclass tensors. A model missing them would load with holes."""
-    other = [t for t in tensors if t.kind != "dense"]
-    if other:
-        listed = ", ".join(f"{t.name} ({t.kind})" for t in other[:5])
-        more = f" and {len(other) - 5} more" if len(other) > 5 else ""
-        raise UnsupportedError(f"{len(other)} tensor(s) ckpt cannot convert: {listed}{more}; "
-                               "nothing written (ckpt converts dense tensors only)")
-
-
-def _refuse_duplicate_names(index: CheckpointIndex, names: dict[str, str]) -> None:
-    """Refuse tensors the reader had to rename (``l2.w#2``): two tensors share a name."""
-    clash = [n for n in names if n in index.duplicates]
-    if clash:
-        several = len(index.files) > 1
-        raise UsageError(f"{len(clash)} tensor name(s) occur twice in {index.root} (first: "
-                         f"{index.duplicates[clash[0]]!r}); ckpt will not make up output names",
-                         hint="convert its files one at a time" if several else None)
-
-
-def _choose_container(prefixes: list[str], wanted: str | None, notes: list[str]) -> str:
-    if wanted:
-        want = wanted.rstrip(".") + "."
-        if want not in prefixes:
-            raise UsageError(f"--container {wanted!r} not found; model containers here: "
-                             f"{', '.join(p.rstrip('.') for p in prefixes) or 'none'}")
-        return want
-    if len(prefixes) <= 1:
-        return prefixes[0] if prefixes else ""
-    rank = {k + ".": i for i, k in enumerate(MODEL_KEYS)}
-    known = [p for p in prefixes if p in rank]
-    if not known:
-        # {"encoder": {...}, "decoder": {...}}, or a pickled module's submodules: parts of one
-        # model. Nothing is left out; names keep their container.
-        notes.append(f"several model containers ({', '.join(p.rstrip('.') for p in prefixes)})"
-                     "; kept them all under their full names (--container takes one)")
-        return ""
-    best = min(known, key=lambda p: rank[p])
-    others = ", ".join(p.rstrip(".") for p in prefixes if p != best)
-    notes.append(f"several model containers; took {best.rstrip('.')!r}, left out {others} "
-                 "(choose with --container)")
-    return best
-
-
-def _count_dropped(index: CheckpointIndex, kept: set[str]) -> dict[str, int]:
-    dropped: Counter[str] = Counter(t.group for n, t in index.tensors.items() if n not in kept)
-    return dict(dropped)
-
-
-def _group_summary(index: CheckpointIndex) -> str:
-    c = Counter(t.group for t in index.tensors.values())
-    return ", ".join(f"{g} {n}" for g, n in sorted(c.items())) or "no tensors"
 
 
 def _dedupe_tied(index: CheckpointIndex, sel: Selection) -> tuple[dict[str, str], list[str]]:
@@ -379,32 +199,6 @@ def _loader(src: TensorSource, t: TensorInfo, dst: str, name: str, clamp: bool,
         # The cast reads every value once: map the file instead of copying it first.
         return cast_array(src.read(t, mapped=True), dst, name=name, clamp=clamp, stats=stats)
     return load
-
-
-def piece_caster(pieces_of: Callable[[Any], Iterator[np.ndarray]], t: Any, dst: str,
-                 name: str, clamp: bool, stats: CastStats) -> Callable[[], Iterator[np.ndarray]]:
-    """Like :func:`_loader`, piece by piece: a tensor of several GB never sits in memory whole
-    (it holds the source piece, or the one buffer a whole-read layout needs, and one cast
-    piece). Overflow counts add up in ``stats`` across the pieces; the refusal comes before
-    the output is renamed into place.
-
-    Args:
-        pieces_of: Yields the source pieces of a tensor (``TensorSource.iter_pieces``...).
-        t: The source tensor (its ``dtype`` says whether to cast).
-        dst: The dtype to write.
-        name: The tensor's name in messages.
-        clamp: Clamp FP16 overflow instead of refusing it.
-        stats: Where overflow is counted.
-
-    Returns:
-        A function yielding the pieces to write.
-    """
-    def pieces() -> Iterator[np.ndarray]:
-        for piece in pieces_of(t):
-            yield piece if dst == t.dtype else cast_array(piece, dst, name=name, clamp=clamp,
-                                                          stats=stats)
-            del piece
-    return pieces
 
 
 def _metadata(index: CheckpointIndex, src: Path, to: str, sel: Selection,
