@@ -819,46 +819,6 @@ class PlanResult:
         """Files held by ``--keep`` checkpoints."""
         return None if self.keep is None else self.keep * self.files_per_checkpoint
 
-    def to_dict(self) -> dict[str, Any]:
-        """The ``--json`` document body (see docs/json-schema.md)."""
-        s = self.size
-        m = self.measurement
-        return {
-            "source": "params" if s.path is None else "checkpoint",
-            "path": None if s.path is None else str(s.path),
-            "format": s.format,
-            "parameters": s.parameters,
-            "precision": s.precision,
-            "optimizer": s.optimizer_name,
-            "bytes_per_parameter": s.per_parameter.to_dict() if s.per_parameter else None,
-            "sizes": {"training": s.training, "inference": s.inference, "weights": s.weights,
-                      "master": s.master, "optimizer": s.optimizer, "other": s.other},
-            "files_per_checkpoint": self.files_per_checkpoint,
-            "inodes_per_checkpoint": self.inodes_per_checkpoint,
-            "bandwidth": None if self.bandwidth is None else {
-                "bytes_per_second": self.bandwidth,
-                "source": "measured" if m else "given",
-                "measured": m.to_dict() if m else None},
-            "write_seconds": self.write_seconds,
-            "async": self.async_save,
-            "snapshot": None if not self.async_save else {
-                "bytes_per_second_per_rank": self.snapshot_bandwidth,
-                "ranks": self.files_per_checkpoint,
-                "seconds": self.snapshot_seconds},
-            "cost_seconds": self.cost,
-            "mtbf": None if self.mtbf is None else {
-                "seconds": self.mtbf, "source": "job" if self.gpus is None else "gpus",
-                "gpus": self.gpus, "gpu_mtbf_seconds": self.gpu_mtbf},
-            "restart_seconds": self.restart,
-            "intervals": {name: None if f is None else f.to_dict() for name, f in
-                          (("young", self.young), ("daly", self.daly),
-                           ("current", self.current))},
-            "retention": {"keep": self.keep, "steady_bytes": self.steady_bytes,
-                          "peak_bytes": self.peak_bytes, "steady_files": self.steady_files},
-            "curve": [{"interval_seconds": t, "overhead": o} for t, o in self.curve()],
-            "notes": self.notes,
-        }
-
 
 # -- ckpt prune --------------------------------------------------------------------------------
 

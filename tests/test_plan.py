@@ -27,6 +27,7 @@ from ckpt_cli.cadence import (
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.measure import measure_bandwidth
 from ckpt_cli.ops.plan import plan, size_from_checkpoint
+from ckpt_cli.render.plan import plan_dict
 
 HOUR = 3600.0
 
@@ -497,5 +498,5 @@ def test_plan_with_measure(tmp_path: Path) -> None:
     assert r.measurement is not None and r.bandwidth == r.measurement.bytes_per_second
     assert r.write_seconds == pytest.approx(r.size.training / r.bandwidth)
     assert r.daly is not None
-    assert r.to_dict()["bandwidth"]["source"] == "measured"
+    assert plan_dict(r)["bandwidth"]["source"] == "measured"
     assert list(tmp_path.iterdir()) == []
