@@ -92,17 +92,17 @@ def test_json_interrupt_and_internal_error_documents(tmp_path: Path,
 
 def test_json_error_after_the_document_prints_no_second_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckpt_cli.cli.inspect
+    import ckpt_cli.render.inspect
 
     good = tmp_path / "good.safetensors"
     save_file(tiny_state_dict(), str(good))
-    real = ckpt_cli.cli.inspect._emit_json
+    real = ckpt_cli.render.inspect._emit_json
 
     def emit_then_fail(result: object) -> None:
         real(result)
         raise CkptError("failed after the document was printed")
 
-    monkeypatch.setattr(ckpt_cli.cli.inspect, "_emit_json", emit_then_fail)
+    monkeypatch.setattr(ckpt_cli.render.inspect, "_emit_json", emit_then_fail)
     r = run_cli("inspect", good, "--json")
     assert r.exit_code == 2 and "failed after" in r.stderr
     doc = json.loads(r.stdout)
