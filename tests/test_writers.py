@@ -251,3 +251,36 @@ def test_existing_destination_needs_overwrite(tmp_path: Path) -> None:
     assert dest.read_bytes() == b"old"
     write_checkpoint(dest, [OutTensor("t", "F32", (2,), lambda: arr)], overwrite=True)
     assert dest.read_bytes() != b"old"
+
+
+@pytest.mark.parametrize("dest_name", ["late.safetensors", "latedir"])
+def test_destination_appears_only_when_complete(tmp_path: Path, dest_name: str) -> None:
+    dest = tmp_path / dest_name
+    arr = np.ones(100, dtype=np.float32)
+    seen: list[bool] = []
+
+    def last() -> np.ndarray:
+        seen.append(dest.exists())
+        return arr
+
+    def check(tmp: Path) -> None:
+        seen.append(dest.exists())
+        assert ".ckpt-tmp-" in tmp.name and tmp.parent == tmp_path
+
+    out = [OutTensor("a", "F32", (100,), lambda: arr), OutTensor("b", "F32", (100,), last)]
+    write_checkpoint(dest, out, max_shard_size=400 if dest.suffix == "" else None,
+                     before_commit=check)
+    assert seen == [False, False]
+    assert [p.name for p in tmp_path.iterdir()] == [dest_name]
+
+
+def test_before_commit_failure_discards_the_output(tmp_path: Path) -> None:
+    arr = np.ones(4, dtype=np.float32)
+
+    def refuse(tmp: Path) -> None:
+        raise RuntimeError("verification failed")
+
+    with pytest.raises(RuntimeError, match="verification failed"):
+        write_checkpoint(tmp_path / "d", [OutTensor("a", "F32", (4,), lambda: arr)],
+                         before_commit=refuse)
+    assert list(tmp_path.iterdir()) == []
