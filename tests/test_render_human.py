@@ -1,0 +1,91 @@
+"""ckpt_cli.render.human: the pure formatting helpers behind every human table."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from ckpt_cli.render import human
+
+
+@pytest.mark.parametrize("n,want", [(None, "-"), (0, "0 Bytes"), (999, "999 Bytes"),
+                                    (1000, "1.0 kB"), (14_200_000, "14.2 MB"),
+                                    (1.5e12, "1.5 TB")])
+def test_size_uses_decimal_units(n: int | float | None, want: str) -> None:
+    assert human.size(n) == want
+
+
+def test_rate() -> None:
+    assert human.rate(1e10) == "10.0 GB/s"
+    assert human.rate(None) == "-"
+
+
+@pytest.mark.parametrize("seconds,long,short", [
+    (None, "-", "-"),
+    (1, "1 second", "1s"),
+    (3.5, "3.5 seconds", "3.5s"),
+    (2459, "40 minutes and 59 seconds", "40m 59s"),
+    (3599.6, "1 hour", "1h"),  # 59m 59.6s rounds up to a whole hour, not "59m 60s"
+    (86400 * 1.8, "1 day and 19 hours", "1d 19h"),
+])
+def test_duration_two_units_at_most(seconds: float | None, long: str, short: str) -> None:
+    assert human.duration(seconds) == long
+    assert human.duration(seconds, short=True) == short
+
+
+def test_duration_beyond_dates_is_in_years() -> None:
+    assert human.duration(2e12).endswith(" years")
+
+
+@pytest.mark.parametrize("n,want", [(None, "-"), (5, "5"), (999, "999"), (1000, "1.0K"),
+                                    (1_234_567, "1.2M"), (175_000_000_000, "175.0B"),
+                                    (3 * 10**12, "3.0T"), (-2500, "-2.5K")])
+def test_count(n: int | None, want: str) -> None:
+    assert human.count(n) == want
+
+
+def test_bar_is_proportional_at_eighth_resolution() -> None:
+    width = 8
+    lengths = []
+    for eighths in range(0, 65):
+        text = human.bar(eighths / 64, width).plain
+        assert len(text) == width  # always padded to the full width
+        full = text.count("█")
+        part = text.rstrip(" ")[full:]
+        assert full == eighths // 8
+        assert len(part) == (1 if eighths % 8 else 0)
+        lengths.append(full * 8 + (" ▏▎▍▌▋▊▉".index(part) if part else 0))
+    assert lengths == list(range(65))
+
+
+def test_bar_clamps_and_survives_zero() -> None:
+    assert human.bar(0.0).plain == " " * 24
+    assert human.bar(-1.0, 4).plain == "    "
+    assert human.bar(5.0, 4).plain == "████"
+    assert human.bar(0.0, 0).plain == ""
+
+
+def test_tied_text_limits_and_says_how_counted() -> None:
+    tied = [{"name": "lm_head", "tied_to": "embed", "counted_twice": False, "tie": "storage"},
+            {"name": "x", "tied_to": "y", "counted_twice": True, "tie": "values"},
+            {"name": "p", "tied_to": "q", "counted_twice": False, "tie": "values"}]
+    text = human.tied_text(tied, limit=2)
+    assert text == ("lm_head = embed (one storage): counted once; x may repeat y (same shape "
+                    "and dtype; bytes not compared): counted twice; and 1 more")
+    assert "same shape, dtype and sampled bytes" in human.tied_text(tied[2:])
+    assert human.tied_text([]) == ""
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_width_off_a_terminal_does_not_wrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert human._width(io.StringIO()) == human.UNWRAPPED_WIDTH
+    assert human._width(object()) == human.UNWRAPPED_WIDTH  # no isatty at all
+    assert human._width(_Tty()) is None
+    monkeypatch.setenv("COLUMNS", "100")
+    assert human._width(io.StringIO()) is None
