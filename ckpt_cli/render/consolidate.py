@@ -10,15 +10,9 @@ if TYPE_CHECKING:
 
 def show(r: ConsolidateResult, *, json: bool, quiet: bool) -> None:
     """Print the result: warnings and notes on stderr, the summary or JSON on stdout."""
-    from ckpt_cli.render.human import note_followed, print_messages
+    from ckpt_cli.render.human import show_written
 
-    print_messages(r.warnings)  # hostile sources: whatever --quiet and --json say
-    if not quiet:
-        note_followed(r.followed)
-    if json:
-        _emit_json(r)
-    else:
-        _render(r, quiet)
+    show_written(r, json=json, quiet=quiet, emit=_emit_json, summary=_render)
 
 
 def _emit_json(r: ConsolidateResult) -> None:

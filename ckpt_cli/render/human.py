@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import humanize
@@ -384,3 +384,26 @@ def note_followed(followed: Any, side: str | None = None) -> None:
 def is_tty() -> bool:
     """Whether stderr is a terminal (for progress bars)."""
     return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+
+
+def show_written(r: Any, *, json: bool, quiet: bool, emit: Callable[[Any], None],
+                 summary: Callable[[Any, bool], None]) -> None:
+    """Print what a writing command (convert, consolidate) did.
+
+    Hostile-source warnings go to stderr whatever ``--quiet`` and ``--json`` say, the run
+    pointer followed unless ``quiet``; then the JSON document or the human summary on stdout.
+
+    Args:
+        r: The command's result (with ``warnings`` and ``followed``).
+        json: Print the JSON document instead of the summary.
+        quiet: No notes on stderr.
+        emit: Prints the JSON document.
+        summary: Prints the human summary (given ``quiet``).
+    """
+    print_messages(r.warnings)
+    if not quiet:
+        note_followed(r.followed)
+    if json:
+        emit(r)
+    else:
+        summary(r, quiet)
