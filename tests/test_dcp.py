@@ -33,13 +33,14 @@ def test_chunks_that_do_not_tile_are_damage() -> None:
 
 def test_consolidate_refuses_a_dcp_chunk_that_fails_its_crc(sample_copy: Path,
                                                             tmp_path: Path) -> None:
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.formats.dcp import locate_chunk
+    from ckpt_cli.streaming import OpenFiles
 
     d = sample_copy / "step_000400"
     index = read_index(d)
     t = index.tensors["model.wte.weight"]
-    with TensorSource(index) as src:
-        sub = src.locate_chunk(t, t.chunks[1])
+    with OpenFiles() as files:
+        sub = locate_chunk(index, lambda rel: files.open(index.path_of(rel)), t, t.chunks[1])
     assert sub.file is not None and sub.offset is not None
     data = bytearray((d / sub.file).read_bytes())
     data[sub.offset + 100] ^= 4
