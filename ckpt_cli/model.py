@@ -170,7 +170,7 @@ class CheckpointIndex:
             ``optimizer``, ``state_dict``...), as name prefixes with their group.
         aliases: Tied copies found by value where no storage sharing is recorded (DCP,
             safetensors): copy -> the tensor it repeats; counted once (see
-            :mod:`ckpt_cli.ties`).
+            :mod:`ckpt_cli.formats.ties`).
         possible_aliases: Same tie-like name, dtype and shape, but bytes not sampled: counted
             twice, and said so.
         name_step: The step the checkpoint's name gives (``step_000400``, ``checkpoint-50``;

@@ -9,6 +9,7 @@ reading with positioned reads into a fresh buffer, so memory holds one tensor at
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 from collections import OrderedDict
@@ -20,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
-from ckpt_cli.formats.base import open_regular
-from ckpt_cli.model import CheckpointIndex, Chunk, StorageRef, TensorInfo
+from ckpt_cli.formats import dcp
+from ckpt_cli.formats.base import open_regular, read_full
+from ckpt_cli.model import CheckpointIndex, Chunk, TensorInfo
 from ckpt_cli.streaming import crc32, crc32_range
 
 if TYPE_CHECKING:
@@ -29,7 +31,6 @@ if TYPE_CHECKING:
 
 _MAX_OPEN = 64
 _MAP_MIN = 1 << 20  # below this a copy is as cheap as setting up a mapping
-_READ_CHUNK = 1 << 30
 
 
 class TensorSource:
@@ -84,15 +85,11 @@ class TensorSource:
         Raises:
             CorruptCheckpointError: If the file ends first.
         """
-        fd = self._fd(rel)
-        done, total = 0, len(out)
-        while done < total:
-            n = os.preadv(fd, [out[done:done + _READ_CHUNK]], offset + done)
-            if n <= 0:
-                raise CorruptCheckpointError(
-                    f"file ends at byte {offset + done:,}; {total - done:,} more bytes expected "
-                    "(truncated)", path=self.index.path_of(rel))
-            done += n
+        done, total = read_full(self._fd(rel), offset, out), len(out)
+        if done < total:
+            raise CorruptCheckpointError(
+                f"file ends at byte {offset + done:,}; {total - done:,} more bytes expected "
+                "(truncated)", path=self.index.path_of(rel))
 
     def read(self, t: TensorInfo, *, mapped: bool = False) -> np.ndarray:
         """Read one tensor's values.
@@ -177,7 +174,7 @@ class TensorSource:
 
         piece = piece_bytes or streaming.PIECE_BYTES
         if t.chunks:
-            subs = self._row_chunks(t)
+            subs = dcp.row_chunks(t, functools.partial(self._locate, t))
             if subs is None:
                 yield from split_pieces(self.read(t), piece)
                 return
@@ -188,26 +185,6 @@ class TensorSource:
             yield from self._contiguous_pieces(t, piece, mapped)
             return
         yield from split_pieces(self.read(t, mapped=mapped), piece)
-
-    def _row_chunks(self, t: TensorInfo) -> list[TensorInfo] | None:
-        """The chunks of ``t`` as contiguous tensors in row order, when the tensor is just
-        their concatenation (split along the first dimension only); else None."""
-        if not t.shape or any(c.transforms for c in t.chunks):
-            return None
-        chunks = sorted(t.chunks, key=lambda c: c.offsets[0])
-        row = 0
-        for c in chunks:
-            if c.offsets[0] != row or any(
-                    o != 0 or s != d for o, s, d in
-                    zip(c.offsets[1:], c.sizes[1:], t.shape[1:], strict=True)):
-                return None
-            row += c.sizes[0]
-        if row != t.shape[0]:
-            return None
-        subs = [self.locate_chunk(t, c) for c in chunks if c.sizes[0]]
-        if any(s.stride is not None or s.file is None or s.offset is None for s in subs):
-            return None
-        return subs
 
     def _contiguous_pieces(self, t: TensorInfo, piece: int,
                            mapped: bool) -> Iterator[np.ndarray]:
@@ -342,26 +319,17 @@ class TensorSource:
         return np.ascontiguousarray(view)
 
     def _read_chunks(self, t: TensorInfo) -> np.ndarray:
-        import numpy as np
+        return dcp.assemble_chunks(t, functools.partial(self._locate, t), self._read_run,
+                                   self.read)
 
-        dt = dtypes.numpy_dtype(t.dtype)
-        out = np.empty(t.shape, dtype=dt)
-        for c in t.chunks:
-            sub = self.locate_chunk(t, c)
-            region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
-            # A chunk split along the first dimension only (FSDP, Shard(0)) is one contiguous
-            # run of the output: read its bytes straight into place, no intermediate copy.
-            rows_only = all(o == 0 and s == d for o, s, d in
-                            zip(c.offsets[1:], c.sizes[1:], t.shape[1:], strict=True))
-            dest = (out[region] if out.ndim else out).reshape(-1).view(np.uint8)
-            if (rows_only and sub.stride is None and sub.offset is not None and sub.file
-                    and np.shares_memory(dest, out)):
-                if dest.nbytes:
-                    self.read_into(sub.file, sub.offset, dest.data)
-                    self._check_crc(sub, dest)
-            else:
-                out[region] = self.read(sub)
-        return out
+    def _read_run(self, t: TensorInfo, dest: np.ndarray) -> None:
+        """Fill the flat byte array ``dest`` with the bytes of contiguous tensor ``t``."""
+        assert t.file is not None and t.offset is not None
+        self.read_into(t.file, t.offset, dest.data)
+        self._check_crc(t, dest)
+
+    def _locate(self, t: TensorInfo, c: Chunk) -> TensorInfo:
+        return dcp.locate_chunk(self.index, self._fd, t, c)
 
     def read_chunk(self, t: TensorInfo, c: Chunk) -> np.ndarray:
         """Read one DCP chunk of tensor ``t`` (an embedded torch.save zip).
@@ -377,53 +345,7 @@ class TensorSource:
             CorruptCheckpointError: If the embedded zip does not describe a matching tensor.
             UnsupportedError: For compressed chunks.
         """
-        return self.read(self.locate_chunk(t, c))
-
-    def locate_chunk(self, t: TensorInfo, c: Chunk) -> TensorInfo:
-        """Where the values of one DCP chunk lie (parses the chunk's embedded torch zip).
-
-        Args:
-            t: The tensor.
-            c: One of its chunks.
-
-        Returns:
-            A :class:`TensorInfo` of the chunk (shape ``c.sizes``) with its file and offset.
-
-        Raises:
-            CorruptCheckpointError: If the embedded zip does not describe a matching tensor.
-            UnsupportedError: For compressed chunks.
-        """
-        from ckpt_cli.formats.torchfile import contiguous_strides, parse_zip
-        from ckpt_cli.formats.unpickler import TensorRecord
-
-        if c.transforms:
-            raise UnsupportedError(f"chunk of {t.name!r} uses storage transforms "
-                                   f"{list(c.transforms)}, which ckpt cannot decode yet",
-                                   path=self.index.path_of(c.file))
-        fd = self._fd(c.file)
-        where = f"{self.index.path_of(c.file)}@{c.offset}"
-        tz = parse_zip(fd, c.offset, c.length, where)
-        rec = tz.pickle.obj
-        if not isinstance(rec, TensorRecord) or rec.storage is None:
-            raise CorruptCheckpointError(f"chunk of {t.name!r} does not hold a tensor",
-                                         path=where)
-        if tuple(rec.shape) != tuple(c.sizes) or rec.dtype != t.dtype:
-            raise CorruptCheckpointError(
-                f"chunk of {t.name!r} holds {rec.dtype}{list(rec.shape)}, metadata says "
-                f"{t.dtype}{list(c.sizes)}", path=where)
-        entry = tz.storage_entry(rec.storage.key)
-        start = tz.storage_start(rec.storage.key)
-        if entry is None or start is None:
-            raise CorruptCheckpointError(f"chunk of {t.name!r} lacks its storage record",
-                                         path=where)
-        if entry.data_offset + entry.size > c.length:
-            raise CorruptCheckpointError(f"chunk of {t.name!r} is truncated", path=where)
-        item = dtypes.DTYPES[rec.dtype].itemsize
-        stride = None if rec.stride == contiguous_strides(rec.shape) else rec.stride
-        return TensorInfo(t.name, rec.dtype, rec.shape, dtypes.nbytes_of(rec.dtype, _numel(
-            rec.shape)), t.group, c.file, start + rec.storage_offset * item, stride,
-            StorageRef(c.file, rec.storage.key, start, rec.storage.nbytes, rec.storage.dtype,
-                       tz.storage_crc(rec.storage.key), entry.size), rec.storage_offset)
+        return self.read(self._locate(t, c))
 
 
 def split_pieces(arr: np.ndarray, piece_bytes: int | None = None) -> Iterator[np.ndarray]:
@@ -445,13 +367,6 @@ def split_pieces(arr: np.ndarray, piece_bytes: int | None = None) -> Iterator[np
         return
     for i in range(0, flat.size, step):
         yield flat[i:i + step]
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def iter_tensors(index: CheckpointIndex, names: Iterable[str] | None = None,

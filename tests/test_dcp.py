@@ -33,13 +33,14 @@ def test_chunks_that_do_not_tile_are_damage() -> None:
 
 def test_consolidate_refuses_a_dcp_chunk_that_fails_its_crc(sample_copy: Path,
                                                             tmp_path: Path) -> None:
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.formats.dcp import locate_chunk
+    from ckpt_cli.streaming import OpenFiles
 
     d = sample_copy / "step_000400"
     index = read_index(d)
     t = index.tensors["model.wte.weight"]
-    with TensorSource(index) as src:
-        sub = src.locate_chunk(t, t.chunks[1])
+    with OpenFiles() as files:
+        sub = locate_chunk(index, lambda rel: files.open(index.path_of(rel)), t, t.chunks[1])
     assert sub.file is not None and sub.offset is not None
     data = bytearray((d / sub.file).read_bytes())
     data[sub.offset + 100] ^= 4
@@ -54,3 +55,27 @@ def test_a_stray_distcp_file_is_not_a_rank(sample_copy: Path) -> None:
     shutil.copy(d / "__0_0.distcp", d / "__9_0.distcp")
     layout = read_index(d).layout
     assert layout["world_size"] == 4 and layout["ranks"] == [0, 1, 2, 3]
+
+
+def test_row_chunks_only_for_a_split_along_the_first_dimension() -> None:
+    from ckpt_cli.formats.dcp import row_chunks
+    from ckpt_cli.model import Chunk, TensorInfo
+
+    def tensor(*chunks: tuple[tuple[int, int], tuple[int, int]]) -> TensorInfo:
+        cs = [Chunk(o, s, "__0_0.distcp", 16 * i, 16) for i, (o, s) in enumerate(chunks)]
+        return TensorInfo("w", "F32", (4, 3), 48, chunks=cs)
+
+    located: list[int] = []
+
+    def locate(c: Chunk) -> TensorInfo:
+        located.append(c.offsets[0])
+        return TensorInfo("w", "F32", c.sizes, 4 * c.sizes[0] * c.sizes[1], file=c.file,
+                          offset=c.offset)
+
+    rows = tensor(((2, 0), (2, 3)), ((0, 0), (2, 3)))  # stored out of order
+    subs = row_chunks(rows, locate)
+    assert subs is not None and [s.offset for s in subs] == [16, 0] and located == [0, 2]
+    located.clear()
+    assert row_chunks(tensor(((0, 0), (4, 2)), ((0, 2), (4, 1))), locate) is None  # columns
+    assert row_chunks(tensor(((0, 0), (2, 3)),), locate) is None  # rows missing
+    assert located == []  # decided from the metadata, no embedded zip parsed

@@ -436,3 +436,17 @@ def test_tied_weights_count_once_everywhere(tmp_path: Path) -> None:
     index = read_index(tmp_path / "t.pt")
     assert index.num_parameters == 43 and index.params_by_dtype == {"F32": 43}
     assert index.bytes_by_group["model"] == 43 * 4 == index.total_bytes
+
+
+def test_read_full_says_how_much_a_short_file_gave(tmp_path: Path) -> None:
+    from ckpt_cli.formats.base import open_regular, read_full
+
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(10)))
+    fd = open_regular(p)
+    try:
+        buf = bytearray(4)
+        assert read_full(fd, 3, memoryview(buf)) == 4 and bytes(buf) == bytes([3, 4, 5, 6])
+        assert read_full(fd, 8, memoryview(bytearray(4))) == 2
+    finally:
+        os.close(fd)

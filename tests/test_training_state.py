@@ -171,8 +171,7 @@ def test_untied_head_of_the_same_shape_is_counted_twice(tmp_path: Path) -> None:
 
 def test_tie_detection_samples_only_the_candidates(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt_cli import ties
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.formats import ties
 
     torch.manual_seed(0)
     big = _TiedLM()
@@ -182,13 +181,13 @@ def test_tie_detection_samples_only_the_candidates(tmp_path: Path,
     index = read_index(d)
     assert index.aliases == {"model.lm_head.weight": "model.wte.weight"}
     read: list[int] = []
-    orig = TensorSource.read_into
+    orig = ties.read_full
 
-    def counting(self: TensorSource, rel: str, offset: int, out: memoryview) -> None:
+    def counting(fd: int, offset: int, out: memoryview) -> int:
         read.append(len(out))
-        orig(self, rel, offset, out)
+        return orig(fd, offset, out)
 
-    monkeypatch.setattr(TensorSource, "read_into", counting)
+    monkeypatch.setattr(ties, "read_full", counting)
     index.aliases.clear()
     ties.find_ties(index)
     assert index.aliases == {"model.lm_head.weight": "model.wte.weight"}

@@ -167,7 +167,7 @@ def _complete(index: CheckpointIndex) -> None:
     names = [root.name] if root.is_dir() else [root.name, root.parent.name]
     index.name_step = next((s for n in names if (s := step_from_name(n, strict=True))
                             is not None), None)
-    from ckpt_cli.ties import find_ties
+    from ckpt_cli.formats.ties import find_ties
 
     find_ties(index)
 

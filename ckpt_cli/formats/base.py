@@ -199,6 +199,32 @@ def file_size(path: Path) -> int:
     return st.st_size
 
 
+_READ_CHUNK = 1 << 30
+
+
+def read_full(fd: int, offset: int, out: memoryview) -> int:
+    """Fill ``out`` with bytes of an open file from ``offset``, with positioned reads.
+
+    Args:
+        fd: An open file descriptor (positioned reads need no seek, so it may be shared).
+        offset: Absolute byte offset.
+        out: A writable byte buffer.
+
+    Returns:
+        How many bytes were read: fewer than ``len(out)`` only if the file ended first.
+
+    Raises:
+        OSError: If reading fails.
+    """
+    done, total = 0, len(out)
+    while done < total:
+        n = os.preadv(fd, [out[done:done + _READ_CHUNK]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
 def read_head(path: Path, n: int) -> bytes:
     """The first ``n`` bytes of a file (fewer if it is shorter).
 

@@ -14,16 +14,20 @@ import functools
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes
-from ckpt_cli.errors import CkptError, CorruptCheckpointError
+from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import containers
 from ckpt_cli.formats.base import contained_path, file_size, open_regular, present, wrong_kind
-from ckpt_cli.formats.torchfile import parse_zip
+from ckpt_cli.formats.torchfile import contiguous_strides, parse_zip
 from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, DTypeRef, Opaque, TensorRecord, safe_load
-from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, TensorInfo
+from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, StorageRef, TensorInfo
+
+if TYPE_CHECKING:
+    import numpy as np
 
 METADATA = ".metadata"
 _DISTCP = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -434,3 +438,119 @@ def _pairwise(good: list[tuple[tuple[int, ...], tuple[int, ...]]], numel: int) -
         return [f"chunks cover {covered:,} of {numel:,} elements (a gap): a rank's shard is "
                 "missing"]
     return []
+
+
+# Reading chunks: each is a complete torch.save zip, whose small header says where its storage
+# lies. The byte reading itself (positioned reads, mappings, CRC checks) is the caller's
+# (ckpt_cli.tensors.TensorSource); these functions only know the DCP layout.
+
+
+def locate_chunk(index: CheckpointIndex, fd_of: Callable[[str], int], t: TensorInfo,
+                 c: Chunk) -> TensorInfo:
+    """Where the values of one DCP chunk lie (parses the chunk's embedded torch zip).
+
+    Args:
+        index: The checkpoint's index (names files in messages).
+        fd_of: An open descriptor of a file of ``index``, by relative path.
+        t: The tensor.
+        c: One of its chunks.
+
+    Returns:
+        A :class:`TensorInfo` of the chunk (shape ``c.sizes``) with its file and offset.
+
+    Raises:
+        CorruptCheckpointError: If the embedded zip does not describe a matching tensor.
+        UnsupportedError: For compressed chunks.
+    """
+    if c.transforms:
+        raise UnsupportedError(f"chunk of {t.name!r} uses storage transforms "
+                               f"{list(c.transforms)}, which ckpt cannot decode yet",
+                               path=index.path_of(c.file))
+    fd = fd_of(c.file)
+    where = f"{index.path_of(c.file)}@{c.offset}"
+    tz = parse_zip(fd, c.offset, c.length, where)
+    rec = tz.pickle.obj
+    if not isinstance(rec, TensorRecord) or rec.storage is None:
+        raise CorruptCheckpointError(f"chunk of {t.name!r} does not hold a tensor",
+                                     path=where)
+    if tuple(rec.shape) != tuple(c.sizes) or rec.dtype != t.dtype:
+        raise CorruptCheckpointError(
+            f"chunk of {t.name!r} holds {rec.dtype}{list(rec.shape)}, metadata says "
+            f"{t.dtype}{list(c.sizes)}", path=where)
+    entry = tz.storage_entry(rec.storage.key)
+    start = tz.storage_start(rec.storage.key)
+    if entry is None or start is None:
+        raise CorruptCheckpointError(f"chunk of {t.name!r} lacks its storage record",
+                                     path=where)
+    if entry.data_offset + entry.size > c.length:
+        raise CorruptCheckpointError(f"chunk of {t.name!r} is truncated", path=where)
+    item = dtypes.DTYPES[rec.dtype].itemsize
+    stride = None if rec.stride == contiguous_strides(rec.shape) else rec.stride
+    return TensorInfo(t.name, rec.dtype, rec.shape, dtypes.nbytes_of(rec.dtype, math.prod(
+        rec.shape)), t.group, c.file, start + rec.storage_offset * item, stride,
+        StorageRef(c.file, rec.storage.key, start, rec.storage.nbytes, rec.storage.dtype,
+                   tz.storage_crc(rec.storage.key), entry.size), rec.storage_offset)
+
+
+def row_chunks(t: TensorInfo, locate: Callable[[Chunk], TensorInfo]) -> list[TensorInfo] | None:
+    """The chunks of ``t`` as contiguous tensors in row order, when the tensor is just their
+    concatenation (split along the first dimension only: FSDP's ``Shard(0)``); else None.
+
+    Args:
+        t: A tensor stored as DCP chunks.
+        locate: Where one chunk's values lie (:func:`locate_chunk`, bound to its files).
+
+    Returns:
+        One contiguous tensor per non-empty chunk, in row order, or None.
+    """
+    if not t.shape or any(c.transforms for c in t.chunks):
+        return None
+    chunks = sorted(t.chunks, key=lambda c: c.offsets[0])
+    row = 0
+    for c in chunks:
+        if c.offsets[0] != row or any(
+                o != 0 or s != d for o, s, d in
+                zip(c.offsets[1:], c.sizes[1:], t.shape[1:], strict=True)):
+            return None
+        row += c.sizes[0]
+    if row != t.shape[0]:
+        return None
+    subs = [locate(c) for c in chunks if c.sizes[0]]
+    if any(s.stride is not None or s.file is None or s.offset is None for s in subs):
+        return None
+    return subs
+
+
+def assemble_chunks(t: TensorInfo, locate: Callable[[Chunk], TensorInfo],
+                    read_run: Callable[[TensorInfo, np.ndarray], None],
+                    read: Callable[[TensorInfo], np.ndarray]) -> np.ndarray:
+    """A whole tensor from its DCP chunks.
+
+    Args:
+        t: A tensor stored as DCP chunks.
+        locate: Where one chunk's values lie (:func:`locate_chunk`, bound to its files).
+        read_run: Fills a flat byte array with a contiguous chunk's bytes (and checks them).
+        read: Reads a chunk's values (any layout) as an array.
+
+    Returns:
+        The tensor's values, shaped ``t.shape``.
+    """
+    import numpy as np
+
+    dt = dtypes.numpy_dtype(t.dtype)
+    out = np.empty(t.shape, dtype=dt)
+    for c in t.chunks:
+        sub = locate(c)
+        region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
+        # A chunk split along the first dimension only (FSDP, Shard(0)) is one contiguous
+        # run of the output: read its bytes straight into place, no intermediate copy.
+        rows_only = all(o == 0 and s == d for o, s, d in
+                        zip(c.offsets[1:], c.sizes[1:], t.shape[1:], strict=True))
+        dest = (out[region] if out.ndim else out).reshape(-1).view(np.uint8)
+        if (rows_only and sub.stride is None and sub.offset is not None and sub.file
+                and np.shares_memory(dest, out)):
+            if dest.nbytes:
+                read_run(sub, dest)
+        else:
+            out[region] = read(sub)
+    return out

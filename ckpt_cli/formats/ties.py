@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats.base import read_full
+from ckpt_cli.formats.dcp import locate_chunk
 from ckpt_cli.model import CheckpointIndex, TensorInfo
-from ckpt_cli.tensors import TensorSource
+from ckpt_cli.streaming import OpenFiles
 
 WINDOW = 4096
 """Bytes sampled at each of a tensor's start, middle and end."""
@@ -63,9 +66,12 @@ def find_ties(index: CheckpointIndex) -> None:
               for g in by_sig.values() if len(g) > 1]
     if not groups:
         return
-    with TensorSource(index) as src:
+    with OpenFiles() as files:
+        def fd_of(rel: str) -> int:
+            return files.open(index.path_of(rel))
+
         for group in groups:
-            prints = [(t, _fingerprint(src, t)) for t in group]
+            prints = [(t, _fingerprint(index, fd_of, t)) for t in group]
             kept: dict[bytes, str] = {}
             owner = group[0].name
             for t, fp in prints:
@@ -78,7 +84,8 @@ def find_ties(index: CheckpointIndex) -> None:
                     kept[fp] = t.name
 
 
-def _fingerprint(src: TensorSource, t: TensorInfo) -> bytes | None:
+def _fingerprint(index: CheckpointIndex, fd_of: Callable[[str], int],
+                 t: TensorInfo) -> bytes | None:
     """A digest of a tensor's sampled bytes (and chunk layout), or None if unreadable."""
     h = hashlib.blake2b(digest_size=16)
     try:
@@ -87,18 +94,19 @@ def _fingerprint(src: TensorSource, t: TensorInfo) -> bytes | None:
             picks = sorted({0, len(chunks) // 2, len(chunks) - 1})
             h.update(repr([(c.offsets, c.sizes) for c in chunks]).encode())
             for i in picks:
-                sub = src.locate_chunk(t, chunks[i])
-                if not _sample(src, sub, h):
+                sub = locate_chunk(index, fd_of, t, chunks[i])
+                if not _sample(fd_of, sub, h):
                     return None
-        elif not _sample(src, t, h):
+        elif not _sample(fd_of, t, h):
             return None
     except (CkptError, OSError):
         return None
     return h.digest()
 
 
-def _sample(src: TensorSource, t: TensorInfo, h: hashlib.blake2b) -> bool:
-    """Add a single-range tensor's sampled bytes to ``h``; False if it is not one."""
+def _sample(fd_of: Callable[[str], int], t: TensorInfo, h: hashlib.blake2b) -> bool:
+    """Add a single-range tensor's sampled bytes to ``h``; False if it is not one (or a file
+    ends too soon)."""
     if t.file is None or t.offset is None or t.stride is not None:
         return False
     n = t.nbytes
@@ -106,6 +114,7 @@ def _sample(src: TensorSource, t: TensorInfo, h: hashlib.blake2b) -> bool:
         (0, WINDOW), ((n - WINDOW) // 2, WINDOW), (n - WINDOW, WINDOW)]
     for start, length in spans:
         buf = bytearray(length)
-        src.read_into(t.file, t.offset + start, memoryview(buf))
+        if read_full(fd_of(t.file), t.offset + start, memoryview(buf)) < length:
+            return False
         h.update(buf)
     return True
