@@ -194,7 +194,7 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
     Pure: the same arguments give the same plan, and nothing is read or written.
 
     Args:
-        listing: The run directory's checkpoints, oldest first (``rundir.list_run``).
+        listing: The run directory's checkpoints, oldest first (``runs.list_run``).
         policy: The retention rules.
         now: The current time (seconds since the epoch), for ages and the grace period.
         facts: What reading files found (validation, metrics, locks, pins); none by default.
