@@ -98,7 +98,8 @@ def prune_cmd(
 
         try:
             result = prune(run_dir, policy, pattern=pattern, metrics_file=metrics_file,
-                           dry_run=dry_run, force=any_dir, confirm=confirm, on_progress=view.event)
+                           dry_run=dry_run, any_dir=any_dir, confirm=confirm,
+                           on_progress=view.event)
         finally:
             view.stop()
         outcome.exit_code = code = EXIT_OK if result.ok else EXIT_FINDINGS

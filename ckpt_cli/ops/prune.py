@@ -3,7 +3,7 @@
 The order of work, and why:
 
 1. Refuse roots that cannot be meant (``/``, ``$HOME``, a checkpoint, a directory without
-   checkpoints) unless forced.
+   checkpoints) unless ``any_dir`` says otherwise.
 2. Take ``.ckpt-prune.lock`` with ``flock`` (not for ``dry_run``), so two prunes never race.
 3. List the run directory, gather facts by reading files (lock files, quick validation of the
    newest checkpoints, metric values, HF Trainer's best checkpoint), and let the pure
@@ -69,7 +69,7 @@ LOCK_NAME = ".ckpt-prune.lock"
 
 
 def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
-          metrics_file: str | Path | None = None, dry_run: bool = False, force: bool = False,
+          metrics_file: str | Path | None = None, dry_run: bool = False, any_dir: bool = False,
           confirm: Callable[[PrunePlan], bool] | None = None,
           on_progress: Callable[[PruneEvent], None] | None = None,
           now: float | None = None) -> PruneResult:
@@ -81,7 +81,7 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
         pattern: A regex that overrides checkpoint-name recognition.
         metrics_file: A CSV, JSON or JSON-lines file of metrics by step (for ``keep_best``).
         dry_run: Plan only; change nothing and take no lock.
-        force: Accept ``/``, ``$HOME`` and directories that do not look like run directories.
+        any_dir: Accept ``/``, ``$HOME`` and directories that do not look like run directories.
         confirm: Called with the plan before anything is changed, when there is something to
             delete; returning False changes nothing.
         on_progress: Called with each :class:`PruneEvent`.
@@ -91,13 +91,13 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
         The :class:`PruneResult`; deletions that failed are in it, not raised.
 
     Raises:
-        UsageError: A policy that cannot be meant, a root refused without ``force``, a metric
+        UsageError: A policy that cannot be meant, a root refused without ``any_dir``, a metric
             no checkpoint has.
         CkptError: The directory is missing or unreadable, or another prune holds the lock.
     """
     policy.check()
     root_arg = Path(path)
-    root = _check_root(root_arg, force, pattern)
+    root = _check_root(root_arg, any_dir, pattern)
     start, started = (time.time() if now is None else now), time.monotonic()
 
     def clock() -> float:
@@ -125,7 +125,7 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
     return result
 
 
-def _check_root(path: Path, force: bool, pattern: str | None) -> Path:
+def _check_root(path: Path, any_dir: bool, pattern: str | None) -> Path:
     check_exists(path)
     if not path.is_dir():
         raise CkptError("not a directory", path=path)
@@ -140,10 +140,10 @@ def _check_root(path: Path, force: bool, pattern: str | None) -> Path:
     what = ("the root directory" if root == Path(root.anchor) else "your home directory"
             if root == home else "a parent of your home directory" if root in home.parents
             else None)
-    if what and not force:
+    if what and not any_dir:
         raise UsageError(f"refusing to prune {what}", path=path, hint=hint)
     problem = run_dir_problem(root, pattern)
-    if problem and not force:
+    if problem and not any_dir:
         raise UsageError(problem, path=path, hint=hint)
     return root
 
