@@ -23,3 +23,14 @@ CastToOpt = Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
 OutputFormatOpt = Annotated[str | None, typer.Option(
     "--format", "-f", metavar="safetensors|pt",
     help="Output file format (default: from the output's suffix, else safetensors).")]
+PartOpt = Annotated[str | None, typer.Option(
+    "--part", metavar="K/N|auto",
+    help="Do part K of N of the work (auto: from torchrun's RANK/WORLD_SIZE or a SLURM "
+         "array); the last part to finish writes the index.")]
+FinalizeOpt = Annotated[bool, typer.Option(
+    "--finalize", help="Finish a job split with --part: check every part's receipt and write "
+                       "the index (exit 2 naming the parts missing).")]
+MaxMemoryOpt = Annotated[str | None, typer.Option(
+    "--max-memory", metavar="SIZE",
+    help="Budget for data read ahead and written behind, e.g. 512MB (default 256MB; the "
+         "largest tensor may add to it).")]
