@@ -110,13 +110,15 @@ def atomic_dir(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         fsync_tree(tmp)
-        _replace_dir(tmp, dest, overwrite)
+        replace_dir(tmp, dest, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _replace_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
+def replace_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
+    """Rename the finished directory ``tmp`` to ``dest``; an existing ``dest`` (only with
+    ``overwrite``, or when empty) is moved aside first and removed after."""
     old: Path | None = None
     if dest.exists() or dest.is_symlink():
         if not overwrite and not _is_empty_dir(dest):  # appeared while we were writing

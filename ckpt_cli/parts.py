@@ -44,6 +44,44 @@ class PartsIncompleteError(CkptError):
     kind = "parts-incomplete"
 
 
+@dataclass(slots=True)
+class PartOutcome:
+    """What one part of a split job did, for the result and ``--json``'s ``part`` object.
+
+    Attributes:
+        part: This process's part (None for a ``--finalize`` on its own).
+        count: Parts in the plan.
+        files: The files this part wrote (relative names).
+        finalized: Whether the job is finished (by this process or another part).
+        finalized_here: Whether this process finalized it.
+        waiting_for: The parts without a receipt yet.
+    """
+
+    part: Part | None
+    count: int
+    files: list[str]
+    finalized: bool = False
+    finalized_here: bool = False
+    waiting_for: list[int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``part`` object of ``--json``."""
+        return {"index": self.part.index if self.part else None, "count": self.count,
+                "origin": self.part.origin if self.part else "--finalize",
+                "files": self.files, "finalized": self.finalized,
+                "finalized_here": self.finalized_here, "waiting_for": self.waiting_for or []}
+
+    def describe(self) -> str:
+        """One line for people: which part, and what is left."""
+        who = f"part {self.part.label} ({self.part.origin})" if self.part else "finalize"
+        if self.finalized_here:
+            return f"{who}: every part's receipt matched the plan; finalized the output"
+        if self.finalized:
+            return f"{who}: done; another part finalized the output"
+        return (f"{who}: done; waiting for {describe_parts(self.waiting_for or [])} of "
+                f"{self.count} (the last to finish finalizes; or run with --finalize)")
+
+
 @dataclass(frozen=True, slots=True)
 class Part:
     """This process's share of a split job.
@@ -222,8 +260,11 @@ class PartStore:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Hold the staging directory's lock (``flock``; parts on one host or NFSv4)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Hold the staging directory's lock (``flock``; parts on one host or NFSv4).
+
+        The directory is not created here: when a finalizer has removed it meanwhile, opening
+        the lock raises FileNotFoundError, which tells the caller the job is finished.
+        """
         fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -295,3 +336,18 @@ def _write_atomic(path: Path, doc: dict[str, Any]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def source_identity(base: Path, rels: Sequence[str]) -> list[tuple[str, int, int]]:
+    """``(name, size, mtime in ns)`` of a source's files: in the plan, so that parts of one
+    job never mix a source that changed between them. Files that cannot be read count as
+    missing (``-1``); the reader reports them."""
+    return [_identity(base, rel) for rel in rels]
+
+
+def _identity(base: Path, rel: str) -> tuple[str, int, int]:
+    try:
+        st = os.stat(base / rel)
+    except OSError:
+        return (rel, -1, -1)
+    return (rel, st.st_size, st.st_mtime_ns)

@@ -8,7 +8,15 @@ from typing import Annotated
 import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
-from ckpt_cli.cli.options import CastToOpt, ForceOpt, JsonOpt, OutputFormatOpt, QuietOpt
+from ckpt_cli.cli.options import (
+    CastToOpt,
+    FinalizeOpt,
+    ForceOpt,
+    JsonOpt,
+    OutputFormatOpt,
+    PartOpt,
+    QuietOpt,
+)
 
 
 def consolidate_cmd(
@@ -37,6 +45,8 @@ def consolidate_cmd(
         "--manifest/--no-manifest", help="Write an integrity manifest that 'ckpt validate' "
                                          "checks.")] = True,
     force: ForceOpt = False,
+    part: PartOpt = None,
+    finalize: FinalizeOpt = False,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:
@@ -52,18 +62,21 @@ def consolidate_cmd(
       ckpt consolidate ds_run/global_step1000 -o model/ --to bf16
       ckpt consolidate ds_run -o model/              # follows ds_run/latest
       ckpt consolidate fsdp_ckpt/ --with-optimizer -o resume/ --verify
+      ckpt consolidate dcp/ -o full/ --part 2/4
     """
     with handled() as outcome:
         from ckpt_cli.cli.progress import byte_progress
         from ckpt_cli.ops.consolidate import consolidate
+        from ckpt_cli.parts import parse_part
         from ckpt_cli.units import parse_size
 
+        which = parse_part(part)
         shard = parse_size(max_shard_size, what="--max-shard-size", allow_zero=True) or None
         with byte_progress("consolidating", enabled=not (quiet or json)) as bar:
             r = consolidate(source, output, fmt=fmt, max_shard_size=shard,
                             with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force,
                             verify=verify, manifest=manifest, on_progress=bar.advance,
-                            on_start=bar.start)
+                            on_start=bar.start, part=which, finalize=finalize)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.consolidate import show
 

@@ -10,10 +10,12 @@ import typer
 from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import (
     CastToOpt,
+    FinalizeOpt,
     ForceOpt,
     InputFormatOpt,
     JsonOpt,
     OutputFormatOpt,
+    PartOpt,
     QuietOpt,
 )
 
@@ -44,6 +46,8 @@ def convert_cmd(
         "--container", metavar="NAME", help="Which top-level container holds the weights "
                                             "when there are several (model, ema...).")] = None,
     force: ForceOpt = False,
+    part: PartOpt = None,
+    finalize: FinalizeOpt = False,
     input_format: InputFormatOpt = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
@@ -60,19 +64,23 @@ def convert_cmd(
       ckpt convert train.ckpt --to bf16 -o model.safetensors
       ckpt convert dcp_dir/ --max-shard-size 5GB -o export/
       ckpt convert model.bin --keep-fp32 '*norm*' --to fp16 -o model.safetensors
+      ckpt convert dcp/ --to bf16 -o out/ --part auto
     """
     with handled() as outcome:
         from ckpt_cli.cli.progress import byte_progress
         from ckpt_cli.ops.convert import convert
+        from ckpt_cli.parts import parse_part
         from ckpt_cli.units import parse_size
 
+        which = parse_part(part)
         shard = parse_size(max_shard_size, what="--max-shard-size") if max_shard_size else None
         with byte_progress("converting", enabled=not (quiet or json)) as bar:
             result = convert(source, output, to=to, fmt=fmt, max_shard_size=shard,
                              keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
                              keep_fp32=tuple(keep_fp32 or ()), clamp=clamp, overwrite=force,
                              container=container, input_format=input_format,
-                             on_progress=bar.advance, on_start=bar.start)
+                             on_progress=bar.advance, on_start=bar.start, part=which,
+                             finalize=finalize)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.convert import show
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,8 +36,10 @@ from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.directory import checkpoint_files
 from ckpt_cli.formats.zero import PieceReader, ZeroPlan, plan_zero, resolve_tag
-from ckpt_cli.manifest import manifest_path, write_manifest
+from ckpt_cli.manifest import Manifest, hash_files, manifest_path, write_manifest
+from ckpt_cli.manifest import checkpoint_files as manifest_files
 from ckpt_cli.model import CheckpointIndex, Finding
+from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.results import ConsolidateResult
 from ckpt_cli.runs import (
     PointerError,
@@ -49,7 +51,8 @@ from ckpt_cli.runs import (
 from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, select_tensors
 from ckpt_cli.tensors import TensorSource, split_pieces
 from ckpt_cli.units import natural_key
-from ckpt_cli.writers import OutTensor, output_format, write_checkpoint
+from ckpt_cli.writers import FILE_SUFFIXES, OutTensor, output_format, write_checkpoint
+from ckpt_cli.writers.parts import PartJob
 
 if TYPE_CHECKING:
     import numpy as np
@@ -117,7 +120,8 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
                 to: str = "keep", clamp: bool = False, overwrite: bool = False,
                 verify: bool = False, manifest: bool = True,
                 on_progress: Callable[[int], None] | None = None,
-                on_start: Callable[[int], None] | None = None) -> ConsolidateResult:
+                on_start: Callable[[int], None] | None = None, part: Part | None = None,
+                finalize: bool = False) -> ConsolidateResult:
     """Merge a rank-sharded checkpoint into few large files.
 
     Args:
@@ -136,6 +140,10 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
             checks.
         on_progress: Called with bytes written.
         on_start: Called once with the total bytes to write.
+        part: Write only this part's share of the output shards (``--part K/N``): each
+            part verifies and hashes its own shards; the last part to finish writes the
+            index and the manifest (see :mod:`ckpt_cli.writers.parts`).
+        finalize: Finalize a split consolidation now (an error naming the parts missing).
 
     Returns:
         The :class:`ConsolidateResult`.
@@ -167,37 +175,75 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
         job = _rank_files_job(src, target, with_optimizer, fmt, stats, clamp)
     prefer_torch(job.cast_elements)
     files_before, bytes_before = _input_size(src, kind)
-    if on_start:
-        on_start(sum(t.nbytes for t in job.outs))
     checked: list[int] = []
 
     def check(tmp: Path) -> None:
         # Checked in place before the rename: a problem leaves no output behind.
         check_overflow(stats, clamp)
-        if verify:
+        if verify and split is None:
             checked.append(_verify(tmp, job))
-        if manifest and tmp.is_dir():
+        if manifest and tmp.is_dir() and split is None:
             write_manifest(tmp)  # inside the directory, so it arrives with it
 
+    split = None
+    if part is not None or finalize:
+        split = _part_job(part, finalize, src, kind, out, job, verify, manifest, checked)
     try:
         write = write_checkpoint(out, job.outs, fmt=fmt, max_shard_size=max_shard_size,
                                  metadata=job.metadata, aliases=job.aliases,
                                  overwrite=overwrite, on_progress=on_progress,
-                                 before_commit=check)
-        if manifest and out.is_file():
+                                 before_commit=check, on_start=on_start, part=split)
+        complete = write.part is None or write.part.finalized_here
+        if manifest and complete and out.is_file():
             write_manifest(out)  # a single file's manifest sits beside it
     finally:
         for close in job.close:
             close()
-    if manifest:
+    if manifest and complete:
         mpath = manifest_path(out)
         write.files.append((mpath.name, mpath.stat().st_size))
     elements_out = sum(t.numel for t in job.outs)
     return ConsolidateResult(Path(source), kind, out, write, files_before, bytes_before,
                              job.elements_in,
                              elements_out, len(job.outs), job.aliases, job.dropped, job.details,
-                             checked[0] if checked else None, job.notes,
+                             sum(checked) if checked else None, job.notes,
                              time.perf_counter() - t0, job.warnings, followed)
+
+
+def _part_job(part: Part | None, finalize: bool, src: Path, kind: str, out: Path, job: _Job,
+              verify: bool, manifest: bool, checked: list[int]) -> PartJob:
+    """Split the write: each part verifies and hashes the shards it wrote (the digests go
+    into its receipt), and the finalizer builds the manifest from every receipt."""
+    base = resolve_tag(src) if kind == "deepspeed" else src
+    rels = manifest_files(base) if base.is_dir() else [base.name]
+    source = source_identity(base if base.is_dir() else base.parent, rels)
+    in_dir = out.suffix not in FILE_SUFFIXES  # a file's manifest sits beside it, made after
+
+    def check_shard(path: Path, members: Sequence[int]) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        if verify:
+            checked.append(_verify(path, job, [job.outs[i].name for i in members]))
+            info["verified"] = checked[-1]
+        if manifest and in_dir:
+            info["digest"] = hash_files(path.parent, [path.name])[0][path.name].digest
+        return info
+
+    def on_finalize(staged: Path, receipts: dict[int, dict[str, Any]]) -> None:
+        if verify:  # the whole output's count: every part verified its own shards
+            checked[:] = [sum(info.get("verified", 0) for r in receipts.values()
+                              for _, _, info in r["files"])]
+        if not (manifest and in_dir):
+            return
+        m = Manifest()
+        for receipt in receipts.values():
+            for name, size, info in receipt["files"]:
+                m.add(name, size, info["digest"])
+        rest = [r for r in manifest_files(staged) if r not in m.files]
+        for d in hash_files(staged, rest)[0].values():
+            m.add(d.path, d.size, d.digest)
+        write_manifest(staged, manifest=m)
+
+    return PartJob(part, finalize, source, check_shard, on_finalize)
 
 
 def _input_size(src: Path, kind: str) -> tuple[int, int]:
@@ -327,13 +373,17 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
                 {"rank_files": len(files)}, closers, [], stats, casting, warnings)
 
 
-def _verify(out: Path, job: _Job) -> int:
-    """Compare every written tensor, re-read from the output, with its source values (both
-    piece by piece, so a tensor larger than memory can be verified)."""
+def _verify(out: Path, job: _Job, names: Sequence[str] | None = None) -> int:
+    """Compare every written tensor (or those ``names``, the tensors of one shard ``out``),
+    re-read from the output, with its source values (both piece by piece, so a tensor larger
+    than memory can be verified)."""
     index = read_index(out)
     checked = 0
+    wanted = None if names is None else set(names)
     with TensorSource(index) as reader:
         for o in job.outs:
+            if wanted is not None and o.name not in wanted:
+                continue
             t = index.tensors[o.name]
             want = o.pieces() if o.pieces is not None else split_pieces(job.expected[o.name]())
             if (t.shape != o.shape or t.dtype != o.dtype

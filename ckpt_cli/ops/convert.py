@@ -34,11 +34,13 @@ from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.results import ConvertResult
 from ckpt_cli.runs import follow_pointer, is_run_dir
 from ckpt_cli.selection import Selection, hostile_warnings, select_tensors
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import SIDE_FILES, OutTensor, output_format, write_checkpoint
+from ckpt_cli.writers.parts import PartJob
 
 if TYPE_CHECKING:
     import numpy as np
@@ -55,7 +57,8 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
             keep_fp32: tuple[str, ...] = (), clamp: bool = False, overwrite: bool = False,
             container: str | None = None, input_format: str | None = None,
             on_progress: Callable[[int], None] | None = None,
-            on_start: Callable[[int], None] | None = None) -> ConvertResult:
+            on_start: Callable[[int], None] | None = None, part: Part | None = None,
+            finalize: bool = False) -> ConvertResult:
     """Convert a checkpoint.
 
     Args:
@@ -76,6 +79,9 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         input_format: Force the input format.
         on_progress: Called with bytes written.
         on_start: Called once with the total bytes to write.
+        part: Write only this part's share of the output shards (``--part K/N``); the last
+            part to finish writes the index (see :mod:`ckpt_cli.writers.parts`).
+        finalize: Finalize a split conversion now (an error naming the parts missing).
 
     Returns:
         The :class:`ConvertResult`.
@@ -130,13 +136,15 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     side = _side_files(index, out, notes)
     prefer_torch(sum(index.tensors[sel.names[o.name]].numel for o in outs
                      if o.dtype != index.tensors[sel.names[o.name]].dtype))
-    if on_start:
-        on_start(sum(o.nbytes for o in outs))
+    job = None
+    if part is not None or finalize:
+        job = PartJob(part, finalize, source_identity(index.base, [f.path for f in index.files]))
     try:
         result = write_checkpoint(out, outs, fmt=fmt, max_shard_size=max_shard_size,
                                   metadata=meta, aliases=aliases, overwrite=overwrite,
                                   side_files=side, on_progress=on_progress,
-                                  before_commit=lambda _tmp: check_overflow(stats, clamp))
+                                  before_commit=lambda _tmp: check_overflow(stats, clamp),
+                                  on_start=on_start, part=job)
     finally:
         source_reader.close()
     if clamp and stats.overflow:

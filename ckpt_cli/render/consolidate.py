@@ -30,7 +30,8 @@ def _emit_json(r: ConsolidateResult) -> None:
         "aliases": r.aliases, "dropped": r.dropped, "details": r.details,
         "verified": r.verified, "notes": r.notes, "seconds": round(r.seconds, 3),
         "warnings": [w.to_dict() for w in r.warnings],
-        "followed": r.followed.to_dict() if r.followed else None})
+        "followed": r.followed.to_dict() if r.followed else None,
+        **({"part": r.write.part.to_dict()} if r.write.part else {})})
 
 
 def _render(r: ConsolidateResult, quiet: bool) -> None:

@@ -28,7 +28,8 @@ def _emit_json(r: ConvertResult) -> None:
         "overflow": r.overflow, "clamped": r.clamped,
         "metadata": r.metadata, "notes": r.notes, "seconds": round(r.seconds, 3),
         "warnings": [w.to_dict() for w in r.warnings],
-        "followed": r.followed.to_dict() if r.followed else None})
+        "followed": r.followed.to_dict() if r.followed else None,
+        **({"part": r.write.part.to_dict()} if r.write.part else {})})
 
 
 def _render(r: ConvertResult, quiet: bool) -> None:

@@ -405,5 +405,13 @@ def show_written(r: Any, *, json: bool, quiet: bool, emit: Callable[[Any], None]
         note_followed(r.followed)
     if json:
         emit(r)
+    elif r.write.part is not None:
+        stdout().print(r.write.part.describe(), soft_wrap=True)
+        if r.write.part.finalized_here:
+            summary(r, quiet)
+        else:
+            files = r.write.files
+            stdout().print(f"Wrote {len(files)} file{'s' if len(files) != 1 else ''} "
+                           f"({size(sum(b for _, b in files))}) into the staging directory")
     else:
         summary(r, quiet)

@@ -12,11 +12,12 @@ so memory stays within :data:`ckpt_cli.streaming.MEMORY_BUDGET` whatever one ten
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import queue
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import dtypes
-from ckpt_cli.atomic import atomic_dir, atomic_file
+from ckpt_cli.atomic import TMP_MARK, atomic_dir, atomic_file
 from ckpt_cli.errors import (
     CkptError,
     DestinationExistsError,
@@ -33,8 +34,10 @@ from ckpt_cli.errors import (
     UsageError,
 )
 from ckpt_cli.manifest import MANIFEST_NAME, manifest_path
+from ckpt_cli.parts import PartOutcome, fingerprint
 from ckpt_cli.shardplan import ShardPlan, plan_shards
 from ckpt_cli.streaming import MEMORY_BUDGET, PIECE_BYTES
+from ckpt_cli.writers.parts import PartJob, write_parted
 from ckpt_cli.writers.safetensors import header_bytes, write_all
 from ckpt_cli.writers.torchzip import TorchZipWriter
 
@@ -119,6 +122,7 @@ class WriteResult:
         index_file: The index file's name, when sharded.
         tensor_bytes: Bytes of tensor data written.
         tensors: Number of tensors written.
+        part: What this process did of a split write (``--part``), else None.
     """
 
     path: Path
@@ -126,6 +130,7 @@ class WriteResult:
     index_file: str | None = None
     tensor_bytes: int = 0
     tensors: int = 0
+    part: PartOutcome | None = None
 
 
 def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "safetensors",
@@ -133,7 +138,9 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
                      aliases: dict[str, str] | None = None, overwrite: bool = False,
                      side_files: dict[str, bytes] | None = None,
                      on_progress: Callable[[int], None] | None = None,
-                     before_commit: Callable[[Path], None] | None = None) -> WriteResult:
+                     before_commit: Callable[[Path], None] | None = None,
+                     on_start: Callable[[int], None] | None = None,
+                     part: PartJob | None = None) -> WriteResult:
     """Write tensors as one file or as HF-style shards with an index, atomically.
 
     ``dest`` is a file when it ends in ``.safetensors``/``.pt``/``.pth``/``.bin`` (then the
@@ -156,6 +163,10 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
         on_progress: Called with the number of bytes just written.
         before_commit: Called with the temporary path when everything is written but not yet
             renamed into place (to check or verify it); an exception discards the output.
+            With ``part``: called with the staged directory once this part's shards are in.
+        on_start: Called once with the bytes of tensor data this process will write.
+        part: Write only this process's share of the shards, and finalize when every part
+            is done (:mod:`ckpt_cli.writers.parts`).
 
     Returns:
         The :class:`WriteResult`.
@@ -183,13 +194,21 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
         meta.update(aliases or {})
     if overwrite and not as_file:
         _check_replaceable(dest)
+    content_id = _content_id(fmt, tensors, plan, meta, aliases, side_files)
+    ids = {f: _serialization_id(content_id, f) for f in plan.files}
     try:
+        if part is not None:
+            _write_part(dest, fmt, tensors, plan, meta, aliases, overwrite, side_files, result,
+                        on_progress, before_commit, on_start, part, content_id, ids, as_file)
+            return result
+        if on_start:
+            on_start(sum(t.nbytes for t in tensors))
         if as_file:
             _write_file(dest, fmt, tensors, plan, meta, aliases, overwrite, result, on_progress,
-                        before_commit)
+                        before_commit, ids)
         else:
             _write_dir(dest, fmt, tensors, plan, meta, aliases, overwrite, side_files, result,
-                       on_progress, before_commit)
+                       on_progress, before_commit, ids)
     except OSError as e:
         where = e.filename if isinstance(e.filename, str) else dest
         raise CkptError(f"cannot write: {e.strerror or e}", path=where) from None
@@ -200,9 +219,10 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
 def _write_file(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
                 meta: dict[str, str], aliases: dict[str, str] | None, overwrite: bool,
                 result: WriteResult, on_progress: Callable[[int], None] | None,
-                before_commit: Callable[[Path], None] | None) -> None:
+                before_commit: Callable[[Path], None] | None, ids: dict[str, str]) -> None:
     with atomic_file(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
-        _write_shard(tmp, fmt, tensors, plan.members[0], meta, aliases, source, on_progress)
+        _write_shard(tmp, fmt, tensors, plan.members[0], meta, aliases, source, on_progress,
+                     ids[plan.files[0]])
         result.files.append((dest.name, tmp.stat().st_size))
         if before_commit:
             before_commit(tmp)
@@ -215,23 +235,89 @@ def _write_dir(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPl
                meta: dict[str, str], aliases: dict[str, str] | None, overwrite: bool,
                side_files: dict[str, bytes] | None, result: WriteResult,
                on_progress: Callable[[int], None] | None,
-               before_commit: Callable[[Path], None] | None) -> None:
+               before_commit: Callable[[Path], None] | None, ids: dict[str, str]) -> None:
     with atomic_dir(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
         for fname, members in zip(plan.files, plan.members, strict=True):
             _write_shard(tmp / fname, fmt, tensors, members, meta, aliases, source,
-                         on_progress)
+                         on_progress, ids[fname])
             result.files.append((fname, (tmp / fname).stat().st_size))
-        if plan.sharded:
-            result.index_file = _write_index(tmp, fmt, tensors, plan, aliases, meta)
-            result.files.append((result.index_file, (tmp / result.index_file).stat().st_size))
-        for name, data in (side_files or {}).items():
-            (tmp / name).write_bytes(data)
-            result.files.append((name, len(data)))
+        result.files += _finish_dir(tmp, fmt, tensors, plan, aliases, meta, side_files, result)
         if before_commit:
             before_commit(tmp)
         if overwrite:
             # Again just before the swap: the directory may have changed during a long write.
             _check_replaceable(dest)
+
+
+def _finish_dir(tmp: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
+                aliases: dict[str, str] | None, meta: dict[str, str],
+                side_files: dict[str, bytes] | None, result: WriteResult) -> list[tuple[str, int]]:
+    """Write the index (when sharded) and the side files; ``(name, bytes)`` of each."""
+    files: list[tuple[str, int]] = []
+    if plan.sharded:
+        result.index_file = _write_index(tmp, fmt, tensors, plan, aliases, meta)
+        files.append((result.index_file, (tmp / result.index_file).stat().st_size))
+    for name, data in (side_files or {}).items():
+        (tmp / name).write_bytes(data)
+        files.append((name, len(data)))
+    return files
+
+
+def _write_part(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
+                meta: dict[str, str], aliases: dict[str, str] | None, overwrite: bool,
+                side_files: dict[str, bytes] | None, result: WriteResult,
+                on_progress: Callable[[int], None] | None,
+                before_commit: Callable[[Path], None] | None,
+                on_start: Callable[[int], None] | None, job: PartJob, content_id: str,
+                ids: dict[str, str], as_file: bool) -> None:
+    """This process's share of a split write (see :mod:`ckpt_cli.writers.parts`)."""
+
+    def write_mine(mine: list[int], out_dir: Path) -> Generator[tuple[int, Path], None, None]:
+        order = [j for i in mine for j in plan.members[i]]
+        own = [tensors[j] for j in order]
+        local = {j: n for n, j in enumerate(order)}
+        result.tensors, result.tensor_bytes = len(own), sum(t.nbytes for t in own)
+        if on_start:
+            on_start(result.tensor_bytes)
+        with _Prefetch(own) as source:
+            for i in mine:
+                fname = plan.files[i]
+                tmp = out_dir / f".{fname}{TMP_MARK}{os.getpid()}"
+                try:
+                    _write_shard(tmp, fmt, own, tuple(local[j] for j in plan.members[i]), meta,
+                                 aliases, source, on_progress, ids[fname])
+                    os.replace(tmp, out_dir / fname)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
+                yield i, out_dir / fname
+
+    def finish(out_dir: Path) -> list[tuple[str, int]]:
+        result.tensors = len(tensors)
+        result.tensor_bytes = sum(t.nbytes for t in tensors)
+        return _finish_dir(out_dir, fmt, tensors, plan, aliases, meta, side_files, result)
+
+    result.tensors, result.tensor_bytes = 0, 0
+    write_parted(dest, job, plan, content_id, as_file, overwrite, result, write_mine, finish,
+                 before_commit)
+
+
+def _content_id(fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan, meta: dict[str, str],
+                aliases: dict[str, str] | None, side_files: dict[str, bytes] | None) -> str:
+    """Fingerprint of everything an output holds (not the tensor values: their source)."""
+    return fingerprint({
+        "fmt": fmt, "files": plan.files, "members": plan.members,
+        "tensors": [(t.name, t.dtype, t.shape) for t in tensors], "meta": meta,
+        "aliases": aliases or {},
+        "side": {n: hashlib.sha256(d).hexdigest() for n, d in (side_files or {}).items()}})
+
+
+def _serialization_id(content_id: str, fname: str) -> str:
+    """A torch zip's ``.data/serialization_id``: torch draws it at random and only logs it on
+    load; derived from the content here, so that the same conversion gives the same bytes
+    (whether one process writes it or many parts do)."""
+    digest = hashlib.sha256(f"{content_id}/{fname}".encode()).digest()
+    return str(int.from_bytes(digest[:17], "big")).rjust(40, "0")[:40]
 
 
 # Small JSON/text files that loaders expect next to the weights (convert copies them).
@@ -294,7 +380,7 @@ def _check_dtypes(tensors: Sequence[OutTensor], fmt: str) -> None:
 
 def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tuple[int, ...],
                  meta: dict[str, str], aliases: dict[str, str] | None, source: _Prefetch,
-                 on_progress: Callable[[int], None] | None) -> None:
+                 on_progress: Callable[[int], None] | None, sid: str | None = None) -> None:
     entries = [(tensors[i].name, tensors[i].dtype, tensors[i].shape) for i in members]
     # safetensors: raw writes, looped by write_all. Torch zips: zipfile writes once and ignores
     # short writes (Linux caps one write at ~2 GiB), so it gets a buffered file, whose write()
@@ -314,7 +400,7 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
         else:
             here = {e[0] for e in entries}
             local = {a: n for a, n in (aliases or {}).items() if n in here}
-            zw = TorchZipWriter(f, entries, local)
+            zw = TorchZipWriter(f, entries, local, serialization_id=sid)
             try:
                 for i in members:
                     with zw.tensor_record(tensors[i].nbytes) as record:

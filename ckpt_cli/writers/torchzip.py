@@ -127,11 +127,14 @@ class TorchZipWriter:
         f: The output file, opened for binary writing.
         entries: ``(name, dtype code, shape)``; the i-th tensor's bytes go to ``data/i``.
         aliases: Tied names, see :func:`data_pkl`.
+        serialization_id: The archive's ``.data/serialization_id`` (40 digits); None draws
+            one at random, as torch does.
     """
 
     def __init__(self, f: BinaryIO, entries: list[tuple[str, str, tuple[int, ...]]],
-                 aliases: dict[str, str] | None = None):
+                 aliases: dict[str, str] | None = None, *, serialization_id: str | None = None):
         self.f = f
+        self.serialization_id = serialization_id or str(uuid.uuid4().int)[:40]
         self.entries = entries
         self.zf = zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True)
         self._next = 0
@@ -185,7 +188,7 @@ class TorchZipWriter:
         if self._next != len(self.entries):
             raise ValueError(f"wrote {self._next} of {len(self.entries)} tensors")
         self._put(f"{ARCHIVE}version", b"3\n")
-        self._put(f"{ARCHIVE}.data/serialization_id", str(uuid.uuid4().int)[:40].encode())
+        self._put(f"{ARCHIVE}.data/serialization_id", self.serialization_id.encode())
         self.zf.close()
 
     def abandon(self) -> None:
