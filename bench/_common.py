@@ -64,6 +64,41 @@ def timed(label: str, argv: list[str], *, env: dict[str, str] | None = None,
     return best
 
 
+def timed_together(label: str, argvs: list[list[str]], *,
+                   env: dict[str, str] | None = None) -> Run:
+    """Start several processes at once (the parts of a split job) and wait for all of them.
+
+    Returns:
+        The wall time until the last one exits, the largest peak RSS of any of them, their
+        CPU time summed, and their stdout one after the other.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        procs = []
+        for i, argv in enumerate(argvs):
+            out = open(Path(tmp) / f"{i}.out", "wb")
+            err = open(Path(tmp) / f"{i}.err", "wb")
+            procs.append((subprocess.Popen(argv, stdout=out, stderr=err,
+                                           env={**os.environ, **(env or {})}), out, err))
+        peak, cpu, failed = 0, 0.0, []
+        for i, (p, out, err) in enumerate(procs):
+            _, status, usage = os.wait4(p.pid, 0)
+            p.returncode = os.waitstatus_to_exitcode(status)
+            out.close()
+            err.close()
+            peak = max(peak, usage.ru_maxrss * 1024)
+            cpu += usage.ru_utime + usage.ru_stime
+            if p.returncode:
+                failed.append(f"{i}: {(Path(tmp) / f'{i}.err').read_text()[-1500:]}")
+        dt = time.perf_counter() - t0
+        if failed:
+            raise SystemExit(f"{label} failed: " + "; ".join(failed))
+        stdout = "".join((Path(tmp) / f"{i}.out").read_text() for i in range(len(argvs)))
+    return Run(label, dt, peak, stdout, cpu_seconds=cpu)
+
+
 def timed_interleaved(runs: dict[str, list[str]], *, repeat: int = 5,
                       setup: Any = None) -> dict[str, Run]:
     """Time several commands in turn, ``repeat`` rounds; each one's fastest run.

@@ -6,11 +6,14 @@
    then torch.save). Targets: >= 2x faster, peak RSS <= 25% of the peer's.
 2. The same 256 MB of tensors stored as 1,024 files vs as 8 files (DCP's one-file-per-item
    and one-file-per-writer-thread layouts): consolidate time must stay within 2x.
+3. The 8-rank checkpoint consolidated into 512 MB shards by one process vs by two parts
+   (``--part 1/2`` and ``--part 2/2`` started together, the last to finish writes the index
+   and the manifest). Target: >= 1.6x faster on a 2-core machine. Also 1,024 rank files.
 
 ckpt and the peer run in turn (fresh processes, warm page cache, previous output removed);
 the best of three rounds is compared and the spread printed.
 
-Run: python -m bench.bench_consolidate
+Run: python -m bench.bench_consolidate [--parts]   (--parts: only section 3)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import shutil
 import socket
 import sys
+from pathlib import Path
 
 from bench._common import (
     DATA,
@@ -29,6 +33,7 @@ from bench._common import (
     report,
     timed,
     timed_interleaved,
+    timed_together,
     warm,
 )
 
@@ -90,13 +95,52 @@ dcp_to_torch_save(sys.argv[1], sys.argv[2])
 """
 
 
-def main() -> None:
-    DATA.mkdir(parents=True, exist_ok=True)
+def _dcp8() -> Path:
     src = DATA / "dcp8"
     if not (src / ".metadata").exists():
         print("[bench] writing the 8-rank DCP checkpoint ...", file=sys.stderr)
         in_subprocess("bench.bench_consolidate.write_sharded", src)
     warm(src)
+    return src
+
+
+def split_in_parts(src: Path, title: str, shard: str, rounds: int = 3,
+                   target: str = "target >= 1.6x on 2 cores") -> float:
+    """One process vs two parts started together; prints and returns the speed-up."""
+    out = DATA / "cons-parts-out"
+    args = ("consolidate", str(src), "-o", str(out), "--max-shard-size", shard, "--quiet")
+    one: list[float] = []
+    two: list[float] = []
+    cpu1 = cpu2 = 0.0
+    for _ in range(rounds):  # in turn, so both see the same machine
+        shutil.rmtree(out, ignore_errors=True)
+        r1 = timed("1 process", ckpt_argv(*args))
+        one.append(r1.seconds)
+        cpu1 = r1.cpu_seconds
+        shutil.rmtree(out, ignore_errors=True)
+        r2 = timed_together("2 parts", [ckpt_argv(*args, "--part", f"{k}/2") for k in (1, 2)])
+        two.append(r2.seconds)
+        cpu2 = r2.cpu_seconds
+        if not (out / "model.safetensors.index.json").exists() and shard != "0":
+            raise SystemExit("2 parts did not finalize the output")
+    shutil.rmtree(out, ignore_errors=True)
+    ratio = min(one) / min(two)
+    report(title, [
+        ("1 process", f"best {min(one):.2f} s of {rounds} ({', '.join(f'{t:.2f}' for t in one)})"
+                      f", CPU {cpu1:.2f} s"),
+        ("2 parts together", f"best {min(two):.2f} s of {rounds} "
+                             f"({', '.join(f'{t:.2f}' for t in two)}), CPU {cpu2:.2f} s"),
+        ("speed-up", f"{ratio:.2f}x  ({target})"),
+    ])
+    return ratio
+
+
+def main() -> None:
+    DATA.mkdir(parents=True, exist_ok=True)
+    src = _dcp8()
+    if "--parts" in sys.argv:
+        _parts_section(src)
+        return
     ours_out, peer_out = DATA / "cons-out", DATA / "cons-peer.pt"
 
     def clean(label: str) -> None:
@@ -137,6 +181,20 @@ def main() -> None:
     rows.append(("ratio 1,024 / 8 files", f"{times['1,024 files'] / times['8 files']:.2f}x  "
                  "(target <= 2x)"))
     report("the same 256 MB of tensors in 1,024 files vs 8 files", rows)
+    _parts_section(src)
+
+
+def _parts_section(src: Path) -> None:
+    size = sum(p.stat().st_size for p in src.iterdir())
+    split_in_parts(src, f"consolidate the {human_bytes(size)} 8-rank DCP into 512 MB shards: "
+                        "1 process vs 2 parts", "512MB")
+    many = DATA / "dcp_1024files"
+    if not (many / ".metadata").exists():
+        in_subprocess("bench.bench_consolidate.write_many_files", many, True)
+    warm(many)
+    split_in_parts(many, "consolidate the 256 MB in 1,024 rank files into 32 MB shards: "
+                         "1 process vs 2 parts", "32MB",
+                   target="no target: at 256 MB each part's start-up and metadata reads weigh")
 
 
 if __name__ == "__main__":
