@@ -415,3 +415,22 @@ def test_consolidate_prefers_zero_shards_to_a_16bit_hf_export(ds_dir: Path,
     plain.mkdir()
     hf_sharded(plain, tiny_state_dict(), max_shard_size=1200)
     assert detect_kind(plain) == "hf-index"
+
+
+@requires_deepspeed
+def test_deepspeed_split_in_parts_is_byte_identical(ds_dir: Path, tmp_path: Path) -> None:
+    """ZeRO-3 consolidated by 3 parts in turn (the last finalizes) = one process's output."""
+    from ckpt_cli.parts import Part
+
+    src = ds_dir / "z3-fp32"
+    one, split = tmp_path / "one", tmp_path / "split"
+    consolidate(src, one, max_shard_size=256, verify=True)
+    shards = sorted(p.name for p in one.iterdir() if p.suffix == ".safetensors")
+    assert len(shards) >= 3
+    results = [consolidate(src, split, max_shard_size=256, verify=True, part=Part(k, 3))
+               for k in (2, 3, 1)]
+    assert [r.write.part.finalized_here for r in results] == [False, False, True]  # type: ignore[union-attr]
+    assert results[-1].verified == results[-1].tensors
+    assert sorted(p.name for p in split.iterdir()) == sorted(p.name for p in one.iterdir())
+    for name in [*shards, "model.safetensors.index.json"]:
+        assert (split / name).read_bytes() == (one / name).read_bytes(), name
