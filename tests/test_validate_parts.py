@@ -343,7 +343,7 @@ def test_waiting_parts_are_no_leftover_of_their_own(dcp7: Path, tmp_path: Path) 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_torchrun(dcp7: Path, tmp_path: Path, nproc: int) -> None:
     d = _copy(dcp7, tmp_path)
-    _, single, entries = single_run(d, "--write-manifest")
+    _, _, entries = single_run(d, "--write-manifest")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_", "LOCAL_RANK"))}
     env.update(PYTHONPATH=str(ROOT), NO_COLOR="1", OMP_NUM_THREADS="1")
