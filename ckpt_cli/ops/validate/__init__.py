@@ -291,8 +291,8 @@ def validate_split(path: Path, opts: Options, split: Split, *,
     if part is None:
         recorded = PartStore(root, plan_id, 1, what=what).recorded_plan()
         if recorded is None:
-            raise PartsIncompleteError(f"nothing to finalize: no parts of {what} are staged "
-                                       f"in {root}", path=root,
+            raise PartsIncompleteError(f"nothing to finalize: no part of {what} left a "
+                                       "receipt here", path=root,
                                        hint="run the parts with --part K/N first")
         count = recorded.get("parts")
         if not isinstance(count, int) or count < 1:
