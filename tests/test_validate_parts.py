@@ -358,3 +358,31 @@ def test_torchrun(dcp7: Path, tmp_path: Path, nproc: int) -> None:
     assert not staging_dir(d).exists()
     r = ckpt("validate", d, "--json")  # the manifest written verifies
     assert r.exit_code == 0 and comparable(json.loads(r.stdout))["valid"]
+
+
+@pytest.mark.parametrize("args", [(), ("--write-manifest",),
+                                  ("--write-manifest", "--manifest-hash", "sha256")])
+@pytest.mark.parametrize("damage", [False, True])
+def test_an_existing_manifest_is_verified_by_parts(dcp7: Path, tmp_path: Path,
+                                                   args: tuple[str, ...], damage: bool) -> None:
+    d = _copy(dcp7, tmp_path)
+    assert ckpt("validate", d, "--write-manifest").exit_code == 0
+    (d / "notes.txt").write_text("added after the manifest\n")  # an extra file: a warning
+    if damage:
+        data = bytearray((d / "__0_3.distcp").read_bytes())
+        data[len(data) // 2] ^= 1
+        (d / "__0_3.distcp").write_bytes(bytes(data))
+    before = (d / "ckpt-manifest.json").read_bytes()
+    r = ckpt("validate", d, "--json", *args)
+    single, after = json.loads(r.stdout), (d / "ckpt-manifest.json").read_bytes()
+    (d / "ckpt-manifest.json").write_bytes(before)
+    runs = run_parts(d, 2, *args)
+    doc = json.loads(runs[-1].stdout)
+    assert doc["part"]["finalized"] and runs[-1].exit_code == r.exit_code
+    assert comparable(doc) == comparable(single)
+    if after == before:
+        assert (d / "ckpt-manifest.json").read_bytes() == before
+    else:
+        got = json.loads((d / "ckpt-manifest.json").read_bytes())
+        want = json.loads(after)
+        assert (got["files"], got["algorithm"]) == (want["files"], want["algorithm"])
