@@ -305,13 +305,14 @@ def validate_split(path: Path, opts: Options, split: Split, *,
     status = PartStatus(part.index if part else None, count, part.origin if part else "",
                         total_files=len(files), plan=plan_id, staging=root)
     report: CheckpointReport | None = None
+    own: sp.Share | None = None
     if part is not None:
         mine = [rel for rel, _ in files if owners[rel] == part.index]
         sizes = dict(files)
         status.files, status.bytes = len(mine), sum(sizes[r] for r in mine)
-        share = sp.Share(owners, part.index, staging=root.name)
-        report = validate_checkpoint(path, dataclasses.replace(opts, share=share), entry=entry)
-        store.write_receipt(part.index, share.receipt(mine, report))
+        own = sp.Share(owners, part.index, staging=root.name)
+        report = validate_checkpoint(path, dataclasses.replace(opts, share=own), entry=entry)
+        store.write_receipt(part.index, own.receipt(mine, report))
     with store.lock():
         receipts = store.receipts()
         if part is not None and part.index not in receipts:
@@ -328,7 +329,8 @@ def validate_split(path: Path, opts: Options, split: Split, *,
             status.waiting_for = missing
             assert report is not None
             return report, status
-        share = sp.Share(owners, 0, staging=root.name, receipts=receipts)
+        share = sp.Share(owners, 0, staging=root.name, receipts=receipts,
+                         index=own.index if own is not None else None)
         merged = validate_checkpoint(path, dataclasses.replace(opts, share=share,
                                                                on_progress=None), entry=entry)
         shutil.rmtree(root, ignore_errors=True)
@@ -475,7 +477,12 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
     b = _Builder()
     index: CheckpointIndex | None = None
     try:
-        index = _read(path, opts.fmt)
+        if opts.share is not None and opts.share.index is not None:
+            index = opts.share.index  # the finalizing part read it already
+        else:
+            index = _read(path, opts.fmt)
+            if opts.share is not None:
+                opts.share.index = index
     except (CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError) as e:
         b.add("readable", [Finding("error", "unreadable", e.message, _rel_path(e.path, path))],
               "could not read the checkpoint's metadata")

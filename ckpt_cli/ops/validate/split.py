@@ -25,7 +25,7 @@ from typing import Any
 
 from ckpt_cli.errors import CkptError
 from ckpt_cli.manifest import FileDigest, HashFn, HashStats, checkpoint_files, hash_files
-from ckpt_cli.model import Finding, TensorInfo
+from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 from ckpt_cli.ops.validate.dcpcheck import DcpReport
 from ckpt_cli.ops.validate.valuecheck import TensorValues, value_file
 from ckpt_cli.ops.validate.zipcheck import CrcTask
@@ -127,11 +127,15 @@ class Share:
         me: This process's part, or 0 for a finalizer (which checks no file itself).
         staging: The staging directory's name (not reported as a leftover while parts run).
         receipts: When finalizing: every part's receipt, by part.
+        index: The checkpoint's metadata, when this process read it already (the last part,
+            finalizing, reads it once); else the validation reads it and keeps it here.
     """
 
     def __init__(self, owners: Mapping[str, int], me: int, *, staging: str | None = None,
-                 receipts: Mapping[int, Mapping[str, Any]] | None = None):
+                 receipts: Mapping[int, Mapping[str, Any]] | None = None,
+                 index: CheckpointIndex | None = None):
         self.owners, self.me, self.staging = owners, me, staging
+        self.index = index
         self.final = receipts is not None
         self.mine: dict[str, FileWork] = {}
         self.values: dict[str, TensorValues] = {}
