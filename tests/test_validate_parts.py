@@ -386,3 +386,21 @@ def test_an_existing_manifest_is_verified_by_parts(dcp7: Path, tmp_path: Path,
         got = json.loads((d / "ckpt-manifest.json").read_bytes())
         want = json.loads(after)
         assert (got["files"], got["algorithm"]) == (want["files"], want["algorithm"])
+
+
+def test_a_part_that_could_not_read_its_files_fails_the_merge(dcp7: Path,
+                                                              tmp_path: Path) -> None:
+    d = _copy(dcp7, tmp_path)
+    run_parts(d, 2, order=[1])
+    receipt = staging_dir(d) / "receipts" / "part-00001-of-00002.json"
+    doc = json.loads(receipt.read_text())
+    doc["aborted"] = {"severity": "error", "code": "read-error", "message": "cannot read: EIO",
+                      "file": "__0_1.distcp", "location": None}
+    receipt.write_text(json.dumps(doc))
+    r = ckpt("validate", d, "--json", "--part", "2/2")
+    assert r.exit_code == 1
+    merged = json.loads(r.stdout)
+    assert merged["part"]["finalized"]
+    errors = [f for f in merged["checkpoints"][0]["findings"] if f["severity"] == "error"]
+    assert [(f["code"], f["check"], f["file"]) for f in errors] == [
+        ("read-error", "readable", "__0_1.distcp")]
