@@ -8,17 +8,36 @@ On the ~4.7 GB torch training checkpoint (warm page cache, fresh processes, fast
   ``cat FILE > /dev/null`` (reading the file from page cache), target >= 70%;
 * ``--values`` (every floating tensor read and checked), for its time and peak memory.
 
-Run: python -m bench.bench_validate [--quick]
+With ``--parts``: ``validate --write-manifest`` of a 256-rank-file DCP checkpoint as two
+concurrent processes (``--part 1/2`` and ``--part 2/2``, the last one merging the report and
+writing the manifest) against one process, target >= 1.6x on a 2-core machine; and the same
+for 1,024 rank files, to show the cost is linear in bytes and files. The merged manifest must
+equal the single run's.
+
+Run: python -m bench.bench_validate [--quick] [--parts]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
-from bench._common import PY, ckpt_argv, human_bytes, report, timed, train_checkpoint, warm
+from bench._common import (
+    DATA,
+    PY,
+    ckpt_argv,
+    human_bytes,
+    in_subprocess,
+    report,
+    timed,
+    train_checkpoint,
+    warm,
+)
 
 TESTZIP = "import sys, zipfile; bad = zipfile.ZipFile(sys.argv[1]).testzip(); print(bad)"
 
@@ -35,7 +54,99 @@ def _manifest_rate(path: Path, args: list[str], repeat: int) -> tuple[float, flo
     return best, wall
 
 
+def write_rank_dcp(out: str, n_files: int, file_kib: int) -> None:
+    """A DCP checkpoint of ``n_files`` rank files of ``file_kib`` KiB each (child process).
+
+    One item per file, as ``FileSystemWriter(single_file_per_rank=False)`` writes them: the
+    file layout (and the per-file work of validate) of a checkpoint of that many ranks.
+    """
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    g = torch.Generator().manual_seed(0)
+    rows = max(1, file_kib * 1024 // (256 * 4))
+    sd = {f"layers.{i}.weight": torch.randn(rows, 256, generator=g) for i in range(n_files)}
+    tmp = Path(out).with_name(Path(out).name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(sd, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False),
+                 no_dist=True)
+    tmp.rename(out)
+
+
+def rank_dcp(n_files: int, file_kib: int) -> Path:
+    """The DCP checkpoint of :func:`write_rank_dcp`, made once and cached."""
+    out = DATA / f"dcp_ranks_{n_files}x{file_kib}k"
+    if not (out / ".metadata").exists():
+        DATA.mkdir(parents=True, exist_ok=True)
+        print(f"[bench] writing {out} ...", file=sys.stderr)
+        in_subprocess("bench.bench_validate.write_rank_dcp", out, n_files, file_kib)
+    return out
+
+
+def _concurrent(argvs: list[list[str]]) -> float:
+    """Start every command at once; wall time until the last one ends."""
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "NO_COLOR": "1"}) for a in argvs]
+    outs = [p.communicate() for p in procs]
+    dt = time.perf_counter() - t0
+    for p, (_, err) in zip(procs, outs, strict=True):
+        if p.returncode:
+            raise SystemExit(f"a part failed ({p.returncode}): {err.decode()[-2000:]}")
+    return dt
+
+
+def _manifest_files(d: Path) -> list[object]:
+    files: list[object] = json.loads((d / "ckpt-manifest.json").read_text())["files"]
+    return files
+
+
+def bench_parts(quick: bool) -> None:
+    """One process against two concurrent parts, for 256 and 1,024 rank files."""
+    repeat = 1 if quick else 3
+    file_kib = 256 if quick else 4096
+    rows: list[tuple[str, str]] = []
+    per: dict[int, tuple[float, int]] = {}
+    for n in (256, 1024):
+        d = rank_dcp(n, file_kib)
+        size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+        warm(d)
+        args = ["validate", str(d), "--write-manifest", "--json"]
+        one, two = float("inf"), float("inf")
+        reference: list[object] = []
+        for _ in range(repeat):  # interleaved: both see the same machine
+            (d / "ckpt-manifest.json").unlink(missing_ok=True)
+            one = min(one, _concurrent([ckpt_argv(*args)]))
+            reference = _manifest_files(d)
+            (d / "ckpt-manifest.json").unlink(missing_ok=True)
+            two = min(two, _concurrent([ckpt_argv(*args, "--part", f"{k}/2")
+                                        for k in (1, 2)]))
+            assert _manifest_files(d) == reference, "the merged manifest differs"
+        (d / "ckpt-manifest.json").unlink(missing_ok=True)
+        per[n] = (one, size)
+        rows += [(f"{n:,} rank files, {human_bytes(size)}: 1 process",
+                  f"{one:.2f} s, {human_bytes(size / one)}/s"),
+                 (f"{n:,} rank files: 2 parts at once", f"{two:.2f} s, {human_bytes(size / two)}"
+                                                        f"/s = {one / two:.2f}x"
+                                                        + ("  (target >= 1.6x)"
+                                                           if n == 256 else ""))]
+    (t256, b256), (t1024, b1024) = per[256], per[1024]
+    rows.append(("linearity (1,024 vs 256 files, 1 process)",
+                 f"{t1024 / t256:.2f}x the time for {b1024 / b256:.2f}x the bytes and 4x the "
+                 "files (linear: about the same)"))
+    report("validate --write-manifest of a DCP checkpoint: 2 parts (--part K/2) vs 1 process"
+           + (" [--quick: small files, smoke only]" if quick else ""), rows)
+
+
 def main() -> None:
+    if "--parts" in sys.argv:
+        bench_parts("--quick" in sys.argv)
+        return
     quick = "--quick" in sys.argv
     repeat = 1 if quick else 3
     path = train_checkpoint(**({"n_layers": 2, "dim": 512} if quick else {}))

@@ -360,6 +360,12 @@ def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITH
                               min(threads, max(1, len(order))))
 
 
+HashFn = Callable[[Path, list[str]], tuple[dict[str, FileDigest], HashStats]]
+"""Hashes files: ``(base, rels) -> (digests by path, stats)``, like :func:`hash_files`. A
+split validation (``--part``) passes one that hashes only its own files, or that takes the
+other parts' digests from their receipts; the digests it leaves out are not checked."""
+
+
 def _size(path: Path) -> int:
     try:
         return os.stat(path).st_size
@@ -369,7 +375,7 @@ def _size(path: Path) -> int:
 
 def compute_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
                      jobs: int | None = None, on_progress: ProgressFn | None = None,
-                     ) -> tuple[Manifest, HashStats]:
+                     hasher: HashFn | None = None) -> tuple[Manifest, HashStats]:
     """Hash every file of a checkpoint into a :class:`Manifest` (nothing is written).
 
     Args:
@@ -377,6 +383,7 @@ def compute_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
         algorithm: One of :data:`ALGORITHMS`.
         jobs: Threads.
         on_progress: Progress callback.
+        hasher: Hash with this instead of :func:`hash_files` (see :data:`HashFn`).
 
     Returns:
         ``(manifest, stats)``.
@@ -386,8 +393,11 @@ def compute_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
         UsageError: Unknown algorithm.
     """
     base, rels = _base_and_files(Path(checkpoint))
-    digests, stats = hash_files(base, rels, algorithm=algorithm, jobs=jobs,
-                                on_progress=on_progress)
+    if hasher is not None:
+        digests, stats = hasher(base, rels)
+    else:
+        digests, stats = hash_files(base, rels, algorithm=algorithm, jobs=jobs,
+                                    on_progress=on_progress)
     return Manifest(algorithm, digests), stats
 
 
@@ -511,7 +521,8 @@ class Verification:
 
 def verify_manifest(checkpoint: Path, *, jobs: int | None = None,
                     on_progress: ProgressFn | None = None,
-                    manifest: Manifest | None = None) -> Verification | None:
+                    manifest: Manifest | None = None,
+                    hasher: HashFn | None = None) -> Verification | None:
     """Check a checkpoint's files against its manifest.
 
     Files whose size already differs are not hashed.
@@ -521,6 +532,8 @@ def verify_manifest(checkpoint: Path, *, jobs: int | None = None,
         jobs: Threads.
         on_progress: Progress callback.
         manifest: Use this manifest instead of reading the checkpoint's.
+        hasher: Hash with this instead of :func:`hash_files` (with the manifest's checksum;
+            files it returns no digest for are not compared).
 
     Returns:
         The :class:`Verification`, or None if there is no manifest.
@@ -551,11 +564,16 @@ def verify_manifest(checkpoint: Path, *, jobs: int | None = None,
         else:
             to_hash.append(rel)
     result.extra = sorted(present_set - set(m.files))
-    digests, result.stats = hash_files(base, to_hash, algorithm=m.algorithm, jobs=jobs,
-                                       on_progress=on_progress)
+    if hasher is not None:
+        digests, result.stats = hasher(base, to_hash)
+    else:
+        digests, result.stats = hash_files(base, to_hash, algorithm=m.algorithm, jobs=jobs,
+                                           on_progress=on_progress)
     result.actual = digests
     for rel in to_hash:
-        got = digests[rel]
+        got = digests.get(rel)
+        if got is None:  # another part's file (--part): that part compares it
+            continue
         if got.size != m.files[rel].size:  # changed between stat and read
             result.resized.append((rel, m.files[rel].size, got.size))
         elif got.digest != m.files[rel].digest:

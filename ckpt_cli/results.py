@@ -141,7 +141,8 @@ class ManifestResult:
         path: The manifest file.
         action: ``verified`` (present and checked), ``written``, ``absent``, ``not-written``
             (asked for but the checkpoint is invalid or the old manifest disagrees),
-            ``unreadable`` (present but malformed).
+            ``unreadable`` (present but malformed), ``pending`` (``--part``: this part hashed
+            its files; the finalizer writes it).
         algorithm: Its checksum.
         files: Files hashed.
         bytes: Bytes hashed.
@@ -232,6 +233,38 @@ class CheckpointReport:
 
 
 @dataclass(slots=True)
+class PartStatus:
+    """Where a split validation (``--part K/N``, ``--finalize``) stands.
+
+    Attributes:
+        index: This process's part (from 1), or None for ``--finalize`` alone.
+        count: Parts in the plan.
+        origin: Where the part came from (``--part 2/4``, ``torchrun RANK=1 ...``).
+        files: Files this part checked in depth.
+        bytes: Their bytes.
+        total_files: Files in the plan.
+        plan: The plan's fingerprint.
+        staging: The directory the parts' receipts are in.
+        finalized: This process merged every part's receipt: the report is the whole
+            checkpoint's (else it covers this part's files).
+        waiting_for: Parts without a receipt when this part finished.
+        finalized_elsewhere: Another part finalized after this one left its receipt.
+    """
+
+    index: int | None
+    count: int
+    origin: str = ""
+    files: int = 0
+    bytes: int = 0
+    total_files: int = 0
+    plan: str = ""
+    staging: Path | None = None
+    finalized: bool = False
+    waiting_for: list[int] = field(default_factory=list)
+    finalized_elsewhere: bool = False
+
+
+@dataclass(slots=True)
 class ValidateResult:
     """The result of ``validate`` on a checkpoint or a run directory.
 
@@ -243,6 +276,7 @@ class ValidateResult:
         run_checks: Checks of the run directory itself (pointers, leftovers).
         final_model: Whether the run directory itself holds a final model (an HF Trainer
             ``output_dir``): then the last report is that model's.
+        part: With ``--part`` or ``--finalize``: where the split validation stands.
     """
 
     path: Path
@@ -251,6 +285,7 @@ class ValidateResult:
     run: RunListing | None = None
     run_checks: list[CheckResult] = field(default_factory=list)
     final_model: bool = False
+    part: PartStatus | None = None
 
     @property
     def findings(self) -> list[Finding]:

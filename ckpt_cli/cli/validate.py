@@ -10,6 +10,16 @@ import typer
 from ckpt_cli.cli.errors import handled
 from ckpt_cli.cli.options import InputFormatOpt, JsonOpt, QuietOpt
 
+# --part and --finalize as options.PartOpt and FinalizeOpt, with what they mean here.
+_PartOpt = Annotated[str | None, typer.Option(
+    "--part", metavar="K/N|auto",
+    help="Check in depth only part K of N of the checkpoint's files (auto: from torchrun's "
+         "RANK/WORLD_SIZE or a SLURM array); the last part to finish merges the report and "
+         "writes the manifest.")]
+_FinalizeOpt = Annotated[bool, typer.Option(
+    "--finalize", help="Merge the receipts of the parts run with --part into one report "
+                       "(exit 2 naming the parts missing).")]
+
 
 def validate_cmd(
     path: Annotated[Path, typer.Argument(help="Checkpoint file, shard set, checkpoint "
@@ -43,6 +53,11 @@ def validate_cmd(
                                            "(a 'step' group gives the step).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show notes, and every "
                                                                   "check of a run.")] = False,
+    part: _PartOpt = None,
+    finalize: _FinalizeOpt = False,
+    parts_dir: Annotated[Path | None, typer.Option(
+        "--parts-dir", metavar="DIR", help="With --part: keep the parts' receipts in DIR "
+                                           "(default: beside the checkpoint).")] = None,
     input_format: InputFormatOpt = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
@@ -58,6 +73,7 @@ def validate_cmd(
       ckpt validate run/step_1000 --values --require optimizer,step
       ckpt validate run/ --latest --junit report.xml
       ckpt validate export/ --write-manifest
+      torchrun --nproc-per-node 8 -m ckpt_cli validate run/step_1000 --part auto
     """
     from ckpt_cli.cli.progress import byte_progress
     from ckpt_cli.ops.validate import validate
@@ -67,7 +83,8 @@ def validate_cmd(
             result = validate(path, fmt=input_format, latest=latest, quick=quick, values=values,
                               require=require, write_manifest=write_manifest,
                               manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern,
-                              on_progress=bar.labelled)
+                              on_progress=bar.labelled, part=part, finalize=finalize,
+                              parts_dir=parts_dir)
         outcome.exit_code = code = result.exit_code(strict=strict)
         if junit is not None:
             from ckpt_cli.render.junit import write_junit

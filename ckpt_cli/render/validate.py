@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         CheckpointReport,
         CheckResult,
         ManifestResult,
+        PartStatus,
         ValidateResult,
     )
 
@@ -84,8 +85,25 @@ def render(result: ValidateResult, console: Console, *, verbose: bool = False) -
             human.print_findings(r.findings, console=console, min_severity=min_sev)
         console.print()
         console.print(_verdict(r.errors, r.warnings, r.name))
-        return
-    _render_run(result, console, verbose=verbose, min_sev=min_sev)
+    else:
+        _render_run(result, console, verbose=verbose, min_sev=min_sev)
+    if result.part is not None:
+        console.print(Text(part_line(result.part), style="bold"))
+
+
+def part_line(p: PartStatus) -> str:
+    """One line: which part this was, and what is left to do."""
+    from ckpt_cli.parts import describe_parts
+
+    share = (f"part {p.index}/{p.count}: {p.files} of {p.total_files} file(s), "
+             f"{human.size(p.bytes)}" if p.index is not None else
+             f"finalize: {p.count} part(s)")
+    if p.finalized:
+        return f"{share}; every part is done: the report covers all {p.total_files} file(s)"
+    if p.finalized_elsewhere:
+        return f"{share}; done (another part merged the report)"
+    return (f"{share} done; waiting for {describe_parts(p.waiting_for)} (the last part to "
+            "finish, or --finalize, merges the report)")
 
 
 def _shown(severity: str, min_sev: str) -> bool:
@@ -172,7 +190,8 @@ def result_dict(result: ValidateResult) -> dict[str, Any]:
 
     owner = {id(f): c.id for c in result.run_checks for f in c.findings}
     findings = result.findings
-    return {
+    extra = {"part": part_dict(result.part)} if result.part is not None else {}
+    return {**extra,
         "path": str(result.path), "kind": result.kind, "valid": result.valid,
         "summary": {"checkpoints": len(result.checkpoints),
                     "valid": sum(r.valid for r in result.checkpoints),
@@ -188,6 +207,15 @@ def result_dict(result: ValidateResult) -> dict[str, Any]:
         "run_findings": [{**f.to_dict(), "check": owner[id(f)]}
                          for c in result.run_checks for f in c.findings],
     }
+
+
+def part_dict(p: PartStatus) -> dict[str, Any]:
+    """JSON-ready form of where a split validation stands (``--part``, ``--finalize``)."""
+    return {"index": p.index, "count": p.count, "origin": p.origin, "files": p.files,
+            "bytes": p.bytes, "total_files": p.total_files, "plan": p.plan,
+            "staging": str(p.staging) if p.staging is not None else None,
+            "finalized": p.finalized, "finalized_elsewhere": p.finalized_elsewhere,
+            "waiting_for": p.waiting_for}
 
 
 def _count(findings: Iterable[Finding], severity: str) -> int:

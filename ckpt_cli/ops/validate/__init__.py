@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckpt_cli.errors import (
     CkptError,
@@ -79,6 +80,11 @@ from ckpt_cli.runs import (
 from ckpt_cli.streaming import OpenFiles, ProgressFn, default_jobs
 from ckpt_cli.units import format_size
 
+if TYPE_CHECKING:
+    from ckpt_cli.ops.validate.split import Share
+    from ckpt_cli.parts import Part
+    from ckpt_cli.results import PartStatus
+
 REQUIREMENTS = ("optimizer", "step")
 """What ``--require`` accepts."""
 
@@ -119,6 +125,16 @@ class Options:
     manifest_algorithm: str = DEFAULT_ALGORITHM
     jobs: int = 1
     on_progress: ProgressFn | None = None
+    share: Share | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A validation split over processes: ``--part``, ``--finalize``, ``--parts-dir``."""
+
+    part: Part | None = None
+    finalize: bool = False
+    parts_dir: Path | None = None
 
 
 def parse_require(spec: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -149,7 +165,8 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
              require: str | Iterable[str] | None = None, write_manifest: bool = False,
              manifest_algorithm: str = DEFAULT_ALGORITHM, jobs: int | None = None,
              pattern: str | None = None, on_progress: ProgressFn | None = None,
-             ) -> ValidateResult:
+             part: Part | str | None = None, finalize: bool = False,
+             parts_dir: str | Path | None = None) -> ValidateResult:
     """Validate a checkpoint, or every checkpoint of a run directory.
 
     Args:
@@ -165,14 +182,22 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
         jobs: Threads for CRC and hashing (default: usable CPUs, at most 8).
         pattern: For run directories, a regex choosing the checkpoint entries.
         on_progress: ``(label, done, total)`` progress callback, in bytes.
+        part: Check in depth only this part's share of the files (``K/N``, ``auto`` or a
+            :class:`~ckpt_cli.parts.Part`), record it in a receipt, and finalize when every
+            part's receipt is there (one checkpoint only; see :mod:`.split`).
+        finalize: Merge every part's receipt into the report (and write the manifest);
+            parts missing, or planned with other options, are an error.
+        parts_dir: Where the parts' receipts go (default: a hidden sibling of the checkpoint),
+            for read-only checkpoint storage.
 
     Returns:
-        The :class:`ValidateResult`.
+        The :class:`ValidateResult` (with ``part`` set when split).
 
     Raises:
         CkptError: The path does not exist or cannot be read, or (for a single checkpoint) its
             format cannot be recognised at all.
         UsageError: Bad options.
+        PartsIncompleteError: Finalizing with parts missing or planned differently.
     """
     p = Path(path)
     check_exists(p)
@@ -187,22 +212,134 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
         raise UsageError("--write-manifest needs the full check; drop --quick")
     opts = Options(fmt, quick, values, parse_require(require), write_manifest,
                    manifest_algorithm, jobs or default_jobs(), on_progress)
+    split = None
+    if part is not None or finalize:
+        from ckpt_cli.parts import parse_part
+
+        split = Split(parse_part(part) if isinstance(part, str) else part, finalize,
+                      Path(parts_dir) if parts_dir is not None else None)
+    elif parts_dir is not None:
+        raise UsageError("--parts-dir goes with --part or --finalize")
     if fmt is not None:
         get_reader(fmt)  # an unknown --input-format is a usage error, even for a run dir
+    run_dir = fmt is None and (holds_final_model(p) or is_run_dir(p))
+    if split is not None and run_dir and not latest:
+        raise UsageError("--part and --finalize split the validation of one checkpoint, and "
+                         "this is a run directory of many", path=p,
+                         hint="give one checkpoint of the run (e.g. RUN/step_1000), or add "
+                              "--latest")
     if fmt is None and holds_final_model(p):
-        return _validate_run(p, opts, latest=latest, pattern=pattern, final_model=True)
-    if fmt is None and is_run_dir(p):
-        return _validate_run(p, opts, latest=latest, pattern=pattern)
+        return _validate_run(p, opts, latest=latest, pattern=pattern, final_model=True,
+                             split=split)
+    if run_dir:
+        return _validate_run(p, opts, latest=latest, pattern=pattern, split=split)
     if latest:
         raise UsageError("--latest needs a run directory (a directory of checkpoints)",
                          path=p)
     result = ValidateResult(p, "checkpoint")
-    result.checkpoints.append(validate_checkpoint(p, opts))
+    result.checkpoints.append(_one(p, opts, None, split, result))
     return result
 
 
+def _one(path: Path, opts: Options, entry: RunEntry | None, split: Split | None,
+         result: ValidateResult) -> CheckpointReport:
+    if split is None:
+        return validate_checkpoint(path, opts, entry=entry)
+    report, result.part = validate_split(path, opts, split, entry=entry)
+    return report
+
+
+def validate_split(path: Path, opts: Options, split: Split, *,
+                   entry: RunEntry | None = None) -> tuple[CheckpointReport, PartStatus]:
+    """Validate one checkpoint as one part of a split validation, or finalize one.
+
+    The part checks its files in depth, writes its receipt, and finalizes if it finds every
+    part's receipt there (holding the staging directory's lock): then the report is the
+    whole checkpoint's, the manifest is written (if asked and valid) and the staging
+    directory is removed. Otherwise the report covers this part's files.
+
+    Args:
+        path: The checkpoint.
+        opts: How to validate.
+        split: The part and where the receipts go.
+        entry: Its run-directory entry (``--latest``).
+
+    Returns:
+        ``(report, where the split stands)``.
+
+    Raises:
+        PartsIncompleteError: Another plan is staged (other options, files or part count),
+            or ``--finalize`` found parts missing.
+    """
+    import shutil
+
+    from ckpt_cli.ops.validate import split as sp
+    from ckpt_cli.parts import PartsIncompleteError, PartStore, fingerprint, staging_dir
+    from ckpt_cli.results import PartStatus
+
+    files = sp.plan_files(path)
+    plan = sp.make_plan(path, files, {
+        "format": opts.fmt, "quick": opts.quick, "values": opts.values,
+        "require": list(opts.require), "write_manifest": opts.write_manifest,
+        "manifest_hash": opts.manifest_algorithm if opts.write_manifest else None})
+    plan_id = fingerprint(plan)
+    root = staging_dir(path)
+    if split.parts_dir is not None:
+        root = split.parts_dir / root.name
+    what = f"the validation of {path.name}"
+    part = split.part
+    if part is None:
+        recorded = PartStore(root, plan_id, 1, what=what).recorded_plan()
+        if recorded is None:
+            raise PartsIncompleteError(f"nothing to finalize: no part of {what} left a "
+                                       "receipt here", path=root,
+                                       hint="run the parts with --part K/N first")
+        count = recorded.get("parts")
+        if not isinstance(count, int) or count < 1:
+            raise PartsIncompleteError("unreadable part plan (no part count)", path=root)
+    else:
+        count = part.count
+    store = PartStore(root, plan_id, count, what=what)
+    store.join()
+    owners = sp.owner_map(files, count)
+    status = PartStatus(part.index if part else None, count, part.origin if part else "",
+                        total_files=len(files), plan=plan_id, staging=root)
+    report: CheckpointReport | None = None
+    own: sp.Share | None = None
+    if part is not None:
+        mine = [rel for rel, _ in files if owners[rel] == part.index]
+        sizes = dict(files)
+        status.files, status.bytes = len(mine), sum(sizes[r] for r in mine)
+        own = sp.Share(owners, part.index, staging=root.name)
+        report = validate_checkpoint(path, dataclasses.replace(opts, share=own), entry=entry)
+        store.write_receipt(part.index, own.receipt(mine, report))
+    with store.lock():
+        receipts = store.receipts()
+        if part is not None and part.index not in receipts:
+            # Another part finalized (and removed the staging directory) after this one
+            # wrote its receipt; lock() made the directory again: take it away.
+            status.finalized_elsewhere = True
+            shutil.rmtree(root, ignore_errors=True)
+            assert report is not None
+            return report, status
+        missing = store.missing(receipts)
+        if missing:
+            if split.finalize:
+                raise store.incomplete(missing)
+            status.waiting_for = missing
+            assert report is not None
+            return report, status
+        share = sp.Share(owners, 0, staging=root.name, receipts=receipts,
+                         index=own.index if own is not None else None)
+        merged = validate_checkpoint(path, dataclasses.replace(opts, share=share,
+                                                               on_progress=None), entry=entry)
+        shutil.rmtree(root, ignore_errors=True)
+    status.finalized = True
+    return merged, status
+
+
 def _validate_run(root: Path, opts: Options, *, latest: bool, pattern: str | None,
-                  final_model: bool = False) -> ValidateResult:
+                  final_model: bool = False, split: Split | None = None) -> ValidateResult:
     run = list_run(root, pattern)
     result = ValidateResult(root, "run", run=run, final_model=final_model)
     entries = run.entries
@@ -210,11 +347,11 @@ def _validate_run(root: Path, opts: Options, *, latest: bool, pattern: str | Non
         target = next((e for e in entries if e.name == run.latest), entries[-1])
         entries = [] if final_model else [target]  # the final model is the newest
     for e in entries:
-        result.checkpoints.append(validate_checkpoint(e.path, opts, entry=e))
+        result.checkpoints.append(_one(e.path, opts, e, split, result))
     if final_model:
         # Trained last, so reported last; its own entry so that damage is a finding.
         result.checkpoints.append(_final_model_report(
-            validate_checkpoint(root, opts, entry=run_entry(root))))
+            _one(root, opts, run_entry(root), split, result)))
     dangling, named = directory_pointers(root)
     # Symlink pointers (Lightning's last.ckpt) are resolved by the listing.
     dangling += [dataclasses.replace(f, severity="error", message=f.message
@@ -340,7 +477,12 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
     b = _Builder()
     index: CheckpointIndex | None = None
     try:
-        index = _read(path, opts.fmt)
+        if opts.share is not None and opts.share.index is not None:
+            index = opts.share.index  # the finalizing part read it already
+        else:
+            index = _read(path, opts.fmt)
+            if opts.share is not None:
+                opts.share.index = index
     except (CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError) as e:
         b.add("readable", [Finding("error", "unreadable", e.message, _rel_path(e.path, path))],
               "could not read the checkpoint's metadata")
@@ -360,22 +502,31 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
         try:
             with OpenFiles() as files:
                 report.bytes_read += _deep_checks(b, index, path, files, opts)
-            if opts.values:
+            if opts.values and opts.share is not None:
+                vf, stats = scan_values(index, on_progress=opts.on_progress,
+                                        select=opts.share.owns_tensor,
+                                        done_elsewhere=opts.share.values_elsewhere,
+                                        collect=opts.share.values)
+                b.add("values", vf, _values_summary(stats))
+                report.bytes_read += stats.bytes
+            elif opts.values:
                 vf, stats = scan_values(index, on_progress=opts.on_progress)
                 b.add("values", vf, _values_summary(stats))
                 report.bytes_read += stats.bytes
             else:
                 b.skip("values", "not requested (--values reads every floating tensor)")
         except CkptError as e:  # a file vanished or an I/O error while reading data
-            b.add("readable", [Finding("error", "read-error", e.message,
-                                       _rel_path(e.path, path))])
+            bad = Finding("error", "read-error", e.message, _rel_path(e.path, path))
+            b.add("readable", [bad])
+            if opts.share is not None and not opts.share.final:
+                opts.share.aborted = bad
     else:
         for cid in ("complete", "resumable", "values"):
             b.skip(cid, "not run: the checkpoint could not be read")
         if entry is not None and entry.step is not None:
             report.step = entry.step
     _complete(b, path, index, entry)
-    left = leftover_findings(path)
+    left = leftover_findings(path, ignore=opts.share.staging if opts.share else None)
     b.add("leftovers", left, f"{len(left)} leftover(s)" if left else "none")
     report.manifest = _manifest(b, path, opts, has_errors=_has_errors(b))
     if report.manifest is not None:
@@ -430,12 +581,17 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
         refs = {(t.storage.file, t.storage.key) for t in index.tensors.values() if t.storage}
         b.add("storages", [], f"{len(refs):,} storage(s) referenced")
     tasks: list[CrcTask] = []
-    zips = _torch_zips(b, index, files, tasks)
-    dcp_items = _dcp_checks(b, index, path, files, tasks, opts)
+    crc_files: list[str] = []  # the files of the CRC records, in the order they are checked
+    share = opts.share
+    if share is not None:
+        share.check_aborted()
+    zips = _torch_zips(b, index, files, tasks, share, crc_files)
+    dcp_items = _dcp_checks(b, index, path, files, tasks, opts, crc_files)
+    records = len(tasks) + (share.external_records(crc_files) if share is not None else 0)
     if zips or dcp_items:
         what = ", ".join(x for x in (f"{zips} torch file(s)" if zips else "",
                                      f"{dcp_items:,} DCP item(s)" if dcp_items else "") if x)
-        b.add("zip-structure", [], f"{what}, {len(tasks):,} record(s)" if tasks else what)
+        b.add("zip-structure", [], f"{what}, {records:,} record(s)" if records else what)
     if "torch-legacy" in fmts and not zips and not dcp_items:
         b.skip("crc32", "legacy torch files carry no checksums (a manifest can guard them)")
     streamed = 0
@@ -447,9 +603,11 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
             t0 = time.perf_counter()
             found = verify_crcs(tasks, threads=opts.jobs, on_progress=opts.on_progress)
             dt = time.perf_counter() - t0
+            if share is not None:
+                found, total, dt = share.merge_crc(crc_files, tasks, found, dt)
             streamed = total
             rate = f", {total / dt / 1e9:.2f} GB/s" if dt > 0 and total > _RATE_MIN else ""
-            b.add("crc32", found, f"{len(tasks):,} record(s), {format_size(total)}{rate}")
+            b.add("crc32", found, f"{records:,} record(s), {format_size(total)}{rate}")
     if fmts & {"torch", "torch-legacy", "pickle", "dcp"}:
         found = b.findings.get("pickle-safety", [])
         worst = {f.severity for f in found}
@@ -486,8 +644,9 @@ def _collapse_truncation(findings: list[Finding]) -> list[Finding]:
 
 
 def _torch_zips(b: _Builder, index: CheckpointIndex, files: OpenFiles,
-                tasks: list[CrcTask]) -> int:
-    """Zip structure of every torch zip file of the checkpoint; collects CRC tasks."""
+                tasks: list[CrcTask], share: Share | None, crc_files: list[str]) -> int:
+    """Zip structure of every torch zip file of the checkpoint; collects CRC tasks (of this
+    part's files, with ``--part``: the other parts' come from their receipts)."""
     owners: dict[tuple[str, str], list[str]] = {}
     for t in index.tensors.values():
         if t.storage is not None:
@@ -498,6 +657,14 @@ def _torch_zips(b: _Builder, index: CheckpointIndex, files: OpenFiles,
         if f.format != "torch":
             continue
         n += 1
+        if share is not None and not share.owns(f.path):
+            w = share.elsewhere(f.path)
+            if w is not None:
+                b.add("zip-structure", w.zips)
+                if w.crc_disabled:
+                    disabled.append(f.path)
+                crc_files.append(f.path)
+            continue
         path = index.path_of(f.path)
         fd = files.open(path, path)
         size = os.fstat(fd).st_size
@@ -515,6 +682,10 @@ def _torch_zips(b: _Builder, index: CheckpointIndex, files: OpenFiles,
             return f"storage of {names[0]}{more}"
 
         tasks.extend(crc_tasks(zr, rel=f.path, fd=fd, start=0, describe=describe))
+        if share is not None:
+            w = share.work(f.path)
+            w.zips, w.crc_disabled = list(zr.findings), zr.crc_disabled
+            crc_files.append(f.path)
     if disabled:
         b.add("crc32", [Finding("info", "crc-disabled",
                                 "written with CRC-32 turned off (every CRC is 0): its bytes "
@@ -524,7 +695,7 @@ def _torch_zips(b: _Builder, index: CheckpointIndex, files: OpenFiles,
 
 
 def _dcp_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFiles,
-                tasks: list[CrcTask], opts: Options) -> int:
+                tasks: list[CrcTask], opts: Options, crc_files: list[str]) -> int:
     """DCP placement, tiling and decoding for the checkpoint or its DCP subdirectories."""
     targets: list[tuple[CheckpointIndex, Path, str]] = []
     if index.format == "dcp":
@@ -539,7 +710,12 @@ def _dcp_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFile
                 continue  # the directory reader reported it (bad-subdir)
     items = 0
     for sub_index, directory, prefix in targets:
-        rep = check_dcp(sub_index, directory, files, prefix=prefix, decode=not opts.quick)
+        share = opts.share
+        rep = check_dcp(sub_index, directory, files, prefix=prefix, decode=not opts.quick,
+                        only=share.owns if share is not None else None)
+        if share is not None:
+            share.merge_dcp(rep)
+            crc_files.extend(rep.item_files)
         b.add("dcp-storage", rep.storage, f"{rep.placed:,} item(s) in {rep.files} file(s)")
         b.add("dcp-tiling", [], f"{rep.tensors:,} tensor(s)")
         b.add("pickle-safety", rep.pickles)
@@ -596,10 +772,14 @@ def _manifest(b: _Builder, path: Path, opts: Options, *,
         return ManifestResult(mpath, "unreadable")
     result = ManifestResult(mpath, "absent")
     verification: Verification | None = None
+    share = opts.share
+    partial = share is not None and not share.final  # one part: its own files only
     if existing is not None:
         try:
-            verification = verify_manifest(path, jobs=opts.jobs, on_progress=opts.on_progress,
-                                           manifest=existing)
+            verification = verify_manifest(
+                path, jobs=opts.jobs, on_progress=opts.on_progress, manifest=existing,
+                hasher=share.hasher(existing.algorithm, jobs=opts.jobs,
+                                    on_progress=opts.on_progress) if share else None)
         except CkptError as e:
             b.add("manifest", [Finding("error", "manifest-unverifiable", e.message,
                                        _rel_path(e.path, path))], "could not hash the files")
@@ -612,8 +792,11 @@ def _manifest(b: _Builder, path: Path, opts: Options, *,
         result.extra = verification.extra
         bad = len(result.changed)
         rate = f", {result.throughput / 1e9:.2f} GB/s" if result.bytes > _RATE_MIN else ""
+        listed = len(existing.files)
+        if partial:  # of this part's files: the others are compared by their parts
+            listed = len(set(existing.files) & set(verification.actual)) + bad
         b.add("manifest", verification.findings(mpath.name),
-              f"{len(existing.files) - bad} of {len(existing.files)} file(s) match "
+              f"{listed - bad} of {listed} file(s) {'of this part ' if partial else ''}match "
               f"({existing.algorithm}{rate})")
     if not opts.write_manifest:
         if existing is None:
@@ -634,8 +817,18 @@ def _manifest(b: _Builder, path: Path, opts: Options, *,
         written, stats = mpath, None
     else:
         try:
-            manifest, stats = compute_manifest(path, algorithm=opts.manifest_algorithm,
-                                               jobs=opts.jobs, on_progress=opts.on_progress)
+            manifest, stats = compute_manifest(
+                path, algorithm=opts.manifest_algorithm, jobs=opts.jobs,
+                on_progress=opts.on_progress,
+                hasher=share.hasher(opts.manifest_algorithm, jobs=opts.jobs,
+                                    on_progress=opts.on_progress) if share else None)
+            if partial:
+                result.action, result.algorithm = "pending", manifest.algorithm
+                result.add_stats(stats)
+                b.add("manifest", [], f"hashed {len(manifest.files)} file(s) of this part "
+                      f"({manifest.algorithm}); {mpath.name} is written when every part is "
+                      "done")
+                return result
             written, manifest, _ = write_manifest(path, manifest=manifest)
         except CkptError as e:  # one unwritable checkpoint must not end a run's validation
             b.add("manifest", [Finding("error", "manifest-not-written",

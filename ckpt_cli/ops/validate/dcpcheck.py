@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,8 @@ class DcpReport:
         tensors: Tensors made of chunks (the DCP reader checks that they tile: its
             ``chunk-tiling`` findings).
         undecoded: Items skipped because of storage transforms (compression).
+        decoded: Items and undecoded items by file (with the prefix), for the files decoded.
+        item_files: Every file the items are stored in (with the prefix), sorted.
     """
 
     storage: list[Finding] = field(default_factory=list)
@@ -56,6 +59,8 @@ class DcpReport:
     files: int = 0
     tensors: int = 0
     undecoded: int = 0
+    decoded: dict[str, tuple[int, int]] = field(default_factory=dict)
+    item_files: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +78,7 @@ class _Item:
 
 
 def check_dcp(index: CheckpointIndex, directory: Path, files: OpenFiles, *, prefix: str = "",
-              decode: bool = True) -> DcpReport:
+              decode: bool = True, only: Callable[[str], bool] | None = None) -> DcpReport:
     """Check a DCP directory beyond what its reader checked.
 
     Args:
@@ -83,6 +88,8 @@ def check_dcp(index: CheckpointIndex, directory: Path, files: OpenFiles, *, pref
         prefix: Path of ``directory`` relative to the checkpoint being validated (``""`` when
             it is the checkpoint), prepended to findings' file names.
         decode: Decode every item and collect CRC tasks (reads headers of every item).
+        only: Decode only the items of the files it accepts (paths with the prefix): the
+            files of this part of a split validation (``--part``).
 
     Returns:
         The :class:`DcpReport`.
@@ -100,10 +107,11 @@ def check_dcp(index: CheckpointIndex, directory: Path, files: OpenFiles, *, pref
              for (fqn, offs), (rel, off, length, tr) in storage.items()]
     sizes = _file_sizes(directory, items)
     report.placed, report.files = len(items), len({i.rel for i in items})
+    report.item_files = sorted({prefix + i.rel for i in items})
     _placement(report, items, sizes, directory, prefix)
     report.tensors = sum(1 for t in index.tensors.values() if t.chunks)
     if decode:
-        _decode(report, index, items, sizes, directory, files, prefix)
+        _decode(report, index, items, sizes, directory, files, prefix, only)
     return report
 
 
@@ -181,15 +189,20 @@ def _placement(report: DcpReport, items: list[_Item], sizes: dict[str, int], dir
 
 
 def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
-            sizes: dict[str, int], directory: Path, files: OpenFiles, prefix: str) -> None:
+            sizes: dict[str, int], directory: Path, files: OpenFiles, prefix: str,
+            only: Callable[[str], bool] | None) -> None:
     chunks: dict[tuple[str, tuple[int, ...]], tuple[TensorInfo, Chunk]] = {
         (t.name, c.offsets): (t, c) for t in index.tensors.values() for c in t.chunks}
     for it in sorted(items, key=lambda i: (i.rel, i.offset)):
         size = sizes.get(it.rel)
         if size is None or it.offset < 0 or it.length < 0 or it.offset + it.length > size:
             continue  # missing or out of bounds: reported already
-        report.items += 1
         rel = prefix + it.rel
+        if only is not None and not only(rel):
+            continue
+        report.items += 1
+        n, undecoded = report.decoded.get(rel, (0, 0))
+        report.decoded[rel] = (n + 1, undecoded + bool(it.transforms))
         if it.transforms:
             report.undecoded += 1
             continue

@@ -264,11 +264,13 @@ def leftover_message(name: str) -> str:
     return f"{kind}; safe to delete once no job is writing here"
 
 
-def leftover_findings(path: Path) -> list[Finding]:
+def leftover_findings(path: Path, *, ignore: str | None = None) -> list[Finding]:
     """Temporary or trash entries inside the checkpoint, or named after it beside it.
 
     Args:
         path: The checkpoint.
+        ignore: A sibling that is no leftover (the staging directory of the parts of the
+            validation running, with ``--part``).
 
     Returns:
         One warning per leftover.
@@ -283,7 +285,7 @@ def leftover_findings(path: Path) -> list[Finding]:
             dirnames[:] = [d for d in dirnames if not is_leftover(d)]
     try:
         siblings = [p.name for p in path.parent.iterdir()
-                    if p.name.startswith(f".{path.name}.ckpt-")]
+                    if p.name.startswith(f".{path.name}.ckpt-") and p.name != ignore]
     except OSError:
         siblings = []
     found.extend(Finding("warning", "leftover", leftover_message(name), f"../{name}")

@@ -9,7 +9,7 @@ once.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,13 +77,29 @@ def _pieces(src: TensorSource, t: TensorInfo) -> Iterator[np.ndarray]:
         yield src.read(t)
 
 
+TensorValues = tuple[list[Finding], bool]
+"""What examining one tensor found: its findings, and whether it could not be read."""
+
+
+def value_file(t: TensorInfo) -> str | None:
+    """The file a tensor's values scan is charged to (its first chunk's, for DCP)."""
+    return _file(t)
+
+
 def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None,
+                select: Callable[[TensorInfo], bool] | None = None,
+                done_elsewhere: Mapping[str, TensorValues] | None = None,
+                collect: dict[str, TensorValues] | None = None,
                 ) -> tuple[list[Finding], ValueScan]:
     """Examine every floating tensor's values.
 
     Args:
         index: The checkpoint.
         on_progress: Progress callback (label ``values``), in bytes.
+        select: Read only the tensors it accepts (this part's, with ``--part``); the others
+            are taken from ``done_elsewhere`` when there, else left out.
+        done_elsewhere: Results of tensors other parts examined, by name.
+        collect: Receives the result of each tensor examined here, by name.
 
     Returns:
         ``(findings, stats)``. NaN is an error in weights, optimizer state and buffers (a
@@ -93,6 +109,7 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
         read are warnings (their structural problem is reported by the other checks).
     """
     t0 = time.perf_counter()
+    elsewhere = done_elsewhere or {}
     todo: list[TensorInfo] = []
     seen: set[tuple[object, ...]] = set()
     skipped = 0
@@ -106,7 +123,8 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
         if t.file is not None and key in seen:
             continue  # another name for the same bytes (tied weights)
         seen.add(key)
-        todo.append(t)
+        if select is None or select(t) or t.name in elsewhere:
+            todo.append(t)
     total = sum(t.nbytes for t in todo)
     findings: list[Finding] = []
     done = examined = 0
@@ -114,6 +132,13 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
         on_progress("values", 0, total)
     with TensorSource(index) as src:
         for t in todo:
+            if select is not None and not select(t):
+                found, unreadable = elsewhere[t.name]
+                findings.extend(found)
+                done += t.nbytes
+                skipped += unreadable
+                examined += not unreadable
+                continue
             counts = _Counts()
             try:
                 for arr in _pieces(src, t):
@@ -121,15 +146,21 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
                     del arr  # before the next read: memory holds one tensor, not two
             except CkptError as e:
                 skipped += 1
-                findings.append(Finding("warning", "values-unreadable",
-                                        f"values not examined: {e.message}", _file(t), t.name))
+                bad = Finding("warning", "values-unreadable",
+                              f"values not examined: {e.message}", _file(t), t.name)
+                findings.append(bad)
+                if collect is not None:
+                    collect[t.name] = ([bad], True)
                 continue
             finally:
                 done += t.nbytes
                 if on_progress:
                     on_progress("values", done, total)
             examined += 1
-            findings.extend(_judge(t, counts))
+            judged = _judge(t, counts)
+            findings.extend(judged)
+            if collect is not None:
+                collect[t.name] = (judged, False)
     return findings, ValueScan(examined, done, skipped, time.perf_counter() - t0)
 
 
