@@ -20,11 +20,8 @@ Run: python -m bench.bench_validate [--quick] [--parts]
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bench._common import (
@@ -35,6 +32,7 @@ from bench._common import (
     in_subprocess,
     report,
     timed,
+    timed_together,
     train_checkpoint,
     warm,
 )
@@ -88,17 +86,7 @@ def rank_dcp(n_files: int, file_kib: int) -> Path:
     return out
 
 
-def _concurrent(argvs: list[list[str]]) -> float:
-    """Start every command at once; wall time until the last one ends."""
-    t0 = time.perf_counter()
-    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**os.environ, "NO_COLOR": "1"}) for a in argvs]
-    outs = [p.communicate() for p in procs]
-    dt = time.perf_counter() - t0
-    for p, (_, err) in zip(procs, outs, strict=True):
-        if p.returncode:
-            raise SystemExit(f"a part failed ({p.returncode}): {err.decode()[-2000:]}")
-    return dt
+_ENV = {"NO_COLOR": "1"}
 
 
 def _manifest_files(d: Path) -> list[object]:
@@ -121,11 +109,11 @@ def bench_parts(quick: bool) -> None:
         reference: list[object] = []
         for _ in range(repeat):  # interleaved: both see the same machine
             (d / "ckpt-manifest.json").unlink(missing_ok=True)
-            one = min(one, _concurrent([ckpt_argv(*args)]))
+            one = min(one, timed_together("1 process", [ckpt_argv(*args)], env=_ENV).seconds)
             reference = _manifest_files(d)
             (d / "ckpt-manifest.json").unlink(missing_ok=True)
-            two = min(two, _concurrent([ckpt_argv(*args, "--part", f"{k}/2")
-                                        for k in (1, 2)]))
+            two = min(two, timed_together("2 parts", [ckpt_argv(*args, "--part", f"{k}/2")
+                                                      for k in (1, 2)], env=_ENV).seconds)
             assert _manifest_files(d) == reference, "the merged manifest differs"
         (d / "ckpt-manifest.json").unlink(missing_ok=True)
         per[n] = (one, size)

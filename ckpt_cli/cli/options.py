@@ -25,11 +25,11 @@ OutputFormatOpt = Annotated[str | None, typer.Option(
     help="Output file format (default: from the output's suffix, else safetensors).")]
 PartOpt = Annotated[str | None, typer.Option(
     "--part", metavar="K/N|auto",
-    help="Do part K of N of the work (auto: from torchrun's RANK/WORLD_SIZE or a SLURM "
-         "array); the last part to finish writes the index.")]
+    help="Do only part K of N of the work (auto: from torchrun's RANK/WORLD_SIZE or a SLURM "
+         "array); the last part to finish completes the job (index, manifest, report).")]
 FinalizeOpt = Annotated[bool, typer.Option(
-    "--finalize", help="Finish a job split with --part: check every part's receipt and write "
-                       "the index (exit 2 naming the parts missing).")]
+    "--finalize", help="Complete a job split with --part from every part's receipt (exit 2 "
+                       "naming the parts missing).")]
 MaxMemoryOpt = Annotated[str | None, typer.Option(
     "--max-memory", metavar="SIZE",
     help="Budget for data read ahead and written behind, e.g. 512MB (default 256MB; the "

@@ -8,17 +8,7 @@ from typing import Annotated
 import typer
 
 from ckpt_cli.cli.errors import handled
-from ckpt_cli.cli.options import InputFormatOpt, JsonOpt, QuietOpt
-
-# --part and --finalize as options.PartOpt and FinalizeOpt, with what they mean here.
-_PartOpt = Annotated[str | None, typer.Option(
-    "--part", metavar="K/N|auto",
-    help="Check in depth only part K of N of the checkpoint's files (auto: from torchrun's "
-         "RANK/WORLD_SIZE or a SLURM array); the last part to finish merges the report and "
-         "writes the manifest.")]
-_FinalizeOpt = Annotated[bool, typer.Option(
-    "--finalize", help="Merge the receipts of the parts run with --part into one report "
-                       "(exit 2 naming the parts missing).")]
+from ckpt_cli.cli.options import FinalizeOpt, InputFormatOpt, JsonOpt, PartOpt, QuietOpt
 
 
 def validate_cmd(
@@ -53,8 +43,8 @@ def validate_cmd(
                                            "(a 'step' group gives the step).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show notes, and every "
                                                                   "check of a run.")] = False,
-    part: _PartOpt = None,
-    finalize: _FinalizeOpt = False,
+    part: PartOpt = None,
+    finalize: FinalizeOpt = False,
     parts_dir: Annotated[Path | None, typer.Option(
         "--parts-dir", metavar="DIR", help="With --part: keep the parts' receipts in DIR "
                                            "(default: beside the checkpoint).")] = None,
