@@ -123,9 +123,15 @@ def split_in_parts(src: Path, title: str, shard: str, rounds: int = 3,
         cpu2 = r2.cpu_seconds
         if not (out / "model.safetensors.index.json").exists() and shard != "0":
             raise SystemExit("2 parts did not finalize the output")
+    written = sum(p.stat().st_size for p in src.iterdir() if p.is_file())
     shutil.rmtree(out, ignore_errors=True)
+    floor = timed("floor", ["sh", "-c", f"dd if=/dev/zero of={DATA / 'floor.bin'} bs=1M "
+                            f"count={max(1, written >> 20)} conv=fsync status=none"])
+    (DATA / "floor.bin").unlink(missing_ok=True)
     ratio = min(one) / min(two)
     report(title, [
+        ("floor: dd write of as many bytes, fsynced", f"{floor.seconds:.2f} s (the disk: "
+                                                      "no number of parts goes below it)"),
         ("1 process", f"best {min(one):.2f} s of {rounds} ({', '.join(f'{t:.2f}' for t in one)})"
                       f", CPU {cpu1:.2f} s"),
         ("2 parts together", f"best {min(two):.2f} s of {rounds} "
