@@ -262,3 +262,16 @@ def test_convert_under_torchrun_is_byte_identical(dcp_2rank: Path, tmp_path: Pat
     _torchrun(2, "-m", "ckpt_cli", *args, str(dcp_2rank), "-o", str(split), "--part", "auto",
               "-q")
     _same_tree(single, split)
+
+
+def test_shards_removed_from_staging_are_named_at_finalize(train_pt: Path, tmp_path: Path) -> None:
+    import shutil
+
+    out = tmp_path / "out"
+    assert run_cli(*CONVERT, train_pt, "-o", out, "--part", "1/2", "-q").exit_code == 0
+    shutil.rmtree(staging_dir(out) / "out")  # someone cleaned up the shards meanwhile
+    r = run_cli(*CONVERT, train_pt, "-o", out, "--part", "2/2")
+    assert r.exit_code == 2 and "part 1: model-00001-of-" in r.stderr  # names what is gone
+    assert not out.exists()
+    r = run_cli(*CONVERT, train_pt, "-o", out, "--part", "1/2", "-q")  # the rerun mends it
+    assert r.exit_code == 0 and (out / "model.safetensors.index.json").is_file()

@@ -154,7 +154,11 @@ def _settle(dest: Path, store: PartStore, plan: ShardPlan, count: int, job: Part
     out_dir = store.root / OUT
     if recorded is not None and recorded.get("plan") != store.plan_id:
         store.join()  # raises, naming both plans
-    if recorded is None or (not out_dir.exists() and dest.exists()):
+    if recorded is None or not out_dir.exists():
+        if not dest.exists():
+            raise PartsIncompleteError(
+                "the staging directory was removed while the parts ran; nothing was finalized",
+                path=store.root, hint="run every part again")
         # Finalized by another part (it removes the staging directory last).
         shutil.rmtree(store.root, ignore_errors=True)
         outcome.finalized = True
