@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
-from ckpt_cli.cli.options import CastToOpt, ForceOpt, JsonOpt, OutputFormatOpt, QuietOpt
+from ckpt_cli.cli.options import (
+    CastToOpt,
+    ForceOpt,
+    JsonOpt,
+    MaxMemoryOpt,
+    OutputFormatOpt,
+    QuietOpt,
+)
 
 
 def consolidate_cmd(
@@ -37,6 +44,7 @@ def consolidate_cmd(
         "--manifest/--no-manifest", help="Write an integrity manifest that 'ckpt validate' "
                                          "checks.")] = True,
     force: ForceOpt = False,
+    max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:
@@ -59,11 +67,12 @@ def consolidate_cmd(
         from ckpt_cli.units import parse_size
 
         shard = parse_size(max_shard_size, what="--max-shard-size", allow_zero=True) or None
+        budget = parse_size(max_memory, what="--max-memory") if max_memory else None
         with byte_progress("consolidating", enabled=not (quiet or json)) as bar:
             r = consolidate(source, output, fmt=fmt, max_shard_size=shard,
                             with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force,
                             verify=verify, manifest=manifest, on_progress=bar.advance,
-                            on_start=bar.start)
+                            on_start=bar.start, max_memory=budget)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.consolidate import show
 

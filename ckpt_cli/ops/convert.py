@@ -37,6 +37,7 @@ from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.results import ConvertResult
 from ckpt_cli.runs import follow_pointer, is_run_dir
 from ckpt_cli.selection import Selection, hostile_warnings, select_tensors
+from ckpt_cli.streaming import memory_budget
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import SIDE_FILES, OutTensor, output_format, write_checkpoint
 
@@ -55,7 +56,8 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
             keep_fp32: tuple[str, ...] = (), clamp: bool = False, overwrite: bool = False,
             container: str | None = None, input_format: str | None = None,
             on_progress: Callable[[int], None] | None = None,
-            on_start: Callable[[int], None] | None = None) -> ConvertResult:
+            on_start: Callable[[int], None] | None = None,
+            max_memory: int | None = None) -> ConvertResult:
     """Convert a checkpoint.
 
     Args:
@@ -76,6 +78,8 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         input_format: Force the input format.
         on_progress: Called with bytes written.
         on_start: Called once with the total bytes to write.
+        max_memory: Memory budget in bytes for data read and cast ahead of the writer
+            (default 256 MiB; the largest tensor may add to it).
 
     Returns:
         The :class:`ConvertResult`.
@@ -86,6 +90,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     t0 = time.perf_counter()
     src, out = Path(source), Path(output)
     check_exists(src)
+    memory_budget(max_memory)  # a bad budget is a usage error before any work
     if to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
     fmt = output_format(out, fmt)
@@ -136,7 +141,8 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         result = write_checkpoint(out, outs, fmt=fmt, max_shard_size=max_shard_size,
                                   metadata=meta, aliases=aliases, overwrite=overwrite,
                                   side_files=side, on_progress=on_progress,
-                                  before_commit=lambda _tmp: check_overflow(stats, clamp))
+                                  before_commit=lambda _tmp: check_overflow(stats, clamp),
+                                  max_memory=max_memory)
     finally:
         source_reader.close()
     if clamp and stats.overflow:

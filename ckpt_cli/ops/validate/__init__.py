@@ -76,7 +76,14 @@ from ckpt_cli.runs import (
     quick_status,
     run_entry,
 )
-from ckpt_cli.streaming import OpenFiles, ProgressFn, default_jobs
+from ckpt_cli.streaming import (
+    BUFFER_SIZE,
+    MEMORY_BUDGET,
+    OpenFiles,
+    ProgressFn,
+    default_jobs,
+    memory_budget,
+)
 from ckpt_cli.units import format_size
 
 REQUIREMENTS = ("optimizer", "step")
@@ -119,6 +126,7 @@ class Options:
     manifest_algorithm: str = DEFAULT_ALGORITHM
     jobs: int = 1
     on_progress: ProgressFn | None = None
+    max_memory: int = MEMORY_BUDGET
 
 
 def parse_require(spec: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -149,7 +157,7 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
              require: str | Iterable[str] | None = None, write_manifest: bool = False,
              manifest_algorithm: str = DEFAULT_ALGORITHM, jobs: int | None = None,
              pattern: str | None = None, on_progress: ProgressFn | None = None,
-             ) -> ValidateResult:
+             max_memory: int | None = None) -> ValidateResult:
     """Validate a checkpoint, or every checkpoint of a run directory.
 
     Args:
@@ -165,6 +173,9 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
         jobs: Threads for CRC and hashing (default: usable CPUs, at most 8).
         pattern: For run directories, a regex choosing the checkpoint entries.
         on_progress: ``(label, done, total)`` progress callback, in bytes.
+        max_memory: Memory budget in bytes for data being checked (the ``--values`` scan;
+            the CRC and hashing buffers, a small one per thread); default 256 MiB, and a
+            tensor that must be read whole may add its size.
 
     Returns:
         The :class:`ValidateResult`.
@@ -185,8 +196,11 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
         # A manifest vouches for the bytes; --quick never reads them (no CRC pass), so it
         # could record a corrupt file as good.
         raise UsageError("--write-manifest needs the full check; drop --quick")
+    budget = memory_budget(max_memory)
+    # CRC-32 and hashing threads each hold one buffer: never more of them than fit the budget.
+    threads = min(jobs or default_jobs(), max(1, budget // BUFFER_SIZE))
     opts = Options(fmt, quick, values, parse_require(require), write_manifest,
-                   manifest_algorithm, jobs or default_jobs(), on_progress)
+                   manifest_algorithm, threads, on_progress, budget)
     if fmt is not None:
         get_reader(fmt)  # an unknown --input-format is a usage error, even for a run dir
     if fmt is None and holds_final_model(p):
@@ -361,7 +375,8 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
             with OpenFiles() as files:
                 report.bytes_read += _deep_checks(b, index, path, files, opts)
             if opts.values:
-                vf, stats = scan_values(index, on_progress=opts.on_progress)
+                vf, stats = scan_values(index, on_progress=opts.on_progress,
+                                        max_memory=opts.max_memory, threads=opts.jobs)
                 b.add("values", vf, _values_summary(stats))
                 report.bytes_read += stats.bytes
             else:
