@@ -273,6 +273,50 @@ def train_checkpoint(name: str = "train.pt", n_layers: int = 12, dim: int = 1536
     return path
 
 
+def write_big_train_checkpoint(path: str, n_layers: int = 80, dim: int = 1024,
+                               vocab: int = 32000) -> None:
+    """The ~11.5 GB training checkpoint (about 955M fp32 parameters + AdamW ``exp_avg`` and
+    ``exp_avg_sq``), written with torch.save (run via :func:`in_subprocess`).
+
+    Per block: qkv ``3*dim x dim``, fc1 ``4*dim x dim``, fc2 ``dim x 4*dim``, ln ``dim``; plus a
+    ``vocab x dim`` embedding. Tensors are filled in place (no temporaries), so generating it
+    holds the checkpoint once (~11.5 GB), not twice.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int, std: float) -> torch.Tensor:
+        return torch.empty(*shape).normal_(0.0, std, generator=g)
+
+    model: dict[str, torch.Tensor] = {"embed.weight": randn(vocab, dim, std=0.02)}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        model[p + "attn.qkv.weight"] = randn(3 * dim, dim, std=0.02)
+        model[p + "mlp.fc1.weight"] = randn(4 * dim, dim, std=0.02)
+        model[p + "mlp.fc2.weight"] = randn(dim, 4 * dim, std=0.02)
+        model[p + "ln.weight"] = torch.ones(dim)
+    state = {i: {"step": torch.tensor(1000.0), "exp_avg": randn(*t.shape, std=1e-3),
+                 "exp_avg_sq": torch.empty(t.shape).uniform_(0.0, 1e-6, generator=g)}
+             for i, t in enumerate(model.values())}
+    optimizer = {"state": state, "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95),
+                                                    "eps": 1e-8, "weight_decay": 0.1,
+                                                    "params": list(range(len(model)))}]}
+    tmp = Path(path).with_suffix(".tmp")
+    torch.save({"model": model, "optimizer": optimizer, "step": 1000}, tmp)
+    tmp.rename(path)
+
+
+def big_train_checkpoint() -> Path:
+    """The ~11.5 GB checkpoint of :func:`write_big_train_checkpoint` (the caller deletes it)."""
+    path = DATA / "train-big.pt"
+    if not path.exists():
+        DATA.mkdir(parents=True, exist_ok=True)
+        print(f"[bench] writing {path} ...", file=sys.stderr)
+        in_subprocess("bench._common.write_big_train_checkpoint", path)
+    return path
+
+
 def fresh_dir(path: Path) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)

@@ -1,15 +1,22 @@
 """Casting floating-point tensors between FP32, FP16 and BF16, with FP16's range checked.
 
-Rounding is to nearest even, once. From FP32, FP16 and BF16 that is bit for bit what torch's
-``.to()`` gives. From FP64 it is not always: torch rounds FP64 to FP16 or BF16 through FP32,
-twice (``1 + 2**-11 + 2**-40`` becomes 1.0 in FP16, which is the tie ``1 + 2**-11`` rounded to
-even, instead of the nearest FP16 value, ``1 + 2**-10``); here every value is rounded directly.
+Rounding is to nearest even, once. From FP32, FP16 and BF16 every value but NaN is bit for bit
+what torch's ``.to()`` gives, whichever backend casts. From FP64 it is not always: torch rounds
+FP64 to FP16 or BF16 through FP32, twice (``1 + 2**-11 + 2**-40`` becomes 1.0 in FP16, which
+is the tie ``1 + 2**-11`` rounded to even, instead of the nearest FP16 value, ``1 + 2**-10``);
+here every value is rounded directly.
+
+NaNs get numpy's (and ml_dtypes') bits from either backend: to FP16 the sign and the top 10
+payload bits are kept (a signalling NaN stays signalling); to BF16 they become the quiet NaN
+with their sign. torch's own NaN bits depend on where an element falls in its loops (FP32 to
+BF16 gives 0xFFFF in the vector loop, 0x7FC0 in the scalar tail), so blocks that torch cast
+and that hold a NaN have their NaNs recast with numpy.
 
 numpy converts at about 0.3-0.4 G elements/s per core here; torch's vectorised kernels at
 about 1.4 G/s. torch costs ~1.4 s to import, so it is only worth it for big conversions:
 :func:`prefer_torch` starts importing it in the background, and casts use it once it is there
-(numpy until then), except FP64 to FP16 or BF16, where torch's double rounding would make the
-result depend on which backend cast a block.
+(numpy until then), for FP32/FP16/BF16 to FP16/BF16 only (widening is exact either way, and
+rare).
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ TORCH_WORTH_IT = 1_000_000_000
 """Elements to cast above which importing torch for its faster kernels pays for itself."""
 
 _BLOCK = 1 << 21  # elements per cast block: small temporaries, work for every core
-_TORCH_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
 @dataclass(slots=True)
@@ -114,28 +120,36 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
     out = np.empty(arr.shape, dtype=dtypes.numpy_dtype(dst))
     src_flat, out_flat = arr.reshape(-1), out.reshape(-1)
     torch = _TORCH.torch
-    # Not from FP64 to FP16/BF16: torch rounds those through FP32 (twice), numpy once.
-    use_torch = torch is not None and dst in _TORCH_DTYPES and (
-        arr.dtype.name in ("float32", "float16", "bfloat16")
-        or (arr.dtype.name == "float64" and dst in ("F32", "F64")))
+    # Only the narrowing casts that matter for speed (FP32/FP16/BF16 to FP16/BF16); not from
+    # FP64, which torch rounds to FP16/BF16 through FP32 (twice) where numpy rounds once.
+    use_torch = torch is not None and dst in ("F16", "BF16") and (
+        arr.dtype.name in ("float32", "float16", "bfloat16"))
 
     def block(start: int) -> int:
         s, o = src_flat[start:start + _BLOCK], out_flat[start:start + _BLOCK]
         if use_torch:
             _torch_copy(torch, s, o, dst)
+            if dst == "BF16" and _any_nan_bf16(o):
+                _numpy_nans(s, o)
         else:
-            with np.errstate(over="ignore"):  # counted below; inf is what plain casting gives
+            # Overflow is counted below (inf is what plain casting gives); a signalling NaN
+            # raises "invalid" and stays a NaN.
+            with np.errstate(over="ignore", invalid="ignore"):
                 o[...] = s
         if dst != "F16" or not _any_inf_or_nan(o):
             return 0
+        if use_torch:
+            _numpy_nans(s, o)
         over = int(np.count_nonzero(np.isinf(o))) - int(np.count_nonzero(np.isinf(s)))
         if over and clamp:
             # FP64 stays FP64: through FP32 it would round twice, and values beyond FP32's
             # range would become inf instead of ±65504.
-            wide = s.astype(np.float64 if s.dtype == np.float64 else np.float32)
-            keep = np.isinf(wide)  # infinities in the source stay infinite
-            o[...] = np.clip(wide, -FP16_MAX, FP16_MAX)
+            with np.errstate(invalid="ignore"):
+                wide = s.astype(np.float64 if s.dtype == np.float64 else np.float32)
+                keep = np.isinf(wide)  # infinities in the source stay infinite
+                o[...] = np.clip(wide, -FP16_MAX, FP16_MAX)
             o[keep] = wide[keep]
+            _numpy_nans(s, o)  # NaN bits as a plain cast gives them, not as clip leaves them
         return over
 
     # numpy and torch release the GIL in casts, so blocks run on all cores.
@@ -155,6 +169,30 @@ def _any_inf_or_nan(half: np.ndarray) -> bool:
 
     bits = np.bitwise_and(half.view(np.uint16), 0x7FFF)
     return bool(bits.size) and int(bits.max()) >= 0x7C00
+
+
+def _any_nan_bf16(bf: np.ndarray) -> bool:
+    """Whether a BF16 block holds a NaN: its magnitude bits exceed 0x7F80 (inf)."""
+    import numpy as np
+
+    bits = np.bitwise_and(bf.view(np.uint16), 0x7FFF)
+    return bool(bits.size) and int(bits.max()) > 0x7F80
+
+
+def _numpy_nans(s: np.ndarray, o: np.ndarray) -> None:
+    """Give the NaNs of a block torch cast the bits numpy/ml_dtypes give them.
+
+    torch's NaN bits depend on where an element falls (its vector loop and scalar tail
+    differ: FP32 to BF16 gives 0xFFFF in the loop and 0x7FC0 in the tail, dropping the sign;
+    to FP16 the loop quiets signalling NaNs); numpy's do not. So a cast gives the same bytes
+    whichever backend, and however many threads, cast a block.
+    """
+    import numpy as np
+
+    nan = np.isnan(s)
+    if nan.any():
+        with np.errstate(invalid="ignore"):
+            o[nan] = s[nan].astype(o.dtype)
 
 
 def _torch_copy(torch: Any, s: np.ndarray, o: np.ndarray, dst: str) -> None:

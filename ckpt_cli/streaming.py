@@ -15,11 +15,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TypeVar
 
-from ckpt_cli.errors import CkptError, CorruptCheckpointError
+from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats.base import open_regular
 
 _crc32_combine: Callable[[int, int, int], int] | None
@@ -42,8 +42,36 @@ larger than this are read, cast, checked and written piece by piece, so memory s
 whatever the size of one tensor (a large model's embedding is several GB)."""
 
 MEMORY_BUDGET = 4 * PIECE_BYTES
-"""Tensor data in memory at once while writing streamed tensors: the piece being written, one
-queued, and one being read plus its cast (see :class:`ckpt_cli.writers.OutTensor`)."""
+"""The default memory budget (``--max-memory``): tensor data read ahead and not yet written
+(or checked, or compared). 256 MiB holds the piece being written, two read and cast ahead, and
+one being read: enough for reading and casting to run on while the writer waits for a flush
+(every 256 MB, see :class:`ckpt_cli.writers._Flusher`) or the disk, and small beside what
+loading a checkpoint costs (a 4.7 GB training checkpoint: a 1.6 GB model). A tensor that must
+be read whole (strided views, DCP chunks split along other dimensions) may add its size."""
+
+MIN_MEMORY = PIECE_BYTES
+"""The smallest ``--max-memory``: one piece."""
+
+
+def memory_budget(max_memory: int | None) -> int:
+    """The memory budget to use: ``max_memory``, or :data:`MEMORY_BUDGET` when None.
+
+    Args:
+        max_memory: Bytes, as given by ``--max-memory``.
+
+    Returns:
+        The budget in bytes.
+
+    Raises:
+        UsageError: If ``max_memory`` is below one piece (:data:`MIN_MEMORY`): tensors stream
+            in pieces of that size, so a smaller budget could not be kept.
+    """
+    if max_memory is None:
+        return MEMORY_BUDGET
+    if max_memory < MIN_MEMORY:
+        raise UsageError(f"--max-memory must be at least {MIN_MEMORY >> 20}MiB (one piece of a "
+                         f"tensor), not {max_memory:,} bytes")
+    return max_memory
 
 T = TypeVar("T")
 
@@ -197,6 +225,73 @@ def run_parallel(jobs: Sequence[Callable[[Meter], T]], *, threads: int, total: i
                 if f.exception() is not None:
                     raise f.exception()  # type: ignore[misc]
         return [f.result() for f in futures]
+    except BaseException:
+        meter.stop.set()
+        raise
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+def run_bounded(jobs: Sequence[Callable[[Meter], T]], costs: Sequence[int], *, budget: int,
+                threads: int, total: int, label: str, on_progress: ProgressFn | None = None,
+                ) -> list[T]:
+    """Run ``jobs`` on a thread pool, in order, with at most ``budget`` bytes of them at once.
+
+    Job ``i`` starts once the jobs running leave room for ``costs[i]`` (its memory); a job
+    larger than the budget runs alone. So memory stays within the budget plus the largest job,
+    and cores are used as far as it allows.
+
+    Args:
+        jobs: Callables taking the shared :class:`Meter` (they call ``meter.add`` as they go).
+        costs: Bytes of memory each job holds while it runs.
+        budget: Bytes of memory the jobs may hold together.
+        threads: Worker threads.
+        total: Bytes all jobs will process, for progress.
+        label: What is being done, for progress.
+        on_progress: Progress callback, from the calling thread.
+
+    Returns:
+        The jobs' results, in order.
+
+    Raises:
+        Exception: The exception of the first job (in order) that raised one; no job starts
+            after a failure.
+        KeyboardInterrupt: Propagated after asking the workers to stop.
+    """
+    meter = Meter()
+    if threads <= 1 or len(jobs) <= 1:
+        return run_parallel(jobs, threads=1, total=total, label=label, on_progress=on_progress,
+                            meter=meter)
+    if on_progress:
+        on_progress(label, 0, total)
+    results: list[T | None] = [None] * len(jobs)
+    running: dict[Future[T], int] = {}
+    failed: dict[int, BaseException] = {}
+    held = started = 0
+    ex = ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="ckpt-work")
+    try:
+        while (started < len(jobs) and not failed) or running:
+            while not failed and started < len(jobs) and len(running) < threads and (
+                    not running or held + costs[started] <= budget):
+                running[ex.submit(jobs[started], meter)] = started
+                held += costs[started]
+                started += 1
+            done, _ = wait(running, timeout=0.1, return_when=FIRST_COMPLETED)
+            if on_progress:
+                on_progress(label, meter.done, total)
+            for f in done:
+                i = running.pop(f)
+                held -= costs[i]
+                err = f.exception()
+                if err is not None:
+                    failed[i] = err
+                else:
+                    results[i] = f.result()
+        if failed:
+            # The jobs before the first failure all ran: this is the error running them one
+            # after another would have raised.
+            raise failed[min(failed)]
+        return results  # type: ignore[return-value]
     except BaseException:
         meter.stop.set()
         raise

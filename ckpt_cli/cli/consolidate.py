@@ -13,6 +13,7 @@ from ckpt_cli.cli.options import (
     FinalizeOpt,
     ForceOpt,
     JsonOpt,
+    MaxMemoryOpt,
     OutputFormatOpt,
     PartOpt,
     QuietOpt,
@@ -47,6 +48,7 @@ def consolidate_cmd(
     force: ForceOpt = False,
     part: PartOpt = None,
     finalize: FinalizeOpt = False,
+    max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:
@@ -72,11 +74,13 @@ def consolidate_cmd(
 
         which = parse_part(part)
         shard = parse_size(max_shard_size, what="--max-shard-size", allow_zero=True) or None
+        budget = parse_size(max_memory, what="--max-memory") if max_memory else None
         with byte_progress("consolidating", enabled=not (quiet or json)) as bar:
             r = consolidate(source, output, fmt=fmt, max_shard_size=shard,
                             with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force,
                             verify=verify, manifest=manifest, on_progress=bar.advance,
-                            on_start=bar.start, part=which, finalize=finalize)
+                            on_start=bar.start, part=which, finalize=finalize,
+                            max_memory=budget)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.consolidate import show
 

@@ -14,6 +14,7 @@ from ckpt_cli.cli.options import (
     ForceOpt,
     InputFormatOpt,
     JsonOpt,
+    MaxMemoryOpt,
     OutputFormatOpt,
     PartOpt,
     QuietOpt,
@@ -49,6 +50,7 @@ def convert_cmd(
     part: PartOpt = None,
     finalize: FinalizeOpt = False,
     input_format: InputFormatOpt = None,
+    max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:
@@ -74,13 +76,14 @@ def convert_cmd(
 
         which = parse_part(part)
         shard = parse_size(max_shard_size, what="--max-shard-size") if max_shard_size else None
+        budget = parse_size(max_memory, what="--max-memory") if max_memory else None
         with byte_progress("converting", enabled=not (quiet or json)) as bar:
             result = convert(source, output, to=to, fmt=fmt, max_shard_size=shard,
                              keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
                              keep_fp32=tuple(keep_fp32 or ()), clamp=clamp, overwrite=force,
                              container=container, input_format=input_format,
                              on_progress=bar.advance, on_start=bar.start, part=which,
-                             finalize=finalize)
+                             finalize=finalize, max_memory=budget)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.convert import show
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
-from ckpt_cli.cli.options import JsonOpt, QuietOpt
+from ckpt_cli.cli.options import JsonOpt, MaxMemoryOpt, QuietOpt
 
 _FORMAT_HELP = ("Skip detection and read {side} as this format: safetensors, hf-index, torch, "
                 "dcp, deepspeed, megatron or dir.")
@@ -61,6 +61,7 @@ def diff_cmd(
         "--input-format-a", metavar="NAME", help=_FORMAT_HELP.format(side="A"))] = None,
     input_format_b: Annotated[str | None, typer.Option(
         "--input-format-b", metavar="NAME", help=_FORMAT_HELP.format(side="B"))] = None,
+    max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:
@@ -81,13 +82,16 @@ def diff_cmd(
     from ckpt_cli.render import diff as rd
 
     with handled() as outcome:
+        from ckpt_cli.units import parse_size
+
+        budget = parse_size(max_memory, what="--max-memory") if max_memory else None
         options = DiffOptions(everything=everything, values=not structure_only, rtol=rtol,
                               atol=atol, strip_prefixes=tuple(strip_prefix or ()),
                               auto_names=not exact_names, metadata=metadata,
                               filter_glob=filter_glob)
         with byte_progress("comparing", enabled=not (quiet or json)) as bar:
             result = diff(a, b, options, fmt_a=input_format_a, fmt_b=input_format_b,
-                          on_progress=bar.update)
+                          on_progress=bar.update, max_memory=budget)
         outcome.exit_code = code = EXIT_OK if result.equal or exit_zero else EXIT_FINDINGS
         rd.show(result, str(a), str(b), json=json, quiet=quiet, top=top, by_module=by_module,
                 depth=depth)

@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from ckpt_cli.cli.errors import handled
-from ckpt_cli.cli.options import FinalizeOpt, InputFormatOpt, JsonOpt, PartOpt, QuietOpt
+from ckpt_cli.cli.options import (
+    FinalizeOpt,
+    InputFormatOpt,
+    JsonOpt,
+    MaxMemoryOpt,
+    PartOpt,
+    QuietOpt,
+)
 
 
 def validate_cmd(
@@ -49,6 +56,7 @@ def validate_cmd(
         "--parts-dir", metavar="DIR", help="With --part: keep the parts' receipts in DIR "
                                            "(default: beside the checkpoint).")] = None,
     input_format: InputFormatOpt = None,
+    max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:
@@ -69,12 +77,15 @@ def validate_cmd(
     from ckpt_cli.ops.validate import validate
 
     with handled() as outcome:
+        from ckpt_cli.units import parse_size
+
+        budget = parse_size(max_memory, what="--max-memory") if max_memory else None
         with byte_progress("validating", enabled=not (quiet or json)) as bar:
             result = validate(path, fmt=input_format, latest=latest, quick=quick, values=values,
                               require=require, write_manifest=write_manifest,
                               manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern,
                               on_progress=bar.labelled, part=part, finalize=finalize,
-                              parts_dir=parts_dir)
+                              parts_dir=parts_dir, max_memory=budget)
         outcome.exit_code = code = result.exit_code(strict=strict)
         if junit is not None:
             from ckpt_cli.render.junit import write_junit

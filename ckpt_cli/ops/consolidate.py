@@ -49,6 +49,7 @@ from ckpt_cli.runs import (
     tree_stats,
 )
 from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, select_tensors
+from ckpt_cli.streaming import memory_budget
 from ckpt_cli.tensors import TensorSource, split_pieces
 from ckpt_cli.units import natural_key
 from ckpt_cli.writers import FILE_SUFFIXES, OutTensor, output_format, write_checkpoint
@@ -121,7 +122,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
                 verify: bool = False, manifest: bool = True,
                 on_progress: Callable[[int], None] | None = None,
                 on_start: Callable[[int], None] | None = None, part: Part | None = None,
-                finalize: bool = False) -> ConsolidateResult:
+                finalize: bool = False, max_memory: int | None = None) -> ConsolidateResult:
     """Merge a rank-sharded checkpoint into few large files.
 
     Args:
@@ -144,6 +145,8 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
             part verifies and hashes its own shards; the last part to finish writes the
             index and the manifest (see :mod:`ckpt_cli.writers.parts`).
         finalize: Finalize a split consolidation now (an error naming the parts missing).
+        max_memory: Memory budget in bytes for data read and cast ahead of the writer
+            (default 256 MiB; the largest tensor may add to it).
 
     Returns:
         The :class:`ConsolidateResult`.
@@ -156,6 +159,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
     src, out = Path(source), Path(output)
     if to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
+    memory_budget(max_memory)  # a bad budget is a usage error before any work
     check_exists(src)
     # A run directory's resume pointer names the checkpoint (DeepSpeed's `latest` is also
     # followed by detect_kind for a save directory of one tag; Megatron's tracker only here).
@@ -192,7 +196,8 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
         write = write_checkpoint(out, job.outs, fmt=fmt, max_shard_size=max_shard_size,
                                  metadata=job.metadata, aliases=job.aliases,
                                  overwrite=overwrite, on_progress=on_progress,
-                                 before_commit=check, on_start=on_start, part=split)
+                                 before_commit=check, on_start=on_start, part=split,
+                                 max_memory=max_memory)
         complete = write.part is None or write.part.finalized_here
         if manifest and complete and out.is_file():
             write_manifest(out)  # a single file's manifest sits beside it

@@ -38,6 +38,7 @@ from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.results import ConvertResult
 from ckpt_cli.runs import follow_pointer, is_run_dir
 from ckpt_cli.selection import Selection, hostile_warnings, select_tensors
+from ckpt_cli.streaming import memory_budget
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import SIDE_FILES, OutTensor, output_format, write_checkpoint
 from ckpt_cli.writers.parts import PartJob
@@ -58,7 +59,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
             container: str | None = None, input_format: str | None = None,
             on_progress: Callable[[int], None] | None = None,
             on_start: Callable[[int], None] | None = None, part: Part | None = None,
-            finalize: bool = False) -> ConvertResult:
+            finalize: bool = False, max_memory: int | None = None) -> ConvertResult:
     """Convert a checkpoint.
 
     Args:
@@ -82,6 +83,8 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         part: Write only this part's share of the output shards (``--part K/N``); the last
             part to finish writes the index (see :mod:`ckpt_cli.writers.parts`).
         finalize: Finalize a split conversion now (an error naming the parts missing).
+        max_memory: Memory budget in bytes for data read and cast ahead of the writer
+            (default 256 MiB; the largest tensor may add to it).
 
     Returns:
         The :class:`ConvertResult`.
@@ -92,6 +95,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     t0 = time.perf_counter()
     src, out = Path(source), Path(output)
     check_exists(src)
+    memory_budget(max_memory)  # a bad budget is a usage error before any work
     if to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
     fmt = output_format(out, fmt)
@@ -144,7 +148,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
                                   metadata=meta, aliases=aliases, overwrite=overwrite,
                                   side_files=side, on_progress=on_progress,
                                   before_commit=lambda _tmp: check_overflow(stats, clamp),
-                                  on_start=on_start, part=job)
+                                  on_start=on_start, part=job, max_memory=max_memory)
     finally:
         source_reader.close()
     if clamp and stats.overflow:

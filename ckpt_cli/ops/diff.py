@@ -26,6 +26,7 @@ import fnmatch
 import math
 import os
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,8 @@ from ckpt_cli import dtypes
 from ckpt_cli.compare import (
     BLOCK_ELEMENTS,
     EXACT,
+    DiffStats,
+    Tolerance,
     compare_values,
     default_tolerance,
 )
@@ -52,7 +55,7 @@ from ckpt_cli.formats.torchfile import role_of
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.results import DiffResult, MetaDiff, OnlyIn, Rename, TensorDiff
 from ckpt_cli.runs import Followed, follow_pointer, is_run_dir, list_run
-from ckpt_cli.streaming import PIECE_BYTES
+from ckpt_cli.streaming import PIECE_BYTES, Meter, default_jobs, memory_budget, run_bounded
 from ckpt_cli.tensors import TensorSource
 
 if TYPE_CHECKING:
@@ -103,7 +106,7 @@ class DiffOptions:
 
 def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
          fmt_a: str | None = None, fmt_b: str | None = None,
-         on_progress: ProgressFn | None = None) -> DiffResult:
+         on_progress: ProgressFn | None = None, max_memory: int | None = None) -> DiffResult:
     """Compare two checkpoints given by path.
 
     Args:
@@ -113,6 +116,8 @@ def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
         fmt_a: Force A's format instead of detecting it.
         fmt_b: Force B's format.
         on_progress: Called as values are compared with ``(bytes_done, bytes_total)``.
+        max_memory: Memory budget in bytes for the tensors being compared at once (default
+            256 MiB; a tensor whose layout is read whole may add its size).
 
     Returns:
         The :class:`DiffResult`.
@@ -124,7 +129,8 @@ def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
     index_a, followed_a = _read_side(a, fmt_a, "A")
     index_b, followed_b = _read_side(b, fmt_b, "B")
     same = same_checkpoint(index_a, index_b)
-    result = diff_indexes(index_a, index_b, options, on_progress=on_progress, same=same)
+    result = diff_indexes(index_a, index_b, options, on_progress=on_progress, same=same,
+                          max_memory=max_memory)
     result.followed_a, result.followed_b = followed_a, followed_b
     return result
 
@@ -229,7 +235,8 @@ class _SideSource(TensorSource):
 
 def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
                  options: DiffOptions | None = None, *,
-                 on_progress: ProgressFn | None = None, same: str | None = None) -> DiffResult:
+                 on_progress: ProgressFn | None = None, same: str | None = None,
+                 max_memory: int | None = None) -> DiffResult:
     """Compare two checkpoints already read (the API other commands use to verify output).
 
     Args:
@@ -239,6 +246,7 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
         on_progress: Called as values are compared with ``(bytes_done, bytes_total)``.
         same: Why both sides are one checkpoint on disk (see :func:`same_checkpoint`): then
             values are not read and every common tensor is ``identical``.
+        max_memory: Memory budget in bytes for the tensors being compared at once.
 
     Returns:
         The :class:`DiffResult`.
@@ -251,6 +259,7 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
             or a tolerance is negative.
     """
     opts = options or DiffOptions()
+    budget = memory_budget(max_memory)
     for label, val in (("--rtol", opts.rtol), ("--atol", opts.atol)):
         if val is not None and not (val >= 0 and math.isfinite(val)):
             raise UsageError(f"{label} must be a finite number >= 0, not {val}")
@@ -282,7 +291,7 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
             why = comparable(index_a.tensors[t.name_a], index_b.tensors[t.name_b])
             t.status, t.reason = ("skipped", why) if why else ("identical", same)
     elif opts.values:
-        _compare_all(result, on_progress)
+        _compare_all(result, on_progress, budget)
     else:
         for t in result.tensors:
             if t.status != "shape_changed":
@@ -549,7 +558,9 @@ def comparable(ta: TensorInfo, tb: TensorInfo) -> str | None:
     return None
 
 
-def _compare_all(result: DiffResult, on_progress: ProgressFn | None) -> None:
+def _compare_all(result: DiffResult, on_progress: ProgressFn | None, budget: int) -> None:
+    """Compare the values of every comparable pair, several pairs at once (as many as the
+    cores and the memory budget allow), each on a thread with its own readers."""
     opts = result.options
     todo: list[tuple[TensorDiff, TensorInfo, TensorInfo]] = []
     for td in result.tensors:
@@ -562,20 +573,27 @@ def _compare_all(result: DiffResult, on_progress: ProgressFn | None) -> None:
             continue
         todo.append((td, ta, tb))
     total = sum(ta.nbytes + tb.nbytes for _, ta, tb in todo)
-    done = 0
+    sides: list[tuple[_SideSource, _SideSource]] = []
+    local = threading.local()
+    lock = threading.Lock()
 
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if on_progress is not None:
-            on_progress(min(done, total), total)
+    def sources() -> tuple[_SideSource, _SideSource]:
+        pair: tuple[_SideSource, _SideSource] | None = getattr(local, "pair", None)
+        if pair is None:
+            pair = local.pair = (_SideSource(result.index_a, "A"),
+                                 _SideSource(result.index_b, "B"))
+            with lock:
+                sides.append(pair)
+        return pair
 
-    with _SideSource(result.index_a, "A") as src_a, _SideSource(result.index_b, "B") as src_b:
-        for td, ta, tb in todo:
+    def job(td: TensorDiff, ta: TensorInfo, tb: TensorInfo,
+            ) -> Callable[[Meter], tuple[DiffStats, Tolerance]]:
+        def run(meter: Meter) -> tuple[DiffStats, Tolerance]:
+            src_a, src_b = sources()
             tol = default_tolerance(ta.dtype, tb.dtype, rtol=opts.rtol, atol=opts.atol)
             try:
                 stats = compare_values(src_a, ta, src_b, tb, tol, block=opts.block,
-                                       on_block=tick)
+                                       on_block=meter.add)
             except MemoryError:
                 raise OutOfMemoryError(
                     f"out of memory comparing tensor {td.name!r} ({ta.nbytes:,} + "
@@ -584,14 +602,42 @@ def _compare_all(result: DiffResult, on_progress: ProgressFn | None) -> None:
                     "MiB, but reads strided views and DCP chunks split along other "
                     "dimensions whole",
                     hint="free memory or raise the limit (ulimit -v)") from None
-            kinds = {dtypes.DTYPES[ta.dtype].kind, dtypes.DTYPES[tb.dtype].kind}
-            if not kinds & {"float", "complex"}:
-                tol = EXACT
-            td.stats, td.tolerance = stats, tol
-            td.status = ("identical" if stats.identical else
-                         "within_tolerance" if stats.within_tolerance else "changed")
+            return stats, tol
+        return run
+
+    def progress(_label: str, done: int, all_bytes: int) -> None:
+        if on_progress is not None:
+            on_progress(min(done, all_bytes), all_bytes)
+
+    try:
+        outcomes = run_bounded([job(*x) for x in todo],
+                               [_held(ta, opts.block) + _held(tb, opts.block)
+                                + 7 * 8 * opts.block for _, ta, tb in todo],
+                               budget=budget, threads=default_jobs(), total=total,
+                               label="values", on_progress=progress)
+    finally:
+        for a, b in sides:
+            a.close()
+            b.close()
+    for (td, ta, tb), (stats, tol) in zip(todo, outcomes, strict=True):
+        kinds = {dtypes.DTYPES[ta.dtype].kind, dtypes.DTYPES[tb.dtype].kind}
+        if not kinds & {"float", "complex"}:
+            tol = EXACT
+        td.stats, td.tolerance = stats, tol
+        td.status = ("identical" if stats.identical else
+                     "within_tolerance" if stats.within_tolerance else "changed")
+    with _SideSource(result.index_a, "A") as src_a, _SideSource(result.index_b, "B") as src_b:
         result.only_a = _value_ties(result.only_a, result, src_a, "a")
         result.only_b = _value_ties(result.only_b, result, src_b, "b")
+
+
+def _held(t: TensorInfo, block: int) -> int:
+    """Bytes a comparison holds of one side: a block of a tensor stored as one byte range;
+    the whole tensor for other layouts (an upper bound: DCP chunks split along the first
+    dimension stream in pieces)."""
+    if t.chunks or t.stride is not None or t.file is None:
+        return t.nbytes
+    return min(t.nbytes, block * dtypes.DTYPES[t.dtype].itemsize)
 
 
 _MAX_TIE_CANDIDATES = 8

@@ -3,8 +3,8 @@
 Shared by ``convert`` and ``consolidate``. The caller describes each output tensor and how to
 produce its values (:class:`OutTensor`); the writer plans shards (:func:`plan_shards`), builds
 everything under a temporary sibling (:mod:`ckpt_cli.atomic`), streams one tensor at a time
-while a background thread prepares the next one, and renames the result into place only when
-it is complete and fsynced. A tensor larger than a piece
+while a background thread reads and casts ahead within a memory budget, and renames the
+result into place only when it is complete and fsynced. A tensor larger than a piece
 (:data:`ckpt_cli.streaming.PIECE_BYTES`) can be produced piece by piece (:attr:`OutTensor.pieces`),
 so memory stays within :data:`ckpt_cli.streaming.MEMORY_BUDGET` whatever one tensor's size.
 """
@@ -36,7 +36,7 @@ from ckpt_cli.errors import (
 from ckpt_cli.manifest import MANIFEST_NAME, manifest_path
 from ckpt_cli.parts import PartOutcome, fingerprint
 from ckpt_cli.shardplan import ShardPlan, plan_shards
-from ckpt_cli.streaming import MEMORY_BUDGET, PIECE_BYTES
+from ckpt_cli.streaming import MEMORY_BUDGET, PIECE_BYTES, memory_budget
 from ckpt_cli.writers.parts import PartJob, write_parted
 from ckpt_cli.writers.safetensors import header_bytes, write_all
 from ckpt_cli.writers.torchzip import TorchZipWriter
@@ -140,7 +140,8 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
                      on_progress: Callable[[int], None] | None = None,
                      before_commit: Callable[[Path], None] | None = None,
                      on_start: Callable[[int], None] | None = None,
-                     part: PartJob | None = None) -> WriteResult:
+                     part: PartJob | None = None,
+                     max_memory: int | None = None) -> WriteResult:
     """Write tensors as one file or as HF-style shards with an index, atomically.
 
     ``dest`` is a file when it ends in ``.safetensors``/``.pt``/``.pth``/``.bin`` (then the
@@ -167,16 +168,20 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
         on_start: Called once with the bytes of tensor data this process will write.
         part: Write only this process's share of the shards, and finalize when every part
             is done (:mod:`ckpt_cli.writers.parts`).
+        max_memory: Bytes of tensor data read and cast ahead of the writer (``--max-memory``;
+            default :data:`ckpt_cli.streaming.MEMORY_BUDGET`).
 
     Returns:
         The :class:`WriteResult`.
 
     Raises:
-        UsageError: Bad format, or a single-file ``dest`` that the shard size would split.
+        UsageError: Bad format, a single-file ``dest`` that the shard size would split, or
+            ``max_memory`` below one piece.
         DestinationExistsError: ``dest`` exists and ``overwrite`` is False.
     """
     if fmt not in FORMATS:
         raise UsageError(f"--format must be safetensors or pt, not {fmt!r}")
+    budget = memory_budget(max_memory)
     _check_dtypes(tensors, fmt)
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
@@ -199,16 +204,17 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
     try:
         if part is not None:
             _write_part(dest, fmt, tensors, plan, meta, aliases, overwrite, side_files, result,
-                        on_progress, before_commit, on_start, part, content_id, ids, as_file)
+                        on_progress, before_commit, on_start, part, content_id, ids, as_file,
+                        budget)
             return result
         if on_start:
             on_start(sum(t.nbytes for t in tensors))
         if as_file:
             _write_file(dest, fmt, tensors, plan, meta, aliases, overwrite, result, on_progress,
-                        before_commit, ids)
+                        before_commit, ids, budget=budget)
         else:
             _write_dir(dest, fmt, tensors, plan, meta, aliases, overwrite, side_files, result,
-                       on_progress, before_commit, ids)
+                       on_progress, before_commit, ids, budget=budget)
     except OSError as e:
         where = e.filename if isinstance(e.filename, str) else dest
         raise CkptError(f"cannot write: {e.strerror or e}", path=where) from None
@@ -219,8 +225,9 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
 def _write_file(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
                 meta: dict[str, str], aliases: dict[str, str] | None, overwrite: bool,
                 result: WriteResult, on_progress: Callable[[int], None] | None,
-                before_commit: Callable[[Path], None] | None, ids: dict[str, str]) -> None:
-    with atomic_file(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
+                before_commit: Callable[[Path], None] | None, ids: dict[str, str], *,
+                budget: int) -> None:
+    with atomic_file(dest, overwrite=overwrite) as tmp, _Prefetch(tensors, budget) as source:
         _write_shard(tmp, fmt, tensors, plan.members[0], meta, aliases, source, on_progress,
                      ids[plan.files[0]])
         result.files.append((dest.name, tmp.stat().st_size))
@@ -235,8 +242,9 @@ def _write_dir(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPl
                meta: dict[str, str], aliases: dict[str, str] | None, overwrite: bool,
                side_files: dict[str, bytes] | None, result: WriteResult,
                on_progress: Callable[[int], None] | None,
-               before_commit: Callable[[Path], None] | None, ids: dict[str, str]) -> None:
-    with atomic_dir(dest, overwrite=overwrite) as tmp, _Prefetch(tensors) as source:
+               before_commit: Callable[[Path], None] | None, ids: dict[str, str], *,
+               budget: int) -> None:
+    with atomic_dir(dest, overwrite=overwrite) as tmp, _Prefetch(tensors, budget) as source:
         for fname, members in zip(plan.files, plan.members, strict=True):
             _write_shard(tmp / fname, fmt, tensors, members, meta, aliases, source,
                          on_progress, ids[fname])
@@ -269,7 +277,7 @@ def _write_part(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardP
                 on_progress: Callable[[int], None] | None,
                 before_commit: Callable[[Path], None] | None,
                 on_start: Callable[[int], None] | None, job: PartJob, content_id: str,
-                ids: dict[str, str], as_file: bool) -> None:
+                ids: dict[str, str], as_file: bool, budget: int) -> None:
     """This process's share of a split write (see :mod:`ckpt_cli.writers.parts`)."""
 
     def write_mine(mine: list[int], out_dir: Path) -> Generator[tuple[int, Path], None, None]:
@@ -279,7 +287,7 @@ def _write_part(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardP
         result.tensors, result.tensor_bytes = len(own), sum(t.nbytes for t in own)
         if on_start:
             on_start(result.tensor_bytes)
-        with _Prefetch(own) as source:
+        with _Prefetch(own, budget) as source:
             for i in mine:
                 fname = plan.files[i]
                 tmp = out_dir / f".{fname}{TMP_MARK}{os.getpid()}"
@@ -414,26 +422,51 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
             except BaseException:
                 zw.abandon()
                 raise
+        # Before the file closes. (On an error, closing while a flush runs is harmless: the
+        # kernel holds the file until fdatasync returns, and the error raised says more.)
+        flusher.wait()
 
 
 class _Flusher:
     """Flushes written data to disk every few hundred MB while writing continues.
 
     The atomic rename needs everything durable (fsync) first; flushing as we go overlaps that
-    disk work with reading and casting the next tensors instead of paying it all at the end.
+    disk work with reading, casting and writing the next tensors instead of paying it all at
+    the end. Each ``fdatasync`` runs on a thread of its own (write-behind), at most one at a
+    time, so dirty data stays within about two intervals; :meth:`wait` collects the last one.
     """
 
     EVERY = 256 << 20
 
     def __init__(self, f: Any):
         self.f, self.pending = f, 0
+        self._sync: threading.Thread | None = None
+        self._error: OSError | None = None
 
     def wrote(self, n: int) -> None:
         self.pending += n
         if self.pending >= self.EVERY:
             self.f.flush()
-            os.fdatasync(self.f.fileno())  # releases the GIL: the prefetch thread keeps casting
+            self.wait()
+            self._sync = threading.Thread(target=self._fdatasync, args=(self.f.fileno(),),
+                                          name="ckpt-fdatasync", daemon=True)
+            self._sync.start()
             self.pending = 0
+
+    def _fdatasync(self, fd: int) -> None:
+        try:
+            os.fdatasync(fd)
+        except OSError as e:  # raised in the writer's thread by wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Wait for the flush in progress; raise its error, if any."""
+        if self._sync is not None:
+            self._sync.join()
+            self._sync = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
 
 
 def _tensor_bytes(source: _Prefetch, i: int, t: OutTensor) -> Iterator[memoryview]:
@@ -522,38 +555,76 @@ _END = object()  # after a tensor's last piece
 
 
 class _Prefetch:
-    """Produces tensors (or pieces of them) in order on a background thread, one ahead.
+    """Produces tensors (or pieces of them) in order on a background thread, up to a budget
+    of bytes ahead of the writer.
 
-    Reading and casting the next piece (numpy and file reads release the GIL) overlaps
-    with writing the current one; at most two pieces are in memory at a time besides the
-    one being produced. A tensor without :attr:`OutTensor.pieces` is one piece.
+    Reading and casting (numpy, torch and file reads release the GIL; casts use every core)
+    run ahead of writing as far as ``budget`` allows: the pieces produced and not yet written
+    (the one being written included) stay within it, so the writer has data when the disk is
+    ready and the reader keeps going while the writer waits on a flush. A piece larger than
+    the budget is produced alone. A tensor without :attr:`OutTensor.pieces` is one piece.
+
+    Args:
+        tensors: What to produce, in order.
+        budget: Bytes of produced, unwritten pieces (default
+            :data:`ckpt_cli.streaming.MEMORY_BUDGET`).
     """
 
-    def __init__(self, tensors: Sequence[OutTensor]):
+    def __init__(self, tensors: Sequence[OutTensor], budget: int | None = None):
         self._tensors = tensors
-        self._q: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue(maxsize=1)
+        self._budget = budget or MEMORY_BUDGET
+        self._q: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue()
+        self._room = threading.Condition()
+        self._held = 0  # bytes produced and not yet released by the writer
+        self.peak = 0  # the most bytes held at once (for tests)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckpt-prefetch", daemon=True)
         self._thread.start()
 
+    def _wait_for_room(self, need: int) -> bool:
+        """Block until ``need`` more bytes fit the budget (or nothing is held)."""
+        with self._room:
+            while self._held and self._held + need > self._budget:
+                if self._stop.is_set():
+                    return False
+                self._room.wait(0.1)
+        return not self._stop.is_set()
+
+    def _hold(self, n: int) -> None:
+        with self._room:
+            self._held += n
+            self.peak = max(self.peak, self._held)
+
+    def _release(self, n: int) -> None:
+        with self._room:
+            self._held -= n
+            self._room.notify_all()
+
     def _put(self, item: tuple[int, Any, BaseException | None]) -> bool:
-        while not self._stop.is_set():
-            with contextlib.suppress(queue.Full):
-                self._q.put(item, timeout=0.1)
-                return True
-        return False
+        if self._stop.is_set():
+            return False
+        self._q.put(item)
+        return True
 
     def _run(self) -> None:
+        last = 0  # size of the previous piece: what the next one will likely need
         for i, t in enumerate(self._tensors):
             if self._stop.is_set():
                 return
             try:
                 pieces = t.pieces() if t.pieces is not None else iter((t.load(),))
                 try:
-                    for arr in pieces:
+                    while self._wait_for_room(last or min(t.nbytes, PIECE_BYTES)):
+                        arr: Any = next(pieces, _END)
+                        if arr is _END:
+                            break
+                        last = int(arr.nbytes)
+                        self._hold(last)
                         if not self._put((i, arr, None)):
                             return
                         del arr
+                    else:
+                        return  # stopped
                 finally:
                     close = getattr(pieces, "close", None)
                     if close is not None:
@@ -569,7 +640,9 @@ class _Prefetch:
                 return
 
     def pieces(self, i: int) -> Iterator[np.ndarray]:
-        """The values of tensor ``i``, piece by piece (tensors must be asked for in order)."""
+        """The values of tensor ``i``, piece by piece (tensors must be asked for in order).
+
+        A piece counts against the budget until the next one is asked for."""
         while True:
             try:
                 j, arr, err = self._q.get(timeout=0.1)
@@ -583,8 +656,12 @@ class _Prefetch:
                 raise RuntimeError(f"tensor {j} produced while {i} was expected")
             if arr is _END:
                 return
-            yield arr
-            del arr
+            n = int(arr.nbytes)
+            try:
+                yield arr
+            finally:
+                del arr
+                self._release(n)
 
     def __enter__(self) -> _Prefetch:
         return self
@@ -595,6 +672,8 @@ class _Prefetch:
     def close(self) -> None:
         """Stop the producer and drop what it prepared."""
         self._stop.set()
+        with self._room:
+            self._room.notify_all()
         with contextlib.suppress(queue.Empty):
             while True:
                 self._q.get_nowait()

@@ -77,7 +77,14 @@ from ckpt_cli.runs import (
     quick_status,
     run_entry,
 )
-from ckpt_cli.streaming import OpenFiles, ProgressFn, default_jobs
+from ckpt_cli.streaming import (
+    BUFFER_SIZE,
+    MEMORY_BUDGET,
+    OpenFiles,
+    ProgressFn,
+    default_jobs,
+    memory_budget,
+)
 from ckpt_cli.units import format_size
 
 if TYPE_CHECKING:
@@ -125,6 +132,7 @@ class Options:
     manifest_algorithm: str = DEFAULT_ALGORITHM
     jobs: int = 1
     on_progress: ProgressFn | None = None
+    max_memory: int = MEMORY_BUDGET
     share: Share | None = None
 
 
@@ -166,7 +174,8 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
              manifest_algorithm: str = DEFAULT_ALGORITHM, jobs: int | None = None,
              pattern: str | None = None, on_progress: ProgressFn | None = None,
              part: Part | str | None = None, finalize: bool = False,
-             parts_dir: str | Path | None = None) -> ValidateResult:
+             parts_dir: str | Path | None = None,
+             max_memory: int | None = None) -> ValidateResult:
     """Validate a checkpoint, or every checkpoint of a run directory.
 
     Args:
@@ -189,6 +198,9 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
             parts missing, or planned with other options, are an error.
         parts_dir: Where the parts' receipts go (default: a hidden sibling of the checkpoint),
             for read-only checkpoint storage.
+        max_memory: Memory budget in bytes for data being checked (the ``--values`` scan;
+            the CRC and hashing buffers, a small one per thread); default 256 MiB, and a
+            tensor that must be read whole may add its size.
 
     Returns:
         The :class:`ValidateResult` (with ``part`` set when split).
@@ -210,8 +222,11 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
         # A manifest vouches for the bytes; --quick never reads them (no CRC pass), so it
         # could record a corrupt file as good.
         raise UsageError("--write-manifest needs the full check; drop --quick")
+    budget = memory_budget(max_memory)
+    # CRC-32 and hashing threads each hold one buffer: never more of them than fit the budget.
+    threads = min(jobs or default_jobs(), max(1, budget // BUFFER_SIZE))
     opts = Options(fmt, quick, values, parse_require(require), write_manifest,
-                   manifest_algorithm, jobs or default_jobs(), on_progress)
+                   manifest_algorithm, threads, on_progress, budget)
     split = None
     if part is not None or finalize:
         from ckpt_cli.parts import parse_part
@@ -506,11 +521,13 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
                 vf, stats = scan_values(index, on_progress=opts.on_progress,
                                         select=opts.share.owns_tensor,
                                         done_elsewhere=opts.share.values_elsewhere,
-                                        collect=opts.share.values)
+                                        collect=opts.share.values,
+                                        max_memory=opts.max_memory, threads=opts.jobs)
                 b.add("values", vf, _values_summary(stats))
                 report.bytes_read += stats.bytes
             elif opts.values:
-                vf, stats = scan_values(index, on_progress=opts.on_progress)
+                vf, stats = scan_values(index, on_progress=opts.on_progress,
+                                        max_memory=opts.max_memory, threads=opts.jobs)
                 b.add("values", vf, _values_summary(stats))
                 report.bytes_read += stats.bytes
             else:

@@ -1,13 +1,18 @@
 """``validate --values``: stream every floating tensor and look for NaN, Inf and all-zero.
 
-Tensors are read one at a time (DCP tensors one chunk at a time) through
-:class:`~ckpt_cli.tensors.TensorSource`, and examined in slices, so memory stays about one
-tensor (or chunk) whatever the checkpoint's size. Views of one storage (tied weights) are read
+Tensors are read piece by piece through :meth:`~ckpt_cli.tensors.TensorSource.iter_pieces`
+(a tensor stored as one byte range in pieces of :data:`~ckpt_cli.streaming.PIECE_BYTES`; DCP
+tensors a chunk at a time; strided views whole) and examined in slices. Several
+tensors are scanned at once, on as many threads as ``--jobs`` and the memory budget
+(``--max-memory``) allow, so memory stays within the budget plus the largest tensor that must
+be read whole, whatever the checkpoint's size. Views of one storage (tied weights) are read
 once.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -16,7 +21,7 @@ from typing import TYPE_CHECKING
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
-from ckpt_cli.streaming import ProgressFn
+from ckpt_cli.streaming import PIECE_BYTES, Meter, ProgressFn, memory_budget, run_bounded
 from ckpt_cli.tensors import TensorSource
 
 if TYPE_CHECKING:
@@ -70,11 +75,50 @@ class _Counts:
 
 
 def _pieces(src: TensorSource, t: TensorInfo) -> Iterator[np.ndarray]:
+    """A tensor's values in pieces; DCP tensors a chunk at a time (the order of the values
+    does not matter here, so chunks split along any dimension need no assembling)."""
     if t.chunks:
         for c in t.chunks:
             yield src.read_chunk(t, c)
     else:
-        yield src.read(t)
+        yield from src.iter_pieces(t)
+
+
+def _cost(t: TensorInfo) -> int:
+    """Memory a scan of ``t`` holds: a piece, its largest chunk, or the whole tensor when its
+    layout is read whole; plus the masks of one slice."""
+    if t.chunks:
+        item = dtypes.DTYPES[t.dtype].itemsize
+        held = max(math.prod(c.sizes) * item for c in t.chunks)
+    elif t.stride is None and t.file is not None:
+        held = min(t.nbytes, PIECE_BYTES)
+    else:
+        held = t.nbytes
+    return held + 3 * _SLICE
+
+
+class _Sources:
+    """One :class:`TensorSource` per worker thread (their open-file caches are not shared)."""
+
+    def __init__(self, index: CheckpointIndex):
+        self.index = index
+        self._local = threading.local()
+        self._all: list[TensorSource] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> TensorSource:
+        src: TensorSource | None = getattr(self._local, "src", None)
+        if src is None:
+            src = self._local.src = TensorSource(self.index)
+            with self._lock:
+                self._all.append(src)
+        return src
+
+    def close(self) -> None:
+        with self._lock:
+            for src in self._all:
+                src.close()
+            self._all.clear()
 
 
 TensorValues = tuple[list[Finding], bool]
@@ -90,6 +134,7 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
                 select: Callable[[TensorInfo], bool] | None = None,
                 done_elsewhere: Mapping[str, TensorValues] | None = None,
                 collect: dict[str, TensorValues] | None = None,
+                max_memory: int | None = None, threads: int = 1,
                 ) -> tuple[list[Finding], ValueScan]:
     """Examine every floating tensor's values.
 
@@ -100,6 +145,9 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
             are taken from ``done_elsewhere`` when there, else left out.
         done_elsewhere: Results of tensors other parts examined, by name.
         collect: Receives the result of each tensor examined here, by name.
+        max_memory: Memory budget in bytes for the tensors being scanned (default 256 MiB;
+            a tensor whose layout is read whole may add its size).
+        threads: Tensors scanned at once (at most; the budget may allow fewer).
 
     Returns:
         ``(findings, stats)``. NaN is an error in weights, optimizer state and buffers (a
@@ -110,6 +158,7 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
     """
     t0 = time.perf_counter()
     elsewhere = done_elsewhere or {}
+    budget = memory_budget(max_memory)
     todo: list[TensorInfo] = []
     seen: set[tuple[object, ...]] = set()
     skipped = 0
@@ -126,42 +175,56 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
         if select is None or select(t) or t.name in elsewhere:
             todo.append(t)
     total = sum(t.nbytes for t in todo)
-    findings: list[Finding] = []
-    done = examined = 0
-    if on_progress:
-        on_progress("values", 0, total)
-    with TensorSource(index) as src:
-        for t in todo:
-            if select is not None and not select(t):
-                found, unreadable = elsewhere[t.name]
-                findings.extend(found)
-                done += t.nbytes
-                skipped += unreadable
-                examined += not unreadable
-                continue
+    mine = [t for t in todo if select is None or select(t)]
+    sources = _Sources(index)
+
+    def job(t: TensorInfo) -> Callable[[Meter], _Counts | CkptError]:
+        def run(meter: Meter) -> _Counts | CkptError:
             counts = _Counts()
             try:
-                for arr in _pieces(src, t):
+                for arr in _pieces(sources.get(), t):
                     counts.add(arr)
-                    del arr  # before the next read: memory holds one tensor, not two
+                    meter.add(arr.nbytes)
+                    del arr  # before the next read: memory holds one piece, not two
             except CkptError as e:
-                skipped += 1
-                bad = Finding("warning", "values-unreadable",
-                              f"values not examined: {e.message}", _file(t), t.name)
-                findings.append(bad)
-                if collect is not None:
-                    collect[t.name] = ([bad], True)
-                continue
-            finally:
-                done += t.nbytes
-                if on_progress:
-                    on_progress("values", done, total)
-            examined += 1
-            judged = _judge(t, counts)
-            findings.extend(judged)
+                return e
+            return counts
+        return run
+
+    try:
+        outcomes = run_bounded([job(t) for t in mine], [_cost(t) for t in mine], budget=budget,
+                               threads=max(1, threads), total=sum(t.nbytes for t in mine),
+                               label="values",
+                               on_progress=on_progress)
+    finally:
+        sources.close()
+    if on_progress:
+        on_progress("values", total, total)
+    scanned = {t.name: got for t, got in zip(mine, outcomes, strict=True)}
+    findings: list[Finding] = []
+    examined = 0
+    for t in todo:
+        if t.name not in scanned:  # another part's tensor (--part): its receipt's result
+            found, unreadable = elsewhere[t.name]
+            findings.extend(found)
+            skipped += unreadable
+            examined += not unreadable
+            continue
+        got = scanned[t.name]
+        if isinstance(got, CkptError):
+            skipped += 1
+            bad = Finding("warning", "values-unreadable",
+                          f"values not examined: {got.message}", _file(t), t.name)
+            findings.append(bad)
             if collect is not None:
-                collect[t.name] = (judged, False)
-    return findings, ValueScan(examined, done, skipped, time.perf_counter() - t0)
+                collect[t.name] = ([bad], True)
+            continue
+        examined += 1
+        judged = _judge(t, got)
+        findings.extend(judged)
+        if collect is not None:
+            collect[t.name] = (judged, False)
+    return findings, ValueScan(examined, total, skipped, time.perf_counter() - t0)
 
 
 def _file(t: TensorInfo) -> str | None:
