@@ -12,11 +12,19 @@ with their sign. torch's own NaN bits depend on where an element falls in its lo
 BF16 gives 0xFFFF in the vector loop, 0x7FC0 in the scalar tail), so blocks that torch cast
 and that hold a NaN have their NaNs recast with numpy.
 
-numpy converts at about 0.3-0.4 G elements/s per core here; torch's vectorised kernels at
-about 1.4 G/s. torch costs ~1.4 s to import, so it is only worth it for big conversions:
-:func:`prefer_torch` starts importing it in the background, and casts use it once it is there
-(numpy until then), for FP32/FP16/BF16 to FP16/BF16 only (widening is exact either way, and
-rare).
+Backends, measured on this project's 2-core VM (numpy 2.4, torch on AVX2/F16C): numpy casts
+FP32 to FP16 at ~0.18 G elements/s per core (0.27-0.33 G/s in :func:`cast_array` on 2
+threads), to BF16 (ml_dtypes) at ~0.6 G/s per core; torch's kernels at ~3.3 G/s on one
+thread (FP16), 1.1-1.4 G/s in :func:`cast_array` with the range check. But importing torch
+costs 1.9-2.1 s of wall and CPU time (on one core, mostly holding the GIL) and ~340 MB of
+resident memory, and end to end it lost every time: ``convert --to fp16`` of 134M-536M
+elements of safetensors took 0-4 s longer with torch casts; of the 4.7 GB training checkpoint
+(389M elements) 5.25 s instead of 2.97 s (CPU 7.1 s instead of 4.6 s, RSS 542 MB instead
+of 202 MB); of the 11.5 GB one (955M elements, ``bench/bench_convert.py --big``) 11.45 s
+instead of 6.02 s best of 3 (CPU 13.6 s instead of 8.8 s). Hence :data:`TORCH_WORTH_IT` at
+4G elements (16 GB of FP32 to cast), above anything measured: :func:`prefer_torch` then
+starts importing torch in the background, and casts use it once it is there (numpy until
+then), for FP32/FP16/BF16 to FP16/BF16 only (widening is exact either way, and rare).
 """
 
 from __future__ import annotations
@@ -37,8 +45,9 @@ if TYPE_CHECKING:
     import numpy as np
 
 FP16_MAX = 65504.0
-TORCH_WORTH_IT = 1_000_000_000
-"""Elements to cast above which importing torch for its faster kernels pays for itself."""
+TORCH_WORTH_IT = 4_000_000_000
+"""Elements to cast from which torch's faster kernels are used (importing torch first): above
+every conversion measured, all of which were faster with numpy (see the module docstring)."""
 
 _BLOCK = 1 << 21  # elements per cast block: small temporaries, work for every core
 
