@@ -248,6 +248,18 @@ def test_another_plan_is_refused(dcp7: Path, tmp_path: Path) -> None:
     assert not (d / "ckpt-manifest.json").exists()
 
 
+def test_a_file_rewritten_in_place_between_parts_is_another_plan(dcp7: Path,
+                                                                 tmp_path: Path) -> None:
+    import os
+
+    d = _copy(dcp7, tmp_path)
+    run_parts(d, 2, "--write-manifest", order=[1])
+    os.utime(d / "__0_0.distcp", ns=(1, 1))  # same size, rewritten: a new mtime
+    r = ckpt("validate", d, "--write-manifest", "--part", "2/2")
+    assert r.exit_code == 2 and "different plan" in r.stderr
+    assert not (d / "ckpt-manifest.json").exists()
+
+
 def test_a_corrupt_chunk_fails_its_part_and_the_merged_report(dcp4: Path) -> None:
     from ckpt_cli.formats import read_index
     from ckpt_cli.formats.dcp import locate_chunk

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import dtypes
-from ckpt_cli.atomic import TMP_MARK, atomic_dir, atomic_file
+from ckpt_cli.atomic import TMP_MARK, atomic_dir, atomic_file, fsync_path
 from ckpt_cli.errors import (
     CkptError,
     DestinationExistsError,
@@ -294,6 +294,9 @@ def _write_part(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardP
                 try:
                     _write_shard(tmp, fmt, own, tuple(local[j] for j in plan.members[i]), meta,
                                  aliases, source, on_progress, ids[fname])
+                    # Durable before its receipt vouches for it (a power loss must not leave
+                    # a receipt for a shard of the right size and the wrong bytes).
+                    fsync_path(tmp)
                     os.replace(tmp, out_dir / fname)
                 except BaseException:
                     tmp.unlink(missing_ok=True)

@@ -29,7 +29,7 @@ from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 from ckpt_cli.ops.validate.dcpcheck import DcpReport
 from ckpt_cli.ops.validate.valuecheck import TensorValues, value_file
 from ckpt_cli.ops.validate.zipcheck import CrcTask
-from ckpt_cli.parts import assign
+from ckpt_cli.parts import assign, source_identity
 from ckpt_cli.streaming import ProgressFn
 
 RECEIPT_VERSION = 1
@@ -57,9 +57,15 @@ def _size(path: Path) -> int | None:
 
 def make_plan(path: Path, files: list[tuple[str, int]], options: Mapping[str, Any]
               ) -> dict[str, Any]:
-    """The plan every part of a split validation computes (its fingerprint names it)."""
+    """The plan every part of a split validation computes (its fingerprint names it).
+
+    The files' mtimes are in it too: parts of a checkpoint rewritten in place between them
+    (same sizes, new bytes) refuse to merge.
+    """
+    base = path if path.is_dir() else path.parent
     return {"command": "validate", "checkpoint": path.name,
-            "files": [[rel, size] for rel, size in files], "options": dict(options)}
+            "files": [list(f) for f in source_identity(base, [rel for rel, _ in files])],
+            "options": dict(options)}
 
 
 def _findings(items: Iterable[Any]) -> list[Finding]:
