@@ -72,6 +72,13 @@ class UnsupportedError(CkptError):
     kind = "unsupported"
 
 
+class StorageError(CkptError):
+    """Object storage failed: no such bucket or key, access denied, no credentials, an
+    endpoint that cannot be reached or keeps failing. Messages never hold credentials."""
+
+    kind = "storage"
+
+
 class OutOfMemoryError(CkptError):
     """An allocation failed: the data did not fit the memory there is (or ``ulimit -v``)."""
 

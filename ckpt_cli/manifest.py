@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-import os
 import stat
 import time
 from collections.abc import Callable
@@ -36,8 +35,10 @@ from typing import Any, Protocol
 
 import orjson
 
+from ckpt_cli import storage
 from ckpt_cli.atomic import atomic_file
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
+from ckpt_cli.formats.base import open_regular
 from ckpt_cli.model import Finding
 from ckpt_cli.streaming import (
     BUFFER_SIZE,
@@ -259,7 +260,7 @@ class HashStats:
 
 def manifest_path(checkpoint: Path) -> Path:
     """Where the manifest of a checkpoint (directory or single file) lives."""
-    checkpoint = Path(checkpoint)
+    checkpoint = storage.locate(checkpoint)
     if checkpoint.is_dir():
         return checkpoint / MANIFEST_NAME
     return checkpoint.parent / (checkpoint.name + MANIFEST_SUFFIX)
@@ -270,16 +271,16 @@ def _base_and_files(checkpoint: Path) -> tuple[Path, list[str]]:
     if not checkpoint.is_dir():
         return checkpoint.parent, [checkpoint.name]
     out: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(checkpoint, onerror=_walk_error):
+    for dirpath, dirnames, filenames in storage.walk(checkpoint, onerror=_walk_error):
         dirnames[:] = sorted(d for d in dirnames if not any(m in d for m in _OWN_TEMP))
-        rel_dir = Path(dirpath).relative_to(checkpoint)
+        rel_dir = Path(dirpath.relative_to(checkpoint).as_posix())
         for name in filenames:
             if name == MANIFEST_NAME and rel_dir == Path("."):
                 continue
             if any(m in name for m in _OWN_TEMP):
                 continue
             try:
-                if not stat.S_ISREG(os.stat(Path(dirpath) / name).st_mode):
+                if not stat.S_ISREG((dirpath / name).stat().st_mode):
                     continue  # FIFOs, devices, dangling links: not checkpoint data
             except OSError:
                 continue
@@ -306,7 +307,7 @@ def checkpoint_files(checkpoint: Path) -> list[str]:
     Raises:
         CkptError: If the directory cannot be listed.
     """
-    return _base_and_files(Path(checkpoint))[1]
+    return _base_and_files(storage.locate(checkpoint))[1]
 
 
 def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITHM,
@@ -338,15 +339,15 @@ def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITH
             h = new_hasher(algorithm)
             buf = bytearray(BUFFER_SIZE)
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_regular(path)
             except OSError as e:
                 raise CkptError(f"cannot read: {e.strerror}", path=path) from None
             try:
-                size = os.fstat(fd).st_size
+                size = storage.size_of(fd)
                 for view in read_range(fd, 0, size, buf, meter, path=path):
                     h.update(view)
             finally:
-                os.close(fd)
+                storage.close(fd)
             return FileDigest(rel, size, h.hexdigest())
         return run
 
@@ -368,7 +369,7 @@ other parts' digests from their receipts; the digests it leaves out are not chec
 
 def _size(path: Path) -> int:
     try:
-        return os.stat(path).st_size
+        return path.stat().st_size
     except OSError as e:
         raise CkptError(f"cannot read: {e.strerror}", path=path) from None
 
@@ -392,7 +393,7 @@ def compute_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
         CkptError: Unreadable files.
         UsageError: Unknown algorithm.
     """
-    base, rels = _base_and_files(Path(checkpoint))
+    base, rels = _base_and_files(storage.locate(checkpoint))
     if hasher is not None:
         digests, stats = hasher(base, rels)
     else:
@@ -424,11 +425,14 @@ def write_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
     if manifest is None:
         manifest, stats = compute_manifest(checkpoint, algorithm=algorithm, jobs=jobs,
                                            on_progress=on_progress)
-    dest = manifest_path(Path(checkpoint))
+    dest = manifest_path(storage.locate(checkpoint))
     data = manifest.to_json()
     try:
-        with atomic_file(dest, overwrite=True) as tmp:
-            tmp.write_bytes(data)
+        if storage.is_remote(dest):
+            dest.write_bytes(data)  # one PUT: the object appears whole or not at all
+        else:
+            with atomic_file(dest, overwrite=True) as tmp:
+                tmp.write_bytes(data)
     except OSError as e:
         raise CkptError(f"cannot write the manifest: {e.strerror}", path=dest) from None
     return dest, manifest, stats
@@ -447,7 +451,7 @@ def read_manifest(checkpoint: Path) -> Manifest | None:
         CorruptCheckpointError: The manifest exists but is malformed.
         CkptError: It cannot be read.
     """
-    path = manifest_path(Path(checkpoint))
+    path = manifest_path(storage.locate(checkpoint))
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -542,7 +546,7 @@ def verify_manifest(checkpoint: Path, *, jobs: int | None = None,
         CorruptCheckpointError: The manifest is malformed.
         CkptError: Files cannot be read.
     """
-    checkpoint = Path(checkpoint)
+    checkpoint = storage.locate(checkpoint)
     m = manifest or read_manifest(checkpoint)
     if m is None:
         return None

@@ -910,6 +910,9 @@ class PruneResult:
         trash_failed: Leftover trash that could not be removed, and why.
         pattern: The ``pattern`` used, if any.
         metrics_file: The ``metrics_file`` used, if any.
+        keys: On object storage: the keys of each checkpoint the plan deletes.
+        versioned: On object storage: whether the bucket keeps versions (None: unknown, or
+            a local directory).
     """
 
     path: Path
@@ -921,6 +924,8 @@ class PruneResult:
     trash_failed: dict[str, str] = field(default_factory=dict)
     pattern: str | None = None
     metrics_file: Path | None = None
+    keys: dict[str, list[str]] = field(default_factory=dict)
+    versioned: bool | None = None
 
     def status(self, d: Decision) -> str:
         """``kept``, ``would-delete`` (dry run, declined), ``deleted``, ``skipped``, ``failed``."""

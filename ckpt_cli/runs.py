@@ -20,6 +20,7 @@ import struct
 from pathlib import Path
 from typing import NamedTuple
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron, safetensors, torchfile
 from ckpt_cli.formats.base import open_regular, special_kind
@@ -38,6 +39,7 @@ from ckpt_cli.model import (
     RunEntry,
     RunListing,
 )
+from ckpt_cli.storage import Handle
 
 _METRIC = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_/]*)=(?P<val>[-+]?(?:\d+\.?\d*|\.\d+)"
                      r"(?:[eE][-+]?\d+)?)")
@@ -76,7 +78,7 @@ def _job_output(path: Path) -> bool:
     directories), and deleting a job directory would take its logs and configs along.
     """
     try:
-        with os.scandir(path) as it:
+        with storage.scandir(path) as it:
             return any(e.name in _JOB_MARKERS or e.name.endswith(_JOB_FILE_SUFFIXES)
                        for e in it)
     except OSError:
@@ -94,11 +96,11 @@ def _checkpoint_step(entry: os.DirEntry[str], strict: bool = False) -> tuple[boo
     if name.startswith(".") or name in POINTER_FILES:
         return False, None
     if entry.is_dir(follow_symlinks=False):
-        if strict and name.isdigit() and _job_output(Path(entry.path)):
+        if strict and name.isdigit() and _job_output(storage.locate(entry.path)):
             # A sweep's job directory (Hydra multirun 0/, 1/...), not a checkpoint.
             return False, None
         step = step_from_name(name, strict=strict)
-        return step is not None or (Path(entry.path) / dcp.METADATA).is_file(), step
+        return step is not None or (storage.locate(entry.path) / dcp.METADATA).is_file(), step
     if entry.is_file(follow_symlinks=False):
         if not name.endswith(FILE_EXTENSIONS) or _PART_NAME.search(name):
             return False, None
@@ -121,7 +123,7 @@ def is_run_dir(path: Path) -> bool:
             or megatron.MegatronReader().sniff(path) is None):
         return False
     try:
-        with os.scandir(path) as it:
+        with storage.scandir(path) as it:
             return any(_is_checkpoint_name(e) for e in it)
     except OSError:
         return False
@@ -157,12 +159,20 @@ def tree_scan(path: Path) -> TreeScan:
         The :class:`TreeScan`; ``exists`` is False (and everything 0) when ``path`` is missing.
     """
     try:
-        st = os.lstat(path)
+        st = storage.lstat(path)
     except OSError:
         return TreeScan(0, 0, 0.0, 0.0, exists=False)
     changed = max(st.st_mtime, st.st_ctime)
     if not stat.S_ISDIR(st.st_mode):
         return TreeScan(st.st_size, 1, st.st_mtime, changed)
+    if storage.is_remote(path):
+        total, count, newest = 0, 0, st.st_mtime
+        for _, est in storage.tree_paths(path):
+            if not stat.S_ISDIR(est.st_mode):
+                total += est.st_size
+                count += 1
+                newest = max(newest, est.st_mtime)
+        return TreeScan(total, count, newest, max(changed, newest))
     # Plain comparisons instead of max() and st_mode instead of is_dir(): this loop runs once
     # per file of every checkpoint when listing thousands of them.
     total, count, newest = 0, 0, st.st_mtime
@@ -170,7 +180,7 @@ def tree_scan(path: Path) -> TreeScan:
     while stack:
         d = stack.pop()
         try:
-            with os.scandir(d) as it:
+            with storage.scandir(d) as it:
                 for e in it:
                     try:
                         est = e.stat(follow_symlinks=False)
@@ -213,11 +223,11 @@ def writer_lock(path: Path) -> str | None:
         The lock file's path relative to the parent directory, or None.
     """
     for cand in (f"{path.name}{LOCK_SUFFIX}", f".{path.name}{LOCK_SUFFIX}"):
-        if os.path.lexists(path.parent / cand):
+        if storage.lexists(path.parent / cand):
             return cand
     try:
         if path.is_dir() and not path.is_symlink():
-            with os.scandir(path) as it:
+            with storage.scandir(path) as it:
                 for e in it:
                     if e.name.endswith(LOCK_SUFFIX):
                         return f"{path.name}/{e.name}"
@@ -390,7 +400,7 @@ def follow_pointer(path: Path) -> Followed | None:
         if target is None:
             continue
         chosen = path / target
-        if "/" in target or target in (".", "..") or not os.path.lexists(chosen):
+        if "/" in target or target in (".", "..") or not storage.lexists(chosen):
             raise CorruptCheckpointError(f"{name} names {target!r}, which is not in the "
                                          "directory", path=path / name,
                                          hint=f"ckpt inspect {path} lists its checkpoints")
@@ -431,7 +441,7 @@ def _named_unfinished(path: Path, status: tuple[str | None, bool, str | None]
 def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
     # One scandir serves every check below: at thousands of checkpoints, per-name stat calls
     # and pathlib objects are most of the cost of a listing.
-    with os.scandir(path) as it:
+    with storage.scandir(path) as it:
         children = {e.name: e for e in it}
     names = set(children)
     if not names:
@@ -464,7 +474,7 @@ def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
     if not data:
         return None, False, "no checkpoint files"
     for e in data:
-        _fmt, ok, why = _file_status(Path(e.path))
+        _fmt, ok, why = _file_status(storage.locate(e.path))
         if not ok:
             return "dir", False, f"{e.name}: {why}"
     return "dir", True, None
@@ -473,17 +483,17 @@ def _dir_status(path: Path) -> tuple[str | None, bool, str | None]:
 def _file_status(path: Path) -> tuple[str | None, bool, str | None]:
     fd = open_regular(path)  # a FIFO among a tag's rank files must not block the listing
     try:
-        status = _open_file_status(path, fd, os.fstat(fd).st_size)
+        status = _open_file_status(path, fd, storage.size_of(fd))
     finally:
-        os.close(fd)
+        storage.close(fd)
     return status if status is not None else _other_file_status(path)
 
 
-def _open_file_status(path: Path, fd: int,
+def _open_file_status(path: Path, fd: Handle,
                       size: int) -> tuple[str | None, bool, str | None] | None:
     """:func:`_file_status` of an open file: safetensors and zip checks on ``fd`` itself;
     None for anything else (see :func:`_other_file_status`)."""
-    head = os.pread(fd, 16, 0)
+    head = storage.pread(fd, 16, 0)
     if safetensors.sniff_bytes(head[:9], size) is None or (
             len(head) >= 8 and path.name.endswith(".safetensors")):
         return _safetensors_status(path, size, fd)
@@ -504,7 +514,7 @@ def _other_file_status(path: Path) -> tuple[str | None, bool, str | None]:
 
 
 def _safetensors_status(path: Path, size: int,
-                        fd: int | None = None) -> tuple[str | None, bool, str | None]:
+                        fd: Handle | None = None) -> tuple[str | None, bool, str | None]:
     try:
         n, header, _, _findings = safetensors.parse_header(path, fd=fd, size=size)
     except CkptError as err:
@@ -522,7 +532,7 @@ def _safetensors_status(path: Path, size: int,
 _EOCD = b"PK\x05\x06"
 
 
-def _has_zip_end(fd: int, size: int) -> bool:
+def _has_zip_end(fd: Handle, size: int) -> bool:
     """Whether a zip ends with an end-of-central-directory record.
 
     torch writes no zip comment, so the record is almost always the last 22 bytes: read those
@@ -530,11 +540,11 @@ def _has_zip_end(fd: int, size: int) -> bool:
     """
     if size < 22:
         return False
-    last = os.pread(fd, 22, size - 22)
+    last = storage.pread(fd, 22, size - 22)
     if last[:4] == _EOCD and last[20:22] == b"\0\0":
         return True
     start = max(0, size - 22 - 65535)
-    tail = os.pread(fd, size - start, start)
+    tail = storage.pread(fd, size - start, start)
     i = tail.rfind(_EOCD)
     if i < 0 or len(tail) - i < 22:
         return False
@@ -593,7 +603,7 @@ def run_dir_problem(path: Path, pattern: str | None = None) -> str | None:
                 and step_from_name(path.name, strict=True) is not None)):
         return "is itself a checkpoint, not a run directory of checkpoints"
     try:
-        with os.scandir(path) as it:
+        with storage.scandir(path) as it:
             for e in it:
                 if not is_leftover(e.name) and not e.is_symlink() and _recognise(
                         e, rx, strict=True)[0]:
@@ -626,7 +636,7 @@ def holds_final_model(path: Path) -> bool:
     # still an output dir when files by the final model's names lie there, whatever state
     # they are in, so that a damaged final model is checked rather than passed over.
     try:
-        with os.scandir(path) as it:
+        with storage.scandir(path) as it:
             return any(_FINAL_MODEL.fullmatch(e.name) and e.is_file() for e in it)
     except OSError:
         return False
@@ -660,7 +670,7 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
     listing = RunListing(root=root)
     listing.pointers, listing.findings = read_pointers(root)
     try:
-        with os.scandir(root) as it:
+        with storage.scandir(root) as it:
             children = sorted(it, key=lambda e: e.name)
     except OSError as err:
         raise CkptError(f"cannot list: {err.strerror}", path=root) from None
@@ -731,10 +741,10 @@ def _entries(found: list[tuple[str, int | None, bool]]) -> list[RunEntry]:
 
 
 def _entry(where: str, step: int | None, is_file: bool = False) -> RunEntry:
-    path = Path(where)
+    path = storage.locate(where)
     scan: TreeScan | None = None
     status: tuple[str | None, bool, str | None] | None = None
-    if is_file:
+    if is_file and not storage.is_remote(path):
         # One open serves the sizes and times (fstat) and the status (header reads): at
         # thousands of checkpoints, each extra stat or open is a measurable share.
         try:
@@ -776,7 +786,7 @@ def run_entry(path: Path) -> RunEntry:
         The :class:`RunEntry`.
     """
     step = step_from_name(path.name)
-    return _entry(os.fspath(path), step, path.is_file() and not path.is_symlink())
+    return _entry(str(path), step, path.is_file() and not path.is_symlink())
 
 
 def _fill_steps(listing: RunListing, from_metadata: bool) -> None:

@@ -19,8 +19,10 @@ from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadP
 from pathlib import Path
 from typing import TypeVar
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats.base import open_regular
+from ckpt_cli.storage import Handle
 
 _crc32_combine: Callable[[int, int, int], int] | None
 try:  # ISA-L's CRC-32 (x86 PCLMUL / ARM PMULL) is ~20x zlib's; zlib is the fallback.
@@ -93,13 +95,13 @@ def crc32(data: memoryview | bytes, value: int = 0) -> int:
     return _crc32(data, value)
 
 
-def crc32_range(fd: int, offset: int, length: int, piece: int = 16 << 20) -> int | None:
+def crc32_range(fd: Handle, offset: int, length: int, piece: int = 16 << 20) -> int | None:
     """CRC-32 of ``length`` bytes of an open file from ``offset``, read in bounded pieces;
     None if the file ends first."""
     buf = memoryview(bytearray(min(length, piece)))
     value, done = 0, 0
     while done < length:
-        n = os.preadv(fd, [buf[:min(len(buf), length - done)]], offset + done)
+        n = storage.readinto(fd, buf[:min(len(buf), length - done)], offset + done)
         if n <= 0:
             return None
         value = crc32(buf[:n], value)
@@ -140,7 +142,7 @@ class Cancelled(Exception):
     """Raised inside worker threads after :attr:`Meter.stop` is set."""
 
 
-def read_range(fd: int, start: int, length: int, buf: bytearray, meter: Meter | None = None,
+def read_range(fd: Handle, start: int, length: int, buf: bytearray, meter: Meter | None = None,
                *, path: str | Path = "") -> Iterator[memoryview]:
     """Yield successive views of bytes ``[start, start + length)`` of an open file.
 
@@ -166,7 +168,7 @@ def read_range(fd: int, start: int, length: int, buf: bytearray, meter: Meter | 
     off, end = start, start + length
     while off < end:
         try:
-            n = os.preadv(fd, [mv[:min(len(mv), end - off)]], off)
+            n = storage.readinto(fd, mv[:min(len(mv), end - off)], off)
         except OSError as e:
             raise CkptError(f"cannot read at byte {off:,}: {e.strerror}", path=path) from None
         if n <= 0:
@@ -306,9 +308,9 @@ class OpenFiles:
     """
 
     def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+        self._fds: dict[Path, Handle] = {}
 
-    def open(self, path: Path, name: str | Path | None = None) -> int:
+    def open(self, path: Path, name: str | Path | None = None) -> Handle:
         """A descriptor for ``path`` (opened on first use).
 
         Args:
@@ -330,7 +332,7 @@ class OpenFiles:
     def close(self) -> None:
         """Close every descriptor."""
         while self._fds:
-            os.close(self._fds.popitem()[1])
+            storage.close(self._fds.popitem()[1])
 
     def __enter__(self) -> OpenFiles:
         return self

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import mmap
-import os
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -19,11 +18,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import dtypes
+from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import dcp
 from ckpt_cli.formats.base import open_regular, read_full
 from ckpt_cli.model import CheckpointIndex, Chunk, TensorInfo
+from ckpt_cli.storage import Handle
 from ckpt_cli.streaming import crc32, crc32_range
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class TensorSource:
 
     def __init__(self, index: CheckpointIndex):
         self.index = index
-        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._fds: OrderedDict[str, Handle] = OrderedDict()
         # Zip records whose CRC-32 was computed: (file, start) -> the CRC their bytes give.
         self._crc_got: dict[tuple[str, int], int] = {}
 
@@ -59,9 +59,9 @@ class TensorSource:
         """Close every open file."""
         while self._fds:
             _, fd = self._fds.popitem()
-            os.close(fd)
+            storage.close(fd)
 
-    def _fd(self, rel: str) -> int:
+    def _fd(self, rel: str) -> Handle:
         fd = self._fds.get(rel)
         if fd is not None:
             self._fds.move_to_end(rel)
@@ -71,7 +71,7 @@ class TensorSource:
         self._fds[rel] = fd
         if len(self._fds) > _MAX_OPEN:
             _, old = self._fds.popitem(last=False)
-            os.close(old)
+            storage.close(old)
         return fd
 
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
@@ -117,7 +117,7 @@ class TensorSource:
             raise UnsupportedError(f"tensor {t.name!r} ({t.kind}) has no readable data",
                                    path=self.index.root)
         first, end = self._extent(t)
-        size = os.fstat(self._fd(t.file)).st_size
+        size = storage.size_of(self._fd(t.file))
         if end > size or first < 0:
             # Checked before allocating: a damaged header can claim exabytes.
             raise CorruptCheckpointError(
@@ -197,7 +197,7 @@ class TensorSource:
             yield self.read(t, mapped=mapped).reshape(-1)
             return
         dt = dtypes.numpy_dtype(t.dtype)
-        size = os.fstat(self._fd(t.file)).st_size
+        size = storage.size_of(self._fd(t.file))
         if t.offset < 0 or t.offset + t.nbytes > size:
             raise CorruptCheckpointError(
                 f"tensor {t.name!r} needs bytes up to {t.offset + t.nbytes:,} but the file has "
@@ -274,6 +274,10 @@ class TensorSource:
         import numpy as np
 
         fd = self._fd(rel)
+        if not isinstance(fd, int):  # an object on a store: read, there is nothing to map
+            arr = np.empty(count, dtype=dt)
+            self.read_into(rel, offset, arr.view(np.uint8).data)
+            return arr
         # The callers checked that the range lies within the file: touching a mapping past
         # the end of a file is a SIGBUS, not an exception.
         end = offset + count * dt.itemsize

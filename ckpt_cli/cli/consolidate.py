@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -10,24 +9,29 @@ import typer
 from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import (
     CastToOpt,
+    ConcurrencyOpt,
     FinalizeOpt,
     ForceOpt,
     JsonOpt,
+    Location,
     MaxMemoryOpt,
     OutputFormatOpt,
     PartOpt,
     QuietOpt,
+    StorageOpt,
+    location,
+    use_storage,
 )
 
 
 def consolidate_cmd(
-    source: Annotated[Path, typer.Argument(
+    source: Annotated[Location, typer.Argument(
         help="DCP directory, DeepSpeed checkpoint (global_stepN/ or its save dir with "
              "'latest'), HF-style shards with an index, or a directory of per-rank files.",
-        show_default=False)],
-    output: Annotated[Path, typer.Option(
+        show_default=False, parser=location)],
+    output: Annotated[Location, typer.Option(
         "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
-        show_default=False)],
+        show_default=False, parser=location)],
     fmt: OutputFormatOpt = None,
     max_shard_size: Annotated[str, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Largest output file; 0 for one file.")] = "5GB",
@@ -50,6 +54,8 @@ def consolidate_cmd(
     finalize: FinalizeOpt = False,
     max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
+    storage_option: StorageOpt = None,
+    concurrency: ConcurrencyOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Merge a rank-sharded checkpoint (DCP, DeepSpeed ZeRO, per-rank files) into few files.
@@ -67,6 +73,7 @@ def consolidate_cmd(
       ckpt consolidate dcp/ -o full/ --part 2/4
     """
     with handled() as outcome:
+        use_storage(storage_option, concurrency)
         from ckpt_cli.cli.progress import byte_progress
         from ckpt_cli.ops.consolidate import consolidate
         from ckpt_cli.parts import parse_part

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -10,23 +9,29 @@ import typer
 from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import (
     CastToOpt,
+    ConcurrencyOpt,
     FinalizeOpt,
     ForceOpt,
     InputFormatOpt,
     JsonOpt,
+    Location,
     MaxMemoryOpt,
     OutputFormatOpt,
     PartOpt,
     QuietOpt,
+    StorageOpt,
+    location,
+    use_storage,
 )
 
 
 def convert_cmd(
-    source: Annotated[Path, typer.Argument(help="Checkpoint to convert (file or directory).",
-                                           show_default=False)],
-    output: Annotated[Path, typer.Option(
+    source: Annotated[Location, typer.Argument(help="Checkpoint to convert (file or directory).",
+                                           show_default=False, parser=location)],
+    output: Annotated[Location, typer.Option(
         "--output", "-o", help="Output: a .safetensors/.pt/.bin file, or a directory for "
-                               "model.safetensors or HF-style shards.", show_default=False)],
+                               "model.safetensors or HF-style shards.", show_default=False,
+        parser=location)],
     to: CastToOpt = "keep",
     fmt: OutputFormatOpt = None,
     max_shard_size: Annotated[str | None, typer.Option(
@@ -52,6 +57,8 @@ def convert_cmd(
     input_format: InputFormatOpt = None,
     max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
+    storage_option: StorageOpt = None,
+    concurrency: ConcurrencyOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Convert a checkpoint: training -> inference, FP32 -> FP16/BF16, torch -> safetensors.
@@ -69,6 +76,7 @@ def convert_cmd(
       ckpt convert dcp/ --to bf16 -o out/ --part auto
     """
     with handled() as outcome:
+        use_storage(storage_option, concurrency)
         from ckpt_cli.cli.progress import byte_progress
         from ckpt_cli.ops.convert import convert
         from ckpt_cli.parts import parse_part

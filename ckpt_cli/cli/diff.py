@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
-from ckpt_cli.cli.options import JsonOpt, MaxMemoryOpt, QuietOpt
+from ckpt_cli.cli.options import (
+    ConcurrencyOpt,
+    JsonOpt,
+    Location,
+    MaxMemoryOpt,
+    QuietOpt,
+    StorageOpt,
+    location,
+    use_storage,
+)
 
 _FORMAT_HELP = ("Skip detection and read {side} as this format: safetensors, hf-index, torch, "
                 "dcp, deepspeed, megatron or dir.")
 
 
 def diff_cmd(
-    a: Annotated[Path, typer.Argument(help="Checkpoint A (file, shard set or directory).",
-                                      metavar="A", show_default=False)],
-    b: Annotated[Path, typer.Argument(help="Checkpoint B.", metavar="B",
-                                      show_default=False)],
+    a: Annotated[Location, typer.Argument(help="Checkpoint A (file, shard set or directory).",
+                                      metavar="A", show_default=False, parser=location)],
+    b: Annotated[Location, typer.Argument(help="Checkpoint B.", metavar="B",
+                                      show_default=False, parser=location)],
     structure_only: Annotated[bool, typer.Option(
         "--structure-only", help="Compare names, shapes and dtypes only; read no tensor "
                                  "data.")] = False,
@@ -63,6 +71,8 @@ def diff_cmd(
         "--input-format-b", metavar="NAME", help=_FORMAT_HELP.format(side="B"))] = None,
     max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
+    storage_option: StorageOpt = None,
+    concurrency: ConcurrencyOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Show what changed between two checkpoints: tensors, shapes, dtypes, values, metadata.
@@ -82,6 +92,7 @@ def diff_cmd(
     from ckpt_cli.render import diff as rd
 
     with handled() as outcome:
+        use_storage(storage_option, concurrency)
         from ckpt_cli.units import parse_size
 
         budget = parse_size(max_memory, what="--max-memory") if max_memory else None

@@ -14,6 +14,7 @@ from typing import Any
 import typer
 
 from ckpt_cli.errors import CkptError
+from ckpt_cli.storage import redact
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -30,6 +31,7 @@ _ENVIRONMENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT,
 
 
 def _say(text: str) -> None:
+    text = redact(text)  # a credential must never reach a terminal or a CI log
     try:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
@@ -86,10 +88,13 @@ class _JsonErrors:
 
         if rj.emitted() != self.before:
             return  # its document is out (or half out): a second one would break the output
+        def r(value: str | None) -> str | None:
+            return None if value is None else redact(value)
+
         with suppress(OSError, ValueError):
-            rj.emit_error(self.command, {"kind": kind, "message": message, "path": path,
-                                         "side": side, "hint": hint,
-                                         "text": text if text is not None else message},
+            rj.emit_error(self.command, {"kind": kind, "message": r(message), "path": r(path),
+                                         "side": side, "hint": r(hint),
+                                         "text": r(text if text is not None else message)},
                           exit_code)
 
 

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
-from ckpt_cli.cli.options import InputFormatOpt, JsonOpt
+from ckpt_cli.cli.options import (
+    InputFormatOpt,
+    JsonOpt,
+    Location,
+    StorageOpt,
+    location,
+    use_storage,
+)
 
 
 def inspect_cmd(
-    path: Annotated[Path, typer.Argument(help="Checkpoint file, shard set, checkpoint "
-                                              "directory or run directory.", show_default=False)],
+    path: Annotated[Location, typer.Argument(help="Checkpoint file, shard set, checkpoint "
+                                              "directory or run directory, or a URL (s3://...).",
+                                         show_default=False, parser=location)],
     tensors: Annotated[bool, typer.Option("--tensors", "-t", help="List every tensor.")] = False,
     filter_glob: Annotated[str | None, typer.Option(
         "--filter", metavar="GLOB", help="Only tensors whose name matches GLOB "
@@ -30,6 +37,7 @@ def inspect_cmd(
         "--all", help="Run directories: a row for every checkpoint (by default a long run "
                       "shows its oldest and newest few).")] = False,
     input_format: InputFormatOpt = None,
+    storage_option: StorageOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Show what is in a checkpoint: format, tensors, parameters, dtypes, bytes, step.
@@ -48,6 +56,7 @@ def inspect_cmd(
     from ckpt_cli.ops.inspect import inspect
 
     with handled() as outcome:
+        use_storage(storage_option)
         result = inspect(path, fmt=input_format, tensors=tensors, filter_glob=filter_glob,
                          sort=sort, tree=tree, depth=depth, pattern=pattern)
         outcome.exit_code = EXIT_OK

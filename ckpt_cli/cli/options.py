@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
+
+from ckpt_cli import storage
+from ckpt_cli.errors import UsageError
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout "
                                                       "(stable schema, see docs/json-schema.md).")]
@@ -34,3 +38,50 @@ MaxMemoryOpt = Annotated[str | None, typer.Option(
     "--max-memory", metavar="SIZE",
     help="Budget for data read ahead and written behind, e.g. 512MB (default 256MB; the "
          "largest tensor may add to it).")]
+Location = Any
+"""The annotation of a path argument parsed by :func:`location`: typer would turn a ``Path``
+annotation back into a local ``PosixPath`` (``s3://b/k`` into ``s3:/b/k``)."""
+
+StorageOpt = Annotated[list[str] | None, typer.Option(
+    "--storage-option", "-S", metavar="KEY=VALUE",
+    help="An fsspec option for URLs (s3://, gs://, az://...), repeatable, e.g. "
+         "endpoint_url=http://minio:9000 or anon=true.", show_default=False)]
+
+ConcurrencyOpt = Annotated[int | None, typer.Option(
+    "--concurrency", min=1, metavar="N",
+    help="URLs: ranged GETs in flight per object streamed (default 8).", show_default=False)]
+
+
+def location(text: str) -> Path:
+    """Parse a path argument: a local path, or a URL (``s3://bucket/key``) on a store.
+
+    Raises:
+        typer.BadParameter: For a URL that cannot name an object (a usage error, exit 2).
+    """
+    try:
+        return storage.locate(text)
+    except UsageError as e:
+        raise typer.BadParameter(e.message) from None
+
+
+def use_storage(options: list[str] | None, concurrency: int | None = None) -> None:
+    """Open stores with the ``--storage-option`` (and ``--concurrency``) settings; call
+    inside ``handled()``.
+
+    Raises:
+        UsageError: For an item that is not ``KEY=VALUE``.
+    """
+    parsed: dict[str, Any] = storage.parse_options(options)
+    storage.configure(parsed, concurrency)
+
+
+def local_only(path: Path | None, what: str) -> None:
+    """Refuse a URL where only local paths work so far.
+
+    Raises:
+        UsageError: If ``path`` is on an object store.
+    """
+    if path is not None and storage.is_remote(path):
+        raise UsageError(f"{what} must be a local path for now ({path} is on object "
+                         "storage; inspect, validate, diff and the sources of convert and "
+                         "consolidate take URLs)")

@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
-from ckpt_cli.cli.options import DryRunOpt, JsonOpt, YesOpt
+from ckpt_cli.cli.options import (
+    DryRunOpt,
+    JsonOpt,
+    Location,
+    StorageOpt,
+    YesOpt,
+    location,
+    use_storage,
+)
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -19,8 +27,9 @@ if TYPE_CHECKING:
 
 
 def prune_cmd(
-    run_dir: Annotated[Path, typer.Argument(help="The run directory whose checkpoints to prune.",
-                                            show_default=False)],
+    run_dir: Annotated[Location, typer.Argument(
+        help="The run directory whose checkpoints to prune.", show_default=False,
+        parser=location)],
     keep: Annotated[int | None, typer.Option(
         "--keep", metavar="N", help="Keep the newest N checkpoints.", show_default=False)] = None,
     keep_every: Annotated[str | None, typer.Option(
@@ -56,6 +65,7 @@ def prune_cmd(
         "--force", hidden=True, help="Deprecated name of --any-dir.")] = False,
     dry_run: DryRunOpt = False,
     yes: YesOpt = False,
+    storage_option: StorageOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Delete old checkpoints of a run directory by retention rules, safely, even from cron.
@@ -74,6 +84,7 @@ def prune_cmd(
       ckpt prune runs/gpt --keep 5 --json --yes
     """
     with handled() as outcome:
+        use_storage(storage_option)
         from ckpt_cli.errors import UsageError
         from ckpt_cli.ops.prune import prune
 

@@ -9,18 +9,25 @@ import typer
 
 from ckpt_cli.cli.errors import handled
 from ckpt_cli.cli.options import (
+    ConcurrencyOpt,
     FinalizeOpt,
     InputFormatOpt,
     JsonOpt,
+    Location,
     MaxMemoryOpt,
     PartOpt,
     QuietOpt,
+    StorageOpt,
+    local_only,
+    location,
+    use_storage,
 )
 
 
 def validate_cmd(
-    path: Annotated[Path, typer.Argument(help="Checkpoint file, shard set, checkpoint "
-                                              "directory or run directory.", show_default=False)],
+    path: Annotated[Location, typer.Argument(help="Checkpoint file, shard set, checkpoint "
+                                              "directory or run directory, or a URL (s3://...).",
+                                         show_default=False, parser=location)],
     latest: Annotated[bool, typer.Option("--latest", help="Run directory: validate only the "
                                                           "latest checkpoint.")] = False,
     values: Annotated[bool, typer.Option("--values", help="Also read every floating tensor: "
@@ -58,6 +65,8 @@ def validate_cmd(
     input_format: InputFormatOpt = None,
     max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
+    storage_option: StorageOpt = None,
+    concurrency: ConcurrencyOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Check that a checkpoint is complete, consistent and uncorrupted.
@@ -77,6 +86,10 @@ def validate_cmd(
     from ckpt_cli.ops.validate import validate
 
     with handled() as outcome:
+        use_storage(storage_option, concurrency)
+        local_only(path if write_manifest else None, "--write-manifest's checkpoint")
+        local_only(junit, '--junit')
+        local_only(parts_dir, '--parts-dir')
         from ckpt_cli.units import parse_size
 
         budget = parse_size(max_memory, what="--max-memory") if max_memory else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UnknownFormatError
 from ckpt_cli.formats.base import Reader, not_regular
 from ckpt_cli.formats.dcp import DCPReader
@@ -136,7 +137,7 @@ def read_index(path: str | Path, fmt: str | None = None) -> CheckpointIndex:
     Raises:
         CkptError: For any problem with the input.
     """
-    p = Path(path)
+    p = storage.locate(path)
     reader = detect(p, fmt)
     try:
         index = reader.read_index(p)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ckpt_cli.model import CheckpointIndex, Finding
+from ckpt_cli.storage import Handle
 
 
 @runtime_checkable
@@ -111,8 +114,11 @@ def present(path: Path) -> bool:
         return False
 
 
-def open_regular(path: Path, name: str | Path | None = None) -> int:
+def open_regular(path: Path, name: str | Path | None = None) -> Handle:
     """Open a regular file for reading, refusing FIFOs, sockets and devices without blocking.
+
+    An object on a store (:class:`~ckpt_cli.storage.ObjectPath`) opens as an
+    :class:`~ckpt_cli.storage.ObjectFile`; read either kind with :func:`ckpt_cli.storage.pread`.
 
     The check is made before opening (a device is never opened) and again on the descriptor
     (the path may have been replaced in between); ``O_NONBLOCK`` keeps the open of a FIFO
@@ -123,13 +129,16 @@ def open_regular(path: Path, name: str | Path | None = None) -> int:
         name: How to name it in an error message (default: ``path``).
 
     Returns:
-        A blocking, read-only descriptor the caller closes.
+        A blocking, read-only descriptor (or an object handle) the caller closes with
+        :func:`ckpt_cli.storage.close`.
 
     Raises:
         CkptError: If it is missing or cannot be opened.
         CorruptCheckpointError: If it is not a regular file.
     """
     where = name or path
+    if storage.is_remote(path):
+        return cast(storage.ObjectPath, path).open_object()
     why = not_regular(path)
     if why is not None:
         raise CorruptCheckpointError(why, path=where)
@@ -150,6 +159,21 @@ def open_regular(path: Path, name: str | Path | None = None) -> int:
     return fd
 
 
+def open_stream(path: Path) -> io.BufferedIOBase:
+    """A buffered binary stream of a regular file (or object), for parsers that read
+    sequentially (pickles).
+
+    Raises:
+        CkptError: If it is missing or cannot be opened.
+        CorruptCheckpointError: If it is not a regular file.
+    """
+    h = open_regular(path)  # never blocks on a FIFO, refuses devices
+    if isinstance(h, int):
+        return os.fdopen(h, "rb")
+    raw = storage.Window(h, 0, storage.size_of(h), owns=True)
+    return io.BufferedReader(raw, buffer_size=storage.BLOCK)
+
+
 def read_small(path: Path, limit: int) -> bytes:
     """The whole of a small regular file (an index, a pointer, a metadata pickle).
 
@@ -166,12 +190,14 @@ def read_small(path: Path, limit: int) -> bytes:
     """
     fd = open_regular(path)
     try:
+        if not isinstance(fd, int):
+            return fd.pread(limit, 0)
         with os.fdopen(fd, "rb", closefd=False) as f:
             return f.read(limit)
     except OSError as e:
         raise CkptError(f"cannot read: {e.strerror}", path=path) from None
     finally:
-        os.close(fd)
+        storage.close(fd)
 
 
 def file_size(path: Path) -> int:
@@ -202,11 +228,12 @@ def file_size(path: Path) -> int:
 _READ_CHUNK = 1 << 30
 
 
-def read_full(fd: int, offset: int, out: memoryview) -> int:
+def read_full(fd: Handle, offset: int, out: memoryview) -> int:
     """Fill ``out`` with bytes of an open file from ``offset``, with positioned reads.
 
     Args:
-        fd: An open file descriptor (positioned reads need no seek, so it may be shared).
+        fd: An open file descriptor or object handle (positioned reads need no seek, so it
+            may be shared).
         offset: Absolute byte offset.
         out: A writable byte buffer.
 
@@ -216,6 +243,8 @@ def read_full(fd: int, offset: int, out: memoryview) -> int:
     Raises:
         OSError: If reading fails.
     """
+    if not isinstance(fd, int):
+        return fd.readinto(out, offset)
     done, total = 0, len(out)
     while done < total:
         n = os.preadv(fd, [out[done:done + _READ_CHUNK]], offset + done)
@@ -240,11 +269,11 @@ def read_head(path: Path, n: int) -> bytes:
     """
     fd = open_regular(path)
     try:
-        return os.pread(fd, n, 0)
+        return storage.pread(fd, n, 0)
     except OSError as e:
         raise CkptError(f"cannot read: {e.strerror}", path=path) from None
     finally:
-        os.close(fd)
+        storage.close(fd)
 
 
 def contained_path(base: Path, rel: str, *, what: str, source: Path) -> Path:

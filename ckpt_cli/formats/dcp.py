@@ -12,19 +12,26 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import dtypes
+from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import containers
-from ckpt_cli.formats.base import contained_path, file_size, open_regular, present, wrong_kind
+from ckpt_cli.formats.base import (
+    contained_path,
+    file_size,
+    open_regular,
+    open_stream,
+    present,
+    wrong_kind,
+)
 from ckpt_cli.formats.torchfile import contiguous_strides, parse_zip
 from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, DTypeRef, Opaque, TensorRecord, safe_load
 from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, StorageRef, TensorInfo
+from ckpt_cli.storage import Handle
 
 if TYPE_CHECKING:
     import numpy as np
@@ -81,7 +88,7 @@ def parse_metadata(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         CorruptCheckpointError: If it is not a DCP metadata pickle.
     """
     try:
-        with os.fdopen(open_regular(path), "rb") as f:
+        with open_stream(path) as f:
             result = safe_load(f)
     except UNPICKLE_ERRORS as e:
         raise CorruptCheckpointError(f"not a readable DCP metadata pickle ({e})",
@@ -314,7 +321,7 @@ def _check_bounds(index: CheckpointIndex, sizes: dict[str, int]) -> None:
 def _read_objects(index: CheckpointIndex, base: Path, items: list[tuple[str, str, int, int]],
                   sizes: dict[str, int]) -> None:
     """Read small non-tensor items (step, lr, param groups) with the safe unpickler."""
-    fds: dict[str, int] = {}
+    fds: dict[str, Handle] = {}
     try:
         for n, (name, rel, off, length) in enumerate(items):
             if n >= _MAX_BYTES_ITEMS or length > _MAX_BYTES_ITEM:
@@ -324,7 +331,7 @@ def _read_objects(index: CheckpointIndex, base: Path, items: list[tuple[str, str
                 continue
             fd = fds.get(rel)
             if fd is None:
-                fd = fds[rel] = os.open(base / rel, os.O_RDONLY)
+                fd = fds[rel] = open_regular(base / rel)
             try:
                 tz = parse_zip(fd, off, length, f"{rel}@{off}")
             except CkptError as e:
@@ -350,7 +357,7 @@ def _read_objects(index: CheckpointIndex, base: Path, items: list[tuple[str, str
                                       f"item pickle references {qual}; not executed", rel, name))
     finally:
         for fd in fds.values():
-            os.close(fd)
+            storage.close(fd)
 
 
 def _nested(objects: dict[str, Any]) -> dict[str, Any]:
@@ -445,7 +452,7 @@ def _pairwise(good: list[tuple[tuple[int, ...], tuple[int, ...]]], numel: int) -
 # (ckpt_cli.tensors.TensorSource); these functions only know the DCP layout.
 
 
-def locate_chunk(index: CheckpointIndex, fd_of: Callable[[str], int], t: TensorInfo,
+def locate_chunk(index: CheckpointIndex, fd_of: Callable[[str], Handle], t: TensorInfo,
                  c: Chunk) -> TensorInfo:
     """Where the values of one DCP chunk lie (parses the chunk's embedded torch zip).
 

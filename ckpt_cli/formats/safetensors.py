@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from ckpt_cli import dtypes
+from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CorruptCheckpointError
-from ckpt_cli.formats.base import file_size, read_head, rel_to, wrong_kind
+from ckpt_cli.formats.base import file_size, open_regular, read_head, rel_to, wrong_kind
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
+from ckpt_cli.storage import Handle
 
 MAX_HEADER = 100_000_000
 """Largest header accepted, as in the Rust reader (``HeaderTooLarge``)."""
@@ -69,7 +69,7 @@ class SafetensorsReader:
         return index
 
 
-def parse_header(path: Path, *, fd: int | None = None,
+def parse_header(path: Path, *, fd: Handle | None = None,
                  size: int | None = None) -> tuple[int, dict[str, Any], int, list[Finding]]:
     """Read and parse a safetensors header.
 
@@ -86,13 +86,19 @@ def parse_header(path: Path, *, fd: int | None = None,
         CorruptCheckpointError: If there is no parseable header.
     """
     if fd is None or size is None:
+        if storage.is_remote(path):
+            h = open_regular(path)
+            try:
+                return parse_header(path, fd=h, size=storage.size_of(h))
+            finally:
+                storage.close(h)
         with open(path, "rb") as f:
             return parse_header(path, fd=f.fileno(), size=file_size(path))
     if size < 8:
         raise CorruptCheckpointError(
             f"{size} bytes is too short for a safetensors file (needs 8 for the header length)",
             path=path)
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0).ljust(8, b"\0"))
+    (n,) = struct.unpack("<Q", storage.pread(fd, 8, 0).ljust(8, b"\0"))
     if n > MAX_HEADER:
         raise CorruptCheckpointError(
             f"header length {n:,} exceeds the {MAX_HEADER:,}-byte limit", path=path)
@@ -100,7 +106,7 @@ def parse_header(path: Path, *, fd: int | None = None,
         raise CorruptCheckpointError(
             f"header length {n:,} runs past the end of the {size:,}-byte file "
             "(truncated or not safetensors)", path=path)
-    raw = os.pread(fd, n, 8)
+    raw = storage.pread(fd, n, 8)
     try:
         header = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

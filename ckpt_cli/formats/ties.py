@@ -30,6 +30,7 @@ from ckpt_cli.errors import CkptError
 from ckpt_cli.formats.base import read_full
 from ckpt_cli.formats.dcp import locate_chunk
 from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.storage import Handle
 from ckpt_cli.streaming import OpenFiles
 
 WINDOW = 4096
@@ -67,7 +68,7 @@ def find_ties(index: CheckpointIndex) -> None:
     if not groups:
         return
     with OpenFiles() as files:
-        def fd_of(rel: str) -> int:
+        def fd_of(rel: str) -> Handle:
             return files.open(index.path_of(rel))
 
         for group in groups:
@@ -84,7 +85,7 @@ def find_ties(index: CheckpointIndex) -> None:
                     kept[fp] = t.name
 
 
-def _fingerprint(index: CheckpointIndex, fd_of: Callable[[str], int],
+def _fingerprint(index: CheckpointIndex, fd_of: Callable[[str], Handle],
                  t: TensorInfo) -> bytes | None:
     """A digest of a tensor's sampled bytes (and chunk layout), or None if unreadable."""
     h = hashlib.blake2b(digest_size=16)
@@ -104,7 +105,7 @@ def _fingerprint(index: CheckpointIndex, fd_of: Callable[[str], int],
     return h.digest()
 
 
-def _sample(fd_of: Callable[[str], int], t: TensorInfo, h: hashlib.blake2b) -> bool:
+def _sample(fd_of: Callable[[str], Handle], t: TensorInfo, h: hashlib.blake2b) -> bool:
     """Add a single-range tensor's sampled bytes to ``h``; False if it is not one (or a file
     ends too soon)."""
     if t.file is None or t.offset is None or t.stride is not None:

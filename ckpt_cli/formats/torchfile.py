@@ -11,7 +11,6 @@ Legacy: ``magic | 1001 | sys_info | main pickle | sorted key list | [i64 numel +
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import struct
 import zipfile
@@ -20,10 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli import dtypes
+from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import containers
-from ckpt_cli.formats.base import file_size, read_head, rel_to, wrong_kind
+from ckpt_cli.formats.base import (
+    file_size,
+    open_regular,
+    open_stream,
+    read_head,
+    rel_to,
+    wrong_kind,
+)
 from ckpt_cli.formats.unpickler import (
     UNPICKLE_ERRORS,
     PickleResult,
@@ -35,6 +41,7 @@ from ckpt_cli.formats.unpickler import (
     unpickler_for,
 )
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, StorageRef, TensorInfo
+from ckpt_cli.storage import Handle, ObjectFile, Window
 
 ZIP_MAGIC = b"PK\x03\x04"
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -62,47 +69,35 @@ class ZipEntry:
     crc: int
 
 
-class Window(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes at ``start`` of an open file.
+def torch_data_offset(header_offset: int, name: str, size: int) -> int:
+    """Where torch's zip writer puts a record's payload, from the central directory alone.
 
-    Args:
-        fd: An open file descriptor (not closed by the window).
-        start: First byte of the view.
-        length: Length of the view.
+    ``PyTorchStreamWriter`` pads each local header's extra field so the payload starts on a
+    64-byte boundary (``getPadding`` in caffe2's ``inline_container.cc``): 30 header bytes,
+    the name, a 4-byte ``FB`` extra-field header, the zip64 fields a large record or a late
+    offset needs, then padding up to the boundary.
     """
-
-    def __init__(self, fd: int, start: int, length: int):
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        if n == 0:
-            return 0
-        data = os.pread(self.fd, n, self.start + self.pos)
-        b[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
+    start = header_offset + 30 + len(name.encode()) + 4
+    if size >= 0xFFFFFFFF or header_offset >= 0xFFFFFFFF:
+        start += 4
+        if size >= 0xFFFFFFFF:
+            start += 16
+        if header_offset >= 0xFFFFFFFF:
+            start += 8
+    return -(-start // 64) * 64
 
 
-def zip_entries(fd: int, start: int, length: int, where: str) -> dict[str, ZipEntry]:
+def zip_entries(fd: Handle, start: int, length: int, where: str) -> dict[str, ZipEntry]:
     """List a zip's records with their payload offsets.
 
+    Each local header is read to find its payload. On object storage that would be a
+    request per record, so there the headers already fetched with the central directory and
+    ``data.pkl`` are read and checked, and the payloads of the others are placed where torch's
+    writer puts them (:func:`torch_data_offset`); if any header read disagrees with that
+    rule, the writer was not torch's and every header is fetched (in one concurrent batch).
+
     Args:
-        fd: Open file descriptor of the file holding the zip.
+        fd: Open file descriptor (or object handle) of the file holding the zip.
         start: Offset of the zip within the file (0 for a plain file).
         length: Length of the zip.
         where: Name for messages (a path, or ``file@offset``).
@@ -124,21 +119,60 @@ def zip_entries(fd: int, start: int, length: int, where: str) -> dict[str, ZipEn
     except (OSError, ValueError, EOFError, struct.error, NotImplementedError,
             zipfile.LargeZipFile) as e:
         raise CorruptCheckpointError(f"unreadable zip structure ({e})", path=where) from None
-    out: dict[str, ZipEntry] = {}
     for info in infos:
         if not 0 <= info.header_offset < length:  # zipfile shifts offsets by a bad CD offset
             raise CorruptCheckpointError(
                 f"entry {info.filename!r}: local header offset {info.header_offset:,} lies "
                 "outside the file (damaged central directory)", path=where)
-        head = os.pread(fd, 30, start + info.header_offset)
-        if len(head) < 30 or head[:4] != ZIP_MAGIC:
-            raise CorruptCheckpointError(
-                f"entry {info.filename!r}: no local header at offset {info.header_offset:,}",
-                path=where)
-        n, m = struct.unpack("<HH", head[26:30])
-        data = info.header_offset + 30 + n + m
-        out[info.filename] = ZipEntry(info.filename, info.header_offset, data, info.compress_size,
-                                      info.compress_type != zipfile.ZIP_STORED, info.CRC)
+    if isinstance(fd, int):
+        return _entries_from_headers(fd, start, infos, where)
+    predicted = _predicted_entries(fd, start, infos, where)
+    if predicted is not None:
+        return predicted
+    heads = fd.fetch_ranges([(start + i.header_offset, 30) for i in infos])
+    return _entries_from_headers(fd, start, infos, where, heads)
+
+
+def _entry(info: zipfile.ZipInfo, data: int) -> ZipEntry:
+    return ZipEntry(info.filename, info.header_offset, data, info.compress_size,
+                    info.compress_type != zipfile.ZIP_STORED, info.CRC)
+
+
+def _predicted_entries(fd: ObjectFile, start: int, infos: list[zipfile.ZipInfo],
+                       where: str) -> dict[str, ZipEntry] | None:
+    """Entries placed by :func:`torch_data_offset`, checked against every header at hand
+    (at least one); None when a header disagrees (then every header must be read)."""
+    checked = 0
+    out: dict[str, ZipEntry] = {}
+    for info in infos:
+        data = torch_data_offset(info.header_offset, info.filename, info.compress_size)
+        if fd.cached(start + info.header_offset, 30):
+            got = _read_header(fd, start, info, where)
+            if got != data:
+                return None
+            checked += 1
+        out[info.filename] = _entry(info, data)
+    return out if checked or not infos else None
+
+
+def _read_header(fd: Handle, start: int, info: zipfile.ZipInfo, where: str,
+                 head: bytes | None = None) -> int:
+    if head is None:
+        head = storage.pread(fd, 30, start + info.header_offset)
+    if len(head) < 30 or head[:4] != ZIP_MAGIC:
+        raise CorruptCheckpointError(
+            f"entry {info.filename!r}: no local header at offset {info.header_offset:,}",
+            path=where)
+    n, m = struct.unpack("<HH", head[26:30])
+    return int(info.header_offset + 30 + n + m)
+
+
+def _entries_from_headers(fd: Handle, start: int, infos: list[zipfile.ZipInfo], where: str,
+                          heads: list[bytes] | None = None) -> dict[str, ZipEntry]:
+    out: dict[str, ZipEntry] = {}
+    for i, info in enumerate(infos):
+        head = None if heads is None else heads[i]
+        out[info.filename] = _entry(info, _read_header(fd, start, info, where, head))
     return out
 
 
@@ -198,7 +232,7 @@ class TorchZip:
         return None if self._crc_off else e.crc
 
 
-def parse_zip(fd: int, start: int, length: int, where: str) -> TorchZip:
+def parse_zip(fd: Handle, start: int, length: int, where: str) -> TorchZip:
     """Parse a torch zip's structure and its ``data.pkl`` (safely).
 
     Args:
@@ -228,7 +262,7 @@ def parse_zip(fd: int, start: int, length: int, where: str) -> TorchZip:
     if pkl.data_offset + pkl.size > length:
         raise CorruptCheckpointError("data.pkl runs past the end of the file (truncated)",
                                      path=where)
-    raw = os.pread(fd, pkl.size, start + pkl.data_offset)
+    raw = storage.pread(fd, pkl.size, start + pkl.data_offset)
     up = None
     try:
         up = unpickler_for(raw)
@@ -242,7 +276,7 @@ def parse_zip(fd: int, start: int, length: int, where: str) -> TorchZip:
     return tz
 
 
-def _scan_other_pickles(tz: TorchZip, fd: int, length: int) -> None:
+def _scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
     """Scan every ``.pkl`` record besides ``data.pkl`` (TorchScript's ``constants.pkl``...).
 
     ``torch.jit.load`` unpickles them all; their globals join ``data.pkl``'s in
@@ -258,7 +292,7 @@ def _scan_other_pickles(tz: TorchZip, fd: int, length: int) -> None:
             tz.unscanned[short] = ("compressed" if e.compressed
                                    else "runs past the end of the file")
             continue
-        found, error = scan_globals(os.pread(fd, e.size, tz.base + e.data_offset))
+        found, error = scan_globals(storage.pread(fd, e.size, tz.base + e.data_offset))
         if error is not None:
             tz.unscanned[short] = f"not a readable pickle ({_short(error)})"
         for qual, cls in found.items():
@@ -371,12 +405,12 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, prefix: str) -> 
     head = read_head(path, 16)
     if head.startswith(ZIP_MAGIC):
         fmt = "torch"
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             tz = parse_zip(fd, 0, size, str(path))
             _zip_findings(index, tz, rel, fd)
         finally:
-            os.close(fd)
+            storage.close(fd)
         result = tz.pickle
         storages = {k: (tz.storage_start(k), tz.storage_entry(k), tz.storage_crc(k))
                     for k in result.storages}
@@ -567,7 +601,7 @@ def _global_findings(index: CheckpointIndex, result: PickleResult, rel: str) -> 
                               "refuses it (ckpt reads it as data)", rel, qual))
 
 
-def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: int) -> None:
+def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: Handle) -> None:
     if is_torchscript(tz):
         index.add(Finding("error", "torchscript-archive",
                           "a TorchScript archive (code/, constants.pkl): torch.load hands it to "
@@ -580,7 +614,7 @@ def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: int) -> No
                           name))
     bo = tz.entries.get(f"{tz.prefix}byteorder")
     if bo is not None and bo.size <= 8 and not bo.compressed:
-        order = os.pread(fd, bo.size, tz.base + bo.data_offset).strip()
+        order = storage.pread(fd, bo.size, tz.base + bo.data_offset).strip()
         if order == b"big":
             index.add(Finding("error", "big-endian",
                               "tensors are stored big-endian; ckpt reads little-endian data only",
@@ -595,7 +629,7 @@ def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: int) -> No
 def _read_plain_pickle(path: Path) -> PickleResult:
     """A pickle that is not a torch.save stream (Accelerate's ``random_states_0.pkl``...)."""
     try:
-        with open(path, "rb") as f:
+        with open_stream(path) as f:
             return safe_load(f)
     except UNPICKLE_ERRORS as e:
         raise CorruptCheckpointError(f"not a readable pickle ({_short(e)})", path=path) from None
@@ -640,7 +674,7 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
             seen.setdefault(qual, (cls, what))
         return PickleResult(obj, up.globals, up.storages)
 
-    with open(path, "rb") as f:
+    with open_stream(path) as f:
         magic = load(f, "magic number").obj
         if magic != LEGACY_MAGIC:
             raise CorruptCheckpointError(
@@ -663,9 +697,10 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
     if not isinstance(keys, list):
         raise CorruptCheckpointError("legacy storage key list is missing", path=path)
     starts: dict[str, int] = {}
-    with open(path, "rb") as f:
+    fd = open_regular(path)
+    try:
         for key in keys:
-            hdr = os.pread(f.fileno(), 8, pos)
+            hdr = storage.pread(fd, 8, pos)
             if len(hdr) < 8:
                 break  # truncated: the storages past here have no start
             (count,) = struct.unpack("<q", hdr)
@@ -676,6 +711,8 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
                 break  # truncated inside this storage's bytes: it and the rest are missing
             starts[str(key)] = pos + 8
             pos = end
+    finally:
+        storage.close(fd)
     for vkey, (root, voff) in views.items():
         if root in starts:
             rec = storages[root]
@@ -702,8 +739,8 @@ def iter_zip_crc(path: Path) -> Iterator[ZipEntry]:
         Each :class:`ZipEntry`.
     """
     size = file_size(path)
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         yield from zip_entries(fd, 0, size, str(path)).values()
     finally:
-        os.close(fd)
+        storage.close(fd)

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, overload
 
-from ckpt_cli import dtypes
+from ckpt_cli import dtypes, storage
+from ckpt_cli.storage import Handle, Window
 
 # Globals that mean "this pickle runs code when loaded with torch.load(weights_only=False)".
 _DANGEROUS_MODULES = frozenset({
@@ -593,7 +594,7 @@ class _PreadView:
 
     _BLOCK = 1 << 20
 
-    def __init__(self, fd: int, size: int):
+    def __init__(self, fd: Handle, size: int):
         self._fd, self._size = fd, size
         self._at, self._block = -1, b""
 
@@ -603,7 +604,7 @@ class _PreadView:
     def _load(self, pos: int) -> None:
         at = pos - pos % self._BLOCK
         if at != self._at:
-            self._block, self._at = os.pread(self._fd, self._BLOCK, at), at
+            self._block, self._at = storage.pread(self._fd, self._BLOCK, at), at
 
     @overload
     def __getitem__(self, i: int) -> int: ...
@@ -614,7 +615,7 @@ class _PreadView:
     def __getitem__(self, i: int | slice) -> int | bytes:
         if isinstance(i, slice):
             lo, hi = i.start or 0, min(i.stop if i.stop is not None else self._size, self._size)
-            return os.pread(self._fd, max(hi - lo, 0), lo)
+            return storage.pread(self._fd, max(hi - lo, 0), lo)
         self._load(i)
         return self._block[i - self._at]
 
@@ -776,6 +777,11 @@ def unpickler_for(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None 
     f = data
     if isinstance(f, io.BytesIO):
         check_lengths(f.getvalue(), f.tell())
+        return SafeUnpickler(f, extra, persistent)
+    window = getattr(f, "raw", None)
+    if isinstance(window, Window) and window.start == 0:
+        # An object on a store: the walk reads through ranged reads, not the whole object.
+        check_lengths(_PreadView(window.fd, window.length), f.tell())
         return SafeUnpickler(f, extra, persistent)
     try:
         fileno = f.fileno()

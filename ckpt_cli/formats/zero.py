@@ -21,18 +21,18 @@ frozen parameters from ``frozen_param_fragments``, and ``shared_params`` become 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import dtypes
+from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import deepspeed
 from ckpt_cli.formats.base import file_size, open_regular
 from ckpt_cli.formats.torchfile import TorchZip, contiguous_strides, parse_zip
 from ckpt_cli.formats.unpickler import Opaque, TensorRecord
+from ckpt_cli.storage import Handle
 from ckpt_cli.streaming import crc32_range
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ def _parse(path: Path) -> TorchZip:
     try:
         return parse_zip(fd, 0, file_size(path), str(path))
     finally:
-        os.close(fd)
+        storage.close(fd)
 
 
 def _segment(tz: TorchZip, rec: Any, path: Path, what: str) -> Segment:
@@ -458,14 +458,14 @@ class PieceReader:
     """Reads and assembles planned tensors with positioned reads (a cache of open files)."""
 
     def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+        self._fds: dict[Path, Handle] = {}
         # Zip records whose CRC-32 was checked: (file, start) -> the CRC their bytes give.
         self._checked: dict[tuple[Path, int], int] = {}
 
     def close(self) -> None:
         """Close the files."""
         for fd in self._fds.values():
-            os.close(fd)
+            storage.close(fd)
         self._fds.clear()
 
     def read(self, t: ParamPlan) -> np.ndarray:
@@ -491,7 +491,7 @@ class PieceReader:
             mv = view[pos:pos + want].data
             got = 0
             while got < want:
-                n = os.preadv(fd, [mv[got:]], p.offset + got)
+                n = storage.readinto(fd, mv[got:], p.offset + got)
                 if n <= 0:
                     raise CorruptCheckpointError(
                         f"{t.name}: file ends before byte {p.offset + want:,} (truncated)",
@@ -502,7 +502,7 @@ class PieceReader:
             raise CorruptCheckpointError(f"{t.name}: {total} elements found, {t.numel} needed")
         return flat[: t.numel].reshape(t.shape)
 
-    def _check_entry(self, fd: int, path: Path, entry: tuple[int, int, int], name: str) -> None:
+    def _check_entry(self, fd: Handle, path: Path, entry: tuple[int, int, int], name: str) -> None:
         """Check a zip record's CRC-32 once, before the first piece of it is used.
 
         A parameter's pieces are slices of flat partitions that hold many parameters, so the

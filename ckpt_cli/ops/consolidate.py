@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ckpt_cli import storage
 from ckpt_cli.atomic import check_not_input
 from ckpt_cli.cast import (
     TARGETS,
@@ -156,7 +157,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
             world sizes), existing output, values outside FP16's range.
     """
     t0 = time.perf_counter()
-    src, out = Path(source), Path(output)
+    src, out = storage.locate(source), storage.locate(output)
     if to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
     memory_budget(max_memory)  # a bad budget is a usage error before any work
@@ -186,7 +187,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
         check_overflow(stats, clamp)
         if verify and split is None:
             checked.append(_verify(tmp, job))
-        if manifest and tmp.is_dir() and split is None:
+        if manifest and tmp.is_dir() and split is None and not storage.is_remote(tmp):
             write_manifest(tmp)  # inside the directory, so it arrives with it
 
     split = None
@@ -199,8 +200,10 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
                                  before_commit=check, on_start=on_start, part=split,
                                  max_memory=max_memory)
         complete = write.part is None or write.part.finalized_here
-        if manifest and complete and out.is_file():
-            write_manifest(out)  # a single file's manifest sits beside it
+        if manifest and complete and (out.is_file() or storage.is_remote(out)):
+            # A single file's manifest sits beside it. On object storage a directory's comes
+            # after its index (the commit marker, written last of the set), so it covers it.
+            write_manifest(out)
     finally:
         for close in job.close:
             close()
@@ -208,7 +211,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
         mpath = manifest_path(out)
         write.files.append((mpath.name, mpath.stat().st_size))
     elements_out = sum(t.numel for t in job.outs)
-    return ConsolidateResult(Path(source), kind, out, write, files_before, bytes_before,
+    return ConsolidateResult(storage.locate(source), kind, out, write, files_before, bytes_before,
                              job.elements_in,
                              elements_out, len(job.outs), job.aliases, job.dropped, job.details,
                              sum(checked) if checked else None, job.notes,

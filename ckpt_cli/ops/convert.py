@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ckpt_cli import storage
 from ckpt_cli.atomic import check_not_input
 from ckpt_cli.cast import (
     FP16_MAX,
@@ -93,7 +94,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         CkptError: Bad input, unsupported layouts, existing output, values out of FP16 range.
     """
     t0 = time.perf_counter()
-    src, out = Path(source), Path(output)
+    src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
     memory_budget(max_memory)  # a bad budget is a usage error before any work
     if to not in TARGETS:
@@ -154,7 +155,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     if clamp and stats.overflow:
         notes.append(f"clamped {sum(stats.overflow.values()):,} value(s) beyond FP16's range "
                      f"to ±{FP16_MAX:g} in {len(stats.overflow)} tensor(s)")
-    return ConvertResult(Path(source), index.format, out, result,
+    return ConvertResult(storage.locate(source), index.format, out, result,
                          {o.name: (o.dtype, o.shape) for o in outs}, sel.renamed, sel.dropped,
                          dict(casts), aliases, dict(stats.overflow), clamp, meta, notes,
                          time.perf_counter() - t0, hostile_warnings(index),

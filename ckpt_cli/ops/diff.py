@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import dtypes
+from ckpt_cli import dtypes, storage
 from ckpt_cli.compare import (
     BLOCK_ELEMENTS,
     EXACT,
@@ -153,6 +153,10 @@ def same_checkpoint(index_a: CheckpointIndex, index_b: CheckpointIndex) -> str |
         return None  # one file read as two formats (--format-a/--format-b) is two views
     ra, rb = index_a.root, index_b.root
     what = "directory" if ra.is_dir() else "file"
+    if storage.is_remote(ra) or storage.is_remote(rb):
+        # Objects have no inodes: only the same URL is the same checkpoint.
+        return (f"A and B are the same URL, so the same {what}"
+                if str(ra).rstrip("/") == str(rb).rstrip("/") else None)
     if os.path.normpath(os.path.abspath(ra)) == os.path.normpath(os.path.abspath(rb)):
         return f"A and B are the same path, so the same {what}"
     try:
@@ -168,10 +172,10 @@ def same_checkpoint(index_a: CheckpointIndex, index_b: CheckpointIndex) -> str |
 def _read_side(path: str | Path, fmt: str | None,
                label: str) -> tuple[CheckpointIndex, Followed | None]:
     try:
-        followed = follow_pointer(Path(path)) if fmt is None else None
+        followed = follow_pointer(storage.locate(path)) if fmt is None else None
         return read_index(followed.path if followed else path, fmt), followed
     except UnknownFormatError as e:
-        raise on_side(_run_dir_error(Path(path)) or e, label) from None
+        raise on_side(_run_dir_error(storage.locate(path)) or e, label) from None
     except CkptError as e:
         raise on_side(e, label) from None
 

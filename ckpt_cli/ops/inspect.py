@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 from pathlib import Path
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
@@ -35,7 +36,7 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
         CkptError: Missing path, unknown format, corrupt input.
         UsageError: Bad ``sort`` or ``depth``.
     """
-    p = Path(path)
+    p = storage.locate(path)
     check_exists(p)
     if sort not in ("name", "size", "name-alpha"):
         raise UsageError(f"--sort must be name or size, not {sort!r}")

@@ -30,7 +30,9 @@ import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
+from ckpt_cli import storage
 from ckpt_cli.deletion import (
     HeldDir,
     mounts_inside,
@@ -96,7 +98,11 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
         CkptError: The directory is missing or unreadable, or another prune holds the lock.
     """
     policy.check()
-    root_arg = Path(path)
+    root_arg = storage.locate(path)
+    if storage.is_remote(root_arg):
+        return _prune_prefix(root_arg, policy, pattern=pattern, metrics_file=metrics_file,
+                             dry_run=dry_run, any_dir=any_dir, confirm=confirm,
+                             report=on_progress or (lambda _e: None), now=now)
     root = _check_root(root_arg, any_dir, pattern)
     start, started = (time.time() if now is None else now), time.monotonic()
 
@@ -105,16 +111,9 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
 
     report = on_progress or (lambda _e: None)
     with contextlib.nullcontext() if dry_run else _locked(root):
-        listing = list_run(root, pattern, strict=True)
-        facts = gather_facts(listing, policy, metrics_file)
-        plan = plan_prune(listing, policy, start, facts)
-        result = PruneResult(root_arg, plan, dry_run, pattern=pattern,
-                             metrics_file=Path(metrics_file) if metrics_file else None)
-        report(PruneEvent("planned", total=len(plan.to_delete), plan=plan))
-        if dry_run:
-            return result
-        if plan.to_delete and confirm is not None and not confirm(plan):
-            result.declined = True
+        result = _planned(root, root_arg, policy, pattern, metrics_file, dry_run, start)
+        listing, plan = result.plan.listing, result.plan
+        if not _go_ahead(result, confirm, report):
             return result
         held = HeldDir(root)
         try:
@@ -123,6 +122,29 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
         finally:
             held.close()
     return result
+
+
+def _planned(root: Path, given: Path, policy: PrunePolicy, pattern: str | None,
+             metrics_file: str | Path | None, dry_run: bool, now: float) -> PruneResult:
+    """List the run, gather its facts and plan: the result before anything is done."""
+    listing = list_run(root, pattern, strict=True)
+    facts = gather_facts(listing, policy, metrics_file)
+    plan = plan_prune(listing, policy, now, facts)
+    return PruneResult(given, plan, dry_run, pattern=pattern,
+                       metrics_file=Path(metrics_file) if metrics_file else None)
+
+
+def _go_ahead(result: PruneResult, confirm: Callable[[PrunePlan], bool] | None,
+              report: Callable[[PruneEvent], None]) -> bool:
+    """Report the plan; whether to delete (not a dry run, and ``confirm`` did not decline)."""
+    plan = result.plan
+    report(PruneEvent("planned", total=len(plan.to_delete), plan=plan))
+    if result.dry_run:
+        return False
+    if plan.to_delete and confirm is not None and not confirm(plan):
+        result.declined = True
+        return False
+    return True
 
 
 def _check_root(path: Path, any_dir: bool, pattern: str | None) -> Path:
@@ -202,9 +224,10 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         CkptError: The metrics file cannot be read.
     """
     facts = RunFacts()
+    remote = storage.is_remote(listing.root)
     # Mount points inside the run directory (usually none: then no per-checkpoint work).
-    points = mounts_inside(str(listing.root))
-    real_root = os.path.realpath(listing.root)
+    points = [] if remote else mounts_inside(str(listing.root))
+    real_root = str(listing.root) if remote else os.path.realpath(listing.root)
     for e in listing.entries:
         lock = writer_lock(e.path)
         if lock:
@@ -252,6 +275,106 @@ def quick_validate(path: Path) -> str | None:
         where = ":".join(x for x in (errors[0].file, errors[0].location) if x)
         return f"{where}: {errors[0].message}" if where else errors[0].message
     return None
+
+
+# -- a prefix on object storage ---------------------------------------------------------------
+
+# What a checkpoint's readers trust it by: deleted first, so that an interrupted deletion
+# leaves an incomplete checkpoint (which validate reports and the next prune removes), never
+# one that looks complete with objects missing.
+_MARKERS = (".metadata", ".index.json", "trainer_state.json", "metadata.json", "latest",
+            "latest_checkpointed_iteration.txt", "ckpt-manifest.json")
+
+
+def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
+                  metrics_file: str | Path | None, dry_run: bool, any_dir: bool,
+                  confirm: Callable[[PrunePlan], bool] | None,
+                  report: Callable[[PruneEvent], None], now: float | None) -> PruneResult:
+    """:func:`prune` of a run directory on object storage, with the same rules.
+
+    The plan is the same pure :func:`~ckpt_cli.retention.plan_prune` of the same listing
+    (newest valid kept, in-progress and too-recent checkpoints kept, ``latest`` pointers
+    honoured). An object store has no locks and no rename, so the deletion differs: each
+    checkpoint is re-listed right before it goes (any change since planning keeps it), only
+    keys below ``<prefix>/<name>`` are deleted (``DeleteObjects``, 1,000 keys a call), its
+    commit markers first. A versioned bucket is said so: deleted objects stay as noncurrent
+    versions, and cost money, until a lifecycle rule expires them.
+    """
+    obj = cast(storage.ObjectPath, root)
+    check_exists(root)
+    if not root.is_dir():
+        raise CkptError("not a prefix with checkpoints below it", path=root)
+    hint = "pass --any-dir if this really is the run directory to prune"
+    if "/" not in obj.key and not any_dir:
+        raise UsageError("refusing to prune a whole bucket", path=root, hint=hint)
+    problem = run_dir_problem(root, pattern)
+    if problem and not any_dir:
+        raise UsageError(problem, path=root, hint=hint)
+    result = _planned(root, root, policy, pattern, metrics_file, dry_run,
+                      time.time() if now is None else now)
+    plan = result.plan
+    result.versioned = obj.store.versioned(obj.key.split("/", 1)[0])
+    for d in plan.to_delete:
+        result.keys[d.entry.name] = _keys_of(obj, d.entry.name)
+    if not _go_ahead(result, confirm, report):
+        return result
+    done, total = 0, len(plan.to_delete)
+    for d in plan.to_delete:
+        name = d.entry.name
+        obj.store.changed()  # see it as it is now, not as planned
+        why = _recheck_prefix(obj, d.entry, plan, time.time() if now is None else now)
+        status, detail = ("skipped", why) if why else _delete_prefix(obj, name)
+        done += 1
+        result.outcomes[name] = Outcome(status, detail)
+        report(PruneEvent(status, name, detail, done, total, d))
+    return result
+
+
+def _keys_of(root: storage.ObjectPath, name: str) -> list[str]:
+    """The keys of checkpoint ``name``: the object itself or every key below its prefix,
+    never one outside ``<root>/<name>``."""
+    child = root / name
+    keys = child.keys_below()
+    inside = f"{child.key}/"
+    return [k for k in keys if k == child.key or k.startswith(inside)]
+
+
+def _recheck_prefix(root: storage.ObjectPath, entry: RunEntry, plan: PrunePlan,
+                    now: float) -> str | None:
+    """None if checkpoint ``entry`` is still as planned; else why it is kept after all."""
+    run = cast(Path, root)
+    scan = tree_scan(run / entry.name)
+    if not scan.exists:
+        return "it is gone already (removed by someone else)"
+    if (scan.bytes, scan.files, scan.mtime) != (entry.bytes, entry.files, entry.mtime):
+        return (f"it changed since planning ({entry.files:,} -> {scan.files:,} objects, "
+                f"{entry.bytes:,} -> {scan.bytes:,} bytes, or newer times)")
+    if plan.policy.grace and now - scan.mtime < plan.policy.grace:
+        return "it changed within --grace"
+    pointers, _ = read_pointers(run)
+    named = [p for p, target in pointers.items() if target == entry.name]
+    if named:
+        return f"{named[0]} names it now"
+    lock = writer_lock(run / entry.name)
+    if lock:
+        return f"lock file {lock} appeared"
+    return None
+
+
+def _delete_prefix(root: storage.ObjectPath, name: str) -> tuple[str, str | None]:
+    keys = _keys_of(root, name)
+    if not keys:
+        return "skipped", "it is gone already (removed by someone else)"
+    first = [k for k in keys if k.endswith(_MARKERS)]
+    rest = [k for k in keys if k not in set(first)]
+    try:
+        if first:
+            root.store.delete(first)
+        root.store.delete(rest)
+    except CkptError as e:
+        return "failed", (f"{e.message}; what is left has no commit marker: validate reports it "
+                           "and the next prune removes it")
+    return "deleted", None
 
 
 # -- execution ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from ckpt_cli import storage
 from ckpt_cli.formats.names import TRASH_PREFIX
 from ckpt_cli.render import json as rj
 from ckpt_cli.render.human import size
@@ -41,6 +42,13 @@ def prune_doc(result: PruneResult) -> dict[str, Any]:
                      "pattern": result.pattern,
                      "metrics_file": str(result.metrics_file) if result.metrics_file else None}
     doc["newest_valid"] = plan.newest_valid
+    remote = storage.is_remote(result.path)
+    scheme = f"{str(result.path).split('://', 1)[0]}://" if remote else ""
+    doc["object_store"] = None if not remote else {
+        "versioned": result.versioned,
+        "objects_to_delete": sum(len(k) for k in result.keys.values()),
+        "keys": {name: [scheme + k for k in keys] for name, keys in result.keys.items()},
+    }
     doc["trash_removed"] = result.trash_removed
     doc["trash_failed"] = result.trash_failed
     doc["summary"] = {
@@ -135,13 +143,18 @@ def summary(result: PruneResult) -> str:
     plan = result.plan
     if not plan.to_delete:
         return f"nothing to delete in {result.path}"
+    objects = sum(len(k) for k in result.keys.values())
+    what = (f"{len(plan.to_delete)} checkpoint(s)"
+            + (f" ({objects:,} objects)" if result.keys else ""))
+    versions = ("; the bucket is versioned: deleted objects stay as noncurrent versions, and "
+                "cost money, until a lifecycle rule expires them" if result.versioned else "")
     if result.dry_run:
-        return (f"dry run: would delete {len(plan.to_delete)} checkpoint(s), freeing "
-                f"{size(plan.bytes_to_free)}; nothing was deleted")
+        return (f"dry run: would delete {what}, freeing {size(plan.bytes_to_free)}; nothing "
+                f"was deleted{versions}")
     if result.declined:
         return "nothing was deleted"
     parts = [f"deleted {len(result.named('deleted'))} checkpoint(s), freed "
              f"{size(result.bytes_freed)}", f"{len(plan.kept)} kept"]
     parts += [f"{len(result.named(status))} {status}" for status in ("skipped", "failed")
               if result.named(status)]
-    return "; ".join(parts)
+    return "; ".join(parts) + versions

@@ -20,11 +20,11 @@ import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
-from ckpt_cli import dtypes
+from ckpt_cli import dtypes, storage
 from ckpt_cli.atomic import TMP_MARK, atomic_dir, atomic_file, fsync_path
 from ckpt_cli.errors import (
     CkptError,
@@ -201,20 +201,30 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
         _check_replaceable(dest)
     content_id = _content_id(fmt, tensors, plan, meta, aliases, side_files)
     ids = {f: _serialization_id(content_id, f) for f in plan.files}
+    remote = storage.is_remote(dest)
+    if remote and part is not None:
+        raise UsageError("--part needs a local (shared) output directory for its receipts; "
+                         "an output on object storage is written by one process for now")
     try:
-        if part is not None:
+        if remote:
+            if on_start:
+                on_start(sum(t.nbytes for t in tensors))
+            _write_remote(dest, fmt, tensors, plan, meta, aliases, overwrite, side_files,
+                          result, on_progress, before_commit, ids, as_file, budget)
+        elif part is not None:
             _write_part(dest, fmt, tensors, plan, meta, aliases, overwrite, side_files, result,
                         on_progress, before_commit, on_start, part, content_id, ids, as_file,
                         budget)
             return result
-        if on_start:
-            on_start(sum(t.nbytes for t in tensors))
-        if as_file:
-            _write_file(dest, fmt, tensors, plan, meta, aliases, overwrite, result, on_progress,
-                        before_commit, ids, budget=budget)
         else:
-            _write_dir(dest, fmt, tensors, plan, meta, aliases, overwrite, side_files, result,
-                       on_progress, before_commit, ids, budget=budget)
+            if on_start:
+                on_start(sum(t.nbytes for t in tensors))
+            if as_file:
+                _write_file(dest, fmt, tensors, plan, meta, aliases, overwrite, result,
+                            on_progress, before_commit, ids, budget=budget)
+            else:
+                _write_dir(dest, fmt, tensors, plan, meta, aliases, overwrite, side_files,
+                           result, on_progress, before_commit, ids, budget=budget)
     except OSError as e:
         where = e.filename if isinstance(e.filename, str) else dest
         raise CkptError(f"cannot write: {e.strerror or e}", path=where) from None
@@ -269,6 +279,89 @@ def _finish_dir(tmp: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPl
         (tmp / name).write_bytes(data)
         files.append((name, len(data)))
     return files
+
+
+def _write_remote(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
+                  meta: dict[str, str], aliases: dict[str, str] | None, overwrite: bool,
+                  side_files: dict[str, bytes] | None, result: WriteResult,
+                  on_progress: Callable[[int], None] | None,
+                  before_commit: Callable[[Path], None] | None, ids: dict[str, str],
+                  as_file: bool, budget: int) -> None:
+    """Write to object storage, where nothing can be renamed: atomic by ordering.
+
+    Each object is a multipart upload that becomes visible only when it completes (and is
+    aborted on any failure). A single file is one such object, checked by ``before_commit``
+    before it completes. A directory gets its side files, then every shard, and its commit
+    marker last: the index when sharded (the lone weights file otherwise), so a reader that
+    trusts the index never sees a partial set. On failure, or Ctrl-C, the objects already
+    written are deleted. With ``overwrite``, an earlier output's index goes first (its set is
+    no longer vouched for), and its keys the new output did not rewrite go last.
+    """
+    obj = cast(storage.ObjectPath, dest)
+    _check_remote_dest(dest, overwrite, as_file)
+    if as_file:
+        with _Prefetch(tensors, budget) as source:
+            size = _write_shard(dest, fmt, tensors, plan.members[0], meta, aliases, source,
+                                on_progress, ids[plan.files[0]],
+                                before_close=(lambda: before_commit(dest)) if before_commit
+                                else None)
+        result.files.append((dest.name, size))
+        manifest_path(dest).unlink(missing_ok=True)  # it described what was there before
+        return
+    old = set(obj.keys_below()) if overwrite else set()
+    stale_markers = sorted(k for k in old if k.endswith((".index.json", MANIFEST_NAME)))
+    if stale_markers:
+        obj.store.delete(stale_markers)
+    written: list[str] = []
+    try:
+        for name, data in (side_files or {}).items():
+            (dest / name).write_bytes(data)
+            written.append(f"{obj.key}/{name}")
+            result.files.append((name, len(data)))
+        with _Prefetch(tensors, budget) as source:
+            for fname, members in zip(plan.files, plan.members, strict=True):
+                size = _write_shard(dest / fname, fmt, tensors, members, meta, aliases, source,
+                                    on_progress, ids[fname])
+                written.append(f"{obj.key}/{fname}")
+                result.files.append((fname, size))
+        if before_commit:
+            before_commit(dest)
+        if plan.sharded:
+            result.index_file = _write_index(dest, fmt, tensors, plan, aliases, meta)
+            written.append(f"{obj.key}/{result.index_file}")
+            result.files.append((result.index_file,
+                                 _INDEX_SIZES.pop(str(dest / result.index_file))))
+    except BaseException:
+        # Nothing may be left that looks like an output: what this run wrote (a manifest
+        # included) and, under --force, what is left of the earlier output, whose index is
+        # already gone.
+        with contextlib.suppress(Exception):
+            obj.store.delete(sorted(set(written) | set(obj.keys_below())))
+        raise
+    stale = sorted(old - set(written) - set(stale_markers))
+    if stale:
+        obj.store.delete(stale)
+
+
+def _check_remote_dest(dest: Path, overwrite: bool, as_file: bool) -> None:
+    """Refuse an output on a store that exists (without ``overwrite``) or is of the other
+    kind; with ``overwrite``, a prefix must hold only what ckpt writes."""
+    if as_file:
+        if dest.is_dir():
+            raise DestinationExistsError("is a prefix with objects below it, and this output "
+                                         "is a single object; not replacing it", path=dest)
+        if dest.exists() and not overwrite:
+            raise DestinationExistsError("exists", path=dest,
+                                         hint="use --force to replace it")
+        return
+    if dest.is_file():
+        raise DestinationExistsError("is an object, and this output is a prefix of objects; "
+                                     "not replacing it", path=dest)
+    if dest.is_dir():
+        if not overwrite:
+            raise DestinationExistsError("exists (objects lie below this prefix)", path=dest,
+                                         hint="use --force to replace it")
+        _check_replaceable(dest)
 
 
 def _write_part(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
@@ -391,12 +484,17 @@ def _check_dtypes(tensors: Sequence[OutTensor], fmt: str) -> None:
 
 def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tuple[int, ...],
                  meta: dict[str, str], aliases: dict[str, str] | None, source: _Prefetch,
-                 on_progress: Callable[[int], None] | None, sid: str | None = None) -> None:
+                 on_progress: Callable[[int], None] | None, sid: str | None = None, *,
+                 before_close: Callable[[], None] | None = None) -> int:
+    """Write one shard file (or object); returns its size. ``before_close`` runs once every
+    byte is written and before the file closes (an object's upload completes)."""
     entries = [(tensors[i].name, tensors[i].dtype, tensors[i].shape) for i in members]
     # safetensors: raw writes, looped by write_all. Torch zips: zipfile writes once and ignores
     # short writes (Linux caps one write at ~2 GiB), so it gets a buffered file, whose write()
-    # loops until everything is written.
-    with open(path, "wb", buffering=0 if fmt == "safetensors" else -1) as f:
+    # loops until everything is written. An object is an upload, whose writes are never short.
+    out: Any = (storage.Upload(cast(storage.ObjectPath, path)) if storage.is_remote(path)
+                else open(path, "wb", buffering=0 if fmt == "safetensors" else -1))
+    with out as f:
         flusher = _Flusher(f)
         if fmt == "safetensors":
             head, _ = header_bytes(entries, meta)
@@ -428,6 +526,10 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
         # Before the file closes. (On an error, closing while a flush runs is harmless: the
         # kernel holds the file until fdatasync returns, and the error raised says more.)
         flusher.wait()
+        if before_close is not None:
+            before_close()
+        size: int = f.tell()
+    return size
 
 
 class _Flusher:
@@ -448,7 +550,7 @@ class _Flusher:
 
     def wrote(self, n: int) -> None:
         self.pending += n
-        if self.pending >= self.EVERY:
+        if self.pending >= self.EVERY and not isinstance(self.f, storage.Upload):
             self.f.flush()
             self.wait()
             self._sync = threading.Thread(target=self._fdatasync, args=(self.f.fileno(),),
@@ -550,8 +652,14 @@ def _write_index(tmp: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardP
         "weight_map": dict(sorted(weight_map.items())),
     }
     name = f"{stem}{ext}.index.json"
-    (tmp / name).write_bytes(orjson.dumps(index, option=orjson.OPT_INDENT_2) + b"\n")
+    data = orjson.dumps(index, option=orjson.OPT_INDENT_2) + b"\n"
+    (tmp / name).write_bytes(data)
+    _INDEX_SIZES[str(tmp / name)] = len(data)
     return name
+
+
+# Sizes of the indexes just written, so an object's size needs no request to learn.
+_INDEX_SIZES: dict[str, int] = {}
 
 
 _END = object()  # after a tensor's last piece

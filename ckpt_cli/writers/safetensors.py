@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from ckpt_cli import dtypes
+from ckpt_cli.storage import Upload
 
 
 def header_bytes(entries: Sequence[tuple[str, str, tuple[int, ...]]],
@@ -47,6 +48,9 @@ def header_bytes(entries: Sequence[tuple[str, str, tuple[int, ...]]],
 
 def write_all(f: BinaryIO, data: memoryview) -> None:
     """Write every byte of ``data`` (``os.write`` may write less than asked)."""
+    if not hasattr(f, "fileno") or isinstance(f, Upload):
+        f.write(data)  # an object's upload: never short
+        return
     fd = f.fileno()
     while data:
         n = os.write(fd, data[: 1 << 30])

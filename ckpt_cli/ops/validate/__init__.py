@@ -14,13 +14,13 @@ Nothing here prints or exits; nothing is written except the manifest when asked.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckpt_cli import storage
 from ckpt_cli.errors import (
     CkptError,
     CorruptCheckpointError,
@@ -211,7 +211,7 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
         UsageError: Bad options.
         PartsIncompleteError: Finalizing with parts missing or planned differently.
     """
-    p = Path(path)
+    p = storage.locate(path)
     check_exists(p)
     if manifest_algorithm not in ALGORITHMS:
         raise UsageError(f"--manifest-hash must be one of {', '.join(ALGORITHMS)}, "
@@ -684,7 +684,7 @@ def _torch_zips(b: _Builder, index: CheckpointIndex, files: OpenFiles,
             continue
         path = index.path_of(f.path)
         fd = files.open(path, path)
-        size = os.fstat(fd).st_size
+        size = storage.size_of(fd)
         zr = check_zip(fd, 0, size, rel=f.path)
         b.add("zip-structure", zr.findings)
         if zr.crc_disabled:

@@ -12,18 +12,19 @@ that consolidate refuses such input too.)
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError
 from ckpt_cli.formats import dcp
 from ckpt_cli.formats.torchfile import TorchZip, ZipEntry, archive_prefix, view_extent
 from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, TensorRecord, safe_load
 from ckpt_cli.model import CheckpointIndex, Chunk, Finding, TensorInfo
 from ckpt_cli.ops.validate.zipcheck import CrcTask, ZipReport, check_zip, crc_tasks
+from ckpt_cli.storage import Handle
 from ckpt_cli.streaming import OpenFiles
 
 _DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
@@ -233,7 +234,7 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
         report.crc.extend(crc_tasks(zr, rel=rel, fd=fd, start=it.offset, where=it.where))
 
 
-def _load(fd: int, start: int, zr: ZipReport, where: str) -> TorchZip:
+def _load(fd: Handle, start: int, zr: ZipReport, where: str) -> TorchZip:
     """Unpickle an item's ``data.pkl`` from the records :func:`check_zip` already located.
 
     Same result as :func:`~ckpt_cli.formats.torchfile.parse_zip`, without parsing the central
@@ -248,7 +249,7 @@ def _load(fd: int, start: int, zr: ZipReport, where: str) -> TorchZip:
     pkl = entries.get(f"{prefix}data.pkl")
     if pkl is None or pkl.compressed:
         raise CorruptCheckpointError("the item has no readable data.pkl record", path=where)
-    raw = os.pread(fd, pkl.size, start + pkl.data_offset)
+    raw = storage.pread(fd, pkl.size, start + pkl.data_offset)
     try:
         result = safe_load(raw)
     except UNPICKLE_ERRORS as e:

@@ -8,10 +8,10 @@ findings (and a one-line summary); :mod:`ckpt_cli.ops.validate` files them under
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.formats import deepspeed, hf_index, megatron
 from ckpt_cli.formats.base import rel_to
@@ -277,10 +277,10 @@ def leftover_findings(path: Path, *, ignore: str | None = None) -> list[Finding]
     """
     found: list[Finding] = []
     if path.is_dir():
-        for dirpath, dirnames, filenames in os.walk(path):
+        for dirpath, dirnames, filenames in storage.walk(path):
             for name in sorted(dirnames + filenames):
                 if is_leftover(name):
-                    rel = rel_to(Path(dirpath) / name, path)
+                    rel = rel_to(dirpath / name, path)
                     found.append(Finding("warning", "leftover", leftover_message(name), rel))
             dirnames[:] = [d for d in dirnames if not is_leftover(d)]
     try:

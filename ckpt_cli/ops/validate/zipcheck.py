@@ -10,12 +10,13 @@ every record's bytes are streamed and their CRC-32 compared with the recorded on
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ckpt_cli import storage
 from ckpt_cli.model import Finding, Severity
+from ckpt_cli.storage import Handle
 from ckpt_cli.streaming import (
     BUFFER_SIZE,
     Meter,
@@ -86,14 +87,14 @@ class _Fatal(Exception):
 
 
 class _Checker:
-    def __init__(self, fd: int, start: int, length: int, rel: str, where: str):
+    def __init__(self, fd: Handle, start: int, length: int, rel: str, where: str):
         self.fd, self.start, self.length, self.rel, self.where = fd, start, length, rel, where
         self.report = ZipReport()
 
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes at ``offset`` from the zip's start (fewer at the end of the window)."""
         n = max(0, min(n, self.length - offset))
-        return os.pread(self.fd, n, self.start + offset) if n else b""
+        return storage.pread(self.fd, n, self.start + offset) if n else b""
 
     def add(self, code: str, message: str, entry: str | None = None,
             severity: Severity = "error") -> None:
@@ -316,7 +317,7 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, offset: int,
     return usize, csize, offset
 
 
-def check_zip(fd: int, start: int, length: int, *, rel: str, where: str = "") -> ZipReport:
+def check_zip(fd: Handle, start: int, length: int, *, rel: str, where: str = "") -> ZipReport:
     """Check a zip's structure: end records, central directory, local headers, descriptors.
 
     Args:
@@ -347,7 +348,7 @@ class CrcTask:
     """
 
     rel: str
-    fd: int
+    fd: Handle
     offset: int
     size: int
     expected: int
@@ -355,7 +356,7 @@ class CrcTask:
     describe: str = ""
 
 
-def crc_tasks(report: ZipReport, *, rel: str, fd: int, start: int, where: str = "",
+def crc_tasks(report: ZipReport, *, rel: str, fd: Handle, start: int, where: str = "",
               describe: Callable[[str], str] | None = None) -> list[CrcTask]:
     """The CRC tasks of a checked zip: its stored, non-empty records.
 

@@ -1,0 +1,150 @@
+"""Benchmark: checkpoints on an S3 endpoint (moto's server on 127.0.0.1, started here).
+
+Every request passes through a counting proxy, so the figures are what crossed the wire:
+
+1. ``ckpt inspect --json s3://.../train.pt`` of the 4.7 GB training checkpoint: requests and
+   bytes moved (targets: at most 20 requests and 2 MB). The peer a user has without ckpt
+   downloads the object (``aws s3 cp``) before ``torch.load`` can say anything: it moves the
+   whole object, by definition; it is timed on the smaller object of part 3.
+2. ``ckpt inspect --json`` of a 100-checkpoint run directory on the bucket: LIST pages and
+   per-checkpoint reads.
+3. Streaming every byte of a 0.3 GB training checkpoint: ``ckpt validate`` (CRC-32 of every
+   record) at ``--concurrency`` 1, 4 and 8, against boto3's parallel download to nowhere (the
+   floor of reading the object at all) and the peer of part 1 (download + ``torch.load``).
+
+moto answers each ranged GET by copying the whole object in memory, so on a multi-GB object
+a request costs seconds there that it does not on S3: times of part 1 say more about moto than
+about ckpt, and part 3 uses an object small enough for moto to keep up. Request and byte
+counts do not depend on the server.
+
+Run: ``python -m bench.bench_s3``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+
+from bench._common import (
+    DATA,
+    PY,
+    ckpt_argv,
+    human_bytes,
+    many_checkpoints,
+    report,
+    timed,
+    train_checkpoint,
+)
+from tests.helpers import s3
+
+PEER_INSPECT = """
+import sys, boto3, torch
+c = boto3.client("s3")
+c.download_file(sys.argv[1], sys.argv[2], sys.argv[3])
+sd = torch.load(sys.argv[3], mmap=True, weights_only=True, map_location="cpu")
+def count(o):
+    if isinstance(o, torch.Tensor): return 1
+    if isinstance(o, dict): return sum(count(v) for v in o.values())
+    if isinstance(o, (list, tuple)): return sum(count(v) for v in o)
+    return 0
+print(count(sd))
+"""
+
+PEER_READ = """
+import sys, boto3
+from boto3.s3.transfer import TransferConfig
+class Null:
+    def write(self, b): return len(b)
+boto3.client("s3").download_fileobj(sys.argv[1], sys.argv[2], Null(),
+                                    Config=TransferConfig(max_concurrency=10))
+"""
+
+
+def main() -> None:
+    src = train_checkpoint()
+    small = train_checkpoint(n_layers=2, dim=512)
+    run_dir = many_checkpoints(100)
+    size, small_size = src.stat().st_size, small.stat().st_size
+    with s3.moto_process_endpoint() as (moto, proxy):
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        s3.client(moto).create_bucket(Bucket=bucket)
+        t0 = time.perf_counter()
+        s3.upload(moto, src, bucket, "train.pt")
+        s3.upload(moto, small, bucket, "small.pt")
+        s3.upload(moto, run_dir, bucket, "run")
+        print(f"[bench] uploaded {human_bytes(size + small_size)} in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        env = s3.env_for(proxy.url)
+        url = f"s3://{bucket}/train.pt"
+
+        # 1. inspect of the training checkpoint.
+        proxy.traffic.reset()
+        ours = timed("ckpt inspect", ckpt_argv("inspect", url, "--json"), env=env)
+        doc = json.loads(ours.stdout)
+        t = proxy.traffic
+        requests, moved = t.requests, t.bytes_out
+        report(f"inspect --json {url} ({human_bytes(size)}, {doc['num_tensors']} tensors)", [
+            ("ckpt", f"{requests} requests ({t.lists} LIST, {t.by_method.get('HEAD', 0)} HEAD, "
+                     f"{requests - t.lists - t.by_method.get('HEAD', 0)} ranged GET), "
+                     f"{human_bytes(moved)} moved, {ours.seconds:.2f} s, peak RSS "
+                     f"{human_bytes(ours.peak_rss)}"),
+            ("peer (download, then torch.load)", f"moves the whole object: {human_bytes(size)} "
+                                                 f"({size / max(moved, 1):,.0f}x ckpt's bytes)"),
+            ("target", f"<= 20 requests: {'met' if requests <= 20 else 'NOT met'}; "
+                       f"<= 2 MB: {'met' if moved <= 2_000_000 else 'NOT met'}"),
+        ])
+
+        # 2. a run directory of 100 checkpoints.
+        proxy.traffic.reset()
+        run = timed("ckpt inspect run", ckpt_argv("inspect", f"s3://{bucket}/run", "--json"),
+                    env=env)
+        listing = json.loads(run.stdout)
+        t = proxy.traffic
+        report(f"inspect --json s3://{bucket}/run (100 checkpoints)", [
+            ("ckpt", f"{run.seconds:.2f} s, {t.requests} requests: {t.lists} LIST page(s), "
+                     f"{t.by_method.get('HEAD', 0)} HEAD, "
+                     f"{t.requests - t.lists - t.by_method.get('HEAD', 0)} ranged GETs, "
+                     f"{human_bytes(t.bytes_out)} moved"),
+            ("checkpoints listed", str(len(listing["checkpoints"]))),
+        ])
+
+        # 3. streaming every byte of the smaller checkpoint.
+        surl = f"s3://{bucket}/small.pt"
+        rows = []
+        proxy.traffic.reset()
+        floor = timed("boto3 download", [PY, "-c", PEER_READ, bucket, "small.pt"], env=env)
+        rows.append(("boto3 download_fileobj (10 threads, to nowhere)",
+                     f"{floor.seconds:.2f} s, {small_size / floor.seconds / 1e6:,.0f} MB/s, "
+                     f"{proxy.traffic.requests} requests"))
+        tmp = DATA / "peer-download.pt"
+        try:
+            peer = timed("peer", [PY, "-c", PEER_INSPECT, bucket, "small.pt", str(tmp)],
+                         env=env)
+        finally:
+            tmp.unlink(missing_ok=True)
+        rows.append(("peer inspect: download + torch.load(mmap)",
+                     f"{peer.seconds:.2f} s, peak RSS {human_bytes(peer.peak_rss)}"))
+        proxy.traffic.reset()
+        mine = timed("ckpt inspect small", ckpt_argv("inspect", surl, "--json"), env=env)
+        rows.append(("ckpt inspect --json", f"{mine.seconds:.2f} s, {proxy.traffic.requests} "
+                     f"requests, {human_bytes(proxy.traffic.bytes_out)} moved "
+                     f"({peer.seconds / mine.seconds:.1f}x faster than the peer)"))
+        for conc in (1, 4, 8):
+            proxy.traffic.reset()
+            r = timed(f"validate c={conc}", ckpt_argv("validate", surl, "--json",
+                                                      "--concurrency", str(conc)), env=env)
+            ok = json.loads(r.stdout)["valid"]
+            rows.append((f"ckpt validate --concurrency {conc}",
+                         f"{r.seconds:.2f} s, {small_size / r.seconds / 1e6:,.0f} MB/s "
+                         f"({floor.seconds / r.seconds:.2f}x the download), "
+                         f"{proxy.traffic.requests} requests, peak RSS "
+                         f"{human_bytes(r.peak_rss)}, valid={ok}"))
+        local = timed("validate local", ckpt_argv("validate", str(small), "--json"))
+        rows.append(("ckpt validate of the local file", f"{local.seconds:.2f} s"))
+        report(f"streaming {surl} ({human_bytes(small_size)})", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1043 @@
+"""Where checkpoint bytes live: local files, or objects behind an fsspec URL.
+
+Readers take a :class:`~pathlib.Path` and read through the handle :func:`ckpt_cli.formats.base.
+open_regular` returns. For a local path that is a file descriptor read with ``os.pread``; for a
+URL (``s3://bucket/run/step_9000``, ``gs://``, ``az://``, any protocol fsspec knows) the path is
+an :class:`ObjectPath` and the handle an :class:`ObjectFile`, which reads with ranged GETs
+through a small block cache. Local paths never import fsspec.
+
+An object store has no directories, only keys. The first question about a prefix lists it
+once, recursively (a LIST call per 1,000 keys), and every later ``stat``, ``is_file`` or
+``iterdir`` below it is answered from that listing: inspecting a run directory of 100
+checkpoints costs a few LIST pages plus the metadata reads, not a HEAD per file.
+
+Credentials come the standard way (AWS environment variables, profiles, ``AWS_ENDPOINT_URL``)
+or from ``--storage-option KEY=VALUE``; :func:`redact` takes them out of every message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import stat
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path, PurePosixPath
+from typing import Any, NamedTuple, cast
+
+from ckpt_cli.errors import CkptError, StorageError, UsageError
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
+"""A URL's scheme (two characters or more, so a Windows drive ``C:`` is never one)."""
+
+BLOCK = 256 << 10
+"""Bytes fetched per small read: a safetensors header, a zip's end records and central
+directory, a ``data.pkl`` usually fit one or two blocks."""
+
+CACHE_BLOCKS = 256
+"""Blocks a store keeps (64 MiB): enough for every structure readers revisit."""
+
+LARGE_READ = 4 << 20
+"""Reads at least this large (tensor data) bypass the cache."""
+
+RANGE_BYTES = 8 << 20
+"""Bytes per ranged GET of a large read; a large read's ranges are fetched concurrently."""
+
+CONCURRENCY = 8
+"""Default ranged GETs in flight for one stream (``--concurrency``): one large read's
+ranges, or the chunks a sequential reader is given ahead of where it reads."""
+
+STREAM_AFTER = 2 * BLOCK
+"""Contiguous bytes a reader must have read before its reads are served ahead in
+:data:`RANGE_BYTES` chunks (a CRC or hash pass over a whole object), rather than in blocks."""
+
+UPLOAD_PART = 64 << 20
+"""Bytes per part of a multipart upload: 10,000 parts (S3's limit) reach 640 GiB, and a part
+in flight is all an upload holds in memory."""
+
+EXTRA_HINT = "pip install 'ckpt-cli[s3]'"
+
+_SECRET_KEYS = re.compile(r"secret|token|password|passwd|credential|key$|^key|sas|signature",
+                          re.IGNORECASE)
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+               "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING",
+               "AZURE_CLIENT_SECRET", "GOOGLE_OAUTH_ACCESS_TOKEN", "AWS_ACCESS_KEY_ID")
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+://)[^/@\s]+@")
+
+_lock = threading.RLock()
+_concurrency = CONCURRENCY
+_options: dict[str, Any] = {}
+_stores: dict[str, ObjectStore] = {}
+_classes: dict[str, type[ObjectPath]] = {}
+
+
+def is_url(text: str | os.PathLike[str]) -> bool:
+    """Whether ``text`` is a URL (``scheme://...``) rather than a local path."""
+    return isinstance(text, str) and _URL.match(text) is not None
+
+
+def is_remote(path: object) -> bool:
+    """Whether ``path`` names an object on a store (an :class:`ObjectPath`)."""
+    return isinstance(path, ObjectPath)
+
+
+def locate(text: str | os.PathLike[str]) -> Path:
+    """A local :class:`Path` for a path or ``file://`` URL, an :class:`ObjectPath` for others.
+
+    The store itself is opened at the first read, with the options :func:`configure` set.
+
+    Args:
+        text: A command-line argument.
+
+    Returns:
+        Something path-like every reader takes (typed ``Path``: an :class:`ObjectPath`
+        answers the subset of ``Path`` readers use).
+    """
+    if isinstance(text, ObjectPath):
+        return cast(Path, text)
+    if not isinstance(text, str) or not is_url(text):
+        return Path(text)
+    m = _URL.match(text)
+    assert m is not None
+    scheme = m.group(1).lower()
+    rest = text[m.end():]
+    if scheme == "file":
+        return Path("/" + rest.lstrip("/")) if rest.startswith("/") else Path(rest)
+    if "@" in rest.split("/", 1)[0]:
+        raise UsageError(f"{redact(text)}: credentials in a URL are not accepted; use the "
+                         "standard environment variables or --storage-option")
+    rest = rest.strip("/")
+    if not rest:
+        raise UsageError(f"{text}: name a bucket (and a key or prefix)")
+    return cast(Path, _path_class(scheme)("/" + rest))
+
+
+def configure(options: Mapping[str, Any], concurrency: int | None = None) -> None:
+    """Set the fsspec options every store is opened with (``--storage-option``).
+
+    Stores opened before are dropped, so the next read opens them with these options.
+
+    Args:
+        options: fsspec keyword arguments.
+        concurrency: Ranged GETs in flight per stream (default :data:`CONCURRENCY`).
+
+    Raises:
+        UsageError: If ``concurrency`` is below 1.
+    """
+    global _concurrency
+    if concurrency is not None and concurrency < 1:
+        raise UsageError(f"--concurrency must be at least 1, not {concurrency}")
+    with _lock:
+        _options.clear()
+        _options.update(options)
+        for st in _stores.values():
+            st.shutdown()
+        _stores.clear()
+        _concurrency = concurrency or CONCURRENCY
+
+
+def concurrency() -> int:
+    """Ranged GETs in flight per stream (``--concurrency``)."""
+    return _concurrency
+
+
+def parse_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` strings as fsspec keyword arguments.
+
+    ``true``/``false``/``none`` become booleans and None, integers become ints, and dotted keys
+    nest (``client_kwargs.region_name=eu-west-1``).
+
+    Raises:
+        UsageError: For an item without ``=`` or with an empty key.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not k for k in key.split(".")):
+            raise UsageError(f"--storage-option wants KEY=VALUE, not {_mask_pair(pair)!r}")
+        value: Any = raw
+        low = raw.strip().lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        elif low in ("none", "null"):
+            value = None
+        elif re.fullmatch(r"-?\d+", raw.strip()):
+            value = int(raw)
+        *heads, last = key.split(".")
+        node = out
+        for h in heads:
+            nxt = node.setdefault(h, {})
+            if not isinstance(nxt, dict):
+                raise UsageError(f"--storage-option {key}: {h} is set twice")
+            node = nxt
+        node[last] = value
+    return out
+
+
+def _mask_pair(pair: str) -> str:
+    key, sep, _ = pair.partition("=")
+    return f"{key}=***" if sep else pair
+
+
+def _secrets() -> list[str]:
+    found: list[str] = []
+
+    def walk(node: Mapping[str, Any]) -> None:
+        for k, v in node.items():
+            if isinstance(v, Mapping):
+                walk(v)
+            elif isinstance(v, str) and len(v) >= 4 and _SECRET_KEYS.search(k):
+                found.append(v)
+
+    with _lock:
+        walk(_options)
+    found.extend(v for name in _SECRET_ENV if len(v := os.environ.get(name, "")) >= 4)
+    return sorted(set(found), key=len, reverse=True)
+
+
+def redact(text: str) -> str:
+    """``text`` with every credential ckpt knows of replaced by ``***``.
+
+    Covers ``--storage-option`` values whose key names a secret, the standard credential
+    environment variables, and ``user:password@`` in URLs.
+    """
+    for s in _secrets():
+        text = text.replace(s, "***")
+    return _USERINFO.sub(r"\g<scheme>***@", text)
+
+
+def _import_fsspec(scheme: str) -> Any:
+    try:
+        import fsspec  # type: ignore[import-untyped]  # only URLs pay for it
+    except ImportError:
+        raise UsageError(f"{scheme}:// URLs need fsspec: {EXTRA_HINT}") from None
+    return fsspec
+
+
+def store_for(scheme: str) -> ObjectStore:
+    """The store of ``scheme``, opened at first use with the configured options."""
+    with _lock:
+        st = _stores.get(scheme)
+        if st is None:
+            st = _stores[scheme] = ObjectStore(scheme, dict(_options))
+        return st
+
+
+def _path_class(scheme: str) -> type[ObjectPath]:
+    with _lock:
+        cls = _classes.get(scheme)
+        if cls is None:
+            # One subclass per scheme: pathlib builds children with type(self), so a child
+            # of s3://b/run knows it lives on s3 without carrying a reference.
+            cls = _classes[scheme] = type(f"ObjectPath_{scheme}", (ObjectPath,),
+                                          {"scheme": scheme})
+        return cls
+
+
+class Entry(NamedTuple):
+    """What a listing says of one key."""
+
+    is_dir: bool
+    size: int
+    mtime: float
+
+
+def _mtime(info: Mapping[str, Any]) -> float:
+    for k in ("LastModified", "mtime", "last_modified", "updated", "created", "timeCreated"):
+        v = info.get(k)
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, int | float):
+            return float(v)
+        if isinstance(v, str):
+            try:
+                return datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return 0.0
+
+
+def _parent(key: str) -> str:
+    return key.rsplit("/", 1)[0] if "/" in key else ""
+
+
+class ObjectStore:
+    """One fsspec filesystem, the listings made of it and the traffic it carried.
+
+    Args:
+        scheme: The URL scheme (``s3``, ``gs``, ``memory``...).
+        options: fsspec keyword arguments.
+
+    Raises:
+        UsageError: If fsspec or the scheme's implementation is not installed.
+    """
+
+    def __init__(self, scheme: str, options: dict[str, Any]):
+        fsspec = _import_fsspec(scheme)
+        self.scheme = scheme
+        try:
+            # Our own registry holds stores (configure() resets it); fsspec's instance cache
+            # would hand back a client made with earlier credentials or endpoint.
+            self.fs = fsspec.filesystem(scheme, skip_instance_cache=True, **options)
+        except ImportError as e:
+            raise UsageError(f"{scheme}:// URLs need a client library ({redact(str(e))}): "
+                             f"{EXTRA_HINT}") from None
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"{scheme}://: bad storage options ({redact(str(e))})") from None
+        self._entries: dict[str, Entry] = {}
+        self._children: dict[str, set[str]] = {}
+        self._deep: set[str] = set()
+        self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.RLock()
+        self.requests = 0
+        self.bytes = 0
+
+    def url(self, key: str) -> str:
+        """The URL of ``key``."""
+        return f"{self.scheme}://{key}"
+
+    def call(self, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one fsspec call about ``key``, as a :class:`StorageError` when it fails.
+
+        The client library retries what it retries (throttling, resets); what is left is
+        reported in one line naming the URL, with credentials redacted.
+        """
+        with self._lock:
+            self.requests += 1
+        try:
+            return fn(*args, **kwargs)
+        except CkptError:
+            raise
+        except FileNotFoundError as e:
+            raise StorageError(_not_found(e), path=self.url(key)) from None
+        except PermissionError as e:
+            raise StorageError(f"access denied ({_short(e)})", path=self.url(key)) from None
+        except Exception as e:  # the client's own exception types vary by protocol
+            raise StorageError(_describe(e), path=self.url(key)) from None
+
+    def _record(self, name: str, info: Mapping[str, Any]) -> None:
+        key = name.strip("/")
+        is_dir = info.get("type") == "directory"
+        self._entries[key] = Entry(is_dir, 0 if is_dir else int(info.get("size") or 0),
+                                   _mtime(info))
+        child = key
+        while "/" in child:
+            parent = _parent(child)
+            self._children.setdefault(parent, set()).add(child.rsplit("/", 1)[1])
+            if parent not in self._entries:
+                self._entries[parent] = Entry(True, 0, 0.0)
+            elif not self._entries[parent].is_dir:
+                break
+            child = parent
+
+    def _covered(self, key: str) -> bool:
+        """Whether a recursive listing already answers every question about ``key``."""
+        k = key
+        while True:
+            if k in self._deep:
+                return True
+            if "/" not in k:
+                return False
+            k = _parent(k)
+
+    def _list(self, key: str) -> None:
+        found = self.call(key, self.fs.find, key, detail=True, withdirs=True)
+        for name, info in found.items():
+            self._record(name, info)
+        if found and key not in self._entries:
+            self._entries[key] = Entry(True, 0, 0.0)
+        self._deep.add(key)
+
+    def lookup(self, key: str) -> Entry | None:
+        """What ``key`` is (a file, or a prefix with keys below it), or None if nothing."""
+        with self._lock:
+            got = self._entries.get(key)
+            if got is not None or (self._covered(_parent(key)) and "/" in key):
+                return got
+            if not self._covered(key):
+                self._list(key)
+                got = self._entries.get(key)
+                if got is not None:
+                    return got
+            try:
+                info = self.call(key, self.fs.info, key)
+            except StorageError as e:
+                if "no such key" in e.message:
+                    return None
+                raise
+            self._record(key, info)
+            return self._entries.get(key)
+
+    def children(self, key: str) -> list[str]:
+        """Names directly below prefix ``key`` (listing it recursively first, once)."""
+        with self._lock:
+            if not self._covered(key):
+                self._list(key)
+            return sorted(self._children.get(key, ()))
+
+    def submit(self, key: str, start: int, end: int) -> Future[bytes]:
+        """Fetch ``[start, end)`` of ``key`` in the background (read-ahead)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * concurrency()),
+                                                thread_name_prefix="ckpt-get")
+            pool = self._pool
+        return pool.submit(lambda: self.fetch(key, [(start, end)])[0])
+
+    def shutdown(self) -> None:
+        """Stop the read-ahead threads (queued fetches are cancelled)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def changed(self) -> None:
+        """Forget every listing and cached block: this process just wrote or deleted."""
+        with self._lock:
+            self._entries.clear()
+            self._children.clear()
+            self._deep.clear()
+            self._blocks.clear()
+        invalidate = getattr(self.fs, "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate()
+
+    def versioned(self, bucket: str) -> bool | None:
+        """Whether a bucket keeps old versions of objects (None when it cannot be told)."""
+        probe = getattr(self.fs, "is_bucket_versioned", None)
+        if probe is None:
+            return None
+        try:
+            return bool(self.call(bucket, probe, bucket))
+        except StorageError:
+            return None
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete objects (in batches: ``DeleteObjects`` takes 1,000 keys a call)."""
+        for i in range(0, len(keys), 1000):
+            batch = keys[i:i + 1000]
+            self.call(batch[0], self.fs.rm, batch)
+        self.changed()
+
+    def has_blocks(self, key: str, blocks: range) -> bool:
+        """Whether every block of ``key`` in ``blocks`` is cached."""
+        with self._lock:
+            return all((key, b) in self._blocks for b in blocks)
+
+    def blocks(self, key: str, size: int, blocks: range) -> list[bytes]:
+        """Blocks of ``key`` (of ``size`` bytes), from the cache or fetched: runs of
+        neighbouring missing blocks are one GET each, all runs concurrently."""
+        with self._lock:
+            have = {b: self._blocks[(key, b)] for b in blocks if (key, b) in self._blocks}
+        missing = [b for b in blocks if b not in have]
+        if missing:
+            runs: list[list[int]] = []
+            for b in missing:
+                if runs and runs[-1][-1] == b - 1:
+                    runs[-1].append(b)
+                else:
+                    runs.append([b])
+            got = self.fetch(key, [(r[0] * BLOCK, min(size, (r[-1] + 1) * BLOCK))
+                                   for r in runs])
+            for r, data in zip(runs, got, strict=True):
+                for i, b in enumerate(r):
+                    have[b] = data[i * BLOCK:(i + 1) * BLOCK]
+        with self._lock:
+            for b in blocks:
+                self._blocks[(key, b)] = have[b]
+                self._blocks.move_to_end((key, b))
+            while len(self._blocks) > CACHE_BLOCKS:
+                self._blocks.popitem(last=False)
+        return [have[b] for b in blocks]
+
+    def fetch(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Bytes of ``[start, end)`` ranges of ``key``, fetched concurrently."""
+        if len(ranges) == 1:
+            s, e = ranges[0]
+            out = [self.call(key, self.fs.cat_file, key, start=s, end=e)]
+        else:
+            with self._lock:
+                self.requests += len(ranges) - 1
+            out = self.call(key, self.fs.cat_ranges, [key] * len(ranges),
+                            [s for s, _ in ranges], [e for _, e in ranges],
+                            batch_size=CONCURRENCY)
+        for r in out:
+            if isinstance(r, BaseException):
+                self.call(key, _reraise, r)
+        with self._lock:
+            self.bytes += sum(len(r) for r in out)
+        return cast(list[bytes], out)
+
+
+def _reraise(e: BaseException) -> None:
+    raise e
+
+
+def _short(e: BaseException) -> str:
+    msg = redact(" ".join(str(e).split()))
+    return msg[:200] if msg else type(e).__name__
+
+
+def _not_found(e: FileNotFoundError) -> str:
+    msg = str(e).lower()
+    if "bucket" in msg:
+        return "no such bucket"
+    return "no such key"
+
+
+def _describe(e: BaseException) -> str:
+    name = type(e).__name__
+    msg = _short(e)
+    low = f"{name} {msg}".lower()
+    if "credential" in low and ("unable to locate" in low or "nocredentials" in low):
+        return ("no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a "
+                "profile, or --storage-option anon=true for a public bucket)")
+    if any(w in low for w in ("invalidaccesskeyid", "signaturedoesnotmatch", "accessdenied",
+                              "forbidden", "403")):
+        return f"access denied ({msg})"
+    if any(w in low for w in ("connect", "endpoint", "timeout", "timed out", "reset",
+                              "disconnected", "payload")):
+        return f"cannot reach the storage endpoint ({msg})"
+    if any(w in low for w in ("slowdown", "503", "throttl", "too many requests")):
+        return f"the store keeps refusing requests (throttled: {msg})"
+    return f"storage error ({name}: {msg})"
+
+
+class ObjectFile:
+    """An object opened for positioned reads: ranged GETs through the store's block cache.
+
+    Small reads (headers, central directories, pickles) fetch whole :data:`BLOCK`-aligned
+    blocks, coalescing neighbouring missing blocks into one GET, and keep them in a cache the
+    store shares between every open of the object (a sniff, then a parse, read the same
+    header once). Reads of :data:`LARGE_READ` or more (tensor data) go straight to
+    concurrent ranged GETs of :data:`RANGE_BYTES`.
+
+    Args:
+        store: The store.
+        key: The object's key.
+        size: Its size (from the listing).
+    """
+
+    def __init__(self, store: ObjectStore, key: str, size: int):
+        self.store, self.key, self.size = store, key, size
+        self._local = threading.local()  # where each thread reading it is
+        self._chunks: OrderedDict[int, Future[bytes]] = OrderedDict()
+        self._chunk_lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        """The object's URL."""
+        return self.store.url(self.key)
+
+    def cached(self, offset: int, n: int) -> bool:
+        """Whether ``[offset, offset + n)`` is already in the cache (no request needed)."""
+        first, last = offset // BLOCK, max(offset, offset + n - 1) // BLOCK
+        return self.store.has_blocks(self.key, range(first, last + 1))
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer only at the end of the object)."""
+        end = min(self.size, offset + max(0, n))
+        if end <= offset:
+            return b""
+        if end - offset >= LARGE_READ:
+            step = RANGE_BYTES
+            ranges = [(s, min(end, s + step)) for s in range(offset, end, step)]
+            return b"".join(self.store.fetch(self.key, ranges))
+        st = self._stream()
+        if offset == st.next:
+            st.run += end - offset
+        else:
+            st.run = end - offset
+        st.next = end
+        if st.run > STREAM_AFTER or self._chunk_at(offset):
+            return self._streamed(offset, end)
+        first, last = offset // BLOCK, (end - 1) // BLOCK
+        data = b"".join(self.store.blocks(self.key, self.size, range(first, last + 1)))
+        lo = offset - first * BLOCK
+        return data[lo:lo + (end - offset)]
+
+    def _stream(self) -> _Stream:
+        st: _Stream | None = getattr(self._local, "stream", None)
+        if st is None:
+            st = self._local.stream = _Stream()
+        return st
+
+    def _chunk_at(self, offset: int) -> bool:
+        """Whether the chunk holding ``offset`` was read ahead already (another thread's
+        pass reached it): then it serves this read too, however short."""
+        with self._chunk_lock:
+            return offset // RANGE_BYTES in self._chunks
+
+    def _streamed(self, offset: int, end: int) -> bytes:
+        """Serve sequential readers from :data:`RANGE_BYTES` chunks fetched ahead of them,
+        :func:`concurrency` of them in flight. The chunks are shared by every thread reading
+        the object (validate checks the records of one file on several threads, each reading
+        its own stretch), and at most twice that many are kept: bounded memory."""
+        first, last = offset // RANGE_BYTES, (end - 1) // RANGE_BYTES
+        ahead = max(concurrency(), last - first + 1)
+        top = min(first + ahead, -(-self.size // RANGE_BYTES))
+        with self._chunk_lock:
+            for c in range(first, top):
+                if c not in self._chunks:
+                    lo, hi = c * RANGE_BYTES, min(self.size, (c + 1) * RANGE_BYTES)
+                    self._chunks[c] = self.store.submit(self.key, lo, hi)
+            for c in range(first, last + 1):
+                self._chunks.move_to_end(c)  # least recently used goes first: read already
+            futures = [self._chunks[c] for c in range(first, last + 1)]
+            while len(self._chunks) > 2 * ahead + 2:
+                _, f = self._chunks.popitem(last=False)
+                f.cancel()
+        parts = [f.result() for f in futures]
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        lo = offset - first * RANGE_BYTES
+        return data[lo:lo + (end - offset)]
+
+    def fetch_ranges(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Many small ``(offset, n)`` ranges at once, concurrently, past the cache (a zip's
+        scattered local headers)."""
+        return self.store.fetch(self.key, [(o, min(self.size, o + n)) for o, n in ranges])
+
+    def readinto(self, out: memoryview, offset: int) -> int:
+        """Fill ``out`` from ``offset``; returns how many bytes (fewer only at the end)."""
+        data = self.pread(len(out), offset)
+        out[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        """Drop the chunks read ahead (the block cache is the store's)."""
+        with self._chunk_lock:
+            for f in self._chunks.values():
+                f.cancel()
+            self._chunks.clear()
+
+
+class _Stream:
+    """One thread's pass over an object: where it will read next, and how far it has read
+    contiguously (a long run is served from chunks read ahead)."""
+
+    def __init__(self) -> None:
+        self.next, self.run = -1, 0
+
+
+Handle = int | ObjectFile
+"""What :func:`ckpt_cli.formats.base.open_regular` returns: a descriptor or an object."""
+
+
+class Window(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes at ``start`` of an open handle.
+
+    Args:
+        fd: An open descriptor or object handle.
+        start: First byte of the view.
+        length: Length of the view.
+        owns: Whether closing the view closes the handle.
+    """
+
+    def __init__(self, fd: Handle, start: int, length: int, *, owns: bool = False):
+        super().__init__()
+        self.fd, self.start, self.length, self.pos, self.owns = fd, start, length, 0, owns
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        if n == 0:
+            return 0
+        data = pread(self.fd, n, self.start + self.pos)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        if self.owns and not self.closed:
+            close(self.fd)
+        super().close()
+
+
+def pread(h: Handle, n: int, offset: int) -> bytes:
+    """``os.pread`` for either kind of handle."""
+    if isinstance(h, int):
+        return os.pread(h, n, offset)
+    return h.pread(n, offset)
+
+
+def readinto(h: Handle, out: memoryview, offset: int) -> int:
+    """One positioned read into ``out`` (``os.preadv``); may return fewer bytes locally."""
+    if isinstance(h, int):
+        return os.preadv(h, [out], offset)
+    return h.readinto(out, offset)
+
+
+def size_of(h: Handle) -> int:
+    """The size of the file or object behind a handle."""
+    if isinstance(h, int):
+        return os.fstat(h).st_size
+    return h.size
+
+
+def close(h: Handle) -> None:
+    """Close a handle."""
+    if isinstance(h, int):
+        os.close(h)
+    else:
+        h.close()
+
+
+class ObjectPath(PurePosixPath):
+    """A key or prefix on an object store, answering the part of ``Path`` readers use.
+
+    ``str()`` gives the URL. There are no symlinks; a prefix with keys below it is a
+    directory. Anything that would need a local file (``os.open``, ``os.fspath``) raises
+    :class:`~ckpt_cli.errors.UsageError` naming the URL instead of touching the local disk.
+    """
+
+    scheme = ""
+
+    @property
+    def store(self) -> ObjectStore:
+        """The store this path lives on."""
+        return store_for(self.scheme)
+
+    @property
+    def key(self) -> str:
+        """The key (``bucket/prefix/name``) as fsspec names it."""
+        return PurePosixPath.__str__(self).strip("/")
+
+    def __str__(self) -> str:
+        # Held as /bucket/key: relative_to() gives relative paths, which print plainly.
+        if not self.is_absolute():
+            return PurePosixPath.__str__(self)
+        return f"{self.scheme}://{self.key}"
+
+    def as_posix(self) -> str:
+        """The URL, or a relative path as is."""
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"
+
+    def __fspath__(self) -> str:
+        raise UsageError(f"{self}: this needs a local file (object storage is not supported "
+                         "here yet)")
+
+    def as_uri(self) -> str:
+        """The URL."""
+        return str(self)
+
+    def _entry(self) -> Entry | None:
+        return self.store.lookup(self.key)
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        """A ``stat`` result from the listing (mode, size, modification time).
+
+        Raises:
+            FileNotFoundError: When nothing is stored at or below this key.
+        """
+        e = self._entry()
+        if e is None:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        mode = (stat.S_IFDIR | 0o755) if e.is_dir else (stat.S_IFREG | 0o644)
+        ns = int(e.mtime * 1e9)
+        return os.stat_result((mode, 0, 0, 1, 0, 0, e.size, int(e.mtime), int(e.mtime),
+                               int(e.mtime), e.mtime, e.mtime, e.mtime, ns, ns, ns))
+
+    def lstat(self) -> os.stat_result:
+        """The same as :meth:`stat`: objects are never links."""
+        return self.stat()
+
+    def exists(self, *, follow_symlinks: bool = True) -> bool:
+        """Whether a key, or keys below this prefix, exist."""
+        return self._entry() is not None
+
+    def is_file(self) -> bool:
+        """Whether this is a key holding an object."""
+        e = self._entry()
+        return e is not None and not e.is_dir
+
+    def is_dir(self) -> bool:
+        """Whether keys exist below this prefix."""
+        e = self._entry()
+        return e is not None and e.is_dir
+
+    def is_symlink(self) -> bool:
+        """Never: object stores have no links."""
+        return False
+
+    def is_mount(self) -> bool:
+        """Never."""
+        return False
+
+    def iterdir(self) -> Iterator[ObjectPath]:
+        """The keys and prefixes directly below this one."""
+        if not self.is_dir():
+            raise NotADirectoryError(20, "Not a directory", str(self))
+        for name in self.store.children(self.key):
+            yield self / name
+
+    def glob(self, pattern: str) -> Iterator[ObjectPath]:
+        """Children matching a one-level ``pattern`` (``*.safetensors``)."""
+        from fnmatch import fnmatchcase
+
+        if "/" in pattern or "**" in pattern:
+            raise UsageError(f"{self}: glob {pattern!r} across levels is not supported")
+        for child in self.iterdir():
+            if fnmatchcase(child.name, pattern):
+                yield child
+
+    def resolve(self, strict: bool = False) -> ObjectPath:
+        """Itself: keys have no links to resolve."""
+        return self
+
+    def absolute(self) -> ObjectPath:
+        """Itself."""
+        return self
+
+    def expanduser(self) -> ObjectPath:
+        """Itself."""
+        return self
+
+    def readlink(self) -> ObjectPath:
+        """Always fails: objects are never links."""
+        raise OSError(22, "Invalid argument (not a link)", str(self))
+
+    def samefile(self, other: object) -> bool:
+        """Whether ``other`` names the same key on the same store."""
+        return isinstance(other, ObjectPath) and str(other) == str(self)
+
+    def open_object(self) -> ObjectFile:
+        """Open the object for positioned reads.
+
+        Raises:
+            StorageError: If there is no such key.
+            CkptError: If it is a prefix, not an object.
+        """
+        e = self._entry()
+        if e is None:
+            raise StorageError("no such key", path=str(self))
+        if e.is_dir:
+            raise CkptError("a directory (prefix), not a file", path=str(self))
+        return ObjectFile(self.store, self.key, e.size)
+
+    def read_bytes(self) -> bytes:
+        """The whole object (used for small files only)."""
+        f = self.open_object()
+        return f.pread(f.size, 0)
+
+    def read_text(self, encoding: str | None = None, errors: str | None = None) -> str:
+        """The whole object as text."""
+        return self.read_bytes().decode(encoding or "utf-8", errors or "strict")
+
+    def write_bytes(self, data: bytes) -> int:
+        """Store ``data`` as this object (one PUT: it appears whole or not at all)."""
+        with Upload(self) as up:
+            up.write(data)
+        return len(data)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        """Delete the object.
+
+        Raises:
+            FileNotFoundError: If there is none and ``missing_ok`` is False.
+        """
+        if not self.is_file():
+            if missing_ok:
+                return
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        self.store.delete([self.key])
+
+    def keys_below(self) -> list[str]:
+        """Every object key at or below this prefix."""
+        e = self._entry()
+        if e is None:
+            return []
+        if not e.is_dir:
+            return [self.key]
+        self.store.children(self.key)
+        with self.store._lock:
+            return sorted(k for k, v in self.store._entries.items()
+                          if not v.is_dir and k.startswith(self.key + "/"))
+
+
+class Upload:
+    """One object being written: a multipart upload that becomes visible only at
+    :meth:`commit` (S3 has no rename; CompleteMultipartUpload is the atomic step). A file
+    smaller than one part is a single PUT at commit.
+
+    Use as a context manager: leaving it normally commits, an exception (Ctrl-C included)
+    aborts the upload, so no partial object is ever visible.
+
+    Args:
+        path: The object to write.
+        part_size: Bytes per uploaded part (:data:`UPLOAD_PART`).
+    """
+
+    def __init__(self, path: ObjectPath, part_size: int | None = None):
+        self.path, self.store, self.key = path, path.store, path.key
+        self.f = self.store.call(self.key, self.store.fs.open, self.key, "wb",
+                                 block_size=part_size or UPLOAD_PART)
+        self.written = 0
+        self.done = False
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Append ``data``; returns its length (writes are never short)."""
+        n = len(data)
+        self.store.call(self.key, self.f.write, data)
+        self.written += n
+        return n
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self.written
+
+    def flush(self) -> None:
+        """Nothing: parts go out as they fill."""
+
+    def commit(self) -> None:
+        """Complete the upload: the object appears, whole."""
+        if not self.done:
+            self.done = True
+            try:
+                self.store.call(self.key, self.f.close)
+            except BaseException:
+                self._abort()
+                raise
+            finally:
+                self.store.changed()
+
+    def abort(self) -> None:
+        """Abandon the upload (its parts are deleted); nothing appears."""
+        if not self.done:
+            self.done = True
+            self._abort()
+
+    def _abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.f.discard()
+        with contextlib.suppress(Exception):
+            self.f.closed = True
+
+    def __enter__(self) -> Upload:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, *exc: object) -> None:
+        if et is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class ObjectEntry:
+    """What :func:`scandir` yields for an object store: the ``os.DirEntry`` subset the run
+    listing uses (never a link; ``path`` is the URL, which :func:`locate` turns back)."""
+
+    __slots__ = ("_p", "name", "path")
+
+    def __init__(self, p: ObjectPath):
+        self._p, self.name, self.path = p, p.name, str(p)
+
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+        return self._p.is_dir()
+
+    def is_file(self, *, follow_symlinks: bool = True) -> bool:
+        return self._p.is_file()
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        return self._p.stat()
+
+
+class _Listing:
+    def __init__(self, entries: list[ObjectEntry]):
+        self._entries = entries
+
+    def __enter__(self) -> Iterator[ObjectEntry]:
+        return iter(self._entries)
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def scandir(path: str | Path) -> Any:
+    """``os.scandir`` for a local path or URL, an object store's prefix included.
+
+    Returns:
+        A context manager yielding entries with ``name``, ``path``, ``is_dir()``,
+        ``is_file()``, ``is_symlink()`` and ``stat()``.
+
+    Raises:
+        OSError: If it cannot be listed (``NotADirectoryError`` for an object or nothing).
+    """
+    p = path if isinstance(path, ObjectPath) else locate(path) if is_url(path) else None
+    if p is None:
+        return os.scandir(path)
+    obj = cast(ObjectPath, p)
+    return _Listing([ObjectEntry(c) for c in obj.iterdir()])
+
+
+def lexists(path: str | Path) -> bool:
+    """``os.path.lexists`` for a local path or an object."""
+    if isinstance(path, ObjectPath):
+        return path.exists()
+    return os.path.lexists(path)
+
+
+def lstat(path: str | Path) -> os.stat_result:
+    """``os.lstat`` for a local path or an object."""
+    if isinstance(path, ObjectPath):
+        return path.stat()
+    return os.lstat(path)
+
+
+def walk(path: Path, onerror: Callable[[OSError], None] | None = None
+         ) -> Iterator[tuple[Path, list[str], list[str]]]:
+    """``os.walk`` (top-down, ``dirnames`` prunable) for a local directory or a prefix.
+
+    Yields:
+        ``(directory, subdirectory names, file names)``, the directory as a path.
+    """
+    if not isinstance(path, ObjectPath):
+        for d, dirs, files in os.walk(path, onerror=onerror):
+            yield Path(d), dirs, files
+        return
+    stack: list[ObjectPath] = [path]
+    while stack:
+        d = stack.pop()
+        kids = list(d.iterdir())
+        dirs = [k.name for k in kids if k.is_dir()]
+        files = [k.name for k in kids if not k.is_dir()]
+        yield cast(Path, d), dirs, files
+        stack.extend(d / n for n in reversed(dirs))
+
+
+def tree_paths(path: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """Every object below a prefix with its ``stat`` (from the listing), for tree totals."""
+    obj = cast(ObjectPath, path)
+    key = obj.key
+    store = obj.store
+    store.children(key)  # lists the prefix once
+    with store._lock:
+        names = [k for k in store._entries if k.startswith(key + "/")]
+    for k in names:
+        child = type(obj)("/" + k)
+        yield str(child), child.stat()
