@@ -611,3 +611,53 @@ def test_prune_says_when_the_bucket_is_versioned(
     assert "versioned" in r.stdout
     assert _doc("prune", f"s3://{bucket}/run", "--keep", "1", "--dry-run")[
         "object_store"]["versioned"] is True
+
+
+# -- torch zips on a store: records placed without a request per local header --------------
+
+
+def _upload_one(endpoint: tuple[str, s3.Proxy], path: Path, key: str) -> str:
+    bucket = _bucket(endpoint)
+    s3.upload(endpoint[0], path, bucket, key)
+    return f"s3://{bucket}/{key}"
+
+
+def test_a_zip_not_written_by_torch_is_read_right(s3env: s3.Proxy,
+                                                   endpoint: tuple[str, s3.Proxy],
+                                                   sample_run: Path, tmp_path: Path) -> None:
+    """Repacked by Python's zipfile, records no longer sit where torch's writer puts them:
+    the check against the headers at hand catches it, every header is fetched, and inspect,
+    validate and diff give what they give for the local file."""
+    import zipfile
+
+    src = sample_run / "step_000100" / "checkpoint.pt"
+    repacked = tmp_path / "repacked.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(repacked, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))
+    url = _upload_one(endpoint, repacked, "repacked.pt")
+    for cmd in (["inspect"], ["validate"], ["diff", str(src)]):
+        remote = _doc(cmd[0], url, *cmd[1:], code=0)
+        local = _doc(cmd[0], repacked, *cmd[1:], code=0)
+        assert _normal(remote, "", "") == _normal(local, str(repacked), url), cmd
+
+
+def test_a_damaged_local_header_is_found_on_a_store(s3env: s3.Proxy,
+                                                    endpoint: tuple[str, s3.Proxy],
+                                                    sample_run: Path, tmp_path: Path) -> None:
+    import zipfile
+
+    src = sample_run / "step_000100" / "checkpoint.pt"
+    with zipfile.ZipFile(src) as z:
+        # A record in the middle: its header lies in no block the parse fetched anyway.
+        info = sorted(z.infolist(), key=lambda i: i.header_offset)[len(z.infolist()) // 2]
+    data = bytearray(src.read_bytes())
+    data[info.header_offset + 30] ^= 0x20  # a letter of the record's name, in its local header
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bytes(data))
+    url = _upload_one(endpoint, bad, "bad.pt")
+    remote = _doc("validate", url, code=1)
+    local = _doc("validate", bad, code=1)
+    assert _normal(remote, "", "") == _normal(local, str(bad), url)
+    codes = {f["code"] for f in remote["checkpoints"][0]["findings"]}
+    assert "zip-local-header" in codes, codes
