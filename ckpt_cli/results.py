@@ -913,6 +913,9 @@ class PruneResult:
         keys: On object storage: the keys of each checkpoint the plan deletes.
         versioned: On object storage: whether the bucket keeps versions (None: unknown, or
             a local directory).
+        stale_uploads: On object storage: ``(key, upload id)`` of multipart uploads below
+            the prefix begun before ``--grace`` and never finished (a killed write's).
+        uploads_aborted: The keys of those this prune aborted.
     """
 
     path: Path
@@ -926,6 +929,8 @@ class PruneResult:
     metrics_file: Path | None = None
     keys: dict[str, list[str]] = field(default_factory=dict)
     versioned: bool | None = None
+    stale_uploads: list[tuple[str, str]] = field(default_factory=list)
+    uploads_aborted: list[str] = field(default_factory=list)
 
     def status(self, d: Decision) -> str:
         """``kept``, ``would-delete`` (dry run, declined), ``deleted``, ``skipped``, ``failed``."""

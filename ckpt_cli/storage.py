@@ -419,6 +419,42 @@ class ObjectStore:
         except StorageError:
             return None
 
+    def pending_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        """Multipart uploads begun below ``prefix`` (``bucket/key...``) and never completed
+        or aborted: ``(key, upload id, last activity)``. Their parts cost storage while invisible
+        to listings; a write killed with ``kill -9`` leaves one. Empty for stores without
+        multipart uploads."""
+        call_s3 = getattr(self.fs, "_call_s3", None)
+        loop = getattr(self.fs, "loop", None)
+        if call_s3 is None or loop is None:
+            return []
+        from fsspec.asyn import sync  # type: ignore[import-untyped]
+
+        def s3(op: str, **kw: Any) -> Any:
+            return self.call(prefix, sync, loop, call_s3, op, **kw)
+
+        bucket, _, key = prefix.partition("/")
+        kw: dict[str, Any] = {"Bucket": bucket, "Prefix": key}
+        out: list[tuple[str, str, float]] = []
+        while True:
+            page = s3("list_multipart_uploads", **kw)
+            for u in page.get("Uploads", []):
+                # The last sign of life: its newest part, else when it began (a 2.5 TB
+                # upload outlives any grace period while its parts keep coming).
+                parts = s3("list_parts", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+                times = [_mtime({"LastModified": u.get("Initiated")})]
+                times += [_mtime(p) for p in parts.get("Parts", [])]
+                out.append((f"{bucket}/{u['Key']}", u["UploadId"], max(times)))
+            if not page.get("IsTruncated"):
+                return out
+            kw.update(KeyMarker=page.get("NextKeyMarker"),
+                      UploadIdMarker=page.get("NextUploadIdMarker"))
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort a multipart upload (its parts are deleted)."""
+        bucket, _, k = key.partition("/")
+        self.call(key, self.fs.abort_mpu, bucket, k, upload_id)
+
     def delete(self, keys: list[str]) -> None:
         """Delete objects (in batches: ``DeleteObjects`` takes 1,000 keys a call)."""
         for i in range(0, len(keys), 1000):

@@ -661,3 +661,32 @@ def test_a_damaged_local_header_is_found_on_a_store(s3env: s3.Proxy,
     assert _normal(remote, "", "") == _normal(local, str(bad), url)
     codes = {f["code"] for f in remote["checkpoints"][0]["findings"]}
     assert "zip-local-header" in codes, codes
+
+
+def test_a_killed_write_is_reported_by_validate_and_aborted_by_prune(
+        s3env: s3.Proxy, endpoint: tuple[str, s3.Proxy], sample_run: Path) -> None:
+    """kill -9 in the middle of an upload leaves a multipart upload that no listing shows but
+    whose parts are billed: validate warns of it, prune aborts it once it is older than
+    --grace (a dry run only lists it)."""
+    bucket = _bucket(endpoint)
+    s3.upload(endpoint[0], sample_run, bucket, "run")
+    c = s3.client(endpoint[0])
+    # The first of two shards went up; the writer died uploading the second.
+    c.put_object(Bucket=bucket, Key="run/step_000500/model-00001-of-00002.safetensors",
+                 Body=(sample_run / "export" / "model-00001-of-00004.safetensors").read_bytes())
+    key = "run/step_000500/model-00002-of-00002.safetensors"
+    up = c.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    c.upload_part(Bucket=bucket, Key=key, UploadId=up, PartNumber=1, Body=b"x" * (5 << 20))
+    doc = _doc("validate", f"s3://{bucket}/run/step_000500", code=1)
+    findings = doc["checkpoints"][0]["findings"]
+    assert any(f["code"] == "unfinished-upload" for f in findings), findings
+    url = f"s3://{bucket}/run"
+    fresh = _doc("prune", url, "--keep", "1", "--dry-run")  # within the default grace
+    assert fresh["object_store"]["stale_uploads"] == []
+    dry = _doc("prune", url, "--keep", "1", "--grace", "0", "--dry-run")
+    assert dry["object_store"]["stale_uploads"] == [f"s3://{bucket}/{key}"]
+    assert _pending_uploads(endpoint, bucket) == [key]
+    r = run_cli("prune", url, "--keep", "1", "--grace", "0", "--yes")
+    assert r.exit_code == 0, r.output
+    assert "aborted 1 of 1 unfinished multipart upload" in r.stdout
+    assert _pending_uploads(endpoint, bucket) == []

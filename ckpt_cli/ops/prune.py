@@ -316,8 +316,15 @@ def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
     result.versioned = obj.store.versioned(obj.key.split("/", 1)[0])
     for d in plan.to_delete:
         result.keys[d.entry.name] = _keys_of(obj, d.entry.name)
+    # Uploads a killed writer left: invisible, but their parts are billed. Those with a
+    # part (or their start) within --grace may be writes still running.
+    horizon = (time.time() if now is None else now) - policy.grace
+    result.stale_uploads = [(k, uid) for k, uid, began in obj.store.pending_uploads(obj.key + "/")
+                            if began < horizon]
     if not _go_ahead(result, confirm, report):
         return result
+    for key, uid in result.stale_uploads:
+        _abort_upload(obj, key, uid, result, report)
     done, total = 0, len(plan.to_delete)
     for d in plan.to_delete:
         name = d.entry.name
@@ -328,6 +335,16 @@ def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
         result.outcomes[name] = Outcome(status, detail)
         report(PruneEvent(status, name, detail, done, total, d))
     return result
+
+
+def _abort_upload(root: storage.ObjectPath, key: str, upload_id: str, result: PruneResult,
+                  report: Callable[[PruneEvent], None]) -> None:
+    try:
+        root.store.abort_upload(key, upload_id)
+    except CkptError as e:
+        report(PruneEvent("failed", key, f"could not abort its unfinished upload: {e.message}"))
+    else:
+        result.uploads_aborted.append(key)
 
 
 def _keys_of(root: storage.ObjectPath, name: str) -> list[str]:

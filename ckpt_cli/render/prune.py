@@ -48,6 +48,8 @@ def prune_doc(result: PruneResult) -> dict[str, Any]:
         "versioned": result.versioned,
         "objects_to_delete": sum(len(k) for k in result.keys.values()),
         "keys": {name: [scheme + k for k in keys] for name, keys in result.keys.items()},
+        "stale_uploads": [scheme + k for k, _ in result.stale_uploads],
+        "uploads_aborted": [scheme + k for k in result.uploads_aborted],
     }
     doc["trash_removed"] = result.trash_removed
     doc["trash_failed"] = result.trash_failed
@@ -141,20 +143,26 @@ def headline(plan: PrunePlan) -> str:
 def summary(result: PruneResult) -> str:
     """What happened, in one line."""
     plan = result.plan
-    if not plan.to_delete:
-        return f"nothing to delete in {result.path}"
+
     objects = sum(len(k) for k in result.keys.values())
+    n_up = len(result.stale_uploads)
+    uploads = "" if not n_up else (
+        f"; would abort {n_up} unfinished multipart upload(s) (a killed write's)"
+        if result.dry_run else
+        f"; aborted {len(result.uploads_aborted)} of {n_up} unfinished multipart upload(s)")
     what = (f"{len(plan.to_delete)} checkpoint(s)"
             + (f" ({objects:,} objects)" if result.keys else ""))
     versions = ("; the bucket is versioned: deleted objects stay as noncurrent versions, and "
                 "cost money, until a lifecycle rule expires them" if result.versioned else "")
+    if not plan.to_delete and not result.stale_uploads:
+        return f"nothing to delete in {result.path}"
     if result.dry_run:
         return (f"dry run: would delete {what}, freeing {size(plan.bytes_to_free)}; nothing "
-                f"was deleted{versions}")
+                f"was deleted{uploads}{versions}")
     if result.declined:
         return "nothing was deleted"
     parts = [f"deleted {len(result.named('deleted'))} checkpoint(s), freed "
              f"{size(result.bytes_freed)}", f"{len(plan.kept)} kept"]
     parts += [f"{len(result.named(status))} {status}" for status in ("skipped", "failed")
               if result.named(status)]
-    return "; ".join(parts) + versions
+    return "; ".join(parts) + uploads + versions

@@ -9,7 +9,9 @@ findings (and a one-line summary); :mod:`ckpt_cli.ops.validate` files them under
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
+from typing import cast
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
@@ -290,4 +292,23 @@ def leftover_findings(path: Path, *, ignore: str | None = None) -> list[Finding]
         siblings = []
     found.extend(Finding("warning", "leftover", leftover_message(name), f"../{name}")
                  for name in sorted(siblings))
+    if storage.is_remote(path):
+        found.extend(_unfinished_uploads(cast(storage.ObjectPath, path)))
     return found
+
+
+def _unfinished_uploads(path: storage.ObjectPath) -> list[Finding]:
+    """Multipart uploads of this checkpoint's keys never completed: a write was killed (or
+    is still running). Invisible to listings, but their parts are billed."""
+    key = path.key
+    out = []
+    for k, _uid, last in path.store.pending_uploads(key):
+        if k != key and not k.startswith(key + "/"):
+            continue  # another key that merely starts with the same letters
+        rel = k[len(key) + 1:] if k != key else path.name
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(last))
+        out.append(Finding("warning", "unfinished-upload",
+                           f"an unfinished multipart upload (last part {when}): a write was "
+                           "interrupted, or is still running; its parts are billed until it "
+                           "is aborted (ckpt prune does, after --grace)", rel))
+    return out
