@@ -308,6 +308,20 @@ def test_credentials_in_a_url_are_refused_and_not_echoed(s3env: s3.Proxy) -> Non
     assert "credentials in a URL" in r.output + r.stderr
 
 
+def test_local_only_paths_refuse_urls(s3env: s3.Proxy, bucket_run: str,
+                                      sample_run: Path) -> None:
+    """Where a local file is written (a JUnit report, a sample run, ...), a URL is a usage
+    error, never a local directory named 's3:'."""
+    for args in (["validate", sample_run / "step_000100", "--junit", f"s3://{bucket_run}/j"],
+                 ["sample", f"s3://{bucket_run}/demo"],
+                 ["plan", "--measure", f"s3://{bucket_run}/x"],
+                 ["validate", f"s3://{bucket_run}/run/step_000100", "--write-manifest"]):
+        r = run_cli(*args)
+        assert r.exit_code == 2, (args, r.output)
+        assert "must be a local path, not a URL" in r.stderr, r.stderr
+    assert not Path("s3:").exists()
+
+
 def test_parts_with_an_output_on_object_storage_are_refused(s3env: s3.Proxy, bucket_run: str,
                                                             sample_run: Path) -> None:
     r = run_cli("consolidate", sample_run / "step_000400", "-o", f"s3://{bucket_run}/m",

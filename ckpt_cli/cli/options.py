@@ -82,6 +82,5 @@ def local_only(path: Path | None, what: str) -> None:
         UsageError: If ``path`` is on an object store.
     """
     if path is not None and storage.is_remote(path):
-        raise UsageError(f"{what} must be a local path for now ({path} is on object "
-                         "storage; inspect, validate, diff and the sources of convert and "
-                         "consolidate take URLs)")
+        raise UsageError(f"{what} must be a local path, not a URL ({path} is on object "
+                         "storage)")

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
-from ckpt_cli.cli.options import InputFormatOpt, JsonOpt, QuietOpt
+from ckpt_cli.cli.options import (
+    InputFormatOpt,
+    JsonOpt,
+    Location,
+    QuietOpt,
+    local_only,
+    location,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -30,18 +36,18 @@ def plan_cmd(
         help="With --params. adam/adamw: 2 state values per param (m, v); sgd: 1 (momentum); "
              "adafactor: 0 (factored, O(rows+cols) per matrix). Default: adamw.",
         show_default=False)] = None,
-    from_path: Annotated[Path | None, typer.Option(
+    from_path: Annotated[Location | None, typer.Option(
         "--from", metavar="PATH", help="Take the sizes from an existing checkpoint (a run "
                                        "directory: its latest complete one).",
-        show_default=False)] = None,
+        show_default=False, parser=location)] = None,
     input_format: InputFormatOpt = None,
     bandwidth: Annotated[str | None, typer.Option(
         "--bandwidth", metavar="RATE", help="Aggregate storage write bandwidth, e.g. 10GB/s.",
         show_default=False)] = None,
-    measure: Annotated[Path | None, typer.Option(
+    measure: Annotated[Location | None, typer.Option(
         "--measure", metavar="DIR", help="Measure the write bandwidth by writing and fsyncing "
                                          "a test file in DIR (removed afterwards).",
-        show_default=False)] = None,
+        show_default=False, parser=location)] = None,
     measure_size: Annotated[str | None, typer.Option(
         "--measure-size", metavar="SIZE", help="Bytes --measure writes. Default: 1GB.",
         show_default=False)] = None,
@@ -109,6 +115,7 @@ def plan_cmd(
     from ckpt_cli.units import parse_count, parse_duration, parse_rate, parse_size
 
     with handled() as outcome:
+        local_only(measure, '--measure')
         err = None if quiet or json else _stderr()
 
         def progress(done: int, total: int) -> None:

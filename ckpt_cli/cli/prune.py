@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -15,6 +14,7 @@ from ckpt_cli.cli.options import (
     Location,
     StorageOpt,
     YesOpt,
+    local_only,
     location,
     use_storage,
 )
@@ -43,9 +43,9 @@ def prune_cmd(
     mode: Annotated[str, typer.Option("--mode", metavar="min|max",
                                       help="Whether lower (min) or higher (max) --metric values "
                                            "are better.")] = "min",
-    metrics_file: Annotated[Path | None, typer.Option(
+    metrics_file: Annotated[Location | None, typer.Option(
         "--metrics-file", metavar="FILE", help="Metrics by step: CSV with a step column "
-        "(Lightning CSVLogger), JSON lines, or JSON.")] = None,
+        "(Lightning CSVLogger), JSON lines, or JSON.", parser=location)] = None,
     older_than: Annotated[str | None, typer.Option(
         "--older-than", metavar="AGE", help="Keep checkpoints modified within AGE (e.g. 7d); "
         "older ones may go.")] = None,
@@ -84,6 +84,7 @@ def prune_cmd(
       ckpt prune runs/gpt --keep 5 --json --yes
     """
     with handled() as outcome:
+        local_only(metrics_file, '--metrics-file')
         use_storage(storage_option)
         from ckpt_cli.errors import UsageError
         from ckpt_cli.ops.prune import prune

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
-from ckpt_cli.cli.options import JsonOpt, QuietOpt
+from ckpt_cli.cli.options import (
+    JsonOpt,
+    Location,
+    QuietOpt,
+    local_only,
+    location,
+)
 
 
 def sample_cmd(
-    dest: Annotated[Path, typer.Argument(help="Directory to create.", show_default=False)],
+    dest: Annotated[Location, typer.Argument(help="Directory to create.", show_default=False,
+                                             parser=location)],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DEST if it "
                                                                 "exists.")] = False,
     quiet: QuietOpt = False,
@@ -30,6 +36,7 @@ def sample_cmd(
       ckpt inspect demo-run
     """
     with handled() as outcome:
+        local_only(dest, 'the sample run')
         from ckpt_cli.render import human
 
         err = human.stderr()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -46,9 +45,10 @@ def validate_cmd(
                                                 "blake3 or sha256.")] = "xxh3_128",
     strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too "
                                                           "(exit 1).")] = False,
-    junit: Annotated[Path | None, typer.Option(
+    junit: Annotated[Location | None, typer.Option(
         "--junit", metavar="FILE", help="Also write a JUnit XML report (one test case per "
-                                        "check).")] = None,
+                                        "check).",
+        parser=location)] = None,
     jobs: Annotated[int | None, typer.Option(
         "--jobs", "-j", min=1, metavar="N", help="Threads for checksums (default: CPUs, at "
                                                  "most 8).")] = None,
@@ -59,9 +59,10 @@ def validate_cmd(
                                                                   "check of a run.")] = False,
     part: PartOpt = None,
     finalize: FinalizeOpt = False,
-    parts_dir: Annotated[Path | None, typer.Option(
+    parts_dir: Annotated[Location | None, typer.Option(
         "--parts-dir", metavar="DIR", help="With --part: keep the parts' receipts in DIR "
-                                           "(default: beside the checkpoint).")] = None,
+                                           "(default: beside the checkpoint).",
+        parser=location)] = None,
     input_format: InputFormatOpt = None,
     max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
