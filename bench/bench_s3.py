@@ -17,12 +17,18 @@ a request costs seconds there that it does not on S3: times of part 1 say more a
 about ckpt, and part 3 uses an object small enough for moto to keep up. Request and byte
 counts do not depend on the server.
 
-Run: ``python -m bench.bench_s3``.
+4. With ``CKPT_BENCH_BASELINE=/path/to/a/checkout/before/object/storage``: local paths in
+   this checkout against that one (``--help``, ``inspect --json`` of the 4.7 GB checkpoint
+   and of a small safetensors file), interleaved over 7 rounds: URLs must cost local paths
+   nothing. ``--local`` runs only this part.
+
+Run: ``python -m bench.bench_s3 [--local]``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import uuid
@@ -30,6 +36,7 @@ import uuid
 from bench._common import (
     DATA,
     PY,
+    Run,
     ckpt_argv,
     human_bytes,
     many_checkpoints,
@@ -62,7 +69,37 @@ boto3.client("s3").download_fileobj(sys.argv[1], sys.argv[2], Null(),
 """
 
 
+def local_paths() -> None:
+    """Part 4: local paths before and after object storage, interleaved."""
+    baseline = os.environ.get("CKPT_BENCH_BASELINE")
+    if not baseline:
+        print("[bench] set CKPT_BENCH_BASELINE to a checkout to compare local paths with",
+              file=sys.stderr)
+        return
+    src = train_checkpoint()
+    st = str(next(many_checkpoints(100).glob("*.safetensors")))
+    cases = {"--help": ["--help"], "inspect --json train.pt": ["inspect", str(src), "--json"],
+             "inspect --json small.safetensors": ["inspect", st, "--json"]}
+    rows = []
+    for label, args in cases.items():
+        runs = {"now": ckpt_argv(*args), "before": [PY, "-P", "-m", "ckpt_cli", *args]}
+        best: dict[str, Run] = {}
+        for _ in range(7):
+            for who, argv in runs.items():
+                r = timed(who, argv, env={"PYTHONPATH": baseline} if who == "before" else None)
+                if who not in best or r.seconds < best[who].seconds:
+                    best[who] = r
+        now, before = best["now"], best["before"]
+        rows.append((label, f"now {now.seconds:.3f} s ({human_bytes(now.peak_rss)}), before "
+                            f"{before.seconds:.3f} s ({human_bytes(before.peak_rss)}): "
+                            f"{now.seconds / before.seconds:.2f}x"))
+    report("local paths, this checkout vs the baseline (best of 7, interleaved)", rows)
+
+
 def main() -> None:
+    if "--local" in sys.argv:
+        local_paths()
+        return
     src = train_checkpoint()
     small = train_checkpoint(n_layers=2, dim=512)
     run_dir = many_checkpoints(100)
@@ -144,6 +181,7 @@ def main() -> None:
         local = timed("validate local", ckpt_argv("validate", str(small), "--json"))
         rows.append(("ckpt validate of the local file", f"{local.seconds:.2f} s"))
         report(f"streaming {surl} ({human_bytes(small_size)})", rows)
+    local_paths()
 
 
 if __name__ == "__main__":

@@ -25,12 +25,13 @@ import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ckpt_cli.errors import CkptError, StorageError, UsageError
+
+if TYPE_CHECKING:  # imported when a URL is used: local paths and --help never pay for them
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
 """A URL's scheme (two characters or more, so a Windows drive ``C:`` is never one)."""
@@ -249,6 +250,8 @@ class Entry(NamedTuple):
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
+    from datetime import datetime
+
     for k in ("LastModified", "mtime", "last_modified", "updated", "created", "timeCreated"):
         v = info.get(k)
         if isinstance(v, datetime):
@@ -384,6 +387,8 @@ class ObjectStore:
 
     def submit(self, key: str, start: int, end: int) -> Future[bytes]:
         """Fetch ``[start, end)`` of ``key`` in the background (read-ahead)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * concurrency()),
