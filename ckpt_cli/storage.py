@@ -53,15 +53,27 @@ CONCURRENCY = 8
 """Default ranged GETs in flight for one stream (``--concurrency``): one large read's
 ranges, or the chunks a sequential reader is given ahead of where it reads."""
 
+_READER_STALE = 256
+"""Streamed reads of an object after which a reader that made none is taken to have left."""
+
 STREAM_AFTER = 2 * BLOCK
 """Contiguous bytes a reader must have read before its reads are served ahead in
 :data:`RANGE_BYTES` chunks (a CRC or hash pass over a whole object), rather than in blocks."""
+
+UPLOAD_IDLE = 3600.0
+"""Seconds without a new part after which prune takes a multipart upload for a killed
+write's (whatever ``--grace`` says: an upload's progress shows only in its parts)."""
 
 UPLOAD_PART = 64 << 20
 """Bytes per part of a multipart upload: 10,000 parts (S3's limit) reach 640 GiB, and a part
 in flight is all an upload holds in memory."""
 
 EXTRA_HINT = "pip install 'ckpt-cli[s3]'"
+
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss",
+                           "memory"})
+"""Schemes whose URLs are ``scheme://bucket/key`` (fsspec's object stores): the ones ckpt
+takes. Others (``http://``, ``ftp://``...) name a host, not a bucket."""
 
 _SECRET_KEYS = re.compile(r"secret|token|password|passwd|credential|key$|^key|sas|signature",
                           re.IGNORECASE)
@@ -109,6 +121,9 @@ def locate(text: str | os.PathLike[str]) -> Path:
     rest = text[m.end():]
     if scheme == "file":
         return Path("/" + rest.lstrip("/")) if rest.startswith("/") else Path(rest)
+    if scheme not in OBJECT_STORES:
+        raise UsageError(f"{scheme}:// is not an object store ckpt reads; URLs may be "
+                         f"{', '.join(s + '://' for s in sorted(OBJECT_STORES))}")
     if "@" in rest.split("/", 1)[0]:
         raise UsageError(f"{redact(text)}: credentials in a URL are not accepted; use the "
                          "standard environment variables or --storage-option")
@@ -327,7 +342,12 @@ class ObjectStore:
 
     def _record(self, name: str, info: Mapping[str, Any]) -> None:
         key = name.strip("/")
-        is_dir = info.get("type") == "directory"
+        # A zero-byte "folder" object (key/: what S3 consoles, rclone and S3A make) marks a
+        # directory; it must not stand in for one as an empty file.
+        is_dir = (info.get("type") == "directory" or name.endswith("/")
+                  or str(info.get("Key", "")).endswith("/"))
+        if is_dir and key in self._entries and self._entries[key].is_dir:
+            return
         self._entries[key] = Entry(is_dir, 0 if is_dir else int(info.get("size") or 0),
                                    _mtime(info))
         child = key
@@ -446,9 +466,15 @@ class ObjectStore:
             for u in page.get("Uploads", []):
                 # The last sign of life: its newest part, else when it began (a 2.5 TB
                 # upload outlives any grace period while its parts keep coming).
-                parts = s3("list_parts", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
                 times = [_mtime({"LastModified": u.get("Initiated")})]
-                times += [_mtime(p) for p in parts.get("Parts", [])]
+                pkw: dict[str, Any] = {"Bucket": bucket, "Key": u["Key"],
+                                       "UploadId": u["UploadId"]}
+                while True:  # 1,000 parts a page: a 64 GB shard has more
+                    parts = s3("list_parts", **pkw)
+                    times += [_mtime(p) for p in parts.get("Parts", [])]
+                    if not parts.get("IsTruncated"):
+                        break
+                    pkw["PartNumberMarker"] = parts.get("NextPartNumberMarker")
                 out.append((f"{bucket}/{u['Key']}", u["UploadId"], max(times)))
             if not page.get("IsTruncated"):
                 return out
@@ -461,11 +487,36 @@ class ObjectStore:
         self.call(key, self.fs.abort_mpu, bucket, k, upload_id)
 
     def delete(self, keys: list[str]) -> None:
-        """Delete objects (in batches: ``DeleteObjects`` takes 1,000 keys a call)."""
-        for i in range(0, len(keys), 1000):
-            batch = keys[i:i + 1000]
-            self.call(batch[0], self.fs.rm, batch)
-        self.changed()
+        """Delete exactly these objects: on S3 with ``DeleteObjects`` (1,000 keys a call),
+        elsewhere one by one. Never through fsspec's ``rm``, which expands ``[`` ``?`` ``*``
+        in a key as a glob and would delete other keys (``run[1]`` matching ``run1``)."""
+        try:
+            call_s3, loop = getattr(self.fs, "_call_s3", None), getattr(self.fs, "loop", None)
+            if call_s3 is None or loop is None:
+                for k in keys:
+                    self.call(k, self.fs.rm_file, k)
+                return
+            from fsspec.asyn import sync
+
+            by_bucket: dict[str, list[str]] = {}
+            for k in keys:
+                bucket, _, rest = k.partition("/")
+                by_bucket.setdefault(bucket, []).append(rest)
+            for bucket, names in by_bucket.items():
+                for i in range(0, len(names), 1000):
+                    batch = names[i:i + 1000]
+                    out = self.call(f"{bucket}/{batch[0]}", sync, loop, call_s3,
+                                    "delete_objects", Bucket=bucket,
+                                    Delete={"Objects": [{"Key": n} for n in batch],
+                                            "Quiet": True})
+                    errors = out.get("Errors") or []
+                    if errors:
+                        e = errors[0]
+                        raise StorageError(f"could not delete {len(errors)} object(s) "
+                                           f"({e.get('Code')}: {e.get('Message')})",
+                                           path=self.url(f"{bucket}/{e.get('Key')}"))
+        finally:
+            self.changed()
 
     def has_blocks(self, key: str, blocks: range) -> bool:
         """Whether every block of ``key`` in ``blocks`` is cached."""
@@ -508,7 +559,7 @@ class ObjectStore:
                 self.requests += len(ranges) - 1
             out = self.call(key, self.fs.cat_ranges, [key] * len(ranges),
                             [s for s, _ in ranges], [e for _, e in ranges],
-                            batch_size=CONCURRENCY)
+                            batch_size=concurrency())
         for r in out:
             if isinstance(r, BaseException):
                 self.call(key, _reraise, r)
@@ -570,6 +621,8 @@ class ObjectFile:
         self.store, self.key, self.size = store, key, size
         self._local = threading.local()  # where each thread reading it is
         self._chunks: OrderedDict[int, Future[bytes]] = OrderedDict()
+        self._readers: dict[int, tuple[int, int]] = {}  # thread -> (its chunk, when)
+        self._tick = 0
         self._chunk_lock = threading.Lock()
 
     @property
@@ -617,24 +670,44 @@ class ObjectFile:
             return offset // RANGE_BYTES in self._chunks
 
     def _streamed(self, offset: int, end: int) -> bytes:
-        """Serve sequential readers from :data:`RANGE_BYTES` chunks fetched ahead of them,
-        :func:`concurrency` of them in flight. The chunks are shared by every thread reading
-        the object (validate checks the records of one file on several threads, each reading
-        its own stretch), and at most twice that many are kept: bounded memory."""
+        """Serve sequential readers from :data:`RANGE_BYTES` chunks fetched ahead of them.
+
+        The chunks are shared by every thread reading the object (validate checks the
+        records of one file on several threads, each reading its own stretch, and a chunk
+        may straddle two stretches). Each reader's position is known; a chunk stays while a
+        reader is in it or within its read-ahead window; others are kept, least recently used
+        first out, up to ``2 x concurrency + readers`` chunks (a dropped chunk's fetch, if
+        still running, is left to finish: another reader may wait on it). The readers share
+        :func:`concurrency` chunks of read-ahead between them, so memory stays bounded
+        whatever the number of threads.
+        """
+        me = threading.get_ident()
         first, last = offset // RANGE_BYTES, (end - 1) // RANGE_BYTES
-        ahead = max(concurrency(), last - first + 1)
-        top = min(first + ahead, -(-self.size // RANGE_BYTES))
+        n_chunks = -(-self.size // RANGE_BYTES)
         with self._chunk_lock:
-            for c in range(first, top):
+            self._tick += 1
+            self._readers[me] = (first, self._tick)
+            # A reader not heard from in a while has moved on to other work.
+            for tid, (_, seen) in list(self._readers.items()):
+                if self._tick - seen > _READER_STALE:
+                    del self._readers[tid]
+            ahead = max(1, concurrency() // len(self._readers))
+            windows = [(pos, pos + max(ahead, 1)) for pos, _ in self._readers.values()]
+            windows.append((first, last + 1))
+            for c in range(first, min(max(last + 1, first + ahead), n_chunks)):
                 if c not in self._chunks:
                     lo, hi = c * RANGE_BYTES, min(self.size, (c + 1) * RANGE_BYTES)
                     self._chunks[c] = self.store.submit(self.key, lo, hi)
             for c in range(first, last + 1):
-                self._chunks.move_to_end(c)  # least recently used goes first: read already
+                self._chunks.move_to_end(c)
             futures = [self._chunks[c] for c in range(first, last + 1)]
-            while len(self._chunks) > 2 * ahead + 2:
-                _, f = self._chunks.popitem(last=False)
-                f.cancel()
+            # Past the cap, the least recently used chunks no reader's window covers go (a
+            # chunk that straddles two stretches often waits there for the second reader).
+            cap = 2 * concurrency() + len(self._readers)
+            for c in [c for c in self._chunks if not any(lo <= c < hi for lo, hi in windows)]:
+                if len(self._chunks) <= cap:
+                    break
+                del self._chunks[c]
         parts = [f.result() for f in futures]
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         lo = offset - first * RANGE_BYTES
@@ -647,6 +720,14 @@ class ObjectFile:
 
     def readinto(self, out: memoryview, offset: int) -> int:
         """Fill ``out`` from ``offset``; returns how many bytes (fewer only at the end)."""
+        end = min(self.size, offset + len(out))
+        if end - offset >= LARGE_READ:  # each range straight into place: no joined copy
+            got = 0
+            ranges = [(s, min(end, s + RANGE_BYTES)) for s in range(offset, end, RANGE_BYTES)]
+            for (s, _), data in zip(ranges, self.store.fetch(self.key, ranges), strict=True):
+                out[s - offset:s - offset + len(data)] = data
+                got += len(data)
+            return got
         data = self.pread(len(out), offset)
         out[:len(data)] = data
         return len(data)
@@ -654,9 +735,8 @@ class ObjectFile:
     def close(self) -> None:
         """Drop the chunks read ahead (the block cache is the store's)."""
         with self._chunk_lock:
-            for f in self._chunks.values():
-                f.cancel()
             self._chunks.clear()
+            self._readers.clear()
 
 
 class _Stream:
@@ -775,6 +855,15 @@ class ObjectPath(PurePosixPath):
 
     def __repr__(self) -> str:
         return f"ObjectPath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        # pathlib compares parts only: s3://b/x would equal gs://b/x and the local /b/x.
+        if not isinstance(other, ObjectPath):
+            return False
+        return self.scheme == other.scheme and PurePosixPath.__eq__(self, other)
+
+    def __hash__(self) -> int:
+        return hash((self.scheme, PurePosixPath.__str__(self)))
 
     def __fspath__(self) -> str:
         raise UsageError(f"{self}: this needs a local file (object storage is not supported "

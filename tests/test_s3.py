@@ -680,8 +680,13 @@ def test_a_damaged_local_header_is_found_on_a_store(s3env: s3.Proxy,
 def test_a_killed_write_is_reported_by_validate_and_aborted_by_prune(
         s3env: s3.Proxy, endpoint: tuple[str, s3.Proxy], sample_run: Path) -> None:
     """kill -9 in the middle of an upload leaves a multipart upload that no listing shows but
-    whose parts are billed: validate warns of it, prune aborts it once it is older than
-    --grace (a dry run only lists it)."""
+    whose parts are billed: validate warns of it; prune aborts it once no part has come for
+    an hour (and --grace), never one under the checkpoint `latest` names."""
+    import time
+
+    from ckpt_cli.ops.prune import prune
+    from ckpt_cli.retention import PrunePolicy
+
     bucket = _bucket(endpoint)
     s3.upload(endpoint[0], sample_run, bucket, "run")
     c = s3.client(endpoint[0])
@@ -689,18 +694,130 @@ def test_a_killed_write_is_reported_by_validate_and_aborted_by_prune(
     c.put_object(Bucket=bucket, Key="run/step_000500/model-00001-of-00002.safetensors",
                  Body=(sample_run / "export" / "model-00001-of-00004.safetensors").read_bytes())
     key = "run/step_000500/model-00002-of-00002.safetensors"
-    up = c.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-    c.upload_part(Bucket=bucket, Key=key, UploadId=up, PartNumber=1, Body=b"x" * (5 << 20))
+    latest_key = "run/step_000400/extra.bin"  # under the checkpoint `latest` names
+    for k in (key, latest_key):
+        up = c.create_multipart_upload(Bucket=bucket, Key=k)["UploadId"]
+        c.upload_part(Bucket=bucket, Key=k, UploadId=up, PartNumber=1, Body=b"x" * (5 << 20))
     doc = _doc("validate", f"s3://{bucket}/run/step_000500", code=1)
     findings = doc["checkpoints"][0]["findings"]
     assert any(f["code"] == "unfinished-upload" for f in findings), findings
     url = f"s3://{bucket}/run"
-    fresh = _doc("prune", url, "--keep", "1", "--dry-run")  # within the default grace
+    # Idle for seconds, not an hour: a write that may still be running, even at --grace 0.
+    fresh = _doc("prune", url, "--keep", "1", "--grace", "0", "--dry-run")
     assert fresh["object_store"]["stale_uploads"] == []
-    dry = _doc("prune", url, "--keep", "1", "--grace", "0", "--dry-run")
-    assert dry["object_store"]["stale_uploads"] == [f"s3://{bucket}/{key}"]
-    assert _pending_uploads(endpoint, bucket) == [key]
-    r = run_cli("prune", url, "--keep", "1", "--grace", "0", "--yes")
-    assert r.exit_code == 0, r.output
-    assert "aborted 1 of 1 unfinished multipart upload" in r.stdout
+    later = time.time() + 7200
+    policy = PrunePolicy(keep=10, grace=0)
+    dry = prune(url, policy, dry_run=True, now=later)
+    assert dry.stale_uploads and [k for k, _ in dry.stale_uploads] == [f"{bucket}/{key}"]
+    assert sorted(_pending_uploads(endpoint, bucket)) == sorted([key, latest_key])
+    done = prune(url, policy, now=later)
+    assert done.uploads_aborted == [f"{bucket}/{key}"]
+    assert _pending_uploads(endpoint, bucket) == [latest_key]
+
+
+def test_without_permission_to_list_uploads_validate_still_works(
+        s3env: s3.Proxy, bucket_run: str) -> None:
+    """A read-only role often lacks s3:ListBucketMultipartUploads."""
+    s3env.faults.status, s3env.faults.only_path = 403, "?uploads"
+    doc = _doc("validate", f"s3://{bucket_run}/run/step_000100")
+    assert doc["valid"] is True
+    assert any("?uploads" in line for line in s3env.traffic.log)  # it was refused
+
+
+def test_prune_and_force_never_touch_keys_that_match_as_a_glob(
+        s3env: s3.Proxy, endpoint: tuple[str, s3.Proxy], sample_run: Path) -> None:
+    """fsspec's rm expands [ ] ? * as globs: deleting exp[1]/... must not delete exp1/..."""
+    bucket = _bucket(endpoint)
+    s3.upload(endpoint[0], sample_run, bucket, "exp[1]/run")
+    s3.upload(endpoint[0], sample_run, bucket, "exp1/run")
+    other = _keys(endpoint, bucket, "exp1/")
+    done = _doc("prune", f"s3://{bucket}/exp[1]/run", "--keep", "1", "--grace", "0", "--yes")
+    assert done["summary"]["deleted"] == 3
+    assert _keys(endpoint, bucket, "exp1/") == other
+    assert not [k for k in _keys(endpoint, bucket, "exp[1]/run/") if "step_0001" in k]
+
+
+def test_a_failed_force_keeps_the_old_output(s3env: s3.Proxy, endpoint: tuple[str, s3.Proxy],
+                                             tmp_path: Path) -> None:
+    """Replacing an output whose new version is refused (FP16 overflow) leaves the old one
+    as it was, as a local --force does."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "big-values.safetensors"
+    save_file({"w": np.full((64,), 1e6, np.float32)}, str(src))
+    bucket = _bucket(endpoint)
+    url = f"s3://{bucket}/out"
+    assert run_cli("convert", src, "--to", "bf16", "-o", url).exit_code == 0
+    before = {k: _get(endpoint, bucket, k) for k in _keys(endpoint, bucket)}
+    r = run_cli("convert", src, "--to", "fp16", "-o", url, "--force")
+    assert r.exit_code == 2 and "FP16" in r.stderr, r.output
+    assert {k: _get(endpoint, bucket, k) for k in _keys(endpoint, bucket)} == before
     assert _pending_uploads(endpoint, bucket) == []
+
+
+def test_verify_of_an_output_on_a_store_is_refused(s3env: s3.Proxy, bucket_run: str,
+                                                   sample_run: Path) -> None:
+    r = run_cli("consolidate", sample_run / "step_000400", "-o",
+                f"s3://{bucket_run}/verified.safetensors", "--verify")
+    assert r.exit_code == 2 and "--verify" in r.stderr and "ckpt diff" in r.stderr
+
+
+def test_folder_marker_objects_are_directories(s3env: s3.Proxy,
+                                               endpoint: tuple[str, s3.Proxy],
+                                               sample_run: Path) -> None:
+    """S3 consoles, rclone and S3A make zero-byte 'step_000200/' objects."""
+    bucket = _bucket(endpoint)
+    s3.upload(endpoint[0], sample_run, bucket, "run")
+    c = s3.client(endpoint[0])
+    for d in ("run/", "run/step_000100/", "run/step_000200/"):
+        c.put_object(Bucket=bucket, Key=d, Body=b"")
+    doc = _doc("inspect", f"s3://{bucket}/run")
+    assert [e["name"] for e in doc["checkpoints"]] == [
+        "step_000100", "step_000200", "step_000300", "step_000400"]
+    assert _doc("validate", f"s3://{bucket}/run/step_000200")["valid"] is True
+
+
+def test_concurrent_readers_of_one_object_get_the_right_bytes(
+        s3env: s3.Proxy, endpoint: tuple[str, s3.Proxy], tmp_path: Path) -> None:
+    """8 threads streaming stretches of one object through the shared read-ahead chunks
+    (2 in flight), small and large reads mixed: every byte right, nothing cancelled under
+    another reader, and not much more fetched than the object holds."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = random.Random(0).randbytes(40 << 20)
+    src = tmp_path / "blob.bin"
+    src.write_bytes(data)
+    url = _upload_one(endpoint, src, "blob.bin")
+    storage.configure({}, concurrency=2)
+    f = storage.locate(url).open_object()  # type: ignore[attr-defined]
+
+    def stretch(i: int) -> bool:
+        lo = i * (5 << 20)
+        off, ok = lo, True
+        step = [512 << 10, 100_000, 5 << 20, 1 << 20][i % 4]
+        while off < lo + (5 << 20):
+            n = min(step, lo + (5 << 20) - off)
+            ok &= f.pread(n, off) == data[off:off + n]
+            off += n
+        return ok
+
+    s3env.traffic.reset()
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(stretch, range(8)))
+    assert s3env.traffic.bytes_out < 2 * len(data)
+
+
+def test_object_paths_of_other_stores_are_other_paths() -> None:
+    a, b = storage.locate("s3://b/x"), storage.locate("gs://b/x")
+    assert a != b and a != Path("/b/x") and a == storage.locate("s3://b/x")
+    assert len({a, b, storage.locate("s3://b/x")}) == 2
+
+
+def test_schemes_that_are_not_object_stores_are_refused() -> None:
+    for url in ("ftp://127.0.0.1:1/x", "http://host/x.safetensors"):
+        r = run_cli("inspect", url)
+        assert r.exit_code == 2, r.output
+        assert "is not an object store" in r.output + r.stderr
+        assert "Traceback" not in r.output + r.stderr and "Exception" not in r.stderr

@@ -167,6 +167,10 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
     followed = follow_pointer(src) if src.is_dir() else None
     if followed is not None:
         src = followed.path
+    if verify and storage.is_remote(out):
+        raise UsageError("--verify re-reads the output before it is put in place, which an "
+                         "object store's output cannot be yet",
+                         hint=f"compare afterwards instead: ckpt diff {src} {out}")
     kind = detect_kind(src)
     check_not_input(out, src)
     fmt = output_format(out, fmt)

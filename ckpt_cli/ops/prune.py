@@ -316,11 +316,7 @@ def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
     result.versioned = obj.store.versioned(obj.key.split("/", 1)[0])
     for d in plan.to_delete:
         result.keys[d.entry.name] = _keys_of(obj, d.entry.name)
-    # Uploads a killed writer left: invisible, but their parts are billed. Those with a
-    # part (or their start) within --grace may be writes still running.
-    horizon = (time.time() if now is None else now) - policy.grace
-    result.stale_uploads = [(k, uid) for k, uid, began in obj.store.pending_uploads(obj.key + "/")
-                            if began < horizon]
+    result.stale_uploads = _stale_uploads(obj, plan, time.time() if now is None else now)
     if not _go_ahead(result, confirm, report):
         return result
     for key, uid in result.stale_uploads:
@@ -335,6 +331,22 @@ def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
         result.outcomes[name] = Outcome(status, detail)
         report(PruneEvent(status, name, detail, done, total, d))
     return result
+
+
+def _stale_uploads(root: storage.ObjectPath, plan: PrunePlan,
+                   now: float) -> list[tuple[str, str]]:
+    """Multipart uploads below the prefix that a killed writer left: invisible, but their
+    parts are billed. Only those idle (no new part) for longer than ``--grace`` and than
+    :data:`~ckpt_cli.storage.UPLOAD_IDLE` count (an upload's progress shows only in its
+    parts), and never one under a checkpoint a pointer names."""
+    horizon = now - max(plan.policy.grace, storage.UPLOAD_IDLE)
+    named = {f"{root.key}/{t}/" for t in plan.listing.pointers.values()}
+    try:
+        pending = root.store.pending_uploads(root.key + "/")
+    except CkptError:  # a role without s3:ListBucketMultipartUploads: leave them be
+        return []
+    return [(k, uid) for k, uid, last in pending
+            if last < horizon and not any(k.startswith(n) for n in named)]
 
 
 def _abort_upload(root: storage.ObjectPath, key: str, upload_id: str, result: PruneResult,

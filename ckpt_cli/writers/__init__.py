@@ -290,55 +290,58 @@ def _write_remote(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: Shar
     """Write to object storage, where nothing can be renamed: atomic by ordering.
 
     Each object is a multipart upload that becomes visible only when it completes (and is
-    aborted on any failure). A single file is one such object, checked by ``before_commit``
-    before it completes. A directory gets its side files, then every shard, and its commit
-    marker last: the index when sharded (the lone weights file otherwise), so a reader that
-    trusts the index never sees a partial set. On failure, or Ctrl-C, the objects already
-    written are deleted. With ``overwrite``, an earlier output's index goes first (its set is
-    no longer vouched for), and its keys the new output did not rewrite go last.
+    aborted on any failure). The commit marker is the last object a reader trusts: the index
+    of a sharded output, else the lone weights file. Every shard goes up first; then
+    ``before_commit`` runs (before the marker's upload completes, for a lone file); then
+    the side files and the index. On failure, or Ctrl-C, what this run wrote is deleted and
+    an upload in flight aborted. With ``overwrite``, an earlier output's index goes first
+    when a new shard would replace one of its shards in place (its set is then no longer
+    vouched for), and its keys the new output did not rewrite go last.
     """
     obj = cast(storage.ObjectPath, dest)
     _check_remote_dest(dest, overwrite, as_file)
+    check = (lambda: before_commit(dest)) if before_commit else None
     if as_file:
         with _Prefetch(tensors, budget) as source:
             size = _write_shard(dest, fmt, tensors, plan.members[0], meta, aliases, source,
-                                on_progress, ids[plan.files[0]],
-                                before_close=(lambda: before_commit(dest)) if before_commit
-                                else None)
+                                on_progress, ids[plan.files[0]], before_close=check)
         result.files.append((dest.name, size))
         manifest_path(dest).unlink(missing_ok=True)  # it described what was there before
         return
     old = set(obj.keys_below()) if overwrite else set()
-    stale_markers = sorted(k for k in old if k.endswith((".index.json", MANIFEST_NAME)))
-    if stale_markers:
-        obj.store.delete(stale_markers)
+    new_keys = {f"{obj.key}/{f}" for f in [*plan.files, *(side_files or {})]}
+    markers = sorted(k for k in old if k.endswith((".index.json", MANIFEST_NAME)))
+    if markers and old & new_keys:
+        obj.store.delete(markers)
+        old -= set(markers)
     written: list[str] = []
     try:
+        with _Prefetch(tensors, budget) as source:
+            for n, (fname, members) in enumerate(zip(plan.files, plan.members, strict=True)):
+                last = n == len(plan.files) - 1
+                size = _write_shard(dest / fname, fmt, tensors, members, meta, aliases, source,
+                                    on_progress, ids[fname],
+                                    before_close=check if last and not plan.sharded else None)
+                written.append(f"{obj.key}/{fname}")
+                result.files.append((fname, size))
+        if plan.sharded and before_commit:
+            before_commit(dest)
         for name, data in (side_files or {}).items():
             (dest / name).write_bytes(data)
             written.append(f"{obj.key}/{name}")
             result.files.append((name, len(data)))
-        with _Prefetch(tensors, budget) as source:
-            for fname, members in zip(plan.files, plan.members, strict=True):
-                size = _write_shard(dest / fname, fmt, tensors, members, meta, aliases, source,
-                                    on_progress, ids[fname])
-                written.append(f"{obj.key}/{fname}")
-                result.files.append((fname, size))
-        if before_commit:
-            before_commit(dest)
         if plan.sharded:
             result.index_file = _write_index(dest, fmt, tensors, plan, aliases, meta)
             written.append(f"{obj.key}/{result.index_file}")
             result.files.append((result.index_file,
                                  _INDEX_SIZES.pop(str(dest / result.index_file))))
     except BaseException:
-        # Nothing may be left that looks like an output: what this run wrote (a manifest
-        # included) and, under --force, what is left of the earlier output, whose index is
-        # already gone.
+        # Nothing this run wrote may stay to look like an output (an upload in flight was
+        # aborted by its own exit).
         with contextlib.suppress(Exception):
-            obj.store.delete(sorted(set(written) | set(obj.keys_below())))
+            obj.store.delete(written)
         raise
-    stale = sorted(old - set(written) - set(stale_markers))
+    stale = sorted(old - set(written))
     if stale:
         obj.store.delete(stale)
 

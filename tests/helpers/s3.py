@@ -52,10 +52,11 @@ class Faults:
     cut_after: int | None = None
     cut_remaining: int | None = None
     only_method: str | None = None
+    only_path: str | None = None  # faults apply to requests whose path holds this
 
     def clear(self) -> None:
         self.status = self.remaining = self.cut_after = self.cut_remaining = None
-        self.only_method = None
+        self.only_method = self.only_path = None
 
 
 _ERROR_BODIES = {
@@ -92,7 +93,8 @@ class Proxy:
                     proxy.traffic.log.append(
                         f"{self.command} {self.path} {self.headers.get('Range', '')}")
                 f = proxy.faults
-                applies = f.only_method is None or f.only_method == self.command
+                applies = ((f.only_method is None or f.only_method == self.command)
+                           and (f.only_path is None or f.only_path in self.path))
                 if f.status is not None and applies and (f.remaining is None or f.remaining > 0):
                     if f.remaining is not None:
                         f.remaining -= 1
