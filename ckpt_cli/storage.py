@@ -312,6 +312,7 @@ class ObjectStore:
         self._children: dict[str, set[str]] = {}
         self._deep: set[str] = set()
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._pending: dict[tuple[str, int], Future[None]] = {}  # blocks being fetched
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
         self.requests = 0
@@ -525,22 +526,56 @@ class ObjectStore:
 
     def blocks(self, key: str, size: int, blocks: range) -> list[bytes]:
         """Blocks of ``key`` (of ``size`` bytes), from the cache or fetched: runs of
-        neighbouring missing blocks are one GET each, all runs concurrently."""
+        neighbouring missing blocks are one GET each, all runs concurrently. A block another
+        thread is fetching is waited for, not fetched twice."""
+        from concurrent.futures import Future
+
+        mine: list[int] = []
+        waits: dict[int, Future[None]] = {}
         with self._lock:
             have = {b: self._blocks[(key, b)] for b in blocks if (key, b) in self._blocks}
-        missing = [b for b in blocks if b not in have]
-        if missing:
-            runs: list[list[int]] = []
-            for b in missing:
-                if runs and runs[-1][-1] == b - 1:
-                    runs[-1].append(b)
+            for b in blocks:
+                if b in have:
+                    continue
+                pending = self._pending.get((key, b))
+                if pending is not None:
+                    waits[b] = pending
                 else:
-                    runs.append([b])
-            got = self.fetch(key, [(r[0] * BLOCK, min(size, (r[-1] + 1) * BLOCK))
-                                   for r in runs])
-            for r, data in zip(runs, got, strict=True):
-                for i, b in enumerate(r):
-                    have[b] = data[i * BLOCK:(i + 1) * BLOCK]
+                    mine.append(b)
+            done: Future[None] = Future()
+            for b in mine:
+                self._pending[(key, b)] = done
+        if mine:
+            try:
+                runs: list[list[int]] = []
+                for b in mine:
+                    if runs and runs[-1][-1] == b - 1:
+                        runs[-1].append(b)
+                    else:
+                        runs.append([b])
+                got = self.fetch(key, [(r[0] * BLOCK, min(size, (r[-1] + 1) * BLOCK))
+                                       for r in runs])
+                for r, data in zip(runs, got, strict=True):
+                    for i, b in enumerate(r):
+                        have[b] = data[i * BLOCK:(i + 1) * BLOCK]
+                with self._lock:
+                    for b in mine:
+                        self._blocks[(key, b)] = have[b]
+                done.set_result(None)
+            except BaseException as e:
+                done.set_exception(e)
+                raise
+            finally:
+                with self._lock:
+                    for b in mine:
+                        self._pending.pop((key, b), None)
+        for b, pending in waits.items():
+            pending.result()  # that fetch's error is this read's too
+            with self._lock:
+                blk = self._blocks.get((key, b))
+            if blk is None:  # evicted in between: fetch it after all
+                blk = self.fetch(key, [(b * BLOCK, min(size, (b + 1) * BLOCK))])[0]
+            have[b] = blk
         with self._lock:
             for b in blocks:
                 self._blocks[(key, b)] = have[b]

@@ -821,3 +821,22 @@ def test_schemes_that_are_not_object_stores_are_refused() -> None:
         assert r.exit_code == 2, r.output
         assert "is not an object store" in r.output + r.stderr
         assert "Traceback" not in r.output + r.stderr and "Exception" not in r.stderr
+
+
+def test_a_block_wanted_by_many_threads_at_once_is_fetched_once(
+        s3env: s3.Proxy, endpoint: tuple[str, s3.Proxy], tmp_path: Path) -> None:
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = random.Random(1).randbytes(3 << 20)
+    src = tmp_path / "blob.bin"
+    src.write_bytes(data)
+    url = _upload_one(endpoint, src, "blob.bin")
+    storage.configure({})
+    f = storage.locate(url).open_object()  # type: ignore[attr-defined]
+    s3env.traffic.reset()
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: f.pread(1000, 1 << 20), range(16)))
+    assert all(g == data[1 << 20:(1 << 20) + 1000] for g in got)
+    gets = [line for line in s3env.traffic.log if line.startswith("GET") and "bytes=" in line]
+    assert len(gets) == 1, gets
