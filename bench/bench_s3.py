@@ -11,13 +11,15 @@ Every request passes through a counting proxy, so the figures are what crossed t
 3. Streaming every byte of a 0.3 GB training checkpoint: ``ckpt validate`` (CRC-32 of every
    record) at ``--concurrency`` 1, 4 and 8, against boto3's parallel download to nowhere (the
    floor of reading the object at all) and the peer of part 1 (download + ``torch.load``).
+4. ``ckpt convert --keep-optimizer -o s3://...`` of that checkpoint (every byte cast-free,
+   written and uploaded in one pass) against boto3's ``upload_file`` of the same output.
 
 moto answers each ranged GET by copying the whole object in memory, so on a multi-GB object
 a request costs seconds there that it does not on S3: times of part 1 say more about moto than
 about ckpt, and part 3 uses an object small enough for moto to keep up. Request and byte
 counts do not depend on the server.
 
-4. With ``CKPT_BENCH_BASELINE=/path/to/a/checkout/before/object/storage``: local paths in
+5. With ``CKPT_BENCH_BASELINE=/path/to/a/checkout/before/object/storage``: local paths in
    this checkout against that one (``--help``, ``inspect --json`` of the 4.7 GB checkpoint
    and of a small safetensors file), interleaved over 7 rounds: URLs must cost local paths
    nothing. ``--local`` runs only this part.
@@ -59,6 +61,13 @@ def count(o):
 print(count(sd))
 """
 
+PEER_UPLOAD = """
+import sys, boto3
+from boto3.s3.transfer import TransferConfig
+boto3.client("s3").upload_file(sys.argv[1], sys.argv[2], sys.argv[3],
+                               Config=TransferConfig(max_concurrency=10))
+"""
+
 PEER_READ = """
 import sys, boto3
 from boto3.s3.transfer import TransferConfig
@@ -70,7 +79,7 @@ boto3.client("s3").download_fileobj(sys.argv[1], sys.argv[2], Null(),
 
 
 def local_paths() -> None:
-    """Part 4: local paths before and after object storage, interleaved."""
+    """Part 5: local paths before and after object storage, interleaved."""
     baseline = os.environ.get("CKPT_BENCH_BASELINE")
     if not baseline:
         print("[bench] set CKPT_BENCH_BASELINE to a checkout to compare local paths with",
@@ -181,6 +190,32 @@ def main() -> None:
         local = timed("validate local", ckpt_argv("validate", str(small), "--json"))
         rows.append(("ckpt validate of the local file", f"{local.seconds:.2f} s"))
         report(f"streaming {surl} ({human_bytes(small_size)})", rows)
+
+        # 4. writing: the whole training state of the smaller checkpoint, as safetensors.
+        out = DATA / "upload-peer.safetensors"
+        rows = []
+        try:
+            conv = timed("local convert", ckpt_argv("convert", str(small), "--keep-optimizer",
+                                                    "-o", str(out), "--force"))
+            size_out = out.stat().st_size
+            proxy.traffic.reset()
+            peer_up = timed("boto3 upload", [PY, "-c", PEER_UPLOAD, str(out), bucket, "p.st"],
+                            env=env)
+            rows.append(("boto3 upload_file of the converted file (10 threads)",
+                         f"{peer_up.seconds:.2f} s, {size_out / peer_up.seconds / 1e6:,.0f} MB/s,"
+                         f" {proxy.traffic.requests} requests"))
+            rows.append(("ckpt convert to a local file (for reference)", f"{conv.seconds:.2f} s"))
+            proxy.traffic.reset()
+            up = timed("ckpt convert -o s3", ckpt_argv(
+                "convert", str(small), "--keep-optimizer", "-o", f"s3://{bucket}/c.safetensors",
+                "--force"), env=env)
+            rows.append(("ckpt convert -o s3://... (read, write, upload at once)",
+                         f"{up.seconds:.2f} s, {size_out / up.seconds / 1e6:,.0f} MB/s, "
+                         f"{proxy.traffic.requests} requests, peak RSS "
+                         f"{human_bytes(up.peak_rss)}"))
+        finally:
+            out.unlink(missing_ok=True)
+        report(f"writing {human_bytes(size_out)} of safetensors to the bucket", rows)
     local_paths()
 
 

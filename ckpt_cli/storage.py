@@ -64,9 +64,13 @@ UPLOAD_IDLE = 3600.0
 """Seconds without a new part after which prune takes a multipart upload for a killed
 write's (whatever ``--grace`` says: an upload's progress shows only in its parts)."""
 
-UPLOAD_PART = 64 << 20
-"""Bytes per part of a multipart upload: 10,000 parts (S3's limit) reach 640 GiB, and a part
-in flight is all an upload holds in memory."""
+UPLOAD_PART = 16 << 20
+"""The smallest part of a multipart upload; an upload of a known size uses parts large
+enough that it needs at most 9,000 (S3 allows 10,000)."""
+
+UPLOAD_IN_FLIGHT = 4
+"""Parts of one upload sent at once: S3 takes parts in parallel, and each holds a part's
+bytes in memory until it is acknowledged."""
 
 EXTRA_HINT = "pip install 'ckpt-cli[s3]'"
 
@@ -1047,27 +1051,76 @@ class Upload:
     :meth:`commit` (S3 has no rename; CompleteMultipartUpload is the atomic step). A file
     smaller than one part is a single PUT at commit.
 
+    On S3 the parts go up concurrently (at most :data:`UPLOAD_IN_FLIGHT` at once, so memory
+    stays at that many parts plus the one filling), sized from ``expected`` so that any
+    object fits S3's 10,000 parts; on other stores through fsspec's writer.
+
     Use as a context manager: leaving it normally commits, an exception (Ctrl-C included)
     aborts the upload, so no partial object is ever visible.
 
     Args:
         path: The object to write.
-        part_size: Bytes per uploaded part (:data:`UPLOAD_PART`).
+        part_size: Bytes per uploaded part (default: from ``expected``, at least
+            :data:`UPLOAD_PART`).
+        expected: About how many bytes will be written, if known.
     """
 
-    def __init__(self, path: ObjectPath, part_size: int | None = None):
+    def __init__(self, path: ObjectPath, part_size: int | None = None,
+                 expected: int | None = None):
         self.path, self.store, self.key = path, path.store, path.key
-        self.f = self.store.call(self.key, self.store.fs.open, self.key, "wb",
-                                 block_size=part_size or UPLOAD_PART)
         self.written = 0
         self.done = False
+        self.part_size = part_size or max(UPLOAD_PART, -(-(expected or 0) // 9_000))
+        fs = self.store.fs
+        self._call_s3, self._loop = getattr(fs, "_call_s3", None), getattr(fs, "loop", None)
+        self._s3 = self._call_s3 is not None and self._loop is not None
+        if not self._s3:
+            self.f = self.store.call(self.key, fs.open, self.key, "wb",
+                                     block_size=self.part_size)
+            return
+        self.bucket, _, self.name = self.key.partition("/")
+        self._buf = bytearray()
+        self._mpu: str | None = None
+        self._sent: list[tuple[int, Future[Any]]] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _req(self, op: str, **kw: Any) -> Any:
+        from fsspec.asyn import sync
+
+        return self.store.call(self.key, sync, self._loop, self._call_s3, op,
+                               Bucket=self.bucket, Key=self.name, **kw)
 
     def write(self, data: bytes | memoryview) -> int:
         """Append ``data``; returns its length (writes are never short)."""
         n = len(data)
-        self.store.call(self.key, self.f.write, data)
+        if not self._s3:
+            self.store.call(self.key, self.f.write, data)
+        else:
+            self._buf += data
+            while len(self._buf) >= self.part_size:
+                self._send(bytes(self._buf[:self.part_size]))
+                del self._buf[:self.part_size]
         self.written += n
         return n
+
+    def _send(self, body: bytes) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._mpu is None:
+            self._mpu = self._req("create_multipart_upload")["UploadId"]
+            self._pool = ThreadPoolExecutor(UPLOAD_IN_FLIGHT, thread_name_prefix="ckpt-put")
+        assert self._pool is not None
+        # Back-pressure: wait for the oldest part while the most are in flight (its error,
+        # if any, is raised here).
+        running = [f for _, f in self._sent if not f.done()]
+        if len(running) >= UPLOAD_IN_FLIGHT:
+            running[0].result()
+        for _, f in self._sent:
+            if f.done():
+                f.result()
+        number = len(self._sent) + 1
+        self._sent.append((number, self._pool.submit(
+            self._req, "upload_part", UploadId=self._mpu, PartNumber=number, Body=body)))
 
     def tell(self) -> int:
         """Bytes written so far."""
@@ -1078,15 +1131,33 @@ class Upload:
 
     def commit(self) -> None:
         """Complete the upload: the object appears, whole."""
-        if not self.done:
-            self.done = True
-            try:
+        if self.done:
+            return
+        self.done = True
+        try:
+            if not self._s3:
                 self.store.call(self.key, self.f.close)
-            except BaseException:
-                self._abort()
-                raise
-            finally:
-                self.store.changed()
+            elif self._mpu is None:
+                self._req("put_object", Body=bytes(self._buf))
+            else:
+                if self._buf:
+                    self._send(bytes(self._buf))
+                    self._buf.clear()
+                parts = []
+                for number, f in self._sent:
+                    out = f.result()
+                    part = {"PartNumber": number, "ETag": out["ETag"]}
+                    part.update({k: v for k, v in out.items() if k.startswith("Checksum")
+                                 and k != "ChecksumType"})
+                    parts.append(part)
+                self._req("complete_multipart_upload", UploadId=self._mpu,
+                          MultipartUpload={"Parts": parts})
+                self._close_pool()
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self.store.changed()
 
     def abort(self) -> None:
         """Abandon the upload (its parts are deleted); nothing appears."""
@@ -1094,11 +1165,23 @@ class Upload:
             self.done = True
             self._abort()
 
+    def _close_pool(self) -> None:
+        if self._s3 and self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
     def _abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self.f.discard()
-        with contextlib.suppress(Exception):
-            self.f.closed = True
+        if not self._s3:
+            with contextlib.suppress(Exception):
+                self.f.discard()
+            with contextlib.suppress(Exception):
+                self.f.closed = True
+            return
+        self._close_pool()  # parts in flight finish first, or they would outlive the abort
+        if self._mpu is not None:
+            with contextlib.suppress(Exception):
+                self._req("abort_multipart_upload", UploadId=self._mpu)
+            self._mpu = None
 
     def __enter__(self) -> Upload:
         return self

@@ -840,3 +840,25 @@ def test_a_block_wanted_by_many_threads_at_once_is_fetched_once(
     assert all(g == data[1 << 20:(1 << 20) + 1000] for g in got)
     gets = [line for line in s3env.traffic.log if line.startswith("GET") and "bytes=" in line]
     assert len(gets) == 1, gets
+
+
+def test_a_multipart_upload_sends_parts_in_parallel_and_the_bytes_are_right(
+        s3env: s3.Proxy, endpoint: tuple[str, s3.Proxy], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "big.safetensors"
+    save_file({f"w{i}": np.random.default_rng(i).standard_normal((1024, 1024), np.float32)
+               for i in range(6)}, str(src))
+    monkeypatch.setattr(storage, "UPLOAD_PART", 5 << 20)  # S3's smallest part
+    bucket = _bucket(endpoint)
+    s3env.traffic.reset()
+    r = run_cli("convert", src, "-o", f"s3://{bucket}/m.safetensors")
+    assert r.exit_code == 0, r.output
+    parts = [line for line in s3env.traffic.log if line.startswith("PUT") and "partNumber" in line]
+    assert len(parts) == 5, parts  # 24 MB in 5 MiB parts
+    local = tmp_path / "m.safetensors"
+    assert run_cli("convert", src, "-o", local).exit_code == 0
+    assert _get(endpoint, bucket, "m.safetensors") == local.read_bytes()
+    assert _pending_uploads(endpoint, bucket) == []

@@ -495,7 +495,9 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
     # safetensors: raw writes, looped by write_all. Torch zips: zipfile writes once and ignores
     # short writes (Linux caps one write at ~2 GiB), so it gets a buffered file, whose write()
     # loops until everything is written. An object is an upload, whose writes are never short.
-    out: Any = (storage.Upload(cast(storage.ObjectPath, path)) if storage.is_remote(path)
+    expected = sum(tensors[i].nbytes for i in members)
+    out: Any = (storage.Upload(cast(storage.ObjectPath, path), expected=expected)
+                if storage.is_remote(path)
                 else open(path, "wb", buffering=0 if fmt == "safetensors" else -1))
     with out as f:
         flusher = _Flusher(f)
