@@ -17,7 +17,9 @@ Every request passes through a counting proxy, so the figures are what crossed t
 moto answers each ranged GET by copying the whole object in memory, so on a multi-GB object
 a request costs seconds there that it does not on S3: times of part 1 say more about moto than
 about ckpt, and part 3 uses an object small enough for moto to keep up. Request and byte
-counts do not depend on the server.
+counts do not depend on the server. Peak RSS figures include the pages a child inherits
+from this process at fork (the proxy's buffers: ~200 MB once part 3 has run; compare
+``--help``'s in part 5).
 
 5. With ``CKPT_BENCH_BASELINE=/path/to/a/checkout/before/object/storage``: local paths in
    this checkout against that one (``--help``, ``inspect --json`` of the 4.7 GB checkpoint
