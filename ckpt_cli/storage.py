@@ -449,19 +449,31 @@ class ObjectStore:
         except StorageError:
             return None
 
+    @property
+    def is_s3(self) -> bool:
+        """Whether the store is S3 (or S3-compatible), so :meth:`s3` can be used."""
+        return (getattr(self.fs, "_call_s3", None) is not None
+                and getattr(self.fs, "loop", None) is not None)
+
+    def s3(self, key: str, op: str, **kw: Any) -> Any:
+        """One S3 API call (``delete_objects``, ``upload_part``...) through s3fs's client,
+        with its retries, as a :class:`StorageError` naming ``key`` when it fails. For what
+        fsspec's own calls do not offer: exact-key deletes, parallel parts, upload listings.
+        Only when :attr:`is_s3`."""
+        from fsspec.asyn import sync  # type: ignore[import-untyped]
+
+        return self.call(key, sync, self.fs.loop, self.fs._call_s3, op, **kw)
+
     def pending_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
         """Multipart uploads begun below ``prefix`` (``bucket/key...``) and never completed
         or aborted: ``(key, upload id, last activity)``. Their parts cost storage while invisible
         to listings; a write killed with ``kill -9`` leaves one. Empty for stores without
         multipart uploads."""
-        call_s3 = getattr(self.fs, "_call_s3", None)
-        loop = getattr(self.fs, "loop", None)
-        if call_s3 is None or loop is None:
+        if not self.is_s3:
             return []
-        from fsspec.asyn import sync  # type: ignore[import-untyped]
 
         def s3(op: str, **kw: Any) -> Any:
-            return self.call(prefix, sync, loop, call_s3, op, **kw)
+            return self.s3(prefix, op, **kw)
 
         bucket, _, key = prefix.partition("/")
         kw: dict[str, Any] = {"Bucket": bucket, "Prefix": key}
@@ -496,13 +508,10 @@ class ObjectStore:
         elsewhere one by one. Never through fsspec's ``rm``, which expands ``[`` ``?`` ``*``
         in a key as a glob and would delete other keys (``run[1]`` matching ``run1``)."""
         try:
-            call_s3, loop = getattr(self.fs, "_call_s3", None), getattr(self.fs, "loop", None)
-            if call_s3 is None or loop is None:
+            if not self.is_s3:
                 for k in keys:
                     self.call(k, self.fs.rm_file, k)
                 return
-            from fsspec.asyn import sync
-
             by_bucket: dict[str, list[str]] = {}
             for k in keys:
                 bucket, _, rest = k.partition("/")
@@ -510,10 +519,9 @@ class ObjectStore:
             for bucket, names in by_bucket.items():
                 for i in range(0, len(names), 1000):
                     batch = names[i:i + 1000]
-                    out = self.call(f"{bucket}/{batch[0]}", sync, loop, call_s3,
-                                    "delete_objects", Bucket=bucket,
-                                    Delete={"Objects": [{"Key": n} for n in batch],
-                                            "Quiet": True})
+                    out = self.s3(f"{bucket}/{batch[0]}", "delete_objects", Bucket=bucket,
+                                  Delete={"Objects": [{"Key": n} for n in batch],
+                                          "Quiet": True})
                     errors = out.get("Errors") or []
                     if errors:
                         e = errors[0]
@@ -1071,11 +1079,9 @@ class Upload:
         self.written = 0
         self.done = False
         self.part_size = part_size or max(UPLOAD_PART, -(-(expected or 0) // 9_000))
-        fs = self.store.fs
-        self._call_s3, self._loop = getattr(fs, "_call_s3", None), getattr(fs, "loop", None)
-        self._s3 = self._call_s3 is not None and self._loop is not None
+        self._s3 = self.store.is_s3
         if not self._s3:
-            self.f = self.store.call(self.key, fs.open, self.key, "wb",
+            self.f = self.store.call(self.key, self.store.fs.open, self.key, "wb",
                                      block_size=self.part_size)
             return
         self.bucket, _, self.name = self.key.partition("/")
@@ -1085,10 +1091,7 @@ class Upload:
         self._pool: ThreadPoolExecutor | None = None
 
     def _req(self, op: str, **kw: Any) -> Any:
-        from fsspec.asyn import sync
-
-        return self.store.call(self.key, sync, self._loop, self._call_s3, op,
-                               Bucket=self.bucket, Key=self.name, **kw)
+        return self.store.s3(self.key, op, Bucket=self.bucket, Key=self.name, **kw)
 
     def write(self, data: bytes | memoryview) -> int:
         """Append ``data``; returns its length (writes are never short)."""
@@ -1281,11 +1284,6 @@ def walk(path: Path, onerror: Callable[[OSError], None] | None = None
 def tree_paths(path: Path) -> Iterator[tuple[str, os.stat_result]]:
     """Every object below a prefix with its ``stat`` (from the listing), for tree totals."""
     obj = cast(ObjectPath, path)
-    key = obj.key
-    store = obj.store
-    store.children(key)  # lists the prefix once
-    with store._lock:
-        names = [k for k in store._entries if k.startswith(key + "/")]
-    for k in names:
+    for k in obj.keys_below():
         child = type(obj)("/" + k)
         yield str(child), child.stat()
