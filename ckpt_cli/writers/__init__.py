@@ -273,8 +273,8 @@ def _finish_dir(tmp: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPl
     """Write the index (when sharded) and the side files; ``(name, bytes)`` of each."""
     files: list[tuple[str, int]] = []
     if plan.sharded:
-        result.index_file = _write_index(tmp, fmt, tensors, plan, aliases, meta)
-        files.append((result.index_file, (tmp / result.index_file).stat().st_size))
+        result.index_file, size = _write_index(tmp, fmt, tensors, plan, aliases, meta)
+        files.append((result.index_file, size))
     for name, data in (side_files or {}).items():
         (tmp / name).write_bytes(data)
         files.append((name, len(data)))
@@ -331,10 +331,9 @@ def _write_remote(dest: Path, fmt: str, tensors: Sequence[OutTensor], plan: Shar
             written.append(f"{obj.key}/{name}")
             result.files.append((name, len(data)))
         if plan.sharded:
-            result.index_file = _write_index(dest, fmt, tensors, plan, aliases, meta)
+            result.index_file, size = _write_index(dest, fmt, tensors, plan, aliases, meta)
             written.append(f"{obj.key}/{result.index_file}")
-            result.files.append((result.index_file,
-                                 _INDEX_SIZES.pop(str(dest / result.index_file))))
+            result.files.append((result.index_file, size))
     except BaseException:
         # Nothing this run wrote may stay to look like an output (an upload in flight was
         # aborted by its own exit).
@@ -641,7 +640,7 @@ def _bytes_of(arr: np.ndarray, t: OutTensor) -> memoryview:
 
 
 def _write_index(tmp: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
-                 aliases: dict[str, str] | None, meta: dict[str, str]) -> str:
+                 aliases: dict[str, str] | None, meta: dict[str, str]) -> tuple[str, int]:
     stem, ext = _NAMING[fmt]
     weight_map: dict[str, str] = {}
     for fname, members in zip(plan.files, plan.members, strict=True):
@@ -659,12 +658,7 @@ def _write_index(tmp: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardP
     name = f"{stem}{ext}.index.json"
     data = orjson.dumps(index, option=orjson.OPT_INDENT_2) + b"\n"
     (tmp / name).write_bytes(data)
-    _INDEX_SIZES[str(tmp / name)] = len(data)
-    return name
-
-
-# Sizes of the indexes just written, so an object's size needs no request to learn.
-_INDEX_SIZES: dict[str, int] = {}
+    return name, len(data)
 
 
 _END = object()  # after a tensor's last piece
