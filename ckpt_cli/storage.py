@@ -626,7 +626,8 @@ def _short(e: BaseException) -> str:
 
 def _not_found(e: FileNotFoundError) -> str:
     msg = str(e).lower()
-    if "bucket" in msg:
+    # The phrase, not the word: a missing key's message is its path, which may hold "bucket".
+    if "bucket does not exist" in msg or "nosuchbucket" in msg:
         return "no such bucket"
     return "no such key"
 
@@ -634,19 +635,28 @@ def _not_found(e: FileNotFoundError) -> str:
 def _describe(e: BaseException) -> str:
     name = type(e).__name__
     msg = _short(e)
-    low = f"{name} {msg}".lower()
+    # Status codes are looked for outside URLs: the endpoint http://127.0.0.1:53403/ holds
+    # no 403 (a test found that out, with a random port).
+    low = _URL_TEXT.sub(" ", f"{name} {msg}".lower())
     if "credential" in low and ("unable to locate" in low or "nocredentials" in low):
         return ("no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a "
                 "profile, or --storage-option anon=true for a public bucket)")
-    if any(w in low for w in ("invalidaccesskeyid", "signaturedoesnotmatch", "accessdenied",
-                              "forbidden", "403")):
+    if (any(w in low for w in ("invalidaccesskeyid", "signaturedoesnotmatch", "accessdenied",
+                               "forbidden")) or _STATUS_403.search(low)):
         return f"access denied ({msg})"
+    if (any(w in low for w in ("slowdown", "serviceunavailable", "throttl",
+                               "too many requests", "reduce your request rate"))
+            or _STATUS_503.search(low)):
+        return f"the store keeps refusing requests (throttled: {msg})"
     if any(w in low for w in ("connect", "endpoint", "timeout", "timed out", "reset",
                               "disconnected", "payload")):
         return f"cannot reach the storage endpoint ({msg})"
-    if any(w in low for w in ("slowdown", "503", "throttl", "too many requests")):
-        return f"the store keeps refusing requests (throttled: {msg})"
     return f"storage error ({name}: {msg})"
+
+
+_URL_TEXT = re.compile(r"[a-z][a-z0-9+.\-]*://\S+")
+_STATUS_403 = re.compile(r"(?<![\d.:/])403(?!\d)")
+_STATUS_503 = re.compile(r"(?<![\d.:/])503(?!\d)")
 
 
 class ObjectFile:

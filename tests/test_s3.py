@@ -862,3 +862,34 @@ def test_a_multipart_upload_sends_parts_in_parallel_and_the_bytes_are_right(
     assert run_cli("convert", src, "-o", local).exit_code == 0
     assert _get(endpoint, bucket, "m.safetensors") == local.read_bytes()
     assert _pending_uploads(endpoint, bucket) == []
+
+
+def test_errors_are_told_apart_whatever_the_port() -> None:
+    """A random port such as 53403 must not read as an HTTP 403 (it once did: CI failed)."""
+    down = 'Could not connect to the endpoint URL: "http://127.0.0.1:53403/b?list-type=2"'
+    assert storage._describe(Exception(down)).startswith("cannot reach the storage endpoint")
+    assert storage._describe(Exception("http://h:50503/x: Connection reset by peer")).startswith(
+        "cannot reach")
+    assert storage._describe(Exception(
+        "An error occurred (403) when calling the HeadObject operation: Forbidden")).startswith(
+        "access denied")
+    assert storage._describe(Exception(
+        "An error occurred (SlowDown) when calling the GetObject operation")).startswith(
+        "the store keeps refusing")
+
+
+def test_a_missing_key_whose_name_says_bucket_is_a_missing_key(s3env: s3.Proxy,
+                                                                bucket_run: str) -> None:
+    line = _fails("inspect", f"s3://{bucket_run}/old-bucket-copy/model.safetensors",
+                  says="no such")
+    assert "no such bucket" not in line
+    s3env.faults.status = None  # and through the store's own not-found, for an open
+    from ckpt_cli.errors import StorageError
+
+    with pytest.raises(StorageError, match="no such key"):
+        storage.locate(f"s3://{bucket_run}/old-bucket-copy/x.bin").store.call(  # type: ignore[attr-defined]
+            "k", _raise_not_found)
+
+
+def _raise_not_found() -> None:
+    raise FileNotFoundError("ckpt-bucket/old-bucket-copy/x.bin")
