@@ -167,11 +167,10 @@ def tree_scan(path: Path) -> TreeScan:
         return TreeScan(st.st_size, 1, st.st_mtime, changed)
     if storage.is_remote(path):
         total, count, newest = 0, 0, st.st_mtime
-        for _, est in storage.tree_paths(path):
-            if not stat.S_ISDIR(est.st_mode):
-                total += est.st_size
-                count += 1
-                newest = max(newest, est.st_mtime)
+        for _, est in storage.tree_paths(path):  # objects only: no directories
+            total += est.st_size
+            count += 1
+            newest = max(newest, est.st_mtime)
         return TreeScan(total, count, newest, max(changed, newest))
     # Plain comparisons instead of max() and st_mode instead of is_dir(): this loop runs once
     # per file of every checkpoint when listing thousands of them.

@@ -698,9 +698,7 @@ class ObjectFile:
         if end <= offset:
             return b""
         if end - offset >= LARGE_READ:
-            step = RANGE_BYTES
-            ranges = [(s, min(end, s + step)) for s in range(offset, end, step)]
-            return b"".join(self.store.fetch(self.key, ranges))
+            return b"".join(self.store.fetch(self.key, _ranges(offset, end)))
         st = self._stream()
         if offset == st.next:
             st.run += end - offset
@@ -780,7 +778,7 @@ class ObjectFile:
         end = min(self.size, offset + len(out))
         if end - offset >= LARGE_READ:  # each range straight into place: no joined copy
             got = 0
-            ranges = [(s, min(end, s + RANGE_BYTES)) for s in range(offset, end, RANGE_BYTES)]
+            ranges = _ranges(offset, end)
             for (s, _), data in zip(ranges, self.store.fetch(self.key, ranges), strict=True):
                 out[s - offset:s - offset + len(data)] = data
                 got += len(data)
@@ -794,6 +792,11 @@ class ObjectFile:
         with self._chunk_lock:
             self._chunks.clear()
             self._readers.clear()
+
+
+def _ranges(offset: int, end: int) -> list[tuple[int, int]]:
+    """``[offset, end)`` as the :data:`RANGE_BYTES` ranges of concurrent GETs."""
+    return [(s, min(end, s + RANGE_BYTES)) for s in range(offset, end, RANGE_BYTES)]
 
 
 class _Stream:

@@ -190,10 +190,7 @@ def read_small(path: Path, limit: int) -> bytes:
     """
     fd = open_regular(path)
     try:
-        if not isinstance(fd, int):
-            return fd.pread(limit, 0)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(limit)
+        return storage.pread(fd, limit, 0)
     except OSError as e:
         raise CkptError(f"cannot read: {e.strerror}", path=path) from None
     finally:

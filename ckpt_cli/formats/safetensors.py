@@ -19,7 +19,7 @@ import orjson
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CorruptCheckpointError
-from ckpt_cli.formats.base import file_size, open_regular, read_head, rel_to, wrong_kind
+from ckpt_cli.formats.base import open_regular, read_head, rel_to, wrong_kind
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
 from ckpt_cli.storage import Handle
@@ -86,14 +86,11 @@ def parse_header(path: Path, *, fd: Handle | None = None,
         CorruptCheckpointError: If there is no parseable header.
     """
     if fd is None or size is None:
-        if storage.is_remote(path):
-            h = open_regular(path)
-            try:
-                return parse_header(path, fd=h, size=storage.size_of(h))
-            finally:
-                storage.close(h)
-        with open(path, "rb") as f:
-            return parse_header(path, fd=f.fileno(), size=file_size(path))
+        h = open_regular(path)
+        try:
+            return parse_header(path, fd=h, size=storage.size_of(h))
+        finally:
+            storage.close(h)
     if size < 8:
         raise CorruptCheckpointError(
             f"{size} bytes is too short for a safetensors file (needs 8 for the header length)",

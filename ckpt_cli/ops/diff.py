@@ -155,8 +155,7 @@ def same_checkpoint(index_a: CheckpointIndex, index_b: CheckpointIndex) -> str |
     what = "directory" if ra.is_dir() else "file"
     if storage.is_remote(ra) or storage.is_remote(rb):
         # Objects have no inodes: only the same URL is the same checkpoint.
-        return (f"A and B are the same URL, so the same {what}"
-                if str(ra).rstrip("/") == str(rb).rstrip("/") else None)
+        return f"A and B are the same URL, so the same {what}" if ra == rb else None
     if os.path.normpath(os.path.abspath(ra)) == os.path.normpath(os.path.abspath(rb)):
         return f"A and B are the same path, so the same {what}"
     try:
