@@ -176,7 +176,7 @@ def hostile_warnings(index: CheckpointIndex) -> list[Finding]:
     named: dict[str | None, list[str]] = {}
     script: set[str | None] = set()
     for f in index.findings:
-        if f.code == "unsafe-global" and f.location:
+        if f.code in ("unsafe-global", "unknown-global") and f.location:
             named.setdefault(f.file, []).append(f.location)
         elif f.code == "torchscript-archive":
             script.add(f.file)
@@ -192,7 +192,7 @@ def hostile_warning(path: Path, qualnames: list[str], *, torchscript: bool = Fal
 
     Args:
         path: The file, as shown to the user.
-        qualnames: The dangerous globals its pickles name.
+        qualnames: The globals its pickles name that no allowlist accepts.
         torchscript: Whether it is a TorchScript archive.
         rel: The file as the index names it.
 

@@ -170,7 +170,7 @@ def test_legacy_magic_pickle_payload_is_named_when_the_stream_breaks(tmp_path: P
     head = path.read_bytes()[:14]  # PROTO 2, LONG1 <magic>
     payload = pickle.dumps(Evil(tmp_path / "pwned"), protocol=2)[2:-1]  # no PROTO, no STOP
     path.write_bytes(head + b"0" + payload + b"0" + head[2:] + b"." + b"\x80\x02\xff")
-    with pytest.raises(CorruptCheckpointError, match=r"references (os|posix)\.system"):
+    with pytest.raises(CorruptCheckpointError, match=r"(references|would call) (os|posix)\.system"):
         read_index(path)
     assert not (tmp_path / "pwned").exists()
 
@@ -403,7 +403,8 @@ def test_generator_and_dataloader_state_are_not_code(tmp_path: Path) -> None:
     found = {(f["code"], f["location"]) for f in doc["checkpoints"][0]["findings"]}
     assert not any(code == "unsafe-global" for code, _ in found), found
     assert ("non-allowlisted-global", "torch._C.Generator") in found
-    assert ("unknown-global", "torch.utils.data.dataloader.DataLoader") in found
+    # On ckpt's allowlist of data holders (issue #23): reported, not refused.
+    assert ("non-allowlisted-global", "torch.utils.data.dataloader.DataLoader") in found
     assert classify_global("torch._C.Generator") == "benign"
     for gadget in ("torch._C._jit_script_compile", "numpy.memmap", "numpy.lib.npyio.load",
                    "torch.fx.graph_module.reduce_graph_module",

@@ -8,6 +8,7 @@ import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import (
+    AllowGlobalOpt,
     InputFormatOpt,
     JsonOpt,
     Location,
@@ -37,6 +38,7 @@ def inspect_cmd(
         "--all", help="Run directories: a row for every checkpoint (by default a long run "
                       "shows its oldest and newest few).")] = False,
     input_format: InputFormatOpt = None,
+    allow_global: AllowGlobalOpt = None,
     storage_option: StorageOpt = None,
     json: JsonOpt = False,
 ) -> None:
@@ -58,7 +60,8 @@ def inspect_cmd(
     with handled() as outcome:
         use_storage(storage_option)
         result = inspect(path, fmt=input_format, tensors=tensors, filter_glob=filter_glob,
-                         sort=sort, tree=tree, depth=depth, pattern=pattern)
+                         sort=sort, tree=tree, depth=depth, pattern=pattern,
+                         allow_globals=allow_global or ())
         outcome.exit_code = EXIT_OK
         from ckpt_cli.render.inspect import show
 

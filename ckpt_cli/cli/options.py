@@ -47,6 +47,11 @@ StorageOpt = Annotated[list[str] | None, typer.Option(
     help="An fsspec option for URLs (s3://, gs://, az://...), repeatable, e.g. "
          "endpoint_url=http://minio:9000 or anon=true.", show_default=False)]
 
+AllowGlobalOpt = Annotated[list[str] | None, typer.Option(
+    "--allow-global", metavar="MODULE.NAME",
+    help="Trust this pickle global (repeatable), like torch's add_safe_globals; every other "
+         "global outside ckpt's allowlist is an error.", show_default=False)]
+
 ConcurrencyOpt = Annotated[int | None, typer.Option(
     "--concurrency", min=1, metavar="N",
     help="URLs: ranged GETs in flight per object streamed (default 8).", show_default=False)]

@@ -8,6 +8,7 @@ import typer
 
 from ckpt_cli.cli.errors import handled
 from ckpt_cli.cli.options import (
+    AllowGlobalOpt,
     ConcurrencyOpt,
     FinalizeOpt,
     InputFormatOpt,
@@ -64,6 +65,7 @@ def validate_cmd(
                                            "(default: beside the checkpoint).",
         parser=location)] = None,
     input_format: InputFormatOpt = None,
+    allow_global: AllowGlobalOpt = None,
     max_memory: MaxMemoryOpt = None,
     quiet: QuietOpt = False,
     storage_option: StorageOpt = None,
@@ -73,8 +75,9 @@ def validate_cmd(
     """Check that a checkpoint is complete, consistent and uncorrupted.
 
     Verifies headers, offsets, shard and rank sets, DCP chunk tiling, pickle safety and the
-    CRC-32 of every zip record (streamed), and the integrity manifest if there is one. Exit
-    status: 0 valid, 1 problems found, 2 usage error or unreadable path.
+    CRC-32 of every zip record (streamed), and the integrity manifest if there is one. A pickle
+    global outside ckpt's allowlist is an error (--allow-global trusts one). Exit status: 0
+    valid, 1 problems found, 2 usage error or unreadable path.
 
     Examples:
       ckpt validate model.safetensors
@@ -99,7 +102,8 @@ def validate_cmd(
                               require=require, write_manifest=write_manifest,
                               manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern,
                               on_progress=bar.labelled, part=part, finalize=finalize,
-                              parts_dir=parts_dir, max_memory=budget)
+                              parts_dir=parts_dir, max_memory=budget,
+                              allow_globals=allow_global or ())
         outcome.exit_code = code = result.exit_code(strict=strict)
         if junit is not None:
             from ckpt_cli.render.junit import write_junit

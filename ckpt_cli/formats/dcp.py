@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
-from ckpt_cli.formats import containers
+from ckpt_cli.formats import allowlist, containers
 from ckpt_cli.formats.base import (
     contained_path,
     file_size,
@@ -29,7 +29,14 @@ from ckpt_cli.formats.base import (
     wrong_kind,
 )
 from ckpt_cli.formats.torchfile import contiguous_strides, parse_zip
-from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, DTypeRef, Opaque, TensorRecord, safe_load
+from ckpt_cli.formats.unpickler import (
+    UNPICKLE_ERRORS,
+    DTypeRef,
+    Opaque,
+    PickleResult,
+    TensorRecord,
+    safe_load,
+)
 from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, StorageRef, TensorInfo
 from ckpt_cli.storage import Handle
 
@@ -38,7 +45,6 @@ if TYPE_CHECKING:
 
 METADATA = ".metadata"
 _DISTCP = re.compile(r"^__(\d+)_(\d+)\.distcp$")
-_EXPECTED_GLOBALS = ("torch.distributed.checkpoint.", "pathlib.", "torch.")
 _MAX_BYTES_ITEM = 1 << 20
 _MAX_BYTES_ITEMS = 4096
 
@@ -75,14 +81,14 @@ class DCPReader:
         return index
 
 
-def parse_metadata(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+def parse_metadata(path: Path) -> tuple[dict[str, Any], PickleResult]:
     """Unpickle a ``.metadata`` file safely.
 
     Args:
         path: The ``.metadata`` file.
 
     Returns:
-        ``(fields of Metadata, globals seen)``.
+        ``(fields of Metadata, the pickle's result: its globals and calls)``.
 
     Raises:
         CorruptCheckpointError: If it is not a DCP metadata pickle.
@@ -102,7 +108,7 @@ def parse_metadata(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     fields = obj.fields()
     if not isinstance(fields.get("state_dict_metadata"), dict):
         raise CorruptCheckpointError("Metadata has no state_dict_metadata", path=path)
-    return fields, result.globals
+    return fields, result
 
 
 def read_into(index: CheckpointIndex, path: Path) -> None:
@@ -123,13 +129,10 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
             f"{len(distcp)} .distcp file(s) but no .metadata: the save did not finish "
             "(DCP writes .metadata last)", path=path)
     fields, globals_seen = parse_metadata(meta_path)
-    for qual, cls in globals_seen.items():
-        if cls == "dangerous" or not qual.startswith(_EXPECTED_GLOBALS):
-            danger = cls == "dangerous"
-            index.add(Finding("error" if danger else "warning",
-                              "unsafe-global" if danger else "unknown-global",
-                              f"metadata pickle references {qual}; not executed",
-                              meta_path.name, qual))
+    for f in allowlist.pickle_findings(globals_seen.globals, globals_seen.calls,
+                                       file=meta_path.name, what="metadata pickle"):
+        if f.severity != "info":
+            index.add(f)
     index.files.append(FileInfo(meta_path.name, file_size(meta_path), "metadata", "dcp"))
     sizes = {p.name: file_size(p) for p in distcp}
     storage = storage_map(fields.get("storage_data"), path, meta_path)
@@ -350,11 +353,10 @@ def _read_objects(index: CheckpointIndex, base: Path, items: list[tuple[str, str
                     index.objects[".".join(sub)] = containers.to_plain(leaf)
             else:
                 index.objects[name] = containers.to_plain(obj)
-            for qual, cls in tz.pickle.globals.items():
-                if cls in ("dangerous", "unknown"):
-                    index.add(Finding("error" if cls == "dangerous" else "warning",
-                                      "unsafe-global" if cls == "dangerous" else "unknown-global",
-                                      f"item pickle references {qual}; not executed", rel, name))
+            for f in allowlist.pickle_findings(tz.pickle.globals, tz.pickle.calls, file=rel,
+                                               what=f"pickle of item {name}"):
+                if f.severity != "info":
+                    index.add(f)
     finally:
         for fd in fds.values():
             storage.close(fd)

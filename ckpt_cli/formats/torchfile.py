@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+import tarfile
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli import dtypes, storage
-from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
-from ckpt_cli.formats import containers
+from ckpt_cli.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
+from ckpt_cli.formats import allowlist, containers
 from ckpt_cli.formats.base import (
     file_size,
     open_regular,
@@ -36,7 +37,7 @@ from ckpt_cli.formats.unpickler import (
     StorageRecord,
     StorageType,
     TensorRecord,
-    safe_load,
+    looks_like_pickle,
     scan_globals,
     unpickler_for,
 )
@@ -109,8 +110,13 @@ def zip_entries(fd: Handle, start: int, length: int, where: str) -> dict[str, Zi
         CorruptCheckpointError: No or a malformed central directory, bad local headers.
     """
     try:
-        with zipfile.ZipFile(io.BufferedReader(Window(fd, start, length))) as zf:
+        raw = io.BufferedReader(Window(fd, start, length))
+        with zipfile.ZipFile(raw) as zf:
             infos = zf.infolist()
+            end = zipfile._EndRecData(raw)  # type: ignore[attr-defined]
+            # zipfile moves every offset by how far the central directory lies from where
+            # its end record says (data prepended to a zip); torch's reader does not.
+            shift = zf.start_dir - end[zipfile._ECD_OFFSET]  # type: ignore[attr-defined]
     except zipfile.BadZipFile as e:
         msg = str(e)
         if "central directory" in msg.lower() or "not a zip" in msg.lower():
@@ -124,6 +130,7 @@ def zip_entries(fd: Handle, start: int, length: int, where: str) -> dict[str, Zi
             raise CorruptCheckpointError(
                 f"entry {info.filename!r}: local header offset {info.header_offset:,} lies "
                 "outside the file (damaged central directory)", path=where)
+    _refuse_ambiguous(fd, start, length, infos, shift, where)
     if isinstance(fd, int):
         return _entries_from_headers(fd, start, infos, where)
     predicted = _predicted_entries(fd, start, infos, where)
@@ -131,6 +138,53 @@ def zip_entries(fd: Handle, start: int, length: int, where: str) -> dict[str, Zi
         return predicted
     heads = fd.fetch_ranges([(start + i.header_offset, 30) for i in infos])
     return _entries_from_headers(fd, start, infos, where, heads)
+
+
+_EOCD = b"PK\x05\x06"
+
+
+def _refuse_ambiguous(fd: Handle, start: int, length: int, infos: list[zipfile.ZipInfo],
+                      shift: int, where: str) -> None:
+    """Refuse a zip that two readers could read differently.
+
+    Python's ``zipfile`` (which ckpt uses to list records) and torch's reader (miniz) agree
+    on a zip torch wrote; a crafted one can show each a different ``data.pkl``: a second end
+    of central directory, a central directory away from where its end record says (zipfile
+    shifts every offset to match, miniz does not), or two records whose names differ only in
+    case (torch's lookup ignores case; zipfile keeps the last of equal names).
+
+    Raises:
+        UnsafeCheckpointError: Naming the conflict.
+    """
+    seen: dict[str, str] = {}
+    for info in infos:
+        key = info.filename.lower()
+        if key in seen:
+            same = "the same name" if seen[key] == info.filename else "names that differ in case"
+            raise UnsafeCheckpointError(
+                f"zip holds two records with {same} ({seen[key]!r}, {info.filename!r}): "
+                "readers disagree on which one is loaded", path=where)
+        seen[key] = info.filename
+    span = min(length, 22 + 0xFFFF + 20)
+    tail = storage.pread(fd, span, start + length - span)
+    ends = []
+    at = tail.rfind(_EOCD)
+    while at >= 0:
+        if at + 22 <= len(tail):
+            _, _, _, _, cd_size, cd_off, _ = struct.unpack("<HHHHIIH", tail[at + 4:at + 22])
+            pos = length - span + at
+            if cd_off == 0xFFFFFFFF or cd_off + cd_size <= pos:
+                ends.append(pos)
+        at = tail.rfind(_EOCD, 0, at)
+    if len(ends) > 1:
+        raise UnsafeCheckpointError(
+            f"zip has {len(ends)} end-of-central-directory records (at bytes "
+            f"{', '.join(f'{p:,}' for p in sorted(ends))}): readers disagree on which "
+            "central directory holds the records", path=where)
+    if shift:
+        raise UnsafeCheckpointError(
+            f"the central directory lies {shift:,} bytes away from where its end record says: "
+            "one reader shifts every record by that much and another does not", path=where)
 
 
 def _entry(info: zipfile.ZipInfo, data: int) -> ZipEntry:
@@ -157,13 +211,20 @@ def _predicted_entries(fd: ObjectFile, start: int, infos: list[zipfile.ZipInfo],
 
 def _read_header(fd: Handle, start: int, info: zipfile.ZipInfo, where: str,
                  head: bytes | None = None) -> int:
-    if head is None:
-        head = storage.pread(fd, 30, start + info.header_offset)
+    name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+    if head is None:  # with the name: the local header must name the record its CD names
+        head = storage.pread(fd, 30 + len(name), start + info.header_offset)
     if len(head) < 30 or head[:4] != ZIP_MAGIC:
         raise CorruptCheckpointError(
             f"entry {info.filename!r}: no local header at offset {info.header_offset:,}",
             path=where)
     n, m = struct.unpack("<HH", head[26:30])
+    (method,) = struct.unpack("<H", head[8:10])
+    if len(head) >= 30 + len(name) and (head[30:30 + n] != name or method != info.compress_type):
+        raise UnsafeCheckpointError(
+            f"entry {info.filename!r}: its local header at offset {info.header_offset:,} "
+            f"names {head[30:30 + n][:80]!r} (method {method}): the central directory and the "
+            "local headers disagree", path=where)
     return int(info.header_offset + 30 + n + m)
 
 
@@ -177,14 +238,25 @@ def _entries_from_headers(fd: Handle, start: int, infos: list[zipfile.ZipInfo], 
 
 
 def archive_prefix(names: list[str]) -> str:
-    """The ``<archive>/`` prefix of a torch zip (taken from ``data.pkl``'s entry)."""
+    """The ``<archive>/`` prefix of a torch zip (taken from ``data.pkl``'s entry, whose name
+    torch matches without regard to case)."""
     for n in names:
-        if n.endswith("/data.pkl") and n.count("/") == 1:
+        if n.lower().endswith("/data.pkl") and n.count("/") == 1:
             return n[: -len("data.pkl")]
     for n in names:
-        if n.endswith("data.pkl"):
+        if n.lower().endswith("data.pkl"):
             return n[: -len("data.pkl")]
     return names[0].split("/", 1)[0] + "/" if names and "/" in names[0] else ""
+
+
+def record(entries: dict[str, ZipEntry], name: str) -> ZipEntry | None:
+    """A record by name as torch finds it: exactly, else ignoring case (two records that
+    differ only in case were refused when the zip was listed)."""
+    hit = entries.get(name)
+    if hit is None:
+        low = name.lower()
+        hit = next((e for n, e in entries.items() if n.lower() == low), None)
+    return hit
 
 
 @dataclass(slots=True)
@@ -210,12 +282,12 @@ class TorchZip:
 
     def storage_start(self, key: str) -> int | None:
         """Absolute file offset of storage ``key``'s bytes, or None if the record is missing."""
-        e = self.entries.get(f"{self.prefix}data/{key}")
+        e = record(self.entries, f"{self.prefix}data/{key}")
         return None if e is None else self.base + e.data_offset
 
     def storage_entry(self, key: str) -> ZipEntry | None:
         """The record of storage ``key``."""
-        return self.entries.get(f"{self.prefix}data/{key}")
+        return record(self.entries, f"{self.prefix}data/{key}")
 
     def storage_crc(self, key: str) -> int | None:
         """The CRC-32 recorded for storage ``key``; None when there is none to check.
@@ -251,7 +323,7 @@ def parse_zip(fd: Handle, start: int, length: int, where: str) -> TorchZip:
     entries = zip_entries(fd, start, length, where)
     names = list(entries)
     prefix = archive_prefix(names)
-    pkl = entries.get(f"{prefix}data.pkl")
+    pkl = record(entries, f"{prefix}data.pkl")
     if pkl is None:
         if any(n.endswith("constants.pkl") for n in names):
             raise UnsupportedError("a TorchScript archive without data.pkl", path=where)
@@ -263,42 +335,53 @@ def parse_zip(fd: Handle, start: int, length: int, where: str) -> TorchZip:
         raise CorruptCheckpointError("data.pkl runs past the end of the file (truncated)",
                                      path=where)
     raw = storage.pread(fd, pkl.size, start + pkl.data_offset)
-    up = None
-    try:
-        up = unpickler_for(raw)
-        result = PickleResult(up.load(), up.globals, up.storages)
-    except UNPICKLE_ERRORS as e:
-        seen = {q: (c, "") for q, c in (up.globals if up is not None else {}).items()}
-        raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({_short(e)})"
-                                     + _dangerous_note(seen), path=where) from None
+    result, error = scan_globals(raw)
+    if error is not None:
+        raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({_short(error)})"
+                                     + allowlist.refused(result.globals, result.calls),
+                                     path=where)
     tz = TorchZip(entries, prefix, result, start)
     _scan_other_pickles(tz, fd, length)
     return tz
 
 
-def _scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
-    """Scan every ``.pkl`` record besides ``data.pkl`` (TorchScript's ``constants.pkl``...).
+# Small records torch writes beside the pickle and the storages: never unpickled.
+_PLAIN_RECORDS = ("version", ".format_version", "byteorder", ".storage_alignment",
+                  ".data/version", ".data/serialization_id", "serialization_id")
 
-    ``torch.jit.load`` unpickles them all; their globals join ``data.pkl``'s in
+
+def _scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
+    """Scan every pickle-like record besides ``data.pkl`` (TorchScript's ``constants.pkl``,
+    a ``.pkl`` in any case, any record outside ``data/`` that parses as a pickle).
+
+    ``torch.jit.load`` unpickles the ``.pkl`` ones; their globals join ``data.pkl``'s in
     ``tz.pickle.globals`` (with the record named in ``sources``), those of a record that does
     not parse too, up to where it stopped; the failure is noted in ``tz.unscanned``.
     """
     main = tz.pickle
+    main_name = f"{tz.prefix}data.pkl".lower()
     for e in tz.entries.values():
-        if not e.name.endswith(".pkl") or e.name == f"{tz.prefix}data.pkl":
-            continue
         short = e.name.removeprefix(tz.prefix)
-        if e.compressed or e.data_offset + e.size > length:
-            tz.unscanned[short] = ("compressed" if e.compressed
-                                   else "runs past the end of the file")
+        if e.name.lower() == main_name or short.startswith("data/") or (
+                short in _PLAIN_RECORDS or short.startswith("code/")):
             continue
-        found, error = scan_globals(storage.pread(fd, e.size, tz.base + e.data_offset))
-        if error is not None:
+        named_pkl = short.lower().endswith(".pkl")
+        if e.compressed or e.data_offset + e.size > length:
+            if named_pkl:
+                tz.unscanned[short] = ("compressed" if e.compressed
+                                       else "runs past the end of the file")
+            continue
+        raw = storage.pread(fd, e.size, tz.base + e.data_offset)
+        if not named_pkl and not looks_like_pickle(raw[:4096]):
+            continue
+        found, error = scan_globals(raw)
+        if error is not None and named_pkl:
             tz.unscanned[short] = f"not a readable pickle ({_short(error)})"
-        for qual, cls in found.items():
+        for qual, cls in found.globals.items():
             if qual not in main.globals:
                 main.globals[qual] = cls
                 main.sources[qual] = short
+        main.calls |= found.calls
 
 
 def is_torchscript(tz: TorchZip) -> bool:
@@ -331,14 +414,61 @@ def sniff_torch(path: Path) -> str | None:
         return None
     if head.startswith(_LEGACY_HEAD):
         return None
-    if len(head) >= 2 and head[0] == 0x80 and head[1] in (2, 3, 4, 5):
-        # A safetensors file whose header is 640, 896, 1152 or 1408 bytes long starts with
-        # the same two bytes (its length, little-endian); its header JSON follows at byte 8.
-        (n,) = struct.unpack_from("<Q", head.ljust(8, b"\0"))
-        if head[8:9] == b"{" and 8 + n <= path.stat().st_size:
-            return "a safetensors header, not a pickle"
-        return None  # a plain pickle; read_index says what it is
-    return "no zip magic (PK\\x03\\x04) or pickle protocol header"
+    (n,) = struct.unpack_from("<Q", head.ljust(8, b"\0"))
+    if head[8:9] == b"{" and 8 + n <= path.stat().st_size:
+        # A safetensors file whose header is 640, 896, 1152 or 1408 bytes long starts like
+        # a protocol 2-5 pickle (its length, little-endian); its header JSON follows.
+        return "a safetensors header, not a pickle"
+    if _tar_members(path) is not None:
+        return None  # torch.load reads a tar too (the oldest torch.save format)
+    if looks_like_pickle(read_head(path, 4096)):
+        return None  # a pickle of any protocol (0-5); read_index says what it is
+    return "no zip magic (PK\\x03\\x04), tar header or pickle opcodes"
+
+
+# The members of the oldest torch.save format (a tar) that torch.load unpickles.
+_TAR_PICKLES = ("sys_info", "pickle", "storages", "tensors")
+_TAR_MAX_MEMBERS = 4096
+
+
+def _tar_members(path: Path) -> dict[str, tuple[int, int]] | None:
+    """The members of a tar file (``name -> (data offset, size)``), or None if it is not
+    one: what ``torch.load`` tries first (``tarfile.open(mode="r:")``) on a non-zip file."""
+    try:
+        with open_stream(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            out: dict[str, tuple[int, int]] = {}
+            for i, m in enumerate(tar):
+                if i >= _TAR_MAX_MEMBERS:
+                    break
+                if m.isfile():
+                    out[m.name] = (m.offset_data, m.size)
+            return out
+    except (tarfile.TarError, OSError, EOFError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _read_tar(path: Path, members: dict[str, tuple[int, int]]) -> PickleResult:
+    """Scan the pickles of a legacy tar checkpoint (torch < 0.1.10) for globals.
+
+    ``torch.load`` unpickles its ``sys_info``, ``pickle``, ``storages`` and ``tensors``
+    members; ckpt scans each (and any other member that parses as a pickle) but does not
+    decode this format's tensors.
+    """
+    result = PickleResult({})
+    fd = open_regular(path)
+    try:
+        for name, (offset, size) in members.items():
+            raw = storage.pread(fd, min(size, 1 << 30), offset)
+            if name not in _TAR_PICKLES and not looks_like_pickle(raw[:4096]):
+                continue
+            found, _ = scan_globals(raw)
+            for qual, cls in found.globals.items():
+                result.globals.setdefault(qual, cls)
+                result.sources.setdefault(qual, f"tar member {name}")
+            result.calls |= found.calls
+    finally:
+        storage.close(fd)
+    return result
 
 
 class TorchReader:
@@ -414,14 +544,21 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, prefix: str) -> 
         result = tz.pickle
         storages = {k: (tz.storage_start(k), tz.storage_entry(k), tz.storage_crc(k))
                     for k in result.storages}
-    elif read_head(path, len(_LEGACY_HEAD)) == _LEGACY_HEAD:
-        fmt = "torch-legacy"
-        result, starts = _read_legacy(path, size)
-        storages = {k: (starts.get(k), None, None) for k in result.storages}
+    elif (members := _tar_members(path)) is not None:
+        fmt = "torch-tar"
+        result = _read_tar(path, members)
+        storages = {}
+        index.add(Finding("error", "unsupported-format",
+                          "a legacy tar checkpoint (torch < 0.1.10): its pickles were scanned, "
+                          "its tensors are not read", rel_to(path, index.base)))
     else:
-        fmt = "pickle"
         result = _read_plain_pickle(path)
         storages = {}
+        fmt = "pickle"
+        if result.obj == LEGACY_MAGIC:  # a legacy stream, whatever protocol its magic used
+            fmt = "torch-legacy"
+            result, starts = _read_legacy(path, size)
+            storages = {k: (starts.get(k), None, None) for k in result.storages}
     index.files.append(FileInfo(rel, size, role, fmt))
     return add_tree(index, result, storages, rel=rel, role=role, prefix=prefix)
 
@@ -585,20 +722,9 @@ def _tensor_info(index: CheckpointIndex, name: str, path: tuple[str, ...], rec: 
 
 
 def _global_findings(index: CheckpointIndex, result: PickleResult, rel: str) -> None:
-    for qual, cls in sorted(result.globals.items()):
-        where = result.sources.get(qual)
-        what = f"pickle ({where})" if where else "pickle"
-        if cls == "dangerous":
-            index.add(Finding("error", "unsafe-global",
-                              f"{what} would call {qual} if loaded with torch.load("
-                              "weights_only=False); not executed", rel, qual))
-        elif cls == "unknown":
-            index.add(Finding("warning", "unknown-global",
-                              f"{what} references {qual}; not imported or executed", rel, qual))
-        elif cls == "benign":
-            index.add(Finding("info", "non-allowlisted-global",
-                              f"{what} references {qual}; torch.load(weights_only=True) "
-                              "refuses it (ckpt reads it as data)", rel, qual))
+    for f in allowlist.pickle_findings(result.globals, result.calls, file=rel,
+                                       sources=result.sources):
+        index.add(f)
 
 
 def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: Handle) -> None:
@@ -612,7 +738,7 @@ def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: Handle) ->
         index.add(Finding("warning", "unscanned-pickle",
                           f"pickle record {name} could not be scanned for globals: {why}", rel,
                           name))
-    bo = tz.entries.get(f"{tz.prefix}byteorder")
+    bo = record(tz.entries, f"{tz.prefix}byteorder")
     if bo is not None and bo.size <= 8 and not bo.compressed:
         order = storage.pread(fd, bo.size, tz.base + bo.data_offset).strip()
         if order == b"big":
@@ -628,11 +754,15 @@ def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: Handle) ->
 
 def _read_plain_pickle(path: Path) -> PickleResult:
     """A pickle that is not a torch.save stream (Accelerate's ``random_states_0.pkl``...)."""
+    up = None
     try:
         with open_stream(path) as f:
-            return safe_load(f)
+            up = unpickler_for(f)
+            return PickleResult(up.load(), up.globals, up.storages, calls=up.calls)
     except UNPICKLE_ERRORS as e:
-        raise CorruptCheckpointError(f"not a readable pickle ({_short(e)})", path=path) from None
+        seen = allowlist.refused(up.globals, up.calls) if up is not None else ""
+        raise CorruptCheckpointError(f"not a readable pickle ({_short(e)}){seen}",
+                                     path=path) from None
 
 
 def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
@@ -658,6 +788,10 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
     # in the magic number's, the protocol version's, sys_info's or the key list's pickle
     # runs as surely as one in the main pickle's. Every one is scanned and reported.
     seen: dict[str, tuple[str, str]] = {}  # qualname -> (classification, which pickle)
+    calls: set[str] = set()
+
+    def note() -> str:
+        return allowlist.refused({q: c for q, (c, _) in seen.items()}, calls)
 
     def load(f: Any, what: str, use: Callable[[Any], Any] | None = None) -> PickleResult:
         up = None
@@ -667,23 +801,25 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
         except UNPICKLE_ERRORS as e:
             for qual, cls in (up.globals if up is not None else {}).items():
                 seen.setdefault(qual, (cls, what))
+            calls.update(up.calls if up is not None else ())
             raise CorruptCheckpointError(
-                f"legacy torch pickle is unreadable ({what}: {_short(e)})"
-                + _dangerous_note(seen), path=path) from None
+                f"legacy torch pickle is unreadable ({what}: {_short(e)})" + note(),
+                path=path) from None
         for qual, cls in up.globals.items():
             seen.setdefault(qual, (cls, what))
-        return PickleResult(obj, up.globals, up.storages)
+        calls.update(up.calls)
+        return PickleResult(obj, up.globals, up.storages, calls=up.calls)
 
     with open_stream(path) as f:
         magic = load(f, "magic number").obj
         if magic != LEGACY_MAGIC:
             raise CorruptCheckpointError(
-                "a pickle, but not a torch.save file (no torch magic number)"
-                + _dangerous_note(seen), path=path)
+                "a pickle, but not a torch.save file (no torch magic number)" + note(),
+                path=path)
         proto = load(f, "protocol version").obj
         if proto != 1001:
             raise CorruptCheckpointError(f"unknown legacy protocol version {proto!r}"
-                                         + _dangerous_note(seen), path=path)
+                                         + note(), path=path)
         sys_info = load(f, "sys_info").obj
         if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
             raise UnsupportedError("big-endian legacy checkpoint", path=path)
@@ -694,6 +830,7 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
         if qual not in main.globals:
             main.globals[qual] = cls
             main.sources[qual] = f"the {what} pickle"
+    main.calls |= calls
     if not isinstance(keys, list):
         raise CorruptCheckpointError("legacy storage key list is missing", path=path)
     starts: dict[str, int] = {}
@@ -721,12 +858,6 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
     for vkey, (root, _) in views.items():
         main.storages.setdefault(vkey, storages[root])
     return main, starts
-
-
-def _dangerous_note(seen: dict[str, tuple[str, str]]) -> str:
-    """What a stream that failed to parse had referenced: it may have run already."""
-    bad = sorted(q for q, (cls, _) in seen.items() if cls == "dangerous")
-    return f"; it references {', '.join(bad)}" if bad else ""
 
 
 def iter_zip_crc(path: Path) -> Iterator[ZipEntry]:

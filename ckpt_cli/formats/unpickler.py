@@ -26,127 +26,37 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, overload
 
 from ckpt_cli import dtypes, storage
+from ckpt_cli.formats import allowlist
 from ckpt_cli.storage import Handle, Window
 
-# Globals that mean "this pickle runs code when loaded with torch.load(weights_only=False)".
-_DANGEROUS_MODULES = frozenset({
-    "os", "posix", "nt", "sys", "subprocess", "runpy", "importlib", "shutil", "socket", "pty",
-    "code", "codeop", "commands", "webbrowser", "ctypes", "multiprocessing", "pickle", "_pickle",
-    "marshal", "types", "asyncio", "http", "urllib", "requests", "bdb", "pdb", "timeit", "venv",
-    "pip", "platform", "signal", "tempfile", "glob", "dill", "cloudpickle", "joblib", "imp",
-    "zipimport", "pkgutil", "site", "sysconfig", "ensurepip", "telnetlib", "ftplib", "smtplib",
-})
-_DANGEROUS_NAMES = frozenset({
-    "builtins.eval", "builtins.exec", "builtins.compile", "builtins.open", "builtins.getattr",
-    "builtins.setattr", "builtins.delattr", "builtins.__import__", "builtins.globals",
-    "builtins.locals", "builtins.vars", "builtins.input", "builtins.breakpoint",
-    "builtins.memoryview", "builtins.exit", "builtins.quit", "builtins.help",
-    "builtins.execfile", "builtins.apply",
-    "operator.attrgetter", "operator.methodcaller", "operator.itemgetter", "functools.partial",
-    "functools.reduce", "torch.load", "torch.serialization.load", "numpy.load",
-    "copyreg._reconstructor_ex",
-})
-# numpy callables that open files by name (memmap in a write mode truncates one), wherever
-# numpy exports them (numpy.fromfile, numpy._core.multiarray.fromfile, numpy.rec.fromfile,
-# numpy.ndarray.tofile...).
-_NUMPY_FILE_LEAVES = frozenset({
-    "fromfile", "tofile", "dump", "dumps", "load", "loads", "loadtxt", "genfromtxt", "save",
-    "savez", "savez_compressed", "savetxt", "fromregex", "memmap", "open_memmap", "DataSource",
-})
-# Modules whose functions reach code execution, the network or the file system when called
-# (torch.load of embedded bytes, exec of generated source, compiling extensions...).
-_DANGEROUS_PREFIXES = (
-    "torch.storage._load_from_bytes", "torch.fx.", "torch.utils.cpp_extension.", "torch.hub.",
-    "torch.jit.", "torch._C.", "torch.package.", "torch._dynamo.", "torch._inductor.",
-    "torch.utils.data.", "torch.multiprocessing.", "torch.distributed.rpc.",
-    "numpy.distutils.", "numpy.testing.", "numpy.f2py.", "numpy.lib.", "numpy.ctypeslib.",
-    "numpy.core.memmap.", "numpy._core.memmap.",
-)
-# Data holders inside the modules above that training checkpoints carry (a DataLoader saved
-# for resumption: its dataset, sampler and collate function). Loading them with torch.load
-# runs no code beyond building the objects; they are reported as unknown (a warning), not as
-# dangerous. Anything else under torch.utils.data (datapipe decoders unpickle embedded bytes)
-# stays dangerous.
-_DATA_LOADER_NAMES = frozenset({
-    "torch.utils.data.dataloader.DataLoader", "torch.utils.data.dataset.TensorDataset",
-    "torch.utils.data.dataset.Subset", "torch.utils.data.dataset.ConcatDataset",
-    "torch.utils.data.sampler.RandomSampler", "torch.utils.data.sampler.SequentialSampler",
-    "torch.utils.data.sampler.BatchSampler", "torch.utils.data.sampler.SubsetRandomSampler",
-    "torch.utils.data.sampler.WeightedRandomSampler",
-    "torch.utils.data.distributed.DistributedSampler",
-    "torch.utils.data._utils.collate.default_collate",
-    "torch.utils.data._utils.collate.default_convert",
-})
-# Names that commonly appear in training checkpoints and are plain data holders: torch's
-# weights_only loader refuses them, but reading their state as data is harmless.
-_BENIGN_NAMES = frozenset({
-    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
-    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar", "numpy.ndarray",
-    "numpy.dtype", "argparse.Namespace", "decimal.Decimal", "uuid.UUID", "fractions.Fraction",
-    "collections.defaultdict", "collections.deque", "collections.Counter",
-    "builtins.set", "builtins.frozenset", "builtins.complex", "builtins.bytearray",
-    "builtins.slice", "builtins.range", "builtins.object", "builtins.int", "builtins.float",
-    "builtins.str", "builtins.bytes", "builtins.bool", "builtins.tuple", "builtins.list",
-    "builtins.dict", "_codecs.encode", "copyreg._reconstructor",
-    # A random generator's state (torch.save of a torch.Generator): plain data, although it
-    # lives in torch._C, whose other names are refused.
-    "torch._C.Generator",
-})
-# Data classes named in lower case under the benign packages below.
-_BENIGN_LOWERCASE = frozenset({
-    "deepspeed.utils.tensor_fragment.fragment_address", "datetime.datetime", "datetime.date",
-    "datetime.time", "datetime.timedelta", "datetime.timezone",
-})
-_BENIGN_PREFIXES = (
-    "numpy.dtypes.", "pathlib.", "datetime.", "enum.", "deepspeed.", "transformers.",
-    "accelerate.", "megatron.", "lightning.", "pytorch_lightning.", "lightning_fabric.",
-    "omegaconf.", "torch.optim.", "torch.distributed.checkpoint.", "torch.nn.modules.",
-    "torch.nn.parameter.", "torch.cuda.amp.", "torch.amp.",
-)
 
-
-def classify_global(qualname: str) -> str:
+def classify_global(qualname: str, *, dotted: bool = False) -> str:
     """Classify a pickle global as ``allowed``, ``benign``, ``dangerous`` or ``unknown``.
+
+    Only exact names are allowed (see :mod:`ckpt_cli.formats.allowlist`): a name under a
+    familiar package, or an attribute path through one, is judged by what it names in full.
 
     Args:
         qualname: ``module.name`` as written in the pickle.
+        dotted: Whether the name part was an attribute path (``GLOBAL 'torch' 'os.system'``).
 
     Returns:
-        ``allowed`` for names ``torch.load(weights_only=True)`` accepts too, ``dangerous`` for
-        names that run commands, import code or reach the file system, ``benign`` for common
-        data classes of numpy, argparse, HF, DeepSpeed and the like, ``unknown`` otherwise.
+        ``allowed`` for names ``torch.load(weights_only=True)`` accepts too, ``benign`` for the
+        data types on ckpt's own allowlist, ``torchscript`` for TorchScript class types,
+        ``dangerous`` for names known to run commands, import code or reach the file system,
+        ``unknown`` for everything else (refused too).
     """
     if qualname.startswith("__builtin__."):  # Python 2 pickles name builtins so
         qualname = "builtins." + qualname.removeprefix("__builtin__.")
     if qualname in _ALLOWED_NAMES:
         return "allowed"
-    module = qualname.rsplit(".", 1)[0]
-    top, leaf = module.split(".", 1)[0], qualname.rsplit(".", 1)[-1]
-    if (qualname in _DANGEROUS_NAMES or (top == "numpy" and leaf in _NUMPY_FILE_LEAVES)
-            or (top == "pathlib" and qualname.count(".") >= 2)):  # Path.write_text, .unlink
-        return "dangerous"
-    if qualname in _BENIGN_NAMES:  # exact names: exceptions within a refused module
+    if qualname in allowlist.DATA_TYPES:
         return "benign"
-    if qualname in _DATA_LOADER_NAMES:
-        return "unknown"
-    if top in _DANGEROUS_MODULES or qualname.startswith(_DANGEROUS_PREFIXES):
-        return "dangerous"
-    if qualname.startswith(_BENIGN_PREFIXES) and _looks_like_a_class(qualname):
-        return "benign"
-    return "unknown"
-
-
-def _looks_like_a_class(qualname: str) -> bool:
-    """Whether a name under a benign package is a data class rather than a function or a
-    method: packages such as transformers or deepspeed also export callables that load
-    models, launch processes or write files (``transformers.AutoModel.from_pretrained``,
-    ``pathlib.Path.write_text``)."""
-    leaf = qualname.rsplit(".", 1)[-1]
-    parent = qualname.rsplit(".", 2)[-2] if qualname.count(".") >= 2 else ""
-    # A nested name (protocol 4: ``Class.method``) has a capitalised parent component.
-    if parent[:1].isupper():
-        return False
-    return leaf[:1].isupper() or qualname in _BENIGN_LOWERCASE
+    if qualname.startswith("__torch__."):
+        # TorchScript class types: torch.jit.load resolves them from the archive's code/
+        # (reported as a TorchScript archive); a Python unpickler cannot import them.
+        return "torchscript"
+    return "dangerous" if allowlist.is_dangerous(qualname, dotted=dotted) else "unknown"
 
 
 @dataclass(slots=True)
@@ -179,6 +89,13 @@ class TensorRecord:
     parts: tuple[TensorRecord, ...] = ()  # a sparse tensor's index and value tensors
 
 
+def _refuse_build(name: str) -> pickle.UnpicklingError:
+    # BUILD onto a global (a class, a function, a dtype) would change it for every later
+    # file under a real loader, and is never something torch.save writes.
+    return pickle.UnpicklingError(f"the pickle modifies the global {name} (BUILD onto a "
+                                  "global); refused")
+
+
 @dataclass(frozen=True, slots=True)
 class DTypeRef:
     """A ``torch.<dtype>`` global."""
@@ -186,13 +103,35 @@ class DTypeRef:
     code: str | None
     name: str
 
+    def __setstate__(self, state: Any) -> None:
+        raise _refuse_build(f"torch.{self.name}")
+
 
 @dataclass(frozen=True, slots=True)
 class StorageType:
-    """A ``torch.<X>Storage`` class global."""
+    """A ``torch.<X>Storage`` class global (immutable: dataclass's own ``__setstate__``
+    would let a BUILD opcode change the stand-in every later file shares)."""
 
     dtype: str
     name: str
+
+    def __setstate__(self, state: Any) -> None:
+        raise _refuse_build(f"torch.{self.name}")
+
+
+class _GuardedSetState:
+    """``__setstate__`` of :class:`Opaque`: BUILD on an instance records its state; BUILD on
+    the stand-in class itself (the global) is refused."""
+
+    def __get__(self, obj: Opaque | None, owner: type[Opaque]) -> Callable[[Any], None]:
+        if obj is None:
+            def refuse(state: Any) -> None:
+                raise _refuse_build(owner.qualname)
+            return refuse
+
+        def record(state: Any) -> None:
+            obj.state = state
+        return record
 
 
 class Opaque:
@@ -207,6 +146,9 @@ class Opaque:
     """
 
     qualname: ClassVar[str] = "?"
+    # The unpickler's set of globals called or instantiated (each stand-in class belongs to
+    # one unpickler, so nothing about one file reaches another).
+    calls: ClassVar[set[str]] = set()
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     state: Any
@@ -214,6 +156,9 @@ class Opaque:
     mapping: dict[Any, Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        # REDUCE, NEWOBJ, INST, OBJ and copyreg all come here: the real loader would run the
+        # global's code (its __new__/__init__, or the function itself).
+        cls.calls.add(cls.qualname)
         self = object.__new__(cls)
         self.args, self.kwargs, self.state = args, kwargs, None
         self.items, self.mapping = [], {}
@@ -222,8 +167,7 @@ class Opaque:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
+    __setstate__ = _GuardedSetState()
 
     def append(self, item: Any) -> None:  # APPEND on a non-list
         self.items.append(item)
@@ -296,9 +240,16 @@ class TensorType:
     """
 
     __slots__ = ("name",)
+    name: str
 
     def __init__(self, name: str):
-        self.name = name
+        object.__setattr__(self, "name", name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise _refuse_build(self.name)
+
+    def __setstate__(self, state: Any) -> None:
+        raise _refuse_build(self.name)
 
     def __repr__(self) -> str:
         return self.name
@@ -406,20 +357,22 @@ class _StandIn:
     changing how every later file is read; this wrapper refuses any state.
     """
 
-    __slots__ = ("_fn",)
+    __slots__ = ("_fn", "_name")
     _fn: Callable[..., Any]
+    _name: str
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __init__(self, fn: Callable[..., Any], name: str):
         object.__setattr__(self, "_fn", fn)
+        object.__setattr__(self, "_name", name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._fn(*args, **kwargs)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise pickle.UnpicklingError("a pickle tried to change an allowlisted function")
+        raise _refuse_build(self._name)
 
     def __setstate__(self, state: Any) -> None:
-        raise pickle.UnpicklingError("a pickle tried to change an allowlisted function")
+        raise _refuse_build(self._name)
 
 
 _ALLOWED: dict[str, Any] = {
@@ -467,7 +420,7 @@ for _layout_name in ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "spars
                      "sparse_bsc", "_mkldnn", "jagged", "contiguous_format", "channels_last",
                      "channels_last_3d", "preserve_format"):
     _ALLOWED[f"torch.{_layout_name}"] = _layout_name
-_ALLOWED = {k: _StandIn(v) if callable(v) and not isinstance(v, (StorageType, DTypeRef,
+_ALLOWED = {k: _StandIn(v, k) if callable(v) and not isinstance(v, (StorageType, DTypeRef,
                                                                     TensorType))
             else v for k, v in _ALLOWED.items()}
 # What torch.load(weights_only=True) accepts as well; copyreg is ours only (we never call cls).
@@ -484,12 +437,14 @@ class PickleResult:
         storages: Every storage persistent id, by key.
         sources: For globals merged in from another pickle of the same file (a legacy
             stream's sys_info, a zip's ``constants.pkl``), which one.
+        calls: The globals outside ckpt's stand-ins that the pickle calls or instantiates.
     """
 
     obj: Any
     globals: dict[str, str] = field(default_factory=dict)
     storages: dict[str, StorageRecord] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    calls: set[str] = field(default_factory=set)
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -506,6 +461,7 @@ class SafeUnpickler(pickle.Unpickler):
         super().__init__(file)
         self._persistent = persistent
         self.globals: dict[str, str] = {}
+        self.calls: set[str] = set()
         self.storages: dict[str, StorageRecord] = {}
         self._extra = extra or {}
         self._opaque: dict[str, type[Opaque]] = {}
@@ -517,13 +473,15 @@ class SafeUnpickler(pickle.Unpickler):
         if qual in self._extra:
             self.globals[qual] = "allowed"
             return self._extra[qual]
+        # A dotted name is an attribute path the real loader follows from the module
+        # (``GLOBAL 'torch' 'os.system'`` is os.system): judged by the whole path.
+        self.globals[qual] = classify_global(qual, dotted="." in name)
         if qual in _ALLOWED:
-            self.globals[qual] = classify_global(qual)
             return _ALLOWED[qual]
-        self.globals[qual] = classify_global(qual)
         cls = self._opaque.get(qual)
         if cls is None:
-            cls = type(name if name.isidentifier() else "Opaque", (Opaque,), {"qualname": qual})
+            cls = type(name if name.isidentifier() else "Opaque", (Opaque,),
+                       {"qualname": qual, "calls": self.calls})
             self._opaque[qual] = cls
         return cls
 
@@ -749,7 +707,7 @@ def safe_load(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None = No
     """
     up = unpickler_for(data, extra, persistent)
     obj = up.load()
-    return PickleResult(obj, up.globals, up.storages)
+    return PickleResult(obj, up.globals, up.storages, calls=up.calls)
 
 
 def unpickler_for(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None = None,
@@ -807,7 +765,7 @@ def unpickler_for(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None 
     return SafeUnpickler(f, extra, persistent)
 
 
-def scan_globals(data: bytes) -> tuple[dict[str, str], BaseException | None]:
+def scan_globals(data: bytes) -> tuple[PickleResult, BaseException | None]:
     """The globals a pickle names, even one that does not parse to the end.
 
     A pickle that fails part-way (or declares an impossible length) still ran what it
@@ -818,7 +776,8 @@ def scan_globals(data: bytes) -> tuple[dict[str, str], BaseException | None]:
         data: The pickle bytes.
 
     Returns:
-        ``(globals with their classification, the error that stopped it or None)``.
+        ``(what it held (``obj`` None when it stopped early), the error that stopped it or
+        None)``: globals and calls hold what was seen up to the error.
     """
     error: BaseException | None = None
     try:
@@ -826,14 +785,44 @@ def scan_globals(data: bytes) -> tuple[dict[str, str], BaseException | None]:
     except PickleLengthError as e:
         error, data = e, data[:e.at]  # the opcodes before it passed the checks
     up = SafeUnpickler(io.BytesIO(data))
+    obj = None
     try:
-        up.load()
+        obj = up.load()
     except UNPICKLE_ERRORS as e:
         error = error or e
-    return up.globals, error
+    return PickleResult(obj, up.globals, up.storages, calls=up.calls), error
 
 
 UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
                    IndexError, AttributeError, OverflowError, MemoryError, RecursionError,
                    UnicodeDecodeError, struct.error)
 """Exceptions a malformed pickle can raise from :func:`safe_load`."""
+
+
+# Opcodes a protocol 0 or 1 pickle can start with: a mark, a global or instance, an empty
+# container, or a value.
+_FIRST_OPCODES = frozenset(b"(c}])NILFSVKJMGUTXBCi\x88\x89")
+
+
+def looks_like_pickle(head: bytes) -> bool:
+    """Whether bytes start like a pickle that ``pickle.load`` (and so ``torch.load``) reads.
+
+    Protocols 2-5 open with PROTO; protocols 0 and 1 (the text protocol) have no header, so
+    their opcodes are walked: a plausible first opcode, then no unknown opcode up to STOP or
+    the end of ``head``.
+
+    Args:
+        head: The first bytes of a file or record (a few KiB).
+
+    Returns:
+        True for a pickle of any protocol.
+    """
+    if len(head) >= 2 and head[0] == 0x80:
+        return head[1] <= pickle.HIGHEST_PROTOCOL
+    if not head or head[0] not in _FIRST_OPCODES:
+        return False
+    try:
+        check_lengths(head)
+    except PickleLengthError as e:
+        return e.at >= len(head) - 1 and "truncated" in str(e)  # only cut off by the head
+    return True

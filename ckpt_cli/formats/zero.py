@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
-from ckpt_cli.formats import deepspeed
+from ckpt_cli.formats import allowlist, deepspeed
 from ckpt_cli.formats.base import file_size, open_regular
 from ckpt_cli.formats.torchfile import TorchZip, contiguous_strides, parse_zip
 from ckpt_cli.formats.unpickler import Opaque, TensorRecord
@@ -279,7 +279,7 @@ def plan_zero(path: Path, *, include_frozen: bool = True, moments: bool = False)
     plan = ZeroPlan(stage=max(stage, 1), world_size=world,
                     files=[p for p, _ in models] + [p for p, _ in optims])
     for p, tz in (*models, *optims):
-        bad = sorted(q for q, cls in tz.pickle.globals.items() if cls == "dangerous")
+        bad = allowlist.refused_names(tz.pickle.globals)
         if bad:
             plan.unsafe[p] = bad
     steps = first.get("global_steps")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterable
 from pathlib import Path
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.formats import check_exists, read_index
+from ckpt_cli.formats import allowlist, check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.results import InspectResult, TreeNode
@@ -16,7 +17,8 @@ from ckpt_cli.runs import holds_final_model, is_run_dir, list_run
 
 def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
             filter_glob: str | None = None, sort: str = "name", tree: bool = False,
-            depth: int = 3, pattern: str | None = None) -> InspectResult:
+            depth: int = 3, pattern: str | None = None,
+            allow_globals: Iterable[str] = ()) -> InspectResult:
     """Describe a checkpoint or a run directory, reading metadata only.
 
     Args:
@@ -28,6 +30,7 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
         tree: Build a module tree.
         depth: Levels of the module tree.
         pattern: For run directories, a regex overriding checkpoint-name recognition.
+        allow_globals: Pickle globals the user trusts: their findings become notes.
 
     Returns:
         The :class:`InspectResult`.
@@ -42,6 +45,7 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
         raise UsageError(f"--sort must be name or size, not {sort!r}")
     if depth < 1:
         raise UsageError("--depth must be at least 1")
+    allowed = allowlist.parse_names(allow_globals)
     if fmt is None and holds_final_model(p):
         result = _inspect_final(p, pattern)
     elif fmt is None and is_run_dir(p):
@@ -49,6 +53,7 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
     else:
         result = InspectResult(p, "checkpoint", read_index(p, fmt))
     if result.index is not None:
+        result.index.findings = allowlist.allow(result.index.findings, allowed)
         if tensors or filter_glob:
             result.tensors = select_tensors(result.index, filter_glob, sort)
         if tree:

@@ -30,6 +30,7 @@ from ckpt_cli.errors import (
     UsageError,
 )
 from ckpt_cli.formats import (
+    allowlist,
     check_exists,
     dcp,
     get_reader,
@@ -134,6 +135,7 @@ class Options:
     on_progress: ProgressFn | None = None
     max_memory: int = MEMORY_BUDGET
     share: Share | None = None
+    allow_globals: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +177,8 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
              pattern: str | None = None, on_progress: ProgressFn | None = None,
              part: Part | str | None = None, finalize: bool = False,
              parts_dir: str | Path | None = None,
-             max_memory: int | None = None) -> ValidateResult:
+             max_memory: int | None = None,
+             allow_globals: Iterable[str] = ()) -> ValidateResult:
     """Validate a checkpoint, or every checkpoint of a run directory.
 
     Args:
@@ -201,6 +204,8 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
         max_memory: Memory budget in bytes for data being checked (the ``--values`` scan;
             the CRC and hashing buffers, a small one per thread); default 256 MiB, and a
             tensor that must be read whole may add its size.
+        allow_globals: Pickle globals the user trusts (``module.name``): their findings
+            become notes instead of errors.
 
     Returns:
         The :class:`ValidateResult` (with ``part`` set when split).
@@ -226,7 +231,8 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
     # CRC-32 and hashing threads each hold one buffer: never more of them than fit the budget.
     threads = min(jobs or default_jobs(), max(1, budget // BUFFER_SIZE))
     opts = Options(fmt, quick, values, parse_require(require), write_manifest,
-                   manifest_algorithm, threads, on_progress, budget)
+                   manifest_algorithm, threads, on_progress, budget,
+                   allow_globals=allowlist.parse_names(allow_globals))
     split = None
     if part is not None or finalize:
         from ckpt_cli.parts import parse_part
@@ -438,14 +444,16 @@ def _read(path: Path, fmt: str | None) -> CheckpointIndex:
 class _Builder:
     """Collects findings per check for one checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, allowed: tuple[str, ...] = ()) -> None:
+        self.allowed = allowed  # --allow-global: these globals' findings become notes
         self.findings: dict[str, list[Finding]] = {}
         self.summaries: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
 
     def add(self, check_id: str, findings: Iterable[Finding] = (),
             summary: str | None = None) -> None:
-        self.findings.setdefault(check_id, []).extend(findings)
+        self.findings.setdefault(check_id, []).extend(allowlist.allow(list(findings),
+                                                                      self.allowed))
         if summary is not None:
             self.summaries[check_id] = summary
 
@@ -489,7 +497,7 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
         opts = dataclasses.replace(opts, on_progress=labelled)
     t0 = time.perf_counter()
     report = CheckpointReport(path)
-    b = _Builder()
+    b = _Builder(opts.allow_globals)
     index: CheckpointIndex | None = None
     try:
         if opts.share is not None and opts.share.index is not None:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError
-from ckpt_cli.formats import dcp
-from ckpt_cli.formats.torchfile import TorchZip, ZipEntry, archive_prefix, view_extent
-from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, TensorRecord, safe_load
+from ckpt_cli.formats import allowlist, dcp
+from ckpt_cli.formats.torchfile import TorchZip, ZipEntry, archive_prefix, record, view_extent
+from ckpt_cli.formats.unpickler import TensorRecord, scan_globals
 from ckpt_cli.model import CheckpointIndex, Chunk, Finding, TensorInfo
 from ckpt_cli.ops.validate.zipcheck import CrcTask, ZipReport, check_zip, crc_tasks
 from ckpt_cli.storage import Handle
@@ -218,12 +218,10 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
             code = "bad-item" if it.offsets is None else "chunk-undecodable"
             report.chunks.append(Finding("error", code, e.message, rel, it.where))
             continue
-        for qual, cls in tz.pickle.globals.items():
-            if cls in ("dangerous", "unknown"):
-                report.pickles.append(Finding(
-                    "error" if cls == "dangerous" else "warning",
-                    "unsafe-global" if cls == "dangerous" else "unknown-global",
-                    f"item pickle references {qual}; not executed", rel, it.name))
+        report.pickles.extend(
+            f for f in allowlist.pickle_findings(tz.pickle.globals, tz.pickle.calls, file=rel,
+                                                 what=f"pickle of item {it.name}")
+            if f.severity != "info")
         if it.offsets is not None:
             pair = chunks.get((it.name, it.offsets))
             problem = _chunk_problem(tz, pair, it.length) if pair else None
@@ -246,15 +244,15 @@ def _load(fd: Handle, start: int, zr: ZipReport, where: str) -> TorchZip:
     entries = {r.name: ZipEntry(r.name, r.header_offset, r.data_offset, r.size, r.method != 0,
                                 r.crc) for r in zr.records}
     prefix = archive_prefix(list(entries))
-    pkl = entries.get(f"{prefix}data.pkl")
+    pkl = record(entries, f"{prefix}data.pkl")
     if pkl is None or pkl.compressed:
         raise CorruptCheckpointError("the item has no readable data.pkl record", path=where)
     raw = storage.pread(fd, pkl.size, start + pkl.data_offset)
-    try:
-        result = safe_load(raw)
-    except UNPICKLE_ERRORS as e:
-        raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({e})"[:200],
-                                     path=where) from None
+    result, error = scan_globals(raw)
+    if error is not None:
+        raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({error})"[:200]
+                                     + allowlist.refused(result.globals, result.calls),
+                                     path=where)
     return TorchZip(entries, prefix, result, start)
 
 

@@ -1,0 +1,306 @@
+"""Issue #23: the pickle scanner fails closed, reads zips as torch does, and keeps no state.
+
+The regression corpus of published bypasses is tests/test_pickle_corpus.py; these tests pin
+the mechanisms: allowlist semantics, attribute paths, BUILD onto globals, zip records two
+readers could disagree on, protocols 0-5 and legacy tars, ``--allow-global``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import struct
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_cli.formats import read_index
+from ckpt_cli.formats import unpickler as up
+from ckpt_cli.formats.allowlist import DATA_TYPES
+from ckpt_cli.formats.unpickler import classify_global, looks_like_pickle, safe_load
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.requires_torch
+
+
+def _zip(path: Path, records: list[tuple[str, bytes]]) -> Path:
+    """A torch-layout zip written by zipfile (data.pkl and friends as given)."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in records:
+            zf.writestr(name, data)
+    return path
+
+
+def _real_records(tmp_path: Path) -> list[tuple[str, bytes]]:
+    src = tmp_path / "real.pt"
+    torch.save({"w": torch.arange(4.0)}, src)
+    with zipfile.ZipFile(src) as zf:
+        return [(i.filename, zf.read(i.filename)) for i in zf.infolist()]
+
+
+def _validate(path: Path, *args: str) -> tuple[int, dict[str, object], str]:
+    r = run_cli("validate", path, "--json", *args)
+    return r.exit_code, json.loads(r.stdout) if r.stdout.strip() else {}, r.output
+
+
+def _codes(doc: dict[str, object]) -> set[tuple[str, str | None]]:
+    checks = doc["checkpoints"]
+    assert isinstance(checks, list)
+    return {(f["code"], f["location"]) for c in checks for f in c["findings"]}
+
+
+# --- allowlist semantics ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [
+    "profile.run", "cProfile.runctx", "trace.Trace", "doctest.debug_script",
+    "uuid._get_command_stdout", "pydoc.pipepager", "imaplib.IMAP4_stream",
+    "_osx_support._read_output", "distutils.spawn.spawn", "_functools.reduce",
+    "cPickle.loads",
+])
+def test_code_running_callables_outside_the_old_denylist_are_dangerous(name: str) -> None:
+    assert classify_global(name) == "dangerous"
+
+
+@pytest.mark.parametrize("name", ["mypkg.Model", "torch._utils._rebuild_nonexistent",
+                                  "transformers.pipeline", "torch.nn.modules.linear.Linear"])
+def test_anything_not_allowlisted_is_unknown_not_benign(name: str) -> None:
+    assert classify_global(name) == "unknown"
+
+
+def test_a_merely_referenced_unknown_global_makes_validate_fail(tmp_path: Path) -> None:
+    # A global that is only named (a dict value), never called: still outside the allowlist.
+    class Ref:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (getattr, (Path, "cwd"))
+
+    payload = b"\x80\x02}X\x01\x00\x00\x00acmypkg.mod\nfactory\ns."
+    path = _zip(tmp_path / "ref.pt", [("archive/data.pkl", payload),
+                                      ("archive/version", b"3\n")])
+    code, doc, out = _validate(path)
+    assert code == 1 and not doc["valid"], out
+    assert ("unknown-global", "mypkg.mod.factory") in _codes(doc)
+    assert "--allow-global mypkg.mod.factory" in out
+    # One flag away for a user who trusts it; a name without a module is a usage error.
+    code, doc, out = _validate(path, "--allow-global", "mypkg.mod.factory")
+    assert code == 0 and doc["valid"], out
+    assert ("allowed-global", "mypkg.mod.factory") in _codes(doc)
+    assert run_cli("validate", path, "--allow-global", "factory").exit_code == 2
+
+
+@pytest.mark.parametrize("module,name,shown", [
+    ("torch", "os.system", "torch.os.system"),
+    ("torch.serialization", "os.system", "torch.serialization.os.system"),
+    ("posixpath", "os.system", "posixpath.os.system"),
+    ("numpy.core.numeric", "__builtins__.eval", "numpy.core.numeric.__builtins__.eval"),
+])
+def test_attribute_paths_are_judged_by_where_they_lead(tmp_path: Path, module: str, name: str,
+                                                       shown: str) -> None:
+    # Protocol 4's STACK_GLOBAL resolves a dotted name attribute by attribute.
+    payload = (b"\x80\x04\x8c" + bytes([len(module)]) + module.encode() + b"\x8c"
+               + bytes([len(name)]) + name.encode() + b"\x93\x8c\x04true\x85R.")
+    result = safe_load(payload)
+    assert result.globals[shown] == "dangerous"
+    assert shown in result.calls
+    path = _zip(tmp_path / "dotted.pt", [("archive/data.pkl", payload)])
+    code, doc, out = _validate(path)
+    assert code == 1 and ("unsafe-global", shown) in _codes(doc), out
+
+
+def test_every_allowlisted_data_type_exists_where_its_library_is_installed() -> None:
+    # The allowlist names real classes (no typo lets a look-alike through unnoticed).
+    import importlib
+
+    missing = []
+    for qual in sorted(DATA_TYPES):
+        module, _, attr = qual.rpartition(".")
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue  # numpy.core on numpy 2, lightning_fabric's twin, ...
+        if not hasattr(mod, attr):
+            missing.append(qual)
+    # numpy 2 exports only some dtype class aliases; everything else must exist.
+    assert [q for q in missing if not q.startswith("numpy.dtypes.")] == []
+
+
+# --- no state crosses files ------------------------------------------------------------------
+
+_BUILD_TARGETS = [
+    ("torch", "FloatStorage"), ("torch", "float32"), ("torch", "Tensor"),
+    ("torch._utils", "_rebuild_tensor_v2"), ("mypkg", "Thing"),
+]
+
+
+@pytest.mark.parametrize("module,name", _BUILD_TARGETS)
+def test_build_onto_a_global_is_refused(module: str, name: str) -> None:
+    # GLOBAL, then BUILD (None, {"dtype": "F16"}): under a real loader this would change
+    # the class or function for the rest of the process.
+    payload = (b"\x80\x02c" + f"{module}\n{name}\n".encode()
+               + b"N}X\x05\x00\x00\x00dtypeX\x03\x00\x00\x00F16s\x86b.")
+    with pytest.raises(pickle.UnpicklingError, match=f"modifies the global {module}.{name}"):
+        safe_load(payload)
+
+
+def test_a_poisoned_file_changes_nothing_about_a_clean_one(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"w": torch.ones(3)}, run / "step_1.pt")
+    records = _real_records(tmp_path)
+    poison = (b"\x80\x02ctorch\nFloatStorage\nN}X\x05\x00\x00\x00dtypeX\x03\x00\x00\x00F16s"
+              b"\x86b0")
+    records = [(n, poison + d[2:] if n.endswith("data.pkl") else d) for n, d in records]
+    _zip(run / "step_0.pt", records)
+    # The poisoned file is refused, naming the global; the clean one still reads F32.
+    code, doc, out = _validate(run / "step_0.pt")
+    assert code == 1 and "torch.FloatStorage" in out, out
+    assert {t.dtype for t in read_index(run / "step_1.pt").tensors.values()} == {"F32"}
+    assert up._ALLOWED["torch.FloatStorage"] == up.StorageType("F32", "FloatStorage")
+    # Either order of diff gives the same answer; a run directory holds one valid of two.
+    a = run_cli("diff", run / "step_0.pt", run / "step_1.pt")
+    b = run_cli("diff", run / "step_1.pt", run / "step_0.pt")
+    assert a.exit_code == b.exit_code == 2, (a.output, b.output)
+    assert "torch.FloatStorage" in a.output and "torch.FloatStorage" in b.output
+    code, doc, out = _validate(run)
+    assert code == 1, out
+    valid = {Path(c["path"]).name: c["valid"] for c in doc["checkpoints"]}
+    assert valid == {"step_0.pt": False, "step_1.pt": True}, out
+
+
+def test_stand_in_classes_belong_to_one_file() -> None:
+    a = safe_load(b"\x80\x02cmypkg\nThing\n)R.")
+    b = safe_load(b"\x80\x02cmypkg\nThing\n.")
+    assert type(a.obj) is not b.obj  # each unpickler makes its own stand-in
+    assert a.calls == {"mypkg.Thing"} and b.calls == set()
+
+
+# --- zips read the way torch reads them -----------------------------------------------------
+
+def test_data_pkl_is_found_whatever_its_case(tmp_path: Path) -> None:
+    payload = b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R."
+    path = _zip(tmp_path / "case.pt", [("archive/Data.PKL", payload),
+                                       ("archive/version", b"3\n")])
+    code, doc, out = _validate(path)
+    assert code == 1 and ("unsafe-global", "os.system") in _codes(doc), out
+
+
+@pytest.mark.parametrize("names", [("archive/data.pkl", "archive/DATA.pkl"),
+                                   ("archive/data.pkl", "archive/data.pkl")])
+def test_records_that_collide_are_refused_everywhere(tmp_path: Path,
+                                                     names: tuple[str, str]) -> None:
+    records = _real_records(tmp_path)
+    pkl = next(d for n, d in records if n.endswith("data.pkl"))
+    path = tmp_path / "twice.pt"
+    with pytest.warns(UserWarning) if names[0] == names[1] else _nothing():
+        _zip(path, [(names[0], pkl), *[(n, d) for n, d in records
+                                       if not n.endswith("data.pkl")], (names[1], pkl)])
+    for cmd in (("inspect", path), ("validate", path), ("diff", path, path),
+                ("convert", path, "-o", tmp_path / "o.safetensors")):
+        r = run_cli(*cmd)
+        assert r.exit_code != 0 and "two records" in r.output, (cmd, r.output)
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_a_second_end_of_central_directory_is_refused(tmp_path: Path) -> None:
+    records = _real_records(tmp_path)
+    good = _zip(tmp_path / "good.pt", records).read_bytes()
+    eocd = good[good.rindex(b"PK\x05\x06"):]
+    # A record near the end holding another end record that points at a central directory
+    # before it: zipfile and miniz take the last one, a scanner reading forwards this one.
+    fake = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, 1, 1, 46, 0, 0)
+    path = _zip(tmp_path / "two-ends.pt", [*records, ("real/extra", fake)])
+    code, doc, out = _validate(path)
+    assert code == 1 and "2 end-of-central-directory records" in out, out
+    # Damage that leaves a broken second end record is refused too (zipfile cannot read it).
+    bad = good[:-len(eocd)] + eocd[:20] + struct.pack("<H", len(eocd)) + eocd
+    (tmp_path / "nested.pt").write_bytes(bad)
+    assert run_cli("validate", tmp_path / "nested.pt").exit_code == 1
+
+
+def test_a_zip_shifted_by_prepended_bytes_is_refused(tmp_path: Path) -> None:
+    # zipfile shifts every offset to where the central directory really is; torch's reader
+    # takes the recorded offsets. The same bytes then name different records.
+    good = _zip(tmp_path / "good.pt", _real_records(tmp_path)).read_bytes()
+    path = tmp_path / "shifted.pt"
+    path.write_bytes(b"PK\x03\x04" + b"\0" * 60 + good)
+    r = run_cli("inspect", path)
+    assert r.exit_code == 2 and "central directory lies 64 bytes away" in r.output, r.output
+
+
+def test_a_local_header_naming_another_record_is_refused(tmp_path: Path) -> None:
+    good = _zip(tmp_path / "good.pt", _real_records(tmp_path)).read_bytes()
+    at = good.index(b"real/data.pkl")  # its local header's name comes first
+    bad = good[:at] + b"real/data.pkX" + good[at + 13:]
+    path = tmp_path / "renamed.pt"
+    path.write_bytes(bad)
+    r = run_cli("validate", path)
+    assert r.exit_code == 1 and "local headers disagree" in r.output, r.output
+
+
+def test_a_pickle_record_under_another_name_is_scanned(tmp_path: Path) -> None:
+    records = _real_records(tmp_path)
+    evil = pickle.dumps({"x": 1}, protocol=2)[:-2] + b"cos\nsystem\n)R\x86."
+    path = _zip(tmp_path / "extra.pt", [*records, ("archive/extra/HOOK.PKL", evil)])
+    code, doc, out = _validate(path)
+    assert code == 1 and "os.system" in out, out
+
+
+# --- every pickle torch reads is recognised --------------------------------------------------
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 3, 4, 5])
+def test_plain_pickles_of_every_protocol_are_scanned(tmp_path: Path, protocol: int) -> None:
+    class Call:
+        def __reduce__(self) -> tuple[object, ...]:
+            import os
+            return (os.system, ("true",))
+
+    data = pickle.dumps({"w": 1, "hook": Call()}, protocol=protocol)
+    assert looks_like_pickle(data[:4096])
+    path = tmp_path / "plain.pt"
+    path.write_bytes(data)
+    code, doc, out = _validate(path)
+    assert code == 1 and "system" in out, out
+
+
+@pytest.mark.parametrize("text", [b"hello world\n", b'{"a": 1}', b"global_step40", b"",
+                                  b"# comment\n", b"12345"])
+def test_text_is_not_taken_for_a_pickle(text: bytes) -> None:
+    assert not looks_like_pickle(text)
+
+
+def test_a_legacy_stream_with_a_protocol_0_magic_is_read_as_one(tmp_path: Path) -> None:
+    # torch.load unpickles the magic number with whatever protocol it was written in; the
+    # pickles after it run too.
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=False)
+    data = path.read_bytes()
+    magic = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=0)
+    assert data[14:15] == b"."  # the protocol 2 magic: PROTO 2, LONG1 <10 bytes>, STOP
+    path.write_bytes(magic + data[15:])
+    index = read_index(path)
+    assert [f.format for f in index.files] == ["torch-legacy"]
+    assert index.tensors["w"].shape == (3,)
+
+
+def test_a_legacy_tar_checkpoint_is_scanned(tmp_path: Path) -> None:
+    path = tmp_path / "old.tar.pt"
+    payload = b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R."
+    with tarfile.open(path, "w:", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in (("sys_info", pickle.dumps({"little_endian": True}, protocol=2)),
+                           ("pickle", payload), ("storages", pickle.dumps(0, protocol=2))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    code, doc, out = _validate(path)
+    assert code == 1 and ("unsafe-global", "os.system") in _codes(doc), out
