@@ -60,6 +60,20 @@ class UnsafeCheckpointError(CkptError):
     kind = "unsafe"
 
 
+class ZipConflictError(UnsafeCheckpointError):
+    """A zip two readers could read differently (two end records, shifted offsets, records
+    whose names collide, local headers that disagree with the central directory).
+
+    Attributes:
+        code: The finding code validate reports it under (``zip-duplicate-name``...).
+    """
+
+    def __init__(self, message: str, *, code: str = "zip-structure",
+                 path: str | Path | None = None):
+        super().__init__(message, path=path)
+        self.code = code
+
+
 class DestinationExistsError(CkptError):
     """The output already exists and ``--overwrite``/``--force`` was not given."""
 

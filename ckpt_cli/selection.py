@@ -58,8 +58,12 @@ def select_tensors(index: CheckpointIndex, *, keep_optimizer: bool = False,
         return Selection(names, [], _count_dropped(index, set(names.values())), [])
     model = [t for t in index.tensors.values() if t.group in ("model", "buffer")]
     if not model:
+        unsafe = sorted({f.location for f in index.findings if f.location and f.code in (
+            "unsafe-global", "unknown-global")})
         raise UsageError(f"{index.root}: no model weights found (groups: "
-                         f"{_group_summary(index)})")
+                         f"{_group_summary(index)})"
+                         + (f"; its pickles name {', '.join(unsafe)}, outside ckpt's "
+                            "allowlist" if unsafe else ""))
     notes: list[str] = []
     renamed: list[str] = []
     prefixes = [c for c, g in index.containers.items() if g == "model"]

@@ -133,8 +133,8 @@ ALLOWED_CODES = frozenset({"unsafe-global", "unknown-global"})
 
 
 def pickle_findings(classes: Mapping[str, str], calls: Iterable[str], *, file: str | None,
-                    what: str = "pickle", sources: Mapping[str, str] | None = None
-                    ) -> list[Finding]:
+                    what: str = "pickle", sources: Mapping[str, str] | None = None,
+                    builds: Iterable[str] = ()) -> list[Finding]:
     """The verdict on a pickle's globals, the same in every command and format.
 
     Args:
@@ -144,6 +144,8 @@ def pickle_findings(classes: Mapping[str, str], calls: Iterable[str], *, file: s
         file: The file the pickle is in, as the index names it.
         what: The pickle, as the message names it (``pickle``, ``item pickle of step``...).
         sources: For globals seen in another pickle of the file, that pickle's name.
+        builds: The globals the pickle tries to modify (BUILD onto a class or function):
+            each an ``unsafe-global`` error, whatever its classification.
 
     Returns:
         An ``unsafe-global`` error per global that is dangerous or called without being
@@ -152,8 +154,13 @@ def pickle_findings(classes: Mapping[str, str], calls: Iterable[str], *, file: s
         refuses. Each finding's location is the global's name.
     """
     called = set(calls)
-    out: list[Finding] = []
+    out = [Finding("error", "unsafe-global",
+                   f"{what} modifies the global {qual} (BUILD onto a class or function: a "
+                   "real loader would change it for the rest of the process); not executed",
+                   file, qual) for qual in sorted(set(builds))]
     for qual, cls in sorted(classes.items()):
+        if qual in builds:
+            continue
         where = (sources or {}).get(qual)
         what_ = f"{what} ({where})" if where else what
         hint = f"not on ckpt's allowlist; --allow-global {qual} accepts it if you trust the file"
@@ -218,13 +225,15 @@ def refused_names(classes: Mapping[str, str]) -> list[str]:
     return sorted(q for q, c in classes.items() if c in ("dangerous", "unknown"))
 
 
-def refused(classes: Mapping[str, str], calls: Iterable[str] = ()) -> str:
+def refused(classes: Mapping[str, str], calls: Iterable[str] = (),
+            builds: Iterable[str] = ()) -> str:
     """For the message of a pickle that could not be read to the end: the globals it names
     up to there that are not allowlisted (the real loader may have run them already).
 
     Args:
         classes: Globals seen, with their classification.
         calls: Globals called or instantiated.
+        builds: Globals it tried to modify.
 
     Returns:
         ``"; it would call a.b and references c.d"`` or ``""``.
@@ -233,6 +242,8 @@ def refused(classes: Mapping[str, str], calls: Iterable[str] = ()) -> str:
     bad = refused_names(classes)
     run = [q for q in bad if q in called or classes[q] == "dangerous"]
     named = [q for q in bad if q not in run]
+    changed = sorted(set(builds))
     parts = ([f"would call {', '.join(run)}"] if run else []) + (
-        [f"references {', '.join(named)}"] if named else [])
+        [f"references {', '.join(named)}"] if named else []) + (
+        [f"modifies {', '.join(changed)}"] if changed else [])
     return f"; it {' and '.join(parts)}" if parts else ""

@@ -130,7 +130,8 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
             "(DCP writes .metadata last)", path=path)
     fields, globals_seen = parse_metadata(meta_path)
     for f in allowlist.pickle_findings(globals_seen.globals, globals_seen.calls,
-                                       file=meta_path.name, what="metadata pickle"):
+                                       file=meta_path.name, what="metadata pickle",
+                                       builds=globals_seen.builds):
         if f.severity != "info":
             index.add(f)
     index.files.append(FileInfo(meta_path.name, file_size(meta_path), "metadata", "dcp"))
@@ -354,7 +355,8 @@ def _read_objects(index: CheckpointIndex, base: Path, items: list[tuple[str, str
             else:
                 index.objects[name] = containers.to_plain(obj)
             for f in allowlist.pickle_findings(tz.pickle.globals, tz.pickle.calls, file=rel,
-                                               what=f"pickle of item {name}"):
+                                               what=f"pickle of item {name}",
+                                               builds=tz.pickle.builds):
                 if f.severity != "info":
                     index.add(f)
     finally:

@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli import dtypes, storage
-from ckpt_cli.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError
+from ckpt_cli.errors import (
+    CorruptCheckpointError,
+    UnsupportedError,
+    ZipConflictError,
+)
 from ckpt_cli.formats import allowlist, containers
 from ckpt_cli.formats.base import (
     file_size,
@@ -33,6 +37,7 @@ from ckpt_cli.formats.base import (
 )
 from ckpt_cli.formats.unpickler import (
     UNPICKLE_ERRORS,
+    PickleLengthError,
     PickleResult,
     StorageRecord,
     StorageType,
@@ -130,7 +135,12 @@ def zip_entries(fd: Handle, start: int, length: int, where: str) -> dict[str, Zi
             raise CorruptCheckpointError(
                 f"entry {info.filename!r}: local header offset {info.header_offset:,} lies "
                 "outside the file (damaged central directory)", path=where)
-    _refuse_ambiguous(fd, start, length, infos, shift, where)
+    try:
+        _refuse_ambiguous(fd, start, length, infos, shift, where)
+    except ZipConflictError as e:
+        # Name what each reader would have run: the globals of every pickle record.
+        raise ZipConflictError(e.message + _pickle_records_note(fd, start, length),
+                               code=e.code, path=where) from None
     if isinstance(fd, int):
         return _entries_from_headers(fd, start, infos, where)
     predicted = _predicted_entries(fd, start, infos, where)
@@ -141,6 +151,7 @@ def zip_entries(fd: Handle, start: int, length: int, where: str) -> dict[str, Zi
 
 
 _EOCD = b"PK\x05\x06"
+_SCAN_LIMIT = 256 << 20  # bytes read to name what a refused pickle or zip would have run
 
 
 def _refuse_ambiguous(fd: Handle, start: int, length: int, infos: list[zipfile.ZipInfo],
@@ -161,9 +172,10 @@ def _refuse_ambiguous(fd: Handle, start: int, length: int, infos: list[zipfile.Z
         key = info.filename.lower()
         if key in seen:
             same = "the same name" if seen[key] == info.filename else "names that differ in case"
-            raise UnsafeCheckpointError(
+            raise ZipConflictError(
                 f"zip holds two records with {same} ({seen[key]!r}, {info.filename!r}): "
-                "readers disagree on which one is loaded", path=where)
+                "readers disagree on which one is loaded", code="zip-duplicate-name",
+                path=where)
         seen[key] = info.filename
     span = min(length, 22 + 0xFFFF + 20)
     tail = storage.pread(fd, span, start + length - span)
@@ -177,14 +189,43 @@ def _refuse_ambiguous(fd: Handle, start: int, length: int, infos: list[zipfile.Z
                 ends.append(pos)
         at = tail.rfind(_EOCD, 0, at)
     if len(ends) > 1:
-        raise UnsafeCheckpointError(
+        raise ZipConflictError(
             f"zip has {len(ends)} end-of-central-directory records (at bytes "
             f"{', '.join(f'{p:,}' for p in sorted(ends))}): readers disagree on which "
-            "central directory holds the records", path=where)
+            "central directory holds the records", code="zip-end-record", path=where)
     if shift:
-        raise UnsafeCheckpointError(
+        raise ZipConflictError(
             f"the central directory lies {shift:,} bytes away from where its end record says: "
-            "one reader shifts every record by that much and another does not", path=where)
+            "one reader shifts every record by that much and another does not",
+            code="zip-central-directory", path=where)
+
+
+def _pickle_records_note(fd: Handle, start: int, length: int) -> str:
+    """The non-allowlisted globals of every ``.pkl`` record of a zip (any case), found by
+    walking its local headers, whatever its central directories say."""
+    classes: dict[str, str] = {}
+    calls: set[str] = set()
+    builds: set[str] = set()
+    at, end = 0, min(length, _SCAN_LIMIT)
+    step = 1 << 20
+    while at < end:
+        chunk = storage.pread(fd, min(step + 64 * 1024, end - at), start + at)
+        hit = chunk.find(ZIP_MAGIC)
+        while 0 <= hit < step:
+            head = chunk[hit:hit + 30]
+            if len(head) == 30:
+                size, n, m = struct.unpack("<I", head[18:22])[0], *struct.unpack("<HH",
+                                                                                 head[26:30])
+                name = chunk[hit + 30:hit + 30 + n]
+                if name.lower().endswith(b".pkl") and 0 < size <= end - at:
+                    raw = storage.pread(fd, size, start + at + hit + 30 + n + m)
+                    found, _ = scan_globals(raw)
+                    classes.update(found.globals)
+                    calls |= found.calls
+                    builds |= found.builds
+            hit = chunk.find(ZIP_MAGIC, hit + 4)
+        at += step
+    return allowlist.refused(classes, calls, builds).replace("; it ", "; its pickles ", 1)
 
 
 def _entry(info: zipfile.ZipInfo, data: int) -> ZipEntry:
@@ -221,10 +262,10 @@ def _read_header(fd: Handle, start: int, info: zipfile.ZipInfo, where: str,
     n, m = struct.unpack("<HH", head[26:30])
     (method,) = struct.unpack("<H", head[8:10])
     if len(head) >= 30 + len(name) and (head[30:30 + n] != name or method != info.compress_type):
-        raise UnsafeCheckpointError(
+        raise ZipConflictError(
             f"entry {info.filename!r}: its local header at offset {info.header_offset:,} "
             f"names {head[30:30 + n][:80]!r} (method {method}): the central directory and the "
-            "local headers disagree", path=where)
+            "local headers disagree", code="zip-local-header", path=where)
     return int(info.header_offset + 30 + n + m)
 
 
@@ -338,7 +379,8 @@ def parse_zip(fd: Handle, start: int, length: int, where: str) -> TorchZip:
     result, error = scan_globals(raw)
     if error is not None:
         raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({_short(error)})"
-                                     + allowlist.refused(result.globals, result.calls),
+                                     + allowlist.refused(result.globals, result.calls,
+                                                         result.builds),
                                      path=where)
     tz = TorchZip(entries, prefix, result, start)
     _scan_other_pickles(tz, fd, length)
@@ -382,6 +424,7 @@ def _scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
                 main.globals[qual] = cls
                 main.sources[qual] = short
         main.calls |= found.calls
+        main.builds |= found.builds
 
 
 def is_torchscript(tz: TorchZip) -> bool:
@@ -466,6 +509,7 @@ def _read_tar(path: Path, members: dict[str, tuple[int, int]]) -> PickleResult:
                 result.globals.setdefault(qual, cls)
                 result.sources.setdefault(qual, f"tar member {name}")
             result.calls |= found.calls
+            result.builds |= found.builds
     finally:
         storage.close(fd)
     return result
@@ -550,7 +594,9 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, prefix: str) -> 
         storages = {}
         index.add(Finding("error", "unsupported-format",
                           "a legacy tar checkpoint (torch < 0.1.10): its pickles were scanned, "
-                          "its tensors are not read", rel_to(path, index.base)))
+                          "its tensors are not read"
+                          + allowlist.refused(result.globals, result.calls, result.builds),
+                          rel_to(path, index.base)))
     else:
         result = _read_plain_pickle(path)
         storages = {}
@@ -723,7 +769,7 @@ def _tensor_info(index: CheckpointIndex, name: str, path: tuple[str, ...], rec: 
 
 def _global_findings(index: CheckpointIndex, result: PickleResult, rel: str) -> None:
     for f in allowlist.pickle_findings(result.globals, result.calls, file=rel,
-                                       sources=result.sources):
+                                       sources=result.sources, builds=result.builds):
         index.add(f)
 
 
@@ -758,9 +804,17 @@ def _read_plain_pickle(path: Path) -> PickleResult:
     try:
         with open_stream(path) as f:
             up = unpickler_for(f)
-            return PickleResult(up.load(), up.globals, up.storages, calls=up.calls)
+            return PickleResult(up.load(), up.globals, up.storages, calls=up.calls,
+                                builds=up.builds)
+    except PickleLengthError as e:
+        # Refused before unpickling: what came before the bad opcode ran under pickle.load.
+        with open_stream(path) as f:
+            found, _ = scan_globals(f.read(min(e.at, _SCAN_LIMIT)))
+        raise CorruptCheckpointError(
+            f"not a readable pickle ({_short(e)})"
+            + allowlist.refused(found.globals, found.calls, found.builds), path=path) from None
     except UNPICKLE_ERRORS as e:
-        seen = allowlist.refused(up.globals, up.calls) if up is not None else ""
+        seen = allowlist.refused(up.globals, up.calls, up.builds) if up is not None else ""
         raise CorruptCheckpointError(f"not a readable pickle ({_short(e)}){seen}",
                                      path=path) from None
 
@@ -789,9 +843,10 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
     # runs as surely as one in the main pickle's. Every one is scanned and reported.
     seen: dict[str, tuple[str, str]] = {}  # qualname -> (classification, which pickle)
     calls: set[str] = set()
+    builds: set[str] = set()
 
     def note() -> str:
-        return allowlist.refused({q: c for q, (c, _) in seen.items()}, calls)
+        return allowlist.refused({q: c for q, (c, _) in seen.items()}, calls, builds)
 
     def load(f: Any, what: str, use: Callable[[Any], Any] | None = None) -> PickleResult:
         up = None
@@ -802,13 +857,15 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
             for qual, cls in (up.globals if up is not None else {}).items():
                 seen.setdefault(qual, (cls, what))
             calls.update(up.calls if up is not None else ())
+            builds.update(up.builds if up is not None else ())
             raise CorruptCheckpointError(
                 f"legacy torch pickle is unreadable ({what}: {_short(e)})" + note(),
                 path=path) from None
         for qual, cls in up.globals.items():
             seen.setdefault(qual, (cls, what))
         calls.update(up.calls)
-        return PickleResult(obj, up.globals, up.storages, calls=up.calls)
+        builds.update(up.builds)
+        return PickleResult(obj, up.globals, up.storages, calls=up.calls, builds=up.builds)
 
     with open_stream(path) as f:
         magic = load(f, "magic number").obj
@@ -831,6 +888,7 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
             main.globals[qual] = cls
             main.sources[qual] = f"the {what} pickle"
     main.calls |= calls
+    main.builds |= builds
     if not isinstance(keys, list):
         raise CorruptCheckpointError("legacy storage key list is missing", path=path)
     starts: dict[str, int] = {}

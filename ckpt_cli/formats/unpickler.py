@@ -15,11 +15,13 @@ Every global seen is kept with a classification, so callers can report
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import mmap
 import os
 import pickle
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,11 +91,24 @@ class TensorRecord:
     parts: tuple[TensorRecord, ...] = ()  # a sparse tensor's index and value tensors
 
 
-def _refuse_build(name: str) -> pickle.UnpicklingError:
-    # BUILD onto a global (a class, a function, a dtype) would change it for every later
-    # file under a real loader, and is never something torch.save writes.
-    return pickle.UnpicklingError(f"the pickle modifies the global {name} (BUILD onto a "
-                                  "global); refused")
+_ACTIVE = threading.local()  # the SafeUnpickler loading on this thread
+
+
+def _built(name: str) -> None:
+    """BUILD (or an attribute set) onto a global: a class, a function, a dtype.
+
+    A real loader would change the global for the rest of the process (and a later GLOBAL
+    could then fetch what was planted); torch.save never writes it. ckpt's stand-ins are
+    never changed: the unpickler loading records the attempt (reported as an error naming
+    the global) and goes on, so the globals after it are named too.
+
+    Raises:
+        pickle.UnpicklingError: Outside a load (nothing to record it in).
+    """
+    loading = getattr(_ACTIVE, "unpickler", None)
+    if loading is None:
+        raise pickle.UnpicklingError(f"the global {name} cannot be modified")
+    loading.builds.add(name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +119,7 @@ class DTypeRef:
     name: str
 
     def __setstate__(self, state: Any) -> None:
-        raise _refuse_build(f"torch.{self.name}")
+        _built(f"torch.{self.name}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,18 +131,18 @@ class StorageType:
     name: str
 
     def __setstate__(self, state: Any) -> None:
-        raise _refuse_build(f"torch.{self.name}")
+        _built(f"torch.{self.name}")
 
 
 class _GuardedSetState:
     """``__setstate__`` of :class:`Opaque`: BUILD on an instance records its state; BUILD on
-    the stand-in class itself (the global) is refused."""
+    the stand-in class itself (the global) is recorded as an attempt to modify it."""
 
     def __get__(self, obj: Opaque | None, owner: type[Opaque]) -> Callable[[Any], None]:
         if obj is None:
-            def refuse(state: Any) -> None:
-                raise _refuse_build(owner.qualname)
-            return refuse
+            def modify(state: Any) -> None:
+                _built(owner.qualname)
+            return modify
 
         def record(state: Any) -> None:
             obj.state = state
@@ -246,10 +261,10 @@ class TensorType:
         object.__setattr__(self, "name", name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise _refuse_build(self.name)
+        _built(self.name)
 
     def __setstate__(self, state: Any) -> None:
-        raise _refuse_build(self.name)
+        _built(self.name)
 
     def __repr__(self) -> str:
         return self.name
@@ -369,10 +384,10 @@ class _StandIn:
         return self._fn(*args, **kwargs)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise _refuse_build(self._name)
+        _built(self._name)
 
     def __setstate__(self, state: Any) -> None:
-        raise _refuse_build(self._name)
+        _built(self._name)
 
 
 _ALLOWED: dict[str, Any] = {
@@ -438,6 +453,7 @@ class PickleResult:
         sources: For globals merged in from another pickle of the same file (a legacy
             stream's sys_info, a zip's ``constants.pkl``), which one.
         calls: The globals outside ckpt's stand-ins that the pickle calls or instantiates.
+        builds: The globals the pickle tries to modify (BUILD onto a class or function).
     """
 
     obj: Any
@@ -445,6 +461,7 @@ class PickleResult:
     storages: dict[str, StorageRecord] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     calls: set[str] = field(default_factory=set)
+    builds: set[str] = field(default_factory=set)
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -462,13 +479,27 @@ class SafeUnpickler(pickle.Unpickler):
         self._persistent = persistent
         self.globals: dict[str, str] = {}
         self.calls: set[str] = set()
+        self.builds: set[str] = set()
         self.storages: dict[str, StorageRecord] = {}
         self._extra = extra or {}
         self._opaque: dict[str, type[Opaque]] = {}
 
+    def load(self) -> Any:
+        """Unpickle (see :class:`pickle.Unpickler`), recording BUILDs onto globals."""
+        outer = getattr(_ACTIVE, "unpickler", None)
+        _ACTIVE.unpickler = self
+        try:
+            return super().load()
+        finally:
+            _ACTIVE.unpickler = outer
+
     def find_class(self, module: str, name: str) -> Any:
-        if module == "__builtin__":  # protocol 0-2 pickles name builtins the Python 2 way
-            module = "builtins"
+        # Python 2 names, mapped as pickle.load maps them (fix_imports): __builtin__ is
+        # builtins, cPickle is pickle, copy_reg is copyreg...
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
         qual = f"{module}.{name}"
         if qual in self._extra:
             self.globals[qual] = "allowed"
@@ -707,7 +738,7 @@ def safe_load(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None = No
     """
     up = unpickler_for(data, extra, persistent)
     obj = up.load()
-    return PickleResult(obj, up.globals, up.storages, calls=up.calls)
+    return PickleResult(obj, up.globals, up.storages, calls=up.calls, builds=up.builds)
 
 
 def unpickler_for(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None = None,
@@ -790,7 +821,8 @@ def scan_globals(data: bytes) -> tuple[PickleResult, BaseException | None]:
         obj = up.load()
     except UNPICKLE_ERRORS as e:
         error = error or e
-    return PickleResult(obj, up.globals, up.storages, calls=up.calls), error
+    return PickleResult(obj, up.globals, up.storages, calls=up.calls,
+                        builds=up.builds), error
 
 
 UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,

@@ -279,7 +279,7 @@ def plan_zero(path: Path, *, include_frozen: bool = True, moments: bool = False)
     plan = ZeroPlan(stage=max(stage, 1), world_size=world,
                     files=[p for p, _ in models] + [p for p, _ in optims])
     for p, tz in (*models, *optims):
-        bad = allowlist.refused_names(tz.pickle.globals)
+        bad = sorted({*allowlist.refused_names(tz.pickle.globals), *tz.pickle.builds})
         if bad:
             plan.unsafe[p] = bad
     steps = first.get("global_steps")

@@ -591,7 +591,9 @@ SPECS: tuple[_Spec, ...] = (
                     "__import__('numpy').size)")),
     _Spec("numpy_prod_build_memo", "BUILD stores 'os'/'system' on numpy.prod, dotted GLOBALs "
           "read them back into STACK_GLOBAL", "https://github.com/protectai/modelscan/"
-          "issues/85", ("os.system",), PICKLE, ".pkl", _pkl(_numpy_prod_memo, 5),
+          # ckpt stops following the data flow at the BUILD onto numpy.prod (refused, named):
+          # the planted strings never reach STACK_GLOBAL, so os.system is not named.
+          "issues/85", ("numpy.prod",), PICKLE, ".pkl", _pkl(_numpy_prod_memo, 5),
           needs=("numpy.prod",)),
     _Spec("memo_confusion", "BINPUT and MEMOIZE mixed so a memo-by-MEMOIZE scanner sees "
           "torch._utils._rebuild_tensor_v2", "https://github.com/mmaitre314/picklescan/"

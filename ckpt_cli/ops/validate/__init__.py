@@ -28,6 +28,7 @@ from ckpt_cli.errors import (
     UnsafeCheckpointError,
     UnsupportedError,
     UsageError,
+    ZipConflictError,
 )
 from ckpt_cli.formats import (
     allowlist,
@@ -509,6 +510,10 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
     except (CorruptCheckpointError, UnsafeCheckpointError, UnsupportedError) as e:
         b.add("readable", [Finding("error", "unreadable", e.message, _rel_path(e.path, path))],
               "could not read the checkpoint's metadata")
+        if isinstance(e, ZipConflictError):  # readers could disagree: say how, where
+            b.add("zip-structure", [Finding("error", e.code, e.message,
+                                            _rel_path(e.path, path))],
+                  "records two readers would read differently")
     except CkptError as e:
         if entry is None:
             raise  # a single unreadable or unrecognisable path: a usage error, exit 2

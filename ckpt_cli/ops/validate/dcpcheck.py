@@ -220,7 +220,8 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
             continue
         report.pickles.extend(
             f for f in allowlist.pickle_findings(tz.pickle.globals, tz.pickle.calls, file=rel,
-                                                 what=f"pickle of item {it.name}")
+                                                 what=f"pickle of item {it.name}",
+                                                 builds=tz.pickle.builds)
             if f.severity != "info")
         if it.offsets is not None:
             pair = chunks.get((it.name, it.offsets))
@@ -251,7 +252,8 @@ def _load(fd: Handle, start: int, zr: ZipReport, where: str) -> TorchZip:
     result, error = scan_globals(raw)
     if error is not None:
         raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({error})"[:200]
-                                     + allowlist.refused(result.globals, result.calls),
+                                     + allowlist.refused(result.globals, result.calls,
+                                                         result.builds),
                                      path=where)
     return TorchZip(entries, prefix, result, start)
 
