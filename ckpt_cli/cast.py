@@ -33,7 +33,8 @@ import functools
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -246,6 +247,100 @@ def check_overflow(stats: CastStats, clamp: bool) -> None:
 
 TARGETS: dict[str, str | None] = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "keep": None}
 """``--to`` choices and the dtype each casts floating tensors to (``keep``: none)."""
+
+CASTABLE = frozenset({"F64", "F32", "F16", "BF16"})
+"""The floating dtypes ``--to`` casts. Any other floating dtype (FP8, FP6, FP4) holds quantized
+values that mean something only with their scales: casting them would widen the raw codes
+(an FP8 weight with a per-tensor scale would come out wrong by the scale), so they are kept."""
+
+_PACKED_INTS = frozenset({"I8", "U8"})  # integer codes of a quantized tensor, with a scale
+
+
+class CastPlan:
+    """What ``--to`` does to each floating model tensor, and what it leaves as it is.
+
+    FP64/FP32/FP16/BF16 become the target (``--to fp32`` also widens FP16/BF16, which is
+    exact). Quantized tensors (FP8/FP6/FP4, and 8-bit integers beside a scale) are kept, and
+    so are their scales (``X.weight_scale``, ``X.input_scale``, ``X.weight_scale_inv``...:
+    tensors whose last name part holds "scale", in a module holding a quantized tensor), which
+    loaders expect in their saved precision. What was kept is counted by dtype for the summary.
+
+    Args:
+        target: The dtype code ``--to`` names (None: ``keep``, nothing is cast).
+        tensors: ``(name, dtype)`` of every tensor that may be cast (to find the scales).
+    """
+
+    def __init__(self, target: str | None, tensors: Iterable[tuple[str, str]]) -> None:
+        self.target = target
+        pairs = list(tensors)
+        self.kept: Counter[str] = Counter()
+        self.kept_scales: Counter[str] = Counter()
+        scaled = {_module(n) for n, _ in pairs if _is_scale(n)}
+        self._quantized = {n for n, d in pairs if _is_quantized(d) or (
+            d in _PACKED_INTS and _module(n) in scaled)}
+        holders = {_module(n) for n in self._quantized}
+        self._scales = {n for n, _ in pairs if _is_scale(n) and _module(n) in holders}
+
+    def dtype(self, name: str, dtype: str) -> str:
+        """The dtype to write for floating model tensor ``name`` (counting what is kept).
+
+        Args:
+            name: The tensor's name (as given to the constructor).
+            dtype: Its dtype code.
+
+        Returns:
+            The target, or ``dtype`` for a quantized tensor, its scales, non-floating tensors
+            and ``--to keep``.
+        """
+        if self.target is None:
+            return dtype
+        if name in self._quantized:
+            self.kept[dtype] += 1
+            return dtype
+        if dtype not in CASTABLE:
+            return dtype
+        if name in self._scales:
+            self.kept_scales[dtype] += 1
+            return dtype
+        return self.target
+
+    def is_kept(self, name: str) -> bool:
+        """Whether ``name`` is a quantized tensor or one of their scales (never cast, not even
+        by ``--keep-fp32``)."""
+        return name in self._quantized or name in self._scales
+
+
+def _is_quantized(dtype: str) -> bool:
+    d = dtypes.DTYPES.get(dtype)
+    return d is not None and d.is_floating and dtype not in CASTABLE
+
+
+def _module(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _is_scale(name: str) -> bool:
+    return "scale" in name.rpartition(".")[2].lower()
+
+
+def kept_summary(kept: Mapping[str, int], scales: Mapping[str, int]) -> str:
+    """``F8_E4M3 x16 (quantized; use a dequantizing conversion), F32 x16 (their scales)``.
+
+    Args:
+        kept: Quantized tensors kept, by dtype.
+        scales: Their scales kept, by dtype.
+
+    Returns:
+        The text after "kept: ", or ``""`` when nothing was kept.
+    """
+    parts = []
+    if kept:
+        parts.append(", ".join(f"{d} x{n}" for d, n in sorted(kept.items()))
+                     + " (quantized; use a dequantizing conversion)")
+    if scales:
+        parts.append(", ".join(f"{d} x{n}" for d, n in sorted(scales.items()))
+                     + " (their scales)")
+    return "; ".join(parts)
 
 
 def piece_caster(pieces_of: Callable[[Any], Iterator[np.ndarray]], t: Any, dst: str,

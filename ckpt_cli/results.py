@@ -600,6 +600,10 @@ class ConvertResult:
             :func:`hostile_warnings`).
         followed: The run directory's pointer followed to the checkpoint read, if
             ``source`` was a run directory.
+        kept: Quantized tensors (FP8...) ``--to`` left as they are, by dtype.
+        kept_scales: Their scales, left as they are too, by dtype.
+        config_dtype: How the copied ``config.json``'s dtype was rewritten to the output's
+            (``{file, keys, from, to}``), or None.
     """
 
     source: Path
@@ -618,6 +622,9 @@ class ConvertResult:
     seconds: float
     warnings: list[Finding] = field(default_factory=list)
     followed: Followed | None = None
+    kept: dict[str, int] = field(default_factory=dict)
+    kept_scales: dict[str, int] = field(default_factory=dict)
+    config_dtype: dict[str, Any] | None = None
 
 
 # -- consolidate -------------------------------------------------------------------------------
@@ -645,6 +652,8 @@ class ConsolidateResult:
         warnings: Source files whose pickles would run code under ``torch.load``.
         followed: The run directory's pointer followed to the checkpoint merged, if
             ``source`` was a run directory.
+        kept: Quantized tensors (FP8...) ``--to`` left as they are, by dtype.
+        kept_scales: Their scales, left as they are too, by dtype.
     """
 
     source: Path
@@ -664,6 +673,8 @@ class ConsolidateResult:
     seconds: float = 0.0
     warnings: list[Finding] = field(default_factory=list)
     followed: Followed | None = None
+    kept: dict[str, int] = field(default_factory=dict)
+    kept_scales: dict[str, int] = field(default_factory=dict)
 
     @property
     def lost_elements(self) -> int:

@@ -422,10 +422,10 @@ def test_force_does_not_wipe_a_directory_of_other_files(tmp_path: Path) -> None:
 def test_force_does_not_replace_a_file_with_a_directory(tmp_path: Path) -> None:
     src = tmp_path / "m.safetensors"
     save_file(tiny_state_dict(), str(src))
-    notes = tmp_path / "notes.txt"  # no weight suffix: the output would be a directory
+    notes = tmp_path / "NOTES"  # no extension: the output would be a directory
     notes.write_text("keep me")
     r = run_cli("convert", src, "-o", notes, "--force")
-    assert r.exit_code == 2 and "is a file" in r.stderr and "notes.txt" in r.stderr, r.output
+    assert r.exit_code == 2 and "is a file" in r.stderr and "NOTES" in r.stderr, r.output
     assert notes.read_text() == "keep me"
 
 

@@ -183,13 +183,14 @@ def ds_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_convert_and_consolidate_follow_deepspeed_latest(ds_run: Path, tmp_path: Path) -> None:
     assert (ds_run / "latest").read_text().strip() == "global_step3"
     assert runs.is_run_dir(ds_run)
-    # convert follows `latest` too; a ZeRO tag itself is consolidate's job, and the error
-    # says so about the tag it chose (not "a run directory").
+    # convert follows `latest` too, and gathers the ZeRO tag it names as consolidate does
+    # (issue 24: it used to refuse ZeRO with a pointer to consolidate).
     r = run_cli("convert", ds_run, "-o", tmp_path / "c.safetensors")
-    assert r.exit_code == 2 and "run directory" not in r.stderr
-    assert f"ckpt consolidate {ds_run / 'global_step3'}" in r.stderr
+    assert r.exit_code == 0 and "run directory" not in r.stderr, r.output
+    assert "latest names global_step3" in r.stderr
     doc = _json("consolidate", ds_run, "-o", tmp_path / "z.safetensors")
     assert doc["followed"]["checkpoint"] == "global_step3" and doc["kind"] == "deepspeed"
+    assert _json("diff", tmp_path / "c.safetensors", tmp_path / "z.safetensors")["equal"]
     r = run_cli("consolidate", ds_run, "-o", tmp_path / "z2.safetensors")
     assert r.exit_code == 0 and "latest names global_step3" in r.stderr
     d = _json("diff", ds_run, ds_run / "global_step3")

@@ -20,6 +20,7 @@ from ckpt_cli.cli.options import (
     QuietOpt,
     StorageOpt,
     location,
+    output_location,
     use_storage,
 )
 
@@ -31,7 +32,7 @@ def consolidate_cmd(
         show_default=False, parser=location)],
     output: Annotated[Location, typer.Option(
         "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
-        show_default=False, parser=location)],
+        show_default=False, parser=output_location)],
     fmt: OutputFormatOpt = None,
     max_shard_size: Annotated[str, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Largest output file; 0 for one file.")] = "5GB",

@@ -21,6 +21,7 @@ from ckpt_cli.cli.options import (
     QuietOpt,
     StorageOpt,
     location,
+    output_location,
     use_storage,
 )
 
@@ -31,7 +32,7 @@ def convert_cmd(
     output: Annotated[Location, typer.Option(
         "--output", "-o", help="Output: a .safetensors/.pt/.bin file, or a directory for "
                                "model.safetensors or HF-style shards.", show_default=False,
-        parser=location)],
+        parser=output_location)],
     to: CastToOpt = "keep",
     fmt: OutputFormatOpt = None,
     max_shard_size: Annotated[str | None, typer.Option(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -67,6 +68,19 @@ def location(text: str) -> Path:
         return storage.locate(text)
     except UsageError as e:
         raise typer.BadParameter(e.message) from None
+
+
+def output_location(text: str) -> Path | str:
+    """Parse an output argument like :func:`location`, keeping a trailing slash.
+
+    ``-o out/x.v2/`` says "a directory" whatever the suffix, which a ``Path`` would forget:
+    such a name comes back as the string, which the ops locate themselves.
+
+    Raises:
+        typer.BadParameter: For a URL that cannot name an object (a usage error, exit 2).
+    """
+    located = location(text)
+    return text if text.endswith(("/", os.sep)) and len(text) > 1 else located
 
 
 def use_storage(options: list[str] | None, concurrency: int | None = None) -> None:

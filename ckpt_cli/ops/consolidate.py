@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +26,10 @@ import orjson
 from ckpt_cli import storage
 from ckpt_cli.atomic import check_not_input
 from ckpt_cli.cast import (
+    CASTABLE,
     TARGETS,
+    CastPlan,
     CastStats,
-    cast_array,
     check_overflow,
     piece_caster,
     prefer_torch,
@@ -36,7 +38,8 @@ from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.directory import checkpoint_files
-from ckpt_cli.formats.zero import PieceReader, ZeroPlan, plan_zero, resolve_tag
+from ckpt_cli.formats.zero import resolve_tag
+from ckpt_cli.gather import cast_loader, zero_metadata, zero_outputs
 from ckpt_cli.manifest import Manifest, hash_files, manifest_path, write_manifest
 from ckpt_cli.manifest import checkpoint_files as manifest_files
 from ckpt_cli.model import CheckpointIndex, Finding
@@ -53,7 +56,13 @@ from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, sel
 from ckpt_cli.streaming import memory_budget
 from ckpt_cli.tensors import TensorSource, split_pieces
 from ckpt_cli.units import natural_key
-from ckpt_cli.writers import FILE_SUFFIXES, OutTensor, output_format, write_checkpoint
+from ckpt_cli.writers import (
+    FILE_SUFFIXES,
+    OutTensor,
+    names_directory,
+    output_format,
+    write_checkpoint,
+)
 from ckpt_cli.writers.parts import PartJob
 
 if TYPE_CHECKING:
@@ -77,6 +86,8 @@ class _Job:
     stats: CastStats = field(default_factory=CastStats)
     cast_elements: int = 0
     warnings: list[Finding] = field(default_factory=list)
+    kept: Counter[str] = field(default_factory=Counter)
+    kept_scales: Counter[str] = field(default_factory=Counter)
 
 
 def detect_kind(path: Path) -> str:
@@ -173,7 +184,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
                          hint=f"compare afterwards instead: ckpt diff {src} {out}")
     kind = detect_kind(src)
     check_not_input(out, src)
-    fmt = output_format(out, fmt)
+    fmt = output_format(out, fmt, directory=names_directory(output))
     target = TARGETS[to]
     stats = CastStats()
     if kind == "deepspeed":
@@ -219,7 +230,8 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
                              job.elements_in,
                              elements_out, len(job.outs), job.aliases, job.dropped, job.details,
                              sum(checked) if checked else None, job.notes,
-                             time.perf_counter() - t0, job.warnings, followed)
+                             time.perf_counter() - t0, job.warnings, followed, dict(job.kept),
+                             dict(job.kept_scales))
 
 
 def _part_job(part: Part | None, finalize: bool, src: Path, kind: str, out: Path, job: _Job,
@@ -265,47 +277,23 @@ def _input_size(src: Path, kind: str) -> tuple[int, int]:
 
 
 def _cast_to(dst: str | None, dtype: str, floating: bool) -> str:
-    return dst if dst and floating and dtype in ("F16", "BF16", "F32", "F64") else dtype
+    return dst if dst and floating and dtype in CASTABLE else dtype
 
 
 def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool, stats: CastStats,
                    clamp: bool) -> _Job:
-    plan: ZeroPlan = plan_zero(src, moments=with_optimizer)
-    reader = PieceReader()
-    outs: list[OutTensor] = []
-    expected: dict[str, Callable[[], np.ndarray]] = {}
-    casting = 0
-    for t in plan.tensors:
-        # zero_to_fp32 restores floating buffers to FP32; parameters already are FP32.
-        base = "F32" if t.kind == "buffer" and t.dtype in ("F16", "BF16") else t.dtype
-        dst = _cast_to(target, base, t.kind != "moment")
-        casting += t.numel if dst != t.dtype else 0
-        load = _caster(reader.read, t, dst, stats, clamp)
-        outs.append(OutTensor(t.name, dst, t.shape, load, piece_caster(
-            lambda p: split_pieces(reader.read(p)), t, dst, t.name, clamp, stats)))
-        expected[t.name] = load
+    zero = zero_outputs(src, lambda t, base: _cast_to(target, base, t.kind != "moment"),
+                        stats, clamp, moments=with_optimizer)
+    plan = zero.plan
     details = {"zero_stage": plan.stage, "world_size": plan.world_size, "step": plan.step,
                "tag": resolve_tag(src).name}
-    meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": "deepspeed",
-            "ckpt.conversion": f"ZeRO-{plan.stage} partitions of {plan.world_size} ranks "
-                               f"gathered; to={target or 'keep'}"}
-    if plan.step is not None:
-        meta["ckpt.step"] = str(plan.step)
+    meta = zero_metadata(plan, src, target)
     notes = list(plan.notes) + ([] if with_optimizer else [
         "optimizer moments are not part of the output (--with-optimizer keeps them)"])
-    return _Job("deepspeed", outs, expected, sum(t.numel for t in plan.tensors), plan.aliases,
-                {}, meta, details, [reader.close], notes, stats, casting,
+    return _Job("deepspeed", zero.outs, zero.loads, sum(t.numel for t in plan.tensors),
+                plan.aliases, {}, meta, details, [zero.reader.close], notes, stats,
+                zero.cast_elements,
                 [hostile_warning(p, quals) for p, quals in plan.unsafe.items()])
-
-
-def _caster(read: Callable[[Any], np.ndarray], t: Any, dst: str, stats: CastStats,
-            clamp: bool) -> Callable[[], np.ndarray]:
-    """A loader: read ``t`` and cast it to ``dst`` (counting FP16 overflow in ``stats``)."""
-    def load() -> np.ndarray:
-        arr = read(t)
-        return arr if dst == t.dtype else cast_array(arr, dst, name=t.name, clamp=clamp,
-                                                     stats=stats)
-    return load
 
 
 def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optimizer: bool,
@@ -316,12 +304,13 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
     outs: list[OutTensor] = []
     expected: dict[str, Callable[[], np.ndarray]] = {}
     casting = 0
+    plan = CastPlan(target, _model_side(index, sel))
     for out_name, src_name in sel.names.items():
         t = index.tensors[src_name]
         model_side = t.group in ("model", "buffer")
-        dst = _cast_to(target, t.dtype, model_side and t.is_floating)
+        dst = plan.dtype(t.name, t.dtype) if model_side else t.dtype
         casting += t.numel if dst != t.dtype else 0
-        load = _caster(src.read, t, dst, stats, clamp)
+        load = cast_loader(src.read, t, dst, stats, clamp)
         outs.append(OutTensor(out_name, dst, t.shape, load,
                               piece_caster(src.iter_pieces, t, dst, t.name, clamp, stats)))
         expected[out_name] = load
@@ -337,7 +326,13 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
     details["step"] = index.metadata.get("step")
     return _Job(kind, outs, expected, sum(index.tensors[s].numel for s in sel.names.values()),
                 {}, sel.dropped, meta, details, [src.close], list(sel.notes), stats, casting,
-                hostile_warnings(index))
+                hostile_warnings(index), plan.kept, plan.kept_scales)
+
+
+def _model_side(index: CheckpointIndex, sel: Selection) -> list[tuple[str, str]]:
+    """``(name, dtype)`` of the selected model tensors and buffers (what ``--to`` casts)."""
+    tensors = (index.tensors[n] for n in sel.names.values())
+    return [(t.name, t.dtype) for t in tensors if t.group in ("model", "buffer")]
 
 
 def _check_complete(index: CheckpointIndex, names: list[str]) -> None:
@@ -356,6 +351,8 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
     closers: list[Callable[[], None]] = []
     elements = casting = 0
     warnings: list[Finding] = []
+    kept: Counter[str] = Counter()
+    kept_scales: Counter[str] = Counter()
     for f in files:
         index = read_index(f)
         warnings += hostile_warnings(index)
@@ -365,6 +362,7 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
             dropped[g] = dropped.get(g, 0) + n
         reader = TensorSource(index)
         closers.append(reader.close)
+        plan = CastPlan(target, _model_side(index, sel))
         for out_name, src_name in sel.names.items():
             if out_name in owner:
                 raise CorruptCheckpointError(
@@ -372,17 +370,20 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
                     "do not hold disjoint pieces of one state dict", path=src)
             owner[out_name] = f
             t = index.tensors[src_name]
-            dst = _cast_to(target, t.dtype, t.group in ("model", "buffer") and t.is_floating)
+            dst = plan.dtype(t.name, t.dtype) if t.group in ("model", "buffer") else t.dtype
             casting += t.numel if dst != t.dtype else 0
-            load = _caster(reader.read, t, dst, stats, clamp)
+            load = cast_loader(reader.read, t, dst, stats, clamp)
             outs.append(OutTensor(out_name, dst, t.shape, load,
                                   piece_caster(reader.iter_pieces, t, dst, t.name, clamp, stats)))
             expected[out_name] = load
             elements += t.numel
+        kept += plan.kept
+        kept_scales += plan.kept_scales
     meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": "rank-files",
             "ckpt.conversion": f"merged {len(files)} files by key; to={target or 'keep'}"}
     return _Job("rank-files", outs, expected, elements, {}, dropped, meta,
-                {"rank_files": len(files)}, closers, [], stats, casting, warnings)
+                {"rank_files": len(files)}, closers, [], stats, casting, warnings, kept,
+                kept_scales)
 
 
 def _verify(out: Path, job: _Job, names: Sequence[str] | None = None) -> int:

@@ -11,20 +11,25 @@ appears only when complete.
 from __future__ import annotations
 
 import fnmatch
+import json
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ckpt_cli import storage
+from ckpt_cli import dtypes, storage
 from ckpt_cli.atomic import check_not_input
 from ckpt_cli.cast import (
+    CASTABLE,
     FP16_MAX,
     TARGETS,
+    CastPlan,
     CastStats,
     cast_array,
     check_overflow,
@@ -34,24 +39,26 @@ from ckpt_cli.cast import (
 from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.base import refuse_damaged
-from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.formats.zero import ParamPlan
+from ckpt_cli.gather import zero_metadata, zero_outputs
+from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.results import ConvertResult
 from ckpt_cli.runs import follow_pointer, is_run_dir
-from ckpt_cli.selection import Selection, hostile_warnings, select_tensors
+from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, select_tensors
 from ckpt_cli.streaming import memory_budget
 from ckpt_cli.tensors import TensorSource
-from ckpt_cli.writers import SIDE_FILES, OutTensor, output_format, write_checkpoint
+from ckpt_cli.writers import (
+    SIDE_FILES,
+    OutTensor,
+    names_directory,
+    output_format,
+    write_checkpoint,
+)
 from ckpt_cli.writers.parts import PartJob
 
 if TYPE_CHECKING:
     import numpy as np
-
-_CASTABLE = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ",
-             "F8_E8M0"}
-
-
-
 
 def convert(source: str | Path, output: str | Path, *, to: str = "keep",
             fmt: str | None = None, max_shard_size: int | None = None,
@@ -99,7 +106,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     memory_budget(max_memory)  # a bad budget is a usage error before any work
     if to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
-    fmt = output_format(out, fmt)
+    fmt = output_format(out, fmt, directory=names_directory(output))
     followed = follow_pointer(src) if input_format is None else None
     if followed is not None:
         src = followed.path
@@ -110,6 +117,64 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     index = read_index(src, input_format)
     check_not_input(out, src, (index.path_of(f.path) for f in index.files))
     _check_supported(index)
+    target = TARGETS[to]
+    stats = CastStats()
+    if index.format == "deepspeed":
+        # ZeRO keeps the FP32 weights partitioned in the optimizer files: gathered the way
+        # consolidate gathers them (what training would resume from).
+        built = _from_zero(src, to, target, keep_fp32, keep_optimizer, clamp, stats)
+    else:
+        built = _from_index(index, src, to, target, fmt, keep_fp32, keep_optimizer,
+                            keep_prefix, container, clamp, stats)
+    notes = built.notes
+    side = _side_files(index, out, notes)
+    config_dtype = None
+    if target is not None and "config.json" in side:
+        side["config.json"], config_dtype = retype_config(side["config.json"], target)
+    prefer_torch(built.cast_elements)
+    job = None
+    if part is not None or finalize:
+        job = PartJob(part, finalize, source_identity(index.base, [f.path for f in index.files]))
+    try:
+        result = write_checkpoint(out, built.outs, fmt=fmt, max_shard_size=max_shard_size,
+                                  metadata=built.meta, aliases=built.aliases,
+                                  overwrite=overwrite, side_files=side, on_progress=on_progress,
+                                  before_commit=lambda _tmp: check_overflow(stats, clamp),
+                                  on_start=on_start, part=job, max_memory=max_memory)
+    finally:
+        built.close()
+    if clamp and stats.overflow:
+        notes.append(f"clamped {sum(stats.overflow.values()):,} value(s) beyond FP16's range "
+                     f"to ±{FP16_MAX:g} in {len(stats.overflow)} tensor(s)")
+    return ConvertResult(storage.locate(source), index.format, out, result,
+                         {o.name: (o.dtype, o.shape) for o in built.outs}, built.renamed,
+                         built.dropped, dict(built.casts), built.aliases, dict(stats.overflow),
+                         clamp, built.meta, notes, time.perf_counter() - t0, built.warnings,
+                         followed, dict(built.plan.kept), dict(built.plan.kept_scales),
+                         config_dtype)
+
+
+@dataclass(slots=True)
+class _Built:
+    """The output tensors of a conversion and what the summary says about them."""
+
+    outs: list[OutTensor]
+    aliases: dict[str, str]
+    casts: Counter[str]
+    plan: CastPlan
+    renamed: list[str]
+    dropped: dict[str, int]
+    meta: dict[str, str]
+    notes: list[str]
+    warnings: list[Finding]
+    close: Callable[[], None]
+    cast_elements: int
+
+
+def _from_index(index: CheckpointIndex, src: Path, to: str, target: str | None, fmt: str,
+                keep_fp32: tuple[str, ...], keep_optimizer: bool, keep_prefix: bool,
+                container: str | None, clamp: bool, stats: CastStats) -> _Built:
+    """The tensors of a checkpoint the readers index: the model's, selected and renamed."""
     try:
         sel = select_tensors(index, keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
                              container=container)
@@ -118,17 +183,18 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         refuse_damaged(index, (), also_files=(f.path for f in index.files))
         raise
     refuse_damaged(index, sel.names.values())
-    target = TARGETS[to]
-    stats = CastStats()
     aliases, order = _dedupe_tied(index, sel)
     casts: Counter[str] = Counter()
     outs: list[OutTensor] = []
     source_reader = TensorSource(index)
+    plan = CastPlan(target, _castable(index, sel, keep_optimizer))
+    cast_elements = 0
     for out_name in order:
         t = index.tensors[sel.names[out_name]]
-        dst = _target_dtype(t, out_name, target, keep_fp32, keep_optimizer)
+        dst = _target_dtype(t, out_name, plan, keep_fp32, keep_optimizer)
         if dst != t.dtype:
             casts[f"{t.dtype}->{dst}"] += 1
+            cast_elements += t.numel
         # A cast reads every value once: map the file rather than copy it (as _loader does).
         pieces_of = partial(source_reader.iter_pieces, mapped=dst != t.dtype)
         outs.append(OutTensor(out_name, dst, t.shape,
@@ -137,37 +203,37 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     meta = _metadata(index, src, to, sel, keep_optimizer, fmt)
     if keep_optimizer and fmt == "safetensors" and index.objects:
         meta["ckpt.objects"] = orjson.dumps(index.objects, default=str).decode()
-    notes = list(sel.notes)
-    side = _side_files(index, out, notes)
-    prefer_torch(sum(index.tensors[sel.names[o.name]].numel for o in outs
-                     if o.dtype != index.tensors[sel.names[o.name]].dtype))
-    job = None
-    if part is not None or finalize:
-        job = PartJob(part, finalize, source_identity(index.base, [f.path for f in index.files]))
-    try:
-        result = write_checkpoint(out, outs, fmt=fmt, max_shard_size=max_shard_size,
-                                  metadata=meta, aliases=aliases, overwrite=overwrite,
-                                  side_files=side, on_progress=on_progress,
-                                  before_commit=lambda _tmp: check_overflow(stats, clamp),
-                                  on_start=on_start, part=job, max_memory=max_memory)
-    finally:
-        source_reader.close()
-    if clamp and stats.overflow:
-        notes.append(f"clamped {sum(stats.overflow.values()):,} value(s) beyond FP16's range "
-                     f"to ±{FP16_MAX:g} in {len(stats.overflow)} tensor(s)")
-    return ConvertResult(storage.locate(source), index.format, out, result,
-                         {o.name: (o.dtype, o.shape) for o in outs}, sel.renamed, sel.dropped,
-                         dict(casts), aliases, dict(stats.overflow), clamp, meta, notes,
-                         time.perf_counter() - t0, hostile_warnings(index),
-                         followed)
+    return _Built(outs, aliases, casts, plan, sel.renamed, sel.dropped, meta, list(sel.notes),
+                  hostile_warnings(index), source_reader.close, cast_elements)
+
+
+def _from_zero(src: Path, to: str, target: str | None, keep_fp32: tuple[str, ...],
+               keep_optimizer: bool, clamp: bool, stats: CastStats) -> _Built:
+    """The full weights of a DeepSpeed ZeRO 1/2/3 checkpoint, gathered from the partitions
+    (with ``keep_optimizer``, Adam's moments too, never cast)."""
+    plan = CastPlan(target, [])  # ZeRO's master weights are FP32: nothing quantized
+
+    def dtype_for(t: ParamPlan, base: str) -> str:
+        if t.kind == "moment" or base not in CASTABLE:
+            return base
+        if any(fnmatch.fnmatchcase(t.name, g) for g in keep_fp32):
+            return "F32"
+        return plan.dtype(t.name, base)
+
+    zero = zero_outputs(src, dtype_for, stats, clamp, moments=keep_optimizer)
+    casts: Counter[str] = Counter()
+    for o, t in zip(zero.outs, zero.plan.tensors, strict=True):
+        if o.dtype != t.dtype:
+            casts[f"{t.dtype}->{o.dtype}"] += 1
+    notes = list(zero.plan.notes) + ([] if keep_optimizer else [
+        "optimizer moments are not part of the output (--keep-optimizer keeps them)"])
+    warnings = [hostile_warning(p, quals) for p, quals in zero.plan.unsafe.items()]
+    return _Built(zero.outs, zero.plan.aliases, casts, plan, [], {},
+                  zero_metadata(zero.plan, src, to), notes, warnings, zero.reader.close,
+                  zero.cast_elements)
 
 
 def _check_supported(index: CheckpointIndex) -> None:
-    if index.format == "deepspeed":
-        raise UnsupportedError(
-            "DeepSpeed ZeRO checkpoints keep the full-precision weights partitioned in the "
-            "optimizer files", path=index.root,
-            hint=f"ckpt consolidate {index.root} -o OUT rebuilds them")
     if index.format == "megatron" and index.layout.get("world_size", 1) > 1:
         raise UnsupportedError(
             f"Megatron checkpoint split over {index.layout['world_size']} model-parallel "
@@ -195,13 +261,25 @@ def _dedupe_tied(index: CheckpointIndex, sel: Selection) -> tuple[dict[str, str]
     return aliases, order
 
 
-def _target_dtype(t: TensorInfo, name: str, target: str | None, keep_fp32: tuple[str, ...],
+def _castable(index: CheckpointIndex, sel: Selection,
+              keep_optimizer: bool) -> list[tuple[str, str]]:
+    """``(name, dtype)`` of the selected tensors ``--to`` may cast (model and buffers)."""
+    tensors = (index.tensors[n] for n in sel.names.values())
+    return [(t.name, t.dtype) for t in tensors
+            if not keep_optimizer or t.group in ("model", "buffer")]
+
+
+def _target_dtype(t: TensorInfo, name: str, plan: CastPlan, keep_fp32: tuple[str, ...],
                   keep_optimizer: bool) -> str:
-    if t.dtype not in _CASTABLE or (keep_optimizer and t.group not in ("model", "buffer")):
+    if keep_optimizer and t.group not in ("model", "buffer"):
+        return t.dtype
+    if plan.is_kept(t.name):  # quantized, or a quantized tensor's scale: never cast
+        return plan.dtype(t.name, t.dtype)
+    if not t.is_floating:
         return t.dtype
     if any(fnmatch.fnmatchcase(name, g) for g in keep_fp32):
         return "F32"
-    return target or t.dtype
+    return plan.dtype(t.name, t.dtype)
 
 
 def _loader(src: TensorSource, t: TensorInfo, dst: str, name: str, clamp: bool,
@@ -240,3 +318,60 @@ def _side_files(index: CheckpointIndex, out: Path, notes: list[str]) -> dict[str
     if found:
         notes.append(f"copied {', '.join(sorted(found))}")
     return found
+
+
+_DTYPE_KEYS = ("dtype", "torch_dtype")  # transformers 4.56+ writes "dtype", older "torch_dtype"
+_FLOAT_NAMES = ("float64", "float32", "float16", "bfloat16", "float", "double", "half")
+_DTYPE_VALUE = re.compile(rb'("(?:torch_)?dtype"\s*:\s*)"(?:' + b"|".join(
+    n.encode() for n in _FLOAT_NAMES) + rb')"')
+
+
+def retype_config(data: bytes, target: str) -> tuple[bytes, dict[str, Any] | None]:
+    """Make a copied ``config.json`` name the dtype its weights were cast to.
+
+    ``from_pretrained`` loads weights in the dtype the config names (``"dtype"``, or the older
+    ``"torch_dtype"``): left at ``float32`` after ``--to fp16``, the FP16 weights would load as
+    FP32. Every such key holding a floating dtype is rewritten, at the top level and in nested
+    sub-configs (``text_config``...), but not inside ``quantization_config``. Only those
+    values change: the rest of the text (key order, spacing, other values) stays byte for byte
+    when the file's layout allows, and otherwise its meaning does (re-serialized in order).
+
+    Args:
+        data: The file's bytes.
+        target: The dtype code the floating weights were cast to (``F16``, ``BF16``, ``F32``).
+
+    Returns:
+        The bytes to write, and ``{file, keys, from, to}`` when anything changed (None when
+        the file names no floating dtype, already names ``target``'s, or is not a JSON object).
+    """
+    name = dtypes.get(target).torch_name
+    assert name is not None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return data, None
+    if not isinstance(doc, dict):
+        return data, None
+    changed: dict[str, str] = {}
+
+    def walk(obj: dict[str, Any], path: str) -> None:
+        for key, value in obj.items():
+            if key in _DTYPE_KEYS and isinstance(value, str) and value in _FLOAT_NAMES:
+                if value != name:
+                    obj[key] = name
+                    changed[path + key] = value
+            elif isinstance(value, dict) and key != "quantization_config":
+                walk(value, f"{path}{key}.")
+
+    walk(doc, "")
+    if not changed:
+        return data, None
+    new = _DTYPE_VALUE.sub(lambda m: m.group(1) + b'"' + name.encode() + b'"', data)
+    try:
+        same = json.loads(new) == doc
+    except ValueError:
+        same = False
+    if not same:  # a dtype key in quantization_config, a string holding one: write it anew
+        new = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
+    first = next(iter(changed.values()))
+    return new, {"file": "config.json", "keys": list(changed), "from": first, "to": name}

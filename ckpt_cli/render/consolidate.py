@@ -28,13 +28,15 @@ def _emit_json(r: ConsolidateResult) -> None:
         "tensor_bytes": r.write.tensor_bytes, "elements_in": r.elements_in,
         "elements_out": r.elements_out, "lost_elements": r.lost_elements,
         "aliases": r.aliases, "dropped": r.dropped, "details": r.details,
-        "verified": r.verified, "notes": r.notes, "seconds": round(r.seconds, 3),
+        "verified": r.verified, "kept": r.kept, "kept_scales": r.kept_scales,
+        "notes": r.notes, "seconds": round(r.seconds, 3),
         "warnings": [w.to_dict() for w in r.warnings],
         "followed": r.followed.to_dict() if r.followed else None,
         **({"part": r.write.part.to_dict()} if r.write.part else {})})
 
 
 def _render(r: ConsolidateResult, quiet: bool) -> None:
+    from ckpt_cli.cast import kept_summary
     from ckpt_cli.render import human
 
     out = human.stdout()
@@ -45,6 +47,8 @@ def _render(r: ConsolidateResult, quiet: bool) -> None:
     facts = ", ".join(f"{k} {v}" for k, v in r.details.items() if v is not None)
     out.print(f"Wrote {r.output}: {r.tensors:,} tensors, {human.size(r.write.tensor_bytes)} "
               f"from a {r.kind} checkpoint ({facts}) in {r.seconds:.1f} s")
+    if r.kept or r.kept_scales:
+        out.print("Kept: " + kept_summary(r.kept, r.kept_scales))
     dropped = {g: n for g, n in r.dropped.items() if n}
     if dropped:
         out.print("Dropped: " + ", ".join(f"{g} {n}" for g, n in sorted(dropped.items())))

@@ -26,6 +26,7 @@ def _emit_json(r: ConvertResult) -> None:
         "tensors": [{"name": n, "dtype": d, "shape": list(s)} for n, (d, s) in r.tensors.items()],
         "renamed": r.renamed, "dropped": r.dropped, "casts": r.casts, "aliases": r.aliases,
         "overflow": r.overflow, "clamped": r.clamped,
+        "kept": r.kept, "kept_scales": r.kept_scales, "config_dtype": r.config_dtype,
         "metadata": r.metadata, "notes": r.notes, "seconds": round(r.seconds, 3),
         "warnings": [w.to_dict() for w in r.warnings],
         "followed": r.followed.to_dict() if r.followed else None,
@@ -33,6 +34,7 @@ def _emit_json(r: ConvertResult) -> None:
 
 
 def _render(r: ConvertResult, quiet: bool) -> None:
+    from ckpt_cli.cast import kept_summary
     from ckpt_cli.render import human
 
     out = human.stdout()
@@ -41,6 +43,11 @@ def _render(r: ConvertResult, quiet: bool) -> None:
               f"in {files} file{'s' if files != 1 else ''} ({r.seconds:.1f} s)")
     if r.casts:
         out.print("Cast: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.casts.items())))
+    if r.kept or r.kept_scales:
+        out.print("Kept: " + kept_summary(r.kept, r.kept_scales))
+    if r.config_dtype:
+        c = r.config_dtype
+        out.print(f"Config: {c['file']} {', '.join(c['keys'])} {c['from']} -> {c['to']}")
     dropped = {g: n for g, n in r.dropped.items() if n}
     if dropped:
         out.print("Dropped: " + ", ".join(f"{g} {n}" for g, n in sorted(dropped.items())))

@@ -49,22 +49,41 @@ FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 _NAMING = {"safetensors": ("model", ".safetensors"), "pt": ("pytorch_model", ".bin")}
 
 
-def output_format(dest: Path, fmt: str | None) -> str:
+def output_format(dest: Path, fmt: str | None, *, directory: bool = False) -> str:
     """The format to write: ``fmt``, or what ``dest``'s suffix says (a directory: safetensors).
+
+    This is also where the output's kind is decided: a name ending in ``.safetensors``,
+    ``.pt``, ``.pth`` or ``.bin`` is a file; any other name is a directory, unless it has an
+    extension ckpt does not write (``model.safetenors``, ``x.txt``), which is refused rather
+    than silently made a directory. An extension is a suffix of letters and digits starting
+    with a letter (:func:`is_extension`): ``checkpoint-1.5`` and ``step_0001.00`` are
+    directory names. An existing directory, or a name given with a trailing slash
+    (``directory``), is a directory whatever its suffix.
 
     Args:
         dest: The output path.
         fmt: ``safetensors``, ``pt``, or None to infer it.
+        directory: The name was given with a trailing slash: the user means a directory.
 
     Returns:
         ``safetensors`` or ``pt``.
 
     Raises:
-        UsageError: An unknown format, or one that contradicts the file name (``x.pt`` as
-            safetensors would mislead every later reader).
+        UsageError: An unknown format, one that contradicts the file name (``x.pt`` as
+            safetensors would mislead every later reader), or an output name with an
+            extension ckpt does not write.
     """
     by_suffix = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt", ".bin": "pt"}
     implied = by_suffix.get(dest.suffix)
+    accepted = ", ".join(FILE_SUFFIXES[:-1]) + f" or {FILE_SUFFIXES[-1]}"
+    if implied and directory:
+        raise UsageError(f"{dest}/: ends in '/' (a directory) but names a {dest.suffix} file; "
+                         f"drop the '/' for a file, or name the directory without {dest.suffix}")
+    if (not implied and not directory and is_extension(dest.suffix)
+            and not dest.is_dir()):
+        raise UsageError(f"{dest}: unknown output extension {dest.suffix!r}; a file must end "
+                         f"in {accepted}; a directory has no extension (or give it with a "
+                         "trailing '/')")
     if fmt is None:
         return implied or "safetensors"
     if fmt not in FORMATS:
@@ -73,6 +92,34 @@ def output_format(dest: Path, fmt: str | None) -> str:
         raise UsageError(f"--format {fmt} does not match the file name {dest.name!r}",
                          hint=f"name it *.{'safetensors' if fmt == 'safetensors' else 'pt'}")
     return fmt
+
+
+def names_directory(output: str | os.PathLike[str]) -> bool:
+    """Whether an output argument ends in a slash: the user means a directory.
+
+    Args:
+        output: The output as given (a ``str`` keeps its trailing slash, a ``Path`` has none).
+
+    Returns:
+        True for ``out/`` or ``s3://bucket/out/``.
+    """
+    return isinstance(output, str) and len(output) > 1 and output.endswith(("/", os.sep))
+
+
+_EXTENSION = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,15}")
+
+
+def is_extension(suffix: str) -> bool:
+    """Whether a name's suffix is a file extension (``.txt``, ``.h5``, ``.safetenors``) rather
+    than part of a directory name (``.5`` in ``checkpoint-1.5``, ``.00``, ``.my_run``).
+
+    Args:
+        suffix: ``Path.suffix`` of the name (``""`` for none).
+
+    Returns:
+        True for a dot, a letter and up to 15 more letters or digits.
+    """
+    return _EXTENSION.fullmatch(suffix) is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,72 @@
+"""The output's kind follows its name: a known extension is a file, no extension a directory,
+and an extension ckpt does not write is refused (issue 24, item 11)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save_file
+
+from ckpt_cli.formats import read_index
+from tests.conftest import run_cli
+from tests.helpers.makers import hf_sharded, tiny_state_dict
+
+pytestmark = pytest.mark.requires_torch
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    path = tmp_path / "m.safetensors"
+    save_file(tiny_state_dict(), str(path))
+    return path
+
+
+@pytest.mark.parametrize("command", ["convert", "consolidate"])
+@pytest.mark.parametrize("name", ["out/model.safetenors", "out/x.txt", "model.ckpt", "m.h5"])
+def test_unknown_extension_is_refused(src: Path, tmp_path: Path, command: str,
+                                      name: str) -> None:
+    source = src if command == "convert" else _shards(tmp_path)
+    out = tmp_path / name
+    r = run_cli(command, source, "-o", out)
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "unknown output extension" in lines[0] and out.suffix in lines[0]
+    assert ".safetensors, .pt, .pth or .bin" in lines[0]
+    assert not out.exists() and not out.parent.joinpath("model.safetensors").exists()
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("name", ["checkpoint-1.5", "step_0001.00", "export", "run.my_run"])
+def test_names_without_an_extension_are_directories(src: Path, tmp_path: Path,
+                                                    name: str) -> None:
+    out = tmp_path / name
+    r = run_cli("convert", src, "--to", "fp16", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert (out / "model.safetensors").is_file()
+    assert read_index(out / "model.safetensors").tensors["head.weight"].dtype == "F16"
+
+
+def test_a_trailing_slash_or_an_existing_directory_says_directory(src: Path,
+                                                                  tmp_path: Path) -> None:
+    r = run_cli("convert", src, "-o", f"{tmp_path / 'export.v2'}/")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "export.v2" / "model.safetensors").is_file()
+    existing = tmp_path / "model.final"
+    existing.mkdir()
+    r = run_cli("consolidate", _shards(tmp_path), "-o", existing)
+    assert r.exit_code == 0, r.output
+    assert (existing / "model.safetensors").is_file()
+    # A file name that ends in a slash is contradictory: refused, nothing written.
+    r = run_cli("convert", src, "-o", f"{tmp_path / 'y.safetensors'}/")
+    assert r.exit_code == 2 and "ends in '/'" in r.stderr, r.output
+    assert not (tmp_path / "y.safetensors").exists()
+
+
+def _shards(tmp_path: Path) -> Path:
+    d = tmp_path / "shards"
+    if not d.exists():
+        d.mkdir()
+        hf_sharded(d, tiny_state_dict(), max_shard_size=1200)
+    return d
