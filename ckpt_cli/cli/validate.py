@@ -27,8 +27,10 @@ def validate_cmd(
     path: Annotated[Location, typer.Argument(help="Checkpoint file, shard set, checkpoint "
                                               "directory or run directory, or a URL (s3://...).",
                                          show_default=False, parser=location)],
-    latest: Annotated[bool, typer.Option("--latest", help="Run directory: validate only the "
-                                                          "latest checkpoint.")] = False,
+    latest: Annotated[bool, typer.Option(
+        "--latest", help="Run directory: validate only the checkpoint training resumes from "
+                         "(what latest or last.ckpt names, else the newest step; never an HF "
+                         "final model beside checkpoint-N).")] = False,
     values: Annotated[bool, typer.Option("--values", help="Also read every floating tensor: "
                                                           "NaN, Inf, all-zero.")] = False,
     require: Annotated[str | None, typer.Option(
