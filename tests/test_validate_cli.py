@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -182,6 +183,50 @@ def test_empty_file_named_like_a_checkpoint_is_invalid_not_unknown(tmp_path: Pat
 def test_junit_destination_problems_exit_2(pt: Path, tmp_path: Path) -> None:
     r = run_cli("validate", pt, "--junit", tmp_path / "no" / "such" / "dir.xml")
     assert r.exit_code == 2 and "parent directory does not exist" in r.stderr
+
+
+@pytest.mark.parametrize("case", ["missing", "fifo", "unrecognised", "usage", "json"])
+def test_junit_is_written_when_validate_cannot_run(tmp_path: Path, case: str) -> None:
+    # A CI step publishing the report after `ckpt validate` exited 2 used to find no file (or
+    # the previous run's): now one failed test case names the error.
+    out = tmp_path / "reports" / "junit.xml"
+    out.parent.mkdir()
+    out.write_text("<testsuites name='a previous run' />")
+    target, extra = tmp_path / "nope.pt", []
+    if case == "fifo":
+        target = tmp_path / "pipe.pt"
+        os.mkfifo(target)
+    elif case == "unrecognised":
+        target = tmp_path / "x.txt"
+        target.write_text("not a checkpoint")
+    elif case == "usage":
+        target = tmp_path / "t.pt"
+        torch.save(training_checkpoint(), target)
+        extra = ["--manifest-hash", "md5"]
+    elif case == "json":
+        extra = ["--json"]
+    r = run_cli("validate", target, "--junit", out, *extra)
+    assert r.exit_code == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("ckpt: error: ")]
+    error = line.removeprefix("ckpt: error: ")
+    root = ET.parse(out).getroot()
+    assert root.get("name") == f"ckpt validate {target}"
+    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("1", "1", "0")
+    (suite,) = root.findall("testsuite")
+    assert suite.get("name") == str(target) and suite.get("failures") == "1"
+    (tc,) = suite.findall("testcase")
+    assert tc.get("name") == "validate" and tc.get("classname") == f"ckpt.validate.{target.name}"
+    failure = tc.find("failure")
+    assert failure is not None and failure.get("message") == error
+    assert (failure.text or "").splitlines()[0] == f"error: {error}"
+    expected = {"missing": "no such file or directory", "fifo": "not a regular file (a FIFO)",
+                "unrecognised": "unrecognised file", "usage": "--manifest-hash must be one of",
+                "json": "no such file or directory"}[case]
+    assert expected in error
+    if case == "unrecognised":
+        assert failure.get("type") == "unknown-format"
+    if case == "json":
+        assert json.loads(r.stdout)["error"]["message"] in error
 
 
 def test_validate_does_not_import_torch(tmp_path: Path) -> None:
