@@ -232,6 +232,32 @@ class CheckpointReport:
         return next((c for c in self.checks if c.id == check_id), None)
 
 
+@dataclass(frozen=True, slots=True)
+class LatestChoice:
+    """The checkpoint ``validate --latest`` chose in a run directory, and why.
+
+    Attributes:
+        name: Its name in the run directory.
+        path: Its path.
+        step: Its training step, if known.
+        pointer: The pointer that named it (``latest``,
+            ``latest_checkpointed_iteration.txt``, a ``last.ckpt`` link), or None when it is
+            the newest checkpoint by step.
+        final_model: It is the run directory's own final model, chosen because no checkpoint
+            lies beside it (the final model holds weights only: training cannot resume
+            from it).
+        final_model_skipped: The run directory holds a final model, which was not checked:
+            training resumes from the checkpoints beside it, not from it.
+    """
+
+    name: str
+    path: Path
+    step: int | None
+    pointer: str | None = None
+    final_model: bool = False
+    final_model_skipped: bool = False
+
+
 @dataclass(slots=True)
 class PartStatus:
     """Where a split validation (``--part K/N``, ``--finalize``) stands.
@@ -277,6 +303,7 @@ class ValidateResult:
         final_model: Whether the run directory itself holds a final model (an HF Trainer
             ``output_dir``): then the last report is that model's.
         part: With ``--part`` or ``--finalize``: where the split validation stands.
+        latest: With ``--latest``: which checkpoint of the run was chosen, and why.
     """
 
     path: Path
@@ -286,6 +313,7 @@ class ValidateResult:
     run_checks: list[CheckResult] = field(default_factory=list)
     final_model: bool = False
     part: PartStatus | None = None
+    latest: LatestChoice | None = None
 
     @property
     def findings(self) -> list[Finding]:

@@ -2,7 +2,8 @@
 
 Sizes use decimal units like the HF hub (``5GB`` = 5e9 bytes); binary units are spelled
 ``GiB``. Counts take ``K M B T`` suffixes (``175B`` parameters). Durations accept ``90s``,
-``30m``, ``4h``, ``7d``, ``2w``, ``5y`` and combinations such as ``1h30m``.
+``30m``, ``4h``, ``7d``, ``2w``, ``5y`` and combinations such as ``1h30m``; a number without a
+unit is refused (``7`` could be seven days or seven seconds), except a zero where zero is allowed.
 
 Torch-free and humanize-free, so that the library (``ops``, the planners) and the output layer
 (``render``) format sizes and order names the same way.
@@ -95,7 +96,11 @@ def parse_count(text: str, *, what: str = "count", whole: bool = False) -> int:
 
 
 def parse_duration(text: str, *, what: str = "duration", allow_zero: bool = False) -> float:
-    """Parse a duration such as ``30m``, ``4h``, ``7d``, ``5y``, ``1h30m`` or ``90`` (seconds).
+    """Parse a duration such as ``30m``, ``4h``, ``7d``, ``5y`` or ``1h30m``.
+
+    Every number needs a unit: ``--older-than 7`` read as seconds would let a cron job delete
+    almost a whole run, so a bare number is refused naming the units. A bare ``0`` is accepted
+    where zero is (zero is zero in any unit).
 
     Args:
         text: The duration as typed.
@@ -106,21 +111,25 @@ def parse_duration(text: str, *, what: str = "duration", allow_zero: bool = Fals
         Seconds.
 
     Raises:
-        UsageError: Unparseable, unknown unit, zero or negative.
+        UsageError: Unparseable, a number without a unit, unknown unit, zero or negative.
     """
     s = text.strip()
     if re.fullmatch(_NUMBER, s):
-        total = float(s)
-    else:
-        parts = re.findall(rf"{_NUMBER}\s*(?P<unit>[A-Za-z]+)", s)
-        if not parts or re.sub(rf"{_NUMBER}\s*[A-Za-z]+|\s+", "", s):
-            raise UsageError(f"cannot parse {what} {text!r} (e.g. 90s, 30m, 4h, 7d, 1h30m)")
-        total = 0.0
-        for num, unit in parts:
-            factor = _DURATION_UNITS.get(unit.lower())
-            if factor is None:
-                raise UsageError(f"{what} {text!r}: unknown unit {unit!r} (use s, m, h, d, w, y)")
-            total += float(num) * factor
+        if float(s) == 0 and allow_zero:
+            return 0.0
+        if float(s) == 0:
+            raise UsageError(f"{what} must be positive, not {text!r}")
+        raise UsageError(f"{what} {text!r} needs a unit: {s}d (days), {s}h (hours), {s}m "
+                         f"(minutes) or {s}s (seconds); also w (weeks), y (years)")
+    parts = re.findall(rf"{_NUMBER}\s*(?P<unit>[A-Za-z]+)", s)
+    if not parts or re.sub(rf"{_NUMBER}\s*[A-Za-z]+|\s+", "", s):
+        raise UsageError(f"cannot parse {what} {text!r} (e.g. 90s, 30m, 4h, 7d, 1h30m)")
+    total = 0.0
+    for num, unit in parts:
+        factor = _DURATION_UNITS.get(unit.lower())
+        if factor is None:
+            raise UsageError(f"{what} {text!r}: unknown unit {unit!r} (use s, m, h, d, w, y)")
+        total += float(num) * factor
     if not math.isfinite(total) or total < 0 or (total == 0 and not allow_zero):
         raise UsageError(f"{what} must be positive, not {text!r}")
     return total

@@ -253,24 +253,59 @@ def _big_input(tmp_path: Path) -> Path:
     return src
 
 
+# Runs `ckpt convert ARGS...` (the real CLI: its signal handling, atomic_dir, writers) with one
+# change: once the first shard holds tensor data, the writer stops there, touches MARKER and
+# waits to be signalled. The test signals only after seeing MARKER, so the signal always lands
+# mid-write; polling for a shard and signalling at once used to race the commit (the whole
+# write takes about a second, and a loaded machine can stall the test that long).
+_PAUSED_CONVERT = """
+import os, signal, sys, time
+from pathlib import Path
+import ckpt_cli.writers as writers
+
+# Ctrl-C as at a terminal, even when the test runner was started with SIGINT ignored (a
+# shell's background job): an ignored SIGINT is inherited, and Python keeps it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+marker, real, calls = Path(sys.argv[1]), writers.write_all, [0]
+
+def write_all(f, data):
+    real(f, data)
+    calls[0] += 1
+    if calls[0] == 2:  # the first shard's header, then its first piece of tensor data
+        marker.touch()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        os._exit(3)  # never signalled: fail without committing anything
+
+writers.write_all = write_all
+sys.argv = ["ckpt", "convert", *sys.argv[2:]]
+from ckpt_cli.cli.app import main
+main()
+"""
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_killed_mid_write_leaves_no_output(tmp_path: Path, sig: signal.Signals) -> None:
     src = _big_input(tmp_path)
     before = sha(src)
     out = tmp_path / "out"
+    marker = tmp_path / "writing"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "ckpt_cli", "convert", str(src), "--to", "fp16",
-                          "--max-shard-size", "20MB", "-o", str(out), "--quiet"], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        tmps = list(tmp_path.glob(".out.ckpt-tmp-*"))
-        if tmps and any(f.stat().st_size > 0 for f in tmps[0].glob("*.safetensors")):
-            break
+    p = subprocess.Popen([sys.executable, "-c", _PAUSED_CONVERT, str(marker), str(src), "--to",
+                          "fp16", "--max-shard-size", "20MB", "-o", str(out), "--quiet"],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            _, err = p.communicate(timeout=60)
+            pytest.fail(f"the conversion never started writing: {err.decode()}")
         time.sleep(0.005)
-    else:
-        p.kill()
-        pytest.fail("the conversion never started writing")
+    # Mid-write, and held there until signalled: a temporary directory, a shard with data in
+    # it, no output yet.
+    (tmp,) = tmp_path.glob(".out.ckpt-tmp-*")
+    assert any(f.stat().st_size > 0 for f in tmp.glob("*.safetensors")) and not out.exists()
     p.send_signal(sig)
     _, err = p.communicate(timeout=60)
     assert not out.exists(), "a killed conversion must leave no output"
@@ -278,6 +313,7 @@ def test_killed_mid_write_leaves_no_output(tmp_path: Path, sig: signal.Signals) 
     leftovers = list(tmp_path.glob(".out.ckpt-tmp-*"))
     if sig == signal.SIGKILL:
         # Nothing can clean up after SIGKILL; what remains is hidden and named as temporary.
+        assert p.returncode == -signal.SIGKILL
         assert all(p.name.startswith(".") for p in leftovers)
     else:
         assert p.returncode == 130 and leftovers == [], err.decode()

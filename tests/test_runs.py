@@ -103,6 +103,82 @@ def test_a_damaged_final_model_without_trainer_state_is_still_checked(hf_output:
 
 
 @requires_torch
+def test_validate_latest_of_an_output_dir_checks_the_newest_checkpoint(hf_output: Path,
+                                                                      tmp_path: Path) -> None:
+    # The README's CI gate before resuming, on what Trainer.train() + save_model() leave: the
+    # final model (weights only, no optimizer, no step) is not what training resumes from.
+    gate = ("validate", hf_output, "--latest", "--require", "optimizer,step")
+    r = run_cli(*gate)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert ("--latest: checkpoint-4 (step 4, the newest checkpoint by step; the final model "
+            "is not checked)") in r.stdout
+    doc = _json(*gate)
+    assert [c["name"] for c in doc["checkpoints"]] == ["checkpoint-4"] and doc["valid"]
+    assert doc["latest"] == {"checkpoint": "checkpoint-4", "path": str(hf_output / "checkpoint-4"),
+                             "step": 4, "pointer": None, "final_model": False}
+    assert "latest" not in _json("validate", hf_output)  # only with --latest
+    # A damaged newest checkpoint fails the gate: no falling back to an older one, which is
+    # not what the Trainer would resume from.
+    out = tmp_path / "out"
+    shutil.copytree(hf_output, out)
+    (out / "checkpoint-4" / "optimizer.pt").write_bytes(b"")
+    r = run_cli("validate", out, "--latest", "--require", "optimizer,step", "--json")
+    assert r.exit_code == 1, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert [c["name"] for c in doc["checkpoints"]] == ["checkpoint-4"]
+    assert doc["latest"]["checkpoint"] == "checkpoint-4" and not doc["valid"]
+
+
+@requires_torch
+def test_validate_latest_with_only_a_final_model_says_nothing_resumes(hf_output: Path) -> None:
+    # --pattern matching no checkpoint leaves the final model alone: it is checked, and the
+    # gate fails because it cannot resume.
+    gate = ("validate", hf_output, "--latest", "--pattern", "^nothing$", "--require",
+            "optimizer,step")
+    r = run_cli(*gate)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert (f"--latest: {hf_output.name} (the final model: no checkpoint beside it to resume "
+            "from)") in r.stdout
+    doc = json.loads(run_cli(*gate, "--json").stdout)
+    assert [c["name"] for c in doc["checkpoints"]] == [hf_output.name]
+    assert doc["latest"]["final_model"] is True and doc["latest"]["pointer"] is None
+
+
+@requires_torch
+def test_validate_latest_of_a_trainer_dir_without_final_model(hf_trainer_dir: Path) -> None:
+    r = run_cli("validate", hf_trainer_dir, "--latest", "--require", "optimizer,step")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert "--latest: checkpoint-4 (step 4, the newest checkpoint by step)" in r.stdout
+    assert "final model" not in r.stdout
+
+
+@requires_torch
+def test_validate_latest_follows_resume_pointers(megatron_run: Path, sample_run: Path,
+                                                 lightning_dir: Path, tmp_path: Path) -> None:
+    # Megatron: the tracker names iter_0000100, not the newest iter_0000200.
+    doc = _json("validate", megatron_run, "--latest")
+    assert [c["name"] for c in doc["checkpoints"]] == ["iter_0000100"]
+    assert doc["latest"]["pointer"] == "latest_checkpointed_iteration.txt"
+    assert "--latest: iter_0000100 (step 100, named by latest_checkpointed_iteration.txt)" in (
+        run_cli("validate", megatron_run, "--latest").stdout)
+    # ckpt sample (torch step dirs and a DCP checkpoint): `latest` names the DCP step_000400.
+    doc = _json("validate", sample_run, "--latest")
+    assert [(c["name"], c["format"]) for c in doc["checkpoints"]] == [("step_000400", "dcp")]
+    assert doc["latest"] == {"checkpoint": "step_000400", "path": str(sample_run / "step_000400"),
+                             "step": 400, "pointer": "latest", "final_model": False}
+    # Lightning: last.ckpt (a copy) is the newest; a last.ckpt link names what it points at.
+    doc = _json("validate", lightning_dir, "--latest")
+    assert doc["latest"]["checkpoint"] == "last.ckpt" and doc["latest"]["step"] == 4
+    linked = tmp_path / "pl"
+    shutil.copytree(lightning_dir, linked)
+    (linked / "last.ckpt").unlink()
+    (linked / "last.ckpt").symlink_to("epoch=0-step=4.ckpt")
+    doc = _json("validate", linked, "--latest")
+    assert [c["name"] for c in doc["checkpoints"]] == ["epoch=0-step=4.ckpt"]
+    assert doc["latest"]["pointer"] == "last.ckpt" and doc["valid"]
+
+
+@requires_torch
 def test_a_checkpoint_of_the_run_is_still_one_checkpoint(hf_output: Path) -> None:
     doc = _json("inspect", hf_output / "checkpoint-4")
     assert doc["kind"] == "checkpoint" and "checkpoints" not in doc

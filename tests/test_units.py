@@ -36,11 +36,29 @@ def test_counts(text: str, expected: int) -> None:
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("90s", 90), ("30m", 1800), ("4h", 14400), ("7d", 604800), ("1h30m", 5400), ("90", 90),
+    ("90s", 90), ("30m", 1800), ("4h", 14400), ("7d", 604800), ("1h30m", 5400), ("90s", 90),
     ("5y", 5 * 365 * 86400), ("2w", 14 * 86400),
 ])
 def test_durations(text: str, expected: float) -> None:
     assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("text", ["7", "90", " 12 ", "1.5", "1e3"])
+def test_a_duration_without_a_unit_is_refused_naming_the_units(text: str) -> None:
+    # "--older-than 7" used to mean 7 seconds: a cron job pruning with it deleted almost a run.
+    n = text.strip()
+    with pytest.raises(UsageError) as e:
+        parse_duration(text, what="--older-than")
+    assert e.value.message == (f"--older-than {text!r} needs a unit: {n}d (days), {n}h (hours), "
+                               f"{n}m (minutes) or {n}s (seconds); also w (weeks), y (years)")
+    assert e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("text", ["0", "0.0", "0s", "0m"])
+def test_zero_needs_no_unit_where_zero_is_allowed(text: str) -> None:
+    assert parse_duration(text, what="--grace", allow_zero=True) == 0
+    with pytest.raises(UsageError, match="must be positive"):
+        parse_duration(text, what="--mtbf")
 
 
 def test_rates() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -171,17 +172,90 @@ def test_unreadable_path_exits_2(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "unrecognised file" in r.stderr and r.stdout == ""
 
 
-def test_empty_file_named_like_a_checkpoint_is_invalid_not_unknown(tmp_path: Path) -> None:
-    p = tmp_path / "model.safetensors"
+EMPTY = "empty file (0 bytes): not a checkpoint, or its write never started"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "train.pt", "pytorch_model.bin",
+                                  "model.pth", "last.ckpt", "checkpoint",
+                                  "model.safetensors.index.json"])
+@pytest.mark.parametrize("fmt", [None, "torch"])
+def test_an_empty_file_is_unreadable_input_as_inspect_says(tmp_path: Path, name: str,
+                                                           fmt: str | None) -> None:
+    # validate used to say INVALID, exit 1, "pickle data was truncated" (or "0 bytes is too
+    # short for a safetensors file") where inspect said "empty file (0 bytes)", exit 2. An
+    # empty file holds nothing to recognise or check, like a missing or unrecognised path:
+    # exit 2 and the same line from both, whatever the name or --input-format says.
+    p = tmp_path / name
     p.write_bytes(b"")
-    r = run_cli("validate", p)
-    assert r.exit_code == 1
-    assert "error: model.safetensors: 0 bytes is too short for a safetensors file" in r.stdout
+    forced = ["--input-format", fmt] if fmt else []
+    for command in ("validate", "inspect"):
+        r = run_cli(command, p, *forced)
+        assert r.exit_code == 2, (command, r.stdout, r.stderr)
+        assert r.stderr.strip().splitlines() == [f"ckpt: error: {p}: {EMPTY}"], command
+        assert r.stdout == ""
+
+
+def test_an_empty_file_in_a_run_directory_is_a_finding_with_the_same_words(
+        tmp_path: Path) -> None:
+    # Inside a run directory the run is what was given: its empty checkpoint is a problem
+    # found (exit 1), named in the same words.
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save(training_checkpoint(), run / "step_100.pt")
+    (run / "step_200.pt").write_bytes(b"")
+    doc = _json(run, code=1)
+    by_name = {c["name"]: c for c in doc["checkpoints"]}
+    assert by_name["step_100.pt"]["valid"] and not by_name["step_200.pt"]["valid"]
+    assert [f["message"] for f in by_name["step_200.pt"]["findings"]] == [EMPTY]
 
 
 def test_junit_destination_problems_exit_2(pt: Path, tmp_path: Path) -> None:
     r = run_cli("validate", pt, "--junit", tmp_path / "no" / "such" / "dir.xml")
     assert r.exit_code == 2 and "parent directory does not exist" in r.stderr
+
+
+@pytest.mark.parametrize("case", ["missing", "fifo", "unrecognised", "usage", "json"])
+def test_junit_is_written_when_validate_cannot_run(tmp_path: Path, case: str) -> None:
+    # A CI step publishing the report after `ckpt validate` exited 2 used to find no file (or
+    # the previous run's): now one failed test case names the error.
+    out = tmp_path / "reports" / "junit.xml"
+    out.parent.mkdir()
+    out.write_text("<testsuites name='a previous run' />")
+    target, extra = tmp_path / "nope.pt", []
+    if case == "fifo":
+        target = tmp_path / "pipe.pt"
+        os.mkfifo(target)
+    elif case == "unrecognised":
+        target = tmp_path / "x.txt"
+        target.write_text("not a checkpoint")
+    elif case == "usage":
+        target = tmp_path / "t.pt"
+        torch.save(training_checkpoint(), target)
+        extra = ["--manifest-hash", "md5"]
+    elif case == "json":
+        extra = ["--json"]
+    r = run_cli("validate", target, "--junit", out, *extra)
+    assert r.exit_code == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("ckpt: error: ")]
+    error = line.removeprefix("ckpt: error: ")
+    root = ET.parse(out).getroot()
+    assert root.get("name") == f"ckpt validate {target}"
+    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("1", "1", "0")
+    (suite,) = root.findall("testsuite")
+    assert suite.get("name") == str(target) and suite.get("failures") == "1"
+    (tc,) = suite.findall("testcase")
+    assert tc.get("name") == "validate" and tc.get("classname") == f"ckpt.validate.{target.name}"
+    failure = tc.find("failure")
+    assert failure is not None and failure.get("message") == error
+    assert (failure.text or "").splitlines()[0] == f"error: {error}"
+    expected = {"missing": "no such file or directory", "fifo": "not a regular file (a FIFO)",
+                "unrecognised": "unrecognised file", "usage": "--manifest-hash must be one of",
+                "json": "no such file or directory"}[case]
+    assert expected in error
+    if case == "unrecognised":
+        assert failure.get("type") == "unknown-format"
+    if case == "json":
+        assert json.loads(r.stdout)["error"]["message"] in error
 
 
 def test_validate_does_not_import_torch(tmp_path: Path) -> None:

@@ -28,8 +28,10 @@ def validate_cmd(
     path: Annotated[Location, typer.Argument(help="Checkpoint file, shard set, checkpoint "
                                               "directory or run directory, or a URL (s3://...).",
                                          show_default=False, parser=location)],
-    latest: Annotated[bool, typer.Option("--latest", help="Run directory: validate only the "
-                                                          "latest checkpoint.")] = False,
+    latest: Annotated[bool, typer.Option(
+        "--latest", help="Run directory: validate only the checkpoint training resumes from "
+                         "(what latest or last.ckpt names, else the newest step; never an HF "
+                         "final model beside checkpoint-N).")] = False,
     values: Annotated[bool, typer.Option("--values", help="Also read every floating tensor: "
                                                           "NaN, Inf, all-zero.")] = False,
     require: Annotated[str | None, typer.Option(
@@ -90,20 +92,26 @@ def validate_cmd(
     from ckpt_cli.ops.validate import validate
 
     with handled() as outcome:
-        use_storage(storage_option, concurrency)
-        local_only(path if write_manifest else None, "--write-manifest's checkpoint")
         local_only(junit, '--junit')
-        local_only(parts_dir, '--parts-dir')
-        from ckpt_cli.units import parse_size
+        try:
+            use_storage(storage_option, concurrency)
+            local_only(path if write_manifest else None, "--write-manifest's checkpoint")
+            local_only(parts_dir, '--parts-dir')
+            from ckpt_cli.units import parse_size
 
-        budget = parse_size(max_memory, what="--max-memory") if max_memory else None
-        with byte_progress("validating", enabled=not (quiet or json)) as bar:
-            result = validate(path, fmt=input_format, latest=latest, quick=quick, values=values,
-                              require=require, write_manifest=write_manifest,
-                              manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern,
-                              on_progress=bar.labelled, part=part, finalize=finalize,
-                              parts_dir=parts_dir, max_memory=budget,
-                              allow_globals=allow_global or ())
+            budget = parse_size(max_memory, what="--max-memory") if max_memory else None
+            with byte_progress("validating", enabled=not (quiet or json)) as bar:
+                result = validate(path, fmt=input_format, latest=latest, quick=quick,
+                                  values=values, require=require,
+                                  write_manifest=write_manifest,
+                                  manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern,
+                                  on_progress=bar.labelled, part=part, finalize=finalize,
+                                  parts_dir=parts_dir, max_memory=budget,
+                                  allow_globals=allow_global or ())
+        except (Exception, KeyboardInterrupt) as e:
+            if junit is not None:
+                _junit_of_error(junit, path, e)
+            raise
         outcome.exit_code = code = result.exit_code(strict=strict)
         if junit is not None:
             from ckpt_cli.render.junit import write_junit
@@ -113,3 +121,30 @@ def validate_cmd(
 
         show(result, json=json, strict=strict, verbose=verbose)
     raise typer.Exit(code)
+
+
+def _junit_of_error(dest: Location, path: Location, error: BaseException) -> None:
+    """``--junit`` when the validation could not run: a report with one failed case naming
+    the error, so that a CI step publishing it finds one. The error itself still goes to
+    stderr and sets the exit code (``handled()``); a report that cannot be written is said
+    on stderr too."""
+    from ckpt_cli.errors import CkptError
+    from ckpt_cli.render.junit import error_junit_xml, write_junit_bytes
+
+    detail = ""
+    if isinstance(error, CkptError):
+        kind, message = error.kind, str(error)
+        detail = f"hint: {error.hint}" if error.hint else ""
+    elif isinstance(error, KeyboardInterrupt):
+        kind, message = "interrupted", "interrupted"
+    elif isinstance(error, MemoryError):
+        kind, message = "memory", "out of memory"
+    elif isinstance(error, OSError) and error.strerror:
+        where = f"{error.filename}: " if isinstance(error.filename, str) else ""
+        kind, message = "os", f"{where}{error.strerror}"
+    else:
+        kind, message = "internal", f"internal error: {type(error).__name__}: {error}"
+    try:
+        write_junit_bytes(error_junit_xml(path, kind, message, detail), dest)
+    except CkptError as e:
+        typer.echo(f"ckpt: error: {e}", err=True)

@@ -88,11 +88,13 @@ def detect(path: Path, fmt: str | None = None) -> Reader:
     special = None if is_dir else not_regular(path)
     if special is not None:
         raise CkptError(special, path=path)  # never opened: a FIFO would block the read
-    if fmt:
-        return get_reader(fmt)
     if not is_dir and path.is_file() and path.stat().st_size == 0:
+        # Whatever the name or --input-format says: no format's file is empty, and every
+        # command (inspect, validate, diff...) says so in the same words.
         raise UnknownFormatError("empty file (0 bytes): not a checkpoint, or its write never "
                                  "started", path=path)
+    if fmt:
+        return get_reader(fmt)
     if not is_dir and path.name.endswith(INDEX_SUFFIXES) and "hf-index" in _READERS:
         return _READERS["hf-index"]  # an index file names a shard set: read it as one
     reasons: list[str] = []

@@ -77,6 +77,40 @@ def junit_xml(result: ValidateResult) -> bytes:
     return data + b"\n"
 
 
+def error_junit_xml(path: Path | str, kind: str, message: str, detail: str = "") -> bytes:
+    """The JUnit XML document of a validation that could not run (exit 2): one failed case.
+
+    A CI step that publishes the report after ``ckpt validate`` then finds a file saying what
+    went wrong (a missing path, an unreadable file, a bad option) instead of no file at all.
+
+    Args:
+        path: The path given to ``validate``.
+        kind: The kind of error (as ``error.kind`` in ``--json`` documents).
+        message: The error, one line (as printed on stderr).
+        detail: More lines (a hint), if any.
+
+    Returns:
+        UTF-8 XML with a declaration.
+    """
+    from ckpt_cli.storage import redact
+
+    message, detail = redact(message), redact(detail)
+    name = str(path)
+    root = ET.Element("testsuites", {"name": f"ckpt validate {name}", "tests": "1",
+                                     "failures": "1", "errors": "0", "skipped": "0",
+                                     "time": "0.000"})
+    suite = ET.SubElement(root, "testsuite", {"name": name, "tests": "1", "failures": "1",
+                                              "errors": "0", "skipped": "0", "time": "0.000"})
+    case = ET.SubElement(suite, "testcase", {
+        "classname": f"ckpt.validate.{Path(name).name or name}", "name": "validate",
+        "time": "0"})
+    fail = ET.SubElement(case, "failure", {"message": message[:500], "type": kind})
+    fail.text = "\n".join(x for x in (f"error: {message}", detail) if x)
+    ET.indent(root)
+    data: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)
+    return data + b"\n"
+
+
 def write_junit(result: ValidateResult, dest: Path) -> None:
     """Write :func:`junit_xml` to ``dest`` atomically (replacing an existing file).
 
@@ -87,7 +121,19 @@ def write_junit(result: ValidateResult, dest: Path) -> None:
     Raises:
         CkptError: If it cannot be written.
     """
-    data = junit_xml(result)
+    write_junit_bytes(junit_xml(result), dest)
+
+
+def write_junit_bytes(data: bytes, dest: Path) -> None:
+    """Write a JUnit document to ``dest`` atomically (replacing an existing file).
+
+    Args:
+        data: The XML (:func:`junit_xml`, :func:`error_junit_xml`).
+        dest: The XML file.
+
+    Raises:
+        CkptError: If it cannot be written.
+    """
     try:
         with atomic_file(Path(dest), overwrite=True) as tmp:
             tmp.write_bytes(data)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ckpt_cli.results import (
         CheckpointReport,
         CheckResult,
+        LatestChoice,
         ManifestResult,
         PartStatus,
         ValidateResult,
@@ -106,6 +107,24 @@ def part_line(p: PartStatus) -> str:
             "finish, or --finalize, merges the report)")
 
 
+def latest_line(c: LatestChoice) -> str:
+    """One line: which checkpoint ``--latest`` chose, and why."""
+    step = f"step {c.step:,}, " if c.step is not None else ""
+    if c.final_model:
+        return (f"--latest: {c.name} (the final model: no checkpoint beside it to resume "
+                "from)")
+    why = (f"named by {c.pointer}" if c.pointer is not None else
+           "the newest checkpoint by step")
+    skipped = "; the final model is not checked" if c.final_model_skipped else ""
+    return f"--latest: {c.name} ({step}{why}{skipped})"
+
+
+def latest_dict(c: LatestChoice) -> dict[str, Any]:
+    """JSON-ready form of ``--latest``'s choice."""
+    return {"checkpoint": c.name, "path": str(c.path), "step": c.step, "pointer": c.pointer,
+            "final_model": c.final_model}
+
+
 def _shown(severity: str, min_sev: str) -> bool:
     order = {"info": 0, "warning": 1, "error": 2}
     return order[severity] >= order[min_sev]
@@ -116,6 +135,8 @@ def _render_run(result: ValidateResult, console: Console, *, verbose: bool,
     n = len(result.checkpoints)
     console.print(Text(f"{result.path}  run directory, {n} checkpoint(s) validated",
                        style="bold"))
+    if result.latest is not None:
+        console.print(Text(latest_line(result.latest)))
     table = Table(box=None, pad_edge=False, show_edge=False)
     for col, just in (("Checkpoint", "left"), ("Step", "right"), ("Format", "left"),
                       ("Result", "left"), ("Errors", "right"), ("Warnings", "right"),
@@ -190,7 +211,9 @@ def result_dict(result: ValidateResult) -> dict[str, Any]:
 
     owner = {id(f): c.id for c in result.run_checks for f in c.findings}
     findings = result.findings
-    extra = {"part": part_dict(result.part)} if result.part is not None else {}
+    extra: dict[str, Any] = {"part": part_dict(result.part)} if result.part is not None else {}
+    if result.latest is not None:
+        extra["latest"] = latest_dict(result.latest)
     return {**extra,
         "path": str(result.path), "kind": result.kind, "valid": result.valid,
         "summary": {"checkpoints": len(result.checkpoints),

@@ -49,7 +49,7 @@ from ckpt_cli.manifest import (
     verify_manifest,
     write_manifest,
 )
-from ckpt_cli.model import CheckpointIndex, Finding, RunEntry
+from ckpt_cli.model import CheckpointIndex, Finding, RunEntry, RunListing
 from ckpt_cli.ops.validate.dcpcheck import check_dcp
 from ckpt_cli.ops.validate.layoutcheck import (
     directory_pointers,
@@ -67,12 +67,14 @@ from ckpt_cli.results import (
     CHECKS,
     CheckpointReport,
     CheckResult,
+    LatestChoice,
     ManifestResult,
     Status,
     ValidateResult,
 )
 from ckpt_cli.runs import (
     POINTER_FILES,
+    RESUME_POINTERS,
     holds_final_model,
     is_run_dir,
     list_run,
@@ -185,8 +187,9 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
     Args:
         path: A checkpoint file or directory, or a run directory.
         fmt: Read the input as this format (skips detection and run-directory handling).
-        latest: For a run directory, validate only the checkpoint ``latest`` names (else the
-            newest).
+        latest: For a run directory, validate only the checkpoint training would resume from:
+            the one a resume pointer names, else the newest by step (never an HF Trainer
+            final model while checkpoints lie beside it); the result's ``latest`` says which.
         quick: Structure only: skip the CRC-32 pass and DCP item decoding (no data is read).
         values: Also read every floating tensor and report NaN, Inf and all-zero tensors.
         require: ``optimizer`` and/or ``step``: their absence becomes an error.
@@ -365,12 +368,13 @@ def _validate_run(root: Path, opts: Options, *, latest: bool, pattern: str | Non
     run = list_run(root, pattern)
     result = ValidateResult(root, "run", run=run, final_model=final_model)
     entries = run.entries
-    if latest and entries:
-        target = next((e for e in entries if e.name == run.latest), entries[-1])
-        entries = [] if final_model else [target]  # the final model is the newest
+    if latest:
+        result.latest = choice = _latest_choice(root, run, final_model)
+        entries = [e for e in entries if choice is not None and e.name == choice.name]
     for e in entries:
         result.checkpoints.append(_one(e.path, opts, e, split, result))
-    if final_model:
+    if final_model and (not latest or (result.latest is not None
+                                       and result.latest.final_model)):
         # Trained last, so reported last; its own entry so that damage is a finding.
         result.checkpoints.append(_final_model_report(
             _one(root, opts, run_entry(root), split, result)))
@@ -393,6 +397,30 @@ def _validate_run(root: Path, opts: Options, *, latest: bool, pattern: str | Non
             "error", "no-checkpoints", "the run directory holds no checkpoint", None))
         result.run_checks[0].status = "fail"
     return result
+
+
+def _latest_choice(root: Path, run: RunListing, final_model: bool) -> LatestChoice | None:
+    """What ``--latest`` checks: the checkpoint training would resume from.
+
+    A resume pointer (``latest``, Megatron's tracker, a ``last.ckpt`` link) wins where the
+    layout has one; else the newest checkpoint by step (HF Trainer resumes from the highest
+    ``checkpoint-N``). An HF Trainer ``output_dir``'s final model is never the choice while a
+    checkpoint lies beside it: ``save_model()`` writes weights only, and training resumes from
+    the checkpoints.
+    """
+    if not run.entries:
+        # Nothing beside the final model: check what there is, so that --require still says
+        # that nothing here can resume. (No checkpoint at all is the run check's error.)
+        return LatestChoice(root.name, root, None, final_model=True) if final_model else None
+    chosen = next((e for e in run.entries if e.name == run.latest), None)
+    pointer = None
+    if chosen is not None:
+        pointer = next((k for k in (*RESUME_POINTERS, *sorted(run.pointers))
+                        if run.pointers.get(k) == chosen.name), None)
+    else:
+        chosen = run.entries[-1]
+    return LatestChoice(chosen.name, chosen.path, chosen.step, pointer,
+                        final_model_skipped=final_model)
 
 
 def _final_model_report(report: CheckpointReport) -> CheckpointReport:
