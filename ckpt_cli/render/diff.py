@@ -343,6 +343,15 @@ def meta_table(items: list[MetaDiff], top: int | None) -> Table:
     return table
 
 
+def most_changed_modules(mods: list[ModuleDiff], top: int | None) -> list[ModuleDiff]:
+    """The ``top`` most changed modules (by relative L2; NaN first), still in model order."""
+    if not top or len(mods) <= top:
+        return mods
+    rank = sorted(range(len(mods)), key=lambda i: (
+        -math.inf if math.isnan(mods[i].rel_l2) else -mods[i].rel_l2, i))
+    return [mods[i] for i in sorted(rank[:top])]
+
+
 def module_table(mods: list[ModuleDiff]) -> Table:
     """The per-module roll-up, in model order, bars relative to the most changed module."""
     finite = [m.rel_l2 for m in mods if math.isfinite(m.rel_l2)]
@@ -404,7 +413,11 @@ def render(r: DiffResult, path_a: str, path_b: str, *, top: int | None = 20,
                  shown(len(r.metadata)), meta_table(r.metadata, top))
     if by_module:
         mods = r.by_module(depth)
-        _section(out, f"By module ({len(mods):,})", len(mods), len(mods), module_table(mods))
+        n = shown(len(mods))
+        title = f"By module ({len(mods):,}" + (
+            f"; the {n:,} most changed, in model order" if n < len(mods) else "") + ")"
+        _section(out, title, len(mods), n,
+                 module_table(most_changed_modules(mods, top)))
 
 
 def print_warnings(r: DiffResult) -> None:
