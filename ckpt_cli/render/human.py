@@ -384,8 +384,10 @@ def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
     dt = {k: v for k, v in index.params_by_dtype.items() if v}
     total = sum(dt.values()) or 1
     if dt:
+        # Elements, not parameters: buffers count here too (so the sum can exceed Parameters).
         g.add_row("Dtypes", ", ".join(f"{k} {count(v)} ({100 * v / total:.0f}%)"
-                                          for k, v in sorted(dt.items(), key=lambda kv: -kv[1])))
+                                      for k, v in sorted(dt.items(), key=lambda kv: -kv[1]))
+                  + " elements of weights and buffers")
     master = index.layout.get("master_weights")
     if isinstance(master, dict):
         # ZeRO-3: the model states hold placeholders; say where the weights are instead.
