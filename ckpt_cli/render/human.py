@@ -138,8 +138,8 @@ class FitTable(Table):
     rich alone shrinks every column evenly once wrapping is not enough, cutting checkpoint
     names, dates and numbers to ``step_000…`` and ``0.0…``. Here, at render time, columns are
     dropped in :attr:`Col.drop` order until what must stay whole fits; then names and prose
-    wrap (never cut). Lines carry no trailing spaces (cells are padded to their column's
-    width, which piped output and ``diff`` of two outputs would otherwise keep).
+    wrap (never cut). The padding rich adds to each cell is stripped from line ends by the
+    consoles of :func:`stdout` and :func:`stderr`.
     """
 
     cols: tuple[Col, ...] = ()
