@@ -74,6 +74,26 @@ bytes in memory until it is acknowledged."""
 
 EXTRA_HINT = "pip install 'ckpt-cli[s3]'"
 
+CLIENTS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
+           "abfs": "adlfs", "abfss": "adlfs", "adl": "adlfs", "oss": "ossfs"}
+"""The package fsspec needs for each scheme (``memory://`` is fsspec's own)."""
+
+
+def install_hint(scheme: str, *, fsspec: bool = True) -> str:
+    """What to install for ``scheme://`` URLs: the ``s3`` extra, else fsspec's client.
+
+    Args:
+        scheme: The URL scheme.
+        fsspec: Whether fsspec itself is missing too.
+
+    Returns:
+        The ``pip install`` command.
+    """
+    client = CLIENTS.get(scheme)
+    if client == "s3fs":
+        return EXTRA_HINT
+    return "pip install " + " ".join(p for p in ("fsspec" if fsspec else None, client) if p)
+
 OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss",
                            "memory"})
 """Schemes whose URLs are ``scheme://bucket/key`` (fsspec's object stores): the ones ckpt
@@ -236,7 +256,7 @@ def _import_fsspec(scheme: str) -> Any:
     try:
         import fsspec  # type: ignore[import-untyped]  # only URLs pay for it
     except ImportError:
-        raise UsageError(f"{scheme}:// URLs need fsspec: {EXTRA_HINT}") from None
+        raise UsageError(f"{scheme}:// URLs need fsspec: {install_hint(scheme)}") from None
     return fsspec
 
 
@@ -309,7 +329,7 @@ class ObjectStore:
             self.fs = fsspec.filesystem(scheme, skip_instance_cache=True, **options)
         except ImportError as e:
             raise UsageError(f"{scheme}:// URLs need a client library ({redact(str(e))}): "
-                             f"{EXTRA_HINT}") from None
+                             f"{install_hint(scheme, fsspec=False)}") from None
         except (ValueError, TypeError) as e:
             raise UsageError(f"{scheme}://: bad storage options ({redact(str(e))})") from None
         self._entries: dict[str, Entry] = {}

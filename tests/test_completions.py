@@ -32,3 +32,17 @@ def test_completion_answers_subcommands() -> None:
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=60)
     assert "inspect" in r.stdout.split()
+
+
+@pytest.mark.parametrize("command", ["convert", "consolidate"])
+def test_completion_offers_the_cast_targets(command: str) -> None:
+    """``--to <TAB>`` offers the targets (and only those matching what is typed)."""
+    code = "from ckpt_cli.cli.app import main; main()"
+    answers = []
+    for words in (f"ckpt {command} x --to ", f"ckpt {command} x --to b"):
+        env = {**os.environ, "_CKPT_COMPLETE": "complete_bash", "COMP_WORDS": words,
+               "COMP_CWORD": "4"}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=60)
+        answers.append(r.stdout.split())
+    assert answers == [["fp16", "bf16", "fp32", "keep"], ["bf16"]]

@@ -434,3 +434,19 @@ def test_deepspeed_split_in_parts_is_byte_identical(ds_dir: Path, tmp_path: Path
     assert sorted(p.name for p in split.iterdir()) == sorted(p.name for p in one.iterdir())
     for name in [*shards, "model.safetensors.index.json"]:
         assert (split / name).read_bytes() == (one / name).read_bytes(), name
+
+
+def test_human_summary_says_what_was_kept_and_left_out(sample_run: Path, tmp_path: Path) -> None:
+    r = run_cli("consolidate", sample_run / "step_000400", "-o", tmp_path / "o")
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "5 files (2.4 MB) -> 2 files (677.8 kB)"  # no "0 elements lost" here
+    assert "from a dcp checkpoint (world_size 4, files_per_rank 1, step 400) in " in lines[1]
+    assert lines[2] == "Kept: 30 tensors, all 168,704 of their elements"
+    assert lines[3] == "Left out: 84 optimizer tensors (--with-optimizer keeps them)"
+    # A source without facts to tell (an HF index) prints no empty parentheses.
+    r = run_cli("consolidate", sample_run / "export", "-o", tmp_path / "one.safetensors",
+                "--max-shard-size", "0")
+    assert r.exit_code == 0, r.stderr
+    assert "from a hf-index checkpoint in " in r.stdout and "()" not in r.stdout
+    assert "Left out" not in r.stdout

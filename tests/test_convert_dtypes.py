@@ -151,7 +151,8 @@ def test_consolidate_keeps_fp8_and_scales(tmp_path: Path) -> None:
     assert got["layers.1.fc.bias"].dtype == torch.float16
     out = run_cli("consolidate", tmp_path / "shards", "-o", tmp_path / "two", "--to", "bf16")
     assert out.exit_code == 0, out.output
-    assert "Kept: F8_E4M3 x2 (quantized; use a dequantizing conversion)" in out.stdout
+    # Beside "Kept: N tensors, all M of their elements": what was kept uncast.
+    assert "Kept as is: F8_E4M3 x2 (quantized; use a dequantizing conversion)" in out.stdout
 
 
 def test_to_fp32_still_widens_fp16_and_bf16(tmp_path: Path) -> None:

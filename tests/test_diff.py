@@ -440,7 +440,15 @@ def test_human_tables_top_and_by_module(tmp_path: Path) -> None:
     assert len(rows) == 2 and "head.weight" not in rows  # the smallest change is cut by --top
     assert "█" in table and "more (--top 0 shows all)" in table
     modules = out[out.index("By module"):]
-    assert "layers.0" in modules and "head" in modules and "embed" in modules
+    # --top limits this table too: the 2 most changed modules, in model order.
+    assert modules.startswith("By module (3; the 2 most changed, in model order)")
+    assert "layers.0" in modules and "head" in modules and "embed" not in modules
+    assert modules.index("head") < modules.index("layers.0")
+    assert "… 1 more (--top 0 shows all)" in modules
+    r = run_cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--top", "0",
+                "--by-module", "--depth", "2")
+    modules = r.stdout[r.stdout.index("By module"):]
+    assert modules.startswith("By module (3)\n") and "embed" in modules and "more" not in modules
     doc = _json(tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--by-module",
                 "--depth", "2", code=1)
     mods = {m["name"]: m for m in doc["modules"]}

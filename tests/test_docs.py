@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,23 @@ def test_command_in_readme(name: str) -> None:
 def test_readme_has_the_two_newcomer_commands() -> None:
     assert "./.ci/run" in README or ".ci/run" in README
     assert "ckpt sample" in README and "ckpt inspect" in README
+
+
+def test_sample_duration_is_the_same_in_help_and_readme() -> None:
+    """One measured figure, not "about 15 seconds" in one place and "15-60 s" in another."""
+    r = run_cli("sample", "--help")
+    said = re.search(r"Takes (\d+-\d+) seconds", " ".join(r.stdout.split()))
+    assert said, r.stdout
+    assert f"ckpt sample demo-run            # {said[1]} s;" in README
+    assert f"It takes {said[1]} seconds" in README
+
+
+def test_quick_start_leaves_nothing_for_git() -> None:
+    """The quick start's ``ckpt sample demo-run`` writes into the clone: git ignores it; and
+    no stray empty file sits at the repository's root."""
+    root = Path(__file__).parent.parent
+    dest = re.search(r"ckpt sample (\S+) && ckpt inspect", README)
+    assert dest, "the quick start runs ckpt sample"
+    ignored = (root / ".gitignore").read_text().split()
+    assert f"{dest[1].rstrip('/')}/" in ignored
+    assert not [p.name for p in root.iterdir() if p.is_file() and p.stat().st_size == 0]

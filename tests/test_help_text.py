@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import re
+from typing import Any
 
 import pytest
+import typer
+import typer.main
 from typer.testing import CliRunner
 
 from ckpt_cli.cli.app import app, command_help
@@ -96,3 +100,47 @@ def test_command_help_joins_paragraph_lines_and_keeps_indented_ones() -> None:
         "Summary line.\n\n"
         "A paragraph hard-wrapped in the source, over three lines.\n\n"
         "Examples:\n  ckpt a --one\n  ckpt b --two\nTrailing prose after the examples.")
+
+
+def _params(name: str) -> list[Any]:
+    command = typer.main.get_command(app)
+    ctx = command.make_context("ckpt", [name, "--help"], resilient_parsing=True)
+    sub = command.get_command(ctx, name)  # type: ignore[attr-defined]
+    return [p for p in sub.get_params(sub.make_context(name, [], parent=ctx,
+                                                       resilient_parsing=True))
+            if not getattr(p, "hidden", False)]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_reads_whole_at_80_columns(name: str) -> None:
+    """Nothing cut (``--force,--overw…``, ``docs/json-schema…``), no metavar split over
+    lines (``adafact`` / ``or``): every option name, metavar and word of help is whole."""
+    lines = _help([name], 80)
+    text = "\n".join(lines)
+    assert "…" not in text
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    words = {w for line in lines for w in line.replace("│", " ").split()}
+    for p in _params(name):
+        for opt in [*p.opts, *p.secondary_opts]:
+            if opt.startswith("-"):
+                assert opt.rstrip(",") in words or f"{opt}," in words, (name, opt)
+        if p.metavar:
+            assert p.metavar in words, (name, p.metavar)
+        for word in (getattr(p, "help", None) or "").split():
+            assert word in words, f"`ckpt {name} --help` at 80 columns breaks {word!r}"
+    assert not re.search(r"<[a-z ]+>", text), "a type placeholder instead of a metavar"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_usage_names_arguments_by_metavar(name: str) -> None:
+    usage = next(line.strip() for line in _help([name], 80) if "Usage:" in line)
+    assert re.fullmatch(rf"Usage: ckpt {name} \[OPTIONS\]( \[?[A-Z][A-Z_]*(\.\.\.)?\]?)*",
+                        usage), usage
+    want = {"diff": "A B", "inspect": "PATH", "validate": "PATH", "convert": "SOURCE",
+            "consolidate": "SOURCE", "prune": "RUN_DIR", "sample": "DEST", "plan": ""}
+    assert usage.removeprefix(f"Usage: ckpt {name} [OPTIONS]").strip() == want[name]
+
+
+def test_root_help_reads_whole() -> None:
+    text = "\n".join(_help([], 80))
+    assert "…" not in text and "{" not in text

@@ -37,6 +37,21 @@ def test_human_summary_of_a_training_checkpoint(tmp_path: Path) -> None:
     assert r.stderr == ""
 
 
+def test_dtypes_row_counts_elements_of_weights_and_buffers(tmp_path: Path) -> None:
+    """``Dtypes`` says its unit and scope, so it may exceed ``Parameters`` without surprise:
+    the buffers (running_mean, num_batches_tracked) are elements, not parameters."""
+    sd = tiny_state_dict()
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    r = run_cli("inspect", tmp_path / "m.safetensors")
+    assert r.exit_code == 0, r.stderr
+    rows = {line.split("  ")[0]: line.split("  ", 1)[1].strip()
+            for line in r.stdout.splitlines() if line[:1].isalpha() and "  " in line}
+    params = sum(v.numel() for k, v in sd.items() if "running" not in k and "num_b" not in k)
+    assert rows["Parameters"] == f"{params:,}"
+    assert rows["Dtypes"] == (f"F32 {params + 8} (100%), I64 1 (0%) elements of weights and "
+                              "buffers")
+
+
 def test_json_schema_of_a_file(tmp_path: Path) -> None:
     ck = training_checkpoint()
     torch.save(ck, tmp_path / "train.pt")

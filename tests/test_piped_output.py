@@ -172,6 +172,154 @@ def test_plan_piped_plot_keeps_its_shape() -> None:
     plot = [line for line in lines if "┤" in line or "│" in line]
     axis = _row(lines, "└")
     assert len(plot) == 10  # the plot's 10 rows, none wrapped
-    assert {len(line) for line in plot} == {len(axis)}  # one cell per character, all aligned
+    # One cell per character, all aligned: no row is wider than the axis (rows end at their
+    # last mark: trailing spaces are stripped).
+    assert all(len(line) <= len(axis) for line in plot)
+    assert all(line.index("┤" if "┤" in line else "│") == axis.index("└") for line in plot)
+    assert not any(line.endswith(" ") for line in lines)
     assert axis.count("─") == 72  # the widest plot: the console is wide, the plot is not
     assert _widest(lines) < 120
+
+
+# --- narrow terminals: drop or wrap columns, never cut a name, a date or a number ------------
+
+COLUMNS = [60, 100, None]  # None: piped with COLUMNS unset (no wrapping at all)
+
+
+def _no_trailing_spaces(lines: list[str]) -> None:
+    assert not [line for line in lines if line != line.rstrip()], "trailing spaces"
+
+
+def _nothing_cut(lines: list[str]) -> None:
+    """rich's ellipsis sits right after the cut text (``step_000…``, ``0.0…``); the ``… N more``
+    rows have it at the start of a word."""
+    assert not [line for line in lines if re.search(r"\S…", line)], lines
+
+
+def _fits(lines: list[str], columns: int | None) -> None:
+    """Within the width (findings are one line each, whole, for grep: not wrapped)."""
+    if columns is not None:
+        assert _widest([x for x in lines if not x.startswith(("error: ", "warning: "))]
+                       ) <= columns
+
+
+def _table_row(lines: list[str], name: str) -> str:
+    """The table row of ``name`` (not the heading ``name (latest complete checkpoint)``)."""
+    rows = [line for line in lines if re.match(rf"{re.escape(name)}  ", line)]
+    assert len(rows) == 1, (name, lines)
+    return rows[0]
+
+
+def _first_column(line: str) -> str:
+    return line.split("  ")[0].strip()
+
+
+def _folded(lines: list[str], name: str) -> bool:
+    """Whether ``name`` is the first column of consecutive lines, folded over them whole."""
+    for i in range(len(lines)):
+        text = ""
+        for line in lines[i:]:
+            text += _first_column(line)
+            if text == name:
+                return True
+            if not text or not name.startswith(text):
+                break
+    return False
+
+
+@pytest.fixture
+def long_run(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A run of four step directories (safetensors) with known modification times."""
+    import torch
+
+    from tests.helpers.makers import tiny_state_dict
+
+    run = tmp_path / "run"
+    names = [f"step_{step:06d}" for step in (100, 200, 300, 400)]
+    for i, name in enumerate(names):
+        d = run / name
+        d.mkdir(parents=True)
+        sd = tiny_state_dict(seed=i)
+        torch.save({"model": sd, "step": 100 * (i + 1)}, d / "checkpoint.pt")
+        stamp = 1_796_000_000 + 3600 * i
+        for p in (d / "checkpoint.pt", d):
+            os.utime(p, (stamp, stamp))
+    (run / "latest").write_text(names[-1])
+    return run, names
+
+
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_run_table_keeps_names_dates_and_numbers_whole(long_run: tuple[Path, list[str]],
+                                                       columns: int | None) -> None:
+    run, names = long_run
+    lines = _ckpt("inspect", run, columns=columns)
+    _fits(lines, columns)
+    _nothing_cut(lines)
+    _no_trailing_spaces(lines)
+    for i, name in enumerate(names):
+        row = _table_row(lines, name)
+        assert row.split()[1] == f"{100 * (i + 1)}", row  # the step, whole
+        when = _dt.datetime.fromtimestamp(1_796_000_000 + 3600 * i).strftime("%Y-%m-%d %H:%M")
+        assert when in row, row  # the date: whole, on the row
+        assert re.search(r"\d+\.\d kB", row), row  # the size: whole
+
+
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_failing_run_table_row_stays_short(long_run: tuple[Path, list[str]],
+                                           columns: int | None) -> None:
+    from tests.helpers import damage
+
+    run, names = long_run
+    bad = run / names[1] / "checkpoint.pt"
+    off, size = damage.zip_payload(bad, "data/2")
+    damage.flip(bad, off + size // 2, 0x10)
+    lines = _ckpt("validate", run, columns=columns)
+    _fits(lines, columns)
+    _nothing_cut(lines)
+    _no_trailing_spaces(lines)
+    row = _table_row(lines, names[1])
+    assert "INVALID" in row and "crc-mismatch" in row and len(row) <= 80, row
+    # The whole message is printed once, under the table.
+    messages = [line for line in lines if "CRC-32 mismatch" in line]
+    if columns is None:
+        assert len(messages) == 1 and messages[0].startswith("error: checkpoint.pt:"), lines
+    else:
+        assert sum("CRC-32" in line for line in lines) == 1, lines
+
+
+def _diff_pair(tmp_path: Path) -> tuple[Path, Path]:
+    names = ["model.blocks.0.attn.in_proj_weight", "model.blocks.0.attn.in_proj_bias",
+             "model.ln_f.weight", NAMES[-1]]
+    rng = np.random.default_rng(0)
+    a = {n: rng.standard_normal((4, 8)).astype(np.float32) for n in names}
+    b = {n: v + np.float32(1e-3) * (i + 1) for i, (n, v) in enumerate(a.items())}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    return tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+
+
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_diff_tables_keep_names_and_numbers_whole(tmp_path: Path, columns: int | None) -> None:
+    import json
+
+    a, b = _diff_pair(tmp_path)
+    lines = _ckpt("diff", a, b, "--by-module", columns=columns)
+    _fits(lines, columns)
+    _nothing_cut(lines)
+    _no_trailing_spaces(lines)
+    doc = json.loads(subprocess.run(
+        [sys.executable, "-m", "ckpt_cli", "diff", str(a), str(b), "--json"],
+        capture_output=True, text=True, env=_env(), timeout=120).stdout)
+    start = next(i for i, x in enumerate(lines) if x.startswith("Changed tensors"))
+    end = next(i for i, x in enumerate(lines) if x.startswith("By module"))
+    table = lines[start:end]
+    for t in doc["tensors"]:
+        name = t["name"]
+        if columns is None or len(name) <= columns // 2:
+            row = _row(table, name)
+        else:  # longer than half the width: folded over lines, every character kept
+            assert _folded(table, name), (name, table)
+            row = next(x for x in table if name.startswith(_first_column(x)) and
+                       _first_column(x))
+        # Whichever figures are shown are whole: the relative L2 always is.
+        assert f"{t['rel_l2']:.3g}" in row.split(), (row, t["rel_l2"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from rich.text import Text
 
 from ckpt_cli.render import human
 
@@ -89,3 +90,79 @@ def test_width_off_a_terminal_does_not_wrap(monkeypatch: pytest.MonkeyPatch) -> 
     assert human._width(_Tty()) is None
     monkeypatch.setenv("COLUMNS", "100")
     assert human._width(io.StringIO()) is None
+
+
+def _render(renderable: object, width: int, *, color: bool = False) -> list[str]:
+    buf = io.StringIO()
+    con = human._Console(file=buf, width=width, highlight=False, force_terminal=color,
+                         no_color=not color, color_system="standard" if color else None)
+    con.print(renderable)
+    return buf.getvalue().splitlines()
+
+
+def _fit_table() -> human.FitTable:
+    col = human.Col
+    t = human.table(col("Checkpoint", kind="name"), col("Step", "right", drop=3),
+                    col("Modified", drop=2), col("Size", "right", drop=1),
+                    col("Files", "right", drop=0), col("Status", kind="text"))
+    t.add_row("step_000100_of_the_sft_run", "1,000,000", "2026-12-04 17:21", "1.7 MB", "12",
+              "incomplete: no .metadata yet (a write in progress?)")
+    t.add_row("step_000200_of_the_sft_run", "2,000,000", "2026-12-05 09:03", "1.8 MB", "12",
+              "complete, latest")
+    return t
+
+
+@pytest.mark.parametrize("width", [40, 60, 100, 200])
+def test_fit_table_drops_the_least_important_columns_first(width: int) -> None:
+    lines = _render(_fit_table(), width)
+    assert max(map(len, lines)) <= width
+    assert not any(line != line.rstrip() for line in lines)
+    assert not any("…" in line for line in lines)
+    header = lines[0].split()
+    # Columns go lowest priority first: Files, then Size, then Modified, then Step.
+    order = ["Files", "Size", "Modified", "Step"]
+    dropped = [c for c in order if c not in header]
+    assert dropped == order[:len(dropped)], header
+    assert header[0] == "Checkpoint" and "Status" in header[-1:]
+    for name, step, date in (("step_000100_of_the_sft_run", "1,000,000", "2026-12-04 17:21"),
+                             ("step_000200_of_the_sft_run", "2,000,000", "2026-12-05 09:03")):
+        row = next(line for line in lines if line.startswith(name))  # the name: whole
+        if "Step" in header:
+            assert step in row.split()
+        if "Modified" in header:
+            assert date in row
+    if width >= 100:
+        assert dropped == []
+    if width == 60:
+        assert dropped == ["Files", "Size", "Modified"]  # 26 + 9 + 16 + 10 + gaps > 60
+
+
+def test_fit_table_folds_a_name_longer_than_half_the_width() -> None:
+    t = human.table(human.Col("Name", kind="name"), human.Col("Params", "right", drop=0))
+    name = "model.vision_tower.encoder.layers.23.attention_with_rotary_embeddings.weight"
+    t.add_row(name, "16,777,216")
+    lines = _render(t, 60)
+    assert max(map(len, lines)) <= 60
+    assert "16,777,216" in lines[1]
+    assert "".join(line.split("  ")[0] for line in lines[1:]) == name  # folded, all there
+
+
+def test_stdout_strips_trailing_spaces_and_keeps_styles() -> None:
+    t = human.table(human.Col("A", kind="name"), human.Col("Status", kind="text"))
+    t.add_row("x", "complete, latest")
+    t.add_row("a_longer_name", Text("ok", style="green"))
+    plain = _render(t, 80)
+    assert plain == ["A              Status", "x              complete, latest",
+                     "a_longer_name  ok"]
+    coloured = _render(t, 80, color=True)
+    assert not any(line.rstrip("\x1b[0123456789;m").endswith(" ") for line in coloured)
+    assert "\x1b[32mok\x1b[0m" in coloured[-1]
+
+
+def test_grid_wraps_facts_and_keeps_labels_whole() -> None:
+    g = human.grid()
+    g.add_row("Parameters", "134,912 (134.9K)")
+    g.add_row("Scope", "model weights and buffers; not compared: A 84 optimizer, 1 other")
+    lines = _render(g, 40)
+    assert lines[0] == "Parameters  134,912 (134.9K)"
+    assert max(map(len, lines)) <= 40 and len(lines) > 2

@@ -358,6 +358,28 @@ def test_a_url_without_the_extra_names_it(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("url,without,hint", [
+    ("gs://bucket/run", "gcsfs", "pip install gcsfs"),
+    ("az://container/run", "adlfs", "pip install adlfs"),
+    ("abfs://container/run", "adlfs", "pip install adlfs"),
+    ("s3://bucket/run", "s3fs", "pip install 'ckpt-cli[s3]'"),
+    ("gs://bucket/run", "fsspec", "pip install fsspec gcsfs"),
+    ("az://container/run", "fsspec", "pip install fsspec adlfs"),
+])
+def test_a_url_names_the_package_its_scheme_needs(url: str, without: str, hint: str) -> None:
+    """``gs://`` needs gcsfs and ``az://`` adlfs, which the s3 extra does not install."""
+    code = ("import sys\n"
+            f"sys.modules[{without!r}] = None  # as if it were not installed\n"
+            "from ckpt_cli.cli.app import main\n"
+            f"sys.argv = ['ckpt', 'inspect', {url!r}]\n"
+            "main()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "NO_COLOR": "1"})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.rstrip().endswith(f": {hint}"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_storage_options_parse() -> None:
     got = storage.parse_options(["anon=true", "retries=3", "client_kwargs.region_name=eu-1",
                                  "endpoint_url=http://h:9000", "x=none"])

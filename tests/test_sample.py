@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.conftest import run_cli
@@ -15,3 +18,20 @@ def test_sample_overwrite_replaces_only_a_sample(tmp_path: Path) -> None:
     r = run_cli("sample", d, "--overwrite")
     assert r.exit_code == 2 and "thesis.tex" in r.stderr and "not a sample run" in r.stderr
     assert (d / "thesis.tex").read_text() == "four years of work"
+
+
+def test_sample_into_an_existing_directory_stops_before_importing_torch(tmp_path: Path) -> None:
+    """Refused at once (exit 2), not after importing torch (1.5 s, 230 MB)."""
+    d = tmp_path / "demo-run"
+    d.mkdir()
+    code = ("import sys\n"
+            "from ckpt_cli.cli.app import main\n"
+            f"sys.argv = ['ckpt', 'sample', {str(d)!r}]\n"
+            "try:\n    main()\n"
+            "except SystemExit as e:\n    code = e.code\n"
+            "sys.stderr.write('\\nEXIT=%s TORCH=%s' % (code, 'torch' in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "NO_COLOR": "1"})
+    assert r.stderr.endswith("EXIT=2 TORCH=False"), r.stderr
+    assert f"{d}: already exists" in r.stderr and "--overwrite" in r.stderr
+    assert list(d.iterdir()) == []

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import inspect
-from typing import Annotated
+import re
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperArgument, TyperCommand
 
 from ckpt_cli import __version__
 from ckpt_cli.cli.consolidate import consolidate_cmd
@@ -55,6 +57,85 @@ def command_help(doc: str | None) -> str:
     return "\n\n".join(paragraphs)
 
 
+def _metavar(param: Any) -> str:
+    """An argument's name in usage and help: its metavar, else its name in capitals."""
+    var = str(param.metavar or (param.name or "").upper())
+    if param.nargs != 1:
+        var += "..."
+    return var if param.required else f"[{var}]"
+
+
+class CkptCommand(TyperCommand):
+    """A command whose ``--help`` reads whole at 80 columns.
+
+    typer 0.27-0.28 print parameters in a table of six columns (marker, long names, short
+    names, negative names, metavar, help): at 80 columns the help is squeezed to a few
+    characters and long names, metavars and words are cut (``--force,--overw…``,
+    ``docs/json-schema…``). Here typer prints the usage and the description, and the
+    parameters are two columns: names and metavar, never cut, and the help, wrapped (a word
+    longer than its column is folded, never cut). Usage lines name arguments by their
+    metavar (``PATH``, ``A B``), not typer's ``{path}``.
+    """
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        """``[OPTIONS] A B``: the arguments by metavar."""
+        pieces = [self.options_metavar] if self.options_metavar else []
+        return pieces + [_metavar(p) for p in self.get_params(ctx)
+                         if isinstance(p, TyperArgument)]
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        """typer's usage and description, then the parameters in two columns."""
+        params: list[Any] = [p for p in self.get_params(ctx) if not getattr(p, "hidden", False)]
+        for p in params:  # typer then prints no parameter panels of its own
+            p.hidden = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            for p in params:
+                p.hidden = False
+        _print_parameters(ctx, params)
+
+
+# typer names a metavar-less option's value by its type (``<location>``, ``<int range>``).
+_TYPE_NAME = re.compile(r"<([a-z ]+)>")
+_TYPE_METAVARS = {"location": "PATH", "int range": "N", "integer": "N", "float": "X",
+                  "float range": "X", "text": "TEXT"}
+
+
+def _print_parameters(ctx: typer.Context, params: list[Any]) -> None:
+    """The Arguments and the Options panels of a command's help."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.text import Text
+    from typer import rich_utils
+
+    from ckpt_cli.render.human import Col, table
+
+    console = Console(width=rich_utils.MAX_WIDTH, force_terminal=rich_utils.FORCE_TERMINAL,
+                      color_system=rich_utils.COLOR_SYSTEM, highlight=False)
+    for title, kind in (("Arguments", True), ("Options", False)):
+        rows = table(Col(kind="value"), Col(kind="text"), show_header=False)
+        for p in params:
+            record = p.get_help_record(ctx) if isinstance(p, TyperArgument) == kind else None
+            if record is None:
+                continue
+            names, help_text = record
+            names = _metavar(p).strip("[]") if kind else _TYPE_NAME.sub(
+                lambda m: _TYPE_METAVARS.get(m[1], m[1].upper().replace(" ", "_")), names)
+            cell = Text()
+            for i, word in enumerate(names.split(" ")):
+                flag = word.startswith("-") or word == "/"
+                cell.append((" " if i else "") + word,
+                            style="bold cyan" if flag and not kind else "bold yellow")
+            text, _, tail = help_text.rpartition("  [")
+            line = Text(text or help_text)
+            if text and tail.endswith("]"):
+                line.append(" [" + tail, style="dim")
+            rows.add_row(cell, line)
+        if rows.rows:
+            console.print(Panel(rows, border_style="dim", title=title, title_align="left"))
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"ckpt {__version__}")
@@ -74,7 +155,8 @@ for _name, _command in (("inspect", inspect_cmd), ("validate", validate_cmd),
                         ("consolidate", consolidate_cmd), ("prune", prune_cmd),
                         ("plan", plan_cmd), ("sample", sample_cmd)):
     # json_errors: a failing command given --json prints an error document on stdout.
-    app.command(_name, help=command_help(_command.__doc__))(json_errors(_name, _command))
+    app.command(_name, cls=CkptCommand, help=command_help(_command.__doc__))(
+        json_errors(_name, _command))
 
 
 def main() -> None:

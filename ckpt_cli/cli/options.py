@@ -23,8 +23,18 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n",
                                          help="Show what would be done and stop.")]
 ForceOpt = Annotated[bool, typer.Option("--force", "--overwrite",
                                         help="Replace an existing output.")]
+
+
+def _cast_targets(incomplete: str) -> list[str]:
+    """Shell completion of ``--to``: the cast targets (imported only when completing)."""
+    from ckpt_cli.cast import TARGETS
+
+    return [t for t in TARGETS if t.startswith(incomplete)]
+
+
 CastToOpt = Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
-                                        help="Cast floating-point model tensors.")]
+                                        help="Cast floating-point model tensors.",
+                                        autocompletion=_cast_targets)]
 OutputFormatOpt = Annotated[str | None, typer.Option(
     "--format", "-f", metavar="safetensors|pt",
     help="Output file format (default: from the output's suffix, else safetensors).")]

@@ -42,16 +42,20 @@ def _render(r: ConsolidateResult, quiet: bool) -> None:
     out = human.stdout()
     after = len(r.write.files)
     out.print(f"{r.files_before:,} files ({human.size(r.bytes_before)}) -> {after} file"
-              f"{'s' if after != 1 else ''} ({human.size(sum(b for _, b in r.write.files))}), "
-              f"{r.lost_elements:,} elements lost")
+              f"{'s' if after != 1 else ''} ({human.size(sum(b for _, b in r.write.files))})")
     facts = ", ".join(f"{k} {v}" for k, v in r.details.items() if v is not None)
     out.print(f"Wrote {r.output}: {r.tensors:,} tensors, {human.size(r.write.tensor_bytes)} "
-              f"from a {r.kind} checkpoint ({facts}) in {r.seconds:.1f} s")
+              f"from a {r.kind} checkpoint" + (f" ({facts})" if facts else "")
+              + f" in {r.seconds:.1f} s", soft_wrap=True)
+    out.print(kept_line(r))
     if r.kept or r.kept_scales:
-        out.print("Kept: " + kept_summary(r.kept, r.kept_scales))
+        out.print("Kept as is: " + kept_summary(r.kept, r.kept_scales))
     dropped = {g: n for g, n in r.dropped.items() if n}
     if dropped:
-        out.print("Dropped: " + ", ".join(f"{g} {n}" for g, n in sorted(dropped.items())))
+        out.print("Left out: " + ", ".join(
+            f"{n:,} {g} tensor{'s' if n != 1 else ''}"
+            + (" (--with-optimizer keeps them)" if g == "optimizer" else "")
+            for g, n in sorted(dropped.items())))
     if r.aliases:
         out.print("Shared (written once): " + ", ".join(f"{a} -> {k}" for a, k in
                                                        sorted(r.aliases.items())))
@@ -60,3 +64,13 @@ def _render(r: ConsolidateResult, quiet: bool) -> None:
     if not quiet:
         for note in r.notes:
             human.stderr().print(f"note: {note}", soft_wrap=True)
+
+
+def kept_line(r: ConsolidateResult) -> str:
+    """What the output holds of the tensors selected: all their elements, or how many are
+    missing (the tensors left out on purpose are counted on the ``Left out`` line)."""
+    kept = f"Kept: {r.tensors:,} tensor{'s' if r.tensors != 1 else ''}"
+    if not r.lost_elements:
+        return f"{kept}, all {r.elements_out:,} of their elements"
+    return (f"{kept}, {r.elements_out:,} of their {r.elements_in:,} elements "
+            f"({r.lost_elements:,} missing)")

@@ -158,9 +158,7 @@ def _names(items: list[str], limit: int = 3) -> str:
 
 def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
     """The summary grid: sides, names, scope, tensors, dtypes, metadata and the verdict."""
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
+    grid = human.grid()
     for label, ix, path in (("A", r.index_a, path_a), ("B", r.index_b, path_b)):
         fmt = ix.format + (f" ({ix.flavor})" if ix.flavor and ix.flavor != ix.format else "")
         _add(grid, label, f"{path}  ({fmt}, {_plural(len(ix.tensors), 'tensor')}, "
@@ -279,20 +277,7 @@ def _add(table: Table, *cells: str | Text, style: str | None = None) -> None:
 
 
 _BAR = 12
-_NAME_MIN = 28
-
-
-def _table(*cols: tuple[str, str]) -> Table:
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    for i, (name, justify) in enumerate(cols):
-        if i == 0:  # names matter most: keep them readable, wrap rather than cut them
-            table.add_column(name, justify=justify, overflow="fold",  # type: ignore[arg-type]
-                             min_width=_NAME_MIN)
-        elif not name:  # the bar
-            table.add_column(name, no_wrap=True, min_width=_BAR)
-        else:
-            table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    return table
+_Col = human.Col
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -304,9 +289,10 @@ def changed_table(r: DiffResult, top: int | None) -> Table:
     rows = r.changed
     finite = [t.rel_l2 for t in rows if math.isfinite(t.rel_l2)]
     scale = max(finite, default=0.0)
-    table = _table(("Tensor", "left"), ("Dtype", "left"), ("Shape", "left"),
-                   ("Changed", "right"), ("Max abs", "right"), ("Mean abs", "right"),
-                   ("Rel L2", "right"), ("", "left"))
+    table = human.table(_Col("Tensor", kind="name"), _Col("Dtype", drop=2),
+                        _Col("Shape", drop=3), _Col("Changed", "right", drop=6),
+                        _Col("Max abs", "right", drop=4), _Col("Mean abs", "right", drop=1),
+                        _Col("Rel L2", "right", drop=5), _Col(kind="bar", drop=0))
     for t in rows[:top] if top else rows:
         s = t.stats
         assert s is not None
@@ -326,8 +312,8 @@ def changed_table(r: DiffResult, top: int | None) -> Table:
 
 def only_table(items: list[OnlyIn], top: int | None) -> Table:
     """Tensors on one side only."""
-    table = _table(("Tensor", "left"), ("Dtype", "left"), ("Shape", "left"), ("Group", "left"),
-                   ("Note", "left"))
+    table = human.table(_Col("Tensor", kind="name"), _Col("Dtype", drop=2),
+                        _Col("Shape", drop=1), _Col("Group", drop=0), _Col("Note", kind="text"))
     for o in items[:top] if top else items:
         note = f"tied copy of {o.tied_to} ({o.tie})" if o.tied_to else ""
         if o.original != o.name:
@@ -338,7 +324,8 @@ def only_table(items: list[OnlyIn], top: int | None) -> Table:
 
 def shape_table(items: list[TensorDiff], top: int | None) -> Table:
     """Tensors whose shapes differ."""
-    table = _table(("Tensor", "left"), ("A", "left"), ("B", "left"))
+    table = human.table(_Col("Tensor", kind="name"), _Col("A", kind="text"),
+                        _Col("B", kind="text"))
     for t in items[:top] if top else items:
         _add(table, t.name, f"{t.dtype_a} {_shape(t.shape_a)}",
                       f"{t.dtype_b} {_shape(t.shape_b)}")
@@ -347,7 +334,8 @@ def shape_table(items: list[TensorDiff], top: int | None) -> Table:
 
 def meta_table(items: list[MetaDiff], top: int | None) -> Table:
     """Non-tensor values that differ (changed first, then one-sided)."""
-    table = _table(("Key", "left"), ("A", "left"), ("B", "left"))
+    table = human.table(_Col("Key", kind="name"), _Col("A", kind="text"),
+                        _Col("B", kind="text"))
     order = sorted(items, key=lambda m: m.status != "changed")
     for m in order[:top] if top else order:
         style = None if m.status == "changed" else "dim"
@@ -355,13 +343,23 @@ def meta_table(items: list[MetaDiff], top: int | None) -> Table:
     return table
 
 
+def most_changed_modules(mods: list[ModuleDiff], top: int | None) -> list[ModuleDiff]:
+    """The ``top`` most changed modules (by relative L2; NaN first), still in model order."""
+    if not top or len(mods) <= top:
+        return mods
+    rank = sorted(range(len(mods)), key=lambda i: (
+        -math.inf if math.isnan(mods[i].rel_l2) else -mods[i].rel_l2, i))
+    return [mods[i] for i in sorted(rank[:top])]
+
+
 def module_table(mods: list[ModuleDiff]) -> Table:
     """The per-module roll-up, in model order, bars relative to the most changed module."""
     finite = [m.rel_l2 for m in mods if math.isfinite(m.rel_l2)]
     scale = max(finite, default=0.0)
-    table = _table(("Module", "left"), ("Tensors", "right"), ("Changed", "right"),
-                   ("Only A", "right"), ("Only B", "right"), ("Params", "right"),
-                   ("Rel L2", "right"), ("", "left"))
+    table = human.table(_Col("Module", kind="name"), _Col("Tensors", "right", drop=2),
+                        _Col("Changed", "right", drop=5), _Col("Only A", "right", drop=3),
+                        _Col("Only B", "right", drop=3), _Col("Params", "right", drop=1),
+                        _Col("Rel L2", "right", drop=4), _Col(kind="bar", drop=0))
     for m in mods:
         frac = 1.0 if not math.isfinite(m.rel_l2) else (m.rel_l2 / scale if scale else 0.0)
         _add(table, m.name, f"{m.tensors:,}", f"{m.changed:,}", f"{m.only_in_a:,}",
@@ -415,7 +413,11 @@ def render(r: DiffResult, path_a: str, path_b: str, *, top: int | None = 20,
                  shown(len(r.metadata)), meta_table(r.metadata, top))
     if by_module:
         mods = r.by_module(depth)
-        _section(out, f"By module ({len(mods):,})", len(mods), len(mods), module_table(mods))
+        n = shown(len(mods))
+        title = f"By module ({len(mods):,}" + (
+            f"; the {n:,} most changed, in model order" if n < len(mods) else "") + ")"
+        _section(out, title, len(mods), n,
+                 module_table(most_changed_modules(mods, top)))
 
 
 def print_warnings(r: DiffResult) -> None:

@@ -7,13 +7,17 @@ and dates stay whole for ``grep``, ``less -S`` and copy-paste.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import humanize
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
@@ -34,6 +38,35 @@ class _Console(Console):
     def on_broken_pipe(self) -> None:
         self.quiet = True
         raise BrokenPipeError
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        """The text to write, without spaces at the ends of lines.
+
+        rich pads table cells (and wrapped lines) out to their width; on a terminal that is
+        invisible, but piped output then carries trailing spaces into files, ``diff`` and
+        ``grep 'x$'``. Style codes between the spaces and the newline are kept.
+        """
+        *lines, last = super()._render_buffer(buffer).split("\n")
+        return "\n".join([*map(_rstrip, lines), last])
+
+
+_SGR = re.compile(r"(\x1b\[[0-9;]*m)")
+
+
+def _rstrip(line: str) -> str:
+    """``line`` without trailing spaces, keeping the style codes among them."""
+    if "\x1b" not in line:
+        return line.rstrip(" ")
+    parts, codes = _SGR.split(line), list[str]()
+    while parts:
+        if _SGR.fullmatch(parts[-1]):
+            codes.insert(0, parts.pop())
+        elif not parts[-1].strip(" "):
+            parts.pop()
+        else:
+            parts[-1] = parts[-1].rstrip(" ")
+            break
+    return "".join(parts + codes)
 
 
 # Width off a terminal with COLUMNS unset: wide enough that nothing wraps or is cut. Tables
@@ -66,6 +99,147 @@ def stderr() -> Console:
     """Console for diagnostics and progress (a closed pipe ends quietly here too:
     ``ckpt plan 2>&1 | head``)."""
     return _Console(stderr=True, highlight=False, width=_width(sys.stderr))
+
+
+Kind = Literal["name", "value", "text", "bar"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Col:
+    """One column of a :func:`table`: what it holds decides how it gives way when space is short.
+
+    Attributes:
+        header: The heading.
+        justify: ``left`` or ``right`` (numbers).
+        kind: ``name``: what a row is about (a checkpoint, tensor, module or key); never
+            dropped, whole on its line while it fits in half the width, else folded over
+            lines (every character kept). ``value``: a number, date, dtype, shape or short
+            word; never wrapped or cut: the column is dropped instead. ``text``: prose, wrapped
+            at spaces. ``bar``: a drawn bar of fixed width.
+        drop: Priority when the table is too wide: the lowest is dropped first, then the next;
+            None: never dropped.
+        style: The column's style.
+    """
+
+    header: str = ""
+    justify: Literal["left", "right"] = "left"
+    kind: Kind = "value"
+    drop: int | None = None
+    style: str = ""
+
+
+TEXT_FLOOR = 12
+"""Prose columns wrap down to this width before a column is dropped."""
+
+
+class FitTable(Table):
+    """A borderless table that fits the console by dropping its least important columns.
+
+    rich alone shrinks every column evenly once wrapping is not enough, cutting checkpoint
+    names, dates and numbers to ``step_000…`` and ``0.0…``. Here, at render time, columns are
+    dropped in :attr:`Col.drop` order until what must stay whole fits; then names and prose
+    wrap (never cut). The padding rich adds to each cell is stripped from line ends by the
+    consoles of :func:`stdout` and :func:`stderr`.
+    """
+
+    cols: tuple[Col, ...] = ()
+
+    def _fitted(self, console: Console, options: ConsoleOptions) -> Table:
+        """This table without the columns that do not fit ``options.max_width``, and with
+        column widths that fit it."""
+        width = options.max_width
+        cols = [*self.cols, *[Col(kind="text")] * (len(self.columns) - len(self.cols))]
+        measured = [self._measure(console, options, i) for i in range(len(cols))]
+        floors = [self._floor(c, m, width) for c, m in zip(cols, measured, strict=True)]
+        keep = list(range(len(cols)))
+        for _prio, _right, i in sorted((c.drop, -i, i) for i, c in enumerate(cols)
+                                       if c.drop is not None):
+            if _needed([floors[k] for k in keep]) <= width:
+                break
+            keep.remove(i)
+        out = Table(box=None, show_header=self.show_header, padding=self.padding,
+                    collapse_padding=self.collapse_padding, pad_edge=self.pad_edge,
+                    show_edge=self.show_edge, expand=False, highlight=self.highlight)
+        out.rows = list(self.rows)
+        out.columns = [dataclasses.replace(self.columns[k], _index=n)
+                       for n, k in enumerate(keep)]
+        widths = [measured[k][1] for k in keep]
+        if _needed(widths) <= width:
+            return out
+        # Too wide. Names and prose give up width first (widest first) down to their floor,
+        # then long headers of values wrap; names and prose go below their floor only when
+        # what must stay whole is wider than the console by itself.
+        passes = ((("name", "text"), [floors[k] for k in keep]),
+                  (("value",), [floors[k] for k in keep]),
+                  (("name", "text"), [min(floors[k], 8) for k in keep]))
+        for kinds, floor in passes:
+            while (excess := _needed(widths) - width) > 0:
+                shrinkable = [n for n, k in enumerate(keep)
+                              if cols[k].kind in kinds and widths[n] > floor[n]]
+                if not shrinkable:
+                    break
+                n = max(shrinkable, key=lambda n: widths[n])
+                widths[n] -= min(excess, widths[n] - floor[n])
+        for column, w in zip(out.columns, widths, strict=True):
+            # Values are never narrower than their cells: only a long header wraps.
+            column.width, column.no_wrap, column.overflow = w, False, "fold"
+        return out
+
+    def _measure(self, console: Console, options: ConsoleOptions,
+                 i: int) -> tuple[int, int, int]:
+        """Column ``i``'s (longest header word, natural width, widest cell)."""
+        column = self.columns[i]
+        unbounded = options.update_width(max(options.max_width, UNWRAPPED_WIDTH))
+        cells = max((Measurement.get(console, unbounded, c).maximum for c in column.cells),
+                    default=0)
+        header = (Measurement.get(console, unbounded, column.header) if self.show_header
+                  else Measurement(0, 0))
+        return header.minimum, max(header.maximum, cells), cells
+
+    @staticmethod
+    def _floor(col: Col, measured: tuple[int, int, int], width: int) -> int:
+        """The least width column ``col`` may have: all of every cell for values and bars."""
+        header_word, natural, cells = measured
+        if col.kind == "name":
+            return min(natural, max(header_word, width // 2))
+        if col.kind == "text":
+            return min(natural, max(header_word, TEXT_FLOOR))
+        return max(header_word, cells)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self._fitted(console, options)
+
+
+def _needed(widths: list[int]) -> int:
+    """The width of a borderless table with these column widths (2 spaces between)."""
+    return sum(widths) + 2 * (len(widths) - 1)
+
+
+def table(*cols: Col, show_header: bool = True) -> FitTable:
+    """A borderless table of ``cols`` that fits the terminal (see :class:`FitTable`).
+
+    Args:
+        *cols: The columns, in order; add rows with ``add_row`` as to any rich table.
+        show_header: Print the headers.
+
+    Returns:
+        The table.
+    """
+    t = FitTable(box=None, pad_edge=False, show_edge=False, show_header=show_header)
+    t.cols = cols
+    for c in cols:
+        t.add_column(c.header, justify=c.justify, style=c.style,
+                     overflow="fold", no_wrap=c.kind in ("value", "bar"))
+    return t
+
+
+def grid(label_style: str = "bold") -> FitTable:
+    """A two-column grid of labels and facts (a summary): labels whole, facts wrapped.
+
+    Returns:
+        The grid; add rows with ``add_row(label, text)``.
+    """
+    return table(Col(kind="value", style=label_style), Col(kind="text"), show_header=False)
 
 
 def size(n: int | float | None) -> str:
@@ -172,27 +346,25 @@ def print_messages(findings: Iterable[Finding]) -> None:
 
 def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
     """The key facts of a checkpoint as a two-column grid."""
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
+    g = grid()
     fmt = index.format + (f" ({index.flavor})" if index.flavor and index.flavor != index.format
                           else "")
-    grid.add_row("Format", fmt)
-    grid.add_row("Files", f"{len(index.files)} file{'s' if len(index.files) != 1 else ''}, "
+    g.add_row("Format", fmt)
+    g.add_row("Files", f"{len(index.files)} file{'s' if len(index.files) != 1 else ''}, "
                  f"{size(index.file_bytes)} on disk")
-    grid.add_row("Tensors", f"{len(index.tensors):,}")
+    g.add_row("Tensors", f"{len(index.tensors):,}")
     n = index.num_parameters
-    grid.add_row("Parameters", f"{n:,}" + (f" ({count(n)})" if n >= 1000 else ""))
+    g.add_row("Parameters", f"{n:,}" + (f" ({count(n)})" if n >= 1000 else ""))
     tied = index.tied_tensors()
     if tied:
-        grid.add_row("Tied", tied_text(tied))
+        g.add_row("Tied", tied_text(tied))
     meta = index.metadata
     step, source = index.step
     facts = [f"step {step:,}" + (" (from the name; none recorded)" if source == "name" else "")
              ] if step is not None else []
     facts += [f"{k} {_fmt(meta[k])}" for k in ("epoch", "lr") if k in meta]
     if facts:
-        grid.add_row("Training", ", ".join(facts))
+        g.add_row("Training", ", ".join(facts))
     sched = meta.get("scheduler")
     if isinstance(sched, dict) and sched:
         # Where the schedule stands first; torch's private flags say nothing to a reader.
@@ -200,32 +372,34 @@ def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
                  if k in sched]
         rest = [k for k in sched if k not in first and not (
             k.startswith("_") and isinstance(sched[k], bool))]
-        grid.add_row("Scheduler", ", ".join(f"{k.lstrip('_')} {_fmt(sched[k])}"
+        g.add_row("Scheduler", ", ".join(f"{k.lstrip('_')} {_fmt(sched[k])}"
                                              for k in (first + rest)[:6]))
     rng = meta.get("rng_states")
     if isinstance(rng, list) and rng:
-        grid.add_row("RNG state", ", ".join(str(r) for r in rng))
+        g.add_row("RNG state", ", ".join(str(r) for r in rng))
     versions = [f"{k} {meta[k]}" for k in ("ds_version", "pytorch-lightning_version",
                                             "checkpoint_version", "dcp_version") if k in meta]
     if versions:
-        grid.add_row("Versions", ", ".join(versions))
+        g.add_row("Versions", ", ".join(versions))
     dt = {k: v for k, v in index.params_by_dtype.items() if v}
     total = sum(dt.values()) or 1
     if dt:
-        grid.add_row("Dtypes", ", ".join(f"{k} {count(v)} ({100 * v / total:.0f}%)"
-                                          for k, v in sorted(dt.items(), key=lambda kv: -kv[1])))
+        # Elements, not parameters: buffers count here too (so the sum can exceed Parameters).
+        g.add_row("Dtypes", ", ".join(f"{k} {count(v)} ({100 * v / total:.0f}%)"
+                                      for k, v in sorted(dt.items(), key=lambda kv: -kv[1]))
+                  + " elements of weights and buffers")
     master = index.layout.get("master_weights")
     if isinstance(master, dict):
         # ZeRO-3: the model states hold placeholders; say where the weights are instead.
-        grid.add_row("Weights", f"{master['dtype']} master weights in {master['partitions']} "
+        g.add_row("Weights", f"{master['dtype']} master weights in {master['partitions']} "
                      f"flat partitions (optimizer files): {master['parameters']:,} parameters, "
                      f"{size(master['consolidated_bytes'])} once consolidated "
                      "(ckpt consolidate)")
     lay = {k: v for k, v in index.layout.items()
            if v not in (None, [], {}) and k not in ("ranks", "master_weights")}
     if lay:
-        grid.add_row("Layout", ", ".join(f"{k} {_fmt(v)}" for k, v in lay.items()))
-    return grid
+        g.add_row("Layout", ", ".join(f"{k} {_fmt(v)}" for k, v in lay.items()))
+    return g
 
 
 _TIE_HOW = {"storage": "one storage", "values": "same shape, dtype and sampled bytes"}
@@ -258,41 +432,34 @@ def group_table(index: CheckpointIndex) -> Table:
     """Bytes per group with bars: model vs buffers vs optimizer vs the rest."""
     groups = index.bytes_by_group
     total = sum(groups.values()) or 1
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    table.add_column("Group")
-    table.add_column("Bytes", justify="right")
-    table.add_column("Share", justify="right")
-    table.add_column("")
+    out = table(Col("Group", kind="name"), Col("Bytes", "right"),
+                        Col("Share", "right", drop=1), Col(kind="bar", drop=0))
     for g in GROUPS:
         n = groups.get(g, 0)
-        table.add_row(g, size(n), f"{100 * n / total:.0f}%", bar(n / total))
-    return table
+        out.add_row(g, size(n), f"{100 * n / total:.0f}%", bar(n / total))
+    return out
 
 
 def files_table(index: CheckpointIndex, limit: int = 20) -> Table:
     """The checkpoint's files (the largest ``limit``)."""
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    table.add_column("File")
-    table.add_column("Role")
-    table.add_column("Format")
-    table.add_column("Size", justify="right")
+    out = table(Col("File", kind="name"), Col("Role", drop=0), Col("Format", drop=1),
+                        Col("Size", "right", drop=2))
     for f in sorted(index.files, key=lambda f: (-f.bytes, f.path))[:limit]:
-        table.add_row(f.path, f.role, f.format or "?", size(f.bytes))
+        out.add_row(f.path, f.role, f.format or "?", size(f.bytes))
     if len(index.files) > limit:
         rest = index.files[limit:]
-        table.add_row(f"... {len(rest)} more", "", "", "")
-    return table
+        out.add_row(f"... {len(rest)} more", "", "", "")
+    return out
 
 
 def tensors_table(tensors: list[TensorInfo]) -> Table:
     """One row per tensor."""
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    for col, just in (("Name", "left"), ("Dtype", "left"), ("Shape", "left"),
-                      ("Params", "right"), ("Bytes", "right"), ("Group", "left")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    out = table(Col("Name", kind="name"), Col("Dtype", drop=4), Col("Shape", drop=3),
+                        Col("Params", "right", drop=2), Col("Bytes", "right", drop=1),
+                        Col("Group", drop=0))
     for t in tensors:
-        table.add_row(t.name, t.dtype, shape(t), f"{t.numel:,}", size(t.nbytes), t.group)
-    return table
+        out.add_row(t.name, t.dtype, shape(t), f"{t.numel:,}", size(t.nbytes), t.group)
+    return out
 
 
 def module_tree(node: Any) -> Tree:
@@ -329,11 +496,10 @@ def run_table(run: RunListing, limit: int | None = None) -> Table:
     """
     import datetime as _dt
 
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    for col, just in (("Checkpoint", "left"), ("Step", "right"), ("Modified", "left"),
-                      ("Size", "right"), ("Files", "right"), ("Format", "left"),
-                      ("Status", "left")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    out = table(Col("Checkpoint", kind="name"), Col("Step", "right", drop=4),
+                        Col("Modified", drop=2), Col("Size", "right", drop=3),
+                        Col("Files", "right", drop=0), Col("Format", drop=1),
+                        Col("Status", kind="text"))
     entries, hidden = run.entries, []
     if limit is not None and len(entries) > limit:
         head = limit // 2
@@ -341,15 +507,15 @@ def run_table(run: RunListing, limit: int | None = None) -> Table:
         entries = [*entries[:head], *entries[len(entries) - (limit - head):]]
     for i, e in enumerate(entries):
         if hidden and i == limit // 2:  # type: ignore[operator]
-            table.add_row(*_hidden_row(hidden))
+            out.add_row(*_hidden_row(hidden))
         when = _dt.datetime.fromtimestamp(e.mtime).strftime("%Y-%m-%d %H:%M") if e.mtime else "-"
         status = Text("complete", style="green") if e.complete else Text(
             f"incomplete: {e.reason}", style="red")
         if e.latest:
             status.append(", latest", style="bold")
-        table.add_row(e.name, "-" if e.step is None else f"{e.step:,}", when, size(e.bytes),
+        out.add_row(e.name, "-" if e.step is None else f"{e.step:,}", when, size(e.bytes),
                       f"{e.files:,}", e.format or "?", status)
-    return table
+    return out
 
 
 def _hidden_row(hidden: list[Any]) -> tuple[Text | str, ...]:

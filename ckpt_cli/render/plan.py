@@ -38,7 +38,6 @@ _OPTIMIZER_LABEL = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD with momentum"
 
 
 def _render(r: PlanResult) -> None:
-    from rich.table import Table
     from rich.text import Text
 
     from ckpt_cli.render import human
@@ -54,9 +53,7 @@ def _render(r: PlanResult) -> None:
     out.print(Text(f"Plan for {title}", style="bold"), soft_wrap=True)
     out.print()
 
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
+    grid = human.grid()
     parts = f"weights {human.size(s.weights)}"
     if s.master:
         parts += f" + master {human.size(s.master)}"
@@ -111,14 +108,11 @@ def _render(r: PlanResult) -> None:
 
 
 def _interval_table(r: PlanResult, cols: list[tuple[str, IntervalFigures]]) -> Table:
-    from rich.table import Table
 
     from ckpt_cli.render import human
 
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    table.add_column("Checkpoint every")
-    for name, _f in cols:
-        table.add_column(name, justify="right")
+    table = human.table(human.Col("Checkpoint every", kind="name"),
+                        *(human.Col(name, "right") for name, _f in cols))
 
     def row(label: str, cell: Any) -> None:
         table.add_row(label, *(cell(f) for _name, f in cols))

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from ckpt_cli import storage
 from ckpt_cli.formats.names import TRASH_PREFIX
+from ckpt_cli.render import human
 from ckpt_cli.render import json as rj
 from ckpt_cli.render.human import size
 from ckpt_cli.results import PruneEvent, PruneResult
@@ -79,10 +80,10 @@ def _decision_dict(result: PruneResult, d: Decision) -> dict[str, Any]:
 
 def decisions_table(plan: PrunePlan) -> Table:
     """One row per checkpoint, oldest first: step, age, size, keep or delete, and why."""
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    for col, just in (("Checkpoint", "left"), ("Step", "right"), ("Modified", "left"),
-                      ("Size", "right"), ("Action", "left"), ("Why", "left")):
-        table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    col = human.Col
+    table = human.table(col("Checkpoint", kind="name"), col("Step", "right", drop=2),
+                        col("Modified", drop=0), col("Size", "right", drop=1), col("Action"),
+                        col("Why", kind="text"))
     for d in plan.decisions:
         e = d.entry
         when = _dt.datetime.fromtimestamp(e.mtime).strftime("%Y-%m-%d %H:%M") if e.mtime else "-"

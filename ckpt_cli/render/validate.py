@@ -38,10 +38,8 @@ def _status(status: str) -> Text:
 
 def checks_table(checks: list[CheckResult]) -> Table:
     """Status, id and summary of each check."""
-    table = Table(box=None, pad_edge=False, show_edge=False, show_header=False)
-    table.add_column("status", no_wrap=True)
-    table.add_column("check", no_wrap=True)
-    table.add_column("summary")
+    table = human.table(human.Col("status"), human.Col("check"), human.Col("summary", kind="text"),
+                        show_header=False)
     for c in checks:
         table.add_row(_status(c.status), c.id, c.summary)
     return table
@@ -137,23 +135,21 @@ def _render_run(result: ValidateResult, console: Console, *, verbose: bool,
                        style="bold"))
     if result.latest is not None:
         console.print(Text(latest_line(result.latest)))
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    for col, just in (("Checkpoint", "left"), ("Step", "right"), ("Format", "left"),
-                      ("Result", "left"), ("Errors", "right"), ("Warnings", "right"),
-                      ("First problem", "left")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    col = human.Col
+    table = human.table(col("Checkpoint", kind="name"), col("Step", "right", drop=3),
+                        col("Format", drop=0), col("Result"), col("Errors", "right", drop=2),
+                        col("Warnings", "right", drop=1), col("First problem", kind="text"))
     for r in result.checkpoints:
         first = next((f for f in r.findings if f.severity == "error"), None) or next(
             (f for f in r.findings if f.severity == "warning"), None)
-        problem = ""
-        if first is not None:
-            where = ":".join(x for x in (first.file, first.location) if x)
-            problem = f"{where}: {first.message}" if where else first.message
+        # A short form (its code); every message is printed in full once, below the table.
+        more = r.errors + r.warnings - 1
+        problem = "" if first is None else first.code + (f" (+{more:,})" if more > 0 else "")
         result_text = Text("valid", style="green") if r.valid else Text("INVALID",
                                                                          style="bold red")
         table.add_row(r.name, "-" if r.step is None else f"{r.step:,}", r.format or "?",
                       result_text, str(r.errors), str(r.warnings),
-                      Text(problem, overflow="ellipsis", no_wrap=True))
+                      problem)
     console.print(table)
     console.print()
     console.print(checks_table(result.run_checks))
