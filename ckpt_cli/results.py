@@ -32,11 +32,20 @@ if TYPE_CHECKING:
 class TreeNode:
     """A module prefix with the totals of the tensors below it.
 
+    The totals follow the summary's rules, so that the root's add up to it: a tied copy
+    (a second name for one storage, or a copy found by value) is a tensor but adds no
+    parameters or bytes, and only model weights are parameters.
+
     Attributes:
         name: This level's name component (the full prefix is the path from the root).
-        tensors: Number of tensors below.
-        parameters: Elements below.
-        bytes: Bytes below.
+        tensors: Number of tensor names below (tied copies included, as ``num_tensors``).
+        parameters: Parameters below: elements of model weights, tied copies once
+            (as ``num_parameters``).
+        bytes: Bytes below, tied copies once (as ``total_bytes``).
+        bytes_by_group: Those bytes per group (``model``, ``buffer``, ``optimizer``,
+            ``other``), as the summary's ``bytes_by_group``.
+        tied: Of the tensors below, the tied copies (counted once, under the name they
+            repeat).
         children: Sub-prefixes by name, in first-seen order.
     """
 
@@ -44,12 +53,15 @@ class TreeNode:
     tensors: int = 0
     parameters: int = 0
     bytes: int = 0
+    bytes_by_group: dict[str, int] = field(default_factory=dict)
+    tied: int = 0
     children: dict[str, TreeNode] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"name": self.name, "tensors": self.tensors, "parameters": self.parameters,
-                "bytes": self.bytes, "children": [c.to_dict() for c in self.children.values()]}
+                "bytes": self.bytes, "bytes_by_group": self.bytes_by_group, "tied": self.tied,
+                "children": [c.to_dict() for c in self.children.values()]}
 
 
 @dataclass(slots=True)
