@@ -420,12 +420,16 @@ class MetaDiff:
         a: A's value (None when absent; see ``status``).
         b: B's value (likewise).
         status: ``changed``, ``only_in_a`` or ``only_in_b``.
+        provenance: Whether the key records how ckpt made the file (``ckpt.source``,
+            ``ckpt.source_format``, ``ckpt.conversion``) rather than what it holds: shown,
+            never a difference.
     """
 
     key: str
     a: Any
     b: Any
     status: str
+    provenance: bool = False
 
 
 @dataclass(slots=True)
@@ -521,8 +525,15 @@ class DiffResult:
 
     @property
     def metadata_changes(self) -> list[MetaDiff]:
-        """Non-tensor values present on both sides with different values."""
-        return [m for m in self.metadata if m.status == "changed"]
+        """Non-tensor values present on both sides with different values (provenance keys,
+        which say how each file was made, excepted)."""
+        return [m for m in self.metadata if m.status == "changed" and not m.provenance]
+
+    @property
+    def provenance_differences(self) -> list[str]:
+        """Provenance keys (``ckpt.source``...) that differ or are on one side only: shown,
+        and noted, but not a difference."""
+        return [m.key for m in self.metadata if m.provenance]
 
     def differences(self) -> list[str]:
         """Why the checkpoints differ, one short phrase each (empty when they are equal)."""
@@ -548,9 +559,9 @@ class DiffResult:
         """Whether the checkpoints are equal (values within tolerance).
 
         Different only when: a tensor is changed beyond tolerance, a name is on one side only
-        (tied aliases excepted), a shape differs, a non-tensor value on both sides differs, or,
-        without values, a dtype differs. A dtype change whose values are within the tolerance
-        is reported but is not a difference.
+        (tied aliases excepted), a shape differs, a non-tensor value on both sides differs
+        (provenance keys excepted), or, without values, a dtype differs. A dtype change
+        whose values are within the tolerance is reported but is not a difference.
         """
         return not self.differences()
 
