@@ -271,9 +271,11 @@ def _meta_line(r: DiffResult) -> str:
         if keys:
             parts.append(f"{len(keys)} only in {side}" + (f" ({keys[0]})" if len(keys) == 1
                                                           else ""))
-    if r.provenance_differences:
-        parts.append("provenance differs, not a difference (how ckpt made each file): "
-                     + _names(r.provenance_differences))
+    keys = r.provenance_differences
+    if keys:
+        verb = "differs" if len(keys) == 1 else "differ"
+        parts.append(f"{_plural(len(keys), 'provenance key')} {verb} (how ckpt made a file; "
+                     f"not a difference): {_names(keys)}")
     return "; ".join(parts)
 
 
