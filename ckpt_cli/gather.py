@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.cast import CastStats, cast_array, piece_caster
+from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import ParamPlan, PieceReader, ZeroPlan, plan_zero
 from ckpt_cli.tensors import split_pieces
 from ckpt_cli.writers import OutTensor
@@ -106,7 +107,7 @@ def zero_metadata(plan: ZeroPlan, src: Path, to: str | None) -> dict[str, str]:
     Returns:
         ``ckpt.source``, ``ckpt.source_format``, ``ckpt.conversion`` and ``ckpt.step``.
     """
-    meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": "deepspeed",
+    meta = {"ckpt.source": source_label(src), "ckpt.source_format": "deepspeed",
             "ckpt.conversion": f"ZeRO-{plan.stage} partitions of {plan.world_size} ranks "
                                f"gathered; to={to or 'keep'}"}
     if plan.step is not None:

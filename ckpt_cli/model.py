@@ -151,6 +151,17 @@ class Finding:
                 "file": self.file, "location": self.location}
 
 
+def parameters_of(t: TensorInfo) -> int:
+    """The parameters ``t`` adds to a count of the model: its elements when it is a model
+    weight, else 0 (buffers, optimizer state and the rest are not parameters).
+
+    The one rule behind :attr:`CheckpointIndex.num_parameters`, the module tree and the
+    ``total_parameters`` ckpt writes into an index (each over tensors counted once, see
+    :meth:`CheckpointIndex.distinct_tensors`).
+    """
+    return t.numel if t.group == "model" else 0
+
+
 @dataclass(slots=True)
 class CheckpointIndex:
     """The metadata of one checkpoint (a file, a shard set or a checkpoint directory).
@@ -251,7 +262,7 @@ class CheckpointIndex:
         (``layout["param_count"]``) is used: its flat master-weight partitions, grouped as
         model weights, are padded.
         """
-        counted = sum(t.numel for t in self.distinct_tensors() if t.group == "model")
+        counted = sum(parameters_of(t) for t in self.distinct_tensors())
         declared = self.layout.get("param_count")
         if isinstance(declared, int) and (declared > counted or "master_weights" in self.layout):
             return declared

@@ -32,11 +32,20 @@ if TYPE_CHECKING:
 class TreeNode:
     """A module prefix with the totals of the tensors below it.
 
+    The totals follow the summary's rules, so that the root's add up to it: a tied copy
+    (a second name for one storage, or a copy found by value) is a tensor but adds no
+    parameters or bytes, and only model weights are parameters.
+
     Attributes:
         name: This level's name component (the full prefix is the path from the root).
-        tensors: Number of tensors below.
-        parameters: Elements below.
-        bytes: Bytes below.
+        tensors: Number of tensor names below (tied copies included, as ``num_tensors``).
+        parameters: Parameters below: elements of model weights, tied copies once
+            (as ``num_parameters``).
+        bytes: Bytes below, tied copies once (as ``total_bytes``).
+        bytes_by_group: Those bytes per group (``model``, ``buffer``, ``optimizer``,
+            ``other``), as the summary's ``bytes_by_group``.
+        tied: Of the tensors below, the tied copies (counted once, under the name they
+            repeat).
         children: Sub-prefixes by name, in first-seen order.
     """
 
@@ -44,12 +53,15 @@ class TreeNode:
     tensors: int = 0
     parameters: int = 0
     bytes: int = 0
+    bytes_by_group: dict[str, int] = field(default_factory=dict)
+    tied: int = 0
     children: dict[str, TreeNode] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {"name": self.name, "tensors": self.tensors, "parameters": self.parameters,
-                "bytes": self.bytes, "children": [c.to_dict() for c in self.children.values()]}
+                "bytes": self.bytes, "bytes_by_group": self.bytes_by_group, "tied": self.tied,
+                "children": [c.to_dict() for c in self.children.values()]}
 
 
 @dataclass(slots=True)
@@ -436,12 +448,16 @@ class MetaDiff:
         a: A's value (None when absent; see ``status``).
         b: B's value (likewise).
         status: ``changed``, ``only_in_a`` or ``only_in_b``.
+        provenance: Whether the key records how ckpt made the file (``ckpt.source``,
+            ``ckpt.source_format``, ``ckpt.conversion``) rather than what it holds: shown,
+            never a difference.
     """
 
     key: str
     a: Any
     b: Any
     status: str
+    provenance: bool = False
 
 
 @dataclass(slots=True)
@@ -537,8 +553,15 @@ class DiffResult:
 
     @property
     def metadata_changes(self) -> list[MetaDiff]:
-        """Non-tensor values present on both sides with different values."""
-        return [m for m in self.metadata if m.status == "changed"]
+        """Non-tensor values present on both sides with different values (provenance keys,
+        which say how each file was made, excepted)."""
+        return [m for m in self.metadata if m.status == "changed" and not m.provenance]
+
+    @property
+    def provenance_differences(self) -> list[str]:
+        """Provenance keys (``ckpt.source``...) that differ or are on one side only: shown,
+        and noted, but not a difference."""
+        return [m.key for m in self.metadata if m.provenance]
 
     def differences(self) -> list[str]:
         """Why the checkpoints differ, one short phrase each (empty when they are equal)."""
@@ -564,9 +587,9 @@ class DiffResult:
         """Whether the checkpoints are equal (values within tolerance).
 
         Different only when: a tensor is changed beyond tolerance, a name is on one side only
-        (tied aliases excepted), a shape differs, a non-tensor value on both sides differs, or,
-        without values, a dtype differs. A dtype change whose values are within the tolerance
-        is reported but is not a difference.
+        (tied aliases excepted), a shape differs, a non-tensor value on both sides differs
+        (provenance keys excepted), or, without values, a dtype differs. A dtype change
+        whose values are within the tolerance is reported but is not a difference.
         """
         return not self.differences()
 

@@ -188,7 +188,9 @@ def _export(model: TinyGPT, out: Path) -> None:
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(v.numel() * v.element_size() for v in sd.values())
     index = {"metadata": {"total_size": total,
-                          "total_parameters": sum(v.numel() for v in sd.values())},
+                          # As transformers' save_pretrained counts (num_parameters()):
+                          # parameters only, the tied head once; buffers are not parameters.
+                          "total_parameters": sum(p.numel() for p in model.parameters())},
              "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(_config(), indent=2) + "\n")

@@ -89,6 +89,68 @@ def test_tree(tmp_path: Path) -> None:
     assert "attn" in r.stdout and "mlp" in r.stdout
 
 
+def _tree_nodes(node: dict) -> list[dict]:  # type: ignore[type-arg]
+    out = [node]
+    for c in node["children"]:
+        out += _tree_nodes(c)
+    return out
+
+
+def _check_tree_adds_up(doc: dict) -> dict:  # type: ignore[type-arg]
+    """The tree's root is the summary; each node's leaves plus its children make it up."""
+    root = doc["tree"]
+    assert root["tensors"] == doc["num_tensors"]
+    assert root["parameters"] == doc["num_parameters"]
+    assert root["bytes"] == doc["total_bytes"]
+    assert root["bytes_by_group"] == doc["bytes_by_group"]
+    assert root["tied"] == len(doc["tied_tensors"])
+    for n in _tree_nodes(root):
+        for key in ("tensors", "parameters", "bytes", "tied"):
+            assert sum(c[key] for c in n["children"]) <= n[key], (n["name"], key)
+    return root  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", ["step_000300", "step_000400"])
+def test_tree_adds_up_to_the_summary(sample_run: Path, name: str) -> None:
+    # A torch file (the tie is one storage) and DCP (the tie is found by value), both with
+    # optimizer state and a buffer: the tree counts as the summary does.
+    doc = _json(sample_run / name, "--tree", "--depth", "2")
+    root = _check_tree_adds_up(doc)
+    assert doc["num_parameters"] == 134_912
+    model = next(c for c in root["children"] if c["name"] == "model")
+    assert model["parameters"] == doc["num_parameters"]
+    assert model["bytes_by_group"]["buffer"] == doc["bytes_by_group"]["buffer"] > 0
+    optim = next(c for c in root["children"] if c["name"] != "model")
+    assert optim["parameters"] == 0
+    assert optim["bytes"] == optim["bytes_by_group"]["optimizer"] == \
+        doc["bytes_by_group"]["optimizer"]
+    head = next(c for c in model["children"] if c["name"] == "lm_head")
+    assert (head["tensors"], head["parameters"], head["bytes"], head["tied"]) == (1, 0, 0, 1)
+    out = run_cli("inspect", sample_run / name, "--tree").stdout
+    assert f"{name}  {doc['num_tensors']} tensors, 134.9K params," in out
+    assert "lm_head  1 tensor, 1 tied copy (not counted again)" in out
+    assert "1 tensors" not in out
+    assert "optimizer state" in out
+
+
+def test_tree_of_a_transformers_model_with_tied_embeddings(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.conftest import third_party_quiet
+
+    with third_party_quiet():
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                           n_positions=16))
+    torch.save(model.state_dict(), tmp_path / "gpt2.pt")
+    doc = _json(tmp_path / "gpt2.pt", "--tree")
+    root = _check_tree_adds_up(doc)
+    assert root["parameters"] == model.num_parameters()  # the tied head once
+    head = next(c for c in root["children"] if c["name"] == "lm_head")
+    assert (head["parameters"], head["tied"]) == (0, 1)
+    body = next(c for c in root["children"] if c["name"] == "transformer")
+    assert body["parameters"] == model.num_parameters()
+
+
 def test_run_directory(sample_run: Path) -> None:
     doc = _json(sample_run)
     assert doc["kind"] == "run"

@@ -142,6 +142,9 @@ def test_truncated_files_never_validate(tmp_path: Path) -> None:
         step = max(1, len(original) // 150)
         for n in range(0, len(original), step):
             p.write_bytes(original[:n])
-            assert _outcome(p, f"{p.name} cut at {n}") is False, f"{p.name} cut at {n}"
+            # Cut at 0 the file is empty: unreadable input (exit 2, as inspect says; issue
+            # #24), not a checkpoint found invalid. Every other cut is found invalid.
+            want = None if n == 0 else False
+            assert _outcome(p, f"{p.name} cut at {n}") is want, f"{p.name} cut at {n}"
         p.write_bytes(original)
         assert _outcome(p, p.name) is True

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnknownFormatError
-from ckpt_cli.formats import safetensors, torchfile
+from ckpt_cli.formats import provenance, safetensors, torchfile
 from ckpt_cli.formats.base import (
     contained_path,
     file_size,
@@ -112,6 +112,43 @@ def load_index_json(index_file: Path) -> tuple[dict[str, str], dict[str, Any]]:
     return dict(wm), meta
 
 
+def _read_shard(index: CheckpointIndex, spath: Path, role: str,
+                default_group: str) -> set[str]:
+    """Add one shard (safetensors or torch zip) to ``index``; the names added."""
+    if safetensors.sniff_bytes(read_head(spath, 9), spath.stat().st_size) is None:
+        return safetensors.read_into(index, spath, role=role, default_group=default_group)
+    if torchfile.sniff_torch(spath) is None:
+        return torchfile.read_into(index, spath, role=role, prefix="")
+    raise UnknownFormatError("shard is neither safetensors nor a torch file", path=spath)
+
+
+def count_parameters(base: Path, shards: list[str]) -> int:
+    """The parameters of a shard set as ``inspect`` counts them once it has an index:
+    :attr:`CheckpointIndex.num_parameters` of the shards read as this reader reads them
+    (model weights only, tied copies once, found by storage or by value).
+
+    The writers call it on the shards they have just written, before the index that names
+    them (the commit marker), to fill its ``metadata.total_parameters``.
+
+    Args:
+        base: The directory holding the shards.
+        shards: Their names, relative to ``base``.
+
+    Returns:
+        The count.
+
+    Raises:
+        CkptError: A shard cannot be read.
+    """
+    from ckpt_cli.formats.ties import find_ties
+
+    index = CheckpointIndex(format="hf-index", root=base, base=base)
+    for shard in shards:
+        _read_shard(index, base / shard, "shard", "model")
+    find_ties(index)
+    return index.num_parameters
+
+
 def read_into(index: CheckpointIndex, index_file: Path, *, role: str = "shard",
               default_group: str = "model") -> None:
     """Add an HF index and all its shards to ``index``.
@@ -156,14 +193,7 @@ def read_into(index: CheckpointIndex, index_file: Path, *, role: str = "shard",
             unreadable.add(shard)
             continue
         try:
-            if safetensors.sniff_bytes(read_head(spath, 9), spath.stat().st_size) is None:
-                names = safetensors.read_into(index, spath, role=role,
-                                              default_group=default_group)
-            elif torchfile.sniff_torch(spath) is None:
-                names = torchfile.read_into(index, spath, role=role, prefix="")
-            else:
-                raise UnknownFormatError("shard is neither safetensors nor a torch file",
-                                         path=spath)
+            names = _read_shard(index, spath, role, default_group)
         except CkptError as e:
             index.add(Finding("error", "bad-shard", e.message, srel))
             index.files.append(FileInfo(srel, spath.stat().st_size, role, None))
@@ -201,3 +231,12 @@ def read_into(index: CheckpointIndex, index_file: Path, *, role: str = "shard",
     index.layout["shards"] = len(shards)
     if "total_parameters" in meta:
         index.metadata["total_parameters"] = meta["total_parameters"]
+    # What ckpt wrote (convert, consolidate): its ckpt.* keys, which torch shards have no
+    # place for (safetensors shards repeat them: kept once), and the step and epoch they carry.
+    shown = index.metadata.get("safetensors_metadata", {})
+    own = {k: v for k, v in meta.items()
+           if k.startswith(provenance.PREFIX) and isinstance(v, str) and shown.get(k) != v}
+    if own:
+        index.metadata["index_metadata"] = own
+    for key, value in provenance.read_back(meta).items():
+        index.metadata.setdefault(key, value)

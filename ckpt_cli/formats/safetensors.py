@@ -19,6 +19,7 @@ import orjson
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CorruptCheckpointError
+from ckpt_cli.formats import provenance
 from ckpt_cli.formats.base import open_regular, read_head, rel_to, wrong_kind
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
@@ -188,6 +189,9 @@ def _metadata_facts(index: CheckpointIndex, meta: dict[str, str]) -> None:
         value = meta.get(key)
         if value is not None and value.lstrip("-").isdigit():
             index.metadata.setdefault("step" if key != "epoch" else "epoch", int(value))
+    # What ckpt itself wrote (convert, consolidate): ckpt.step, ckpt.epoch.
+    for key, value in provenance.read_back(meta).items():
+        index.metadata.setdefault(key, value)
 
 
 def _tensor_info(name: str, entry: Any, rel: str, data_start: int, index: CheckpointIndex,

@@ -38,6 +38,7 @@ from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.directory import checkpoint_files
+from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import resolve_tag
 from ckpt_cli.gather import cast_loader, zero_metadata, zero_outputs
 from ckpt_cli.manifest import Manifest, hash_files, manifest_path, write_manifest
@@ -314,7 +315,7 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
         outs.append(OutTensor(out_name, dst, t.shape, load,
                               piece_caster(src.iter_pieces, t, dst, t.name, clamp, stats)))
         expected[out_name] = load
-    meta = {"ckpt.source": str(index.root.resolve()), "ckpt.source_format": index.format,
+    meta = {"ckpt.source": source_label(index.root), "ckpt.source_format": index.format,
             "ckpt.conversion": "; ".join([f"to={target or 'keep'}", *sel.renamed])}
     for key in ("step", "epoch"):
         if key in index.metadata:
@@ -379,7 +380,7 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
             elements += t.numel
         kept += plan.kept
         kept_scales += plan.kept_scales
-    meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": "rank-files",
+    meta = {"ckpt.source": source_label(src), "ckpt.source_format": "rank-files",
             "ckpt.conversion": f"merged {len(files)} files by key; to={target or 'keep'}"}
     return _Job("rank-files", outs, expected, elements, {}, dropped, meta,
                 {"rank_files": len(files)}, closers, [], stats, casting, warnings, kept,

@@ -39,6 +39,7 @@ from ckpt_cli.cast import (
 from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.base import refuse_damaged
+from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import ParamPlan
 from ckpt_cli.gather import zero_metadata, zero_outputs
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
@@ -299,7 +300,7 @@ def _metadata(index: CheckpointIndex, src: Path, to: str, sel: Selection,
         dropped = ", ".join(f"{g} {n}" for g, n in sorted(sel.dropped.items()) if n)
         steps.append(f"dropped: {dropped or 'nothing'}")
     steps.extend(sel.renamed)
-    meta = {"ckpt.source": str(src.resolve()), "ckpt.source_format": index.format,
+    meta = {"ckpt.source": source_label(src), "ckpt.source_format": index.format,
             "ckpt.conversion": "; ".join(steps)}
     for key in ("step", "epoch"):
         if key in index.metadata:

@@ -48,9 +48,10 @@ from ckpt_cli.errors import (
     UnsupportedError,
     UsageError,
 )
-from ckpt_cli.formats import deepspeed, read_index
+from ckpt_cli.formats import deepspeed, provenance, read_index
 from ckpt_cli.formats.base import refuse_damaged, refuse_incomplete
 from ckpt_cli.formats.containers import group_of
+from ckpt_cli.formats.provenance import is_provenance
 from ckpt_cli.formats.torchfile import role_of
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.results import DiffResult, MetaDiff, OnlyIn, Rename, TensorDiff
@@ -681,7 +682,8 @@ def _value_ties(only: list[OnlyIn], result: DiffResult, src: TensorSource,
 
 # --- metadata --------------------------------------------------------------------------------
 
-_CANONICAL = {"step": "step", "global_step": "step", "epoch": "epoch"}
+_CANONICAL = {"step": "step", "global_step": "step", "epoch": "epoch",
+              provenance.STEP: "step", provenance.EPOCH: "epoch"}
 
 
 def facts(index: CheckpointIndex, *, everything: bool = False) -> dict[str, Any]:
@@ -704,8 +706,9 @@ def facts(index: CheckpointIndex, *, everything: bool = False) -> dict[str, Any]
     for k, v in meta.items():
         if isinstance(v, dict):
             for k2, v2 in v.items():
-                # A safetensors header's step/epoch is already the canonical step/epoch.
-                if k == "safetensors_metadata" and _CANONICAL.get(k2) in meta:
+                # A safetensors header's (or ckpt's) step/epoch is already the canonical
+                # step/epoch.
+                if k in provenance.METADATA_DICTS and _CANONICAL.get(k2) in meta:
                     continue
                 out[f"{k}.{k2}"] = v2
         else:
@@ -747,14 +750,16 @@ def diff_metadata(index_a: CheckpointIndex, index_b: CheckpointIndex, *,
         everything: Include optimizer/RNG/scheduler values (see :func:`facts`).
 
     Returns:
-        Differences in A's key order, then B-only keys in B's order.
+        Differences in A's key order, then B-only keys in B's order; provenance keys
+        (:func:`ckpt_cli.formats.provenance.is_provenance`) are marked.
     """
     fa, fb = facts(index_a, everything=everything), facts(index_b, everything=everything)
     out: list[MetaDiff] = []
     for k, va in fa.items():
         if k not in fb:
-            out.append(MetaDiff(k, va, None, "only_in_a"))
+            out.append(MetaDiff(k, va, None, "only_in_a", is_provenance(k)))
         elif not _same(va, fb[k]):
-            out.append(MetaDiff(k, va, fb[k], "changed"))
-    out.extend(MetaDiff(k, None, vb, "only_in_b") for k, vb in fb.items() if k not in fa)
+            out.append(MetaDiff(k, va, fb[k], "changed", is_provenance(k)))
+    out.extend(MetaDiff(k, None, vb, "only_in_b", is_provenance(k))
+               for k, vb in fb.items() if k not in fa)
     return out

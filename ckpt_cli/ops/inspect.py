@@ -10,7 +10,7 @@ from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import allowlist, check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
-from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.model import GROUPS, CheckpointIndex, TensorInfo, parameters_of
 from ckpt_cli.results import InspectResult, TreeNode
 from ckpt_cli.runs import holds_final_model, is_run_dir, list_run
 
@@ -109,6 +109,11 @@ def select_tensors(index: CheckpointIndex, filter_glob: str | None,
 def module_tree(index: CheckpointIndex, depth: int, filter_glob: str | None = None) -> TreeNode:
     """Group tensors by dotted name prefix, up to ``depth`` levels.
 
+    Each node counts as the summary does (:attr:`CheckpointIndex.num_parameters`,
+    :attr:`~CheckpointIndex.total_bytes`, :attr:`~CheckpointIndex.bytes_by_group`): tied
+    copies add no parameters or bytes, and only model weights are parameters. Without a
+    filter, the root's totals are the summary's.
+
     Args:
         index: The checkpoint.
         depth: How many name components form the tree's levels.
@@ -117,17 +122,31 @@ def module_tree(index: CheckpointIndex, depth: int, filter_glob: str | None = No
     Returns:
         The root :class:`TreeNode` (its name is the checkpoint's name).
     """
-    root = TreeNode(index.root.name)
+    counted = {t.name for t in index.distinct_tensors()}
+    root = _tree_node(index.root.name)
     for t in select_tensors(index, filter_glob):
-        parts = t.name.split(".")
+        once = t.name in counted
         node = root
-        node.tensors += 1
-        node.parameters += t.numel
-        node.bytes += t.nbytes
+        _add(node, t, once)
         # Leaves (the last component) are not tree levels; they are what the counts count.
-        for part in parts[:-1][:depth]:
-            node = node.children.setdefault(part, TreeNode(part))
-            node.tensors += 1
-            node.parameters += t.numel
-            node.bytes += t.nbytes
+        for part in t.name.split(".")[:-1][:depth]:
+            if part not in node.children:
+                node.children[part] = _tree_node(part)
+            node = node.children[part]
+            _add(node, t, once)
     return root
+
+
+def _tree_node(name: str) -> TreeNode:
+    return TreeNode(name, bytes_by_group=dict.fromkeys(GROUPS, 0))
+
+
+def _add(node: TreeNode, t: TensorInfo, once: bool) -> None:
+    """Count ``t`` in ``node``: a tied copy (``once`` False) as a tensor only."""
+    node.tensors += 1
+    if not once:
+        node.tied += 1
+        return
+    node.parameters += parameters_of(t)
+    node.bytes += t.nbytes
+    node.bytes_by_group[t.group] = node.bytes_by_group.get(t.group, 0) + t.nbytes

@@ -62,7 +62,7 @@ def tensor_json(t: TensorDiff) -> dict[str, Any]:
 
 
 def _meta(m: MetaDiff) -> dict[str, Any]:
-    return {"key": m.key, "a": m.a, "b": m.b, "status": m.status}
+    return {"key": m.key, "a": m.a, "b": m.b, "status": m.status, "provenance": m.provenance}
 
 
 def _module(m: ModuleDiff) -> dict[str, Any]:
@@ -126,6 +126,7 @@ def to_json(r: DiffResult, path_a: str, path_b: str, *, by_module: bool = False,
         "followed": {"a": r.followed_a.to_dict() if r.followed_a else None,
                      "b": r.followed_b.to_dict() if r.followed_b else None},
         "metadata": [_meta(m) for m in r.metadata],
+        "provenance_differences": r.provenance_differences,
     }
     if by_module:
         doc["modules"] = [_module(m) for m in r.by_module(depth)]
@@ -256,8 +257,8 @@ def _dtype_lines(r: DiffResult) -> list[str]:
 
 def _meta_line(r: DiffResult) -> str:
     changed = r.metadata_changes
-    only_a = [m.key for m in r.metadata if m.status == "only_in_a"]
-    only_b = [m.key for m in r.metadata if m.status == "only_in_b"]
+    only_a = [m.key for m in r.metadata if m.status == "only_in_a" and not m.provenance]
+    only_b = [m.key for m in r.metadata if m.status == "only_in_b" and not m.provenance]
     parts = []
     if changed:
         parts.append(f"{len(changed)} changed (" + _names(
@@ -268,6 +269,11 @@ def _meta_line(r: DiffResult) -> str:
         if keys:
             parts.append(f"{len(keys)} only in {side}" + (f" ({keys[0]})" if len(keys) == 1
                                                           else ""))
+    keys = r.provenance_differences
+    if keys:
+        verb = "differs" if len(keys) == 1 else "differ"
+        parts.append(f"{_plural(len(keys), 'provenance key')} {verb} (how ckpt made a file; "
+                     f"not a difference): {_names(keys)}")
     return "; ".join(parts)
 
 
@@ -336,10 +342,11 @@ def meta_table(items: list[MetaDiff], top: int | None) -> Table:
     """Non-tensor values that differ (changed first, then one-sided)."""
     table = human.table(_Col("Key", kind="name"), _Col("A", kind="text"),
                         _Col("B", kind="text"))
-    order = sorted(items, key=lambda m: m.status != "changed")
+    order = sorted(items, key=lambda m: (m.provenance, m.status != "changed"))
     for m in order[:top] if top else order:
-        style = None if m.status == "changed" else "dim"
-        _add(table, m.key, _short(m.a), _short(m.b), style=style)
+        style = None if m.status == "changed" and not m.provenance else "dim"
+        _add(table, m.key + (" (provenance)" if m.provenance else ""), _short(m.a),
+             _short(m.b), style=style)
     return table
 
 

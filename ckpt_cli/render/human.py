@@ -462,12 +462,37 @@ def tensors_table(tensors: list[TensorInfo]) -> Table:
     return out
 
 
+_GROUP_WORDS = {"buffer": "buffers", "optimizer": "optimizer state", "other": "other"}
+
+
+def tree_label(n: Any) -> str:
+    """What a module tree node holds, counted as the summary counts.
+
+    ``30 tensors, 134.9K params, 543.7 kB (buffers 4.1 kB), 1 tied copy (not counted again)``;
+    a node of optimizer state only: ``84 tensors, 1.1 MB optimizer state``.
+    """
+    parts = [f"{n.tensors:,} tensor{'s' if n.tensors != 1 else ''}"]
+    if n.parameters:
+        parts.append(f"{count(n.parameters)} params")
+    others = [(_GROUP_WORDS.get(g, g), b) for g, b in n.bytes_by_group.items()
+              if g != "model" and b]
+    if n.bytes:
+        text = size(n.bytes)
+        if len(others) == 1 and not n.bytes_by_group.get("model"):
+            text += f" {others[0][0]}"
+        elif others:
+            text += " (" + ", ".join(f"{w} {size(b)}" for w, b in others) + ")"
+        parts.append(text)
+    if n.tied:
+        parts.append(f"{n.tied:,} tied cop{'ies' if n.tied != 1 else 'y'} (not counted again)")
+    return ", ".join(parts)
+
+
 def module_tree(node: Any) -> Tree:
     """A rich tree of module prefixes with tensor counts, parameters and bytes."""
     def label(n: Any) -> Text:
         t = Text(n.name, style="bold")
-        t.append(f"  {n.tensors} tensors, {count(n.parameters)} params, {size(n.bytes)}",
-                 style="dim")
+        t.append(f"  {tree_label(n)}", style="dim")
         return t
 
     tree = Tree(label(node))

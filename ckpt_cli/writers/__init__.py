@@ -688,6 +688,8 @@ def _bytes_of(arr: np.ndarray, t: OutTensor) -> memoryview:
 
 def _write_index(tmp: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,
                  aliases: dict[str, str] | None, meta: dict[str, str]) -> tuple[str, int]:
+    from ckpt_cli.formats.hf_index import count_parameters
+
     stem, ext = _NAMING[fmt]
     weight_map: dict[str, str] = {}
     for fname, members in zip(plan.files, plan.members, strict=True):
@@ -696,9 +698,11 @@ def _write_index(tmp: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardP
     if fmt == "pt":  # a tied alias is a real key of the shard holding its target
         for alias, target in (aliases or {}).items():
             weight_map[alias] = weight_map[target]
+    # Counted as inspect counts the output (model weights only, tied copies once): read back
+    # from the shards just written, which the index, written last, commits.
     index: dict[str, Any] = {
         "metadata": {"total_size": sum(t.nbytes for t in tensors),
-                     "total_parameters": sum(t.numel for t in tensors),
+                     "total_parameters": count_parameters(tmp, list(plan.files)),
                      **{k: v for k, v in meta.items() if k.startswith("ckpt.")}},
         "weight_map": dict(sorted(weight_map.items())),
     }

@@ -19,6 +19,7 @@ from ckpt_cli.formats import deepspeed, hf_index, megatron
 from ckpt_cli.formats.base import rel_to
 from ckpt_cli.formats.containers import OPTIMIZER_KEYS
 from ckpt_cli.formats.names import is_leftover
+from ckpt_cli.formats.provenance import written_by_ckpt
 from ckpt_cli.model import CheckpointIndex, Finding
 from ckpt_cli.runs import POINTER_FILES, PointerError, read_pointer
 
@@ -215,6 +216,12 @@ def resumable_findings(index: CheckpointIndex,
     if "optimizer" in require and not has_opt:
         findings.append(Finding("error", "missing-optimizer",
                                 "no optimizer state (--require optimizer)"))
+    elif has_step and not has_opt and written_by_ckpt(index.metadata):
+        # convert/consolidate leave optimizer state out unless asked: weights only by design.
+        findings.append(Finding(
+            "info", "no-optimizer",
+            f"step {step} was carried over by ckpt from the checkpoint it converted; the "
+            "optimizer state was left out (--keep-optimizer / --with-optimizer keep it)"))
     elif has_step and not has_opt:
         findings.append(Finding(
             "warning", "no-optimizer",
