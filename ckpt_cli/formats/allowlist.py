@@ -16,6 +16,7 @@ object rebuilt by ``__new__`` and a dict update, an enum looked up by value, a c
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from ckpt_cli.errors import UsageError
 from ckpt_cli.model import Finding
@@ -106,6 +107,18 @@ DATA_TYPES = frozenset({
 })
 
 
+# Allowlisted only as data: a real loader that calls them (REDUCE, INST, OBJ, a
+# copyreg._reconstructor base) runs a constructor that opens the files its arguments name
+# (TrainingArguments' __post_init__ reads accelerator_config, fsdp_config, deepspeed), joins
+# shared process state (PartialState) or sets up workers. Torch and the libraries write them
+# as NEWOBJ (``__new__``) and BUILD (a dict update), which is all ckpt allows of them.
+DATA_ONLY = frozenset({
+    "transformers.training_args.TrainingArguments",
+    "transformers.trainer_pt_utils.AcceleratorConfig", "accelerate.state.PartialState",
+    "torch.utils.data.dataloader.DataLoader", "torch.utils.data.distributed.DistributedSampler",
+})
+
+
 def is_dangerous(qualname: str, *, dotted: bool = False) -> bool:
     """Whether a global (not on any allowlist) is one known to run code or reach files.
 
@@ -132,46 +145,60 @@ ALLOWED_CODES = frozenset({"unsafe-global", "unknown-global"})
 """The finding codes :func:`allow` can turn into an info finding."""
 
 
-def pickle_findings(classes: Mapping[str, str], calls: Iterable[str], *, file: str | None,
-                    what: str = "pickle", sources: Mapping[str, str] | None = None,
-                    builds: Iterable[str] = ()) -> list[Finding]:
+class Seen(Protocol):
+    """What a pickle was seen to do (:class:`ckpt_cli.formats.unpickler.PickleResult`)."""
+
+    @property
+    def globals(self) -> Mapping[str, str]: ...  # each global named, with its class
+    @property
+    def calls(self) -> set[str]: ...  # called or instantiated (REDUCE, NEWOBJ, INST, OBJ)
+    @property
+    def inits(self) -> set[str]: ...  # whose constructor a real loader would run
+    @property
+    def builds(self) -> set[str]: ...  # that it tries to modify (BUILD onto a global)
+
+
+def pickle_findings(seen: Seen, *, file: str | None, what: str = "pickle",
+                    sources: Mapping[str, str] | None = None) -> list[Finding]:
     """The verdict on a pickle's globals, the same in every command and format.
 
     Args:
-        classes: Each global the pickle names, with its classification (``allowed``,
-            ``benign``, ``dangerous`` or ``unknown``; see ``unpickler.classify_global``).
-        calls: The globals the pickle calls or instantiates (REDUCE, NEWOBJ, INST, OBJ).
+        seen: What the pickle named, called, constructed and tried to modify.
         file: The file the pickle is in, as the index names it.
-        what: The pickle, as the message names it (``pickle``, ``item pickle of step``...).
+        what: The pickle, as the message names it (``pickle``, ``pickle of item step``...).
         sources: For globals seen in another pickle of the file, that pickle's name.
-        builds: The globals the pickle tries to modify (BUILD onto a class or function):
-            each an ``unsafe-global`` error, whatever its classification.
 
     Returns:
-        An ``unsafe-global`` error per global that is dangerous or called without being
-        allowlisted, an ``unknown-global`` error per other global outside the allowlist, an
-        ``non-allowlisted-global`` info per ckpt data type torch's weights-only loader
-        refuses. Each finding's location is the global's name.
+        An ``unsafe-global`` error per global the pickle tries to modify, that is dangerous,
+        that is called without being allowlisted, or that is allowlisted only as data and
+        constructed (:data:`DATA_ONLY`); an ``unknown-global`` error per other global
+        outside the allowlist; a ``non-allowlisted-global`` info per ckpt data type torch's
+        weights-only loader refuses. Each finding's location is the global's name.
     """
-    called = set(calls)
     out = [Finding("error", "unsafe-global",
                    f"{what} modifies the global {qual} (BUILD onto a class or function: a "
                    "real loader would change it for the rest of the process); not executed",
-                   file, qual) for qual in sorted(set(builds))]
-    for qual, cls in sorted(classes.items()):
-        if qual in builds:
+                   file, qual) for qual in sorted(seen.builds)]
+    for qual, cls in sorted(seen.globals.items()):
+        if qual in seen.builds:
             continue
         where = (sources or {}).get(qual)
         what_ = f"{what} ({where})" if where else what
         hint = f"not on ckpt's allowlist; --allow-global {qual} accepts it if you trust the file"
-        if cls == "dangerous" or (cls == "unknown" and qual in called):
-            verb = "would call" if qual in called or cls == "dangerous" else "references"
+        if cls == "dangerous" or (cls == "unknown" and qual in seen.calls):
+            verb = "would call" if qual in seen.calls or cls == "dangerous" else "references"
             out.append(Finding("error", "unsafe-global",
                                f"{what_} {verb} {qual} if loaded with torch.load("
                                f"weights_only=False); not executed; {hint}", file, qual))
         elif cls == "unknown":
             out.append(Finding("error", "unknown-global",
                                f"{what_} references {qual}; not imported or executed; {hint}",
+                               file, qual))
+        elif cls == "benign" and qual in DATA_ONLY and qual in seen.inits:
+            out.append(Finding("error", "unsafe-global",
+                               f"{what_} would call {qual}(...), whose constructor reads files "
+                               "or sets up processes under torch.load(weights_only=False) "
+                               "(ckpt allows only its data to be restored); not executed",
                                file, qual))
         elif cls == "benign":
             out.append(Finding("info", "non-allowlisted-global",
@@ -225,24 +252,21 @@ def refused_names(classes: Mapping[str, str]) -> list[str]:
     return sorted(q for q, c in classes.items() if c in ("dangerous", "unknown"))
 
 
-def refused(classes: Mapping[str, str], calls: Iterable[str] = (),
-            builds: Iterable[str] = ()) -> str:
+def refused(seen: Seen) -> str:
     """For the message of a pickle that could not be read to the end: the globals it names
-    up to there that are not allowlisted (the real loader may have run them already).
+    that are not allowlisted (the real loader may have run them already).
 
     Args:
-        classes: Globals seen, with their classification.
-        calls: Globals called or instantiated.
-        builds: Globals it tried to modify.
+        seen: What the pickle named, called and tried to modify.
 
     Returns:
         ``"; it would call a.b and references c.d"`` or ``""``.
     """
-    called = set(calls)
+    classes = seen.globals
     bad = refused_names(classes)
-    run = [q for q in bad if q in called or classes[q] == "dangerous"]
+    run = [q for q in bad if q in seen.calls or classes[q] == "dangerous"]
     named = [q for q in bad if q not in run]
-    changed = sorted(set(builds))
+    changed = sorted(seen.builds)
     parts = ([f"would call {', '.join(run)}"] if run else []) + (
         [f"references {', '.join(named)}"] if named else []) + (
         [f"modifies {', '.join(changed)}"] if changed else [])

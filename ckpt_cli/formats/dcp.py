@@ -129,9 +129,8 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
             f"{len(distcp)} .distcp file(s) but no .metadata: the save did not finish "
             "(DCP writes .metadata last)", path=path)
     fields, globals_seen = parse_metadata(meta_path)
-    for f in allowlist.pickle_findings(globals_seen.globals, globals_seen.calls,
-                                       file=meta_path.name, what="metadata pickle",
-                                       builds=globals_seen.builds):
+    for f in allowlist.pickle_findings(globals_seen, file=meta_path.name,
+                                       what="metadata pickle"):
         if f.severity != "info":
             index.add(f)
     index.files.append(FileInfo(meta_path.name, file_size(meta_path), "metadata", "dcp"))
@@ -354,9 +353,8 @@ def _read_objects(index: CheckpointIndex, base: Path, items: list[tuple[str, str
                     index.objects[".".join(sub)] = containers.to_plain(leaf)
             else:
                 index.objects[name] = containers.to_plain(obj)
-            for f in allowlist.pickle_findings(tz.pickle.globals, tz.pickle.calls, file=rel,
-                                               what=f"pickle of item {name}",
-                                               builds=tz.pickle.builds):
+            for f in allowlist.pickle_findings(tz.pickle, file=rel,
+                                               what=f"pickle of item {name}"):
                 if f.severity != "info":
                     index.add(f)
     finally:

@@ -108,7 +108,8 @@ def parse_header(path: Path, *, fd: Handle | None = None,
     try:
         header = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise CorruptCheckpointError(f"header is not valid UTF-8 JSON ({e})", path=path) from None
+        raise CorruptCheckpointError(f"header is not valid UTF-8 JSON ({e})"
+                                     + _pickle_note(fd, size), path=path) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError("header is not a JSON object", path=path)
     findings: list[Finding] = []
@@ -254,3 +255,16 @@ def _check_spans(index: CheckpointIndex, rel: str, spans: list[tuple[int, int, s
         index.add(Finding("error", "trailing-bytes",
                           f"{data_len - pos:,} bytes after the last tensor (trailing garbage or a "
                           "damaged header)", rel))
+
+
+def _pickle_note(fd: Handle, size: int) -> str:
+    """For a file that is not safetensors after all: torch.load would read it as a pickle
+    (its first eight bytes can be pickle opcodes), so say what that pickle would run."""
+    from ckpt_cli.formats import allowlist
+    from ckpt_cli.formats.unpickler import looks_like_pickle, scan_stream
+
+    head = storage.pread(fd, min(size, 1 << 24), 0)
+    if not looks_like_pickle(head[:4096]):
+        return ""
+    note = allowlist.refused(scan_stream(head))
+    return note.replace("; it ", "; read as the pickle torch.load would take it for, it ", 1)

@@ -37,13 +37,14 @@ from ckpt_cli.formats.base import (
 )
 from ckpt_cli.formats.unpickler import (
     UNPICKLE_ERRORS,
-    PickleLengthError,
     PickleResult,
     StorageRecord,
     StorageType,
     TensorRecord,
     looks_like_pickle,
     scan_globals,
+    scan_stream,
+    static_globals,
     unpickler_for,
 )
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, StorageRef, TensorInfo
@@ -139,7 +140,7 @@ def zip_entries(fd: Handle, start: int, length: int, where: str) -> dict[str, Zi
         _refuse_ambiguous(fd, start, length, infos, shift, where)
     except ZipConflictError as e:
         # Name what each reader would have run: the globals of every pickle record.
-        raise ZipConflictError(e.message + _pickle_records_note(fd, start, length),
+        raise ZipConflictError(e.message + pickle_records_note(fd, start, length),
                                code=e.code, path=where) from None
     if isinstance(fd, int):
         return _entries_from_headers(fd, start, infos, where)
@@ -152,6 +153,24 @@ def zip_entries(fd: Handle, start: int, length: int, where: str) -> dict[str, Zi
 
 _EOCD = b"PK\x05\x06"
 _SCAN_LIMIT = 256 << 20  # bytes read to name what a refused pickle or zip would have run
+
+
+def refuse_colliding_names(names: list[str], where: str) -> None:
+    """Refuse a zip with two records whose names are equal or differ only in case (torch's
+    lookup ignores case; zipfile keeps the last of equal names).
+
+    Raises:
+        ZipConflictError: Naming the two records.
+    """
+    seen: dict[str, str] = {}
+    for name in names:
+        key = name.lower()
+        if key in seen:
+            same = "the same name" if seen[key] == name else "names that differ in case"
+            raise ZipConflictError(
+                f"zip holds two records with {same} ({seen[key]!r}, {name!r}): readers "
+                "disagree on which one is loaded", code="zip-duplicate-name", path=where)
+        seen[key] = name
 
 
 def _refuse_ambiguous(fd: Handle, start: int, length: int, infos: list[zipfile.ZipInfo],
@@ -167,16 +186,7 @@ def _refuse_ambiguous(fd: Handle, start: int, length: int, infos: list[zipfile.Z
     Raises:
         UnsafeCheckpointError: Naming the conflict.
     """
-    seen: dict[str, str] = {}
-    for info in infos:
-        key = info.filename.lower()
-        if key in seen:
-            same = "the same name" if seen[key] == info.filename else "names that differ in case"
-            raise ZipConflictError(
-                f"zip holds two records with {same} ({seen[key]!r}, {info.filename!r}): "
-                "readers disagree on which one is loaded", code="zip-duplicate-name",
-                path=where)
-        seen[key] = info.filename
+    refuse_colliding_names([i.filename for i in infos], where)
     span = min(length, 22 + 0xFFFF + 20)
     tail = storage.pread(fd, span, start + length - span)
     ends = []
@@ -200,7 +210,15 @@ def _refuse_ambiguous(fd: Handle, start: int, length: int, infos: list[zipfile.Z
             code="zip-central-directory", path=where)
 
 
-def _pickle_records_note(fd: Handle, start: int, length: int) -> str:
+def failed_note(result: PickleResult, raw: bytes) -> str:
+    """The note for a pickle the unpickler stopped in: what it saw, and every global the
+    bytes name after that (read statically; the real loader may get there)."""
+    named = {**static_globals(raw[:_SCAN_LIMIT]), **result.globals}
+    return allowlist.refused(PickleResult(None, named, calls=result.calls,
+                                          builds=result.builds))
+
+
+def pickle_records_note(fd: Handle, start: int, length: int) -> str:
     """The non-allowlisted globals of every ``.pkl`` record of a zip (any case), found by
     walking its local headers, whatever its central directories say."""
     classes: dict[str, str] = {}
@@ -225,7 +243,8 @@ def _pickle_records_note(fd: Handle, start: int, length: int) -> str:
                     builds |= found.builds
             hit = chunk.find(ZIP_MAGIC, hit + 4)
         at += step
-    return allowlist.refused(classes, calls, builds).replace("; it ", "; its pickles ", 1)
+    seen = PickleResult(None, classes, calls=calls, builds=builds)
+    return allowlist.refused(seen).replace("; it ", "; its pickles ", 1)
 
 
 def _entry(info: zipfile.ZipInfo, data: int) -> ZipEntry:
@@ -252,20 +271,17 @@ def _predicted_entries(fd: ObjectFile, start: int, infos: list[zipfile.ZipInfo],
 
 def _read_header(fd: Handle, start: int, info: zipfile.ZipInfo, where: str,
                  head: bytes | None = None) -> int:
-    name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
-    if head is None:  # with the name: the local header must name the record its CD names
-        head = storage.pread(fd, 30 + len(name), start + info.header_offset)
+    # The payload lies where torch's reader finds it: past the local header's own name and
+    # extra field. A local header naming another record than the central directory reads
+    # the same bytes in torch and here; validate reports it (zip-local-header), on disk and
+    # on a store alike.
+    if head is None:
+        head = storage.pread(fd, 30, start + info.header_offset)
     if len(head) < 30 or head[:4] != ZIP_MAGIC:
         raise CorruptCheckpointError(
             f"entry {info.filename!r}: no local header at offset {info.header_offset:,}",
             path=where)
     n, m = struct.unpack("<HH", head[26:30])
-    (method,) = struct.unpack("<H", head[8:10])
-    if len(head) >= 30 + len(name) and (head[30:30 + n] != name or method != info.compress_type):
-        raise ZipConflictError(
-            f"entry {info.filename!r}: its local header at offset {info.header_offset:,} "
-            f"names {head[30:30 + n][:80]!r} (method {method}): the central directory and the "
-            "local headers disagree", code="zip-local-header", path=where)
     return int(info.header_offset + 30 + n + m)
 
 
@@ -379,11 +395,9 @@ def parse_zip(fd: Handle, start: int, length: int, where: str) -> TorchZip:
     result, error = scan_globals(raw)
     if error is not None:
         raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({_short(error)})"
-                                     + allowlist.refused(result.globals, result.calls,
-                                                         result.builds),
-                                     path=where)
+                                     + failed_note(result, raw), path=where)
     tz = TorchZip(entries, prefix, result, start)
-    _scan_other_pickles(tz, fd, length)
+    scan_other_pickles(tz, fd, length)
     return tz
 
 
@@ -392,7 +406,7 @@ _PLAIN_RECORDS = ("version", ".format_version", "byteorder", ".storage_alignment
                   ".data/version", ".data/serialization_id", "serialization_id")
 
 
-def _scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
+def scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
     """Scan every pickle-like record besides ``data.pkl`` (TorchScript's ``constants.pkl``,
     a ``.pkl`` in any case, any record outside ``data/`` that parses as a pickle).
 
@@ -424,6 +438,7 @@ def _scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
                 main.globals[qual] = cls
                 main.sources[qual] = short
         main.calls |= found.calls
+        main.inits |= found.inits
         main.builds |= found.builds
 
 
@@ -509,6 +524,7 @@ def _read_tar(path: Path, members: dict[str, tuple[int, int]]) -> PickleResult:
                 result.globals.setdefault(qual, cls)
                 result.sources.setdefault(qual, f"tar member {name}")
             result.calls |= found.calls
+            result.inits |= found.inits
             result.builds |= found.builds
     finally:
         storage.close(fd)
@@ -595,7 +611,7 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, prefix: str) -> 
         index.add(Finding("error", "unsupported-format",
                           "a legacy tar checkpoint (torch < 0.1.10): its pickles were scanned, "
                           "its tensors are not read"
-                          + allowlist.refused(result.globals, result.calls, result.builds),
+                          + allowlist.refused(result),
                           rel_to(path, index.base)))
     else:
         result = _read_plain_pickle(path)
@@ -768,8 +784,7 @@ def _tensor_info(index: CheckpointIndex, name: str, path: tuple[str, ...], rec: 
 
 
 def _global_findings(index: CheckpointIndex, result: PickleResult, rel: str) -> None:
-    for f in allowlist.pickle_findings(result.globals, result.calls, file=rel,
-                                       sources=result.sources, builds=result.builds):
+    for f in allowlist.pickle_findings(result, file=rel, sources=result.sources):
         index.add(f)
 
 
@@ -799,24 +814,31 @@ def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: Handle) ->
 
 
 def _read_plain_pickle(path: Path) -> PickleResult:
-    """A pickle that is not a torch.save stream (Accelerate's ``random_states_0.pkl``...)."""
-    up = None
+    """A pickle that is not a torch.save stream (Accelerate's ``random_states_0.pkl``...),
+    with the globals of every pickle after it merged in (see :func:`scan_stream`)."""
     try:
         with open_stream(path) as f:
             up = unpickler_for(f)
-            return PickleResult(up.load(), up.globals, up.storages, calls=up.calls,
-                                builds=up.builds)
-    except PickleLengthError as e:
-        # Refused before unpickling: what came before the bad opcode ran under pickle.load.
+            result = PickleResult(up.load(), up.globals, up.storages, calls=up.calls,
+                                  builds=up.builds, inits=up.inits)
+            rest = f.read(_SCAN_LIMIT)
+    except UNPICKLE_ERRORS as e:
+        # What came before the failure ran under pickle.load, and the real loader may go on
+        # where ckpt's stand-ins cannot: every global the bytes name is listed.
         with open_stream(path) as f:
-            found, _ = scan_globals(f.read(min(e.at, _SCAN_LIMIT)))
+            found = scan_stream(f.read(_SCAN_LIMIT))
         raise CorruptCheckpointError(
             f"not a readable pickle ({_short(e)})"
-            + allowlist.refused(found.globals, found.calls, found.builds), path=path) from None
-    except UNPICKLE_ERRORS as e:
-        seen = allowlist.refused(up.globals, up.calls, up.builds) if up is not None else ""
-        raise CorruptCheckpointError(f"not a readable pickle ({_short(e)}){seen}",
-                                     path=path) from None
+            + allowlist.refused(found), path=path) from None
+    later = scan_stream(rest)
+    for qual, cls in later.globals.items():
+        if qual not in result.globals:
+            result.globals[qual] = cls
+            result.sources[qual] = "a later pickle in the file"
+    result.calls |= later.calls
+    result.inits |= later.inits
+    result.builds |= later.builds
+    return result
 
 
 def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
@@ -844,9 +866,16 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
     seen: dict[str, tuple[str, str]] = {}  # qualname -> (classification, which pickle)
     calls: set[str] = set()
     builds: set[str] = set()
+    inits: set[str] = set()
 
     def note() -> str:
-        return allowlist.refused({q: c for q, (c, _) in seen.items()}, calls, builds)
+        # The stream stopped: the real loader may read on where ckpt cannot (a stand-in
+        # that is not the number torch checks), so every pickle of the file is named.
+        with open_stream(path) as whole:
+            found = scan_stream(whole.read(_SCAN_LIMIT))
+        named = {**found.globals, **{q: c for q, (c, _) in seen.items()}}
+        return allowlist.refused(PickleResult(None, named, calls=calls | found.calls,
+                                              builds=builds | found.builds))
 
     def load(f: Any, what: str, use: Callable[[Any], Any] | None = None) -> PickleResult:
         up = None
@@ -865,7 +894,9 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
             seen.setdefault(qual, (cls, what))
         calls.update(up.calls)
         builds.update(up.builds)
-        return PickleResult(obj, up.globals, up.storages, calls=up.calls, builds=up.builds)
+        inits.update(up.inits)
+        return PickleResult(obj, up.globals, up.storages, calls=up.calls, builds=up.builds,
+                            inits=up.inits)
 
     with open_stream(path) as f:
         magic = load(f, "magic number").obj
@@ -888,6 +919,7 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
             main.globals[qual] = cls
             main.sources[qual] = f"the {what} pickle"
     main.calls |= calls
+    main.inits |= inits
     main.builds |= builds
     if not isinstance(keys, list):
         raise CorruptCheckpointError("legacy storage key list is missing", path=path)

@@ -164,6 +164,9 @@ class Opaque:
     # The unpickler's set of globals called or instantiated (each stand-in class belongs to
     # one unpickler, so nothing about one file reaches another).
     calls: ClassVar[set[str]] = set()
+    # ... and of those whose constructor (__init__) a real loader would run: REDUCE, INST and
+    # OBJ with arguments, copyreg._reconstructor's base. NEWOBJ runs only __new__.
+    inits: ClassVar[set[str]] = set()
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     state: Any
@@ -180,7 +183,7 @@ class Opaque:
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        type(self).inits.add(self.qualname)
 
     __setstate__ = _GuardedSetState()
 
@@ -359,9 +362,14 @@ def _layout(name: Any = "") -> str:
 
 
 def _reconstructor(cls: Any, base: Any = None, state: Any = None) -> Any:
-    # copyreg._reconstructor(cls, object, None): only ever instantiate our own stand-ins.
+    # copyreg._reconstructor(cls, base, state) is base.__new__(cls, state), then
+    # base.__init__(obj, state) unless base is object: only ever our own stand-ins.
     if isinstance(cls, type) and issubclass(cls, Opaque):
-        return cls()
+        obj = cls.__new__(cls)
+        if isinstance(base, type) and issubclass(base, Opaque) and (
+                base.qualname != "builtins.object"):
+            base.inits.add(base.qualname)
+        return obj
     raise pickle.UnpicklingError("copyreg._reconstructor on a non-stand-in class")
 
 
@@ -454,6 +462,7 @@ class PickleResult:
             stream's sys_info, a zip's ``constants.pkl``), which one.
         calls: The globals outside ckpt's stand-ins that the pickle calls or instantiates.
         builds: The globals the pickle tries to modify (BUILD onto a class or function).
+        inits: The classes whose constructor a real loader would run (REDUCE, INST, OBJ).
     """
 
     obj: Any
@@ -462,6 +471,7 @@ class PickleResult:
     sources: dict[str, str] = field(default_factory=dict)
     calls: set[str] = field(default_factory=set)
     builds: set[str] = field(default_factory=set)
+    inits: set[str] = field(default_factory=set)
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -479,6 +489,7 @@ class SafeUnpickler(pickle.Unpickler):
         self._persistent = persistent
         self.globals: dict[str, str] = {}
         self.calls: set[str] = set()
+        self.inits: set[str] = set()
         self.builds: set[str] = set()
         self.storages: dict[str, StorageRecord] = {}
         self._extra = extra or {}
@@ -512,7 +523,7 @@ class SafeUnpickler(pickle.Unpickler):
         cls = self._opaque.get(qual)
         if cls is None:
             cls = type(name if name.isidentifier() else "Opaque", (Opaque,),
-                       {"qualname": qual, "calls": self.calls})
+                       {"qualname": qual, "calls": self.calls, "inits": self.inits})
             self._opaque[qual] = cls
         return cls
 
@@ -738,7 +749,8 @@ def safe_load(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None = No
     """
     up = unpickler_for(data, extra, persistent)
     obj = up.load()
-    return PickleResult(obj, up.globals, up.storages, calls=up.calls, builds=up.builds)
+    return PickleResult(obj, up.globals, up.storages, calls=up.calls, builds=up.builds,
+                        inits=up.inits)
 
 
 def unpickler_for(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None = None,
@@ -822,7 +834,7 @@ def scan_globals(data: bytes) -> tuple[PickleResult, BaseException | None]:
     except UNPICKLE_ERRORS as e:
         error = error or e
     return PickleResult(obj, up.globals, up.storages, calls=up.calls,
-                        builds=up.builds), error
+                        builds=up.builds, inits=up.inits), error
 
 
 UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
@@ -833,7 +845,7 @@ UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyE
 
 # Opcodes a protocol 0 or 1 pickle can start with: a mark, a global or instance, an empty
 # container, or a value.
-_FIRST_OPCODES = frozenset(b"(c}])NILFSVKJMGUTXBCi\x88\x89")
+_FIRST_OPCODES = frozenset(b"(c}])NILFSVKJMGUTXBCiP\x88\x89\x8a\x8b\x8c\x8d\x8e\x8f\x95\x96")
 
 
 def looks_like_pickle(head: bytes) -> bool:
@@ -858,3 +870,85 @@ def looks_like_pickle(head: bytes) -> bool:
     except PickleLengthError as e:
         return e.at >= len(head) - 1 and "truncated" in str(e)  # only cut off by the head
     return True
+
+
+def static_globals(data: bytes) -> dict[str, str]:
+    """The globals a pickle names, found by reading its opcodes without running them.
+
+    For messages about a pickle the unpickler stopped in (a stand-in that cannot do what the
+    real object would, a crafted memo index): the real loader would have gone on, so every
+    GLOBAL, INST and STACK_GLOBAL to the end is named. STACK_GLOBAL's names are the last two
+    strings pushed (directly or from the memo), which is how picklers write them.
+
+    Args:
+        data: Pickle bytes (anything after the pickle's STOP is ignored).
+
+    Returns:
+        Each global found, with its classification.
+    """
+    import pickletools  # only for messages about refused pickles
+
+    found: dict[str, str] = {}
+    recent: list[Any] = []
+    memo: dict[Any, Any] = {}
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(data)):
+            name = op.name
+            if name in ("GLOBAL", "INST"):
+                module, _, attr = str(arg).partition(" ")
+                qual = f"{module}.{attr}"
+                found[qual] = classify_global(qual, dotted="." in attr)
+            elif name == "STACK_GLOBAL" and len(recent) >= 2:
+                module, attr = str(recent[-2]), str(recent[-1])
+                qual = f"{module}.{attr}"
+                found[qual] = classify_global(qual, dotted="." in attr)
+            elif isinstance(arg, str) and name != "PROTO":
+                recent.append(arg)
+            elif name == "MEMOIZE" and recent:
+                memo[len(memo)] = recent[-1]
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT") and recent:
+                memo[arg] = recent[-1]
+            elif name in ("GET", "BINGET", "LONG_BINGET") and arg in memo:
+                recent.append(memo[arg])
+            del recent[:-4]
+    except (ValueError, EOFError, UnicodeDecodeError, struct.error, KeyError):
+        pass  # damaged past here: what was found so far
+    return found
+
+
+def scan_stream(data: bytes, limit: int = 64) -> PickleResult:
+    """The globals of every pickle in ``data``, one after another.
+
+    ``torch.load`` of a non-zip file reads a pickle and, if it is the legacy magic number,
+    four more: a stand-in for an allowlisted type (``builtins.int(...)``) can make it that
+    number where ckpt cannot tell, so every pickle up to the end of the bytes (or the first
+    that does not parse, whose opcodes are then read statically) is scanned.
+
+    Args:
+        data: Bytes holding pickles back to back (and possibly other bytes after them).
+        limit: How many pickles to read at most.
+
+    Returns:
+        A :class:`PickleResult` (``obj`` None) with the globals, calls and builds of all.
+    """
+    out = PickleResult(None)
+    pos = 0
+    for _ in range(limit):
+        if pos >= len(data):
+            break
+        try:
+            end: int | None = check_lengths(data, pos)
+        except PickleLengthError:
+            end = None
+        found, error = scan_globals(data[pos:end])
+        for qual, cls in found.globals.items():
+            out.globals.setdefault(qual, cls)
+        out.calls |= found.calls
+        out.builds |= found.builds
+        out.inits |= found.inits
+        if error is not None or end is None:
+            for qual, cls in static_globals(data[pos:]).items():
+                out.globals.setdefault(qual, cls)
+            break
+        pos = end
+    return out

@@ -61,6 +61,7 @@ from ckpt_cli.ops.validate.layoutcheck import (
     resumable_findings,
     stray_shards,
 )
+from ckpt_cli.ops.validate.strays import stray_pickle_findings
 from ckpt_cli.ops.validate.valuecheck import ValueScan, scan_values
 from ckpt_cli.ops.validate.zipcheck import CrcTask, check_zip, crc_tasks, verify_crcs
 from ckpt_cli.results import (
@@ -666,7 +667,10 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
             streamed = total
             rate = f", {total / dt / 1e9:.2f} GB/s" if dt > 0 and total > _RATE_MIN else ""
             b.add("crc32", found, f"{records:,} record(s), {format_size(total)}{rate}")
-    if fmts & {"torch", "torch-legacy", "pickle", "dcp"}:
+    strays = stray_pickle_findings(index, path)
+    if strays:
+        b.add("pickle-safety", strays)
+    if strays or fmts & {"torch", "torch-legacy", "pickle", "dcp"}:
         found = b.findings.get("pickle-safety", [])
         worst = {f.severity for f in found}
         script = any(f.code == "torchscript-archive" for f in found)

@@ -18,9 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError, CorruptCheckpointError
+from ckpt_cli.errors import CkptError, CorruptCheckpointError, ZipConflictError
 from ckpt_cli.formats import allowlist, dcp
-from ckpt_cli.formats.torchfile import TorchZip, ZipEntry, archive_prefix, record, view_extent
+from ckpt_cli.formats.torchfile import (
+    TorchZip,
+    ZipEntry,
+    archive_prefix,
+    failed_note,
+    pickle_records_note,
+    record,
+    refuse_colliding_names,
+    scan_other_pickles,
+    view_extent,
+)
 from ckpt_cli.formats.unpickler import TensorRecord, scan_globals
 from ckpt_cli.model import CheckpointIndex, Chunk, Finding, TensorInfo
 from ckpt_cli.ops.validate.zipcheck import CrcTask, ZipReport, check_zip, crc_tasks
@@ -206,6 +216,12 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
         report.decoded[rel] = (n + 1, undecoded + bool(it.transforms))
         if it.transforms:
             report.undecoded += 1
+            if it.offsets is None:  # a BYTE_IO item: a torch.save zip that dcp.load unpickles
+                report.pickles.append(Finding(
+                    "error", "unscanned-pickle",
+                    f"item {it.name} is stored through {', '.join(map(str, it.transforms))}, "
+                    "which ckpt does not decode: its pickle, which dcp.load unpickles with "
+                    "torch.load(weights_only=False), could not be scanned", rel, it.name))
             continue
         fd = files.open(directory / it.rel, rel)
         zr = check_zip(fd, it.offset, it.length, rel=rel, where=it.where)
@@ -213,15 +229,14 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
         if not zr.readable:
             continue
         try:
-            tz = _load(fd, it.offset, zr, f"{directory / it.rel}@{it.offset}")
+            tz = _load(fd, it.offset, it.length, zr, f"{directory / it.rel}@{it.offset}")
         except CkptError as e:
             code = "bad-item" if it.offsets is None else "chunk-undecodable"
             report.chunks.append(Finding("error", code, e.message, rel, it.where))
             continue
         report.pickles.extend(
-            f for f in allowlist.pickle_findings(tz.pickle.globals, tz.pickle.calls, file=rel,
-                                                 what=f"pickle of item {it.name}",
-                                                 builds=tz.pickle.builds)
+            f for f in allowlist.pickle_findings(tz.pickle, file=rel,
+                                                 what=f"pickle of item {it.name}")
             if f.severity != "info")
         if it.offsets is not None:
             pair = chunks.get((it.name, it.offsets))
@@ -233,7 +248,7 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
         report.crc.extend(crc_tasks(zr, rel=rel, fd=fd, start=it.offset, where=it.where))
 
 
-def _load(fd: Handle, start: int, zr: ZipReport, where: str) -> TorchZip:
+def _load(fd: Handle, start: int, length: int, zr: ZipReport, where: str) -> TorchZip:
     """Unpickle an item's ``data.pkl`` from the records :func:`check_zip` already located.
 
     Same result as :func:`~ckpt_cli.formats.torchfile.parse_zip`, without parsing the central
@@ -242,6 +257,11 @@ def _load(fd: Handle, start: int, zr: ZipReport, where: str) -> TorchZip:
     Raises:
         CorruptCheckpointError: No ``data.pkl``, or one that does not unpickle.
     """
+    try:  # as parse_zip does: records two readers would choose between
+        refuse_colliding_names([r.name for r in zr.records], where)
+    except ZipConflictError as e:
+        raise ZipConflictError(e.message + pickle_records_note(fd, start, length),
+                               code=e.code, path=where) from None
     entries = {r.name: ZipEntry(r.name, r.header_offset, r.data_offset, r.size, r.method != 0,
                                 r.crc) for r in zr.records}
     prefix = archive_prefix(list(entries))
@@ -252,10 +272,11 @@ def _load(fd: Handle, start: int, zr: ZipReport, where: str) -> TorchZip:
     result, error = scan_globals(raw)
     if error is not None:
         raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({error})"[:200]
-                                     + allowlist.refused(result.globals, result.calls,
-                                                         result.builds),
+                                     + failed_note(result, raw),
                                      path=where)
-    return TorchZip(entries, prefix, result, start)
+    tz = TorchZip(entries, prefix, result, start)
+    scan_other_pickles(tz, fd, length)
+    return tz
 
 
 def _chunk_problem(tz: TorchZip, pair: tuple[TensorInfo, Chunk], length: int) -> str | None:

@@ -1,0 +1,68 @@
+"""Pickles inside a checkpoint directory that its format does not read.
+
+A ``pytorch_model.bin`` beside ``model.safetensors``, DeepSpeed's pipeline ``layer_*`` files,
+a DeepSpeed tag directory inside an HF Trainer checkpoint: ckpt describes the checkpoint by
+the files its format names, but other tools ``torch.load`` these (DeepSpeed's resume does, with
+``weights_only=False``). Their pickles are judged like every other (issue #23).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ckpt_cli import storage
+from ckpt_cli.errors import CkptError
+from ckpt_cli.formats import torchfile
+from ckpt_cli.formats.base import rel_to
+from ckpt_cli.model import CheckpointIndex, Finding
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
+_CODES = ("unsafe-global", "unknown-global", "unscanned-pickle", "torchscript-archive")
+_MAX_FILES = 4096
+_RUN_CHECKPOINT = re.compile(r"checkpoint-\d+")
+_MAX_DEPTH = 3
+
+
+def stray_pickle_findings(index: CheckpointIndex, path: Path) -> list[Finding]:
+    """The pickle-safety findings of the pickle files under a checkpoint directory that the
+    checkpoint's reader did not read.
+
+    Args:
+        index: The checkpoint's index (its files are skipped).
+        path: The checkpoint (nothing is done for a file).
+
+    Returns:
+        ``unsafe-global``/``unknown-global``/``unscanned-pickle`` findings (and an error for a
+        pickle file that cannot be read at all), named by the file.
+    """
+    if not path.is_dir():
+        return []
+    read = {f.path for f in index.files}
+    out: list[Finding] = []
+    seen = 0
+    for d, dirs, files in storage.walk(path):
+        depth = len(Path(d).relative_to(path).parts)
+        # HF Trainer's checkpoint-N beside a final model are the run's own checkpoints,
+        # validated as such; anything else below is part of this checkpoint.
+        dirs[:] = sorted(n for n in dirs if not n.startswith(".") and depth < _MAX_DEPTH
+                         and not _RUN_CHECKPOINT.fullmatch(n))
+        for name in sorted(files):
+            if not name.lower().endswith(PICKLE_SUFFIXES):
+                continue
+            p = Path(d) / name
+            rel = rel_to(p, index.base)
+            if rel in read or seen >= _MAX_FILES:
+                continue
+            seen += 1
+            scratch = CheckpointIndex(format="torch", root=p, base=index.base)
+            try:
+                torchfile.read_into(scratch, p, role=torchfile.role_of(name), prefix="")
+            except CkptError as e:
+                if any(w in e.message for w in ("would call", "references", "modifies",
+                                                "two records", "end-of-central",
+                                                "central directory lies")):
+                    out.append(Finding("error", "unsafe-global", e.message, rel))
+                continue  # not a pickle torch would run: other checks say what it is
+            out.extend(f for f in scratch.findings if f.code in _CODES)
+    return out
