@@ -248,6 +248,15 @@ def check_overflow(stats: CastStats, clamp: bool) -> None:
 TARGETS: dict[str, str | None] = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "keep": None}
 """``--to`` choices and the dtype each casts floating tensors to (``keep``: none)."""
 
+
+
+def choice(target: str | None) -> str:
+    """The ``--to`` choice that casts to ``target`` (``F16`` -> ``fp16``; None -> ``keep``),
+    as ``ckpt.conversion`` spells it whichever command wrote the file."""
+    return next(k for k, v in TARGETS.items() if v == target) if target in TARGETS.values() \
+        else str(target).lower()
+
+
 CASTABLE = frozenset({"F64", "F32", "F16", "BF16"})
 """The floating dtypes ``--to`` casts. Any other floating dtype (FP8, FP6, FP4) holds quantized
 values that mean something only with their scales: casting them would widen the raw codes

@@ -35,6 +35,26 @@ def has_model_states(path: Path) -> bool:
         return False
 
 
+def zero3_rank_file(path: Path, metadata: dict[str, Any] | None = None) -> Path | None:
+    """The tag directory of one rank's ZeRO-3 ``zero_pp_rank_D_mp_rank_XX_model_states.pt``
+    (None for any other file). Its module weights are empty placeholders: the values lie
+    partitioned in the optimizer files, and only the whole tag (or its save directory) can be
+    gathered. Known by its name, or (renamed) by DeepSpeed's keys in ``metadata`` beside a
+    ``zero_pp_rank_`` sibling."""
+    m = MODEL_STATES.match(path.name)
+    if m is not None and m.group("dp") is not None:
+        return path.parent
+    if metadata is not None and "ds_version" in metadata and path.parent.is_dir():
+        try:
+            if any(OPTIM_STATES.match(p.name) for p in path.parent.iterdir()) and any(
+                    (n := MODEL_STATES.match(p.name)) and n.group("dp") is not None
+                    for p in path.parent.iterdir()):
+                return path.parent
+        except OSError:
+            return None
+    return None
+
+
 def latest_tag(path: Path) -> str | None:
     """What a save directory's ``latest`` file names, if it is a plain directory name as
     DeepSpeed writes it (never '.', '..' or a path); None without such a file."""

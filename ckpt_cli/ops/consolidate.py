@@ -31,6 +31,7 @@ from ckpt_cli.cast import (
     CastPlan,
     CastStats,
     check_overflow,
+    choice,
     piece_caster,
     prefer_torch,
 )
@@ -124,9 +125,12 @@ def detect_kind(path: Path) -> str:
         if is_run_dir(path):
             raise UsageError(f"{path} is a run directory; name one of its checkpoints",
                              hint=f"ckpt inspect {path} lists them")
+    rank_tag = deepspeed.zero3_rank_file(path) if path.is_file() else None
     raise UsageError(f"{path}: nothing to consolidate (expected a DCP directory, a DeepSpeed "
                      "checkpoint or a directory of per-rank files)",
-                     hint=f"for a single checkpoint use: ckpt convert {path} -o OUT")
+                     hint=f"this is one rank's ZeRO-3 partition: ckpt consolidate {rank_tag} "
+                          "-o OUT" if rank_tag is not None else
+                     f"for a single checkpoint use: ckpt convert {path} -o OUT")
 
 
 def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = None,
@@ -288,7 +292,7 @@ def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool, stats: C
     plan = zero.plan
     details = {"zero_stage": plan.stage, "world_size": plan.world_size, "step": plan.step,
                "tag": resolve_tag(src).name}
-    meta = zero_metadata(plan, src, target)
+    meta = zero_metadata(plan, src, choice(target))
     notes = list(plan.notes) + ([] if with_optimizer else [
         "optimizer moments are not part of the output (--with-optimizer keeps them)"])
     return _Job("deepspeed", zero.outs, zero.loads, sum(t.numel for t in plan.tensors),
@@ -316,7 +320,7 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
                               piece_caster(src.iter_pieces, t, dst, t.name, clamp, stats)))
         expected[out_name] = load
     meta = {"ckpt.source": source_label(index.root), "ckpt.source_format": index.format,
-            "ckpt.conversion": "; ".join([f"to={target or 'keep'}", *sel.renamed])}
+            "ckpt.conversion": "; ".join([f"to={choice(target)}", *sel.renamed])}
     for key in ("step", "epoch"):
         if key in index.metadata:
             meta[f"ckpt.{key}"] = str(index.metadata[key])
@@ -381,7 +385,7 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
         kept += plan.kept
         kept_scales += plan.kept_scales
     meta = {"ckpt.source": source_label(src), "ckpt.source_format": "rank-files",
-            "ckpt.conversion": f"merged {len(files)} files by key; to={target or 'keep'}"}
+            "ckpt.conversion": f"merged {len(files)} files by key; to={choice(target)}"}
     return _Job("rank-files", outs, expected, elements, {}, dropped, meta,
                 {"rank_files": len(files)}, closers, [], stats, casting, warnings, kept,
                 kept_scales)

@@ -37,7 +37,7 @@ from ckpt_cli.cast import (
     prefer_torch,
 )
 from ckpt_cli.errors import UnsupportedError, UsageError
-from ckpt_cli.formats import check_exists, read_index
+from ckpt_cli.formats import check_exists, deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import ParamPlan
@@ -117,7 +117,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     check_not_input(out, src)
     index = read_index(src, input_format)
     check_not_input(out, src, (index.path_of(f.path) for f in index.files))
-    _check_supported(index)
+    _check_supported(index, src)
     target = TARGETS[to]
     stats = CastStats()
     if index.format == "deepspeed":
@@ -128,7 +128,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         built = _from_index(index, src, to, target, fmt, keep_fp32, keep_optimizer,
                             keep_prefix, container, clamp, stats)
     notes = built.notes
-    side = _side_files(index, out, notes)
+    side = _side_files(index, storage.locate(source), out, notes)
     config_dtype = None
     if target is not None and "config.json" in side:
         side["config.json"], config_dtype = retype_config(side["config.json"], target)
@@ -234,7 +234,15 @@ def _from_zero(src: Path, to: str, target: str | None, keep_fp32: tuple[str, ...
                   zero.cast_elements)
 
 
-def _check_supported(index: CheckpointIndex) -> None:
+def _check_supported(index: CheckpointIndex, src: Path) -> None:
+    if index.format != "deepspeed" and src.is_file():
+        tag = deepspeed.zero3_rank_file(src, index.metadata)
+        if tag is not None:
+            raise UsageError(
+                f"{src}: one rank's ZeRO-3 model states; its weights are empty placeholders "
+                "(the values are partitioned in the optimizer files)",
+                hint=f"convert the tag directory ({tag}) or the save directory "
+                     f"({tag.parent}), which are gathered whole")
     if index.format == "megatron" and index.layout.get("world_size", 1) > 1:
         raise UnsupportedError(
             f"Megatron checkpoint split over {index.layout['world_size']} model-parallel "
@@ -308,14 +316,21 @@ def _metadata(index: CheckpointIndex, src: Path, to: str, sel: Selection,
     return meta
 
 
-def _side_files(index: CheckpointIndex, out: Path, notes: list[str]) -> dict[str, bytes]:
-    if out.suffix in (".safetensors", ".pt", ".pth", ".bin") or not index.base.is_dir():
+def _side_files(index: CheckpointIndex, given: Path, out: Path,
+                notes: list[str]) -> dict[str, bytes]:
+    """config.json, tokenizer files...: from the directory the user named (an HF Trainer +
+    DeepSpeed ``checkpoint-N`` keeps them beside ``latest`` and ``global_stepN/``), else
+    from the directory the weights were read in."""
+    if out.suffix.lower() in (".safetensors", ".pt", ".pth", ".bin"):
         return {}
+    dirs = [d for d in dict.fromkeys((given, index.base)) if d.is_dir()]
     found: dict[str, bytes] = {}
     for name in SIDE_FILES:
-        p = index.base / name
-        if p.is_file() and p.stat().st_size < 64 << 20:
-            found[name] = p.read_bytes()
+        for d in dirs:
+            p = d / name
+            if p.is_file() and p.stat().st_size < 64 << 20:
+                found[name] = p.read_bytes()
+                break
     if found:
         notes.append(f"copied {', '.join(sorted(found))}")
     return found
