@@ -262,17 +262,36 @@ CASTABLE = frozenset({"F64", "F32", "F16", "BF16"})
 values that mean something only with their scales: casting them would widen the raw codes
 (an FP8 weight with a per-tensor scale would come out wrong by the scale), so they are kept."""
 
-_PACKED_INTS = frozenset({"I8", "U8"})  # integer codes of a quantized tensor, with a scale
+_PACKED_INTS = frozenset({"I8", "U8", "I16", "U16", "I32", "U32"})
+"""Integer dtypes that hold packed quantized codes (GPTQ/AWQ ``qweight`` I32, compressed-tensors
+``weight_packed`` I32, bitsandbytes ``weight`` U8/I8) when a companion lies beside them."""
+
+_COMPANIONS = frozenset({"scales", "qzeros", "g_idx", "absmax", "quant_map", "scb",
+                         "nested_absmax", "nested_quant_map", "zeros", "zero_point"})
+"""Last name parts of a quantized tensor's companions (compared lowercased), besides any part
+holding "scale" and any ending in ``_zero_point``."""
+
+_KV_SCALES = frozenset({"k_scale", "v_scale", "q_scale", "kv_scale", "prob_scale"})
 
 
 class CastPlan:
     """What ``--to`` does to each floating model tensor, and what it leaves as it is.
 
     FP64/FP32/FP16/BF16 become the target (``--to fp32`` also widens FP16/BF16, which is
-    exact). Quantized tensors (FP8/FP6/FP4, and 8-bit integers beside a scale) are kept, and
-    so are their scales (``X.weight_scale``, ``X.input_scale``, ``X.weight_scale_inv``...:
-    tensors whose last name part holds "scale", in a module holding a quantized tensor), which
-    loaders expect in their saved precision. What was kept is counted by dtype for the summary.
+    exact). Quantized tensors are kept, with their companions; the rule, by name and dtype:
+
+    * a *companion* is a tensor whose last name part is ``scales``, ``qzeros``, ``g_idx``,
+      ``absmax``, ``quant_map``, ``SCB`` (any case), holds "scale" (``weight_scale``,
+      ``input_scale``, ``weight_scale_inv``...) or ends in ``zero_point``; its *holder* is
+      the module it lies in (for ``X.weight.absmax``, bitsandbytes' spelling, ``X``);
+    * a *quantized* tensor is one of a non-standard floating dtype (FP8/FP6/FP4), or of an
+      8/16/32-bit integer dtype in a module holding a companion (GPTQ/AWQ ``qweight``,
+      compressed-tensors ``weight_packed``, bitsandbytes ``weight``);
+    * kept uncast: every quantized tensor, every companion in a module holding one, and
+      ``k_scale``/``v_scale`` (FP8 KV-cache scales) anywhere in a model holding one.
+
+    Loaders expect all of these in their saved precision (a GPTQ ``scales`` tensor is FP16 by
+    contract). What was kept is counted by dtype for the summary (``Kept:``).
 
     Args:
         target: The dtype code ``--to`` names (None: ``keep``, nothing is cast).
@@ -282,13 +301,17 @@ class CastPlan:
     def __init__(self, target: str | None, tensors: Iterable[tuple[str, str]]) -> None:
         self.target = target
         pairs = list(tensors)
+        names = {n for n, _ in pairs}
         self.kept: Counter[str] = Counter()
         self.kept_scales: Counter[str] = Counter()
-        scaled = {_module(n) for n, _ in pairs if _is_scale(n)}
+        companions = {n for n, _ in pairs if _is_companion(n)}
+        with_companion = {_holder(n, names) for n in companions}
         self._quantized = {n for n, d in pairs if _is_quantized(d) or (
-            d in _PACKED_INTS and _module(n) in scaled)}
+            d in _PACKED_INTS and _module(n) in with_companion)}
         holders = {_module(n) for n in self._quantized}
-        self._scales = {n for n, _ in pairs if _is_scale(n) and _module(n) in holders}
+        self._scales = {n for n in companions if _holder(n, names) in holders} | (
+            {n for n in names if n.rpartition(".")[2] in _KV_SCALES} if self._quantized
+            else set())
 
     def dtype(self, name: str, dtype: str) -> str:
         """The dtype to write for floating model tensor ``name`` (counting what is kept).
@@ -328,8 +351,16 @@ def _module(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _is_scale(name: str) -> bool:
-    return "scale" in name.rpartition(".")[2].lower()
+def _is_companion(name: str) -> bool:
+    last = name.rpartition(".")[2].lower()
+    return last in _COMPANIONS or "scale" in last or last.endswith("zero_point")
+
+
+def _holder(name: str, names: set[str]) -> str:
+    """The module a companion belongs to: ``X`` for ``X.scales`` and for ``X.weight.absmax``
+    (a companion named after its tensor)."""
+    module = _module(name)
+    return _module(module) if module in names else module
 
 
 def kept_summary(kept: Mapping[str, int], scales: Mapping[str, int]) -> str:

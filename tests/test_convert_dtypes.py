@@ -167,3 +167,57 @@ def test_to_fp32_still_widens_fp16_and_bf16(tmp_path: Path) -> None:
     got = load_file(tmp_path / "f32.safetensors")
     assert torch.equal(got["a"], sd["a"].float()) and torch.equal(got["b"], sd["b"].float())
     assert torch.equal(got["c"], sd["c"])
+
+
+def _packed_state_dict() -> dict[str, torch.Tensor]:
+    """Integer-packed quantized layers as GPTQ/AWQ, compressed-tensors, bitsandbytes (4-bit and
+    int8) save them, an FP8 attention with KV-cache scales, and plain FP32 tensors."""
+    g = torch.Generator().manual_seed(0)
+
+    def ints(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+    return {
+        "embed.weight": torch.randn(16, 8, generator=g),
+        # GPTQ / AWQ
+        "l.0.q_proj.qweight": ints(1, 8), "l.0.q_proj.qzeros": ints(1, 1),
+        "l.0.q_proj.scales": torch.rand(1, 8, generator=g).half(),
+        "l.0.q_proj.g_idx": ints(8), "l.0.q_proj.bias": torch.randn(8, generator=g).half(),
+        # compressed-tensors pack-quantized
+        "l.1.fc.weight_packed": ints(8, 1), "l.1.fc.weight_shape": torch.tensor([8, 8]),
+        "l.1.fc.weight_scale": torch.rand(8, 1, generator=g),
+        "l.1.fc.weight_zero_point": torch.rand(8, 1, generator=g),
+        # bitsandbytes 4-bit and int8
+        "l.2.fc.weight": ints(32, 1, dtype=torch.uint8),
+        "l.2.fc.weight.absmax": torch.rand(1, generator=g),
+        "l.2.fc.weight.quant_map": torch.rand(16, generator=g),
+        "l.3.fc.weight": ints(8, 8, dtype=torch.int8), "l.3.fc.SCB": torch.rand(8, generator=g),
+        # FP8 projections with the KV-cache scales in their parent module
+        "l.4.self_attn.k_proj.weight": torch.randn(8, 8, generator=g).to(torch.float8_e4m3fn),
+        "l.4.self_attn.k_proj.weight_scale": torch.tensor(0.25),
+        "l.4.self_attn.k_scale": torch.tensor(0.5), "l.4.self_attn.v_scale": torch.tensor(0.5),
+        "l.4.norm.weight": torch.ones(8),
+    }
+
+
+def test_integer_packed_quantized_tensors_and_companions_are_kept(tmp_path: Path) -> None:
+    sd = _packed_state_dict()
+    src = tmp_path / "packed.safetensors"
+    save_file(sd, str(src))
+    out = tmp_path / "out.safetensors"
+    r = run_cli("convert", src, "--to", "fp16", "-o", out)
+    assert r.exit_code == 0, r.output
+    got = load_file(out)
+    cast = {"embed.weight", "l.4.norm.weight", "l.0.q_proj.bias"}
+    for k, v in sd.items():
+        if k in cast:
+            assert got[k].dtype == torch.float16, k
+        else:  # packed codes, their scales/zeros/absmax/quant_map/SCB, the KV-cache scales
+            assert got[k].dtype == v.dtype, k
+            assert torch.equal(got[k].reshape(-1).view(torch.uint8),
+                               v.reshape(-1).view(torch.uint8)), k
+    assert "Kept: " in r.stdout and "(their scales)" in r.stdout
+    doc = json.loads(run_cli("convert", src, "--to", "bf16", "-o",
+                             tmp_path / "o2.safetensors", "--json").stdout)
+    assert doc["kept"] == {"F8_E4M3": 1, "I32": 4, "U8": 1, "I8": 1}
+    assert doc["kept_scales"] == {"F16": 1, "F32": 8}
