@@ -101,9 +101,9 @@ def read_back(meta: Mapping[str, Any]) -> dict[str, Any]:
 def source_label(path: Path) -> str:
     """How :data:`SOURCE` names a source, in a file that may be shipped to others.
 
-    A local directory is recorded by its name alone (``step_000400``), a local file by its
-    name and its directory's (``step_000300/checkpoint.pt``: file names alone are often
-    generic): the directories above (a home directory, a user name) stay on this machine,
+    A local directory or file is recorded by its name alone (``step_000400``,
+    ``checkpoint.pt``; a file's directory can be a home directory whose name is a user's):
+    the directories above stay on this machine,
     and two conversions of one source record the same name wherever they are written. A URL
     keeps its scheme, bucket and key (``s3://bucket/run/step_000400``), never credentials
     (``storage.locate`` refuses URLs that carry them; :func:`ckpt_cli.storage.redact` masks
@@ -118,6 +118,4 @@ def source_label(path: Path) -> str:
     if storage.is_remote(path):
         return storage.redact(str(path))
     full = path.resolve()
-    if full.is_dir() or not full.parent.name:
-        return full.name or str(full)
-    return f"{full.parent.name}/{full.name}"
+    return full.name or str(full)
