@@ -450,3 +450,13 @@ def test_human_summary_says_what_was_kept_and_left_out(sample_run: Path, tmp_pat
     assert r.exit_code == 0, r.stderr
     assert "from a hf-index checkpoint in " in r.stdout and "()" not in r.stdout
     assert "Left out" not in r.stdout
+
+
+def test_a_tensor_parallel_megatron_checkpoint_gets_no_hint_that_loops(tmp_path: Path) -> None:
+    # consolidate used to hint "ckpt convert <it>", which then refused TP>1 (issue #24 review).
+    from tests.helpers.makers import megatron_legacy
+
+    d = megatron_legacy(tmp_path, tp=2)
+    r = run_cli("consolidate", d, "-o", tmp_path / "out")
+    assert r.exit_code == 2 and "neither consolidate nor convert" in r.output, r.output
+    assert "ckpt convert" not in r.output

@@ -221,3 +221,14 @@ def test_integer_packed_quantized_tensors_and_companions_are_kept(tmp_path: Path
                              tmp_path / "o2.safetensors", "--json").stdout)
     assert doc["kept"] == {"F8_E4M3": 1, "I32": 4, "U8": 1, "I8": 1}
     assert doc["kept_scales"] == {"F16": 1, "F32": 8}
+
+
+def test_keep_fp32_beside_a_retyped_config_is_noted(tmp_path: Path) -> None:
+    # The config now names float16, so from_pretrained casts the tensors kept in FP32 too:
+    # the summary says so (issue #24 review).
+    src = _tiny_gpt2(tmp_path / "gpt2")
+    r = run_cli("convert", src, "--to", "fp16", "--keep-fp32", "*ln_*", "-o", tmp_path / "o")
+    assert r.exit_code == 0, r.output
+    assert "--keep-fp32 kept in FP32 as float16 too" in r.output, r.output
+    r = run_cli("convert", src, "--to", "fp16", "-o", tmp_path / "o2")
+    assert "--keep-fp32" not in r.output

@@ -70,3 +70,17 @@ def _shards(tmp_path: Path) -> Path:
         d.mkdir()
         hf_sharded(d, tiny_state_dict(), max_shard_size=1200)
     return d
+
+
+def test_an_upper_case_extension_and_a_directory_named_like_a_file_are_refused_clearly(
+        tmp_path: Path) -> None:
+    import torch
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(2)}, src)
+    r = run_cli("convert", src, "-o", tmp_path / "x.PT")
+    assert r.exit_code == 2 and "lower case" in r.output and "'.pt'" in r.output, r.output
+    (tmp_path / "taken.safetensors").mkdir()
+    r = run_cli("convert", src, "-o", tmp_path / "taken.safetensors", "--overwrite")
+    assert r.exit_code == 2 and "an existing directory" in r.output, r.output
+    assert not (tmp_path / "x.PT").exists() and not any((tmp_path / "taken.safetensors").iterdir())

@@ -35,10 +35,11 @@ from ckpt_cli.cast import (
     piece_caster,
     prefer_torch,
 )
-from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
+from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.directory import checkpoint_files
+from ckpt_cli.formats.megatron import MegatronReader
 from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import resolve_tag
 from ckpt_cli.gather import cast_loader, zero_metadata, zero_outputs
@@ -126,6 +127,12 @@ def detect_kind(path: Path) -> str:
             raise UsageError(f"{path} is a run directory; name one of its checkpoints",
                              hint=f"ckpt inspect {path} lists them")
     rank_tag = deepspeed.zero3_rank_file(path) if path.is_file() else None
+    if path.is_dir() and MegatronReader().sniff(path) is None:
+        ranks = read_index(path).layout.get("world_size", 1)
+        if isinstance(ranks, int) and ranks > 1:
+            raise UnsupportedError(
+                f"{path}: a Megatron checkpoint split over {ranks} tensor/pipeline-parallel "
+                "ranks; neither consolidate nor convert merges such shards yet")
     raise UsageError(f"{path}: nothing to consolidate (expected a DCP directory, a DeepSpeed "
                      "checkpoint or a directory of per-rank files)",
                      hint=f"this is one rank's ZeRO-3 partition: ckpt consolidate {rank_tag} "

@@ -132,6 +132,14 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     config_dtype = None
     if target is not None and "config.json" in side:
         side["config.json"], config_dtype = retype_config(side["config.json"], target)
+        kept32 = sum(1 for o in built.outs if o.dtype == "F32" and target != "F32" and any(
+            fnmatch.fnmatchcase(o.name, g) for g in keep_fp32))
+        if config_dtype is not None and kept32:
+            # The loader casts every weight to the config's dtype unless told otherwise.
+            notes.append(f"config.json says {config_dtype['to']}: from_pretrained loads the "
+                         f"{kept32} tensor(s) --keep-fp32 kept in FP32 as {config_dtype['to']} "
+                         "too, unless the model keeps them (keep_in_fp32_modules) or is loaded "
+                         "with dtype=torch.float32")
     prefer_torch(built.cast_elements)
     job = None
     if part is not None or finalize:

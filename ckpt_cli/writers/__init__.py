@@ -79,6 +79,12 @@ def output_format(dest: Path, fmt: str | None, *, directory: bool = False) -> st
     if implied and directory:
         raise UsageError(f"{dest}/: ends in '/' (a directory) but names a {dest.suffix} file; "
                          f"drop the '/' for a file, or name the directory without {dest.suffix}")
+    if implied and dest.is_dir():
+        raise UsageError(f"{dest}: an existing directory, but a {dest.suffix} output is one "
+                         "file; name another file, or remove the directory first")
+    if not implied and dest.suffix.lower() in by_suffix:
+        raise UsageError(f"{dest}: write the extension in lower case "
+                         f"({dest.suffix.lower()!r}); ckpt and the loaders match it exactly")
     if (not implied and not directory and is_extension(dest.suffix)
             and not dest.is_dir()):
         raise UsageError(f"{dest}: unknown output extension {dest.suffix!r}; a file must end "
