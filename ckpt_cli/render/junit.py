@@ -95,7 +95,7 @@ def error_junit_xml(path: Path | str, kind: str, message: str, detail: str = "")
     from ckpt_cli.storage import redact
 
     message, detail = redact(message), redact(detail)
-    name = str(path)
+    name = redact(str(path))
     root = ET.Element("testsuites", {"name": f"ckpt validate {name}", "tests": "1",
                                      "failures": "1", "errors": "0", "skipped": "0",
                                      "time": "0.000"})
