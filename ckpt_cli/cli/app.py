@@ -155,9 +155,9 @@ class CkptCommand(TyperCommand):
 
 
 # typer names a metavar-less option's value by its type (``<location>``, ``<int range>``).
-_TYPE_NAME = re.compile(r"<([a-z ]+)>")
-_TYPE_METAVARS = {"location": "PATH", "int range": "N", "integer": "N", "float": "X",
-                  "float range": "X", "text": "TEXT"}
+_TYPE_NAME = re.compile(r"<([a-z_ ]+)>")
+_TYPE_METAVARS = {"location": "PATH", "output_location": "OUT", "int range": "N",
+                  "integer": "N", "float": "X", "float range": "X", "text": "TEXT"}
 
 
 def _print_parameters(ctx: typer.Context, params: list[Any]) -> None:
