@@ -7,7 +7,27 @@ destination) is a :class:`CkptError`. The CLI turns it into one line on stderr a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte of a non-UTF-8 file name (surrogateescape)
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+_INVISIBLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
+
+
+def visible(text: str) -> str:
+    """``text`` with control characters written out (``\\x1b``), tabs and newlines kept.
+
+    A file name may hold escape sequences (``\\x1b[31m``) or bytes that XML 1.0 cannot carry;
+    printed raw they would drive the terminal, and in a JUnit report they make it unreadable.
+    """
+    return _INVISIBLE.sub(lambda m: _escape(m.group()), text)
 
 
 class CkptError(Exception):

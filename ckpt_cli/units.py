@@ -23,13 +23,43 @@ _SIZE_UNITS = {
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50,
 }
 _COUNT_UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
-_DURATION_UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400,
-                   "w": 7 * 86400, "y": 365 * 86400}
+# Duration units are case-sensitive where case matters: ``m`` is minutes, while ``M`` is months
+# in systemd and ISO 8601, so ``M`` and the month spellings are refused as ambiguous instead of
+# being read as minutes (``--older-than 6M`` meaning six minutes deleted almost a run). Units
+# that cannot be confused (``s h d w y`` and the spelled-out words) are accepted in any case.
+_DURATION_UNITS = {"s": 1, "sec": 1, "secs": 1, "second": 1, "seconds": 1,
+                   "m": 60, "min": 60, "mins": 60, "minute": 60, "minutes": 60,
+                   "h": 3600, "hr": 3600, "hrs": 3600, "hour": 3600, "hours": 3600,
+                   "d": 86400, "day": 86400, "days": 86400,
+                   "w": 7 * 86400, "week": 7 * 86400, "weeks": 7 * 86400,
+                   "y": 365 * 86400, "yr": 365 * 86400, "year": 365 * 86400,
+                   "years": 365 * 86400}
+_MONTH_UNITS = {"mo", "mos", "mon", "month", "months"}
+
+
+def _duration_factor(unit: str, what: str, text: str) -> float:
+    """Seconds per ``unit``; ``M`` and months are refused (ambiguous), ``m`` is minutes."""
+    if unit == "M" or unit.lower() in _MONTH_UNITS:
+        raise UsageError(f"{what} {text!r}: months are not accepted ({unit!r} means months in "
+                         "systemd and ISO 8601 but minutes elsewhere, and a month has no fixed "
+                         "length); write minutes as m (30m) and months as days or weeks (180d, "
+                         "26w)")
+    factor = _DURATION_UNITS.get(unit if unit == "m" else unit.lower())
+    if factor is None or (unit.lower() == "m" and unit != "m"):
+        raise UsageError(f"{what} {text!r}: unknown unit {unit!r} (use s, m, h, d, w, y)")
+    return factor
 _NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+
+
+def refuse_empty(text: str, what: str, example: str) -> None:
+    """Refuse an empty value: ``--older-than ""`` must not silently drop a keep rule."""
+    if not text.strip():
+        raise UsageError(f"{what} {text!r} is empty; e.g. {example}")
 
 
 def _number_and_unit(text: str, what: str, shown: str | None = None) -> tuple[float, str]:
     shown = text if shown is None else shown
+    refuse_empty(text, what, "10K")
     m = re.fullmatch(rf"\s*{_NUMBER}\s*(?P<unit>[A-Za-z]*)\s*", text)
     if not m:
         raise UsageError(f"cannot parse {what} {shown!r}")
@@ -57,6 +87,7 @@ def parse_size(text: str, *, what: str = "size", allow_zero: bool = False) -> in
 
 
 def _size(text: str, what: str, allow_zero: bool, shown: str) -> int:
+    refuse_empty(shown, what, "10GB")
     value, unit = _number_and_unit(text, what, shown)
     factor = _SIZE_UNITS.get(unit.upper())
     if factor is None:
@@ -113,6 +144,7 @@ def parse_duration(text: str, *, what: str = "duration", allow_zero: bool = Fals
     Raises:
         UsageError: Unparseable, a number without a unit, unknown unit, zero or negative.
     """
+    refuse_empty(text, what, "7d")
     s = text.strip()
     if re.fullmatch(_NUMBER, s):
         if float(s) == 0 and allow_zero:
@@ -121,18 +153,31 @@ def parse_duration(text: str, *, what: str = "duration", allow_zero: bool = Fals
             raise UsageError(f"{what} must be positive, not {text!r}")
         raise UsageError(f"{what} {text!r} needs a unit: {s}d (days), {s}h (hours), {s}m "
                          f"(minutes) or {s}s (seconds); also w (weeks), y (years)")
+    if s.startswith("-") and (re.fullmatch(_NUMBER, s[1:].strip())
+                              or parse_duration_or_none(s[1:]) is not None):
+        raise UsageError(f"{what} must be positive, not {text!r}")
     parts = re.findall(rf"{_NUMBER}\s*(?P<unit>[A-Za-z]+)", s)
     if not parts or re.sub(rf"{_NUMBER}\s*[A-Za-z]+|\s+", "", s):
+        trail = re.fullmatch(rf".*[A-Za-z]\s*{_NUMBER}", s)
+        if parts and trail:
+            n = trail.group("num")
+            raise UsageError(f"{what} {text!r}: {n} needs a unit, e.g. {s}m (every number "
+                             "needs one: s, m, h, d, w, y)")
         raise UsageError(f"cannot parse {what} {text!r} (e.g. 90s, 30m, 4h, 7d, 1h30m)")
     total = 0.0
     for num, unit in parts:
-        factor = _DURATION_UNITS.get(unit.lower())
-        if factor is None:
-            raise UsageError(f"{what} {text!r}: unknown unit {unit!r} (use s, m, h, d, w, y)")
-        total += float(num) * factor
+        total += float(num) * _duration_factor(unit, what, text)
     if not math.isfinite(total) or total < 0 or (total == 0 and not allow_zero):
         raise UsageError(f"{what} must be positive, not {text!r}")
     return total
+
+
+def parse_duration_or_none(text: str) -> float | None:
+    """``parse_duration(text, allow_zero=True)``, or None where it would refuse ``text``."""
+    try:
+        return parse_duration(text, allow_zero=True)
+    except UsageError:
+        return None
 
 
 def parse_rate(text: str, *, what: str = "bandwidth") -> float:

@@ -263,3 +263,25 @@ def test_golden_json(tmp_path: Path, golden: Golden) -> None:
     doc = json.loads(r.stdout)
     doc["path"] = "golden.safetensors"
     golden("inspect_safetensors.json", doc)
+
+
+def test_an_empty_file_in_a_checkpoint_directory_is_called_empty(hf_trainer_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    # An empty model.safetensors inside checkpoint-4 used to be "not a format ckpt reads;
+    # skipped" (and validate called the checkpoint valid): now the words of a lone empty file.
+    import shutil
+
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(hf_trainer_dir / "checkpoint-4", ckpt)
+    (ckpt / "model.safetensors").write_bytes(b"")
+    words = "model.safetensors: empty file (0 bytes)"
+    r = run_cli("validate", ckpt)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert words in r.stdout + r.stderr
+    assert "not a format ckpt reads" not in r.stdout + r.stderr
+    doc = json.loads(run_cli("validate", ckpt, "--json").stdout)
+    codes = {(f["severity"], f["code"]) for c in doc["checkpoints"] for f in c["findings"]}
+    assert ("error", "empty-file") in codes
+    r = run_cli("inspect", ckpt)
+    assert words in r.stdout + r.stderr
+    assert "not a format ckpt reads" not in r.stdout + r.stderr

@@ -123,3 +123,25 @@ def test_write_junit_into_a_missing_directory_is_a_ckpt_error(tmp_path: Path) ->
     with pytest.raises(CkptError):
         write_junit(result, tmp_path / "nope" / "report.xml")
     assert not (tmp_path / "nope").exists()
+
+
+def test_control_characters_in_a_file_name_keep_the_report_well_formed(tmp_path: Path) -> None:
+    # A file name holding \x01 and an escape sequence used to make the XML unreadable, and the
+    # escape sequence reached the terminal raw.
+    from tests.conftest import run_cli
+
+    run = tmp_path / "xr"
+    _save(run / "step_1" / "model.safetensors")
+    (run / "step_1" / "w\x01\x1b[31m.pt").write_bytes(b"")
+    lone = tmp_path / "step_4\x01\x1b[31m.ckpt"
+    lone.write_bytes(b"")
+    for target, name in ((run, "j1.xml"), (lone, "j2.xml")):
+        out = tmp_path / name
+        r = run_cli("validate", target, "--junit", out)
+        assert r.exit_code in (1, 2), r.stdout + r.stderr
+        assert "\x1b[31m" not in r.stderr and "\x01" not in r.stderr
+        text = out.read_text(encoding="utf-8")
+        ET.fromstring(text)  # well-formed
+        assert "\\x01\\x1b[31m" in text
+    r = run_cli("validate", lone)
+    assert "step_4\\x01\\x1b[31m.ckpt: empty file" in r.stderr

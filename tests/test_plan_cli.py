@@ -164,7 +164,7 @@ def test_measure(tmp_path: Path) -> None:
     (("--params", "7B", "--bandwidth", "fast"), "cannot parse --bandwidth 'fast'"),
     (("--params", "7B", "--bandwidth", "100Gb/s"), "looks like bits per second"),
     (("--params", "7B", "--mtbf", "0s"), "--mtbf must be positive"),
-    (("--params", "7B", "--mtbf", "-4h"), "cannot parse --mtbf '-4h'"),
+    (("--params", "7B", "--mtbf", "-4h"), "--mtbf must be positive, not '-4h'"),
     (("--params", "7B", "--mtbf", "4 parsecs"), "unknown unit 'parsecs'"),
     (("--params", "7B", "--interval", "soon"), "cannot parse --interval 'soon'"),
     (("--params", "7B", "--mtbf", "4"), "--mtbf '4' needs a unit: 4d (days), 4h (hours)"),

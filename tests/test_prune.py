@@ -976,3 +976,29 @@ def test_golden_dry_run_json(tmp_path: Path, golden: Golden) -> None:
     assert r.exit_code == 0, r.output
     golden("prune_dry_run.json", json.loads(r.stdout), stable(tmp_path))
     assert len(list(run.iterdir())) == 5  # a dry run deletes nothing
+
+
+@pytest.mark.parametrize("option,example", [
+    ("--older-than", "7d"), ("--keep-every", "10K"), ("--max-total-size", "10GB"),
+    ("--grace", "7d"), ("--metric", None), ("--pattern", None),
+])
+def test_an_empty_value_is_refused_not_a_dropped_rule(sample_copy: Path, option: str,
+                                                      example: str | None) -> None:
+    # `--older-than ""` used to drop the rule: --keep 1 alone then deleted three checkpoints.
+    args = ["--keep", "1", option, "", "--dry-run"]
+    if option != "--grace":
+        args += ["--grace", "0"]
+    r = run_cli("prune", sample_copy, *args)
+    assert r.exit_code == 2, r.stdout + r.stderr
+    line = f"{option} '' is empty" + (f"; e.g. {example}" if example else "")
+    assert line in r.stderr
+    assert "would-delete" not in r.stdout and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("age", ["6M", "10M", "1mo"])
+def test_capital_m_is_not_minutes_in_prune(sample_copy: Path, age: str) -> None:
+    for option in ("--older-than", "--grace"):
+        r = run_cli("prune", sample_copy, "--keep", "1", option, age, "--dry-run",
+                    *(["--grace", "0"] if option == "--older-than" else []))
+        assert r.exit_code == 2, r.stdout
+        assert "months are not accepted" in r.stderr

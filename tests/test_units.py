@@ -129,3 +129,33 @@ def test_require_positive(value: float) -> None:
     with pytest.raises(UsageError, match="--x must be positive"):
         require_positive(value, "--x")
     require_positive(0.5, "--x")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("2H", 7200), ("3D", 3 * 86400), ("1W", 7 * 86400), ("1Y", 365 * 86400), ("90S", 90),
+    ("5min", 300), ("2hours", 7200), ("3days", 3 * 86400),
+])
+def test_unambiguous_units_in_any_case(text: str, expected: float) -> None:
+    assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("text", ["6M", "10M", "1mo", "2months", "1month", "3MO"])
+def test_capital_m_and_months_are_refused_not_read_as_minutes(text: str) -> None:
+    # "--older-than 6M" used to mean six minutes: M is months in systemd and ISO 8601.
+    with pytest.raises(UsageError) as e:
+        parse_duration(text, what="--older-than")
+    assert e.value.exit_code == 2
+    assert "months are not accepted" in e.value.message and "30m" in e.value.message
+    assert parse_duration("6m") == 360  # lower-case m stays minutes
+
+
+@pytest.mark.parametrize("text", ["-1d", "-5", "-1h30m"])
+def test_a_negative_duration_says_it_must_be_positive(text: str) -> None:
+    with pytest.raises(UsageError, match="must be positive"):
+        parse_duration(text, what="--older-than")
+
+
+def test_a_trailing_number_without_a_unit_is_named() -> None:
+    with pytest.raises(UsageError) as e:
+        parse_duration("1h30", what="--grace")
+    assert e.value.message.startswith("--grace '1h30': 30 needs a unit, e.g. 1h30m")

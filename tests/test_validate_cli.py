@@ -323,3 +323,24 @@ def test_golden_json(tmp_path: Path, golden: Golden) -> None:
     r = run_cli("validate", run, "--json")
     assert r.exit_code == 0, r.output
     golden("validate_run.json", json.loads(r.stdout), stable(tmp_path))
+
+
+@pytest.mark.parametrize("target,extra,expected", [
+    ("ftp://u:p@h/x", [], "ftp:// is not an object store ckpt reads"),
+    ("s3://user:pw@bucket/x.pt", [], "credentials in a URL are not accepted"),
+    ("DIR", ["--jobs", "abc"], "'abc' is not a valid int range"),
+])
+def test_junit_is_written_when_click_refuses_a_value(tmp_path: Path, target: str,
+                                                      extra: list[str], expected: str) -> None:
+    # Values refused while the arguments were parsed used to print a box and write no report.
+    out = tmp_path / "junit.xml"
+    target = str(tmp_path) if target == "DIR" else target
+    r = run_cli("validate", target, *extra, "--junit", out)
+    assert r.exit_code == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("ckpt: error: ")]
+    assert expected in line and "╭" not in r.stderr
+    text = out.read_text()
+    assert "pw" not in text and ":p@" not in text and "pw" not in r.stderr
+    (tc,) = ET.parse(out).getroot().iter("testcase")
+    failure = tc.find("failure")
+    assert failure is not None and expected in (failure.get("message") or "")

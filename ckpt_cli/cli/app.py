@@ -83,6 +83,64 @@ class CkptCommand(TyperCommand):
         return pieces + [_metavar(p) for p in self.get_params(ctx)
                          if isinstance(p, TyperArgument)]
 
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None,
+                     **extra: Any) -> Any:
+        """Parse ``args``; a value click refuses (a URL :func:`location` cannot use, ``--jobs
+        abc``) is one ``ckpt: error:`` line, exit 2, like every other usage error, and for
+        ``validate --junit FILE`` a JUnit file naming the error is written as well."""
+        # typer 0.27+ carries its own copy of click: its exceptions, not click's, are raised.
+        from typer._click import exceptions as click_errors
+
+        raw = list(args)
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click_errors.MissingParameter as e:
+            if self.name == "validate":
+                self._write_junit(raw, e.format_message())
+            raise
+        except click_errors.BadParameter as e:
+            self._refused(raw, e.format_message())
+        except click_errors.UsageError as e:
+            if self.name == "validate" and not isinstance(e, click_errors.NoArgsIsHelpError):
+                self._write_junit(raw, e.format_message())
+            raise
+
+    def _refused(self, raw: list[str], message: str) -> None:
+        from ckpt_cli.storage import redact
+
+        if self.name == "validate":
+            self._write_junit(raw, message)
+        typer.echo(f"ckpt: error: {redact(message)}", err=True)
+        raise typer.Exit(2)
+
+    def _write_junit(self, raw: list[str], message: str) -> None:
+        """``--junit FILE`` from the raw arguments, written with one failed case (the error)."""
+        takes_value = {name for p in self.params if isinstance(p, typer.core.TyperOption)
+                       and not p.is_flag for name in p.opts + p.secondary_opts}
+        junit, path, i = None, "", 0
+        while i < len(raw):
+            arg = raw[i]
+            if arg.startswith("--junit="):
+                junit = arg.split("=", 1)[1]
+            elif arg in takes_value:
+                if arg == "--junit" and i + 1 < len(raw):
+                    junit = raw[i + 1]
+                i += 1
+            elif not arg.startswith("-") and not path:
+                path = arg
+            i += 1
+        if not junit or "://" in junit:
+            return
+        from pathlib import Path
+
+        from ckpt_cli.errors import CkptError
+        from ckpt_cli.render.junit import error_junit_xml, write_junit_bytes
+
+        try:
+            write_junit_bytes(error_junit_xml(path, "usage", message), Path(junit))
+        except CkptError as e:
+            typer.echo(f"ckpt: error: {e}", err=True)
+
     def format_help(self, ctx: Any, formatter: Any) -> None:
         """typer's usage and description, then the parameters in two columns."""
         params: list[Any] = [p for p in self.get_params(ctx) if not getattr(p, "hidden", False)]
@@ -97,9 +155,9 @@ class CkptCommand(TyperCommand):
 
 
 # typer names a metavar-less option's value by its type (``<location>``, ``<int range>``).
-_TYPE_NAME = re.compile(r"<([a-z ]+)>")
-_TYPE_METAVARS = {"location": "PATH", "int range": "N", "integer": "N", "float": "X",
-                  "float range": "X", "text": "TEXT"}
+_TYPE_NAME = re.compile(r"<([a-z_ ]+)>")
+_TYPE_METAVARS = {"location": "PATH", "output_location": "OUT", "int range": "N",
+                  "integer": "N", "float": "X", "float range": "X", "text": "TEXT"}
 
 
 def _print_parameters(ctx: typer.Context, params: list[Any]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import CkptError, visible
 from ckpt_cli.storage import redact
 
 EXIT_OK = 0
@@ -31,7 +31,9 @@ _ENVIRONMENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT,
 
 
 def _say(text: str) -> None:
-    text = redact(text)  # a credential must never reach a terminal or a CI log
+    # A credential must never reach a terminal or a CI log; a file name's escape sequences
+    # are shown, not obeyed.
+    text = visible(redact(text))
     try:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()

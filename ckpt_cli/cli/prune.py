@@ -100,7 +100,7 @@ def prune_cmd(
             raise UsageError("--metrics-file only feeds --keep-best; give --keep-best N "
                              "--metric NAME too")
         policy = _policy(keep, keep_every, keep_best, metric, mode, older_than, max_total_size,
-                         grace)
+                         grace, pattern)
         view = _View(tty=_is_terminal(), quiet=json, dry_run=dry_run)
 
         def confirm(plan: PrunePlan) -> bool:
@@ -127,20 +127,25 @@ def prune_cmd(
 
 def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
             metric: str | None, mode: str, older_than: str | None, max_total_size: str | None,
-            grace: str) -> PrunePolicy:
+            grace: str, pattern: str | None = None) -> PrunePolicy:
     from ckpt_cli.errors import UsageError
     from ckpt_cli.retention import PrunePolicy
     from ckpt_cli.units import parse_count, parse_duration, parse_size
 
+    for value, what in ((metric, "--metric"), (pattern, "--pattern")):
+        if value is not None and not value.strip():
+            raise UsageError(f"{what} {value!r} is empty")
     if mode not in ("min", "max"):
         raise UsageError(f"--mode must be min or max, not {mode!r}")
     return PrunePolicy(
         keep=keep, keep_best=keep_best, metric=metric, mode="max" if mode == "max" else "min",
-        keep_every=parse_count(keep_every, what="--keep-every", whole=True) if keep_every
-        else None,
-        older_than=parse_duration(older_than, what="--older-than") if older_than else None,
+        # "is not None", not truthiness: an empty value must be refused, not drop the rule.
+        keep_every=(parse_count(keep_every, what="--keep-every", whole=True)
+                    if keep_every is not None else None),
+        older_than=(parse_duration(older_than, what="--older-than")
+                    if older_than is not None else None),
         max_total_size=(parse_size(max_total_size, what="--max-total-size")
-                        if max_total_size else None),
+                        if max_total_size is not None else None),
         grace=parse_duration(grace, what="--grace", allow_zero=True))
 
 

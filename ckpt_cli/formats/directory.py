@@ -201,6 +201,11 @@ def _read_file(index: CheckpointIndex, p: Path, role: str, prefix: str) -> None:
         safetensors.read_into(index, p, role=role, default_group=_group_for(role), prefix=prefix)
     elif torchfile.sniff_torch(p) is None:
         torchfile.read_into(index, p, role=role, prefix=prefix)
+    elif size == 0:
+        # In the words of a lone empty file (formats.reader_for): no format's file is empty.
+        index.files.append(FileInfo(rel_to(p, index.base), size, role, None))
+        index.add(Finding("error", "empty-file", "empty file (0 bytes): not a checkpoint, or "
+                          "its write never started", rel_to(p, index.base)))
     else:
         index.files.append(FileInfo(rel_to(p, index.base), size, role, None))
         index.add(Finding("warning", "unknown-file", "not a format ckpt reads; skipped",

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from ckpt_cli.errors import visible
 from ckpt_cli.model import GROUPS, CheckpointIndex, Finding, RunListing, TensorInfo
 from ckpt_cli.units import format_size
 
@@ -329,8 +330,8 @@ def print_findings(findings: Iterable[Finding], *, console: Console | None = Non
             continue
         where = ":".join(x for x in (f.file, f.location) if x)
         line = Text(f"{f.severity}: ", style=_SEVERITY_STYLE[f.severity])
-        line.append(f"{where}: " if where else "")
-        line.append(f.message)
+        line.append(visible(f"{where}: ") if where else "")
+        line.append(visible(f.message))  # a file name's escape sequences shown, not obeyed
         con.print(line, soft_wrap=True)
 
 
@@ -340,7 +341,7 @@ def print_messages(findings: Iterable[Finding]) -> None:
     con = stderr()
     for f in findings:
         line = Text(f"{f.severity}: ", style=_SEVERITY_STYLE[f.severity])
-        line.append(f.message)
+        line.append(visible(f.message))
         con.print(line, soft_wrap=True)
 
 

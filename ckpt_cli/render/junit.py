@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt_cli.atomic import atomic_file
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import CkptError, visible
 from ckpt_cli.model import Finding
 
 if TYPE_CHECKING:
@@ -51,6 +51,19 @@ def _suite(parent: ET.Element, name: str, classname: str, checks: list[CheckResu
         out.text = "\n".join([f"{c.title}: {c.summary}", *(_line(f) for f in rest)])
 
 
+def _serialise(root: ET.Element) -> bytes:
+    """``root`` as UTF-8 XML 1.0: characters XML forbids (a file name's control characters,
+    a non-UTF-8 byte) are written out (``\\x1b``) so that the report stays well-formed."""
+    for el in root.iter():
+        el.text = None if el.text is None else visible(el.text)
+        el.tail = None if el.tail is None else visible(el.tail)
+        for key, value in el.attrib.items():
+            el.set(key, visible(value))
+    ET.indent(root)
+    data: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)
+    return data + b"\n"
+
+
 def junit_xml(result: ValidateResult) -> bytes:
     """The JUnit XML document for a validation result.
 
@@ -72,9 +85,7 @@ def junit_xml(result: ValidateResult) -> bytes:
     for key in ("tests", "failures", "errors", "skipped"):
         root.set(key, str(sum(int(s.get(key, "0")) for s in suites)))
     root.set("time", f"{sum(float(s.get('time', '0')) for s in suites):.3f}")
-    ET.indent(root)
-    data: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)
-    return data + b"\n"
+    return _serialise(root)
 
 
 def error_junit_xml(path: Path | str, kind: str, message: str, detail: str = "") -> bytes:
@@ -95,7 +106,7 @@ def error_junit_xml(path: Path | str, kind: str, message: str, detail: str = "")
     from ckpt_cli.storage import redact
 
     message, detail = redact(message), redact(detail)
-    name = str(path)
+    name = redact(str(path))
     root = ET.Element("testsuites", {"name": f"ckpt validate {name}", "tests": "1",
                                      "failures": "1", "errors": "0", "skipped": "0",
                                      "time": "0.000"})
@@ -106,9 +117,7 @@ def error_junit_xml(path: Path | str, kind: str, message: str, detail: str = "")
         "time": "0"})
     fail = ET.SubElement(case, "failure", {"message": message[:500], "type": kind})
     fail.text = "\n".join(x for x in (f"error: {message}", detail) if x)
-    ET.indent(root)
-    data: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)
-    return data + b"\n"
+    return _serialise(root)
 
 
 def write_junit(result: ValidateResult, dest: Path) -> None:
