@@ -390,3 +390,22 @@ def test_pickles_without_a_protocol_header_are_recognised(first: bytes) -> None:
     frame = b"\x95" + (len(_SYSTEM) - 2).to_bytes(8, "little") + _SYSTEM[2:]
     data = frame if first == b"\x95" else b"\x8c\x01a0" + _SYSTEM[2:]
     assert looks_like_pickle(data)
+
+
+def test_an_unreadable_stray_pickle_is_judged_by_what_its_pickles_name(tmp_path: Path) -> None:
+    # A stray file ckpt cannot read as a checkpoint: refused when its pickles name a global
+    # outside the allowlist (here a zip with colliding records), ignored when it holds none.
+    from safetensors.torch import save_file
+
+    d = tmp_path / "export"
+    d.mkdir()
+    save_file({"w": torch.ones(2)}, str(d / "model.safetensors"))
+    from ckpt_cli.ops.validate.strays import _names_refused_globals
+
+    junk = tmp_path / "notes.bin"
+    junk.write_bytes(b"\x00\x01 not a pickle at all")
+    assert not _names_refused_globals(junk)
+    _zip(d / "pytorch_model.bin", [("archive/data.pkl", _SYSTEM), ("archive/DATA.pkl", _SYSTEM)])
+    assert _names_refused_globals(d / "pytorch_model.bin")
+    code, _, out = _validate(d)
+    assert code == 1 and "two records" in out and "os.system" in out, out

@@ -218,9 +218,9 @@ def failed_note(result: PickleResult, raw: bytes) -> str:
                                           builds=result.builds))
 
 
-def pickle_records_note(fd: Handle, start: int, length: int) -> str:
-    """The non-allowlisted globals of every ``.pkl`` record of a zip (any case), found by
-    walking its local headers, whatever its central directories say."""
+def pickle_records_seen(fd: Handle, start: int, length: int) -> PickleResult:
+    """The globals of every ``.pkl`` record of a zip (any case), found by walking its local
+    headers, whatever its central directories say."""
     classes: dict[str, str] = {}
     calls: set[str] = set()
     builds: set[str] = set()
@@ -243,7 +243,12 @@ def pickle_records_note(fd: Handle, start: int, length: int) -> str:
                     builds |= found.builds
             hit = chunk.find(ZIP_MAGIC, hit + 4)
         at += step
-    seen = PickleResult(None, classes, calls=calls, builds=builds)
+    return PickleResult(None, classes, calls=calls, builds=builds)
+
+
+def pickle_records_note(fd: Handle, start: int, length: int) -> str:
+    """:func:`pickle_records_seen` as a message note (``"; its pickles would call ..."``)."""
+    seen = pickle_records_seen(fd, start, length)
     return allowlist.refused(seen).replace("; it ", "; its pickles ", 1)
 
 
@@ -427,10 +432,10 @@ def scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
                 tz.unscanned[short] = ("compressed" if e.compressed
                                        else "runs past the end of the file")
             continue
-        raw = storage.pread(fd, e.size, tz.base + e.data_offset)
-        if not named_pkl and not looks_like_pickle(raw[:4096]):
-            continue
-        found, error = scan_globals(raw)
+        at = tz.base + e.data_offset
+        if not named_pkl and not looks_like_pickle(storage.pread(fd, min(e.size, 4096), at)):
+            continue  # read a record whole only when it starts like a pickle
+        found, error = scan_globals(storage.pread(fd, min(e.size, _SCAN_LIMIT), at))
         if error is not None and named_pkl:
             tz.unscanned[short] = f"not a readable pickle ({_short(error)})"
         for qual, cls in found.globals.items():
@@ -516,7 +521,7 @@ def _read_tar(path: Path, members: dict[str, tuple[int, int]]) -> PickleResult:
     fd = open_regular(path)
     try:
         for name, (offset, size) in members.items():
-            raw = storage.pread(fd, min(size, 1 << 30), offset)
+            raw = storage.pread(fd, min(size, _SCAN_LIMIT), offset)
             if name not in _TAR_PICKLES and not looks_like_pickle(raw[:4096]):
                 continue
             found, _ = scan_globals(raw)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
-from ckpt_cli.formats import torchfile
-from ckpt_cli.formats.base import rel_to
+from ckpt_cli.formats import allowlist, torchfile
+from ckpt_cli.formats.base import open_regular, rel_to
 from ckpt_cli.model import CheckpointIndex, Finding
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
@@ -22,6 +22,7 @@ _CODES = ("unsafe-global", "unknown-global", "unscanned-pickle", "torchscript-ar
 _MAX_FILES = 4096
 _RUN_CHECKPOINT = re.compile(r"checkpoint-\d+")
 _MAX_DEPTH = 3
+_SCAN_BYTES = 256 << 20
 
 
 def stray_pickle_findings(index: CheckpointIndex, path: Path) -> list[Finding]:
@@ -59,10 +60,27 @@ def stray_pickle_findings(index: CheckpointIndex, path: Path) -> list[Finding]:
             try:
                 torchfile.read_into(scratch, p, role=torchfile.role_of(name), prefix="")
             except CkptError as e:
-                if any(w in e.message for w in ("would call", "references", "modifies",
-                                                "two records", "end-of-central",
-                                                "central directory lies")):
+                # Unreadable as a checkpoint: still refused if its pickles name anything
+                # outside the allowlist (what torch.load would have run before failing).
+                if _names_refused_globals(p):
                     out.append(Finding("error", "unsafe-global", e.message, rel))
                 continue  # not a pickle torch would run: other checks say what it is
             out.extend(f for f in scratch.findings if f.code in _CODES)
     return out
+
+
+def _names_refused_globals(path: Path) -> bool:
+    """Whether a file's pickles (a zip's ``.pkl`` records by their local headers, or the
+    pickles of a plain stream) name a global no allowlist accepts, or modify one."""
+    from ckpt_cli.formats.unpickler import scan_stream
+
+    fd = open_regular(path)
+    try:
+        size = storage.size_of(fd)
+        if storage.pread(fd, 4, 0) == torchfile.ZIP_MAGIC:
+            seen = torchfile.pickle_records_seen(fd, 0, size)
+        else:
+            seen = scan_stream(storage.pread(fd, min(size, _SCAN_BYTES), 0))
+    finally:
+        storage.close(fd)
+    return bool(allowlist.refused_names(seen.globals) or seen.builds)
