@@ -118,7 +118,7 @@ def write_sample(dest: Path, *, overwrite: bool = False,
     if dest.exists() and not overwrite:
         raise DestinationExistsError("already exists", path=dest,
                                      hint="pass --overwrite to replace it")
-    if overwrite and dest.is_dir() and not dest.is_symlink():
+    if overwrite and (dest.exists() or dest.is_symlink()):
         _check_is_a_sample(dest)
     say = on_progress or (lambda _msg: None)
     torch.manual_seed(0)
@@ -153,7 +153,11 @@ def write_sample(dest: Path, *, overwrite: bool = False,
 
 
 def _check_is_a_sample(dest: Path) -> None:
-    """``--overwrite`` replaces an earlier sample, never a directory of other things."""
+    """``--overwrite`` replaces an earlier sample, never a file or a directory of other things."""
+    if dest.is_symlink() or not dest.is_dir():
+        kind = "a symbolic link" if dest.is_symlink() else "a file"
+        raise DestinationExistsError(f"is {kind}, not a sample run; not replacing it",
+                                     path=dest, hint="choose a new directory")
     ours = {f"step_{s:06d}" for s in (*STEPS, DCP_STEP)} | {"export", "latest"}
     # ckpt's own leftovers (a prune's lock, trash, a manifest) may be there too.
     odd = sorted(p.name for p in dest.iterdir()
