@@ -323,3 +323,20 @@ def test_diff_tables_keep_names_and_numbers_whole(tmp_path: Path, columns: int |
                        _first_column(x))
         # Whichever figures are shown are whole: the relative L2 always is.
         assert f"{t['rel_l2']:.3g}" in row.split(), (row, t["rel_l2"])
+
+
+def test_escape_sequences_in_names_are_shown_not_obeyed(tmp_path: Path) -> None:
+    """A tensor name may hold terminal escapes; every table cell and line writes them out."""
+    evil, plain = "evil\x1b[31mred\x1b[0m\x07", "x[red]y[/red]"
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({evil: np.zeros(2, np.float32)}, str(a), metadata={"note": "a\x1b[2Jb"})
+    save_file({plain: np.zeros(2, np.float32)}, str(b))
+    shown = "evil\\x1b[31mred\\x1b[0m"  # (rich drops a bell where it builds Text itself)
+    for args in (("inspect", a, "--tensors"), ("diff", a, b), ("inspect", b, "--tensors")):
+        lines = _ckpt(*args)
+        text = "\n".join(lines)
+        assert "\x1b" not in text and "\x07" not in text, text
+    assert shown in _row(_ckpt("inspect", a, "--tensors"), shown)
+    assert any(shown in line for line in _ckpt("diff", a, b))
+    # rich markup in a name is printed as it is, not interpreted
+    assert plain in _row(_ckpt("inspect", b, "--tensors"), plain)

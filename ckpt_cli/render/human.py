@@ -47,7 +47,11 @@ class _Console(Console):
         invisible, but piped output then carries trailing spaces into files, ``diff`` and
         ``grep 'x$'``. Style codes between the spaces and the newline are kept.
         """
-        *lines, last = super()._render_buffer(buffer).split("\n")
+        # Text from a checkpoint (a tensor or file name) may hold escape sequences; written out
+        # (``\\x1b``) they are shown, not obeyed. rich's own codes come from styles and
+        # control segments, which are kept.
+        shown = (s if s.control else Segment(visible(s.text), s.style) for s in buffer)
+        *lines, last = super()._render_buffer(shown).split("\n")
         return "\n".join([*map(_rstrip, lines), last])
 
 
@@ -145,6 +149,11 @@ class FitTable(Table):
 
     cols: tuple[Col, ...] = ()
 
+    def add_row(self, *renderables: Any, style: Any = None, end_section: bool = False) -> None:
+        """Add a row; text cells have their control characters written out (``\\x1b``) first,
+        so that columns are measured as they will be printed, and are never read as markup."""
+        super().add_row(*map(_shown, renderables), style=style, end_section=end_section)
+
     def _fitted(self, console: Console, options: ConsoleOptions) -> Table:
         """This table without the columns that do not fit ``options.max_width``, and with
         column widths that fit it."""
@@ -209,6 +218,16 @@ class FitTable(Table):
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield self._fitted(console, options)
+
+
+def _shown(cell: Any) -> Any:
+    """``cell`` with its control characters written out (strings and plain ``Text``); a string
+    becomes ``Text`` so that brackets in a name (``x[red]``) are printed, not read as markup."""
+    if isinstance(cell, str):
+        return Text(visible(cell))
+    if isinstance(cell, Text) and (plain := visible(cell.plain)) != cell.plain:
+        return Text(plain, style=cell.style, justify=cell.justify)
+    return cell
 
 
 def _needed(widths: list[int]) -> int:
