@@ -50,7 +50,18 @@ TORCH_WORTH_IT = 4_000_000_000
 """Elements to cast from which torch's faster kernels are used (importing torch first): above
 every conversion measured, all of which were faster with numpy (see the module docstring)."""
 
-_BLOCK = 1 << 21  # elements per cast block: small temporaries, work for every core
+_BLOCK = 1 << 21  # most elements per cast block: small temporaries
+_MIN_BLOCK = 1 << 16  # fewest elements per cast block: a pool task costs ~10-50 us
+
+
+def _block_size(n: int, threads: int) -> int:
+    """Elements per cast block for ``n`` elements on ``threads`` threads: at most
+    :data:`_BLOCK`, and small enough that every thread gets about two blocks (a 64 MB piece of
+    FP32 is 8 blocks of 2M, which would leave half of 16 cores idle), in multiples of
+    :data:`_MIN_BLOCK`. Results do not depend on it: every element is cast on its own."""
+    per = -(-n // max(1, 2 * threads))
+    per = -(-per // _MIN_BLOCK) * _MIN_BLOCK
+    return max(_MIN_BLOCK, min(_BLOCK, per))
 
 
 @dataclass(slots=True)
@@ -86,6 +97,10 @@ class _TorchLoader:
             # Not installed, or it cannot load (its libraries need more address space than
             # `ulimit -v` leaves): casts stay on numpy.
             return
+        # Blocks are cast in parallel on ckpt's own threads, one block per thread: torch's
+        # intra-op threads on top would oversubscribe the cores (N pool threads x N OpenMP
+        # threads, each with its own stack and allocator arena).
+        torch.set_num_threads(1)
         self.torch = torch
 
 
@@ -136,13 +151,15 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
         arr.dtype.name in ("float32", "float16", "bfloat16"))
 
     fast_f16 = dst == "F16" and arr.dtype == np.float32
+    pool, threads = _pool()
+    step = _block_size(src_flat.size, threads)
 
     def block(start: int) -> int:
-        with stages.stage("cast", min(_BLOCK, src_flat.size - start) * arr.dtype.itemsize):
+        with stages.stage("cast", min(step, src_flat.size - start) * arr.dtype.itemsize):
             return cast_block(start)
 
     def cast_block(start: int) -> int:
-        s, o = src_flat[start:start + _BLOCK], out_flat[start:start + _BLOCK]
+        s, o = src_flat[start:start + step], out_flat[start:start + step]
         if fast_f16 and not use_torch:
             f32_to_f16(s, o)
         elif use_torch:
@@ -171,7 +188,10 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
         return over
 
     # numpy and torch release the GIL in casts, so blocks run on all cores.
-    over = sum(_pool().map(block, range(0, src_flat.size, _BLOCK)))
+    if src_flat.size <= step:
+        over = block(0)  # one block: no hand-off to the pool
+    else:
+        over = sum(pool.map(block, range(0, src_flat.size, step)))
     if stats is not None and over:
         stats.add(name, over)
     return out
@@ -230,10 +250,12 @@ def _torch_copy(torch: Any, s: np.ndarray, o: np.ndarray, dst: str) -> None:
 
 
 @functools.cache
-def _pool() -> ThreadPoolExecutor:
+def _pool() -> tuple[ThreadPoolExecutor, int]:
+    """The cast threads (``CKPT_THREADS``, else one per usable CPU) and their number."""
     from ckpt_cli.streaming import worker_threads
 
-    return ThreadPoolExecutor(max_workers=worker_threads(), thread_name_prefix="ckpt-cast")
+    n = worker_threads()
+    return ThreadPoolExecutor(max_workers=n, thread_name_prefix="ckpt-cast"), n
 
 
 _SUB = 1 << 16  # elements per pass of f32_to_f16: its temporaries stay in the L2 cache

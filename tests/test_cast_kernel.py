@@ -129,3 +129,33 @@ def test_stage_report(tmp_path: Path) -> None:
     assert st["write"]["bytes"] == 4 * 512 * 1024 * 2
     assert st["write"]["threads"] == 1
     assert st["read+cast"]["busy_s"] > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16, 64])
+def test_block_size_gives_every_thread_work(threads: int) -> None:
+    n = 16 << 20  # a 64 MB piece of FP32
+    step = cast._block_size(n, threads)
+    assert cast._MIN_BLOCK <= step <= cast._BLOCK
+    assert step % cast._MIN_BLOCK == 0
+    assert -(-n // step) >= min(2 * threads, n // cast._MIN_BLOCK)
+    assert cast._block_size(5, threads) == cast._MIN_BLOCK
+
+
+def test_same_bytes_whatever_the_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = np.random.default_rng(3)
+    vals = g.integers(0, 2**32, size=1_000_003, dtype=np.uint64).astype(np.uint32).view(
+        np.float32)
+    saved = cast._TORCH.torch
+    cast._TORCH.torch = None
+    try:
+        outs = []
+        for threads in (1, 7, 64):
+            monkeypatch.setattr(cast, "_block_size", lambda n, t, k=threads: max(
+                cast._MIN_BLOCK, -(-n // k)))
+            stats = cast.CastStats()
+            outs.append((cast.cast_array(vals, "F16", name="w", stats=stats).view(np.uint16),
+                         stats.overflow))
+    finally:
+        cast._TORCH.torch = saved
+    assert all(np.array_equal(o, outs[0][0]) and s == outs[0][1] for o, s in outs)
+    assert outs[0][1]["w"] > 0
