@@ -157,8 +157,7 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
         arr.dtype.name in ("float32", "float16", "bfloat16"))
 
     fast_f16 = dst == "F16" and arr.dtype == np.float32
-    pool, threads = _pool()
-    step = _block_size(src_flat.size, threads)
+    step = _block_size(src_flat.size, _pool_threads())
 
     def block(start: int) -> int:
         with stages.stage("cast", min(step, src_flat.size - start) * arr.dtype.itemsize):
@@ -197,7 +196,7 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
     if src_flat.size <= step:
         over = block(0)  # one block: no hand-off to the pool
     else:
-        over = sum(pool.map(block, range(0, src_flat.size, step)))
+        over = sum(_pool().map(block, range(0, src_flat.size, step)))
     if stats is not None and over:
         stats.add(name, over)
     return out
@@ -256,12 +255,17 @@ def _torch_copy(torch: Any, s: np.ndarray, o: np.ndarray, dst: str) -> None:
 
 
 @functools.cache
-def _pool() -> tuple[ThreadPoolExecutor, int]:
-    """The cast threads (``CKPT_THREADS``, else one per usable CPU) and their number."""
+def _pool() -> ThreadPoolExecutor:
+    """The cast threads: :func:`_pool_threads` of them."""
+    return ThreadPoolExecutor(max_workers=_pool_threads(), thread_name_prefix="ckpt-cast")
+
+
+@functools.cache
+def _pool_threads() -> int:
+    """How many cast threads (``CKPT_THREADS``, else one per usable CPU), fixed per process."""
     from ckpt_cli.streaming import worker_threads
 
-    n = worker_threads()
-    return ThreadPoolExecutor(max_workers=n, thread_name_prefix="ckpt-cast"), n
+    return worker_threads()
 
 
 _SUB = 1 << 16  # elements per pass of f32_to_f16: its temporaries stay in the L2 cache
