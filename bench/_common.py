@@ -55,6 +55,7 @@ class Run:
     stdout: str
     all_seconds: tuple[float, ...] = ()  # every round, when timed more than once
     cpu_seconds: float = 0.0  # user + system time: what the code costs on a busy machine
+    stages: dict[str, Any] | None = None  # ckpt's per-stage report (CKPT_STAGE_REPORT)
 
     @property
     def spread(self) -> str:
@@ -65,12 +66,24 @@ class Run:
 
 def timed(label: str, argv: list[str], *, env: dict[str, str] | None = None,
           repeat: int = 1) -> Run:
-    """Run ``argv`` ``repeat`` times; the fastest wall time, with that run's own peak RSS."""
+    """Run ``argv`` ``repeat`` times; the fastest wall time, with that run's own peak RSS.
+
+    A ckpt process (label starting with ``ckpt``) also records its per-stage busy time
+    (``CKPT_STAGE_REPORT``, see ``ckpt_cli.stages``) into :attr:`Run.stages`.
+    """
+    import tempfile
+
     best: Run | None = None
     for _ in range(repeat):
+        stage_file = None
+        run_env = dict(env or {})
+        if label.startswith("ckpt"):
+            fd, stage_file = tempfile.mkstemp(prefix="ckpt-stages-", suffix=".json")
+            os.close(fd)
+            run_env["CKPT_STAGE_REPORT"] = stage_file
         t0 = time.perf_counter()
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=child_env(env))
+                             env=child_env(run_env))
         # Read output while waiting, then reap with wait4 to get this child's own rusage.
         out = p.stdout.read() if p.stdout else b""
         err = p.stderr.read() if p.stderr else b""
@@ -81,6 +94,12 @@ def timed(label: str, argv: list[str], *, env: dict[str, str] | None = None,
             raise SystemExit(f"{label} failed ({p.returncode}): {err.decode()[-2000:]}")
         r = Run(label, dt, usage.ru_maxrss * 1024, out.decode(),
                 cpu_seconds=usage.ru_utime + usage.ru_stime)
+        if stage_file is not None:
+            try:
+                r.stages = json.loads(Path(stage_file).read_text() or "null")
+            except (OSError, ValueError):
+                r.stages = None
+            Path(stage_file).unlink(missing_ok=True)
         if best is None or r.seconds < best.seconds:
             best = r
     assert best is not None
@@ -168,6 +187,24 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def stage_rows(r: Run) -> list[tuple[str, str]]:
+    """Report rows for a ckpt run's stages: busy time, threads, share of the wall time.
+
+    A stage whose busy time is close to the wall time on one thread is what bounds the run;
+    busy time above the wall time ran on several threads at once.
+    """
+    if not r.stages:
+        return []
+    rows = [(f"  {r.label}: wall / CPU", f"{r.seconds:.2f} s / {r.cpu_seconds:.2f} s "
+                                          f"(threads setting {r.stages.get('threads_setting')})")]
+    for name, s in sorted(r.stages["stages"].items(), key=lambda kv: -kv[1]["busy_s"]):
+        rate = f", {human_bytes(s['bytes'] / s['busy_s'])}/s busy" if s["bytes"] and \
+            s["busy_s"] else ""
+        rows.append((f"    stage {name}", f"busy {s['busy_s']:.2f} s on {s['threads']} thread(s),"
+                                           f" {s['busy_s'] / r.seconds:.2f}x wall{rate}"))
+    return rows
 
 
 def report(title: str, rows: list[tuple[str, str]]) -> None:

@@ -31,6 +31,7 @@ from bench._common import (
     human_bytes,
     in_subprocess,
     report,
+    stage_rows,
     timed,
     timed_interleaved,
     timed_together,
@@ -165,6 +166,9 @@ def main() -> None:
         ("peer dcp_to_torch_save", f"{peer.spread}, peak RSS {human_bytes(peer.peak_rss)}"),
         ("speed-up vs peer", f"{peer.seconds / ours.seconds:.2f}x  (target >= 2x)"),
         ("peak RSS vs peer", f"{100 * ours.peak_rss / peer.peak_rss:.0f}%  (target <= 25%)"),
+        ("CPU ckpt / peer", f"{ours.cpu_seconds:.1f} s / {peer.cpu_seconds:.1f} s"),
+        ("where ckpt's time goes (its best round)", ""),
+        *stage_rows(ours),
     ])
     shutil.rmtree(ours_out, ignore_errors=True)
     peer_out.unlink(missing_ok=True)

@@ -34,6 +34,7 @@ from bench._common import (
     ckpt_argv,
     human_bytes,
     report,
+    stage_rows,
     timed,
     timed_interleaved,
     train_checkpoint,
@@ -117,6 +118,10 @@ def run(src: Path, big: bool) -> None:
                                                  f"CPU {forced.cpu_seconds:.1f} s")]
           if forced else []),
         ("floor (dd read + dd write, fsync)", f"{floor.seconds:.2f} s"),
+        ("where ckpt's time goes (its best round)", ""),
+        *stage_rows(ours),
+        *(stage_rows(forced) if forced else []),
+        ("CPU vs peer", f"{ours.cpu_seconds / peer.cpu_seconds:.2f}x  (target <= 1x)"),
         ("speed-up vs peer", f"{peer.seconds / ours.seconds:.2f}x best, "
                              f"{_median(peer) / _median(ours):.2f}x median  "
                              f"(target >= {speedup_target:g}x)"),

@@ -27,10 +27,12 @@ from pathlib import Path
 from bench._common import (
     DATA,
     PY,
+    Run,
     ckpt_argv,
     human_bytes,
     in_subprocess,
     report,
+    stage_rows,
     timed,
     timed_together,
     train_checkpoint,
@@ -40,16 +42,17 @@ from bench._common import (
 TESTZIP = "import sys, zipfile; bad = zipfile.ZipFile(sys.argv[1]).testzip(); print(bad)"
 
 
-def _manifest_rate(path: Path, args: list[str], repeat: int) -> tuple[float, float]:
-    """Best hashing throughput (bytes/s, from ckpt's own measurement) and its wall time."""
-    best, wall = 0.0, 0.0
+def _manifest_rate(path: Path, args: list[str], repeat: int) -> tuple[float, float, Run | None]:
+    """Best hashing throughput (bytes/s, from ckpt's own measurement), its wall time and
+    that run (with its per-stage report)."""
+    best, wall, best_run = 0.0, 0.0, None
     for _ in range(repeat):
         run = timed("ckpt validate " + " ".join(args), ckpt_argv("validate", str(path), *args))
         doc = json.loads(run.stdout)
         rate = doc["checkpoints"][0]["manifest"]["bytes_per_second"]
         if rate > best:
-            best, wall = rate, run.seconds
-    return best, wall
+            best, wall, best_run = rate, run.seconds, run
+    return best, wall, best_run
 
 
 def write_rank_dcp(out: str, n_files: int, file_kib: int) -> None:
@@ -162,13 +165,14 @@ def main() -> None:
     if sha is not None:
         rows += [("sha256sum", f"{sha.seconds:.2f} s"),
                  ("speed-up vs sha256sum", f"{sha.seconds / ours.seconds:.1f}x")]
+    rows += [("where ckpt's time goes", ""), *stage_rows(ours)]
     report(f"validate a {human_bytes(size)} torch training checkpoint (warm cache)", rows)
 
     cat = timed("cat", ["sh", "-c", 'cat "$1" > /dev/null', "sh", str(path)], repeat=repeat)
     cat_rate = size / cat.seconds
-    write_rate, write_wall = _manifest_rate(
-        path, ["--quick", "--write-manifest", "--json"], repeat)
-    verify_rate, verify_wall = _manifest_rate(path, ["--quick", "--json"], repeat)
+    write_rate, write_wall, write_run = _manifest_rate(
+        path, ["--write-manifest", "--json"], repeat)  # the full check: --quick refuses it
+    verify_rate, verify_wall, _ = _manifest_rate(path, ["--quick", "--json"], repeat)
     manifest.unlink(missing_ok=True)
     report("integrity manifest (xxh3_128) vs reading the file from page cache", [
         ("cat FILE > /dev/null", f"{cat.seconds:.2f} s, {human_bytes(cat_rate)}/s"),
@@ -178,6 +182,7 @@ def main() -> None:
         ("hashing (verify)", f"{human_bytes(verify_rate)}/s = "
                              f"{100 * verify_rate / cat_rate:.0f}% of cat; whole command "
                              f"{verify_wall:.2f} s"),
+        *(stage_rows(write_run) if write_run is not None else []),
     ])
 
     values = timed("ckpt validate --values", ckpt_argv("validate", str(path), "--quick",
@@ -188,6 +193,7 @@ def main() -> None:
         ("ckpt validate --quick --values", f"{values.seconds:.2f} s, peak RSS "
                                            f"{human_bytes(values.peak_rss)}"),
         ("checked", summary["summary"]),
+        *stage_rows(values),
     ])
 
 

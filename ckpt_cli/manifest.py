@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from ckpt_cli import storage
+from ckpt_cli import stages, storage
 from ckpt_cli.atomic import atomic_file
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats.base import open_regular
@@ -345,7 +345,8 @@ def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITH
             try:
                 size = storage.size_of(fd)
                 for view in read_range(fd, 0, size, buf, meter, path=path):
-                    h.update(view)
+                    with stages.stage("hash", len(view)):
+                        h.update(view)
             finally:
                 storage.close(fd)
             return FileDigest(rel, size, h.hexdigest())

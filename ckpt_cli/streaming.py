@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadP
 from pathlib import Path
 from typing import TypeVar
 
-from ckpt_cli import storage
+from ckpt_cli import stages, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats.base import open_regular
 from ckpt_cli.storage import Handle
@@ -81,17 +81,36 @@ ProgressFn = Callable[[str, int, int], None]
 """``on_progress(label, bytes_done, bytes_total)``: called from the calling thread only."""
 
 
-def default_jobs() -> int:
-    """Threads for reading and checksumming: the usable CPUs, at most 8."""
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), or the machine's count."""
     try:
-        n = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(8, n))
+        return os.cpu_count() or 1
+
+
+def worker_threads() -> int:
+    """Threads per parallel stage (casting blocks): ``CKPT_THREADS`` if set to a positive
+    integer, else the usable CPUs, at most 64."""
+    raw = os.environ.get("CKPT_THREADS", "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        return min(int(raw), 256)
+    return max(1, min(64, usable_cpus()))
+
+
+def default_jobs() -> int:
+    """Threads for reading and checksumming: ``CKPT_THREADS`` if set, else the usable CPUs,
+    at most 8."""
+    if os.environ.get("CKPT_THREADS", "").strip().isdigit():
+        return worker_threads()
+    return max(1, min(8, usable_cpus()))
 
 
 def crc32(data: memoryview | bytes, value: int = 0) -> int:
     """CRC-32 (the zip polynomial) of ``data``, continuing from ``value``."""
+    if stages.enabled():
+        with stages.stage("hash", len(data)):
+            return _crc32(data, value)
     return _crc32(data, value)
 
 
@@ -168,7 +187,8 @@ def read_range(fd: Handle, start: int, length: int, buf: bytearray, meter: Meter
     off, end = start, start + length
     while off < end:
         try:
-            n = storage.readinto(fd, mv[:min(len(mv), end - off)], off)
+            with stages.stage("read"):
+                n = storage.readinto(fd, mv[:min(len(mv), end - off)], off)
         except OSError as e:
             raise CkptError(f"cannot read at byte {off:,}: {e.strerror}", path=path) from None
         if n <= 0:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
-from ckpt_cli import dtypes, storage
+from ckpt_cli import dtypes, stages, storage
 from ckpt_cli.atomic import TMP_MARK, atomic_dir, atomic_file, fsync_path
 from ckpt_cli.errors import (
     CkptError,
@@ -558,7 +558,8 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
             write_all(f, memoryview(head))
             for i in members:
                 for data in _tensor_bytes(source, i, tensors[i]):
-                    write_all(f, data)
+                    with stages.stage("write", len(data)):
+                        write_all(f, data)
                     flusher.wrote(len(data))
                     if on_progress:
                         on_progress(len(data))
@@ -571,7 +572,8 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
                 for i in members:
                     with zw.tensor_record(tensors[i].nbytes) as record:
                         for data in _tensor_bytes(source, i, tensors[i]):
-                            record.write(data)
+                            with stages.stage("write", len(data)):
+                                record.write(data)
                             flusher.wrote(len(data))
                             if on_progress:
                                 on_progress(len(data))
@@ -617,7 +619,8 @@ class _Flusher:
 
     def _fdatasync(self, fd: int) -> None:
         try:
-            os.fdatasync(fd)
+            with stages.stage("fsync"):
+                os.fdatasync(fd)
         except OSError as e:  # raised in the writer's thread by wait()
             self._error = e
 
@@ -782,7 +785,8 @@ class _Prefetch:
                 pieces = t.pieces() if t.pieces is not None else iter((t.load(),))
                 try:
                     while self._wait_for_room(last or min(t.nbytes, PIECE_BYTES)):
-                        arr: Any = next(pieces, _END)
+                        with stages.stage("read+cast"):
+                            arr: Any = next(pieces, _END)
                         if arr is _END:
                             break
                         last = int(arr.nbytes)
