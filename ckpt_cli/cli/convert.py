@@ -39,7 +39,8 @@ def convert_cmd(
     to: Annotated[str, typer.Option(
         "--to", metavar="fp16|bf16|fp32|fp8|keep",
         help="Cast floating-point model tensors (fp8: quantize Linear weights to E4M3 with "
-             "scales, the rest to BF16; see --fp8-layout).")] = "keep",
+             "scales, the rest to BF16; see --fp8-layout).",
+        autocompletion=_targets)] = "keep",
     fp8_layout: Annotated[str, typer.Option(
         "--fp8-layout", metavar="block|channel|tensor",
         help="With --to fp8: 128x128 blocks (weight_scale_inv, transformers/DeepSeek 'fp8') "
