@@ -330,3 +330,29 @@ def test_bad_layout_is_a_usage_error(llama: Path, tmp_path: Path) -> None:
     assert r.exit_code == 2 and "--fp8-layout" in r.output
     r = run_cli("convert", llama, "--to", "fp8", "--dequantize", "-o", tmp_path / "o")
     assert r.exit_code == 2 and "--dequantize" in r.output
+
+
+def test_validate_checks_fp8_scales_and_config(quantized: dict[str, Path],
+                                               tmp_path: Path) -> None:
+    r = run_cli("validate", quantized["block"], "--json")
+    assert r.exit_code == 0, r.output
+    checks = {c["id"]: c for c in json.loads(r.stdout)["checkpoints"][0]["checks"]}
+    assert checks["quantization"]["status"] == "pass"
+    assert "8 FP8 weight(s), scales: 8 per block" in checks["quantization"]["summary"]
+    w = torch.randn(256, 256).to(torch.float8_e4m3fn)
+    save_file({"a.weight": w.clone(), "a.weight_scale_inv": torch.tensor([[1.0, 0.0],
+                                                                          [1.0, 1.0]]),
+               "b.weight": w.clone(), "c.weight": w.clone(), "c.weight_scale": torch.ones(3)},
+              str(tmp_path / "bad.safetensors"))
+    r = run_cli("validate", tmp_path / "bad.safetensors", "--json")
+    assert r.exit_code == 1, r.output
+    got = {(f["code"], f["location"]) for f in json.loads(r.stdout)["checkpoints"][0]["findings"]
+           if f["check"] == "quantization"}
+    assert got == {("fp8-scale-values", "a.weight_scale_inv"), ("fp8-no-scale", "b.weight"),
+                   ("fp8-scale-shape", "c.weight_scale")}
+
+
+def test_validate_without_fp8_has_no_quantization_check(llama: Path) -> None:
+    r = run_cli("validate", llama, "--json")
+    assert r.exit_code == 0, r.output
+    assert "quantization" not in {c["id"] for c in json.loads(r.stdout)["checkpoints"][0]["checks"]}
