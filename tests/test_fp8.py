@@ -356,3 +356,24 @@ def test_validate_without_fp8_has_no_quantization_check(llama: Path) -> None:
     r = run_cli("validate", llama, "--json")
     assert r.exit_code == 0, r.output
     assert "quantization" not in {c["id"] for c in json.loads(r.stdout)["checkpoints"][0]["checks"]}
+
+
+def test_fp8_refuses_pt_and_fp8_sources(quantized: dict[str, Path], llama: Path,
+                                        tmp_path: Path) -> None:
+    r = run_cli("convert", llama, "--to", "fp8", "--format", "pt", "-o", tmp_path / "o")
+    assert r.exit_code == 2 and "--format pt" in r.output
+    r = run_cli("convert", quantized["block"], "--to", "fp8", "-o", tmp_path / "o")
+    assert r.exit_code == 2 and "already holds 8 FP8 tensor(s)" in " ".join(r.output.split())
+    assert not (tmp_path / "o").exists()
+
+
+def test_fp8_config_in_metadata_without_config_json(tmp_path: Path) -> None:
+    torch.manual_seed(4)
+    save_file({"l.weight": torch.randn(128, 128)}, str(tmp_path / "m.safetensors"))
+    r = run_cli("convert", tmp_path / "m.safetensors", "--to", "fp8", "-o", tmp_path / "o")
+    assert r.exit_code == 0, r.output
+    assert "ckpt.quantization_config" in " ".join(r.output.split())
+    with safe_open(tmp_path / "o" / "model.safetensors", "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["ckpt.quantization_config"]) == fp8.quantization_config(
+        "block", ["lm_head"])

@@ -145,7 +145,15 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
 
     if dequantize and (quant or target is None):
         raise UsageError("--dequantize needs --to bf16, fp16 or fp32")
+    if quant and fmt != "safetensors":
+        raise UsageError("--to fp8 writes safetensors (an HF directory); not --format pt")
     built = build(keep_fp32)
+    if quant:
+        held = [o.name for o in built.outs if o.dtype in _FP8_DTYPES]
+        if held:
+            built.close()
+            raise UsageError(f"{src} already holds {len(held)} FP8 tensor(s) (e.g. {held[0]})",
+                             hint="dequantize first: ckpt convert SRC --to bf16 --dequantize")
     if dequantize:
         assert target is not None
         try:
@@ -159,13 +167,19 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         # with them kept, then each becomes an FP8 weight and its scale.
         picked, ignore, fp8_notes = _fp8_pick(built, fp8_layout)
         if picked:
+            before = built.casts
             built.close()
             built = build(keep_fp32 + tuple(glob.escape(n) for n in picked))
+            for key in [k for k in built.casts if k.endswith("->F32")]:
+                # read in FP32 only to be quantized: count the casts --keep-fp32 made
+                built.casts[key] = before.get(key, 0)
+            built.casts += Counter()  # drops the zero counts
         built.notes.extend(fp8_notes)
         quant_config = _fp8_outs(built, picked, ignore, fp8_layout)
         to = "fp8"
         built.meta["ckpt.conversion"] = built.meta.get("ckpt.conversion", "").replace(
             "to=bf16", f"to=fp8 ({fp8_layout})", 1)
+        built.meta["ckpt.quantization_config"] = json.dumps(quant_config, sort_keys=True)
     notes = built.notes
     side = _side_files(index, storage.locate(source), out, notes)
     config_dtype = None
@@ -173,6 +187,10 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         side["config.json"], config_dtype = retype_config(side["config.json"], target)
         if quant_config is not None or dequantize:
             side["config.json"] = with_quantization_config(side["config.json"], quant_config)
+    elif quant_config is not None:
+        notes.append("no config.json beside the source: the quantization_config an engine "
+                     "needs in the model's config.json is in the shards' metadata "
+                     "(ckpt.quantization_config)")
         kept32 = sum(1 for o in built.outs if o.dtype == "F32" and target != "F32" and any(
             fnmatch.fnmatchcase(o.name, g) for g in keep_fp32) and not (
             quant_config is not None and o.name.endswith(".weight_scale")) and any(
@@ -485,8 +503,6 @@ def _fp8_outs(built: _Built, picked: list[str], ignore: list[str],
         outs.append(OutTensor(f"{module}.{fp8.scale_name(layout)}", "F32",
                               fp8.scale_shape(o.shape, layout), q.scale))
     built.outs[:] = outs
-    for key in [k for k in built.casts if k.endswith("->F32")]:
-        del built.casts[key]
     if picked:
         built.casts["->F8_E4M3"] = len(picked)
     built.notes.append(f"quantized {len(picked)} weight(s) to FP8 E4M3 ({layout} layout), "
