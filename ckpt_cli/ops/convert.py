@@ -187,20 +187,19 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         side["config.json"], config_dtype = retype_config(side["config.json"], target)
         if quant_config is not None or dequantize:
             side["config.json"] = with_quantization_config(side["config.json"], quant_config)
-    elif quant_config is not None:
-        notes.append("no config.json beside the source: the quantization_config an engine "
-                     "needs in the model's config.json is in the shards' metadata "
-                     "(ckpt.quantization_config)")
         kept32 = sum(1 for o in built.outs if o.dtype == "F32" and target != "F32" and any(
             fnmatch.fnmatchcase(o.name, g) for g in keep_fp32) and not (
-            quant_config is not None and o.name.endswith(".weight_scale")) and any(
-            fnmatch.fnmatchcase(o.name, g) for g in keep_fp32))
+            quant_config is not None and o.name.endswith(".weight_scale")))
         if config_dtype is not None and kept32:
             # The loader casts every weight to the config's dtype unless told otherwise.
             notes.append(f"config.json says {config_dtype['to']}: from_pretrained loads the "
                          f"{kept32} tensor(s) --keep-fp32 kept in FP32 as {config_dtype['to']} "
                          "too, unless the model keeps them (keep_in_fp32_modules) or is loaded "
                          "with dtype=torch.float32")
+    elif quant_config is not None:
+        notes.append("no config.json beside the source: the quantization_config an engine "
+                     "needs in the model's config.json is in the shards' metadata "
+                     "(ckpt.quantization_config)")
     prefer_torch(built.cast_elements)
     job = None
     if part is not None or finalize:
@@ -505,8 +504,10 @@ def _fp8_outs(built: _Built, picked: list[str], ignore: list[str],
     built.outs[:] = outs
     if picked:
         built.casts["->F8_E4M3"] = len(picked)
+    listed = ", ".join(ignore[:5]) + (f" and {len(ignore) - 5} more" if len(ignore) > 5
+                                      else "")
     built.notes.append(f"quantized {len(picked)} weight(s) to FP8 E4M3 ({layout} layout), "
-                       f"the rest cast to BF16; ignore list: {', '.join(ignore)}")
+                       f"the rest cast to BF16; ignore list: {listed}")
     return fp8.quantization_config(layout, ignore)
 
 
