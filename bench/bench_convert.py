@@ -16,7 +16,11 @@ reported, with user+system CPU.
 generated for the run and deleted after it. Targets: >= 3x the peer, <= 1.5x the floor, peak
 RSS <= 25% of the peer's.
 
-Run: python -m bench.bench_convert [--quick | --big]
+``--fp8``: ``convert --to fp8`` (block layout, then channel) against ``convert --to bf16``
+of the same checkpoint, interleaved. Target: fp8 within 1.5x of bf16's time, peak RSS as for
+every convert (the largest tensor quantized at a time may add to the budget).
+
+Run: python -m bench.bench_convert [--quick | --big] [--fp8]
 """
 
 from __future__ import annotations
@@ -70,7 +74,10 @@ def main() -> None:
     src = big_train_checkpoint() if big else train_checkpoint(
         **({"n_layers": 2, "dim": 512} if quick else {}))
     try:
-        run(src, big)
+        if "--fp8" in sys.argv:
+            run_fp8(src)
+        else:
+            run(src, big)
     finally:
         if big:
             src.unlink(missing_ok=True)
@@ -130,6 +137,34 @@ def run(src: Path, big: bool) -> None:
     ])
     shutil.rmtree(out_dir, ignore_errors=True)
     peer_out.unlink(missing_ok=True)
+
+
+def run_fp8(src: Path) -> None:
+    """``--to fp8`` (block and channel layouts) against ``--to bf16``, same input."""
+    warm(src)
+    outs = {k: DATA / f"convert-{k}" for k in ("bf16", "fp8-block", "fp8-channel")}
+
+    def clean(label: str) -> None:
+        shutil.rmtree(outs[label], ignore_errors=True)
+
+    def argv(label: str) -> list[str]:
+        to = ["--to", "bf16"] if label == "bf16" else [
+            "--to", "fp8", "--fp8-layout", label.split("-")[1]]
+        return ckpt_argv("convert", str(src), *to, "-o", str(outs[label]), "--quiet")
+
+    best = timed_interleaved({k: argv(k) for k in outs}, setup=clean, repeat=3)
+    size = {k: sum(p.stat().st_size for p in d.iterdir()) for k, d in outs.items()}
+    base = best["bf16"]
+    report(f"convert --to fp8 vs --to bf16 of a {human_bytes(src.stat().st_size)} training "
+           "checkpoint", [
+        *((f"ckpt convert --to {k}", f"{r.spread}, peak RSS {human_bytes(r.peak_rss)}, "
+                                      f"CPU {r.cpu_seconds:.1f} s, output "
+                                      f"{human_bytes(size[k])}") for k, r in best.items()),
+        *((f"{k} time vs bf16", f"{best[k].seconds / base.seconds:.2f}x  (target <= 1.5x)")
+          for k in ("fp8-block", "fp8-channel")),
+    ])
+    for d in outs.values():
+        shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,8 @@ CHECKS: dict[str, str] = {
     "rank-files": "the set of rank files matches the world sizes",
     "latest-pointer": "latest pointers name existing checkpoints",
     "resumable": "training state: step and optimizer state",
+    "quantization": "every FP8 weight has a scale of a legal shape, finite and positive, "
+                    "and quantization_config agrees",
     "values": "floating tensors hold no NaN, Inf or all-zero values",
     "manifest": "files match the integrity manifest",
     "leftovers": "no temporary or trash entries left by interrupted writes",

@@ -45,4 +45,6 @@ def test_completion_offers_the_cast_targets(command: str) -> None:
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                            text=True, timeout=60)
         answers.append(r.stdout.split())
-    assert answers == [["fp16", "bf16", "fp32", "keep"], ["bf16"]]
+    every = ["fp16", "bf16", "fp32", "fp8", "keep"] if command == "convert" else [
+        "fp16", "bf16", "fp32", "keep"]
+    assert answers == [every, ["bf16"]]

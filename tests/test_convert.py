@@ -206,7 +206,7 @@ def test_refusals(sample_run: Path, sample_copy: Path, tmp_path: Path) -> None:
     assert r.exit_code == 2 and "run directory" in r.stderr
     r = run_cli("convert", sample_run / "step_000100", "-o", sample_run / "step_000100" / "x")
     assert r.exit_code == 2 and "inside the input" in r.stderr
-    r = run_cli("convert", sample_run / "step_000100", "--to", "fp8", "-o", tmp_path / "x")
+    r = run_cli("convert", sample_run / "step_000100", "--to", "int4", "-o", tmp_path / "x")
     assert r.exit_code == 2 and "--to must be" in r.stderr
     r = run_cli("convert", sample_run / "step_000100", "--max-shard-size", "lots",
                 "-o", tmp_path / "x")

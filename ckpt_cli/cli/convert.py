@@ -8,7 +8,6 @@ import typer
 
 from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import (
-    CastToOpt,
     ConcurrencyOpt,
     FinalizeOpt,
     ForceOpt,
@@ -26,6 +25,10 @@ from ckpt_cli.cli.options import (
 )
 
 
+def _targets(incomplete: str) -> list[str]:
+    return [t for t in ("fp16", "bf16", "fp32", "fp8", "keep") if t.startswith(incomplete)]
+
+
 def convert_cmd(
     source: Annotated[Location, typer.Argument(help="Checkpoint to convert (file or directory).",
                                            show_default=False, parser=location)],
@@ -33,7 +36,20 @@ def convert_cmd(
         "--output", "-o", help="Output: a .safetensors/.pt/.bin file, or a directory for "
                                "model.safetensors or HF-style shards.", show_default=False,
         parser=output_location)],
-    to: CastToOpt = "keep",
+    to: Annotated[str, typer.Option(
+        "--to", metavar="fp16|bf16|fp32|fp8|keep",
+        help="Cast floating-point model tensors (fp8: quantize Linear weights to E4M3 with "
+             "scales, the rest to BF16; see --fp8-layout).",
+        autocompletion=_targets)] = "keep",
+    fp8_layout: Annotated[str, typer.Option(
+        "--fp8-layout", metavar="block|channel|tensor",
+        help="With --to fp8: 128x128 blocks (weight_scale_inv, transformers/DeepSeek 'fp8') "
+             "or one scale per output channel or per tensor (weight_scale, "
+             "compressed-tensors).")] = "block",
+    dequantize: Annotated[bool, typer.Option(
+        "--dequantize", help="With --to bf16|fp16|fp32: turn FP8 weights with a scale "
+                             "(weight_scale_inv, weight_scale, scale_weight) into weight * "
+                             "scale; drop the scales and quantization_config.")] = False,
     fmt: OutputFormatOpt = None,
     max_shard_size: Annotated[str | None, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Split into HF-style shards of at most SIZE "
@@ -92,7 +108,8 @@ def convert_cmd(
                              keep_fp32=tuple(keep_fp32 or ()), clamp=clamp, overwrite=force,
                              container=container, input_format=input_format,
                              on_progress=bar.advance, on_start=bar.start, part=which,
-                             finalize=finalize, max_memory=budget)
+                             finalize=finalize, max_memory=budget,
+                             fp8_layout=fp8_layout, dequantize=dequantize)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.convert import show
 

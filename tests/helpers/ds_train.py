@@ -29,8 +29,10 @@ def _worker(rank: int, world: int, port: int, out: str, configs: list[str]) -> N
         each = "each" in flags
         stage = int(stage_s[1:])
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13),
-                                    torch.nn.Linear(13, 5))
+        # "+wide": dims FP8 layouts can hold (a 128x256 and a 32x128 weight).
+        d_in, d_hid, d_out = (256, 128, 32) if "wide" in flags else (7, 13, 5)
+        model = torch.nn.Sequential(torch.nn.Linear(d_in, d_hid), torch.nn.LayerNorm(d_hid),
+                                    torch.nn.Linear(d_hid, d_out))
         model.register_buffer("counter", torch.arange(3, dtype=torch.float32))
         if "frozen" in flags:
             for p in model[1].parameters():
@@ -45,7 +47,7 @@ def _worker(rank: int, world: int, port: int, out: str, configs: list[str]) -> N
                                                config=cfg)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(3):
-            x = torch.randn(2, 7, generator=gen)
+            x = torch.randn(2, d_in, generator=gen)
             if dtype == "bf16":
                 x = x.to(torch.bfloat16)
             loss = engine(x).float().pow(2).mean()

@@ -39,6 +39,7 @@ from ckpt_cli.formats import (
 )
 from ckpt_cli.formats.base import rel_to
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
+from ckpt_cli.fp8 import check_quantized
 from ckpt_cli.manifest import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
@@ -684,6 +685,9 @@ def _deep_checks(b: _Builder, index: CheckpointIndex, path: Path, files: OpenFil
         if got is not None:
             b.add(cid, *got)
     b.add("resumable", *resumable_findings(index, opts.require))
+    quant = check_quantized(index)
+    if quant is not None:
+        b.add("quantization", *quant)
     return streamed
 
 
