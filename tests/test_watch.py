@@ -173,7 +173,7 @@ def test_retention_counts_only_verified_and_survives_a_concurrent_cron_prune(
     cron = subprocess.Popen([sys.executable, "-m", "ckpt_cli", "prune", str(run), "--keep", "2",
                              "--grace", "0", "--yes"], env=ENV, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    code, events, err = watch_once(run, "--keep", "2", "--grace", "0")
+    code, _events, err = watch_once(run, "--keep", "2", "--grace", "0")
     cron.wait()
     assert code in (0, 1), err
     left = {p.name for p in run.iterdir() if p.name.startswith("step_")}

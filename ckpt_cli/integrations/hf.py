@@ -39,7 +39,7 @@ from ckpt_cli.watch import verify_checkpoint
 log = logging.getLogger(__name__)
 
 
-class CkptVerifyCallback(TrainerCallback):  # type: ignore[misc]
+class CkptVerifyCallback(TrainerCallback):
     """Verify each saved checkpoint on rank 0, record it in the run ledger, protect the last
     verified one from ``save_total_limit`` rotation.
 

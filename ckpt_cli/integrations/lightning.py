@@ -35,7 +35,7 @@ from ckpt_cli.watch import verify_checkpoint
 log = logging.getLogger(__name__)
 
 
-class VerifiedModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
+class VerifiedModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` that verifies and records every save and protects the last verified
     checkpoint from ``save_top_k`` rotation.
 
@@ -72,3 +72,11 @@ class VerifiedModelCheckpoint(ModelCheckpoint):  # type: ignore[misc]
             log.warning("ckpt: keeping %s: it is the last verified checkpoint", filepath)
             return
         super()._remove_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            import contextlib
+
+            from ckpt_cli.manifest import manifest_path
+
+            with contextlib.suppress(OSError):  # its manifest goes with it
+                if not os.path.exists(filepath):
+                    manifest_path(Path(filepath)).unlink(missing_ok=True)
