@@ -249,6 +249,10 @@ class RunWatcher:
                               problems=[reason])
         if now - sig[2] < self.opts.settle:
             return None  # committed just now: let the writer finish its last touches
+        from ckpt_cli.runs import writer_lock
+
+        if writer_lock(e.path) is not None:
+            return None  # a writer still holds it: looked at again next pass
         if line is not None and line.bytes == e.bytes:
             if line.good:
                 problems = recheck_good(e.path, line, full=cached is not None)
@@ -269,6 +273,11 @@ class RunWatcher:
             return None  # deleted meanwhile (a cron prune): nothing to judge
         ledger.append(self.root, entry)
         self.known[rel] = entry
+        if entry.good:
+            # As it is now, with its manifest: the next pass must not take that for a change.
+            from ckpt_cli.runs import run_entry
+
+            sig = _signature(run_entry(e.path))
         self.seen[e.name] = (sig, entry.verdict)
         return WatchEvent(ledger.VERIFIED, str(self.root), rel, entry.step, entry.verdict,
                           entry.bytes, entry.manifest_digest, list(entry.problems))

@@ -194,3 +194,42 @@ def test_many_runs_under_one_root(tmp_path: Path) -> None:
         ("a", "step_2", "good"), ("b", "step_2", "good")]
     assert w.run_pass() == []  # an idle pass: nothing changed, nothing said
     assert latest_verified(tmp_path / "a") == tmp_path / "a" / "step_2"
+
+
+def test_an_idle_pass_reads_no_checkpoint_again(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckpt_cli.watch as watch
+
+    run = tmp_path / "run"
+    assert train(run, 2) == 0
+    w = Watcher(run, WatchOptions(settle=0), lambda _e: None)
+    assert [e.verdict for e in w.run_pass()] == ["good", "good"]
+
+    def never(*_a: object, **_k: object) -> None:
+        raise AssertionError("an unchanged checkpoint was read again")
+
+    monkeypatch.setattr(watch, "verify_checkpoint", never)
+    monkeypatch.setattr(watch, "recheck_good", never)
+    assert w.run_pass() == []
+    assert w.run_pass() == []
+
+
+def test_a_checkpoint_a_writer_still_locks_waits(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 1) == 0
+    lock = run / "step_2.lock"
+    lock.write_text("")
+    w = Watcher(run, WatchOptions(settle=0), lambda _e: None)
+    assert w.run_pass() == []
+    assert ledger.read_ledger(run) is None
+    lock.unlink()
+    assert [(e.path, e.verdict) for e in w.run_pass()] == [("step_2", "good")]
+
+
+def test_the_cli_never_imports_the_integrations() -> None:
+    code = ("import sys; from ckpt_cli.cli.app import app; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'lightning') "
+            "or m.startswith('ckpt_cli.integrations')]; assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0, r.stderr
