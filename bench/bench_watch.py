@@ -72,9 +72,7 @@ def main() -> None:
                          f"{cpu / a.n * 1e3:.1f} ms CPU per checkpoint"))
             if crc:
                 break
-            idle = []
-            for _ in range(a.idle_passes):
-                idle.append(_cpu(w.run_pass))
+            idle = [_cpu(w.run_pass) for _ in range(a.idle_passes)]
             cpu_idle = sorted(c for c, _ in idle)[len(idle) // 2]
             wall_idle = sorted(x for _, x in idle)[len(idle) // 2]
             rows.append((f"idle pass over {a.n} (median of {a.idle_passes})",
