@@ -216,17 +216,19 @@ class RunWatcher:
                 continue
             ev = self._examine(e, sig, now, cached)
             if ev is not None:
-                out.append(ev)
+                self._say(ev, out)  # at once, not at the end of the pass
                 verified_any = verified_any or ev.verdict == ledger.GOOD
         if verified_any and self.opts.policy is not None:
             ev = self._retain()
             if ev is not None:
-                out.append(ev)
-        for ev in out:
-            self.emit(ev)
-            if ev.bad and ev.path is not None and self.opts.on_bad:
-                run_on_bad(self.opts.on_bad, self.root / ev.path, self.root)
+                self._say(ev, out)
         return out
+
+    def _say(self, ev: WatchEvent, out: list[WatchEvent]) -> None:
+        out.append(ev)
+        self.emit(ev)
+        if ev.bad and ev.path is not None and self.opts.on_bad:
+            run_on_bad(self.opts.on_bad, self.root / ev.path, self.root)
 
     def _examine(self, e: RunEntry, sig: Signature, now: float,
                  cached: tuple[Signature, str] | None) -> WatchEvent | None:
