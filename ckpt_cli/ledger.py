@@ -257,3 +257,26 @@ def _append_object(path: Path, data: bytes) -> None:
         path.write_bytes(old + data)
     except OSError as e:
         raise CkptError(f"cannot write the run ledger: {e}", path=path) from e
+
+
+def manifest_digest(checkpoint: str | os.PathLike[str]) -> str | None:
+    """SHA-256 (hex) of a checkpoint's manifest file as it is now, or None when it has none.
+
+    This is what a ledger line's ``manifest_digest`` records: a later reader compares it with
+    the file to learn that the manifest is still the one written with the verdict.
+
+    Raises:
+        CkptError: If the manifest exists but cannot be read.
+    """
+    import hashlib
+
+    from ckpt_cli.manifest import manifest_path
+
+    path = manifest_path(storage.locate(checkpoint))
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CkptError(f"cannot read the manifest: {e}", path=path) from e
+    return hashlib.sha256(data).hexdigest()

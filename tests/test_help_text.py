@@ -138,7 +138,8 @@ def test_usage_names_arguments_by_metavar(name: str) -> None:
     assert re.fullmatch(rf"Usage: ckpt {name} \[OPTIONS\]( \[?[A-Z][A-Z_]*(\.\.\.)?\]?)*",
                         usage), usage
     want = {"diff": "A B", "inspect": "PATH", "validate": "PATH", "convert": "SOURCE",
-            "consolidate": "SOURCE", "prune": "RUN_DIR", "sample": "DEST", "plan": ""}
+            "consolidate": "SOURCE", "prune": "RUN_DIR", "sample": "DEST", "plan": "",
+            "watch": "RUN_DIR", "resume-path": "RUN_DIR"}
     assert usage.removeprefix(f"Usage: ckpt {name} [OPTIONS]").strip() == want[name]
 
 

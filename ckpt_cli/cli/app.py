@@ -19,6 +19,7 @@ from ckpt_cli.cli.plan import plan_cmd
 from ckpt_cli.cli.prune import prune_cmd
 from ckpt_cli.cli.sample import sample_cmd
 from ckpt_cli.cli.validate import validate_cmd
+from ckpt_cli.cli.watch import resume_path_cmd, watch_cmd
 
 app = typer.Typer(
     name="ckpt",
@@ -211,7 +212,8 @@ def _root(
 for _name, _command in (("inspect", inspect_cmd), ("validate", validate_cmd),
                         ("diff", diff_cmd), ("convert", convert_cmd),
                         ("consolidate", consolidate_cmd), ("prune", prune_cmd),
-                        ("plan", plan_cmd), ("sample", sample_cmd)):
+                        ("plan", plan_cmd), ("sample", sample_cmd),
+                        ("watch", watch_cmd), ("resume-path", resume_path_cmd)):
     # json_errors: a failing command given --json prints an error document on stdout.
     app.command(_name, cls=CkptCommand, help=command_help(_command.__doc__))(
         json_errors(_name, _command))

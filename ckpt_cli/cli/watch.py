@@ -1,0 +1,176 @@
+"""``ckpt watch`` and ``ckpt resume-path``."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
+from ckpt_cli.cli.options import JsonOpt, Location, StorageOpt, location, use_storage
+
+if TYPE_CHECKING:
+    from ckpt_cli.watch import WatchEvent
+
+
+def watch_cmd(
+    run_dir: Annotated[Location, typer.Argument(
+        help="The run directory (or a directory of runs, or an object-store prefix) to follow.",
+        show_default=False, parser=location)],
+    once: Annotated[bool, typer.Option(
+        "--once", help="One pass, then exit (for cron): 1 if a bad checkpoint was found.")] = False,
+    interval: Annotated[str, typer.Option(
+        "--interval", metavar="AGE", help="Time between passes.")] = "5s",
+    crc: Annotated[bool, typer.Option(
+        "--crc", help="Read every byte (CRC-32, DCP items), not just the structure.")] = False,
+    values: Annotated[bool, typer.Option(
+        "--values", help="Also scan tensors for NaN, Inf and all-zero.")] = False,
+    settle: Annotated[str, typer.Option(
+        "--settle", metavar="AGE", help="A committed checkpoint must be unchanged this long "
+        "before it is validated.")] = "1s",
+    abandon_after: Annotated[str, typer.Option(
+        "--abandon-after", metavar="AGE", help="A checkpoint still incomplete this long after "
+        "its last change is reported as abandoned (a save killed midway).")] = "10m",
+    keep: Annotated[int | None, typer.Option(
+        "--keep", metavar="N", help="Retention after each verified checkpoint: keep the newest "
+        "N (as ckpt prune --keep).", show_default=False)] = None,
+    keep_every: Annotated[str | None, typer.Option(
+        "--keep-every", metavar="STEPS", help="Retention: also keep milestones (as ckpt prune)."
+    )] = None,
+    grace: Annotated[str, typer.Option(
+        "--grace", metavar="AGE", help="Retention never deletes anything changed within AGE.")
+    ] = "10m",
+    pattern: Annotated[str | None, typer.Option(
+        "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts."
+    )] = None,
+    on_bad: Annotated[str | None, typer.Option(
+        "--on-bad", metavar="CMD", help="Run CMD for each bad checkpoint (split like a shell "
+        "would, never run by one) with its path in $CKPT_BAD_PATH.")] = None,
+    storage_option: StorageOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Verify each checkpoint of a run as training writes it; record verdicts in the run ledger.
+
+    A checkpoint is validated once its format's commit marker is there (DCP .metadata, an HF
+    index or model file with trainer_state.json, a complete torch file) and it stopped
+    changing; a half-written one never is. Good ones get a manifest; every verdict is a line of
+    ckpt-ledger.jsonl in the run directory, which is also the watcher's state across restarts.
+    A bad checkpoint is reported at once (stderr, a JSON line with --json, --on-bad). With
+    --keep / --keep-every, retention runs after each verified checkpoint (as ckpt prune).
+
+    Examples:
+      ckpt watch runs/gpt --keep 3
+      ckpt watch runs/ --once --json
+      ckpt watch s3://bucket/run --interval 30s
+    """
+    with handled() as outcome:
+        use_storage(storage_option)
+        from ckpt_cli.cli.prune import _policy
+        from ckpt_cli.units import parse_duration
+        from ckpt_cli.watch import Watcher, WatchOptions
+
+        policy = None
+        if keep is not None or keep_every is not None:
+            policy = _policy(keep, keep_every, None, None, "min", None, None, grace, pattern)
+            policy.check()
+        opts = WatchOptions(crc=crc, values=values,
+                            settle=parse_duration(settle, what="--settle", allow_zero=True),
+                            abandon_after=parse_duration(abandon_after, what="--abandon-after"),
+                            policy=policy, pattern=pattern, on_bad=on_bad)
+        every = parse_duration(interval, what="--interval")
+        from ckpt_cli.errors import CkptError
+
+        if not run_dir.is_dir():
+            raise CkptError("not a directory", path=run_dir)
+        bad = 0
+
+        def emit(ev: WatchEvent) -> None:
+            nonlocal bad
+            bad += ev.bad
+            _emit(ev, json)
+
+        watcher = Watcher(run_dir, opts, emit)
+        try:
+            for _ in watcher.loop(every, passes=1 if once else None):
+                pass
+        except KeyboardInterrupt:
+            if once:
+                raise
+            # SIGTERM (a sidecar stopped with its job) or Ctrl-C: the normal way to stop a
+            # watcher; the ledger is already durable, so it simply ends.
+        outcome.exit_code = EXIT_FINDINGS if bad else EXIT_OK
+    raise typer.Exit(outcome.exit_code)
+
+
+def _emit(ev: WatchEvent, json: bool) -> None:
+    from ckpt_cli.storage import redact
+
+    if json:
+        import orjson
+
+        sys.stdout.buffer.write(orjson.dumps(ev.to_json()) + b"\n")
+        sys.stdout.flush()
+        if not ev.bad:
+            return  # a bad one also gets its stderr line, below
+
+    where = redact(f"{ev.run}/{ev.path}" if ev.path else ev.run)
+    if ev.event == "pruned" and not json:
+        line = f"ckpt watch: {where}: retention deleted {', '.join(ev.deleted) or 'nothing'}"
+        if ev.problems:
+            line += f" ({ev.problems[0]})"
+        print(line, flush=True)
+    elif ev.bad:
+        why = ev.problems[0] if ev.problems else "bad"
+        label = "abandoned" if ev.event == "abandoned" else ("error" if ev.event == "error"
+                                                            else "BAD")
+        sys.stderr.write(f"ckpt watch: {label}: {where}: {why}\n")
+        sys.stderr.flush()
+    elif not json:
+        step = f" (step {ev.step})" if ev.step is not None else ""
+        print(f"ckpt watch: verified: {where}{step}", flush=True)
+
+
+def resume_path_cmd(
+    run_dir: Annotated[Location, typer.Argument(
+        help="The run directory.", show_default=False, parser=location)],
+    full: Annotated[bool, typer.Option(
+        "--full", help="Hash every file against the manifest (default: sizes only).")] = False,
+    storage_option: StorageOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Print the newest verified checkpoint of a run: the one to resume from.
+
+    Verified means its ledger verdict (ckpt watch, the training callbacks) is good and it still
+    matches its manifest: every file present with its recorded size (and checksum, with
+    --full). Exit 1 with a message when there is none.
+
+    Examples:
+      ckpt resume-path runs/gpt
+      python train.py --resume "$(ckpt resume-path runs/gpt)"
+    """
+    with handled() as outcome:
+        use_storage(storage_option)
+        from ckpt_cli.resume import choose
+
+        choice = choose(run_dir, verify="full" if full else "sizes")
+        outcome.exit_code = EXIT_OK if choice is not None else EXIT_FINDINGS
+        if json:
+            import orjson
+
+            doc = {"schema_version": 1, "command": "resume-path", "run": str(run_dir),
+                   "path": str(choice.path) if choice else None,
+                   "step": choice.entry.step if choice else None,
+                   "verify": "full" if full else "sizes",
+                   "rejected": [{"path": p, "problem": why}
+                                for p, why in (choice.rejected if choice else ())]}
+            sys.stdout.buffer.write(orjson.dumps(doc) + b"\n")
+        if choice is None:
+            sys.stderr.write(f"ckpt: {run_dir}: no verified checkpoint to resume from (none "
+                             "in the ledger is good and unchanged; run ckpt watch --once)\n")
+        else:
+            for p, why in choice.rejected:
+                sys.stderr.write(f"ckpt: skipped {p}: {why}\n")
+            if not json:
+                print(choice.path)
+    raise typer.Exit(outcome.exit_code)

@@ -1,0 +1,90 @@
+"""A ``transformers.TrainerCallback`` that verifies each checkpoint as Trainer saves it.
+
+Usage::
+
+    from ckpt_cli.integrations.hf import CkptVerifyCallback
+    trainer = Trainer(..., callbacks=[CkptVerifyCallback()])
+    trainer.train(resume_from_checkpoint=latest_verified(args.output_dir))
+
+After each save (``on_save``, which Trainer calls once ``checkpoint-N`` is complete: model,
+optimizer, scheduler, RNG state and ``trainer_state.json``), the world-process-zero validates
+``checkpoint-N`` (structure; ``crc=True`` for every byte), writes its manifest and appends the
+verdict to ``ckpt-ledger.jsonl`` in ``output_dir``. Other ranks do not wait for it: only rank 0
+reads the result, and Trainer's next collective (or the end of training) is their barrier.
+
+**Rotation.** Trainer deletes old checkpoints in ``_save_checkpoint`` (``rotate_checkpoints``)
+*before* ``on_save`` runs, keeping the newest and ``state.best_model_checkpoint``. Without a
+``metric_for_best_model``, this callback sets ``state.best_model_checkpoint`` to the newest
+*verified* checkpoint, so the next rotation keeps it even when the save after it turns out bad
+(with ``save_total_limit=1``, Trainer then keeps two: the newest and the last verified; at
+the end of training it keeps the last verified one). With ``metric_for_best_model`` and a
+``save_total_limit`` Trainer protects only its best checkpoint, so the callback refuses that
+combination at ``on_train_begin`` (ValueError) rather than let rotation delete the last
+verified checkpoint. A bad checkpoint is reported on the logger and, with
+``stop_on_bad=True``, stops training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ckpt_cli import ledger
+from ckpt_cli.watch import verify_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class CkptVerifyCallback(TrainerCallback):
+    """Verify each saved checkpoint on rank 0, record it in the run ledger, protect the last
+    verified one from ``save_total_limit`` rotation.
+
+    Args:
+        crc: Check every byte (CRC-32) rather than structure only.
+        values: Also scan values for NaN / Inf.
+        stop_on_bad: Set ``control.should_training_stop`` when a checkpoint is bad.
+        protect: Keep the last verified checkpoint from rotation (see the module notes).
+    """
+
+    def __init__(self, *, crc: bool = False, values: bool = False, stop_on_bad: bool = False,
+                 protect: bool = True) -> None:
+        self.crc = crc
+        self.values = values
+        self.stop_on_bad = stop_on_bad
+        self.protect = protect
+        self.last_verified: str | None = None
+        self.entries: list[ledger.LedgerEntry] = []
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if (self.protect and args.save_total_limit is not None and args.save_total_limit > 0
+                and args.metric_for_best_model is not None):
+            raise ValueError(
+                "CkptVerifyCallback: with metric_for_best_model, Trainer's save_total_limit "
+                "rotation protects only the best checkpoint and could delete the last verified "
+                "one; drop save_total_limit (use ckpt watch --keep N, which counts only "
+                "verified checkpoints) or pass protect=False")
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if not state.is_world_process_zero:
+            return control
+        run = Path(args.output_dir)
+        path = run / f"checkpoint-{state.global_step}"
+        if not path.is_dir():
+            return control
+        entry = verify_checkpoint(run, path, crc=self.crc, values=self.values,
+                                  step=state.global_step)
+        self.entries.append(entry)
+        if entry.good:
+            self.last_verified = os.fspath(path)
+        else:
+            log.error("ckpt: checkpoint %s is bad: %s", path, "; ".join(entry.problems))
+            if self.stop_on_bad:
+                control.should_training_stop = True
+        if self.protect and self.last_verified is not None and args.metric_for_best_model is None:
+            state.best_model_checkpoint = self.last_verified
+        return control

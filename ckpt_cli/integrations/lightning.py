@@ -1,0 +1,82 @@
+"""A Lightning ``ModelCheckpoint`` that verifies each checkpoint as it is saved.
+
+Usage::
+
+    from ckpt_cli.integrations.lightning import VerifiedModelCheckpoint
+    trainer = Trainer(callbacks=[VerifiedModelCheckpoint(dirpath="ckpts", save_top_k=2)])
+    trainer.fit(model, ckpt_path=latest_verified("ckpts"))
+
+Lightning calls a plain ``Callback``'s ``on_save_checkpoint`` *before* the file is written (to
+add to the checkpoint dict), and runs checkpoint callbacks after every other callback, so no
+other hook sees a save complete. This subclass of ``ModelCheckpoint`` (itself a ``Callback``)
+does its work right after ``trainer.save_checkpoint`` returns (the file is written and the
+strategy's barrier passed): on global rank zero it validates the file, writes its manifest and
+appends the verdict to ``ckpt-ledger.jsonl`` in ``dirpath``; then every rank meets at the
+strategy's barrier, so none goes on before the verdict is recorded.
+
+**Rotation.** ``save_top_k`` removes checkpoints through ``_remove_checkpoint``; this class
+refuses to remove the last verified checkpoint (it is left in place and logged), so rotation
+never deletes it, even when the newer saves are bad.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ckpt_cli import ledger
+from ckpt_cli.formats.names import step_from_name
+from ckpt_cli.watch import verify_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class VerifiedModelCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that verifies and records every save and protects the last verified
+    checkpoint from ``save_top_k`` rotation.
+
+    Args:
+        crc: Check every byte (CRC-32) rather than structure only.
+        values: Also scan values for NaN / Inf.
+        **kwargs: ``ModelCheckpoint``'s arguments (``dirpath`` is required).
+    """
+
+    def __init__(self, *args: Any, crc: bool = False, values: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.crc = crc
+        self.values = values
+        self.last_verified: str | None = None
+        self.entries: list[ledger.LedgerEntry] = []
+
+    def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            path = Path(filepath)
+            step = step_from_name(path.name)
+            entry = verify_checkpoint(path.parent, path, crc=self.crc, values=self.values,
+                                      step=step if step is not None else trainer.global_step)
+            self.entries.append(entry)
+            if entry.good:
+                self.last_verified = os.path.abspath(filepath)
+            else:
+                log.error("ckpt: checkpoint %s is bad: %s", filepath, "; ".join(entry.problems))
+        trainer.strategy.barrier("ckpt-verify")
+
+    def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
+        if self.last_verified is not None and os.path.abspath(filepath) == self.last_verified:
+            log.warning("ckpt: keeping %s: it is the last verified checkpoint", filepath)
+            return
+        super()._remove_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            import contextlib
+
+            from ckpt_cli.manifest import manifest_path
+
+            with contextlib.suppress(OSError):  # its manifest goes with it
+                if not os.path.exists(filepath):
+                    manifest_path(Path(filepath)).unlink(missing_ok=True)

@@ -1,0 +1,91 @@
+"""Resume only from a verified checkpoint.
+
+:func:`latest_verified` reads the run ledger (:mod:`ckpt_cli.ledger`) and returns the newest
+checkpoint whose newest line says ``good`` and which is still what was verified: its manifest is
+the one recorded (same SHA-256), every file the manifest lists is there with its recorded size
+and nothing was added, and with ``verify="full"`` every file's checksum matches too. A
+checkpoint that fails is skipped (the next older one is tried), so a shard truncated or
+rewritten after its save is never resumed from.
+
+Pass the result as ``resume_from_checkpoint=`` (HF Trainer) or ``ckpt_path=`` (Lightning);
+``ckpt resume-path RUN_DIR`` prints it for shell scripts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ckpt_cli import ledger, storage
+
+Verify = Literal["sizes", "full"]
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeChoice:
+    """The checkpoint to resume from, and what was passed over.
+
+    Attributes:
+        path: The checkpoint.
+        entry: Its ledger line.
+        rejected: ``(path, why)`` of newer checkpoints the ledger trusted that failed the
+            re-check.
+    """
+
+    path: Path
+    entry: ledger.LedgerEntry
+    rejected: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+
+def _order(e: ledger.LedgerEntry) -> tuple[int, float]:
+    return (e.step if e.step is not None else -1, e.time)
+
+
+def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> ResumeChoice | None:
+    """The newest verified checkpoint of ``run_dir`` that still matches its manifest.
+
+    Args:
+        run_dir: The run directory (local or object-store URL).
+        verify: ``sizes`` (files present with their recorded sizes; cheap) or ``full``
+            (every file hashed against the manifest).
+
+    Returns:
+        The :class:`ResumeChoice`, or None when no checkpoint qualifies (no ledger, none good,
+        all failed the re-check).
+
+    Raises:
+        ValueError: An unknown ``verify``.
+        CkptError: The ledger cannot be read.
+    """
+    from ckpt_cli.watch import recheck_good
+
+    if verify not in ("sizes", "full"):
+        raise ValueError(f"verify must be 'sizes' or 'full', not {verify!r}")
+    root = storage.locate(run_dir)
+    book = ledger.read_ledger(root)
+    if book is None:
+        return None
+    good = sorted((e for e in book.latest().values() if e.good), key=_order, reverse=True)
+    rejected: list[tuple[str, str]] = []
+    for e in good:
+        problems = recheck_good(root / e.path, e, full=verify == "full")
+        if not problems:
+            return ResumeChoice(root / e.path, e, tuple(rejected))
+        rejected.append((e.path, problems[0]))
+    return None
+
+
+def latest_verified(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Path | None:
+    """The newest checkpoint whose ledger verdict is good and whose manifest still matches.
+
+    Args:
+        run_dir: The run directory.
+        verify: ``sizes`` (default) or ``full`` (hash every file).
+
+    Returns:
+        Its path, or None when there is none.
+    """
+    choice = choose(run_dir, verify=verify)
+    return choice.path if choice is not None else None

@@ -1,0 +1,380 @@
+"""``ckpt watch``: verify each checkpoint of a run as it commits, and record the verdict.
+
+A pass lists the run (:func:`~ckpt_cli.runs.list_run`: commit markers, headers and zip end
+records only, never tensor data). A checkpoint is examined once it looks complete (its format's
+own commit marker is there: DCP ``.metadata``, an HF index or model file with
+``trainer_state.json``, a torch zip's end record, no temporary name) and nothing in it changed
+for ``settle`` seconds. It is then validated (structure, or CRC / values), its manifest is
+written when it is good, and one line goes to the run ledger (:mod:`ckpt_cli.ledger`).
+
+The ledger is the watcher's only state: after a restart, a checkpoint whose newest ledger line
+matches its size (and, for a good one, whose manifest is the one recorded) is not validated
+again. Between passes the watcher keeps each entry's signature (bytes, files, newest change);
+a good checkpoint whose signature changes is checked against its manifest, so a shard
+corrupted after its save turns the verdict bad. A checkpoint that stays incomplete for
+``abandon_after`` seconds (a job killed mid-save) is recorded bad as abandoned, never good.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli import ledger, storage
+from ckpt_cli.errors import CkptError
+from ckpt_cli.model import RunEntry
+from ckpt_cli.retention import PrunePolicy
+
+ABANDONED = "abandoned"
+BAD_ENV = "CKPT_BAD_PATH"
+
+
+@dataclass(frozen=True, slots=True)
+class WatchOptions:
+    """How to watch.
+
+    Attributes:
+        crc: Read every byte (CRC-32 of zips, DCP item decoding) instead of structure only.
+        values: Also scan floating tensors for NaN / Inf / all zero.
+        settle: Seconds a complete checkpoint must stay unchanged before it is examined.
+        abandon_after: Seconds after its last change that an incomplete checkpoint is
+            recorded as abandoned.
+        policy: Retention to apply after a pass that verified something (None: none).
+        pattern: Regex choosing checkpoint entries (as ``prune --pattern``).
+        on_bad: A command (split with :func:`shlex.split`, never run by a shell) run for
+            each bad checkpoint, with its path in ``CKPT_BAD_PATH``.
+    """
+
+    crc: bool = False
+    values: bool = False
+    settle: float = 1.0
+    abandon_after: float = 600.0
+    policy: PrunePolicy | None = None
+    pattern: str | None = None
+    on_bad: str | None = None
+
+
+@dataclass(slots=True)
+class WatchEvent:
+    """Something the watcher has to say (one JSON line with ``--json``).
+
+    Attributes:
+        event: ``verified``, ``abandoned``, ``pruned`` or ``error``.
+        run: The run directory.
+        path: The checkpoint, relative to the run (None for run-level events).
+        step: Its step.
+        verdict: ``good`` or ``bad`` (verified / abandoned).
+        bytes: Its size.
+        manifest_digest: SHA-256 of the manifest written with a good verdict.
+        problems: Why it is bad; for ``error``, the message.
+        deleted: For ``pruned``: what retention deleted.
+    """
+
+    event: str
+    run: str
+    path: str | None = None
+    step: int | None = None
+    verdict: str | None = None
+    bytes: int | None = None
+    manifest_digest: str | None = None
+    problems: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+
+    @property
+    def bad(self) -> bool:
+        """Whether this reports a bad checkpoint (or a failure)."""
+        return self.verdict == ledger.BAD or self.event == "error"
+
+    def to_json(self) -> dict[str, Any]:
+        """The event as a JSON object."""
+        return {"schema_version": 1, "event": self.event, "run": self.run, "path": self.path,
+                "step": self.step, "verdict": self.verdict, "bytes": self.bytes,
+                "manifest_digest": self.manifest_digest, "problems": list(self.problems),
+                "deleted": list(self.deleted)}
+
+
+Signature = tuple[int, int, float]
+
+
+def _signature(e: RunEntry) -> Signature:
+    return (e.bytes, e.files, max(e.mtime, e.changed))
+
+
+def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: bool = False,
+                      step: int | None = None, write: bool = True) -> ledger.LedgerEntry:
+    """Validate one checkpoint of a run, write its manifest when good, and return the line.
+
+    Args:
+        run_dir: The run directory (the ledger's home).
+        path: The checkpoint inside it.
+        crc: Full byte-level check rather than structure only.
+        values: Scan values too.
+        step: Its step when known (else what validation found).
+        write: Append the line to the ledger.
+
+    Returns:
+        The :class:`~ckpt_cli.ledger.LedgerEntry` (appended when ``write``).
+    """
+    from ckpt_cli.manifest import write_manifest
+    from ckpt_cli.ops.validate import Options, validate_checkpoint
+    from ckpt_cli.runs import tree_scan
+
+    rel = _rel(run_dir, path)
+    problems: list[str] = []
+    digest = None
+    try:
+        report = validate_checkpoint(path, Options(quick=not crc, values=values))
+        problems = [f"{f.file + ': ' if f.file else ''}{f.message}"
+                    for f in report.findings if f.severity == "error"][:5]
+        step = step if step is not None else report.step
+        if not problems:
+            write_manifest(path)
+            digest = ledger.manifest_digest(path)
+    except CkptError as e:
+        problems = [str(e)]
+    size = tree_scan(path).bytes if not problems or path.exists() else 0
+    entry = ledger.LedgerEntry(path=rel, step=step, time=time.time(), event=ledger.VERIFIED,
+                               verdict=ledger.BAD if problems else ledger.GOOD, bytes=size,
+                               manifest_digest=digest, problems=tuple(problems))
+    if write:
+        ledger.append(run_dir, entry)
+    return entry
+
+
+def recheck_good(path: Path, line: ledger.LedgerEntry, *, full: bool) -> list[str]:
+    """Why a checkpoint the ledger trusts is no longer what was verified ([] when it still is).
+
+    Sizes (and, with ``full``, hashes) are compared with its manifest, and the manifest with
+    the digest the ledger recorded.
+    """
+    from ckpt_cli.manifest import HashStats, verify_manifest
+
+    if not path.exists():
+        return ["gone"]
+    try:
+        if ledger.manifest_digest(path) != line.manifest_digest:
+            return ["its manifest is not the one written when it was verified"]
+        if full:
+            v = verify_manifest(path)
+        else:
+            v = verify_manifest(path, hasher=lambda base, rels: ({}, HashStats(0, 0, 0.0, 1)))
+    except CkptError as e:
+        return [str(e)]
+    if v is None:
+        return ["its manifest is missing"]
+    return [f"{f.file}: {f.message}" for f in v.findings("manifest")
+            if f.severity == "error"][:5]
+
+
+def _rel(run_dir: Path, path: Path) -> str:
+    try:
+        return Path(os.path.relpath(str(path), str(run_dir))).as_posix()
+    except ValueError:
+        return path.name
+
+
+class RunWatcher:
+    """The state of watching one run directory."""
+
+    def __init__(self, root: Path, opts: WatchOptions, emit: Callable[[WatchEvent], None],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.root = root
+        self.opts = opts
+        self.emit = emit
+        self.clock = clock
+        self.seen: dict[str, tuple[Signature, str]] = {}  # name -> (signature, verdict)
+        self.known: dict[str, ledger.LedgerEntry] = {}  # the ledger's newest line per path
+        self.loaded = False
+
+    def run_pass(self) -> list[WatchEvent]:
+        """One look at the run: verify what committed, re-check what changed, apply retention.
+
+        Returns:
+            The events of this pass (also given to ``emit``).
+        """
+        from ckpt_cli.runs import list_run
+
+        if not self.loaded:
+            book = ledger.read_ledger(self.root)
+            self.known = book.latest() if book is not None else {}
+            self.loaded = True
+        out: list[WatchEvent] = []
+        listing = list_run(self.root, self.opts.pattern)
+        now = self.clock()
+        verified_any = False
+        for e in listing.entries:
+            sig = _signature(e)
+            cached = self.seen.get(e.name)
+            if cached is not None and cached[0] == sig:
+                continue
+            ev = self._examine(e, sig, now, cached)
+            if ev is not None:
+                self._say(ev, out)  # at once, not at the end of the pass
+                verified_any = verified_any or ev.verdict == ledger.GOOD
+        if verified_any and self.opts.policy is not None:
+            ev = self._retain()
+            if ev is not None:
+                self._say(ev, out)
+        return out
+
+    def _say(self, ev: WatchEvent, out: list[WatchEvent]) -> None:
+        out.append(ev)
+        self.emit(ev)
+        if ev.bad and ev.path is not None and self.opts.on_bad:
+            run_on_bad(self.opts.on_bad, self.root / ev.path, self.root)
+
+    def _examine(self, e: RunEntry, sig: Signature, now: float,
+                 cached: tuple[Signature, str] | None) -> WatchEvent | None:
+        rel = _rel(self.root, e.path)
+        line = self.known.get(rel)
+        if not e.complete:
+            # Its newest modification time: how long ago the writer last wrote to it.
+            if now - e.mtime < self.opts.abandon_after:
+                return None  # still being written: looked at again next pass
+            if line is not None and line.bytes == e.bytes and line.verdict == ledger.BAD:
+                self.seen[e.name] = (sig, ledger.BAD)
+                return None
+            reason = f"{ABANDONED}: incomplete for {now - e.mtime:.0f}s ({e.reason or 'no marker'})"
+            entry = ledger.LedgerEntry(path=rel, step=e.step, time=now, event=ledger.VERIFIED,
+                                       verdict=ledger.BAD, bytes=e.bytes, problems=(reason,))
+            ledger.append(self.root, entry)
+            self.known[rel] = entry
+            self.seen[e.name] = (sig, ledger.BAD)
+            return WatchEvent(ABANDONED, str(self.root), rel, e.step, ledger.BAD, e.bytes,
+                              problems=[reason])
+        if now - sig[2] < self.opts.settle:
+            return None  # committed just now: let the writer finish its last touches
+        from ckpt_cli.runs import writer_lock
+
+        if writer_lock(e.path) is not None:
+            return None  # a writer still holds it: looked at again next pass
+        if line is not None and line.bytes == e.bytes:
+            if line.good:
+                problems = recheck_good(e.path, line, full=cached is not None)
+                if not problems:
+                    self.seen[e.name] = (sig, ledger.GOOD)
+                    return None
+                return self._record_bad(e, sig, rel, problems)
+            self.seen[e.name] = (sig, ledger.BAD)
+            return None  # reported already (before a restart)
+        if line is not None and line.good:
+            # A verified checkpoint changed size: judge it by the manifest written then.
+            problems = recheck_good(e.path, line, full=False)
+            if problems:
+                return self._record_bad(e, sig, rel, problems)
+        entry = verify_checkpoint(self.root, e.path, crc=self.opts.crc, values=self.opts.values,
+                                  step=e.step, write=False)
+        if not entry.good and not e.path.exists():
+            return None  # deleted meanwhile (a cron prune): nothing to judge
+        ledger.append(self.root, entry)
+        self.known[rel] = entry
+        if entry.good:
+            # As it is now, with its manifest: the next pass must not take that for a change.
+            from ckpt_cli.runs import run_entry
+
+            sig = _signature(run_entry(e.path))
+        self.seen[e.name] = (sig, entry.verdict)
+        return WatchEvent(ledger.VERIFIED, str(self.root), rel, entry.step, entry.verdict,
+                          entry.bytes, entry.manifest_digest, list(entry.problems))
+
+    def _record_bad(self, e: RunEntry, sig: Signature, rel: str,
+                    problems: list[str]) -> WatchEvent:
+        entry = ledger.LedgerEntry(path=rel, step=e.step, time=self.clock(),
+                                   event=ledger.VERIFIED, verdict=ledger.BAD, bytes=e.bytes,
+                                   problems=tuple(problems))
+        ledger.append(self.root, entry)
+        self.known[rel] = entry
+        self.seen[e.name] = (sig, ledger.BAD)
+        return WatchEvent(ledger.VERIFIED, str(self.root), rel, e.step, ledger.BAD, e.bytes,
+                          problems=problems)
+
+    def _retain(self) -> WatchEvent | None:
+        from ckpt_cli.ops.prune import prune
+
+        assert self.opts.policy is not None
+        try:
+            result = prune(self.root, self.opts.policy, pattern=self.opts.pattern)
+        except CkptError as e:
+            # Another prune (cron) holds the lock, or the run cannot be pruned now: the next
+            # pass that verifies something tries again.
+            return WatchEvent("error", str(self.root), problems=[f"retention: {e}"])
+        deleted = [d.entry.name for d in result.plan.decisions
+                   if d.delete and not (self.root / d.entry.name).exists()]
+        for n in deleted:
+            self.seen.pop(n, None)
+        if not deleted and result.ok:
+            return None
+        return WatchEvent("pruned", str(self.root), deleted=deleted,
+                          problems=[] if result.ok else ["retention: some deletions failed"])
+
+
+def run_on_bad(command: str, path: Path, run: Path) -> int:
+    """Run ``--on-bad``: argv from :func:`shlex.split`, the path only in the environment."""
+    argv = shlex.split(command)
+    if not argv:
+        return 0
+    env = dict(os.environ, **{BAD_ENV: str(path), "CKPT_RUN_DIR": str(run)})
+    try:
+        return subprocess.run(argv, env=env, check=False, stdin=subprocess.DEVNULL).returncode
+    except OSError:
+        return 127
+
+
+def run_dirs(root: Path) -> list[Path]:
+    """The run directories to watch under ``root``: itself, or the runs it holds."""
+    from ckpt_cli.runs import is_run_dir
+
+    if is_run_dir(root):
+        return [root]
+    out = []
+    with contextlib.suppress(OSError), storage.scandir(root) as it:
+        for child in sorted(it, key=lambda c: c.name):
+            if child.is_dir(follow_symlinks=False) and not child.name.startswith("."):
+                p = storage.locate(child.path)
+                if is_run_dir(p):
+                    out.append(p)
+    return out or [root]
+
+
+class Watcher:
+    """Watch a root: one run directory, or a directory of runs (new runs are picked up)."""
+
+    def __init__(self, root: Path, opts: WatchOptions,
+                 emit: Callable[[WatchEvent], None]) -> None:
+        self.root = root
+        self.opts = opts
+        self.emit = emit
+        self.runs: dict[str, RunWatcher] = {}
+
+    def run_pass(self) -> list[WatchEvent]:
+        """One pass over every run."""
+        out: list[WatchEvent] = []
+        for run in run_dirs(self.root):
+            w = self.runs.get(str(run))
+            if w is None:
+                w = self.runs[str(run)] = RunWatcher(run, self.opts, self.emit)
+            try:
+                out += w.run_pass()
+            except CkptError as e:
+                ev = WatchEvent("error", str(run), problems=[str(e)])
+                self.emit(ev)
+                out.append(ev)
+        return out
+
+    def loop(self, interval: float, passes: int | None = None) -> Iterator[list[WatchEvent]]:
+        """Passes every ``interval`` seconds (forever, or ``passes`` times)."""
+        n = 0
+        while passes is None or n < passes:
+            started = time.monotonic()
+            yield self.run_pass()
+            n += 1
+            if passes is not None and n >= passes:
+                break
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))

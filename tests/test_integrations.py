@@ -1,0 +1,150 @@
+"""The training-loop callbacks: HF Trainer and Lightning runs on CPU, with a save damaged on
+purpose, show that each save is verified and recorded and that rotation never deletes the last
+verified checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_cli import ledger
+from ckpt_cli.resume import latest_verified
+from tests.conftest import third_party_quiet
+
+pytestmark = pytest.mark.requires_torch
+
+
+def _verdicts(run: Path) -> dict[str, str]:
+    book = ledger.read_ledger(run)
+    assert book is not None
+    return {p: e.verdict for p, e in book.latest().items()}
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_hf_trainer_callback_keeps_the_last_verified_checkpoint(tmp_path: Path) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from ckpt_cli.integrations.hf import CkptVerifyCallback
+
+    out = tmp_path / "out"
+    seen: dict[int, tuple[bool, Path | None]] = {}
+
+    class BreakSave4(TrainerCallback):  # type: ignore[misc]
+        """Damages checkpoint-4 after Trainer wrote it (a save that went wrong)."""
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            if state.global_step == 4:
+                _truncate(out / "checkpoint-4" / "model.safetensors")
+            return control
+
+    class Probe(TrainerCallback):  # type: ignore[misc]
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            seen[state.global_step] = ((out / "checkpoint-2").is_dir(), latest_verified(out))
+            return control
+
+    class DS(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = (torch.arange(16) + i) % 64
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
+                                       n_head=2))
+    args = TrainingArguments(output_dir=str(out), max_steps=6, save_steps=2,
+                             save_total_limit=1, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="steps", disable_tqdm=True)
+    verify = CkptVerifyCallback()
+    with third_party_quiet():
+        Trainer(model=model, args=args, train_dataset=DS(),
+                callbacks=[BreakSave4(), verify, Probe()]).train()
+    assert _verdicts(out) == {"checkpoint-2": "good", "checkpoint-4": "bad",
+                              "checkpoint-6": "good"}
+    # While checkpoint-4 (bad) was the newest, rotation (save_total_limit=1) kept checkpoint-2.
+    assert seen[4] == (True, out / "checkpoint-2")
+    assert seen[6][1] == out / "checkpoint-6"
+    assert latest_verified(out, verify="full") == out / "checkpoint-6"
+    assert [e.verdict for e in verify.entries] == ["good", "bad", "good"]
+
+
+def test_hf_callback_refuses_rotation_that_could_delete_the_verified_one(tmp_path: Path) -> None:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from ckpt_cli.integrations.hf import CkptVerifyCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path), save_total_limit=2, use_cpu=True,
+                             eval_strategy="steps", save_strategy="steps",
+                             metric_for_best_model="eval_loss", report_to=[])
+    with pytest.raises(ValueError, match="save_total_limit"):
+        CkptVerifyCallback().on_train_begin(args, TrainerState(), TrainerControl())
+
+
+def test_lightning_callback_verifies_each_save_and_keeps_the_last_verified(
+        tmp_path: Path) -> None:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt_cli.integrations.lightning import VerifiedModelCheckpoint
+
+    out = tmp_path / "ckpts"
+
+    class Mod(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 8)
+
+        def training_step(self, batch: Any, _i: int) -> torch.Tensor:
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    class BreakStep4(Callback):  # type: ignore[misc]
+        """Damages the step-4 file right after Lightning wrote it."""
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            real = trainer.save_checkpoint
+
+            def save(filepath: str, *a: Any, **kw: Any) -> None:
+                real(filepath, *a, **kw)
+                if trainer.global_step == 4:
+                    _truncate(Path(filepath))
+
+            trainer.save_checkpoint = save
+
+    ck = VerifiedModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=1,
+                                 filename="{step}")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)),
+                                         batch_size=4)
+    with third_party_quiet():
+        trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1,
+                            callbacks=[BreakStep4(), ck], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        torch.manual_seed(0)
+        trainer.fit(Mod(), loader)
+    assert _verdicts(out) == {"step=2.ckpt": "good", "step=4.ckpt": "bad",
+                              "step=6.ckpt": "good"}
+    assert (out / "step=2.ckpt").is_file()  # rotation after the bad save did not delete it
+    assert not (out / "step=4.ckpt").exists()  # the bad one went with the next rotation
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ckpt-ledger.jsonl", "step=2.ckpt", "step=2.ckpt.ckpt-manifest.json", "step=6.ckpt",
+        "step=6.ckpt.ckpt-manifest.json"]
+    assert latest_verified(out, verify="full") == out / "step=6.ckpt"
+    weights = torch.load(latest_verified(out), weights_only=True)  # type: ignore[arg-type]
+    assert "state_dict" in weights

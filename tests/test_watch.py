@@ -1,0 +1,235 @@
+"""``ckpt watch``, the run ledger it writes, and resuming from a verified checkpoint.
+
+Runs are written by a real DCP training loop in a subprocess (tests/helpers/dcp_loop.py); the
+watcher runs as a separate ``ckpt watch`` process beside it, or as ``--once`` from cron.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_cli import ledger
+from ckpt_cli.resume import choose, latest_verified
+from ckpt_cli.watch import Watcher, WatchEvent, WatchOptions
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.requires_torch
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), NO_COLOR="1")
+
+
+def train(run: Path, saves: int, kill_at: int | None = None) -> int:
+    """Run the DCP loop to its end (or its kill -9); its exit status."""
+    cmd = [sys.executable, "-m", "tests.helpers.dcp_loop", str(run), str(saves)]
+    if kill_at is not None:
+        cmd += ["--kill-at", str(kill_at)]
+    return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, check=False).returncode
+
+
+def watch_once(run: Path, *args: str) -> tuple[int, list[dict[str, Any]], str]:
+    r = subprocess.run([sys.executable, "-m", "ckpt_cli", "watch", str(run), "--once",
+                        "--json", "--settle", "0s", *args], env=ENV, cwd=ROOT,
+                       capture_output=True, text=True, check=False)
+    return r.returncode, [json.loads(line) for line in r.stdout.splitlines()], r.stderr
+
+
+def verdicts(run: Path) -> dict[str, str]:
+    book = ledger.read_ledger(run)
+    assert book is not None
+    return {p: e.verdict for p, e in book.latest().items()}
+
+
+def test_sidecar_beside_a_training_loop_killed_mid_save(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "watch", str(run), "--json", "--interval", "0.1s",
+         "--settle", "0", "--abandon-after", "1h"],
+        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    assert watcher.stdout is not None
+    out = watcher.stdout
+    threading.Thread(target=lambda: [lines.put(s) for s in out], daemon=True).start()
+    try:
+        assert train(run, 4, kill_at=4) == -9  # step_8 killed before its .metadata
+        seen: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
+        while len(seen) < 3 and time.monotonic() < deadline:
+            try:
+                ev = json.loads(lines.get(timeout=1))
+            except queue.Empty:
+                continue
+            seen[ev["path"]] = ev
+        # A few more passes over the partial step_8: it must never be verified.
+        time.sleep(0.5)
+    finally:
+        watcher.terminate()
+        watcher.wait()
+        out.close()
+    while not lines.empty():
+        ev = json.loads(lines.get())
+        seen[ev["path"]] = ev
+    assert {p: e["verdict"] for p, e in seen.items()} == {
+        "step_2": "good", "step_4": "good", "step_6": "good"}
+    assert "step_8" not in verdicts(run)
+    assert latest_verified(run) == run / "step_6"
+    r = run_cli("resume-path", run)
+    assert r.exit_code == 0 and r.stdout.strip() == str(run / "step_6")
+
+
+def test_a_partial_save_is_reported_abandoned_after_the_grace_period(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 2, kill_at=2) == -9
+    code, events, _ = watch_once(run)
+    assert code == 0 and [(e["path"], e["verdict"]) for e in events] == [("step_2", "good")]
+    old = time.time() - 3600
+    for p in [*(run / "step_4").iterdir(), run / "step_4"]:
+        os.utime(p, (old, old))
+    code, events, err = watch_once(run, "--abandon-after", "10m")
+    assert code == 1
+    assert [(e["event"], e["path"], e["verdict"]) for e in events] == [
+        ("abandoned", "step_4", "bad")]
+    assert "abandoned" in err and "step_4" in err
+    assert verdicts(run) == {"step_2": "good", "step_4": "bad"}
+    assert latest_verified(run) == run / "step_2"
+
+
+def test_restart_does_not_revalidate_and_a_corrupted_shard_is_rejected(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 3) == 0
+    code, events, _ = watch_once(run)
+    assert code == 0 and [e["path"] for e in events] == ["step_2", "step_4", "step_6"]
+    lines = len(ledger.read_ledger(run).entries)  # type: ignore[union-attr]
+    code, events, _ = watch_once(run)  # a restarted watcher: the ledger is its state
+    assert code == 0 and events == []
+    assert len(ledger.read_ledger(run).entries) == lines  # type: ignore[union-attr]
+
+    # The newest shard is cut short after its save: resume and the next pass reject it.
+    shard = run / "step_6" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-16])
+    choice = choose(run)
+    assert choice is not None and choice.path == run / "step_4"
+    assert choice.rejected and choice.rejected[0][0] == "step_6"
+    hook = tmp_path / "bad.txt"
+    code, events, err = watch_once(
+        run, "--on-bad", f"{sys.executable} -c \"import os,sys; "
+        f"open(sys.argv[1], 'a').write(os.environ['CKPT_BAD_PATH'] + chr(10))\" {hook}")
+    assert code == 1
+    assert [(e["path"], e["verdict"]) for e in events] == [("step_6", "bad")]
+    assert "BAD" in err and "step_6" in err
+    assert hook.read_text().splitlines() == [str(run / "step_6")]
+    r = run_cli("resume-path", run, "--json")
+    assert r.exit_code == 0
+    assert json.loads(r.stdout)["path"] == str(run / "step_4")
+
+
+def test_same_size_corruption_is_caught_with_full_verification(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 2) == 0
+    assert watch_once(run)[0] == 0
+    shard = run / "step_4" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert latest_verified(run, verify="full") == run / "step_2"
+    assert run_cli("resume-path", run, "--full").stdout.strip() == str(run / "step_2")
+
+
+def test_the_on_bad_path_never_reaches_a_shell(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 1) == 0
+    evil = run / "step_2; touch pwned"
+    (run / "step_2").rename(evil)
+    (evil / "__0_0.distcp").write_bytes(b"garbage")
+    code, events, _ = watch_once(run, "--on-bad", "true $CKPT_BAD_PATH")
+    assert code == 1 and events and events[0]["verdict"] == "bad"
+    assert not (ROOT / "pwned").exists() and not (tmp_path / "pwned").exists()
+
+
+def test_no_verified_checkpoint_is_exit_1_with_a_message(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    r = run_cli("resume-path", run)
+    assert r.exit_code == 1 and "no verified checkpoint" in r.stderr
+    assert latest_verified(run) is None
+
+
+def test_retention_counts_only_verified_and_survives_a_concurrent_cron_prune(
+        tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 5) == 0
+    # A cron prune runs while the watcher applies its own retention.
+    cron = subprocess.Popen([sys.executable, "-m", "ckpt_cli", "prune", str(run), "--keep", "2",
+                             "--grace", "0", "--yes"], env=ENV, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    code, _events, err = watch_once(run, "--keep", "2", "--grace", "0")
+    cron.wait()
+    assert code in (0, 1), err
+    left = {p.name for p in run.iterdir() if p.name.startswith("step_")}
+    assert left == {"step_8", "step_10"}
+    assert {p: v for p, v in verdicts(run).items() if p in left} == {
+        "step_8": "good", "step_10": "good"}
+    # Whatever was deleted, the newest verified one is there and still resumable.
+    assert latest_verified(run, verify="full") == run / "step_10"
+
+
+def test_many_runs_under_one_root(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        assert train(tmp_path / name, 1) == 0
+    got: list[WatchEvent] = []
+    w = Watcher(tmp_path, WatchOptions(settle=0), got.append)
+    w.run_pass()
+    assert sorted((Path(e.run).name, e.path, e.verdict) for e in got) == [
+        ("a", "step_2", "good"), ("b", "step_2", "good")]
+    assert w.run_pass() == []  # an idle pass: nothing changed, nothing said
+    assert latest_verified(tmp_path / "a") == tmp_path / "a" / "step_2"
+
+
+def test_an_idle_pass_reads_no_checkpoint_again(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckpt_cli.watch as watch
+
+    run = tmp_path / "run"
+    assert train(run, 2) == 0
+    w = Watcher(run, WatchOptions(settle=0), lambda _e: None)
+    assert [e.verdict for e in w.run_pass()] == ["good", "good"]
+
+    def never(*_a: object, **_k: object) -> None:
+        raise AssertionError("an unchanged checkpoint was read again")
+
+    monkeypatch.setattr(watch, "verify_checkpoint", never)
+    monkeypatch.setattr(watch, "recheck_good", never)
+    assert w.run_pass() == []
+    assert w.run_pass() == []
+
+
+def test_a_checkpoint_a_writer_still_locks_waits(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 1) == 0
+    lock = run / "step_2.lock"
+    lock.write_text("")
+    w = Watcher(run, WatchOptions(settle=0), lambda _e: None)
+    assert w.run_pass() == []
+    assert ledger.read_ledger(run) is None
+    lock.unlink()
+    assert [(e.path, e.verdict) for e in w.run_pass()] == [("step_2", "good")]
+
+
+def test_the_cli_never_imports_the_integrations() -> None:
+    code = ("import sys; from ckpt_cli.cli.app import app; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'lightning') "
+            "or m.startswith('ckpt_cli.integrations')]; assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0, r.stderr
