@@ -978,6 +978,8 @@ class PruneResult:
         stale_uploads: On object storage: ``(key, upload id)`` of multipart uploads below
             the prefix begun before ``--grace`` and never finished (a killed write's).
         uploads_aborted: The keys of those this prune aborted.
+        note: A remark for the user that is no problem (a run directory with no checkpoints
+            yet), or None.
     """
 
     path: Path
@@ -993,6 +995,7 @@ class PruneResult:
     versioned: bool | None = None
     stale_uploads: list[tuple[str, str]] = field(default_factory=list)
     uploads_aborted: list[str] = field(default_factory=list)
+    note: str | None = None
 
     def status(self, d: Decision) -> str:
         """``kept``, ``would-delete`` (dry run, declined), ``deleted``, ``skipped``, ``failed``."""

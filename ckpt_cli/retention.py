@@ -9,6 +9,13 @@ The rules, in words:
 
 - Each retention rule (``--keep``, ``--keep-every``, ``--keep-best``, ``--older-than``,
   ``--max-total-size``) computes its own keep set; a checkpoint is kept if any rule keeps it.
+- ``--keep N`` counts only checkpoints worth keeping: complete, not possibly still being written
+  (incomplete, within the grace period, locked, newer than what a pointer names), not failed by
+  quick validation and, where the run has a ledger (``ckpt-ledger.jsonl``), whose newest ledger
+  line says ``good``. It keeps everything newer than the N-th such checkpoint too (a save in
+  progress, an unverified one, a bad one: kept, not counted), and lets older ones go. So a bad
+  checkpoint is left while it is among the newest and deleted like any other once N good ones
+  are newer; the newest valid checkpoint is never deleted.
 - Protections override every rule: what a pointer names, ``last.ckpt`` copies, anything that may
   still be being written (incomplete, changed within the grace period, locked, newer than what
   ``latest`` names), the newest valid checkpoint, and names the caller pins (HF Trainer's
@@ -114,12 +121,21 @@ class RunFacts:
         locks: Checkpoints with a writer's lock file, and the file.
         pinned: Checkpoints to keep for a reason found in the files (for example HF Trainer's
             ``best_model_checkpoint``), and that reason.
+        ledger: Whether the run has a ledger; then only checkpoints in ``verdicts`` with a good
+            verdict count towards ``--keep``.
+        verdicts: Checkpoint name -> whether its newest ledger line says ``good``.
     """
 
     validity: dict[str, str | None] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     locks: dict[str, str] = field(default_factory=dict)
     pinned: dict[str, str] = field(default_factory=dict)
+    ledger: bool = False
+    verdicts: dict[str, bool] = field(default_factory=dict)
+
+
+# Protections that say a checkpoint may still be being written: it is never counted by --keep.
+IN_PROGRESS = ("incomplete", "recent", "locked", "newer-than-pointer")
 
 
 @dataclass(slots=True)
@@ -218,8 +234,10 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
         if e.name in facts.validity:
             decisions[e.name].valid = facts.validity[e.name] is None
 
-    keep_sets = _keep_sets(ranked, entries, policy, now, decisions)
     protections = _protections(listing, policy, now, facts)
+    uncounted = {name: why for name, why in (
+        (e.name, _not_counted(e, protections.get(e.name, []), facts)) for e in ranked) if why}
+    keep_sets = _keep_sets(ranked, entries, policy, now, decisions, uncounted)
     newest_valid = _newest_valid(ranked, facts)
     if newest_valid is not None:
         protections.setdefault(newest_valid.name, []).append(
@@ -335,16 +353,42 @@ _KeepSet = dict[str, tuple[bool, str]]
 """Per rule: checkpoint name -> (kept by this rule, the sentence saying why or why not)."""
 
 
+def _not_counted(e: RunEntry, protections: list[tuple[str, str]], facts: RunFacts) -> str | None:
+    """Why ``--keep`` does not count checkpoint ``e`` among the N it keeps (None: it counts)."""
+    busy = [code for code, _ in protections if code in IN_PROGRESS]
+    if busy or not e.complete:
+        return "may still be being written"
+    verdict = facts.verdicts.get(e.name)
+    if verdict is False:
+        return "its run ledger verdict is bad"
+    if facts.validity.get(e.name) is not None:
+        return "failed quick validation"
+    if facts.ledger and verdict is None:
+        return "not verified yet (not in the run ledger)"
+    return None
+
+
 def _keep_sets(ranked: list[RunEntry], entries: list[RunEntry], policy: PrunePolicy,
-               now: float, decisions: Mapping[str, Decision]) -> dict[str, _KeepSet]:
+               now: float, decisions: Mapping[str, Decision],
+               uncounted: Mapping[str, str]) -> dict[str, _KeepSet]:
     """Each rule's own verdict on every ranked checkpoint, independent of the other rules."""
     out: dict[str, _KeepSet] = {}
     newest_first = list(reversed(ranked))
     if policy.keep is not None:
         n = policy.keep
-        out["keep"] = {e.name: (i < n, f"newest {n} (--keep {n})" if i < n else
-                                f"not among the newest {n}")
-                       for i, e in enumerate(newest_first)}
+        counted = 0
+        keep_set: _KeepSet = {}
+        for e in newest_first:
+            why = uncounted.get(e.name)
+            if counted >= n:
+                keep_set[e.name] = (False, f"not among the newest {n} complete")
+            elif why:
+                keep_set[e.name] = (True, f"newer than the newest {n} complete (--keep {n}), "
+                                          f"not counted: {why}")
+            else:
+                counted += 1
+                keep_set[e.name] = (True, f"newest {n} complete (--keep {n})")
+        out["keep"] = keep_set
     if policy.keep_every is not None:
         k = policy.keep_every
         out["keep-every"] = {

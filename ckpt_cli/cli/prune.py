@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
+from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, EXIT_REFUSED, handled
 from ckpt_cli.cli.options import (
     DryRunOpt,
     JsonOpt,
@@ -31,7 +31,8 @@ def prune_cmd(
         help="The run directory whose checkpoints to prune.", show_default=False,
         parser=location)],
     keep: Annotated[int | None, typer.Option(
-        "--keep", metavar="N", help="Keep the newest N checkpoints.", show_default=False)] = None,
+        "--keep", metavar="N", help="Keep the newest N complete (and, with a run ledger, "
+        "verified) checkpoints; newer ones are kept but not counted.", show_default=False)] = None,
     keep_every: Annotated[str | None, typer.Option(
         "--keep-every", metavar="STEPS",
         help="Keep milestones: checkpoints whose step is a multiple of STEPS (e.g. 10K).")] = None,
@@ -114,7 +115,11 @@ def prune_cmd(
                            on_progress=view.event)
         finally:
             view.stop()
-        outcome.exit_code = code = EXIT_OK if result.ok else EXIT_FINDINGS
+        failed = bool(result.named("failed") or result.trash_failed)
+        outcome.exit_code = code = (EXIT_OK if result.ok else EXIT_FINDINGS if failed
+                                    else EXIT_REFUSED)
+        if result.note and not json:
+            sys.stderr.write(f"ckpt: note: {result.path}: {result.note}\n")
         if json:
             from ckpt_cli.render import json as rj
             from ckpt_cli.render.prune import prune_doc

@@ -43,6 +43,7 @@ from ckpt_cli.deletion import (
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.names import TRASH_PREFIX
+from ckpt_cli.ledger import read_ledger
 from ckpt_cli.model import POINTER_UNREADABLE, RunEntry, RunListing
 from ckpt_cli.ops.validate.layoutcheck import rank_findings
 from ckpt_cli.results import Outcome, PruneEvent, PruneResult
@@ -103,7 +104,7 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
         return _prune_prefix(root_arg, policy, pattern=pattern, metrics_file=metrics_file,
                              dry_run=dry_run, any_dir=any_dir, confirm=confirm,
                              report=on_progress or (lambda _e: None), now=now)
-    root = _check_root(root_arg, any_dir, pattern)
+    root, note = _check_root(root_arg, any_dir, pattern)
     start, started = (time.time() if now is None else now), time.monotonic()
 
     def clock() -> float:
@@ -112,6 +113,7 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
     report = on_progress or (lambda _e: None)
     with contextlib.nullcontext() if dry_run else _locked(root):
         result = _planned(root, root_arg, policy, pattern, metrics_file, dry_run, start)
+        result.note = note
         listing, plan = result.plan.listing, result.plan
         if not _go_ahead(result, confirm, report):
             return result
@@ -147,7 +149,16 @@ def _go_ahead(result: PruneResult, confirm: Callable[[PrunePlan], bool] | None,
     return True
 
 
-def _check_root(path: Path, any_dir: bool, pattern: str | None) -> Path:
+NO_CHECKPOINTS_YET = "holds no checkpoints yet: nothing to do"
+
+
+def _no_checkpoints(problem: str | None) -> bool:
+    """Whether ``run_dir_problem`` said only that no checkpoint is there (yet): a cron job that
+    starts before training's first save is a quiet success, not an error."""
+    return problem is not None and problem.startswith("holds no checkpoints")
+
+
+def _check_root(path: Path, any_dir: bool, pattern: str | None) -> tuple[Path, str | None]:
     check_exists(path)
     if not path.is_dir():
         raise CkptError("not a directory", path=path)
@@ -165,9 +176,11 @@ def _check_root(path: Path, any_dir: bool, pattern: str | None) -> Path:
     if what and not any_dir:
         raise UsageError(f"refusing to prune {what}", path=path, hint=hint)
     problem = run_dir_problem(root, pattern)
+    if _no_checkpoints(problem):
+        return root, NO_CHECKPOINTS_YET
     if problem and not any_dir:
         raise UsageError(problem, path=path, hint=hint)
-    return root
+    return root, None
 
 
 @contextlib.contextmanager
@@ -235,8 +248,18 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         inside = points and mounts_inside(os.path.join(real_root, e.name), points)
         if inside:
             facts.pinned[e.name] = f"a file system is mounted inside it ({inside[0]})"
+    ledger = read_ledger(listing.root)
+    if ledger is not None:
+        facts.ledger = True
+        names = {e.name for e in listing.entries}
+        for path, line in ledger.latest().items():
+            if path in names:
+                facts.verdicts[path] = line.good
+                if not line.good:
+                    first = line.problems[0] if line.problems else "no problem recorded"
+                    facts.validity[path] = f"the run ledger's verdict is bad: {first}"
     for e in reversed(ranked_entries(listing.entries)):
-        if not e.complete:
+        if not e.complete or e.name in facts.validity:
             continue
         why = quick_validate(e.path)
         facts.validity[e.name] = why
@@ -308,10 +331,11 @@ def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
     if "/" not in obj.key and not any_dir:
         raise UsageError("refusing to prune a whole bucket", path=root, hint=hint)
     problem = run_dir_problem(root, pattern)
-    if problem and not any_dir:
+    if problem and not any_dir and not _no_checkpoints(problem):
         raise UsageError(problem, path=root, hint=hint)
     result = _planned(root, root, policy, pattern, metrics_file, dry_run,
                       time.time() if now is None else now)
+    result.note = NO_CHECKPOINTS_YET if _no_checkpoints(problem) else None
     plan = result.plan
     result.versioned = obj.store.versioned(obj.key.split("/", 1)[0])
     for d in plan.to_delete:

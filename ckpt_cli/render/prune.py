@@ -43,6 +43,7 @@ def prune_doc(result: PruneResult) -> dict[str, Any]:
                      "pattern": result.pattern,
                      "metrics_file": str(result.metrics_file) if result.metrics_file else None}
     doc["newest_valid"] = plan.newest_valid
+    doc["note"] = result.note
     remote = storage.is_remote(result.path)
     scheme = f"{str(result.path).split('://', 1)[0]}://" if remote else ""
     doc["object_store"] = None if not remote else {
