@@ -926,7 +926,7 @@ class PruneEvent:
 
     Attributes:
         kind: ``planned``, ``trash`` (leftover trash removed), ``moved`` (renamed aside),
-            ``deleted``, ``skipped`` or ``failed``.
+            ``deleted``, ``skipped``, ``failed``, ``thinned`` or ``thin-skipped``.
         name: The checkpoint (or trash) name, None for ``planned``.
         detail: Why it was skipped or failed, if so.
         done: Checkpoints handled so far.
@@ -980,6 +980,9 @@ class PruneResult:
         uploads_aborted: The keys of those this prune aborted.
         note: A remark for the user that is no problem (a run directory with no checkpoints
             yet), or None.
+        thinned: Checkpoints rewritten without optimizer state (``--thin-after``): name ->
+            :class:`ckpt_cli.thinning.Thinned`.
+        thin_skipped: Checkpoints the plan thins that were left whole, and why.
     """
 
     path: Path
@@ -996,6 +999,13 @@ class PruneResult:
     stale_uploads: list[tuple[str, str]] = field(default_factory=list)
     uploads_aborted: list[str] = field(default_factory=list)
     note: str | None = None
+    thinned: dict[str, Any] = field(default_factory=dict)
+    thin_skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def bytes_saved(self) -> int:
+        """Bytes saved by thinning."""
+        return sum(t.saved for t in self.thinned.values())
 
     def status(self, d: Decision) -> str:
         """``kept``, ``would-delete`` (dry run, declined), ``deleted``, ``skipped``, ``failed``."""

@@ -56,6 +56,16 @@ def prune_cmd(
     grace: Annotated[str, typer.Option(
         "--grace", metavar="AGE", help="Never delete anything changed within AGE: it may still "
         "be being written (0 turns this off).")] = "10m",
+    thin_after: Annotated[int | None, typer.Option(
+        "--thin-after", metavar="N", help="Rewrite checkpoints older than the newest N complete "
+        "ones without optimizer state, in place (torch/Lightning files).",
+        show_default=False)] = None,
+    thin_to: Annotated[str | None, typer.Option(
+        "--thin-to", metavar="bf16", help="Also cast thinned checkpoints' weights to BF16.",
+        show_default=False)] = None,
+    keep_full_every: Annotated[int | None, typer.Option(
+        "--keep-full-every", metavar="STEPS", help="Never thin checkpoints whose step is a "
+        "multiple of STEPS.", show_default=False)] = None,
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts "
         "(a 'step' group gives the step).")] = None,
@@ -102,6 +112,12 @@ def prune_cmd(
                              "--metric NAME too")
         policy = _policy(keep, keep_every, keep_best, metric, mode, older_than, max_total_size,
                          grace, pattern)
+        if thin_after is not None or thin_to is not None or keep_full_every is not None:
+            import dataclasses
+
+            policy = dataclasses.replace(policy, thin_after=thin_after, thin_to=thin_to,
+                                         keep_full_every=keep_full_every)
+            policy.check()
         view = _View(tty=_is_terminal(), quiet=json, dry_run=dry_run)
 
         def confirm(plan: PrunePlan) -> bool:

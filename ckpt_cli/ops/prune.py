@@ -101,9 +101,14 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
     policy.check()
     root_arg = storage.locate(path)
     if storage.is_remote(root_arg):
-        return _prune_prefix(root_arg, policy, pattern=pattern, metrics_file=metrics_file,
-                             dry_run=dry_run, any_dir=any_dir, confirm=confirm,
-                             report=on_progress or (lambda _e: None), now=now)
+        remote = _prune_prefix(root_arg, policy, pattern=pattern, metrics_file=metrics_file,
+                               dry_run=dry_run, any_dir=any_dir, confirm=confirm,
+                               report=on_progress or (lambda _e: None), now=now)
+        for d in remote.plan.decisions:
+            if d.thin:  # not done yet on object storage: left whole, and said so
+                remote.thin_skipped[d.entry.name] = ("thinning on object storage is not "
+                                                     "supported yet")
+        return remote
     root, note = _check_root(root_arg, any_dir, pattern)
     start, started = (time.time() if now is None else now), time.monotonic()
 
@@ -123,7 +128,44 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
             _delete(held, plan, result, clock, report)
         finally:
             held.close()
+        _thin(root, plan, result, clock, report)
     return result
+
+
+def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], float],
+          report: Callable[[PruneEvent], None]) -> None:
+    """Rewrite the checkpoints the plan thins (``--thin-after``), each re-checked first, and
+    append a ``thinned`` line to the run ledger for each."""
+    from ckpt_cli.ledger import THINNED, LedgerEntry, append
+    from ckpt_cli.thinning import can_thin, thin_file
+
+    pointers = PointerWatch(root, plan)
+    for d in plan.decisions:
+        if not d.thin:
+            continue
+        name = d.entry.name
+        why = can_thin(d.entry.path) or recheck(root, d.entry, plan, clock(), pointers)
+        if why:
+            result.thin_skipped[name] = why
+            report(PruneEvent("thin-skipped", name, why, plan=plan))
+            continue
+        try:
+            done = thin_file(d.entry.path, to=plan.policy.thin_to)
+        except CkptError as e:
+            result.thin_skipped[name] = e.message
+            report(PruneEvent("thin-skipped", name, e.message, plan=plan))
+            continue
+        if done is None:
+            result.thin_skipped[name] = "no optimizer state to drop (thinned already?)"
+            continue
+        result.thinned[name] = done
+        detail = {"dropped": done.dropped, "dtype": done.dtype,
+                  "bytes_before": done.bytes_before}
+        append(root, LedgerEntry(path=name, step=d.entry.step, time=time.time(), event=THINNED,
+                                 verdict="good", bytes=done.bytes_after, detail=detail))
+        report(PruneEvent("thinned", name, f"dropped {', '.join(done.dropped) or 'nothing'}"
+                          f"{', weights to ' + done.dtype if done.dtype else ''}: "
+                          f"{done.bytes_before:,} -> {done.bytes_after:,} bytes", plan=plan))
 
 
 def _planned(root: Path, given: Path, policy: PrunePolicy, pattern: str | None,
@@ -143,7 +185,8 @@ def _go_ahead(result: PruneResult, confirm: Callable[[PrunePlan], bool] | None,
     report(PruneEvent("planned", total=len(plan.to_delete), plan=plan))
     if result.dry_run:
         return False
-    if plan.to_delete and confirm is not None and not confirm(plan):
+    if ((plan.to_delete or any(d.thin for d in plan.decisions)) and confirm is not None
+            and not confirm(plan)):
         result.declined = True
         return False
     return True
