@@ -810,6 +810,8 @@ class PlanResult:
     gpu_mtbf: float | None = None
     restart: float = 0.0
     keep: int | None = None
+    thin_after: int | None = None
+    thin_to: str | None = None
     young: IntervalFigures | None = None
     daly: IntervalFigures | None = None
     current: IntervalFigures | None = None
@@ -910,6 +912,32 @@ class PlanResult:
     def peak_bytes(self) -> int | None:
         """Storage while a new checkpoint is written and the oldest not yet deleted."""
         return None if self.keep is None else (self.keep + 1) * self.size.training
+
+    @property
+    def thinned_bytes(self) -> int | None:
+        """Bytes of one checkpoint thinned by ``prune --thin-after`` (None without it): the
+        weights and metadata without optimizer state or fp32 master copy; with ``--thin-to
+        bf16`` the weights at 2 bytes per parameter."""
+        if self.thin_after is None:
+            return None
+        s = self.size
+        if self.thin_to == "bf16" and s.parameters:
+            return 2 * s.parameters + s.other
+        return max(0, s.training - s.optimizer - (s.master or 0))
+
+    def thinning_day(self) -> dict[str, float] | None:
+        """Storage added per day of training without thinning and with it, at the interval in
+        use (``--interval``, else Daly's optimum); None without ``--thin-after`` or an
+        interval."""
+        figures = self.current or self.daly
+        thinned = self.thinned_bytes
+        if figures is None or thinned is None or self.thin_after is None:
+            return None
+        n = figures.checkpoints_per_day
+        whole = min(float(self.thin_after), n)
+        return {"interval_seconds": figures.seconds, "checkpoints_per_day": n,
+                "bytes_per_day_whole": n * self.size.training,
+                "bytes_per_day_thinned": whole * self.size.training + (n - whole) * thinned}
 
     @property
     def steady_files(self) -> int | None:
