@@ -34,6 +34,9 @@ OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optimizer_state_dict", "opti
 WEIGHT_KEYS = ("state_dict", "model", "model_state_dict", "module")
 THIN_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 THIN_DTYPES = ("bf16",)
+# HF Trainer checkpoint-N: the optimizer's own file goes; weights, trainer_state.json,
+# scheduler.pt, rng_state*.pth and scaler.pt stay.
+HF_OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
 
 
 @dataclass(slots=True)
@@ -64,6 +67,8 @@ def can_thin(path: Path) -> str | None:
     """None if ``path`` is a checkpoint this module can thin, else why not."""
     if path.is_symlink():
         return "a symbolic link: never followed"
+    if path.is_dir() and (path / "trainer_state.json").is_file():
+        return None
     if not path.is_file():
         return "only single-file torch checkpoints are thinned so far"
     if not path.name.endswith(THIN_SUFFIXES):
@@ -118,6 +123,8 @@ def thin_file(path: Path, *, to: str | None = None) -> Thinned | None:
     why = can_thin(path)
     if why:
         raise CkptError(why, path=path)
+    if path.is_dir():
+        return _thin_hf_dir(path)
     before = path.stat()
     state = _load(path)
     dropped = [k for k in OPTIMIZER_KEYS if k in state]
@@ -146,3 +153,25 @@ def thin_file(path: Path, *, to: str | None = None) -> Thinned | None:
             tmp.unlink()
     fsync_path(path.parent)
     return Thinned(path, dropped, to, before.st_size, path.stat().st_size)
+
+
+def _thin_hf_dir(path: Path) -> Thinned | None:
+    """An HF Trainer ``checkpoint-N``: remove its optimizer file (one ``unlink`` each, so a crash
+    leaves it with or without that file, complete either way: the Trainer resumes with a fresh
+    optimizer when the file is absent). Its weights are left as stored (``--thin-to`` is not
+    applied to safetensors weights yet)."""
+    from ckpt_cli.ops.prune import quick_validate
+    from ckpt_cli.runs import tree_scan
+
+    victims = [n for n in HF_OPTIMIZER_FILES
+               if (path / n).is_file() and not (path / n).is_symlink()]
+    if not victims:
+        return None
+    bytes_before = tree_scan(path).bytes
+    problem = quick_validate(path)
+    if problem:
+        raise CkptError(f"does not validate ({problem}); left whole", path=path)
+    for n in victims:
+        os.unlink(path / n)
+    fsync_path(path)
+    return Thinned(path, victims, None, bytes_before, tree_scan(path).bytes)

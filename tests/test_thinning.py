@@ -82,3 +82,27 @@ def test_thin_options_need_thin_after(tmp_path: Path) -> None:
     _training_run(run, (1, 2))
     r = run_cli("prune", run, "--keep", "1", "--thin-to", "bf16", "--yes")
     assert r.exit_code == 2 and "--thin-after" in r.stderr
+
+
+def test_thin_hf_trainer_checkpoint(hf_trainer_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "out"
+    shutil.copytree(hf_trainer_dir, run, symlinks=True)
+    ckpts = sorted((p for p in run.glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1]))
+    oldest = ckpts[0]
+    assert (oldest / "optimizer.pt").is_file()
+    with third_party_quiet():
+        orig = AutoModelForCausalLM.from_pretrained(oldest).state_dict()
+    r = run_cli("prune", run, "--thin-after", "1", "--grace", "0", "--yes", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["thinning"]
+    assert oldest.name in doc["thinned"] and doc["bytes_saved"] > 0
+    assert not (oldest / "optimizer.pt").exists() and (oldest / "trainer_state.json").is_file()
+    assert (ckpts[-1] / "optimizer.pt").is_file()
+    with third_party_quiet():
+        thin = AutoModelForCausalLM.from_pretrained(oldest).state_dict()
+    assert all(torch.equal(thin[k], v) for k, v in orig.items())
+    assert run_cli("validate", oldest).exit_code == 0
