@@ -812,6 +812,8 @@ class PlanResult:
     gpu_mtbf: float | None = None
     restart: float = 0.0
     keep: int | None = None
+    thin_after: int | None = None
+    thin_to: str | None = None
     young: IntervalFigures | None = None
     daly: IntervalFigures | None = None
     current: IntervalFigures | None = None
@@ -914,6 +916,32 @@ class PlanResult:
         return None if self.keep is None else (self.keep + 1) * self.size.training
 
     @property
+    def thinned_bytes(self) -> int | None:
+        """Bytes of one checkpoint thinned by ``prune --thin-after`` (None without it): the
+        weights and metadata without optimizer state or fp32 master copy; with ``--thin-to
+        bf16`` the weights at 2 bytes per parameter."""
+        if self.thin_after is None:
+            return None
+        s = self.size
+        if self.thin_to == "bf16" and s.parameters:
+            return 2 * s.parameters + s.other
+        return max(0, s.training - s.optimizer - (s.master or 0))
+
+    def thinning_day(self) -> dict[str, float] | None:
+        """Storage added per day of training without thinning and with it, at the interval in
+        use (``--interval``, else Daly's optimum); None without ``--thin-after`` or an
+        interval."""
+        figures = self.current or self.daly
+        thinned = self.thinned_bytes
+        if figures is None or thinned is None or self.thin_after is None:
+            return None
+        n = figures.checkpoints_per_day
+        whole = min(float(self.thin_after), n)
+        return {"interval_seconds": figures.seconds, "checkpoints_per_day": n,
+                "bytes_per_day_whole": n * self.size.training,
+                "bytes_per_day_thinned": whole * self.size.training + (n - whole) * thinned}
+
+    @property
     def steady_files(self) -> int | None:
         """Files held by ``--keep`` checkpoints."""
         return None if self.keep is None else self.keep * self.files_per_checkpoint
@@ -928,7 +956,7 @@ class PruneEvent:
 
     Attributes:
         kind: ``planned``, ``trash`` (leftover trash removed), ``moved`` (renamed aside),
-            ``deleted``, ``skipped`` or ``failed``.
+            ``deleted``, ``skipped``, ``failed``, ``thinned`` or ``thin-skipped``.
         name: The checkpoint (or trash) name, None for ``planned``.
         detail: Why it was skipped or failed, if so.
         done: Checkpoints handled so far.
@@ -980,6 +1008,11 @@ class PruneResult:
         stale_uploads: On object storage: ``(key, upload id)`` of multipart uploads below
             the prefix begun before ``--grace`` and never finished (a killed write's).
         uploads_aborted: The keys of those this prune aborted.
+        note: A remark for the user that is no problem (a run directory with no checkpoints
+            yet), or None.
+        thinned: Checkpoints rewritten without optimizer state (``--thin-after``): name ->
+            :class:`ckpt_cli.thinning.Thinned`.
+        thin_skipped: Checkpoints the plan thins that were left whole, and why.
     """
 
     path: Path
@@ -995,6 +1028,14 @@ class PruneResult:
     versioned: bool | None = None
     stale_uploads: list[tuple[str, str]] = field(default_factory=list)
     uploads_aborted: list[str] = field(default_factory=list)
+    note: str | None = None
+    thinned: dict[str, Any] = field(default_factory=dict)
+    thin_skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def bytes_saved(self) -> int:
+        """Bytes saved by thinning."""
+        return sum(t.saved for t in self.thinned.values())
 
     def status(self, d: Decision) -> str:
         """``kept``, ``would-delete`` (dry run, declined), ``deleted``, ``skipped``, ``failed``."""

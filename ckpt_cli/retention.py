@@ -9,6 +9,13 @@ The rules, in words:
 
 - Each retention rule (``--keep``, ``--keep-every``, ``--keep-best``, ``--older-than``,
   ``--max-total-size``) computes its own keep set; a checkpoint is kept if any rule keeps it.
+- ``--keep N`` counts only checkpoints worth keeping: complete, not possibly still being written
+  (incomplete, within the grace period, locked, newer than what a pointer names), not failed by
+  quick validation and, where the run has a ledger (``ckpt-ledger.jsonl``), whose newest ledger
+  line says ``good``. It keeps everything newer than the N-th such checkpoint too (a save in
+  progress, an unverified one, a bad one: kept, not counted), and lets older ones go. So a bad
+  checkpoint is left while it is among the newest and deleted like any other once N good ones
+  are newer; the newest valid checkpoint is never deleted.
 - Protections override every rule: what a pointer names, ``last.ckpt`` copies, anything that may
   still be being written (incomplete, changed within the grace period, locked, newer than what
   ``latest`` names), the newest valid checkpoint, and names the caller pins (HF Trainer's
@@ -52,6 +59,10 @@ class PrunePolicy:
         max_total_size: Bytes; the newest checkpoints that fit in it together are kept.
         grace: Seconds; anything changed more recently may still be being written and is never
             deleted. 0 turns this protection off (markers, locks and pointers still protect).
+        thin_after: Thin what stays beyond the newest N counted checkpoints (see
+            :mod:`ckpt_cli.thinning`): rewrite it without optimizer state.
+        thin_to: ``bf16`` to cast the weights of thinned checkpoints too.
+        keep_full_every: Never thin checkpoints whose step is a multiple of this.
     """
 
     keep: int | None = None
@@ -62,6 +73,9 @@ class PrunePolicy:
     older_than: float | None = None
     max_total_size: int | None = None
     grace: float = DEFAULT_GRACE
+    thin_after: int | None = None
+    thin_to: str | None = None
+    keep_full_every: int | None = None
 
     def rules(self) -> list[str]:
         """The retention rules this policy uses.
@@ -81,10 +95,17 @@ class PrunePolicy:
                 size below 1, ``keep_best`` without ``metric`` (or the reverse), a bad ``mode``,
                 or a negative ``grace``.
         """
-        if not self.rules():
+        if not self.rules() and self.thin_after is None:
             raise UsageError("say what to keep: --keep N, --keep-every STEPS, --keep-best N "
-                             "--metric NAME, --older-than AGE or --max-total-size SIZE")
+                             "--metric NAME, --older-than AGE or --max-total-size SIZE (or "
+                             "what to thin: --thin-after N)")
+        if self.thin_after is None and (self.thin_to or self.keep_full_every):
+            raise UsageError("--thin-to and --keep-full-every are used only with --thin-after N")
+        if self.thin_to is not None and self.thin_to != "bf16":
+            raise UsageError(f"--thin-to must be bf16, not {self.thin_to!r}")
         for flag, value in (("--keep", self.keep), ("--keep-every", self.keep_every),
+                            ("--thin-after", self.thin_after),
+                            ("--keep-full-every", self.keep_full_every),
                             ("--keep-best", self.keep_best),
                             ("--max-total-size", self.max_total_size)):
             if value is not None and value < 1:
@@ -114,12 +135,21 @@ class RunFacts:
         locks: Checkpoints with a writer's lock file, and the file.
         pinned: Checkpoints to keep for a reason found in the files (for example HF Trainer's
             ``best_model_checkpoint``), and that reason.
+        ledger: Whether the run has a ledger; then only checkpoints in ``verdicts`` with a good
+            verdict count towards ``--keep``.
+        verdicts: Checkpoint name -> whether its newest ledger line says ``good``.
     """
 
     validity: dict[str, str | None] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     locks: dict[str, str] = field(default_factory=dict)
     pinned: dict[str, str] = field(default_factory=dict)
+    ledger: bool = False
+    verdicts: dict[str, bool] = field(default_factory=dict)
+
+
+# Protections that say a checkpoint may still be being written: it is never counted by --keep.
+IN_PROGRESS = ("incomplete", "recent", "locked", "newer-than-pointer")
 
 
 @dataclass(slots=True)
@@ -135,6 +165,7 @@ class Decision:
             why each rule let it go.
         metric: Its ``--metric`` value, if any.
         valid: Whether quick validation passed (None: not validated).
+        thin: Whether ``--thin-after`` thins it (it stays, without optimizer state).
     """
 
     entry: RunEntry
@@ -144,6 +175,7 @@ class Decision:
     reasons: list[str] = field(default_factory=list)
     metric: float | None = None
     valid: bool | None = None
+    thin: bool = False
 
 
 @dataclass(slots=True)
@@ -218,8 +250,10 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
         if e.name in facts.validity:
             decisions[e.name].valid = facts.validity[e.name] is None
 
-    keep_sets = _keep_sets(ranked, entries, policy, now, decisions)
     protections = _protections(listing, policy, now, facts)
+    uncounted = {name: why for name, why in (
+        (e.name, _not_counted(e, protections.get(e.name, []), facts)) for e in ranked) if why}
+    keep_sets = _keep_sets(ranked, entries, policy, now, decisions, uncounted)
     newest_valid = _newest_valid(ranked, facts)
     if newest_valid is not None:
         protections.setdefault(newest_valid.name, []).append(
@@ -241,12 +275,15 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
             if kept:
                 d.kept_by.append(rule)
                 d.reasons.append(reason)
-        d.delete = not d.kept_by and not d.protected_by
+        # Thinning alone (--thin-after without a retention rule) deletes nothing.
+        d.delete = bool(policy.rules()) and not d.kept_by and not d.protected_by
         if d.delete:
             why_not = [keep_sets[rule][e.name][1] for rule in RULES
                        if rule in keep_sets and e.name in keep_sets[rule]]
             d.reasons = ["not kept by any rule: " + "; ".join(why_not)]
 
+    if policy.thin_after is not None:
+        _mark_thinning(ranked, policy, decisions, uncounted)
     plan = PrunePlan(listing, policy, now, [decisions[e.name] for e in entries],
                      newest_valid.name if newest_valid else None, findings)
     if policy.max_total_size is not None:
@@ -335,16 +372,69 @@ _KeepSet = dict[str, tuple[bool, str]]
 """Per rule: checkpoint name -> (kept by this rule, the sentence saying why or why not)."""
 
 
+# Protections under which a checkpoint is never rewritten either.
+_NO_THIN = ("halt", "pointer", "last-copy", "newer-than-pointer", "incomplete", "recent",
+            "locked", "pinned", "unordered")
+
+
+def _mark_thinning(ranked: list[RunEntry], policy: PrunePolicy,
+                   decisions: Mapping[str, Decision], uncounted: Mapping[str, str]) -> None:
+    """Mark the checkpoints ``--thin-after`` rewrites: those that stay, older than the newest
+    ``thin_after`` counted ones, not protected, not kept whole by ``--keep-full-every``."""
+    k, every = policy.thin_after or 0, policy.keep_full_every
+    counted = 0
+    for e in reversed(ranked):
+        d = decisions[e.name]
+        if counted < k:
+            counted += e.name not in uncounted
+            continue
+        if d.delete or e.name in uncounted or any(p in _NO_THIN for p in d.protected_by):
+            continue
+        if every and e.step is not None and e.step % every == 0:
+            d.reasons.append(f"kept whole: step {e.step:,} is a multiple of {every:,} "
+                             "(--keep-full-every)")
+            continue
+        d.thin = True
+        d.reasons.append(f"older than the newest {k} complete: thinned (--thin-after {k}"
+                         + (f", --thin-to {policy.thin_to})" if policy.thin_to else ")"))
+
+
+def _not_counted(e: RunEntry, protections: list[tuple[str, str]], facts: RunFacts) -> str | None:
+    """Why ``--keep`` does not count checkpoint ``e`` among the N it keeps (None: it counts)."""
+    busy = [code for code, _ in protections if code in IN_PROGRESS]
+    if busy or not e.complete:
+        return "may still be being written"
+    verdict = facts.verdicts.get(e.name)
+    if verdict is False:
+        return "its run ledger verdict is bad"
+    if facts.validity.get(e.name) is not None:
+        return "failed quick validation"
+    if facts.ledger and verdict is None:
+        return "not verified yet (not in the run ledger)"
+    return None
+
+
 def _keep_sets(ranked: list[RunEntry], entries: list[RunEntry], policy: PrunePolicy,
-               now: float, decisions: Mapping[str, Decision]) -> dict[str, _KeepSet]:
+               now: float, decisions: Mapping[str, Decision],
+               uncounted: Mapping[str, str]) -> dict[str, _KeepSet]:
     """Each rule's own verdict on every ranked checkpoint, independent of the other rules."""
     out: dict[str, _KeepSet] = {}
     newest_first = list(reversed(ranked))
     if policy.keep is not None:
         n = policy.keep
-        out["keep"] = {e.name: (i < n, f"newest {n} (--keep {n})" if i < n else
-                                f"not among the newest {n}")
-                       for i, e in enumerate(newest_first)}
+        counted = 0
+        keep_set: _KeepSet = {}
+        for e in newest_first:
+            why = uncounted.get(e.name)
+            if counted >= n:
+                keep_set[e.name] = (False, f"not among the newest {n} complete")
+            elif why:
+                keep_set[e.name] = (True, f"newer than the newest {n} complete (--keep {n}), "
+                                          f"not counted: {why}")
+            else:
+                counted += 1
+                keep_set[e.name] = (True, f"newest {n} complete (--keep {n})")
+        out["keep"] = keep_set
     if policy.keep_every is not None:
         k = policy.keep_every
         out["keep-every"] = {

@@ -32,7 +32,7 @@ def _failing_args(command: str, tmp: Path) -> tuple[list[str | Path], str, str |
         "diff": (["diff", good, missing], "error", str(missing)),
         "convert": (["convert", c128, "-o", tmp / "x.safetensors"], "unsupported", None),
         "consolidate": (["consolidate", missing, "-o", tmp / "out"], "error", str(missing)),
-        "prune": (["prune", other, "--keep", "1", "--yes"], "usage", str(other)),
+        "prune": (["prune", good, "--keep", "1", "--yes"], "error", str(good)),
         "plan": (["plan"], "usage", None),
         "sample": (["sample", other], "destination-exists", str(other)),
     }[command]

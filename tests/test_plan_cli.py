@@ -229,3 +229,22 @@ def test_a_closed_stderr_pipe_ends_quietly() -> None:
                        stdout=subprocess.PIPE, stderr=w, timeout=60)
     os.close(w)
     assert p.returncode == 0 and p.stdout.startswith(b"Plan for 7.0B")
+
+
+def test_thinning_storage_per_day() -> None:
+    # 175B hourly, mixed precision AdamW: 14 bytes per parameter, 2.45 TB a save, 58.8 TB a day.
+    # Keep the newest 3 whole and thin the rest to BF16 weights (350 GB each): 14.7 TB a day.
+    doc = _json("--params", "175B", "--interval", "1h", "--thin-after", "3", "--thin-to",
+                "bf16")
+    thin = doc["thinning"]
+    assert thin["thinned_bytes"] == 350_000_000_000
+    day = thin["per_day"]
+    assert day["checkpoints_per_day"] == 24.0
+    assert day["bytes_per_day_whole"] == 24 * 2_450_000_000_000
+    assert day["bytes_per_day_thinned"] == 3 * 2_450_000_000_000 + 21 * 350_000_000_000
+    r = run_cli("plan", "--params", "175B", "--interval", "1h", "--thin-after", "3")
+    # Without --thin-to: BF16 weights and metadata stay, the master copy and AdamW state go.
+    assert r.exit_code == 0 and "350.0 GB per thinned checkpoint" in r.stdout, r.stdout
+    assert "14.7 TB per day against 58.8 TB" in r.stdout, r.stdout
+    r = run_cli("plan", "--params", "7B", "--thin-to", "bf16")
+    assert r.exit_code == 2 and "--thin-after" in r.stderr

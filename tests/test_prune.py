@@ -303,7 +303,7 @@ def test_unreadable_pointer_deletes_nothing(sample_copy: Path, pointer: str,
                                             content: str) -> None:
     (sample_copy / pointer).write_text(content)
     r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes", "--json")
-    assert r.exit_code == 1, r.stderr  # stopping is a finding: cron must hear of it
+    assert r.exit_code == 3, r.stderr  # a refusal: cron must hear of it, apart from a failure
     doc = json.loads(r.stdout)
     assert set(_status(doc).values()) == {"kept"}
     assert all("nothing is deleted: cannot tell what" in _why(doc, n) for n in _status(doc))
@@ -382,7 +382,8 @@ def test_newest_valid_is_kept_when_newer_ones_are_broken(sample_copy: Path) -> N
     assert _status(doc) == {"step_000100": "deleted", "step_000200": "kept",
                             "step_000300": "kept", "step_000400": "kept"}
     why = _why(doc, "step_000200")
-    assert "newest valid checkpoint, kept although --keep would drop it" in why
+    # --keep 1 counts only a complete, valid checkpoint: the two broken newer ones do not count.
+    assert "the newest valid checkpoint" in why and "newest 1 complete (--keep 1)" in why
     assert "step_000400" in why and "step_000300" in why
     by_name = {c["name"]: c for c in doc["checkpoints"]}
     assert by_name["step_000400"]["valid"] is False and by_name["step_000200"]["valid"] is True
@@ -392,7 +393,7 @@ def test_no_valid_checkpoint_deletes_nothing(dcp_run: Path, tmp_path: Path) -> N
     run = _copy(dcp_run, tmp_path)
     for d in run.iterdir():
         (d / ".metadata").write_bytes(b"\x80\x02garbage")
-    doc = _json(run, "--keep", "1", "--grace", "0", "--yes", exit_code=1)
+    doc = _json(run, "--keep", "1", "--grace", "0", "--yes", exit_code=3)  # refused
     assert set(_status(doc).values()) == {"kept"}
     assert any(w["code"] == "nothing-deleted" for w in doc["run_warnings"])
     assert _names(run) >= {"step_100", "step_200", "step_300"}
@@ -448,15 +449,25 @@ def test_pattern_overrides_recognition_and_says_when_ordering_is_by_mtime(
     assert "deleted alpha.pt" in r.stdout and "deleted bravo.pt" in r.stdout
 
 
-@pytest.mark.parametrize("target", ["/", "home", "checkpoint", "empty"])
+def test_run_dir_without_checkpoints_yet_is_a_quiet_success(tmp_path: Path) -> None:
+    # A cron job that starts before training's first save: nothing to do is no error.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("step 0\n")
+    r = run_cli("prune", run, "--keep", "2", "--yes")
+    assert r.exit_code == 0 and "note:" in r.stderr and "no checkpoints yet" in r.stderr
+    doc = _json(run, "--keep", "2", "--yes")
+    assert doc["note"] == "holds no checkpoints yet: nothing to do" and doc["checkpoints"] == []
+    assert (run / "train.log").read_text() == "step 0\n"
+
+
+@pytest.mark.parametrize("target", ["/", "home", "checkpoint"])
 def test_refuses_roots_that_cannot_be_meant(sample_copy: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch, target: str) -> None:
     home = tmp_path / "home"
     shutil.copytree(sample_copy, home)
     monkeypatch.setenv("HOME", str(home))
-    (tmp_path / "empty").mkdir()
-    path = {"/": Path("/"), "home": home, "checkpoint": sample_copy / "step_000400",
-            "empty": tmp_path / "empty"}[target]
+    path = {"/": Path("/"), "home": home, "checkpoint": sample_copy / "step_000400"}[target]
     before = sorted(str(p) for p in home.rglob("*"))
     r = run_cli("prune", path, "--keep", "1", "--grace", "0", "--yes")
     assert r.exit_code == 2, r.stdout
@@ -790,7 +801,7 @@ def test_dangling_or_zeroed_pointer_deletes_nothing(sample_copy: Path) -> None:
     for content in (b"step_000999\n", b"\x00" * 16):
         (sample_copy / "latest").write_bytes(content)
         r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes", "--json")
-        assert r.exit_code == 1, r.stderr
+        assert r.exit_code == 3, r.stderr
         assert set(_status(json.loads(r.stdout)).values()) == {"kept"}
     assert {"step_000100", "step_000200", "step_000300"} <= _names(sample_copy)
 
@@ -875,7 +886,8 @@ def test_sweep_job_directories_are_not_checkpoints(tmp_path: Path) -> None:
         (job / "main.log").write_text("done\n")
         torch.save({"w": torch.ones(2)}, job / "model.pt")
     r = run_cli("prune", sweep, "--keep", "1", "--grace", "0", "--yes")
-    assert r.exit_code == 2 and "holds no checkpoints" in r.stderr, r.output
+    # Nothing recognised is nothing to do (a cron job before the first save): a note, exit 0.
+    assert r.exit_code == 0 and "holds no checkpoints yet" in r.stderr, r.output
     assert all((sweep / str(i) / "main.log").is_file() for i in range(3))
 
 
@@ -1002,3 +1014,23 @@ def test_capital_m_is_not_minutes_in_prune(sample_copy: Path, age: str) -> None:
                     *(["--grace", "0"] if option == "--older-than" else []))
         assert r.exit_code == 2, r.stdout
         assert "months are not accepted" in r.stderr
+
+
+def test_keep_trusts_the_run_ledger(sample_copy: Path) -> None:
+    from ckpt_cli.ledger import LedgerEntry, append
+
+    # The watcher found step_000300 bad and has not verified step_000400 yet: --keep 1 keeps
+    # both (not counted) and step_000200, the newest good one; step_000100 goes.
+    def line(name: str, step: int, verdict: str) -> LedgerEntry:
+        return LedgerEntry(path=name, step=step, time=time.time(), event="verified",
+                           verdict=verdict, bytes=1,
+                           problems=("shard corrupted",) if verdict == "bad" else ())
+
+    append(sample_copy, [line("step_000100", 100, "good"), line("step_000200", 200, "good"),
+                         line("step_000300", 300, "bad")])
+    doc = _json(sample_copy, "--keep", "1", "--grace", "0", "--yes")
+    assert _status(doc) == {"step_000100": "deleted", "step_000200": "kept",
+                            "step_000300": "kept", "step_000400": "kept"}
+    assert "ledger verdict is bad" in _why(doc, "step_000300")
+    assert "newest 1 complete (--keep 1)" in _why(doc, "step_000200")
+    assert (sample_copy / "ckpt-ledger.jsonl").is_file()

@@ -109,17 +109,46 @@ def test_protections_override_every_rule() -> None:
     assert [d.entry.name for d in plan.to_delete] == ["step_1"]
 
 
-def test_newest_valid_says_why_when_keep_drops_it() -> None:
+def test_keep_counts_only_complete_valid_checkpoints() -> None:
     entries = [*_steps(1, 2, 3), _entry("step_4", 4, complete=False)]
     facts = RunFacts(validity={"step_3": "corrupt header", "step_2": None})
     plan = plan_prune(_listing(*entries), PrunePolicy(keep=1, grace=0), NOW, facts)
     two = plan.decisions[1]
     assert plan.newest_valid == "step_2" and not two.delete
-    assert two.reasons == ["the newest valid checkpoint, kept although --keep would drop it: "
-                           "the 2 newer one(s) are incomplete or invalid (step_3: corrupt "
-                           "header, step_4: no .metadata)"]
-    # A complete but corrupt checkpoint is not protected: the rules decide about it.
-    assert [d.entry.name for d in plan.to_delete] == ["step_1", "step_3"]
+    assert two.reasons == ["the newest valid checkpoint: the 2 newer one(s) are incomplete or "
+                           "invalid (step_3: corrupt header, step_4: no .metadata)",
+                           "newest 1 complete (--keep 1)"]
+    # The corrupt and the incomplete one are newer than the one --keep 1 counts: kept, not
+    # counted; what is older than it goes.
+    assert "not counted: failed quick validation" in plan.decisions[2].reasons[-1]
+    assert [d.entry.name for d in plan.to_delete] == ["step_1"]
+
+
+def test_keep_counts_only_good_ledger_verdicts() -> None:
+    entries = _steps(1, 2, 3, 4, 5)
+    facts = RunFacts(ledger=True, verdicts={"step_1": True, "step_2": True, "step_3": False,
+                                            "step_4": True},
+                     validity={"step_3": "the run ledger's verdict is bad: x"})
+    plan = plan_prune(_listing(*entries), PrunePolicy(keep=2, grace=0), NOW, facts)
+    by = {d.entry.name: d for d in plan.decisions}
+    # step_5 is not verified yet and step_3 is bad: neither is one of the 2 kept.
+    assert "not verified yet" in by["step_5"].reasons[-1]
+    assert "ledger verdict is bad" in by["step_3"].reasons[-1]
+    assert [d.entry.name for d in plan.to_delete] == ["step_1"]
+    # Once two good ones are newer, a bad one goes like any other.
+    facts.verdicts["step_5"] = True
+    plan = plan_prune(_listing(*entries), PrunePolicy(keep=2, grace=0), NOW, facts)
+    assert [d.entry.name for d in plan.to_delete] == ["step_1", "step_2", "step_3"]
+
+
+def test_keep_does_not_count_a_save_in_progress() -> None:
+    # step_3 changed a second ago (within --grace): protected and not one of the 2.
+    entries = [*_steps(1, 2), _entry("step_3", 3, age=1)]
+    plan = plan_prune(_listing(*entries), PrunePolicy(keep=2, grace=60), NOW, RunFacts())
+    assert [d.entry.name for d in plan.to_delete] == []
+    plan = plan_prune(_listing(*entries, _entry("step_4", 4)), PrunePolicy(keep=2, grace=60),
+                      NOW, RunFacts())
+    assert [d.entry.name for d in plan.to_delete] == ["step_1"]
 
 
 def test_halts_without_a_readable_pointer_or_a_valid_checkpoint() -> None:

@@ -19,6 +19,9 @@ from ckpt_cli.storage import redact
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
+# The command refused to act because acting could be wrong (prune: what training resumes from
+# cannot be told, or no checkpoint is known good); nothing was changed.
+EXIT_REFUSED = 3
 EXIT_INTERNAL = 101
 EXIT_INTERRUPTED = 130
 # 128 + SIGPIPE, what a shell reports for a program a closed pipe stopped: the output was cut

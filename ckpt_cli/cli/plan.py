@@ -70,6 +70,12 @@ def plan_cmd(
     keep: Annotated[str | None, typer.Option(
         "--keep", metavar="N", help="Checkpoints retained: steady-state storage and files.",
         show_default=False)] = None,
+    thin_after: Annotated[str | None, typer.Option(
+        "--thin-after", metavar="N", help="Storage per day when all but the newest N checkpoints "
+        "are thinned (prune --thin-after).", show_default=False)] = None,
+    thin_to: Annotated[str | None, typer.Option(
+        "--thin-to", metavar="bf16", help="Thinned checkpoints keep BF16 weights.",
+        show_default=False)] = None,
     async_save: Annotated[bool, typer.Option(
         "--async", help="Asynchronous saves: only the copy to host memory blocks training; "
                         "the write overlaps compute.")] = False,
@@ -136,6 +142,7 @@ def plan_cmd(
             gpus=_whole(gpus, "--gpus"),
             gpu_mtbf=None if gpu_mtbf is None else parse_duration(gpu_mtbf, what="--gpu-mtbf"),
             ranks=_whole(ranks, "--ranks"), keep=_whole(keep, "--keep"), async_save=async_save,
+            thin_after=_whole(thin_after, "--thin-after"), thin_to=thin_to,
             snapshot_bandwidth=None if snapshot_bandwidth is None else parse_rate(
                 snapshot_bandwidth, what="--snapshot-bandwidth"),
             interval=None if interval is None else parse_duration(interval, what="--interval"),

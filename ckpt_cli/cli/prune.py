@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
+from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, EXIT_REFUSED, handled
 from ckpt_cli.cli.options import (
     DryRunOpt,
     JsonOpt,
@@ -31,7 +31,8 @@ def prune_cmd(
         help="The run directory whose checkpoints to prune.", show_default=False,
         parser=location)],
     keep: Annotated[int | None, typer.Option(
-        "--keep", metavar="N", help="Keep the newest N checkpoints.", show_default=False)] = None,
+        "--keep", metavar="N", help="Keep the newest N complete (and, with a run ledger, "
+        "verified) checkpoints; newer ones are kept but not counted.", show_default=False)] = None,
     keep_every: Annotated[str | None, typer.Option(
         "--keep-every", metavar="STEPS",
         help="Keep milestones: checkpoints whose step is a multiple of STEPS (e.g. 10K).")] = None,
@@ -55,6 +56,16 @@ def prune_cmd(
     grace: Annotated[str, typer.Option(
         "--grace", metavar="AGE", help="Never delete anything changed within AGE: it may still "
         "be being written (0 turns this off).")] = "10m",
+    thin_after: Annotated[int | None, typer.Option(
+        "--thin-after", metavar="N", help="Rewrite checkpoints older than the newest N complete "
+        "ones without optimizer state, in place (torch/Lightning files).",
+        show_default=False)] = None,
+    thin_to: Annotated[str | None, typer.Option(
+        "--thin-to", metavar="bf16", help="Also cast thinned checkpoints' weights to BF16.",
+        show_default=False)] = None,
+    keep_full_every: Annotated[int | None, typer.Option(
+        "--keep-full-every", metavar="STEPS", help="Never thin checkpoints whose step is a "
+        "multiple of STEPS.", show_default=False)] = None,
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts "
         "(a 'step' group gives the step).")] = None,
@@ -101,6 +112,12 @@ def prune_cmd(
                              "--metric NAME too")
         policy = _policy(keep, keep_every, keep_best, metric, mode, older_than, max_total_size,
                          grace, pattern)
+        if thin_after is not None or thin_to is not None or keep_full_every is not None:
+            import dataclasses
+
+            policy = dataclasses.replace(policy, thin_after=thin_after, thin_to=thin_to,
+                                         keep_full_every=keep_full_every)
+            policy.check()
         view = _View(tty=_is_terminal(), quiet=json, dry_run=dry_run)
 
         def confirm(plan: PrunePlan) -> bool:
@@ -114,7 +131,11 @@ def prune_cmd(
                            on_progress=view.event)
         finally:
             view.stop()
-        outcome.exit_code = code = EXIT_OK if result.ok else EXIT_FINDINGS
+        failed = bool(result.named("failed") or result.trash_failed)
+        outcome.exit_code = code = (EXIT_OK if result.ok else EXIT_FINDINGS if failed
+                                    else EXIT_REFUSED)
+        if result.note and not json:
+            sys.stderr.write(f"ckpt: note: {result.path}: {result.note}\n")
         if json:
             from ckpt_cli.render import json as rj
             from ckpt_cli.render.prune import prune_doc

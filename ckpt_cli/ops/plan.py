@@ -70,7 +70,8 @@ def plan(*, params: int | None = None, precision: str | None = None,
          gpus: int | None = None, gpu_mtbf: float | None = None, ranks: int | None = None,
          keep: int | None = None, async_save: bool = False,
          snapshot_bandwidth: float | None = None, interval: float | None = None,
-         restart: float | None = None,
+         restart: float | None = None, thin_after: int | None = None,
+         thin_to: str | None = None,
          on_progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """Plan checkpointing for a run: size, write time, optimal interval, storage and files.
 
@@ -97,6 +98,9 @@ def plan(*, params: int | None = None, precision: str | None = None,
             default :data:`DEFAULT_SNAPSHOT_BANDWIDTH`).
         interval: The interval in use, in seconds of compute, to compare with the optimum.
         restart: Seconds to restart after a failure, counted as time lost.
+        thin_after: Storage per day when all but the newest N checkpoints are thinned
+            (``prune --thin-after``).
+        thin_to: ``bf16``: thinned checkpoints keep BF16 weights.
         on_progress: Progress of the measurement, ``(bytes_written, total)``.
 
     Returns:
@@ -123,13 +127,20 @@ def plan(*, params: int | None = None, precision: str | None = None,
                         (interval, "--interval")):
         if value is not None:
             require_positive(value, what)
+    if thin_to is not None and thin_to != "bf16":
+        raise UsageError(f"--thin-to must be bf16, not {thin_to!r}")
+    if thin_to is not None and thin_after is None:
+        raise UsageError("--thin-to is used only with --thin-after N")
+    if thin_after is not None:
+        require_positive(thin_after, "--thin-after")
     if restart is not None and not (restart >= 0 and math.isfinite(restart)):
         raise UsageError(f"--restart cannot be negative, not {restart!r}")
 
     files = ranks if ranks is not None else size.files
     dirs = size.dirs or (1 if files > 1 else 0)
     result = PlanResult(size=size, files_per_checkpoint=files, inodes_per_checkpoint=files + dirs,
-                        async_save=async_save, restart=restart or 0.0, keep=keep)
+                        async_save=async_save, restart=restart or 0.0, keep=keep,
+                        thin_after=thin_after, thin_to=thin_to)
     if async_save:
         result.snapshot_bandwidth = snapshot_bandwidth or DEFAULT_SNAPSHOT_BANDWIDTH
     if measure_dir is not None:

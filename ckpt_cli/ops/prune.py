@@ -43,6 +43,7 @@ from ckpt_cli.deletion import (
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.formats.names import TRASH_PREFIX
+from ckpt_cli.ledger import read_ledger
 from ckpt_cli.model import POINTER_UNREADABLE, RunEntry, RunListing
 from ckpt_cli.ops.validate.layoutcheck import rank_findings
 from ckpt_cli.results import Outcome, PruneEvent, PruneResult
@@ -100,10 +101,15 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
     policy.check()
     root_arg = storage.locate(path)
     if storage.is_remote(root_arg):
-        return _prune_prefix(root_arg, policy, pattern=pattern, metrics_file=metrics_file,
-                             dry_run=dry_run, any_dir=any_dir, confirm=confirm,
-                             report=on_progress or (lambda _e: None), now=now)
-    root = _check_root(root_arg, any_dir, pattern)
+        remote = _prune_prefix(root_arg, policy, pattern=pattern, metrics_file=metrics_file,
+                               dry_run=dry_run, any_dir=any_dir, confirm=confirm,
+                               report=on_progress or (lambda _e: None), now=now)
+        for d in remote.plan.decisions:
+            if d.thin:  # not done yet on object storage: left whole, and said so
+                remote.thin_skipped[d.entry.name] = ("thinning on object storage is not "
+                                                     "supported yet")
+        return remote
+    root, note = _check_root(root_arg, any_dir, pattern)
     start, started = (time.time() if now is None else now), time.monotonic()
 
     def clock() -> float:
@@ -112,6 +118,7 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
     report = on_progress or (lambda _e: None)
     with contextlib.nullcontext() if dry_run else _locked(root):
         result = _planned(root, root_arg, policy, pattern, metrics_file, dry_run, start)
+        result.note = note
         listing, plan = result.plan.listing, result.plan
         if not _go_ahead(result, confirm, report):
             return result
@@ -121,7 +128,44 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
             _delete(held, plan, result, clock, report)
         finally:
             held.close()
+        _thin(root, plan, result, clock, report)
     return result
+
+
+def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], float],
+          report: Callable[[PruneEvent], None]) -> None:
+    """Rewrite the checkpoints the plan thins (``--thin-after``), each re-checked first, and
+    append a ``thinned`` line to the run ledger for each."""
+    from ckpt_cli.ledger import THINNED, LedgerEntry, append
+    from ckpt_cli.thinning import can_thin, thin_file
+
+    pointers = PointerWatch(root, plan)
+    for d in plan.decisions:
+        if not d.thin:
+            continue
+        name = d.entry.name
+        why = can_thin(d.entry.path) or recheck(root, d.entry, plan, clock(), pointers)
+        if why:
+            result.thin_skipped[name] = why
+            report(PruneEvent("thin-skipped", name, why, plan=plan))
+            continue
+        try:
+            done = thin_file(d.entry.path, to=plan.policy.thin_to)
+        except CkptError as e:
+            result.thin_skipped[name] = e.message
+            report(PruneEvent("thin-skipped", name, e.message, plan=plan))
+            continue
+        if done is None:
+            result.thin_skipped[name] = "no optimizer state to drop (thinned already?)"
+            continue
+        result.thinned[name] = done
+        detail = {"dropped": done.dropped, "dtype": done.dtype,
+                  "bytes_before": done.bytes_before}
+        append(root, LedgerEntry(path=name, step=d.entry.step, time=time.time(), event=THINNED,
+                                 verdict="good", bytes=done.bytes_after, detail=detail))
+        report(PruneEvent("thinned", name, f"dropped {', '.join(done.dropped) or 'nothing'}"
+                          f"{', weights to ' + done.dtype if done.dtype else ''}: "
+                          f"{done.bytes_before:,} -> {done.bytes_after:,} bytes", plan=plan))
 
 
 def _planned(root: Path, given: Path, policy: PrunePolicy, pattern: str | None,
@@ -141,13 +185,23 @@ def _go_ahead(result: PruneResult, confirm: Callable[[PrunePlan], bool] | None,
     report(PruneEvent("planned", total=len(plan.to_delete), plan=plan))
     if result.dry_run:
         return False
-    if plan.to_delete and confirm is not None and not confirm(plan):
+    if ((plan.to_delete or any(d.thin for d in plan.decisions)) and confirm is not None
+            and not confirm(plan)):
         result.declined = True
         return False
     return True
 
 
-def _check_root(path: Path, any_dir: bool, pattern: str | None) -> Path:
+NO_CHECKPOINTS_YET = "holds no checkpoints yet: nothing to do"
+
+
+def _no_checkpoints(problem: str | None) -> bool:
+    """Whether ``run_dir_problem`` said only that no checkpoint is there (yet): a cron job that
+    starts before training's first save is a quiet success, not an error."""
+    return problem is not None and problem.startswith("holds no checkpoints")
+
+
+def _check_root(path: Path, any_dir: bool, pattern: str | None) -> tuple[Path, str | None]:
     check_exists(path)
     if not path.is_dir():
         raise CkptError("not a directory", path=path)
@@ -165,9 +219,11 @@ def _check_root(path: Path, any_dir: bool, pattern: str | None) -> Path:
     if what and not any_dir:
         raise UsageError(f"refusing to prune {what}", path=path, hint=hint)
     problem = run_dir_problem(root, pattern)
+    if _no_checkpoints(problem):
+        return root, NO_CHECKPOINTS_YET
     if problem and not any_dir:
         raise UsageError(problem, path=path, hint=hint)
-    return root
+    return root, None
 
 
 @contextlib.contextmanager
@@ -235,8 +291,18 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         inside = points and mounts_inside(os.path.join(real_root, e.name), points)
         if inside:
             facts.pinned[e.name] = f"a file system is mounted inside it ({inside[0]})"
+    ledger = read_ledger(listing.root)
+    if ledger is not None:
+        facts.ledger = True
+        names = {e.name for e in listing.entries}
+        for path, line in ledger.latest().items():
+            if path in names:
+                facts.verdicts[path] = line.good
+                if not line.good:
+                    first = line.problems[0] if line.problems else "no problem recorded"
+                    facts.validity[path] = f"the run ledger's verdict is bad: {first}"
     for e in reversed(ranked_entries(listing.entries)):
-        if not e.complete:
+        if not e.complete or e.name in facts.validity:
             continue
         why = quick_validate(e.path)
         facts.validity[e.name] = why
@@ -308,10 +374,11 @@ def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
     if "/" not in obj.key and not any_dir:
         raise UsageError("refusing to prune a whole bucket", path=root, hint=hint)
     problem = run_dir_problem(root, pattern)
-    if problem and not any_dir:
+    if problem and not any_dir and not _no_checkpoints(problem):
         raise UsageError(problem, path=root, hint=hint)
     result = _planned(root, root, policy, pattern, metrics_file, dry_run,
                       time.time() if now is None else now)
+    result.note = NO_CHECKPOINTS_YET if _no_checkpoints(problem) else None
     plan = result.plan
     result.versioned = obj.store.versioned(obj.key.split("/", 1)[0])
     for d in plan.to_delete:

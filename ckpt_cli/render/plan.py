@@ -95,6 +95,17 @@ def _render(r: PlanResult) -> None:
         grid.add_row(f"Retention (--keep {r.keep})",
                      f"{human.size(r.steady_bytes)}, {r.steady_files:,} files "
                      f"({human.size(r.peak_bytes)} while the next one is written)")
+    day = r.thinning_day()
+    if r.thin_after is not None:
+        label = f"Thinning (--thin-after {r.thin_after}{' --thin-to bf16' if r.thin_to else ''})"
+        text = f"{human.size(r.thinned_bytes)} per thinned checkpoint"
+        if day is not None:
+            text += (f"; {human.size(day['bytes_per_day_thinned'])} per day against "
+                     f"{human.size(day['bytes_per_day_whole'])} kept whole "
+                     f"({day['checkpoints_per_day']:.1f} saves a day)")
+        else:
+            text += "; give --interval (or --bandwidth and --mtbf) for storage per day"
+        grid.add_row(label, text)
     out.print(grid)
 
     cols = [(name, f) for name, f in (("Young sqrt(2CM)", r.young), ("Daly (optimum)", r.daly),
@@ -205,6 +216,9 @@ def plan_dict(result: PlanResult) -> dict[str, Any]:
                        ("current", result.current))},
         "retention": {"keep": result.keep, "steady_bytes": result.steady_bytes,
                       "peak_bytes": result.peak_bytes, "steady_files": result.steady_files},
+        "thinning": None if result.thin_after is None else {
+            "thin_after": result.thin_after, "thin_to": result.thin_to,
+            "thinned_bytes": result.thinned_bytes, "per_day": result.thinning_day()},
         "curve": [{"interval_seconds": t, "overhead": o} for t, o in result.curve()],
         "notes": result.notes,
     }

@@ -43,6 +43,7 @@ def prune_doc(result: PruneResult) -> dict[str, Any]:
                      "pattern": result.pattern,
                      "metrics_file": str(result.metrics_file) if result.metrics_file else None}
     doc["newest_valid"] = plan.newest_valid
+    doc["note"] = result.note
     remote = storage.is_remote(result.path)
     scheme = f"{str(result.path).split('://', 1)[0]}://" if remote else ""
     doc["object_store"] = None if not remote else {
@@ -64,6 +65,16 @@ def prune_doc(result: PruneResult) -> dict[str, Any]:
         "bytes_total": plan.bytes_total,
         "bytes_to_free": plan.bytes_to_free,
         "bytes_freed": result.bytes_freed,
+    }
+    doc["thinning"] = None if pol.thin_after is None else {
+        "thin_after": pol.thin_after, "thin_to": pol.thin_to,
+        "keep_full_every": pol.keep_full_every,
+        "to_thin": [d.entry.name for d in plan.decisions if d.thin],
+        "thinned": {name: {"dropped": t.dropped, "dtype": t.dtype,
+                           "bytes_before": t.bytes_before, "bytes_after": t.bytes_after}
+                    for name, t in result.thinned.items()},
+        "skipped": result.thin_skipped,
+        "bytes_saved": result.bytes_saved,
     }
     return doc
 
@@ -121,6 +132,10 @@ def event_line(event: PruneEvent) -> str | None:
     """An action as one plain log line (None for events that are not actions)."""
     if event.kind == "trash":
         return f"removed leftover trash {event.name} (from an interrupted prune)"
+    if event.kind == "thinned":
+        return f"thinned {event.name}: {event.detail}"
+    if event.kind == "thin-skipped":
+        return f"left {event.name} whole: {event.detail}"
     d = event.decision
     if event.kind not in ("deleted", "skipped", "failed"):
         return None
@@ -138,7 +153,9 @@ def headline(plan: PrunePlan) -> str:
     return (f"{plan.listing.root}: {n} checkpoint{'s' if n != 1 else ''} "
             f"({size(plan.bytes_total)}), "
             f"{len(plan.kept)} kept, {len(plan.to_delete)} to delete "
-            f"({size(plan.bytes_to_free)})")
+            f"({size(plan.bytes_to_free)})"
+            + (f", {sum(d.thin for d in plan.decisions)} to thin"
+               if plan.policy.thin_after is not None else ""))
 
 
 def summary(result: PruneResult) -> str:
@@ -155,8 +172,13 @@ def summary(result: PruneResult) -> str:
             + (f" ({objects:,} objects)" if result.keys else ""))
     versions = ("; the bucket is versioned: deleted objects stay as noncurrent versions, and "
                 "cost money, until a lifecycle rule expires them" if result.versioned else "")
+    thin = ""
+    if result.thinned:
+        before = sum(t.bytes_before for t in result.thinned.values())
+        thin = (f"; thinned {len(result.thinned)} checkpoint(s), {size(before)} -> "
+                f"{size(before - result.bytes_saved)}, saved {size(result.bytes_saved)}")
     if not plan.to_delete and not result.stale_uploads:
-        return f"nothing to delete in {result.path}"
+        return f"nothing to delete in {result.path}{thin}"
     if result.dry_run:
         return (f"dry run: would delete {what}, freeing {size(plan.bytes_to_free)}; nothing "
                 f"was deleted{uploads}{versions}")
@@ -166,4 +188,4 @@ def summary(result: PruneResult) -> str:
              f"{size(result.bytes_freed)}", f"{len(plan.kept)} kept"]
     parts += [f"{len(result.named(status))} {status}" for status in ("skipped", "failed")
               if result.named(status)]
-    return "; ".join(parts) + uploads + versions
+    return "; ".join(parts) + uploads + versions + thin

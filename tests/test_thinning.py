@@ -1,0 +1,108 @@
+"""``prune --thin-after``: old checkpoints rewritten in place without optimizer state, loading
+with their framework's loader and holding the same weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_cli.ledger import read_ledger
+from tests.conftest import run_cli, third_party_quiet
+from tests.helpers.makers import lightning_run
+
+pytestmark = pytest.mark.requires_torch
+
+
+def _training_run(run: Path, steps: tuple[int, ...]) -> None:
+    run.mkdir()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.Adam(model.parameters())
+    for step in steps:
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                   run / f"step_{step:04d}.pt")
+
+
+def test_thin_after_keeps_weights_drops_optimizer(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _training_run(run, (100, 200, 300, 400))
+    before = {p.name: torch.load(p, weights_only=True) for p in run.iterdir()}
+    sizes = {p.name: p.stat().st_size for p in run.iterdir()}
+    r = run_cli("prune", run, "--thin-after", "2", "--keep-full-every", "200", "--grace", "0",
+                "--yes", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["thinning"]
+    # step 400 and 300 are the newest 2; 200 is a multiple of --keep-full-every; 100 is thinned.
+    assert doc["to_thin"] == ["step_0100.pt"] and list(doc["thinned"]) == ["step_0100.pt"]
+    t = doc["thinned"]["step_0100.pt"]
+    assert t["dropped"] == ["optimizer"] and t["bytes_before"] == sizes["step_0100.pt"]
+    assert t["bytes_after"] < t["bytes_before"] / 2 and doc["bytes_saved"] > 0
+    thin = torch.load(run / "step_0100.pt", weights_only=True)
+    assert set(thin) == {"model", "step"} and thin["step"] == 100
+    for k, v in before["step_0100.pt"]["model"].items():
+        assert torch.equal(thin["model"][k], v)
+    for name in ("step_0200.pt", "step_0300.pt", "step_0400.pt"):
+        assert "optimizer" in torch.load(run / name, weights_only=True)
+    assert run_cli("validate", run / "step_0100.pt").exit_code == 0
+    ledger = read_ledger(run)
+    assert ledger is not None
+    line = ledger.latest()["step_0100.pt"]
+    assert line.event == "thinned" and line.detail["bytes_before"] == sizes["step_0100.pt"]
+    # Thinning again finds nothing to drop; no temporaries are left.
+    r = run_cli("prune", run, "--thin-after", "2", "--grace", "0", "--yes")
+    assert r.exit_code == 0 and not [p for p in run.iterdir() if "ckpt-tmp" in p.name]
+
+
+def test_thin_lightning_checkpoint_to_bf16(tmp_path: Path) -> None:
+    with third_party_quiet():
+        run = lightning_run(tmp_path / "ckpts", steps=6, every=2, save_last=False)
+    files = sorted(run.glob("*step=*.ckpt"), key=lambda p: int(p.stem.split("step=")[1]))
+    oldest = files[0]
+    orig = torch.load(oldest, weights_only=True)
+    assert "optimizer_states" in orig
+    r = run_cli("prune", run, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0", "--yes")
+    assert r.exit_code == 0, r.stderr
+    assert "thinned" in r.stdout and "saved" in r.stdout
+    thin = torch.load(oldest, weights_only=True)
+    assert "optimizer_states" not in thin
+    assert thin["global_step"] == orig["global_step"] and "loops" in thin
+    for k, v in orig["state_dict"].items():
+        assert thin["state_dict"][k].dtype == torch.bfloat16
+        assert torch.equal(thin["state_dict"][k], v.to(torch.bfloat16))
+    assert "optimizer_states" in torch.load(files[-1], weights_only=True)
+
+
+def test_thin_options_need_thin_after(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _training_run(run, (1, 2))
+    r = run_cli("prune", run, "--keep", "1", "--thin-to", "bf16", "--yes")
+    assert r.exit_code == 2 and "--thin-after" in r.stderr
+
+
+def test_thin_hf_trainer_checkpoint(hf_trainer_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "out"
+    shutil.copytree(hf_trainer_dir, run, symlinks=True)
+    ckpts = sorted((p for p in run.glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1]))
+    oldest = ckpts[0]
+    assert (oldest / "optimizer.pt").is_file()
+    with third_party_quiet():
+        orig = AutoModelForCausalLM.from_pretrained(oldest).state_dict()
+    r = run_cli("prune", run, "--thin-after", "1", "--grace", "0", "--yes", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["thinning"]
+    assert oldest.name in doc["thinned"] and doc["bytes_saved"] > 0
+    assert not (oldest / "optimizer.pt").exists() and (oldest / "trainer_state.json").is_file()
+    assert (ckpts[-1] / "optimizer.pt").is_file()
+    with third_party_quiet():
+        thin = AutoModelForCausalLM.from_pretrained(oldest).state_dict()
+    assert all(torch.equal(thin[k], v) for k, v in orig.items())
+    assert run_cli("validate", oldest).exit_code == 0
