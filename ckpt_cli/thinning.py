@@ -49,6 +49,8 @@ class Thinned:
         dtype: ``bf16`` when the weights were cast, else None.
         bytes_before: Its size before.
         bytes_after: Its size after.
+        manifest_digest: SHA-256 of its manifest, rewritten for the thinned files, when it had
+            one (None: it had none).
     """
 
     path: Path
@@ -56,6 +58,7 @@ class Thinned:
     dtype: str | None = None
     bytes_before: int = 0
     bytes_after: int = 0
+    manifest_digest: str | None = None
 
     @property
     def saved(self) -> int:
@@ -74,6 +77,39 @@ def can_thin(path: Path) -> str | None:
     if not path.name.endswith(THIN_SUFFIXES):
         return "only single-file torch checkpoints (.pt, .pth, .ckpt, .bin) are thinned so far"
     return None
+
+
+def _set_manifest_aside(path: Path) -> str | None:
+    """Remove the checkpoint's manifest before its files change; return its algorithm.
+
+    The old manifest describes the files about to be rewritten; left in place it would make the
+    thinned checkpoint fail ``validate``. Removed first, a crash at any later point leaves a
+    checkpoint without a manifest (which validates) rather than one contradicting its files.
+    """
+    from ckpt_cli.manifest import DEFAULT_ALGORITHM, manifest_path, read_manifest
+
+    mp = manifest_path(path)
+    if mp.is_symlink() or not mp.is_file():
+        return None
+    try:
+        old = read_manifest(path)
+    except CkptError:
+        old = None
+    algorithm = old.algorithm if old is not None else None
+    os.unlink(mp)
+    fsync_path(mp.parent)
+    return algorithm or DEFAULT_ALGORITHM
+
+
+def _manifest_again(path: Path, algorithm: str | None) -> str | None:
+    """Write the thinned checkpoint's manifest when it had one; its digest for the ledger."""
+    if algorithm is None:
+        return None
+    from ckpt_cli.ledger import manifest_digest
+    from ckpt_cli.manifest import write_manifest
+
+    write_manifest(path, algorithm=algorithm)
+    return manifest_digest(path)
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -146,13 +182,15 @@ def thin_file(path: Path, *, to: str | None = None) -> Thinned | None:
         if (now.st_ino, now.st_size, now.st_mtime_ns) != (before.st_ino, before.st_size,
                                                            before.st_mtime_ns):
             raise CkptError("it changed while being thinned; left as it is", path=path)
+        algorithm = _set_manifest_aside(path)
         # One rename: the name holds the original or the thinned file, never neither.
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
     fsync_path(path.parent)
-    return Thinned(path, dropped, to, before.st_size, path.stat().st_size)
+    digest = _manifest_again(path, algorithm)
+    return Thinned(path, dropped, to, before.st_size, path.stat().st_size, digest)
 
 
 def _thin_hf_dir(path: Path) -> Thinned | None:
@@ -171,7 +209,9 @@ def _thin_hf_dir(path: Path) -> Thinned | None:
     problem = quick_validate(path)
     if problem:
         raise CkptError(f"does not validate ({problem}); left whole", path=path)
+    algorithm = _set_manifest_aside(path)
     for n in victims:
         os.unlink(path / n)
     fsync_path(path)
-    return Thinned(path, victims, None, bytes_before, tree_scan(path).bytes)
+    digest = _manifest_again(path, algorithm)
+    return Thinned(path, victims, None, bytes_before, tree_scan(path).bytes, digest)

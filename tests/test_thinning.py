@@ -106,3 +106,39 @@ def test_thin_hf_trainer_checkpoint(hf_trainer_dir: Path, tmp_path: Path) -> Non
         thin = AutoModelForCausalLM.from_pretrained(oldest).state_dict()
     assert all(torch.equal(thin[k], v) for k, v in orig.items())
     assert run_cli("validate", oldest).exit_code == 0
+
+
+def test_a_watched_run_stays_valid_and_verified_after_thinning(tmp_path: Path) -> None:
+    """Manifests written by ``watch`` are rewritten for the thinned files (a stale one would make
+    the thinned checkpoint fail validate), and the ledger's line records the new manifest."""
+    import os
+    import time
+
+    from ckpt_cli.ledger import manifest_digest
+    from ckpt_cli.manifest import manifest_path, verify_manifest
+    from ckpt_cli.resume import latest_verified
+
+    run = tmp_path / "run"
+    _training_run(run, (100, 200, 300))
+    old = time.time() - 60
+    for p in run.iterdir():
+        os.utime(p, (old, old))
+    r = run_cli("watch", run, "--once", "--settle", "0")
+    assert r.exit_code == 0, r.stderr
+    assert manifest_path(run / "step_0100.pt").is_file()
+    r = run_cli("prune", run, "--thin-after", "1", "--grace", "0", "--yes")
+    assert r.exit_code == 0, r.stderr
+    for name in ("step_0100.pt", "step_0200.pt"):
+        assert "optimizer" not in torch.load(run / name, weights_only=True)
+        assert verify_manifest(run / name).ok
+        ledger = read_ledger(run)
+        assert ledger is not None
+        line = ledger.latest()[name]
+        assert line.event == "thinned" and line.manifest_digest == manifest_digest(run / name)
+    r = run_cli("validate", run)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    # The next watch pass finds nothing wrong, and resume still picks the newest whole one.
+    r = run_cli("watch", run, "--once", "--settle", "0")
+    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
+    found = latest_verified(run, verify="full")
+    assert found is not None and Path(found).name == "step_0300.pt"

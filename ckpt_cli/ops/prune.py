@@ -162,7 +162,8 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
         detail = {"dropped": done.dropped, "dtype": done.dtype,
                   "bytes_before": done.bytes_before}
         append(root, LedgerEntry(path=name, step=d.entry.step, time=time.time(), event=THINNED,
-                                 verdict="good", bytes=done.bytes_after, detail=detail))
+                                 verdict="good", bytes=done.bytes_after,
+                                 manifest_digest=done.manifest_digest, detail=detail))
         report(PruneEvent("thinned", name, f"dropped {', '.join(done.dropped) or 'nothing'}"
                           f"{', weights to ' + done.dtype if done.dtype else ''}: "
                           f"{done.bytes_before:,} -> {done.bytes_after:,} bytes", plan=plan))
