@@ -423,10 +423,12 @@ def write_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
         UsageError: Unknown algorithm.
     """
     stats: HashStats | None = None
+    # Where it goes is decided while the checkpoint is there: decided after hashing, a
+    # directory deleted meanwhile (a concurrent prune) would get a sibling file's manifest.
+    dest = manifest_path(storage.locate(checkpoint))
     if manifest is None:
         manifest, stats = compute_manifest(checkpoint, algorithm=algorithm, jobs=jobs,
                                            on_progress=on_progress)
-    dest = manifest_path(storage.locate(checkpoint))
     data = manifest.to_json()
     try:
         if storage.is_remote(dest):

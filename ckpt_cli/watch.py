@@ -75,6 +75,7 @@ class WatchEvent:
         manifest_digest: SHA-256 of the manifest written with a good verdict.
         problems: Why it is bad; for ``error``, the message.
         deleted: For ``pruned``: what retention deleted.
+        thinned: For ``pruned``: what retention rewrote without optimizer state.
     """
 
     event: str
@@ -86,6 +87,7 @@ class WatchEvent:
     manifest_digest: str | None = None
     problems: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    thinned: list[str] = field(default_factory=list)
 
     @property
     def bad(self) -> bool:
@@ -97,7 +99,7 @@ class WatchEvent:
         return {"schema_version": 1, "event": self.event, "run": self.run, "path": self.path,
                 "step": self.step, "verdict": self.verdict, "bytes": self.bytes,
                 "manifest_digest": self.manifest_digest, "problems": list(self.problems),
-                "deleted": list(self.deleted)}
+                "deleted": list(self.deleted), "thinned": list(self.thinned)}
 
 
 Signature = tuple[int, int, float]
@@ -307,11 +309,12 @@ class RunWatcher:
             return WatchEvent("error", str(self.root), problems=[f"retention: {e}"])
         deleted = [d.entry.name for d in result.plan.decisions
                    if d.delete and not (self.root / d.entry.name).exists()]
-        for n in deleted:
+        thinned = list(result.thinned)
+        for n in [*deleted, *thinned]:  # a thinned one is looked at afresh (its new manifest)
             self.seen.pop(n, None)
-        if not deleted and result.ok:
+        if not deleted and not thinned and result.ok:
             return None
-        return WatchEvent("pruned", str(self.root), deleted=deleted,
+        return WatchEvent("pruned", str(self.root), deleted=deleted, thinned=thinned,
                           problems=[] if result.ok else ["retention: some deletions failed"])
 
 

@@ -137,3 +137,28 @@ def test_malformed_manifests_are_refused(tmp_path: Path, doc: str, fragment: str
 def test_unknown_algorithm_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="unknown checksum 'md5'"):
         compute_manifest(tmp_path, algorithm="md5")
+
+
+def test_a_directory_deleted_while_hashed_gets_no_sibling_manifest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A concurrent prune may delete the checkpoint while its manifest is computed: the write
+    must fail, not leave ``step_4.ckpt-manifest.json`` beside where the directory was."""
+    import shutil
+
+    from ckpt_cli import manifest as m
+    from ckpt_cli.errors import CkptError
+
+    ckpt = tmp_path / "step_4"
+    ckpt.mkdir()
+    (ckpt / "model.bin").write_bytes(b"x" * 100)
+    real = m.compute_manifest
+
+    def compute_then_vanish(*a: object, **kw: object) -> object:
+        out = real(*a, **kw)  # type: ignore[arg-type]
+        shutil.rmtree(ckpt)
+        return out
+
+    monkeypatch.setattr(m, "compute_manifest", compute_then_vanish)
+    with pytest.raises(CkptError, match="does not exist"):
+        m.write_manifest(ckpt)
+    assert list(tmp_path.iterdir()) == []

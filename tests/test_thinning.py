@@ -142,3 +142,26 @@ def test_a_watched_run_stays_valid_and_verified_after_thinning(tmp_path: Path) -
     assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
     found = latest_verified(run, verify="full")
     assert found is not None and Path(found).name == "step_0300.pt"
+
+
+def test_watch_applies_thinning_after_verifying(tmp_path: Path) -> None:
+    import os
+    import time
+
+    run = tmp_path / "run"
+    _training_run(run, (100, 200, 300))
+    old = time.time() - 60
+    for p in run.iterdir():
+        os.utime(p, (old, old))
+    r = run_cli("watch", run, "--once", "--settle", "0", "--grace", "0", "--thin-after", "2",
+                "--json")
+    assert r.exit_code == 0, r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    pruned = [e for e in events if e["event"] == "pruned"]
+    assert len(pruned) == 1 and pruned[0]["thinned"] == ["step_0100.pt"]
+    assert pruned[0]["deleted"] == []  # --thin-after alone deletes nothing
+    assert "optimizer" not in torch.load(run / "step_0100.pt", weights_only=True)
+    assert "optimizer" in torch.load(run / "step_0200.pt", weights_only=True)
+    r = run_cli("watch", run, "--once", "--settle", "0", "--thin-after", "2", "--thin-to",
+                "fp16")
+    assert r.exit_code == 2 and "--thin-to" in r.stderr

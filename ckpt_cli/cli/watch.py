@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import TYPE_CHECKING, Annotated
 
@@ -41,6 +42,16 @@ def watch_cmd(
     grace: Annotated[str, typer.Option(
         "--grace", metavar="AGE", help="Retention never deletes anything changed within AGE.")
     ] = "10m",
+    thin_after: Annotated[int | None, typer.Option(
+        "--thin-after", metavar="N", help="Retention: rewrite checkpoints older than the newest N "
+        "verified ones without optimizer state, in place (as ckpt prune).",
+        show_default=False)] = None,
+    thin_to: Annotated[str | None, typer.Option(
+        "--thin-to", metavar="bf16", help="Also cast thinned checkpoints' weights to BF16.",
+        show_default=False)] = None,
+    keep_full_every: Annotated[int | None, typer.Option(
+        "--keep-full-every", metavar="STEPS", help="Never thin checkpoints whose step is a "
+        "multiple of STEPS.", show_default=False)] = None,
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts."
     )] = None,
@@ -57,7 +68,8 @@ def watch_cmd(
     changing; a half-written one never is. Good ones get a manifest; every verdict is a line of
     ckpt-ledger.jsonl in the run directory, which is also the watcher's state across restarts.
     A bad checkpoint is reported at once (stderr, a JSON line with --json, --on-bad). With
-    --keep / --keep-every, retention runs after each verified checkpoint (as ckpt prune).
+    --keep / --keep-every / --thin-after, retention runs after each verified checkpoint (as
+    ckpt prune).
 
     Examples:
       ckpt watch runs/gpt --keep 3
@@ -71,8 +83,11 @@ def watch_cmd(
         from ckpt_cli.watch import Watcher, WatchOptions
 
         policy = None
-        if keep is not None or keep_every is not None:
-            policy = _policy(keep, keep_every, None, None, "min", None, None, grace, pattern)
+        thinning = (thin_after, thin_to, keep_full_every) != (None, None, None)
+        if keep is not None or keep_every is not None or thinning:
+            policy = dataclasses.replace(
+                _policy(keep, keep_every, None, None, "min", None, None, grace, pattern),
+                thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every)
             policy.check()
         opts = WatchOptions(crc=crc, values=values,
                             settle=parse_duration(settle, what="--settle", allow_zero=True),
@@ -117,6 +132,8 @@ def _emit(ev: WatchEvent, json: bool) -> None:
     where = redact(f"{ev.run}/{ev.path}" if ev.path else ev.run)
     if ev.event == "pruned" and not json:
         line = f"ckpt watch: {where}: retention deleted {', '.join(ev.deleted) or 'nothing'}"
+        if ev.thinned:
+            line += f", thinned {', '.join(ev.thinned)}"
         if ev.problems:
             line += f" ({ev.problems[0]})"
         print(line, flush=True)
