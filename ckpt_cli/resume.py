@@ -59,7 +59,7 @@ def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
         ValueError: An unknown ``verify``.
         CkptError: The ledger cannot be read.
     """
-    from ckpt_cli.watch import recheck_good
+    from ckpt_cli.watch import links_in, recheck_good
 
     if verify not in ("sizes", "full"):
         raise ValueError(f"verify must be 'sizes' or 'full', not {verify!r}")
@@ -67,9 +67,18 @@ def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
     book = ledger.read_ledger(root)
     if book is None:
         return None
-    good = sorted((e for e in book.latest().values() if e.good), key=_order, reverse=True)
+    # A thinned checkpoint (prune --thin-after) is good for its weights but lost its optimizer
+    # state: resuming from it would restart the optimizer (and HF Trainer its scheduler).
+    good = sorted((e for e in book.latest().values() if e.good and e.event != ledger.THINNED),
+                  key=_order, reverse=True)
     rejected: list[tuple[str, str]] = []
     for e in good:
+        # Never resume through a symbolic link: one swapped in after the save can point at any
+        # file of the same size, outside the run (a size check would not tell).
+        links = links_in(root / e.path)
+        if links:
+            rejected.append((e.path, f"{links[0]} is a symbolic link"))
+            continue
         problems = recheck_good(root / e.path, e, full=verify == "full")
         if not problems:
             return ResumeChoice(root / e.path, e, tuple(rejected))

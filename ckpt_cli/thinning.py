@@ -29,7 +29,10 @@ from ckpt_cli.errors import CkptError
 # Top-level keys that hold optimizer state in the training files of the frameworks ckpt reads:
 # Lightning (optimizer_states), plain training loops (optimizer, optimizer_state_dict, optim).
 OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optimizer_state_dict", "optim",
-                  "optim_state", "opt")
+                  "optim_state")
+# Only what is optimizer state by its shape is dropped: torch's Optimizer.state_dict() is a
+# dict with "state" and "param_groups" (Lightning keeps a list of them). A key of the same name
+# holding anything else (a name, hyperparameters) stays.
 # Where the weights are: Lightning and most loops (state_dict), others (model...).
 WEIGHT_KEYS = ("state_dict", "model", "model_state_dict", "module")
 THIN_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
@@ -125,6 +128,17 @@ def _load(path: Path) -> dict[str, Any]:
     return obj
 
 
+def _is_optimizer_state(value: Any) -> bool:
+    """Whether ``value`` is an optimizer's ``state_dict()`` (or a list/dict of them)."""
+    if isinstance(value, dict) and "state" in value and "param_groups" in value:
+        return True
+    if isinstance(value, list | tuple) and value:
+        return all(_is_optimizer_state(v) for v in value)
+    if isinstance(value, dict) and value and "state" not in value:
+        return all(_is_optimizer_state(v) for v in value.values())
+    return False
+
+
 def _cast(obj: Any) -> Any:
     import torch
 
@@ -163,8 +177,10 @@ def thin_file(path: Path, *, to: str | None = None) -> Thinned | None:
         return _thin_hf_dir(path)
     before = path.stat()
     state = _load(path)
-    dropped = [k for k in OPTIMIZER_KEYS if k in state]
-    if not dropped and to is None:
+    dropped = [k for k in OPTIMIZER_KEYS if k in state and _is_optimizer_state(state[k])]
+    if not dropped:
+        # Nothing to drop: no training state here (weights only, EMA, or thinned already), and
+        # --thin-to alone would be a lossy cast of a checkpoint nobody asked to thin.
         return None
     thin = {k: v for k, v in state.items() if k not in dropped}
     if to == "bf16":
@@ -173,6 +189,11 @@ def thin_file(path: Path, *, to: str | None = None) -> Thinned | None:
     try:
         torch.save(thin, tmp)
         os.chmod(tmp, before.st_mode & 0o7777)
+        # Its age and owner stay the original's: retention by age (--older-than, --grace)
+        # must not take a thinned old checkpoint for a new one.
+        with contextlib.suppress(OSError):
+            os.chown(tmp, before.st_uid, before.st_gid)
+        os.utime(tmp, ns=(before.st_atime_ns, before.st_mtime_ns))
         fsync_path(tmp)
         problem = quick_validate(tmp)
         if problem:

@@ -175,6 +175,21 @@ def recheck_good(path: Path, line: ledger.LedgerEntry, *, full: bool) -> list[st
             if f.severity == "error"][:5]
 
 
+def links_in(path: Path) -> list[str]:
+    """The symbolic links a checkpoint is (or holds), by name; local paths only."""
+    if storage.is_remote(path):
+        return []
+    if path.is_symlink():
+        return [path.name]
+    if not path.is_dir():
+        return []
+    out: list[str] = []
+    for dirpath, dirs, files in os.walk(path):
+        out.extend(os.path.relpath(os.path.join(dirpath, n), path) for n in [*dirs, *files]
+                   if os.path.islink(os.path.join(dirpath, n)))
+    return out
+
+
 def _rel(run_dir: Path, path: Path) -> str:
     try:
         return Path(os.path.relpath(str(path), str(run_dir))).as_posix()
@@ -194,6 +209,7 @@ class RunWatcher:
         self.seen: dict[str, tuple[Signature, str]] = {}  # name -> (signature, verdict)
         self.known: dict[str, ledger.LedgerEntry] = {}  # the ledger's newest line per path
         self.loaded = False
+        self._ledger_stamp: tuple[int, int, int] | None = None
 
     def run_pass(self) -> list[WatchEvent]:
         """One look at the run: verify what committed, re-check what changed, apply retention.
@@ -203,10 +219,7 @@ class RunWatcher:
         """
         from ckpt_cli.runs import list_run
 
-        if not self.loaded:
-            book = ledger.read_ledger(self.root)
-            self.known = book.latest() if book is not None else {}
-            self.loaded = True
+        self._refresh_known()
         out: list[WatchEvent] = []
         listing = list_run(self.root, self.opts.pattern)
         now = self.clock()
@@ -225,6 +238,27 @@ class RunWatcher:
             if ev is not None:
                 self._say(ev, out)
         return out
+
+    def _refresh_known(self) -> None:
+        """Read the ledger again when someone else wrote to it since (a prune that thinned
+        checkpoints, a training callback): a line cached from before would make a rewritten
+        checkpoint look tampered with. Locally a stat tells; on object storage it is re-read
+        after this watcher's own retention only."""
+        stamp = None
+        path = ledger.ledger_path(self.root)
+        if not storage.is_remote(path):
+            try:
+                st = os.stat(path)
+                stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            except OSError:
+                stamp = (0, 0, 0)
+            if stamp != self._ledger_stamp:
+                self.loaded = False
+        if not self.loaded:
+            book = ledger.read_ledger(self.root)
+            self.known = book.latest() if book is not None else {}
+            self.loaded = True
+            self._ledger_stamp = stamp
 
     def _say(self, ev: WatchEvent, out: list[WatchEvent]) -> None:
         out.append(ev)
@@ -310,6 +344,8 @@ class RunWatcher:
         deleted = [d.entry.name for d in result.plan.decisions
                    if d.delete and not (self.root / d.entry.name).exists()]
         thinned = list(result.thinned)
+        if thinned:
+            self.loaded = False  # its ledger lines are new: read before the next look
         for n in [*deleted, *thinned]:  # a thinned one is looked at afresh (its new manifest)
             self.seen.pop(n, None)
         if not deleted and not thinned and result.ok:

@@ -165,3 +165,103 @@ def test_watch_applies_thinning_after_verifying(tmp_path: Path) -> None:
     r = run_cli("watch", run, "--once", "--settle", "0", "--thin-after", "2", "--thin-to",
                 "fp16")
     assert r.exit_code == 2 and "--thin-to" in r.stderr
+
+
+def _aged_run(run: Path, steps: tuple[int, ...]) -> None:
+    import os
+    import time
+
+    _training_run(run, steps)
+    old = time.time() - 3600
+    for p in run.iterdir():
+        os.utime(p, (old, old))
+
+
+def test_a_long_running_watch_trusts_what_thinning_rewrote(tmp_path: Path) -> None:
+    """The watcher's cached ledger lines must not outlive a thinning (its own, or a cron
+    prune's): the rewritten checkpoints are good, never reported bad."""
+    from ckpt_cli.ledger import read_ledger as read
+    from ckpt_cli.retention import PrunePolicy
+    from ckpt_cli.watch import Watcher, WatchOptions
+
+    run = tmp_path / "run"
+    _aged_run(run, (100, 200, 300, 400))
+    events: list = []
+    own = Watcher(run, WatchOptions(settle=0, policy=PrunePolicy(thin_after=2, grace=0)),
+                  events.append)
+    for _ in own.loop(0, passes=3):
+        pass
+    assert not [e for e in events if e.bad], [e.problems for e in events if e.bad]
+    assert [e.thinned for e in events if e.event == "pruned"] == [["step_0100.pt",
+                                                                   "step_0200.pt"]]
+    # A watcher without retention, and a cron prune thinning under it.
+    run2 = tmp_path / "run2"
+    _aged_run(run2, (100, 200, 300))
+    events2: list = []
+    w = Watcher(run2, WatchOptions(settle=0), events2.append)
+    w.run_pass()
+    r = run_cli("prune", run2, "--thin-after", "1", "--grace", "0", "--yes")
+    assert r.exit_code == 0, r.stderr
+    w.run_pass()
+    w.run_pass()
+    assert not [e for e in events2 if e.bad], [e.problems for e in events2 if e.bad]
+    book = read(run2)
+    assert book is not None and all(e.good for e in book.latest().values())
+
+
+def test_resume_never_picks_a_thinned_or_symlinked_checkpoint(tmp_path: Path) -> None:
+    import os
+
+    from ckpt_cli.resume import choose, latest_verified
+
+    run = tmp_path / "run"
+    _aged_run(run, (100, 200, 300, 400))
+    assert run_cli("watch", run, "--once", "--settle", "0").exit_code == 0
+    assert run_cli("prune", run, "--thin-after", "2", "--grace", "0", "--yes").exit_code == 0
+    assert latest_verified(run) == run / "step_0400.pt"
+    # The two whole ones damaged: only thinned ones are left good, and none is resumable.
+    for name in ("step_0300.pt", "step_0400.pt"):
+        with open(run / name, "r+b") as f:
+            f.truncate(1000)
+    assert latest_verified(run, verify="full") is None
+    # A verified file swapped for a link to a same-size file outside the run.
+    run2 = tmp_path / "run2"
+    _aged_run(run2, (100, 200))
+    assert run_cli("watch", run2, "--once", "--settle", "0").exit_code == 0
+    outside = tmp_path / "evil.pt"
+    outside.write_bytes((run2 / "step_0100.pt").read_bytes())
+    os.unlink(run2 / "step_0200.pt")
+    os.symlink(outside, run2 / "step_0200.pt")
+    chosen = choose(run2)
+    assert chosen is not None and chosen.path == run2 / "step_0100.pt"
+    assert any("symbolic link" in why for _p, why in chosen.rejected)
+
+
+def test_thinning_drops_only_optimizer_state_and_keeps_age(tmp_path: Path) -> None:
+    import os
+
+    run = tmp_path / "run"
+    run.mkdir()
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    hyper = {"lr": 0.01, "batch": 32, "data": "coco.yaml"}
+    for step in (100, 200, 300):
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "opt": hyper,
+                    "optim": "adamw", "step": step}, run / f"step_{step}.pt")
+    weights_only = run / "step_50.pt"
+    torch.save({"model": {k: v.double() for k, v in model.state_dict().items()}, "step": 50},
+               weights_only)
+    old = 1_600_000_000
+    for p in run.iterdir():
+        os.utime(p, (old, old))
+    plain_bytes = weights_only.read_bytes()
+    r = run_cli("prune", run, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0", "--yes")
+    assert r.exit_code == 0, r.stderr
+    thin = torch.load(run / "step_100.pt", weights_only=True)
+    assert "optimizer" not in thin
+    assert thin["opt"] == hyper and thin["optim"] == "adamw"  # not optimizer state: kept
+    assert (run / "step_100.pt").stat().st_mtime == old  # still as old as it was
+    # No optimizer state to drop: --thin-to alone does not cast it.
+    assert weights_only.read_bytes() == plain_bytes
