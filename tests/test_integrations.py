@@ -14,6 +14,7 @@ import torch
 from ckpt_cli import ledger
 from ckpt_cli.resume import latest_verified
 from tests.conftest import third_party_quiet
+from tests.helpers.makers import tiny_lm_data
 
 pytestmark = pytest.mark.requires_torch
 
@@ -56,14 +57,6 @@ def test_hf_trainer_callback_keeps_the_last_verified_checkpoint(tmp_path: Path) 
             seen[state.global_step] = ((out / "checkpoint-2").is_dir(), latest_verified(out))
             return control
 
-    class DS(torch.utils.data.Dataset):  # type: ignore[type-arg]
-        def __len__(self) -> int:
-            return 32
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            ids = (torch.arange(16) + i) % 64
-            return {"input_ids": ids, "labels": ids}
-
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
                                        n_head=2))
@@ -72,7 +65,7 @@ def test_hf_trainer_callback_keeps_the_last_verified_checkpoint(tmp_path: Path) 
                              use_cpu=True, save_strategy="steps", disable_tqdm=True)
     verify = CkptVerifyCallback()
     with third_party_quiet():
-        Trainer(model=model, args=args, train_dataset=DS(),
+        Trainer(model=model, args=args, train_dataset=tiny_lm_data(),
                 callbacks=[BreakSave4(), verify, Probe()]).train()
     assert _verdicts(out) == {"checkpoint-2": "good", "checkpoint-4": "bad",
                               "checkpoint-6": "good"}

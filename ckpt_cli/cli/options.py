@@ -18,6 +18,17 @@ InputFormatOpt = Annotated[str | None, typer.Option(
     help="Skip detection and read the input as this format: safetensors, hf-index, torch, dcp, "
          "deepspeed, megatron or dir.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notes.")]
+# Thinning (prune --thin-after, and watch's retention): one declaration for both commands.
+ThinAfterOpt = Annotated[int | None, typer.Option(
+    "--thin-after", metavar="N", help="Rewrite checkpoints older than the newest N complete "
+    "ones without optimizer state, in place (torch and Lightning files, HF checkpoint-N).",
+    show_default=False)]
+ThinToOpt = Annotated[str | None, typer.Option(
+    "--thin-to", metavar="bf16", help="Also cast thinned checkpoints' weights to BF16.",
+    show_default=False)]
+KeepFullEveryOpt = Annotated[int | None, typer.Option(
+    "--keep-full-every", metavar="STEPS", help="Never thin checkpoints whose step is a "
+    "multiple of STEPS.", show_default=False)]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n",
                                          help="Show what would be done and stop.")]

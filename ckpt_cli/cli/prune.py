@@ -11,8 +11,11 @@ from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, EXIT_REFUSED, handled
 from ckpt_cli.cli.options import (
     DryRunOpt,
     JsonOpt,
+    KeepFullEveryOpt,
     Location,
     StorageOpt,
+    ThinAfterOpt,
+    ThinToOpt,
     YesOpt,
     local_only,
     location,
@@ -56,16 +59,9 @@ def prune_cmd(
     grace: Annotated[str, typer.Option(
         "--grace", metavar="AGE", help="Never delete anything changed within AGE: it may still "
         "be being written (0 turns this off).")] = "10m",
-    thin_after: Annotated[int | None, typer.Option(
-        "--thin-after", metavar="N", help="Rewrite checkpoints older than the newest N complete "
-        "ones without optimizer state, in place (torch/Lightning files).",
-        show_default=False)] = None,
-    thin_to: Annotated[str | None, typer.Option(
-        "--thin-to", metavar="bf16", help="Also cast thinned checkpoints' weights to BF16.",
-        show_default=False)] = None,
-    keep_full_every: Annotated[int | None, typer.Option(
-        "--keep-full-every", metavar="STEPS", help="Never thin checkpoints whose step is a "
-        "multiple of STEPS.", show_default=False)] = None,
+    thin_after: ThinAfterOpt = None,
+    thin_to: ThinToOpt = None,
+    keep_full_every: KeepFullEveryOpt = None,
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts "
         "(a 'step' group gives the step).")] = None,

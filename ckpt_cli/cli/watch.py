@@ -9,7 +9,16 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
-from ckpt_cli.cli.options import JsonOpt, Location, StorageOpt, location, use_storage
+from ckpt_cli.cli.options import (
+    JsonOpt,
+    KeepFullEveryOpt,
+    Location,
+    StorageOpt,
+    ThinAfterOpt,
+    ThinToOpt,
+    location,
+    use_storage,
+)
 
 if TYPE_CHECKING:
     from ckpt_cli.watch import WatchEvent
@@ -42,16 +51,9 @@ def watch_cmd(
     grace: Annotated[str, typer.Option(
         "--grace", metavar="AGE", help="Retention never deletes anything changed within AGE.")
     ] = "10m",
-    thin_after: Annotated[int | None, typer.Option(
-        "--thin-after", metavar="N", help="Retention: rewrite checkpoints older than the newest N "
-        "verified ones without optimizer state, in place (as ckpt prune).",
-        show_default=False)] = None,
-    thin_to: Annotated[str | None, typer.Option(
-        "--thin-to", metavar="bf16", help="Also cast thinned checkpoints' weights to BF16.",
-        show_default=False)] = None,
-    keep_full_every: Annotated[int | None, typer.Option(
-        "--keep-full-every", metavar="STEPS", help="Never thin checkpoints whose step is a "
-        "multiple of STEPS.", show_default=False)] = None,
+    thin_after: ThinAfterOpt = None,
+    thin_to: ThinToOpt = None,
+    keep_full_every: KeepFullEveryOpt = None,
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts."
     )] = None,

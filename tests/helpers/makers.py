@@ -55,6 +55,21 @@ def hf_sharded(out: Path, sd: dict[str, torch.Tensor], max_shard_size: int) -> N
     save_torch_state_dict(sd, out, max_shard_size=max_shard_size)
 
 
+def tiny_lm_data() -> Any:
+    """32 token sequences of length 16 over a 64-token vocabulary (inputs are labels): what the
+    tiny GPT-2 Trainer runs of the tests train on."""
+
+    class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = (torch.arange(16) + i) % 64
+            return {"input_ids": ids, "labels": ids}
+
+    return Data()
+
+
 def hf_trainer_run(out: Path, steps: int = 4, save_steps: int = 2, *,
                    evaluate: bool = False, final: bool = False) -> Path:
     """Train a tiny GPT-2 with transformers' Trainer; returns the output directory.
@@ -72,14 +87,6 @@ def hf_trainer_run(out: Path, steps: int = 4, save_steps: int = 2, *,
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
                                        n_head=2))
 
-    class DS(torch.utils.data.Dataset):  # type: ignore[type-arg]
-        def __len__(self) -> int:
-            return 32
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            ids = (torch.arange(16) + i) % 64
-            return {"input_ids": ids, "labels": ids}
-
     extra: dict[str, Any] = {}
     if evaluate:
         extra = {"eval_strategy": "steps", "eval_steps": save_steps,
@@ -88,8 +95,8 @@ def hf_trainer_run(out: Path, steps: int = 4, save_steps: int = 2, *,
     args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=save_steps,
                              per_device_train_batch_size=4, logging_steps=1, report_to=[],
                              use_cpu=True, save_strategy="steps", disable_tqdm=True, **extra)
-    trainer = Trainer(model=model, args=args, train_dataset=DS(),
-                      eval_dataset=DS() if evaluate else None)
+    trainer = Trainer(model=model, args=args, train_dataset=tiny_lm_data(),
+                      eval_dataset=tiny_lm_data() if evaluate else None)
     trainer.train()
     if final:
         trainer.save_model()
