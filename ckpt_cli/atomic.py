@@ -186,3 +186,37 @@ def check_not_input(out: Path, source: Path, inputs: Iterable[Path] = ()) -> Non
         r = f.resolve()
         if r == o or r.is_relative_to(o):
             raise UsageError(f"the output {out} would overwrite the input file {f}")
+
+
+RENAME_EXCHANGE = 2
+"""``renameat2`` flag: swap two paths atomically (Linux 3.15+, most local file systems)."""
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap two paths (files or directories) in one atomic step: ``renameat2(RENAME_EXCHANGE)``.
+
+    A directory cannot be renamed over a non-empty one; swapping instead means no moment exists
+    at which either name is missing, so a crash leaves one of the two complete at each name.
+
+    Args:
+        a: One path.
+        b: The other, in the same file system.
+
+    Raises:
+        OSError: The kernel, C library or file system cannot swap (``ENOSYS``, ``EINVAL``,
+            ``EOPNOTSUPP``), or either path is missing.
+    """
+    import ctypes
+    import errno
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        raise OSError(errno.ENOSYS, "renameat2 is not available") from None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))

@@ -59,6 +59,7 @@ def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
         ValueError: An unknown ``verify``.
         CkptError: The ledger cannot be read.
     """
+    from ckpt_cli.thinning import pending
     from ckpt_cli.watch import links_in, recheck_good
 
     if verify not in ("sizes", "full"):
@@ -69,8 +70,14 @@ def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
         return None
     # A thinned checkpoint (prune --thin-after) is good for its weights but lost its optimizer
     # state: resuming from it would restart the optimizer (and HF Trainer its scheduler).
-    good = sorted((e for e in book.latest().values() if e.good and e.event != ledger.THINNED),
-                  key=_order, reverse=True)
+    # A thinning that was interrupted (its intent line never confirmed) may have rewritten the
+    # checkpoint before watch verified it again: not resumable either.
+    interrupted: set[str] = set()
+    for e in book.entries:
+        if e.event == ledger.THINNED:
+            (interrupted.add if pending(e) else interrupted.discard)(e.path)
+    good = sorted((e for e in book.latest().values() if e.good and e.event != ledger.THINNED
+                   and e.path not in interrupted), key=_order, reverse=True)
     rejected: list[tuple[str, str]] = []
     for e in good:
         # Never resume through a symbolic link: one swapped in after the save can point at any

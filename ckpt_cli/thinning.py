@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.atomic import fsync_path, tmp_sibling
+from ckpt_cli.atomic import fsync_path, fsync_tree, tmp_sibling
 from ckpt_cli.errors import CkptError
 
 # Top-level keys that hold optimizer state in the training files of the frameworks ckpt reads:
@@ -69,17 +72,59 @@ class Thinned:
         return self.bytes_before - self.bytes_after
 
 
+PENDING = "pending"
+"""Key of a ``thinned`` ledger line's ``detail`` written *before* the checkpoint changes (the
+intent): until the line that follows a successful thinning, the checkpoint may be the original
+or the thinned one, with or without its manifest, and must be verified afresh, never reported
+bad for not matching what was recorded."""
+
+
+def pending(line: Any) -> bool:
+    """Whether a ledger line is the intent of a thinning that has not been confirmed yet."""
+    detail = getattr(line, "detail", None)
+    return getattr(line, "event", None) == "thinned" and isinstance(detail, dict) and bool(
+        detail.get(PENDING))
+
+
 def can_thin(path: Path) -> str | None:
     """None if ``path`` is a checkpoint this module can thin, else why not."""
     if path.is_symlink():
         return "a symbolic link: never followed"
-    if path.is_dir() and (path / "trainer_state.json").is_file():
-        return None
+    if path.is_dir():
+        if (path / "trainer_state.json").is_file() or _is_dcp(path) or lone_torch_file(path):
+            return None
+        return ("only torch files, step directories holding one, DCP directories and HF "
+                "checkpoint-N directories are thinned so far")
     if not path.is_file():
         return "only single-file torch checkpoints are thinned so far"
     if not path.name.endswith(THIN_SUFFIXES):
         return "only single-file torch checkpoints (.pt, .pth, .ckpt, .bin) are thinned so far"
     return None
+
+
+def _is_dcp(path: Path) -> bool:
+    from ckpt_cli.formats.dcp import metadata_file
+
+    return metadata_file(path) is not None
+
+
+def lone_torch_file(path: Path) -> Path | None:
+    """The one torch file of a step directory that holds nothing else (the sample run's
+    ``step_000100/checkpoint.pt``; its manifest aside), or None."""
+    from ckpt_cli.manifest import MANIFEST_NAME
+
+    found: list[Path] = []
+    try:
+        children = list(path.iterdir())
+    except OSError:
+        return None
+    for c in children:
+        if c.name == MANIFEST_NAME:
+            continue
+        if c.is_symlink() or not c.is_file() or not c.name.endswith(THIN_SUFFIXES):
+            return None
+        found.append(c)
+    return found[0] if len(found) == 1 else None
 
 
 def _set_manifest_aside(path: Path) -> str | None:
@@ -149,33 +194,58 @@ def _cast(obj: Any) -> Any:
     return obj
 
 
-def thin_file(path: Path, *, to: str | None = None) -> Thinned | None:
-    """Rewrite one torch checkpoint file in place without its optimizer state.
+OnStart = Callable[[list[str], "str | None", int], None]
+"""Called once right before a checkpoint's first change, with what will be dropped, the dtype
+and its bytes before: ``prune`` records the intent in the run ledger there (see
+:func:`pending`)."""
+
+
+def thin_file(path: Path, *, to: str | None = None,
+              on_start: OnStart | None = None) -> Thinned | None:
+    """Rewrite one checkpoint in place without its optimizer state.
 
     Args:
-        path: The checkpoint file.
+        path: The checkpoint (a torch file, a step directory holding one, a DCP directory or
+            an HF Trainer ``checkpoint-N`` directory).
         to: ``bf16`` to cast floating-point weights, or None to keep their dtype.
+        on_start: Called right before the first change (see :data:`OnStart`).
 
     Returns:
-        What was done, or None when it holds no optimizer state (and ``to`` is None): nothing
-        to drop.
+        What was done, or None when it holds no optimizer state: nothing to drop.
 
     Raises:
         CkptError: It cannot be read safely, or the thinned copy does not validate (the
             original is then left as it was).
     """
-    import torch
-
-    from ckpt_cli.ops.prune import quick_validate
-
     if to is not None and to not in THIN_DTYPES:
         raise CkptError(f"--thin-to must be one of {', '.join(THIN_DTYPES)}, not {to!r}")
     why = can_thin(path)
     if why:
         raise CkptError(why, path=path)
+    start = on_start or (lambda _d, _t, _b: None)
     if path.is_dir():
-        return _thin_hf_dir(path)
+        if (path / "trainer_state.json").is_file():
+            return _thin_hf_dir(path, to, start)
+        if _is_dcp(path):
+            return _thin_dcp_dir(path, to, start)
+        inner = lone_torch_file(path)
+        if inner is None:  # changed since can_thin
+            raise CkptError("it changed while being thinned; left as it is", path=path)
+        return _thin_torch(inner, to, start, path)
+    return _thin_torch(path, to, start, path)
+
+
+def _thin_torch(path: Path, to: str | None, on_start: OnStart,
+                checkpoint: Path) -> Thinned | None:
+    """One torch file (``checkpoint`` is itself, or the step directory holding it): rewritten
+    under a temporary sibling name, renamed over the original in one ``rename``."""
+    import torch
+
+    from ckpt_cli.ops.prune import quick_validate
+    from ckpt_cli.runs import tree_scan
+
     before = path.stat()
+    top = checkpoint.stat() if checkpoint != path else None
     state = _load(path)
     dropped = [k for k in OPTIMIZER_KEYS if k in state and _is_optimizer_state(state[k])]
     if not dropped:
@@ -185,6 +255,7 @@ def thin_file(path: Path, *, to: str | None = None) -> Thinned | None:
     thin = {k: v for k, v in state.items() if k not in dropped}
     if to == "bf16":
         thin = {k: (_cast(v) if k in WEIGHT_KEYS else v) for k, v in thin.items()}
+    bytes_before = tree_scan(checkpoint).bytes
     tmp = tmp_sibling(path)
     try:
         torch.save(thin, tmp)
@@ -198,27 +269,258 @@ def thin_file(path: Path, *, to: str | None = None) -> Thinned | None:
         problem = quick_validate(tmp)
         if problem:
             raise CkptError(f"the thinned copy does not validate ({problem}); left whole",
-                            path=path)
+                            path=checkpoint)
         now = path.stat()
         if (now.st_ino, now.st_size, now.st_mtime_ns) != (before.st_ino, before.st_size,
                                                            before.st_mtime_ns):
-            raise CkptError("it changed while being thinned; left as it is", path=path)
-        algorithm = _set_manifest_aside(path)
+            raise CkptError("it changed while being thinned; left as it is", path=checkpoint)
+        on_start(dropped, to, bytes_before)
+        algorithm = _set_manifest_aside(checkpoint)
         # One rename: the name holds the original or the thinned file, never neither.
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
     fsync_path(path.parent)
+    digest = _manifest_again(checkpoint, algorithm)
+    if top is not None:
+        _keep_age(checkpoint, top.st_mtime_ns)
+    return Thinned(checkpoint, dropped, to, bytes_before, tree_scan(checkpoint).bytes, digest)
+
+
+def _keep_age(path: Path, newest_ns: int) -> None:
+    """Give nothing in the directory ``path`` (itself included) a newer modification time than
+    the checkpoint had before thinning: retention by age must not take it for a new one."""
+    for dirpath, dirs, files in os.walk(path, topdown=False):
+        for name in (*files, *dirs, None):
+            p = os.path.join(dirpath, name) if name is not None else dirpath
+            with contextlib.suppress(OSError):
+                st = os.lstat(p)
+                if st.st_mtime_ns > newest_ns and not os.path.islink(p):
+                    os.utime(p, ns=(st.st_atime_ns, newest_ns))
+
+
+def _newest_ns(path: Path) -> int:
+    newest = os.lstat(path).st_mtime_ns
+    for dirpath, dirs, files in os.walk(path):
+        for name in (*files, *dirs):
+            with contextlib.suppress(OSError):
+                newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime_ns)
+    return newest
+
+
+def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: str | None,
+             bytes_before: int, newest_ns: int) -> Thinned:
+    """Put the finished thinned directory ``tmp`` in the place of checkpoint ``path``.
+
+    The two are swapped with one ``renameat2(RENAME_EXCHANGE)``: at every moment ``path`` is
+    either the original or the thinned directory, complete; the original then sits under the
+    temporary name (a leftover no reader takes for a checkpoint), is renamed to prune's trash
+    name (the next prune finishes an interrupted removal) and removed.
+    """
+    from ckpt_cli.atomic import exchange
+    from ckpt_cli.deletion import fit_name
+    from ckpt_cli.formats.names import TRASH_PREFIX
+    from ckpt_cli.manifest import DEFAULT_ALGORITHM, manifest_path, read_manifest
+    from ckpt_cli.ops.prune import quick_validate
+    from ckpt_cli.runs import tree_scan
+
+    problem = quick_validate(tmp)
+    if problem:
+        raise CkptError(f"the thinned copy does not validate ({problem}); left whole",
+                        path=path)
+    _keep_age(tmp, newest_ns)
+    fsync_tree(tmp)
+    if tree_scan(path).bytes != bytes_before or _newest_ns(path) != newest_ns:
+        raise CkptError("it changed while being thinned; left as it is", path=path)
+    algorithm: str | None = None
+    mp = manifest_path(path)
+    if mp.is_file() and not mp.is_symlink():
+        try:
+            old = read_manifest(path)
+        except CkptError:
+            old = None
+        algorithm = (old.algorithm if old is not None else None) or DEFAULT_ALGORITHM
+    on_start(dropped, to, bytes_before)
+    try:
+        exchange(tmp, path)
+    except OSError as e:
+        raise CkptError(f"the file system cannot swap directories atomically ({e.strerror}); "
+                        "left whole", path=path) from None
+    fsync_path(path.parent)
+    trash = path.parent / fit_name(f"{TRASH_PREFIX}{path.name}", f".{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(tmp, trash)
+        fsync_path(path.parent)
+        shutil.rmtree(trash)
+    except OSError:
+        pass  # a leftover under a temporary or trash name: validate says so, prune removes it
     digest = _manifest_again(path, algorithm)
-    return Thinned(path, dropped, to, before.st_size, path.stat().st_size, digest)
+    _keep_age(path, newest_ns)
+    return Thinned(path, dropped, to, bytes_before, tree_scan(path).bytes, digest)
 
 
-def _thin_hf_dir(path: Path) -> Thinned | None:
-    """An HF Trainer ``checkpoint-N``: remove its optimizer file (one ``unlink`` each, so a crash
-    leaves it with or without that file, complete either way: the Trainer resumes with a fresh
-    optimizer when the file is absent). Its weights are left as stored (``--thin-to`` is not
-    applied to safetensors weights yet)."""
+# Top-level keys of DCP training state that are not weights (torchtitan, torchtune and plain
+# loops): their floating tensors are never cast by --thin-to.
+NOT_WEIGHTS = ("lr_scheduler", "lr_schedulers", "scheduler", "dataloader", "train_state",
+               "rng", "rng_state", "rng_states", "extra_state", "loops", "callbacks", "trainer")
+
+
+def _torch_of(arr: Any, code: str) -> Any:
+    """A torch tensor sharing ``arr``'s bytes (BF16 and FP8 travel as same-size integers)."""
+    import numpy as np
+    import torch
+
+    from ckpt_cli import dtypes
+
+    arr = np.ascontiguousarray(arr)
+    td = dtypes.torch_dtype(code)
+    size = arr.dtype.itemsize
+    if size in (1, 2, 4, 8) and dtypes.DTYPES[code].kind != "complex":
+        ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[size]
+        return torch.from_numpy(arr.view(ints)).view(td)
+    return torch.from_numpy(arr)
+
+
+def _tree_path(fqn: str, planner: dict[Any, Any]) -> tuple[Any, ...]:
+    """Where an item sat in the saved state dict (DCP's ``planner_data``), keys as saved."""
+    p = planner.get(fqn)
+    if isinstance(p, tuple) and p and all(isinstance(k, str | int) for k in p) and (
+            ".".join(str(k) for k in p) == fqn):
+        return p
+    return tuple(fqn.split("."))
+
+
+def _put(tree: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
+    node = tree
+    for k in path[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise CkptError(f"items {'.'.join(map(str, path))!r} and a parent of it both hold "
+                            "values; left whole")
+        node = nxt
+    node[path[-1]] = value
+
+
+def _dcp_optimizer_tops(paths: list[tuple[Any, ...]]) -> list[str]:
+    """Top-level keys of a DCP checkpoint that hold optimizer state by shape: named like one,
+    with ``state``/``param_groups`` one or two levels below (an optimizer, or a list or dict
+    of them)."""
+    tops: list[str] = []
+    for p in paths:
+        k = p[0]
+        if (isinstance(k, str) and k in OPTIMIZER_KEYS and k not in tops
+                and any(x in ("state", "param_groups") for x in p[1:3])):
+            tops.append(k)
+    return [k for k in OPTIMIZER_KEYS if k in tops]
+
+
+def _thin_dcp_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | None:
+    """A torch.distributed.checkpoint directory: read with ckpt's own reader (never unpickling
+    anything but tensors and plain values, ``weights_only``), what is kept saved again with
+    DCP's own writer (no process group) into a temporary sibling directory, swapped in."""
+    import io
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from ckpt_cli import storage
+    from ckpt_cli.cast import cast_array
+    from ckpt_cli.formats import read_index
+    from ckpt_cli.formats.base import open_regular, read_full
+    from ckpt_cli.formats.dcp import metadata_file, parse_metadata, storage_map
+    from ckpt_cli.manifest import MANIFEST_NAME
+    from ckpt_cli.ops.prune import quick_validate
+    from ckpt_cli.runs import tree_scan
+    from ckpt_cli.tensors import TensorSource
+
+    meta = metadata_file(path)
+    if meta is None:
+        raise CkptError("its .metadata is gone; left as it is", path=path)
+    problem = quick_validate(path)
+    if problem:
+        raise CkptError(f"does not validate ({problem}); left whole", path=path)
+    newest = _newest_ns(path)
+    bytes_before = tree_scan(path).bytes
+    fields, _ = parse_metadata(meta)
+    raw_planner = fields.get("planner_data")
+    planner: dict[Any, Any] = raw_planner if isinstance(raw_planner, dict) else {}
+    items = {str(k): v for k, v in fields["state_dict_metadata"].items()}
+    paths = {fqn: _tree_path(fqn, planner) for fqn in items}
+    dropped = _dcp_optimizer_tops(list(paths.values()))
+    if not dropped:
+        return None
+    others = [c for c in path.iterdir()
+              if c.name not in (meta.name, MANIFEST_NAME) and not c.name.endswith(".distcp")]
+    if any(c.is_symlink() or not c.is_file() for c in others):
+        raise CkptError("holds more than DCP's files (a link or a directory); left whole",
+                        path=path)
+    index = read_index(path)
+    tops = {p[0] for fqn, p in paths.items() if p[0] not in dropped}
+    weight_tops = {k for k in tops if k in WEIGHT_KEYS} or {k for k in tops
+                                                           if k not in NOT_WEIGHTS}
+    where = storage_map(fields.get("storage_data"), path, meta)
+    state: dict[Any, Any] = {}
+    try:
+        with TensorSource(index) as src:
+            for fqn, t in index.tensors.items():
+                p = paths.get(fqn, tuple(fqn.split(".")))
+                if p[0] in dropped:
+                    continue
+                arr, code = src.read(t), t.dtype
+                if (to == "bf16" and p[0] in weight_tops and code in ("F32", "F64", "F16")):
+                    arr, code = cast_array(arr, "BF16", name=fqn), "BF16"
+                _put(state, p, _torch_of(arr, code))
+        for fqn, md in items.items():
+            p = paths[fqn]
+            if p[0] in dropped or fqn in index.tensors:
+                continue
+            if not getattr(md, "qualname", "").endswith("BytesStorageMetadata"):
+                raise CkptError(f"item {fqn!r} is neither a tensor nor bytes; left whole")
+            rel, off, length, _tr = where[(fqn, None)]
+            buf = bytearray(length)
+            fd = open_regular(path / rel)
+            try:
+                if read_full(fd, off, memoryview(buf)) != length:
+                    raise CkptError(f"item {fqn!r} is cut short; left whole", path=path)
+            finally:
+                storage.close(fd)
+            try:
+                value = torch.load(io.BytesIO(bytes(buf)), map_location="cpu",
+                                   weights_only=True)
+            except Exception as e:  # any reader failure means: leave it whole
+                raise CkptError(f"item {fqn!r} cannot be read without executing code from it "
+                                f"({type(e).__name__}); left whole", path=path) from None
+            _put(state, p, value)
+    except KeyError:  # a dtype torch has no name for (F4, F6)
+        raise CkptError("holds a tensor torch cannot represent; left whole", path=path) \
+            from None
+    tmp = tmp_sibling(path)
+    tmp.mkdir(mode=path.stat().st_mode & 0o7777)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP warns that no process group is running
+            dcp_save(state, storage_writer=FileSystemWriter(str(tmp)), no_dist=True)
+        for c in others:  # files beside DCP's (e.g. Megatron's metadata.json): kept as they are
+            shutil.copy2(c, tmp / c.name)
+        return _swap_in(path, tmp, on_start, dropped, to, bytes_before, newest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _thin_hf_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | None:
+    """An HF Trainer ``checkpoint-N``.
+
+    Without ``to``: its optimizer file is removed (one ``unlink`` each, so a crash leaves it
+    with or without that file, complete either way: the Trainer resumes with a fresh optimizer
+    when the file is absent). With ``to="bf16"``: a copy of the directory is built beside it
+    (unchanged files hard-linked, the ``model*.safetensors`` weights cast to BF16 with
+    :mod:`ckpt_cli.cast`, ``config.json``'s dtype and the index's ``total_size`` updated, no
+    optimizer file) and swapped in with one atomic exchange.
+    """
     from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
 
@@ -230,9 +532,92 @@ def _thin_hf_dir(path: Path) -> Thinned | None:
     problem = quick_validate(path)
     if problem:
         raise CkptError(f"does not validate ({problem}); left whole", path=path)
+    if to == "bf16":
+        return _hf_to_bf16(path, victims, on_start, bytes_before)
+    on_start(victims, None, bytes_before)
     algorithm = _set_manifest_aside(path)
     for n in victims:
         os.unlink(path / n)
     fsync_path(path)
     digest = _manifest_again(path, algorithm)
     return Thinned(path, victims, None, bytes_before, tree_scan(path).bytes, digest)
+
+
+def _hf_to_bf16(path: Path, victims: list[str], on_start: OnStart,
+                bytes_before: int) -> Thinned:
+    import json
+
+    from ckpt_cli.manifest import MANIFEST_NAME
+
+    newest = _newest_ns(path)
+    children = list(path.iterdir())
+    if any(c.is_symlink() or not c.is_file() for c in children):
+        raise CkptError("holds links or subdirectories; --thin-to bf16 leaves it whole",
+                        path=path)
+    weights = [c for c in children if c.name.startswith("model")
+               and c.name.endswith(".safetensors")]
+    if not weights:
+        raise CkptError("no model*.safetensors weights to cast; left whole", path=path)
+    tmp = tmp_sibling(path)
+    tmp.mkdir(mode=path.stat().st_mode & 0o7777)
+    try:
+        sizes: dict[str, int] = {}
+        for c in children:
+            if c.name in victims or c.name == MANIFEST_NAME:
+                continue
+            if c in weights:
+                sizes[c.name] = _safetensors_to_bf16(c, tmp / c.name)
+                shutil.copystat(c, tmp / c.name)
+            elif c.name == "config.json":
+                cfg = json.loads(c.read_text())
+                keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]
+                for k in keys:
+                    cfg[k] = "bfloat16"
+                (tmp / c.name).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+                shutil.copystat(c, tmp / c.name)
+            elif c.name.endswith(".safetensors.index.json"):
+                continue  # below, once every shard's size is known
+            else:
+                try:
+                    os.link(c, tmp / c.name)  # unchanged: shared, not copied
+                except OSError:
+                    shutil.copy2(c, tmp / c.name)
+        for c in children:
+            if c.name.endswith(".safetensors.index.json") and c.name.startswith("model"):
+                doc = json.loads(c.read_text())
+                if isinstance(doc.get("metadata"), dict) and "total_size" in doc["metadata"]:
+                    doc["metadata"]["total_size"] = sum(sizes.values())
+                (tmp / c.name).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+                shutil.copystat(c, tmp / c.name)
+            elif c.name.endswith(".safetensors.index.json"):
+                os.link(c, tmp / c.name)
+        return _swap_in(path, tmp, on_start, victims, "bf16", bytes_before, newest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _safetensors_to_bf16(src: Path, dest: Path) -> int:
+    """Write ``src`` to ``dest`` with its FP32/FP16/FP64 tensors cast to BF16 (one tensor in
+    memory at a time); returns the bytes of tensor data written."""
+    import numpy as np
+
+    from ckpt_cli.cast import cast_array
+    from ckpt_cli.formats import read_index
+    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.writers.safetensors import header_bytes, write_all
+
+    index = read_index(src)
+    order = sorted(index.tensors.values(), key=lambda t: t.offset or 0)
+    codes = {t.name: ("BF16" if t.dtype in ("F32", "F64", "F16") else t.dtype) for t in order}
+    meta = index.metadata.get("safetensors_metadata")
+    header, sizes = header_bytes([(t.name, codes[t.name], t.shape) for t in order],
+                                 meta if isinstance(meta, dict) else None)
+    with open(dest, "xb") as f, TensorSource(index) as source:
+        write_all(f, memoryview(header))
+        for t in order:
+            arr = source.read(t)
+            if codes[t.name] != t.dtype:
+                arr = cast_array(arr, "BF16", name=t.name)
+            write_all(f, memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data))
+    return sum(sizes)

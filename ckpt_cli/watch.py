@@ -31,6 +31,7 @@ from ckpt_cli import ledger, storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import RunEntry
 from ckpt_cli.retention import PrunePolicy
+from ckpt_cli.thinning import pending
 
 ABANDONED = "abandoned"
 BAD_ENV = "CKPT_BAD_PATH"
@@ -270,6 +271,8 @@ class RunWatcher:
                  cached: tuple[Signature, str] | None) -> WatchEvent | None:
         rel = _rel(self.root, e.path)
         line = self.known.get(rel)
+        if line is not None and pending(line):
+            line = None  # a thinning was interrupted: verify it afresh (whole or thinned)
         if not e.complete:
             # Its newest modification time: how long ago the writer last wrote to it.
             if now - e.mtime < self.opts.abandon_after:

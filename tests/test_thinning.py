@@ -265,3 +265,336 @@ def test_thinning_drops_only_optimizer_state_and_keeps_age(tmp_path: Path) -> No
     assert (run / "step_100.pt").stat().st_mtime == old  # still as old as it was
     # No optimizer state to drop: --thin-to alone does not cast it.
     assert weights_only.read_bytes() == plain_bytes
+
+
+# -- DCP step directories, step directories holding one torch file, HF to BF16, crashes ----------
+
+
+def _dcp_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+
+
+def _dcp_run(run: Path, steps: tuple[int, ...]) -> dict[int, dict[str, torch.Tensor]]:
+    """A DCP training loop (no process group): model, Adam state, step and RNG state saved by
+    torch.distributed.checkpoint every few steps. Returns the weights saved at each step."""
+    import os
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    run.mkdir()
+    torch.manual_seed(0)
+    model = _dcp_model()
+    opt = torch.optim.Adam(model.parameters())
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with third_party_quiet():
+        for step in steps:
+            model(torch.randn(8, 32)).sum().backward()
+            opt.step()
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
+                      "rng": torch.get_rng_state(), "train": {"epoch": step // 200}},
+                     checkpoint_id=str(run / f"step_{step:06d}"), no_dist=True)
+            saved[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    old = time.time() - 3600
+    for dirpath, _dirs, files in os.walk(run):
+        for name in (*files, "."):
+            os.utime(os.path.join(dirpath, name), (old, old))
+    return saved
+
+
+def _dcp_load(path: Path, dtype: torch.dtype = torch.float32) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    fresh = {"model": {k: torch.zeros_like(v, dtype=dtype)
+                       for k, v in _dcp_model().state_dict().items()},
+             "step": -1, "train": {"epoch": -1}}
+    with third_party_quiet():
+        dcp.load(fresh, checkpoint_id=str(path), no_dist=True)
+    return fresh
+
+
+@pytest.mark.parametrize("to", [None, "bf16"])
+def test_thin_dcp_step_directories(tmp_path: Path, to: str | None) -> None:
+    from ckpt_cli.formats import read_index
+
+    run = tmp_path / "run"
+    saved = _dcp_run(run, (100, 200, 300, 400))
+    r = run_cli("watch", run, "--once", "--settle", "0")
+    assert r.exit_code == 0, r.stderr
+    mtime = (run / "step_000100").stat().st_mtime
+    sizes = {s: sum(p.stat().st_size for p in (run / f"step_{s:06d}").iterdir()
+                    if p.name != "ckpt-manifest.json") for s in saved}
+    extra = ["--thin-to", to] if to else []
+    r = run_cli("prune", run, "--thin-after", "2", *extra, "--grace", "0", "--yes", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["thinning"]
+    assert sorted(doc["thinned"]) == ["step_000100", "step_000200"]
+    t = doc["thinned"]["step_000100"]
+    assert t["dropped"] == ["optim"] and t["dtype"] == to
+    # Adam keeps two FP32 moments per parameter: the thinned one is about a third (a sixth
+    # with BF16 weights) of the whole one.
+    assert t["bytes_after"] < t["bytes_before"] * (0.45 if to is None else 0.3)
+    assert doc["bytes_saved"] == sum(v["bytes_before"] - v["bytes_after"]
+                                     for v in doc["thinned"].values())
+    print(f"DCP thin ({to or 'same dtype'}): {t['bytes_before']:,} -> {t['bytes_after']:,} "
+          f"bytes, {doc['bytes_saved']:,} saved over 2 checkpoints")
+    for step in (100, 200):
+        path = run / f"step_{step:06d}"
+        assert not any(n.startswith("optim.") for n in read_index(path).tensors)
+        got = _dcp_load(path, torch.bfloat16 if to else torch.float32)
+        assert got["step"] == step and got["train"]["epoch"] == step // 200
+        for k, v in saved[step].items():
+            want = v.to(torch.bfloat16) if to else v
+            assert got["model"][k].dtype == want.dtype and torch.equal(got["model"][k], want)
+        r = run_cli("validate", path)
+        assert r.exit_code == 0, r.stdout
+    assert (run / "step_000100").stat().st_mtime <= mtime  # no younger than it was
+    for step in (300, 400):  # the newest two stay whole, byte for byte
+        path = run / f"step_{step:06d}"
+        assert any(n.startswith("optim.") for n in read_index(path).tensors)
+        assert sum(p.stat().st_size for p in path.iterdir()
+                   if p.name != "ckpt-manifest.json") == sizes[step]
+    assert not [p.name for p in run.iterdir() if "ckpt-tmp" in p.name or "ckpt-trash" in p.name]
+    ledger = read_ledger(run)
+    assert ledger is not None
+    line = ledger.latest()["step_000100"]
+    assert line.event == "thinned" and line.detail["dropped"] == ["optim"]
+    assert line.detail["bytes_before"] == t["bytes_before"] and line.bytes == t["bytes_after"]
+    assert "pending" not in line.detail
+    # The thinned ones are verified as they are now; resume still takes the newest whole one.
+    r = run_cli("watch", run, "--once", "--settle", "0")
+    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
+    from ckpt_cli.resume import latest_verified
+
+    assert latest_verified(run, verify="full") == run / "step_000400"
+
+
+def test_thin_sample_run_step_dirs_and_sharded_dcp(sample_copy: Path) -> None:
+    """The sample run: ``step_N/checkpoint.pt`` directories thinned inside, and its 4-rank
+    FSDP-sharded DCP checkpoint thinned to BF16 loads into a plain model with ``dcp.load``."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_cli.sample import TinyGPT
+
+    run = sample_copy
+    (run / "latest").write_text("step_000300\n")  # so that step_000400 (DCP) is old enough
+    os_ages(run)
+    before = {n: torch.load(run / n / "checkpoint.pt", weights_only=True)
+              for n in ("step_000100", "step_000200")}
+    fresh = TinyGPT().state_dict()
+    whole = {"model": {k: torch.zeros_like(v) for k, v in fresh.items()}}
+    with third_party_quiet():
+        dcp.load(whole, checkpoint_id=str(run / "step_000400"), no_dist=True)
+    # Order by step: 100, 200, 300, 400 -- with latest at 300, thin-after 1 keeps 400 (newest)
+    # and 300 (latest names it) whole.
+    r = run_cli("prune", run, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0",
+                "--yes", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["thinning"]
+    assert sorted(doc["thinned"]) == ["step_000100", "step_000200"], doc
+    for n, orig in before.items():
+        assert sorted(p.name for p in (run / n).iterdir()) == ["checkpoint.pt"]
+        thin = torch.load(run / n / "checkpoint.pt", weights_only=True)
+        assert "optimizer" not in thin and thin["step"] == orig["step"]
+        assert torch.equal(thin["rng_state"], orig["rng_state"])
+        for k, v in orig["model"].items():
+            assert torch.equal(thin["model"][k], v.to(torch.bfloat16))
+        assert run_cli("validate", run / n).exit_code == 0
+    print("sample step dir:", doc["thinned"]["step_000100"])
+    # The sharded DCP checkpoint, thinned directly.
+    from ckpt_cli.thinning import thin_file
+
+    done = thin_file(run / "step_000400", to="bf16")
+    assert done is not None and done.dropped == ["optim"]
+    print(f"sample 4-rank DCP to bf16: {done.bytes_before:,} -> {done.bytes_after:,} bytes")
+    got = {"model": {k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in fresh.items()},
+           "step": -1}
+    with third_party_quiet():
+        dcp.load(got, checkpoint_id=str(run / "step_000400"), no_dist=True)
+    assert got["step"] == 400
+    for k, v in whole["model"].items():
+        assert torch.equal(got["model"][k], v.to(torch.bfloat16)), k
+    assert run_cli("validate", run / "step_000400").exit_code == 0
+
+
+def os_ages(run: Path) -> None:
+    """Make every file of a run an hour old."""
+    import os
+    import time
+
+    old = time.time() - 3600
+    for dirpath, _dirs, files in os.walk(run):
+        for name in (*files, "."):
+            os.utime(os.path.join(dirpath, name), (old, old))
+
+
+def test_thin_hf_trainer_checkpoint_to_bf16(hf_trainer_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "out"
+    shutil.copytree(hf_trainer_dir, run, symlinks=True)
+    os_ages(run)
+    oldest = min(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    cfg = json.loads((oldest / "config.json").read_text())
+    keys = [k for k in ("torch_dtype", "dtype") if k in cfg]
+    assert keys and all(cfg[k] == "float32" for k in keys)
+    untouched = {p.name: p.read_bytes() for p in oldest.iterdir()
+                 if p.name not in ("optimizer.pt", "model.safetensors", "config.json")}
+    with third_party_quiet():
+        orig = AutoModelForCausalLM.from_pretrained(oldest).state_dict()
+    assert run_cli("watch", run, "--once", "--settle", "0").exit_code == 0
+    r = run_cli("prune", run, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0",
+                "--yes", "--json")
+    assert r.exit_code == 0, r.stderr
+    t = json.loads(r.stdout)["thinning"]["thinned"][oldest.name]
+    assert t["dropped"] == ["optimizer.pt"] and t["dtype"] == "bf16"
+    print(f"HF checkpoint to bf16: {t['bytes_before']:,} -> {t['bytes_after']:,} bytes")
+    assert not (oldest / "optimizer.pt").exists()
+    cfg = json.loads((oldest / "config.json").read_text())
+    assert all(cfg[k] == "bfloat16" for k in keys)
+    for name, data in untouched.items():
+        if name != "ckpt-manifest.json":
+            assert (oldest / name).read_bytes() == data, name
+    with third_party_quiet():
+        thin = AutoModelForCausalLM.from_pretrained(oldest, dtype="auto")
+    assert thin.dtype == torch.bfloat16
+    sd = thin.state_dict()
+    for k, v in orig.items():
+        assert torch.equal(sd[k], v.to(torch.bfloat16)), k
+    assert run_cli("validate", oldest).exit_code == 0
+    r = run_cli("watch", run, "--once", "--settle", "0")
+    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
+    assert not [p.name for p in run.iterdir() if "ckpt-tmp" in p.name or "ckpt-trash" in p.name]
+
+
+def test_thin_hf_sharded_checkpoint_to_bf16(tmp_path: Path) -> None:
+    """Sharded weights (index + shards): every shard cast, the index's total_size updated."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    run = tmp_path / "out"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                       n_head=2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    opt.step()
+    for step in (2, 4):
+        d = run / f"checkpoint-{step}"
+        with third_party_quiet():
+            model.save_pretrained(d, max_shard_size="20KB")
+        torch.save(opt.state_dict(), d / "optimizer.pt")
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": step,
+                                                          "log_history": []}))
+    d = run / "checkpoint-2"
+    assert len(list(d.glob("model-*.safetensors"))) > 1
+    shutil.copy(d / "model.safetensors.index.json", tmp_path / "index-before.json")
+    os_ages(run)
+    r = run_cli("prune", run, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0", "--yes")
+    assert r.exit_code == 0, r.stderr
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    old = json.loads((tmp_path / "index-before.json").read_text())
+    assert idx["weight_map"] == old["weight_map"]
+    assert idx["metadata"]["total_size"] * 2 == old["metadata"]["total_size"]
+    with third_party_quiet():
+        thin = AutoModelForCausalLM.from_pretrained(d, dtype="auto").state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(thin[k], v.to(torch.bfloat16)), k
+    assert run_cli("validate", d).exit_code == 0
+
+
+class _Killed(Exception):
+    """Stands for the prune process dying at that point."""
+
+
+def _kill_at(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    from ckpt_cli import thinning
+
+    if where == "manifest-set-aside":  # the old manifest removed, the file not yet replaced
+        real = thinning._set_manifest_aside
+
+        def aside_then_die(path: Path) -> str | None:
+            real(path)
+            raise _Killed
+
+        monkeypatch.setattr(thinning, "_set_manifest_aside", aside_then_die)
+    else:  # the thinned checkpoint in place, its new manifest not yet written
+
+        def die(path: Path, algorithm: str | None) -> str | None:
+            raise _Killed
+
+        monkeypatch.setattr(thinning, "_manifest_again", die)
+
+
+@pytest.mark.parametrize(("kind", "where"), [("torch", "manifest-set-aside"),
+                                             ("torch", "replaced"), ("dcp", "replaced")])
+def test_a_thinning_killed_midway_is_never_reported_bad(tmp_path: Path, kind: str, where: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """D6: a prune killed between setting the manifest aside and writing the new one left a
+    checkpoint that the next watch pass reported bad (a false alarm, and --on-bad ran)."""
+    from ckpt_cli.ops.prune import prune
+    from ckpt_cli.resume import latest_verified
+    from ckpt_cli.retention import PrunePolicy
+
+    run = tmp_path / "run"
+    if kind == "torch":
+        _aged_run(run, (100, 200, 300))
+        names = ["step_0100.pt", "step_0200.pt", "step_0300.pt"]
+    else:
+        _dcp_run(run, (100, 200, 300))
+        names = ["step_000100", "step_000200", "step_000300"]
+    assert run_cli("watch", run, "--once", "--settle", "0").exit_code == 0
+    _kill_at(monkeypatch, where)
+    with pytest.raises(_Killed):
+        prune(run, PrunePolicy(thin_after=1, grace=0))
+    monkeypatch.undo()
+    book = read_ledger(run)
+    assert book is not None and book.latest()[names[0]].detail.get("pending") is True
+    marker = tmp_path / "on-bad-ran"
+    r = run_cli("watch", run, "--once", "--settle", "0", "--on-bad", f"touch {marker}")
+    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
+    assert not marker.exists()
+    book = read_ledger(run)
+    assert book is not None and all(line.good for line in book.latest().values())
+    assert run_cli("validate", run / names[0]).exit_code == 0
+    # Resume never takes the one whose thinning was cut short, even with the others damaged.
+    assert latest_verified(run) == run / names[2]
+    for name in names[1:]:
+        for f in ([run / name] if kind == "torch" else list((run / name).glob("*.distcp"))):
+            with open(f, "r+b") as fh:
+                fh.truncate(100)
+    assert latest_verified(run, verify="full") is None
+
+
+@pytest.mark.parametrize("where", ["manifest-set-aside", "replaced"])
+def test_the_next_prune_finishes_a_thinning_that_was_killed(tmp_path: Path, where: str,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    from ckpt_cli.ledger import manifest_digest
+    from ckpt_cli.manifest import verify_manifest
+    from ckpt_cli.ops.prune import prune
+    from ckpt_cli.retention import PrunePolicy
+
+    run = tmp_path / "run"
+    _aged_run(run, (100, 200, 300))
+    assert run_cli("watch", run, "--once", "--settle", "0").exit_code == 0
+    _kill_at(monkeypatch, where)
+    with pytest.raises(_Killed):
+        prune(run, PrunePolicy(thin_after=2, grace=0))
+    monkeypatch.undo()
+    r = run_cli("prune", run, "--thin-after", "2", "--grace", "0", "--yes")
+    assert r.exit_code == 0, r.stderr
+    assert "optimizer" not in torch.load(run / "step_0100.pt", weights_only=True)
+    book = read_ledger(run)
+    assert book is not None
+    line = book.latest()["step_0100.pt"]
+    assert line.event == "thinned" and "pending" not in line.detail
+    assert line.detail["dropped"] == ["optimizer"]
+    assert line.manifest_digest == manifest_digest(run / "step_0100.pt")
+    v = verify_manifest(run / "step_0100.pt")
+    assert v is not None and v.ok
+    r = run_cli("watch", run, "--once", "--settle", "0")
+    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr

@@ -137,9 +137,12 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
     """Rewrite the checkpoints the plan thins (``--thin-after``), each re-checked first, and
     append a ``thinned`` line to the run ledger for each."""
     from ckpt_cli.ledger import THINNED, LedgerEntry, append
-    from ckpt_cli.thinning import can_thin, thin_file
+    from ckpt_cli.thinning import PENDING, can_thin, thin_file
 
     pointers = PointerWatch(root, plan)
+    book = read_ledger(root) if any(d.thin for d in plan.decisions) else None
+    # Checkpoints that had a manifest (a killed thinning may have set it aside already).
+    manifested = {e.path for e in book.entries if e.manifest_digest} if book else set()
     for d in plan.decisions:
         if not d.thin:
             continue
@@ -149,15 +152,33 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
             result.thin_skipped[name] = why
             report(PruneEvent("thin-skipped", name, why, plan=plan))
             continue
+        def intent(dropped: list[str], dtype: str | None, before: int,
+                   name: str = name, step: int | None = d.entry.step) -> None:
+            # Recorded before the first change: a crash from here on leaves a checkpoint that
+            # is whole or thinned, with or without its manifest; readers of the ledger then
+            # verify it afresh instead of reporting it bad (see thinning.pending).
+            append(root, LedgerEntry(path=name, step=step, time=time.time(), event=THINNED,
+                                     verdict="good", bytes=before,
+                                     detail={"dropped": dropped, "dtype": dtype,
+                                             "bytes_before": before, PENDING: True}))
+
         try:
-            done = thin_file(d.entry.path, to=plan.policy.thin_to)
+            done = thin_file(d.entry.path, to=plan.policy.thin_to, on_start=intent)
         except CkptError as e:
             result.thin_skipped[name] = e.message
             report(PruneEvent("thin-skipped", name, e.message, plan=plan))
             continue
         if done is None:
             result.thin_skipped[name] = "no optimizer state to drop (thinned already?)"
+            _confirm_interrupted(root, name, d.entry.step)
             continue
+        if done.manifest_digest is None and name in manifested:
+            from ckpt_cli.ledger import manifest_digest
+            from ckpt_cli.manifest import write_manifest
+
+            with contextlib.suppress(CkptError):  # watch writes it when it verifies it
+                write_manifest(d.entry.path)
+                done.manifest_digest = manifest_digest(d.entry.path)
         result.thinned[name] = done
         detail = {"dropped": done.dropped, "dtype": done.dtype,
                   "bytes_before": done.bytes_before}
@@ -167,6 +188,26 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
         report(PruneEvent("thinned", name, f"dropped {', '.join(done.dropped) or 'nothing'}"
                           f"{', weights to ' + done.dtype if done.dtype else ''}: "
                           f"{done.bytes_before:,} -> {done.bytes_after:,} bytes", plan=plan))
+
+
+def _confirm_interrupted(root: Path, name: str, step: int | None) -> None:
+    """A checkpoint thinned by a prune that was killed before recording it (its ledger line is
+    still the intent): give it its manifest again and record the thinning as done."""
+    from ckpt_cli.ledger import THINNED, LedgerEntry, append, manifest_digest
+    from ckpt_cli.manifest import manifest_path, write_manifest
+    from ckpt_cli.thinning import PENDING, pending
+
+    book = read_ledger(root)
+    line = book.latest().get(name) if book is not None else None
+    if line is None or not pending(line):
+        return
+    path = root / name
+    if not manifest_path(path).exists():
+        write_manifest(path)
+    detail = {k: v for k, v in line.detail.items() if k != PENDING}
+    append(root, LedgerEntry(path=name, step=step, time=time.time(), event=THINNED,
+                             verdict="good", bytes=tree_scan(path).bytes,
+                             manifest_digest=manifest_digest(path), detail=detail))
 
 
 def _planned(root: Path, given: Path, policy: PrunePolicy, pattern: str | None,
