@@ -341,6 +341,10 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
         except CkptError:
             old = None
         algorithm = (old.algorithm if old is not None else None) or DEFAULT_ALGORITHM
+    why = _cannot_exchange(path.parent)
+    if why:
+        raise CkptError(f"the file system cannot swap directories atomically ({why}); left "
+                        "whole", path=path)
     on_start(dropped, to, bytes_before)
     try:
         exchange(tmp, path)
@@ -358,6 +362,25 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
     digest = _manifest_again(path, algorithm)
     _keep_age(path, newest_ns)
     return Thinned(path, dropped, to, bytes_before, tree_scan(path).bytes, digest)
+
+
+def _cannot_exchange(parent: Path) -> str | None:
+    """Why two directories in ``parent`` cannot be swapped atomically (None: they can), tried
+    on two empty ones before anything is recorded or changed."""
+    from ckpt_cli.atomic import exchange
+
+    a, b = tmp_sibling(parent / "swap-a"), tmp_sibling(parent / "swap-b")
+    try:
+        a.mkdir()
+        b.mkdir()
+        exchange(a, b)
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        for p in (a, b):
+            with contextlib.suppress(OSError):
+                p.rmdir()
+    return None
 
 
 # Top-level keys of DCP training state that are not weights (torchtitan, torchtune and plain
@@ -558,6 +581,9 @@ def _hf_to_bf16(path: Path, victims: list[str], on_start: OnStart,
                and c.name.endswith(".safetensors")]
     if not weights:
         raise CkptError("no model*.safetensors weights to cast; left whole", path=path)
+    if any(c.name.endswith((".bin", ".pt", ".pth")) and "model" in c.name for c in children):
+        raise CkptError("holds torch-pickle weights beside safetensors; --thin-to bf16 casts "
+                        "only safetensors and leaves it whole", path=path)
     tmp = tmp_sibling(path)
     tmp.mkdir(mode=path.stat().st_mode & 0o7777)
     try:

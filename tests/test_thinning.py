@@ -598,3 +598,29 @@ def test_the_next_prune_finishes_a_thinning_that_was_killed(tmp_path: Path, wher
     assert v is not None and v.ok
     r = run_cli("watch", run, "--once", "--settle", "0")
     assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
+
+
+def test_a_dcp_checkpoint_is_left_whole_where_directories_cannot_be_swapped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an atomic swap (renameat2 RENAME_EXCHANGE) a directory cannot be replaced with
+    no moment at which its name is missing: it is left whole, nothing recorded, nothing left."""
+    import errno
+
+    from ckpt_cli import atomic
+
+    run = tmp_path / "run"
+    _dcp_run(run, (100, 200))
+    before = {p.name: p.read_bytes() for p in (run / "step_000100").iterdir()}
+
+    def no_swap(a: Path, b: Path) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(atomic, "exchange", no_swap)
+    r = run_cli("prune", run, "--thin-after", "1", "--grace", "0", "--yes", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)["thinning"]
+    assert not doc["thinned"] and "swap" in doc["skipped"]["step_000100"]
+    assert {p.name: p.read_bytes() for p in (run / "step_000100").iterdir()} == before
+    assert sorted(p.name for p in run.iterdir()) == [".ckpt-prune.lock", "step_000100",
+                                                     "step_000200"]
+    assert read_ledger(run) is None
