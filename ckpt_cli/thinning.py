@@ -24,8 +24,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from ckpt_cli import storage
 from ckpt_cli.atomic import fsync_path, fsync_tree, tmp_sibling
 from ckpt_cli.errors import CkptError
 
@@ -90,6 +91,10 @@ def can_thin(path: Path) -> str | None:
     """None if ``path`` is a checkpoint this module can thin, else why not."""
     if path.is_symlink():
         return "a symbolic link: never followed"
+    if storage.is_remote(path) and path.is_dir() and not (path / "trainer_state.json").is_file(
+            ) and not lone_torch_file(path):
+        return ("on object storage only torch files, prefixes holding one and HF checkpoint-N "
+                "prefixes are thinned so far (DCP: not yet)")
     if path.is_dir():
         if (path / "trainer_state.json").is_file() or _is_dcp(path) or lone_torch_file(path):
             return None
@@ -144,8 +149,11 @@ def _set_manifest_aside(path: Path) -> str | None:
     except CkptError:
         old = None
     algorithm = old.algorithm if old is not None else None
-    os.unlink(mp)
-    fsync_path(mp.parent)
+    if storage.is_remote(mp):
+        mp.unlink()  # one DELETE
+    else:
+        os.unlink(mp)
+        fsync_path(mp.parent)
     return algorithm or DEFAULT_ALGORITHM
 
 
@@ -223,6 +231,8 @@ def thin_file(path: Path, *, to: str | None = None,
     if why:
         raise CkptError(why, path=path)
     start = on_start or (lambda _d, _t, _b: None)
+    if storage.is_remote(path):
+        return _thin_remote(path, to, start)
     if path.is_dir():
         if (path / "trainer_state.json").is_file():
             return _thin_hf_dir(path, to, start)
@@ -449,7 +459,6 @@ def _thin_dcp_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | No
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from ckpt_cli import storage
     from ckpt_cli.cast import cast_array
     from ckpt_cli.formats import read_index
     from ckpt_cli.formats.base import open_regular, read_full
@@ -647,3 +656,96 @@ def _safetensors_to_bf16(src: Path, dest: Path) -> int:
                 arr = cast_array(arr, "BF16", name=t.name)
             write_all(f, memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data))
     return sum(sizes)
+
+
+# -- object storage -----------------------------------------------------------------------------
+
+
+def _thin_remote(path: Path, to: str | None, on_start: OnStart) -> Thinned | None:
+    """A checkpoint on object storage. S3 has no rename, but a PUT (or a multipart upload's
+    completion) replaces an object whole, and a DELETE removes one: each object changes in one
+    step, never showing half-written bytes."""
+    if path.is_dir():
+        if (path / "trainer_state.json").is_file():
+            return _thin_hf_prefix(path, to, on_start)
+        inner = lone_torch_file(path)
+        if inner is None:
+            raise CkptError("it changed while being thinned; left as it is", path=path)
+        return _thin_object(inner, to, on_start, path)
+    return _thin_object(path, to, on_start, path)
+
+
+def _thin_object(obj: Path, to: str | None, on_start: OnStart, checkpoint: Path
+                 ) -> Thinned | None:
+    """One torch file object: read whole, thinned in memory, validated from a local temporary
+    copy, and stored over the original with one upload (which replaces it atomically)."""
+    import io
+    import tempfile
+
+    import torch
+
+    from ckpt_cli.ops.prune import quick_validate
+    from ckpt_cli.runs import tree_scan
+
+    before = obj.stat()
+    try:
+        state = torch.load(io.BytesIO(obj.read_bytes()), map_location="cpu", weights_only=True)
+    except CkptError:
+        raise
+    except Exception as e:  # any reader failure means: leave it whole
+        raise CkptError(f"cannot be read without executing code from it ({type(e).__name__}); "
+                        "left whole", path=obj) from None
+    if not isinstance(state, dict):
+        raise CkptError("not a dict of training state; left whole", path=obj)
+    dropped = [k for k in OPTIMIZER_KEYS if k in state and _is_optimizer_state(state[k])]
+    if not dropped:
+        return None
+    thin = {k: v for k, v in state.items() if k not in dropped}
+    if to == "bf16":
+        thin = {k: (_cast(v) if k in WEIGHT_KEYS else v) for k, v in thin.items()}
+    del state
+    out = io.BytesIO()
+    torch.save(thin, out)
+    data = out.getvalue()
+    with tempfile.TemporaryDirectory(prefix="ckpt-thin-") as td:
+        local = Path(td) / obj.name
+        local.write_bytes(data)
+        problem = quick_validate(local)
+    if problem:
+        raise CkptError(f"the thinned copy does not validate ({problem}); left whole",
+                        path=checkpoint)
+    bytes_before = tree_scan(checkpoint).bytes
+    cast(storage.ObjectPath, obj).store.changed()  # as it is now, not as listed
+    now = obj.stat()
+    if (now.st_size, now.st_mtime) != (before.st_size, before.st_mtime):
+        raise CkptError("it changed while being thinned; left as it is", path=checkpoint)
+    on_start(dropped, to, bytes_before)
+    algorithm = _set_manifest_aside(checkpoint)
+    obj.write_bytes(data)  # one upload: the key holds the original or the thinned object
+    digest = _manifest_again(checkpoint, algorithm)
+    return Thinned(checkpoint, dropped, to, bytes_before, tree_scan(checkpoint).bytes, digest)
+
+
+def _thin_hf_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned | None:
+    """An HF Trainer ``checkpoint-N`` prefix: its optimizer object deleted (one DELETE)."""
+    from ckpt_cli.ops.prune import quick_validate
+    from ckpt_cli.runs import tree_scan
+
+    victims = [n for n in HF_OPTIMIZER_FILES if (path / n).is_file()]
+    if not victims:
+        return None
+    if to is not None:
+        raise CkptError("--thin-to on an HF checkpoint-N prefix on object storage is not "
+                        "supported yet (its shards and config.json cannot be replaced in one "
+                        "step); left whole", path=path)
+    problem = quick_validate(path)
+    if problem:
+        raise CkptError(f"does not validate ({problem}); left whole", path=path)
+    bytes_before = tree_scan(path).bytes
+    on_start(victims, None, bytes_before)
+    algorithm = _set_manifest_aside(path)
+    for n in victims:
+        (path / n).unlink()
+    cast(storage.ObjectPath, path).store.changed()
+    digest = _manifest_again(path, algorithm)
+    return Thinned(path, victims, None, bytes_before, tree_scan(path).bytes, digest)

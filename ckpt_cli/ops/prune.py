@@ -104,10 +104,6 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
         remote = _prune_prefix(root_arg, policy, pattern=pattern, metrics_file=metrics_file,
                                dry_run=dry_run, any_dir=any_dir, confirm=confirm,
                                report=on_progress or (lambda _e: None), now=now)
-        for d in remote.plan.decisions:
-            if d.thin:  # not done yet on object storage: left whole, and said so
-                remote.thin_skipped[d.entry.name] = ("thinning on object storage is not "
-                                                     "supported yet")
         return remote
     root, note = _check_root(root_arg, any_dir, pattern)
     start, started = (time.time() if now is None else now), time.monotonic()
@@ -133,13 +129,19 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
 
 
 def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], float],
-          report: Callable[[PruneEvent], None]) -> None:
-    """Rewrite the checkpoints the plan thins (``--thin-after``), each re-checked first, and
-    append a ``thinned`` line to the run ledger for each."""
+          report: Callable[[PruneEvent], None],
+          recheck_one: Callable[[RunEntry], str | None] | None = None) -> None:
+    """Rewrite the checkpoints the plan thins (``--thin-after``), each re-checked first
+    (``recheck_one``: the object-storage re-check; local: :func:`recheck`), and append a
+    ``thinned`` line to the run ledger for each."""
     from ckpt_cli.ledger import THINNED, LedgerEntry, append
     from ckpt_cli.thinning import PENDING, can_thin, thin_file
 
-    pointers = PointerWatch(root, plan)
+    if recheck_one is None:
+        pointers = PointerWatch(root, plan)
+
+        def recheck_one(entry: RunEntry) -> str | None:
+            return recheck(root, entry, plan, clock(), pointers)
     book = read_ledger(root) if any(d.thin for d in plan.decisions) else None
     # Checkpoints that had a manifest (a killed thinning may have set it aside already).
     manifested = {e.path for e in book.entries if e.manifest_digest} if book else set()
@@ -147,7 +149,7 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
         if not d.thin:
             continue
         name = d.entry.name
-        why = can_thin(d.entry.path) or recheck(root, d.entry, plan, clock(), pointers)
+        why = can_thin(d.entry.path) or recheck_one(d.entry)
         if why:
             result.thin_skipped[name] = why
             report(PruneEvent("thin-skipped", name, why, plan=plan))
@@ -439,6 +441,12 @@ def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
         done += 1
         result.outcomes[name] = Outcome(status, detail)
         report(PruneEvent(status, name, detail, done, total, d))
+
+    def recheck_object(entry: RunEntry) -> str | None:
+        obj.store.changed()  # see it as it is now, not as planned
+        return _recheck_prefix(obj, entry, plan, time.time() if now is None else now)
+
+    _thin(root, plan, result, time.time, report, recheck_object)
     return result
 
 
