@@ -7,12 +7,24 @@ checkpoint's bytes (Adam: two FP32 moments per parameter). ``--thin-to bf16`` al
 floating-point weights to BF16. ``--keep-full-every N`` keeps checkpoints whose step is a multiple
 of N whole.
 
-Done so far: single-file torch checkpoints (``torch.save`` ``.pt``/``.pth``/``.bin`` and
-Lightning ``.ckpt``) on local disk. The file is read with ``torch.load(weights_only=True)``
-(never executing code from it); a file that needs more is left whole. The thinned copy is
-written beside it under a temporary name (``.NAME.ckpt-tmp-*``, which prune and validate treat
-as a leftover), fsynced, validated, and renamed over the original with one ``rename``: a crash
-leaves either the original or the thinned file complete under the checkpoint's name.
+What is thinned, and how each rewrite stays atomic:
+
+- Single torch files (``torch.save`` ``.pt``/``.pth``/``.bin``, Lightning ``.ckpt``), and step
+  directories holding one (``step_000100/checkpoint.pt``): read with
+  ``torch.load(weights_only=True)`` (never executing code from it; a file that needs more is
+  left whole), the thinned copy written beside it as ``.NAME.ckpt-tmp-*`` (a leftover to prune
+  and validate), fsynced, validated and renamed over the original with one ``rename``.
+- DCP directories: read with ckpt's own reader, what is kept saved again with DCP's own writer
+  (no process group) into a temporary sibling directory, swapped with the original in one
+  ``renameat2(RENAME_EXCHANGE)`` (left whole where the file system cannot).
+- HF Trainer ``checkpoint-N``: the optimizer file unlinked; with ``--thin-to bf16`` a copy with
+  BF16 safetensors and an updated ``config.json`` is built beside it and swapped in.
+- Object storage: a torch file object replaced with one upload, an HF prefix's optimizer object
+  deleted (one request each).
+
+The run ledger gets a ``thinned`` line with ``"pending": true`` (see :func:`pending`) before the
+first change, and the confirming line after, so a thinning killed midway is verified afresh
+rather than reported bad, and never resumed from.
 """
 
 from __future__ import annotations
