@@ -267,7 +267,7 @@ def _thin_torch(path: Path, to: str | None, on_start: OnStart,
     from ckpt_cli.runs import tree_scan
 
     before = path.stat()
-    top = checkpoint.stat() if checkpoint != path else None
+    newest = _newest_ns(checkpoint) if checkpoint != path else None
     state = _load(path)
     dropped = [k for k in OPTIMIZER_KEYS if k in state and _is_optimizer_state(state[k])]
     if not dropped:
@@ -305,8 +305,8 @@ def _thin_torch(path: Path, to: str | None, on_start: OnStart,
             tmp.unlink()
     fsync_path(path.parent)
     digest = _manifest_again(checkpoint, algorithm)
-    if top is not None:
-        _keep_age(checkpoint, top.st_mtime_ns)
+    if newest is not None:
+        _keep_age(checkpoint, newest)
     return Thinned(checkpoint, dropped, to, bytes_before, tree_scan(checkpoint).bytes, digest)
 
 

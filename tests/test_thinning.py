@@ -381,6 +381,9 @@ def test_thin_sample_run_step_dirs_and_sharded_dcp(sample_copy: Path) -> None:
     os_ages(run)
     before = {n: torch.load(run / n / "checkpoint.pt", weights_only=True)
               for n in ("step_000100", "step_000200")}
+    from ckpt_cli.runs import tree_scan
+
+    ages = {n: tree_scan(run / n).mtime for n in before}
     fresh = TinyGPT().state_dict()
     whole = {"model": {k: torch.zeros_like(v) for k, v in fresh.items()}}
     with third_party_quiet():
@@ -400,6 +403,7 @@ def test_thin_sample_run_step_dirs_and_sharded_dcp(sample_copy: Path) -> None:
         for k, v in orig["model"].items():
             assert torch.equal(thin["model"][k], v.to(torch.bfloat16))
         assert run_cli("validate", run / n).exit_code == 0
+        assert tree_scan(run / n).mtime <= ages[n]  # no younger than it was
     print("sample step dir:", doc["thinned"]["step_000100"])
     # The sharded DCP checkpoint, thinned directly.
     from ckpt_cli.thinning import thin_file
