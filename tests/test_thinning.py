@@ -628,3 +628,25 @@ def test_a_dcp_checkpoint_is_left_whole_where_directories_cannot_be_swapped(
     assert sorted(p.name for p in run.iterdir()) == [".ckpt-prune.lock", "step_000100",
                                                      "step_000200"]
     assert read_ledger(run) is None
+
+
+def test_watch_thins_a_dcp_run_and_trusts_it_after(tmp_path: Path) -> None:
+    """``watch --thin-after`` on a DCP run: old step directories thinned as the run is watched,
+    and the following passes find every checkpoint good."""
+    from ckpt_cli.retention import PrunePolicy
+    from ckpt_cli.watch import Watcher, WatchOptions
+
+    run = tmp_path / "run"
+    saved = _dcp_run(run, (100, 200, 300, 400))
+    events: list = []
+    w = Watcher(run, WatchOptions(settle=0, policy=PrunePolicy(thin_after=2, grace=0)),
+                events.append)
+    for _ in w.loop(0, passes=3):
+        pass
+    assert not [e for e in events if e.bad], [e.problems for e in events if e.bad]
+    assert [e.thinned for e in events if e.event == "pruned"] == [["step_000100",
+                                                                   "step_000200"]]
+    got = _dcp_load(run / "step_000100")
+    assert all(torch.equal(got["model"][k], v) for k, v in saved[100].items())
+    book = read_ledger(run)
+    assert book is not None and all(e.good for e in book.latest().values())
