@@ -450,12 +450,15 @@ def _put(tree: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
 def _dcp_optimizer_tops(paths: list[tuple[Any, ...]]) -> list[str]:
     """Top-level keys of a DCP checkpoint that hold optimizer state by shape: named like one,
     with ``state``/``param_groups`` one or two levels below (an optimizer, or a list or dict
-    of them)."""
+    of them), or flattened into ``state.*``/``param_groups.*`` keys."""
     tops: list[str] = []
     for p in paths:
         k = p[0]
+        # torch's get_state_dict(flatten_optimizer_state_dict=True), as torchtitan saves it,
+        # keys the optimizer's entries "state.<param>.exp_avg" and "param_groups.<param>.lr".
         if (isinstance(k, str) and k in OPTIMIZER_KEYS and k not in tops
-                and any(x in ("state", "param_groups") for x in p[1:3])):
+                and any(isinstance(x, str) and (x in ("state", "param_groups") or x.startswith(
+                    ("state.", "param_groups."))) for x in p[1:3])):
             tops.append(k)
     return [k for k in OPTIMIZER_KEYS if k in tops]
 

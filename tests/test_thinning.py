@@ -650,3 +650,37 @@ def test_watch_thins_a_dcp_run_and_trusts_it_after(tmp_path: Path) -> None:
     assert all(torch.equal(got["model"][k], v) for k, v in saved[100].items())
     book = read_ledger(run)
     assert book is not None and all(e.good for e in book.latest().values())
+
+
+def test_thin_a_torchtitan_style_dcp_checkpoint(tmp_path: Path) -> None:
+    """The model's entries at the top level and the optimizer flattened by torch's
+    ``get_state_dict(flatten_optimizer_state_dict=True)`` (torchtitan's layout): the optimizer
+    goes, the model (cast to BF16) and the train state stay."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from ckpt_cli.thinning import thin_file
+
+    torch.manual_seed(0)
+    model = _dcp_model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    with third_party_quiet():
+        msd, osd = get_state_dict(model, opt,
+                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
+        assert any(k.startswith("state.") for k in osd)
+        dcp.save({**msd, "optimizer": osd, "lr_scheduler": {"last_epoch": 7},
+                  "train_state": {"step": 7}}, checkpoint_id=str(tmp_path / "step-7"),
+                 no_dist=True)
+    done = thin_file(tmp_path / "step-7", to="bf16")
+    assert done is not None and done.dropped == ["optimizer"]
+    assert done.bytes_after < done.bytes_before / 4
+    got = {**{k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in msd.items()},
+           "train_state": {"step": -1}, "lr_scheduler": {"last_epoch": -1}}
+    with third_party_quiet():
+        dcp.load(got, checkpoint_id=str(tmp_path / "step-7"), no_dist=True)
+    assert got["train_state"]["step"] == 7 and got["lr_scheduler"]["last_epoch"] == 7
+    for k, v in msd.items():
+        assert torch.equal(got[k], v.to(torch.bfloat16)), k
+    assert run_cli("validate", tmp_path / "step-7").exit_code == 0
