@@ -684,3 +684,54 @@ def test_thin_a_torchtitan_style_dcp_checkpoint(tmp_path: Path) -> None:
     for k, v in msd.items():
         assert torch.equal(got[k], v.to(torch.bfloat16)), k
     assert run_cli("validate", tmp_path / "step-7").exit_code == 0
+
+
+@pytest.mark.parametrize("where", ["writing", "swapped"])
+def test_a_dcp_thinning_killed_leaves_a_complete_checkpoint_under_its_name(
+        tmp_path: Path, where: str) -> None:
+    """SIGKILL while the thinned copy is being written, or right after it was swapped in: the
+    name holds the original or the thinned checkpoint, complete; what is left beside it is a
+    leftover no reader takes for a checkpoint, and the next prune finishes the work."""
+    import signal
+    import subprocess
+    import sys
+
+    from ckpt_cli.runs import list_run
+
+    run = tmp_path / "run"
+    saved = _dcp_run(run, (100, 200))
+    assert run_cli("watch", run, "--once", "--settle", "0").exit_code == 0
+    original = {p.name: p.read_bytes() for p in (run / "step_000100").iterdir()}
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.thin_killed", str(run), "1",
+                           where], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    left = [p.name for p in run.iterdir() if "ckpt-tmp" in p.name or "ckpt-trash" in p.name]
+    assert len(left) == 1, left
+    listing = list_run(run)
+    assert [e.name for e in listing.entries] == ["step_000100", "step_000200"]
+    assert left[0] in listing.leftovers
+    now = {p.name: p.read_bytes() for p in (run / "step_000100").iterdir()}
+    if where == "writing":
+        assert now == original  # untouched
+        assert not (run / left[0] / ".metadata").exists()  # the copy never committed
+    else:
+        assert ".metadata" in now and "ckpt-manifest.json" not in now  # the thinned one
+        got = _dcp_load(run / "step_000100")
+        assert all(torch.equal(got["model"][k], v) for k, v in saved[100].items())
+    r = run_cli("watch", run, "--once", "--settle", "0")
+    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
+    r = run_cli("prune", run, "--thin-after", "1", "--grace", "0", "--yes", "--json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    if where == "swapped":  # the trash is removed; the thinning is recorded as done
+        assert doc["trash_removed"] == left
+        assert not [p for p in run.iterdir() if "ckpt-" in p.name and "lock" not in p.name
+                    and "ledger" not in p.name]
+    book = read_ledger(run)
+    assert book is not None
+    line = book.latest()["step_000100"]
+    assert line.event == "thinned" and "pending" not in line.detail
+    got = _dcp_load(run / "step_000100")
+    assert all(torch.equal(got["model"][k], v) for k, v in saved[100].items())
+    assert run_cli("validate", run / "step_000100").exit_code == 0

@@ -193,14 +193,17 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
 
 
 def _confirm_interrupted(root: Path, name: str, step: int | None) -> None:
-    """A checkpoint thinned by a prune that was killed before recording it (its ledger line is
-    still the intent): give it its manifest again and record the thinning as done."""
+    """A checkpoint thinned by a prune that was killed before recording it (its newest
+    ``thinned`` line is still the intent): give it its manifest again (when it has none) and
+    record the thinning as done."""
     from ckpt_cli.ledger import THINNED, LedgerEntry, append, manifest_digest
     from ckpt_cli.manifest import manifest_path, write_manifest
     from ckpt_cli.thinning import PENDING, pending
 
     book = read_ledger(root)
-    line = book.latest().get(name) if book is not None else None
+    # Its newest thinning line (a watch pass may have verified it again since).
+    line = next((e for e in reversed(book.entries) if e.path == name and e.event == THINNED),
+                None) if book is not None else None
     if line is None or not pending(line):
         return
     path = root / name
