@@ -12,10 +12,11 @@ What is thinned, and how each rewrite stays atomic:
 - Single torch files (``torch.save`` ``.pt``/``.pth``/``.bin``, Lightning ``.ckpt``), and step
   directories holding one (``step_000100/checkpoint.pt``): read with
   ``torch.load(weights_only=True)`` (never executing code from it; a file that needs more is
-  left whole), the thinned copy written beside it as ``.NAME.ckpt-tmp-*`` (a leftover to prune
-  and validate), fsynced, validated and renamed over the original with one ``rename``.
+  left whole), the thinned copy written beside it under a trash name (``.ckpt-trash-NAME.thin-*``,
+  which the next prune removes after a kill; inside a step directory a ``.NAME.ckpt-tmp-*``
+  name), fsynced, validated and renamed over the original with one ``rename``.
 - DCP directories: read with ckpt's own reader, what is kept saved again with DCP's own writer
-  (no process group) into a temporary sibling directory, swapped with the original in one
+  (no process group) into a trash-named sibling directory, swapped with the original in one
   ``renameat2(RENAME_EXCHANGE)`` (left whole where the file system cannot).
 - HF Trainer ``checkpoint-N``: the optimizer file unlinked; with ``--thin-to bf16`` a copy with
   BF16 safetensors and an updated ``config.json`` is built beside it and swapped in.
@@ -260,7 +261,8 @@ def thin_file(path: Path, *, to: str | None = None,
 def _thin_torch(path: Path, to: str | None, on_start: OnStart,
                 checkpoint: Path) -> Thinned | None:
     """One torch file (``checkpoint`` is itself, or the step directory holding it): rewritten
-    under a temporary sibling name, renamed over the original in one ``rename``."""
+    under a trash or temporary name (see :func:`_work_name`), renamed over the original in one
+    ``rename``."""
     import torch
 
     from ckpt_cli.ops.prune import quick_validate
@@ -278,7 +280,9 @@ def _thin_torch(path: Path, to: str | None, on_start: OnStart,
     if to == "bf16":
         thin = {k: (_cast(v) if k in WEIGHT_KEYS else v) for k, v in thin.items()}
     bytes_before = tree_scan(checkpoint).bytes
-    tmp = tmp_sibling(path)
+    # At the run's top a trash name (a killed prune's copy is removed by the next prune, which
+    # alone may write one: it holds the prune lock); inside a step directory a temporary name.
+    tmp = _work_name(path) if checkpoint == path else tmp_sibling(path)
     try:
         torch.save(thin, tmp)
         os.chmod(tmp, before.st_mode & 0o7777)
@@ -310,6 +314,17 @@ def _thin_torch(path: Path, to: str | None, on_start: OnStart,
     return Thinned(checkpoint, dropped, to, bytes_before, tree_scan(checkpoint).bytes, digest)
 
 
+def _work_name(path: Path) -> Path:
+    """Where the thinned copy of the checkpoint ``path`` (at the top of its run) is built: a
+    name of prune's trash (``.ckpt-trash-NAME.thin-*``), which no reader takes for a checkpoint
+    and which the next prune removes when a kill left it behind. Only prune thins, under its
+    lock, so no other prune removes it while it is being written."""
+    from ckpt_cli.deletion import fit_name
+    from ckpt_cli.formats.names import TRASH_PREFIX
+
+    return path.parent / fit_name(f"{TRASH_PREFIX}{path.name}", f".thin-{uuid.uuid4().hex[:8]}")
+
+
 def _keep_age(path: Path, newest_ns: int) -> None:
     """Give nothing in the directory ``path`` (itself included) a newer modification time than
     the checkpoint had before thinning: retention by age must not take it for a new one."""
@@ -337,12 +352,10 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
 
     The two are swapped with one ``renameat2(RENAME_EXCHANGE)``: at every moment ``path`` is
     either the original or the thinned directory, complete; the original then sits under the
-    temporary name (a leftover no reader takes for a checkpoint), is renamed to prune's trash
-    name (the next prune finishes an interrupted removal) and removed.
+    trash name ``tmp`` had (see :func:`_work_name`) and is removed (by the next prune, when a
+    kill interrupts this).
     """
     from ckpt_cli.atomic import exchange
-    from ckpt_cli.deletion import fit_name
-    from ckpt_cli.formats.names import TRASH_PREFIX
     from ckpt_cli.manifest import DEFAULT_ALGORITHM, manifest_path, read_manifest
     from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
@@ -374,13 +387,10 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
         raise CkptError(f"the file system cannot swap directories atomically ({e.strerror}); "
                         "left whole", path=path) from None
     fsync_path(path.parent)
-    trash = path.parent / fit_name(f"{TRASH_PREFIX}{path.name}", f".{uuid.uuid4().hex[:8]}")
     try:
-        os.rename(tmp, trash)
-        fsync_path(path.parent)
-        shutil.rmtree(trash)
+        shutil.rmtree(tmp)  # the original, now under the trash name
     except OSError:
-        pass  # a leftover under a temporary or trash name: validate says so, prune removes it
+        pass  # what is left has a trash name: the next prune removes it
     digest = _manifest_again(path, algorithm)
     _keep_age(path, newest_ns)
     return Thinned(path, dropped, to, bytes_before, tree_scan(path).bytes, digest)
@@ -466,7 +476,7 @@ def _dcp_optimizer_tops(paths: list[tuple[Any, ...]]) -> list[str]:
 def _thin_dcp_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | None:
     """A torch.distributed.checkpoint directory: read with ckpt's own reader (never unpickling
     anything but tensors and plain values, ``weights_only``), what is kept saved again with
-    DCP's own writer (no process group) into a temporary sibling directory, swapped in."""
+    DCP's own writer (no process group) into a trash-named sibling directory, swapped in."""
     import io
     import warnings
 
@@ -544,7 +554,7 @@ def _thin_dcp_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | No
     except KeyError:  # a dtype torch has no name for (F4, F6)
         raise CkptError("holds a tensor torch cannot represent; left whole", path=path) \
             from None
-    tmp = tmp_sibling(path)
+    tmp = _work_name(path)
     tmp.mkdir(mode=path.stat().st_mode & 0o7777)
     try:
         with warnings.catch_warnings():
@@ -608,7 +618,7 @@ def _hf_to_bf16(path: Path, victims: list[str], on_start: OnStart,
     if any(c.name.endswith((".bin", ".pt", ".pth")) and "model" in c.name for c in children):
         raise CkptError("holds torch-pickle weights beside safetensors; --thin-to bf16 casts "
                         "only safetensors and leaves it whole", path=path)
-    tmp = tmp_sibling(path)
+    tmp = _work_name(path)
     tmp.mkdir(mode=path.stat().st_mode & 0o7777)
     try:
         sizes: dict[str, int] = {}

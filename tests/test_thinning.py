@@ -724,8 +724,8 @@ def test_a_dcp_thinning_killed_leaves_a_complete_checkpoint_under_its_name(
     r = run_cli("prune", run, "--thin-after", "1", "--grace", "0", "--yes", "--json")
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)
-    if where == "swapped":  # the trash is removed; the thinning is recorded as done
-        assert doc["trash_removed"] == left
+    assert doc["trash_removed"] == left  # the copy (or the original) left beside it
+    if where == "swapped":  # the thinning is recorded as done
         assert not [p for p in run.iterdir() if "ckpt-" in p.name and "lock" not in p.name
                     and "ledger" not in p.name]
     book = read_ledger(run)
