@@ -154,6 +154,7 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
             result.thin_skipped[name] = why
             report(PruneEvent("thin-skipped", name, why, plan=plan))
             continue
+
         def intent(dropped: list[str], dtype: str | None, before: int,
                    name: str = name, step: int | None = d.entry.step) -> None:
             # Recorded before the first change: a crash from here on leaves a checkpoint that
@@ -208,7 +209,8 @@ def _confirm_interrupted(root: Path, name: str, step: int | None) -> None:
         return
     path = root / name
     if not manifest_path(path).exists():
-        write_manifest(path)
+        with contextlib.suppress(CkptError):  # then watch writes it when it verifies it
+            write_manifest(path)
     detail = {k: v for k, v in line.detail.items() if k != PENDING}
     append(root, LedgerEntry(path=name, step=step, time=time.time(), event=THINNED,
                              verdict="good", bytes=tree_scan(path).bytes,
