@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +51,7 @@ class WatchOptions:
         pattern: Regex choosing checkpoint entries (as ``prune --pattern``).
         on_bad: A command (split with :func:`shlex.split`, never run by a shell) run for
             each bad checkpoint, with its path in ``CKPT_BAD_PATH``.
+        on_bad_timeout: Seconds ``on_bad`` may run before it (and what it started) is killed.
     """
 
     crc: bool = False
@@ -59,6 +61,45 @@ class WatchOptions:
     policy: PrunePolicy | None = None
     pattern: str | None = None
     on_bad: str | None = None
+    on_bad_timeout: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class HookResult:
+    """How an ``--on-bad`` command ended.
+
+    Attributes:
+        command: Its first word (argv[0]), as given.
+        status: Its exit status (negative: the signal that ended it); None when it could not
+            be started.
+        timed_out: It ran past its timeout and was killed.
+        error: Why it could not be started (the OS's message), else None.
+    """
+
+    command: str
+    status: int | None = None
+    timed_out: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """It started, finished in time and exited 0."""
+        return self.status == 0 and not self.timed_out and self.error is None
+
+    def describe(self) -> str:
+        """One phrase saying what went wrong (or that it exited 0)."""
+        if self.error is not None:
+            return f"--on-bad command {self.command!r} could not be started: {self.error}"
+        if self.timed_out:
+            return f"--on-bad command {self.command!r} timed out and was killed"
+        if self.status is not None and self.status < 0:
+            return f"--on-bad command {self.command!r} was ended by signal {-self.status}"
+        return f"--on-bad command {self.command!r} exited with status {self.status}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The outcome as a JSON object."""
+        return {"command": self.command, "status": self.status, "timed_out": self.timed_out,
+                "error": self.error}
 
 
 @dataclass(slots=True)
@@ -76,6 +117,7 @@ class WatchEvent:
         problems: Why it is bad; for ``error``, the message.
         deleted: For ``pruned``: what retention deleted.
         thinned: For ``pruned``: what retention rewrote without optimizer state.
+        on_bad: For an ``error`` about a failed ``--on-bad`` command: how it ended.
     """
 
     event: str
@@ -88,6 +130,7 @@ class WatchEvent:
     problems: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     thinned: list[str] = field(default_factory=list)
+    on_bad: HookResult | None = None
 
     @property
     def bad(self) -> bool:
@@ -99,7 +142,8 @@ class WatchEvent:
         return {"schema_version": 1, "event": self.event, "run": self.run, "path": self.path,
                 "step": self.step, "verdict": self.verdict, "bytes": self.bytes,
                 "manifest_digest": self.manifest_digest, "problems": list(self.problems),
-                "deleted": list(self.deleted), "thinned": list(self.thinned)}
+                "deleted": list(self.deleted), "thinned": list(self.thinned),
+                "on_bad": self.on_bad.to_json() if self.on_bad is not None else None}
 
 
 Signature = tuple[int, int, float]
@@ -262,9 +306,15 @@ class RunWatcher:
 
     def _say(self, ev: WatchEvent, out: list[WatchEvent]) -> None:
         out.append(ev)
-        self.emit(ev)
-        if ev.bad and ev.path is not None and self.opts.on_bad:
-            run_on_bad(self.opts.on_bad, self.root / ev.path, self.root)
+        self.emit(ev)  # reported first: a slow hook must not delay the report
+        if ev.bad and ev.event != "error" and ev.path is not None and self.opts.on_bad:
+            hook = run_on_bad(self.opts.on_bad, self.root / ev.path, self.root,
+                              timeout=self.opts.on_bad_timeout)
+            if not hook.ok:
+                failed = WatchEvent("error", str(self.root), ev.path, ev.step,
+                                    problems=[hook.describe()], on_bad=hook)
+                out.append(failed)
+                self.emit(failed)
 
     def _examine(self, e: RunEntry, sig: Signature, now: float,
                  cached: tuple[Signature, str] | None) -> WatchEvent | None:
@@ -354,16 +404,36 @@ class RunWatcher:
                           problems=[] if result.ok else ["retention: some deletions failed"])
 
 
-def run_on_bad(command: str, path: Path, run: Path) -> int:
-    """Run ``--on-bad``: argv from :func:`shlex.split`, the path only in the environment."""
+def run_on_bad(command: str, path: Path, run: Path, *, timeout: float = 300.0) -> HookResult:
+    """Run ``--on-bad``: argv from :func:`shlex.split`, the path only in the environment.
+
+    It runs in a session of its own, with its standard output sent to standard error (stdout
+    carries ``--json`` lines); past ``timeout`` seconds its whole process group is killed.
+
+    Returns:
+        How it ended (:attr:`HookResult.ok` when it exited 0 in time).
+    """
     argv = shlex.split(command)
     if not argv:
-        return 0
+        return HookResult(command="", status=0)
     env = dict(os.environ, **{BAD_ENV: str(path), "CKPT_RUN_DIR": str(run)})
     try:
-        return subprocess.run(argv, env=env, check=False, stdin=subprocess.DEVNULL).returncode
-    except OSError:
-        return 127
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=2,
+                                start_new_session=True)
+    except OSError as e:
+        return HookResult(command=argv[0], error=e.strerror or str(e))
+    try:
+        return HookResult(command=argv[0], status=proc.wait(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return HookResult(command=argv[0], status=proc.returncode, timed_out=True)
+    finally:
+        if proc.returncode is None:  # interrupted (Ctrl-C, SIGTERM): leave nothing behind
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def run_dirs(root: Path) -> list[Path]:

@@ -242,3 +242,83 @@ def test_the_cli_never_imports_the_integrations() -> None:
     r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True,
                        text=True, check=False)
     assert r.returncode == 0, r.stderr
+
+
+def _bad_run(tmp_path: Path) -> Path:
+    """A run whose only checkpoint has a garbage shard (a real DCP save, then cut)."""
+    run = tmp_path / "run"
+    assert train(run, 1) == 0
+    (run / "step_2" / "__0_0.distcp").write_bytes(b"garbage")
+    return run
+
+
+def test_an_on_bad_command_that_cannot_start_is_reported(tmp_path: Path) -> None:
+    run = _bad_run(tmp_path)
+    code, events, err = watch_once(run, "--on-bad", "no-such-ckpt-hook --flag")
+    assert code == 1
+    assert [(e["event"], e["path"]) for e in events] == [("verified", "step_2"),
+                                                         ("error", "step_2")]
+    assert events[0]["on_bad"] is None
+    hook = events[1]["on_bad"]
+    assert hook["command"] == "no-such-ckpt-hook" and hook["status"] is None
+    assert hook["timed_out"] is False and hook["error"]
+    assert "'no-such-ckpt-hook' could not be started" in err
+    assert "--flag" not in err
+
+
+def test_an_on_bad_command_that_fails_is_reported_with_its_status(tmp_path: Path) -> None:
+    run = _bad_run(tmp_path)
+    code, events, err = watch_once(
+        run, "--on-bad", f"{sys.executable} -c \"print('hook says hi'); raise SystemExit(3)\"")
+    assert code == 1
+    assert [(e["event"], e["path"]) for e in events] == [("verified", "step_2"),
+                                                         ("error", "step_2")]
+    assert events[1]["on_bad"] == {"command": sys.executable, "status": 3,
+                                   "timed_out": False, "error": None}
+    assert f"{sys.executable!r} exited with status 3" in err
+    # The hook's own output goes to stderr: stdout carries only the JSON lines.
+    assert "hook says hi" in err
+
+
+def test_an_on_bad_command_that_succeeds_adds_nothing(tmp_path: Path) -> None:
+    run = _bad_run(tmp_path)
+    code, events, err = watch_once(run, "--on-bad", f"{sys.executable} -c pass")
+    assert code == 1
+    assert [(e["event"], e["on_bad"]) for e in events] == [("verified", None)]
+    assert "--on-bad" not in err
+
+
+def test_an_on_bad_command_past_its_timeout_is_killed_with_its_children(
+        tmp_path: Path) -> None:
+    run = _bad_run(tmp_path)
+    pidfile = tmp_path / "child.pid"
+    # The hook starts a grandchild that would outlive it, then hangs.
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(600)")
+    code, events, err = watch_once(run, "--on-bad", f"{sys.executable} -c \"{script}\"",
+                                   "--on-bad-timeout", "2s")
+    assert code == 1
+    assert events[1]["event"] == "error"
+    assert events[1]["on_bad"]["timed_out"] is True
+    assert events[1]["on_bad"]["status"] == -9
+    assert "timed out and was killed" in err
+    child = int(pidfile.read_text())
+    # The grandchild was in the hook's process group: killed too (reaped by init, or gone).
+    deadline = time.monotonic() + 30  # a hang guard, not a timing assertion
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split(") ")[1][0]
+        except (FileNotFoundError, IndexError):
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the hook's child {child} survived the timeout")
+
+
+def test_on_bad_timeout_is_a_duration(tmp_path: Path) -> None:
+    run = _bad_run(tmp_path)
+    r = run_cli("watch", run, "--once", "--on-bad", "true", "--on-bad-timeout", "5")
+    assert r.exit_code == 2 and "--on-bad-timeout" in r.stderr

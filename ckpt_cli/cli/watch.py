@@ -59,7 +59,11 @@ def watch_cmd(
     )] = None,
     on_bad: Annotated[str | None, typer.Option(
         "--on-bad", metavar="CMD", help="Run CMD for each bad checkpoint (split like a shell "
-        "would, never run by one) with its path in $CKPT_BAD_PATH.")] = None,
+        "would, never run by one) with its path in $CKPT_BAD_PATH; its output goes to "
+        "stderr. One that cannot start, fails or times out is reported as an error.")] = None,
+    on_bad_timeout: Annotated[str, typer.Option(
+        "--on-bad-timeout", metavar="AGE", help="Kill an --on-bad command (and what it "
+        "started) still running after AGE, and report it.")] = "5m",
     storage_option: StorageOpt = None,
     json: JsonOpt = False,
 ) -> None:
@@ -94,7 +98,9 @@ def watch_cmd(
         opts = WatchOptions(crc=crc, values=values,
                             settle=parse_duration(settle, what="--settle", allow_zero=True),
                             abandon_after=parse_duration(abandon_after, what="--abandon-after"),
-                            policy=policy, pattern=pattern, on_bad=on_bad)
+                            policy=policy, pattern=pattern, on_bad=on_bad,
+                            on_bad_timeout=parse_duration(on_bad_timeout,
+                                                          what="--on-bad-timeout"))
         every = parse_duration(interval, what="--interval")
         from ckpt_cli.errors import CkptError
 
