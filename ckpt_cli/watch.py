@@ -52,6 +52,9 @@ class WatchOptions:
         on_bad: A command (split with :func:`shlex.split`, never run by a shell) run for
             each bad checkpoint, with its path in ``CKPT_BAD_PATH``.
         on_bad_timeout: Seconds ``on_bad`` may run before it (and what it started) is killed.
+        report_pending: Emit a ``pending`` event for each checkpoint not judged yet in this
+            pass (still settling, locked by a writer, not committed yet): ``--once`` says what
+            it left for the next run.
     """
 
     crc: bool = False
@@ -62,6 +65,7 @@ class WatchOptions:
     pattern: str | None = None
     on_bad: str | None = None
     on_bad_timeout: float = 300.0
+    report_pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +111,7 @@ class WatchEvent:
     """Something the watcher has to say (one JSON line with ``--json``).
 
     Attributes:
-        event: ``verified``, ``abandoned``, ``pruned`` or ``error``.
+        event: ``verified``, ``abandoned``, ``pruned``, ``error`` or ``pending``.
         run: The run directory.
         path: The checkpoint, relative to the run (None for run-level events).
         step: Its step.
@@ -118,6 +122,8 @@ class WatchEvent:
         deleted: For ``pruned``: what retention deleted.
         thinned: For ``pruned``: what retention rewrote without optimizer state.
         on_bad: For an ``error`` about a failed ``--on-bad`` command: how it ended.
+        pending: For ``pending``: ``{"state": "settling" | "locked" | "incomplete",
+            "detail": sentence}``, why the checkpoint was not judged in this pass.
     """
 
     event: str
@@ -131,6 +137,7 @@ class WatchEvent:
     deleted: list[str] = field(default_factory=list)
     thinned: list[str] = field(default_factory=list)
     on_bad: HookResult | None = None
+    pending: dict[str, str] | None = None
 
     @property
     def bad(self) -> bool:
@@ -143,7 +150,8 @@ class WatchEvent:
                 "step": self.step, "verdict": self.verdict, "bytes": self.bytes,
                 "manifest_digest": self.manifest_digest, "problems": list(self.problems),
                 "deleted": list(self.deleted), "thinned": list(self.thinned),
-                "on_bad": self.on_bad.to_json() if self.on_bad is not None else None}
+                "on_bad": self.on_bad.to_json() if self.on_bad is not None else None,
+                "pending": dict(self.pending) if self.pending is not None else None}
 
 
 Signature = tuple[int, int, float]
@@ -232,6 +240,16 @@ def links_in(path: Path) -> list[str]:
         out.extend(os.path.relpath(os.path.join(dirpath, n), path) for n in [*dirs, *files]
                    if os.path.islink(os.path.join(dirpath, n)))
     return out
+
+
+def _secs(t: float) -> str:
+    """Seconds for a sentence: ``0.3s``, ``12s``, ``4m05s``."""
+    if t < 10:
+        return f"{t:.1f}s"
+    if t < 60:
+        return f"{t:.0f}s"
+    m, sec = divmod(int(t), 60)
+    return f"{m}m{sec:02d}s"
 
 
 def _rel(run_dir: Path, path: Path) -> str:
@@ -323,7 +341,10 @@ class RunWatcher:
         if not e.complete:
             # Its newest modification time: how long ago the writer last wrote to it.
             if now - e.mtime < self.opts.abandon_after:
-                return None  # still being written: looked at again next pass
+                # still being written: looked at again next pass
+                return self._pending(e, rel, "incomplete",
+                                     f"not committed yet ({e.reason or 'no marker'}), last "
+                                     f"written {_secs(now - e.mtime)} ago")
             if line is not None and line.bytes == e.bytes and line.verdict == ledger.BAD:
                 self.seen[e.name] = (sig, ledger.BAD)
                 return None
@@ -336,11 +357,16 @@ class RunWatcher:
             return WatchEvent(ABANDONED, str(self.root), rel, e.step, ledger.BAD, e.bytes,
                               problems=[reason])
         if now - sig[2] < self.opts.settle:
-            return None  # committed just now: let the writer finish its last touches
+            # committed just now: let the writer finish its last touches
+            return self._pending(e, rel, "settling",
+                                 f"changed {_secs(max(0.0, now - sig[2]))} ago, within "
+                                 f"--settle {_secs(self.opts.settle)}")
         from ckpt_cli.runs import writer_lock
 
-        if writer_lock(e.path) is not None:
-            return None  # a writer still holds it: looked at again next pass
+        lock = writer_lock(e.path)
+        if lock is not None:
+            # a writer still holds it: looked at again next pass
+            return self._pending(e, rel, "locked", f"a writer holds {lock}")
         if line is not None and line.bytes == e.bytes:
             if line.good:
                 problems = recheck_good(e.path, line, full=cached is not None)
@@ -369,6 +395,12 @@ class RunWatcher:
         self.seen[e.name] = (sig, entry.verdict)
         return WatchEvent(ledger.VERIFIED, str(self.root), rel, entry.step, entry.verdict,
                           entry.bytes, entry.manifest_digest, list(entry.problems))
+
+    def _pending(self, e: RunEntry, rel: str, state: str, detail: str) -> WatchEvent | None:
+        if not self.opts.report_pending:
+            return None
+        return WatchEvent("pending", str(self.root), rel, e.step, bytes=e.bytes,
+                          pending={"state": state, "detail": detail})
 
     def _record_bad(self, e: RunEntry, sig: Signature, rel: str,
                     problems: list[str]) -> WatchEvent:

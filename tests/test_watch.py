@@ -92,7 +92,12 @@ def test_a_partial_save_is_reported_abandoned_after_the_grace_period(tmp_path: P
     run = tmp_path / "run"
     assert train(run, 2, kill_at=2) == -9
     code, events, _ = watch_once(run)
-    assert code == 0 and [(e["path"], e["verdict"]) for e in events] == [("step_2", "good")]
+    # The partial step_4 is named as not committed yet, not judged: still exit 0.
+    assert code == 0 and [(e["event"], e["path"], e["verdict"]) for e in events] == [
+        ("verified", "step_2", "good"), ("pending", "step_4", None)]
+    assert events[1]["pending"]["state"] == "incomplete"
+    assert "no .metadata" in events[1]["pending"]["detail"]
+    assert verdicts(run) == {"step_2": "good"}
     old = time.time() - 3600
     for p in [*(run / "step_4").iterdir(), run / "step_4"]:
         os.utime(p, (old, old))
@@ -322,3 +327,53 @@ def test_on_bad_timeout_is_a_duration(tmp_path: Path) -> None:
     run = _bad_run(tmp_path)
     r = run_cli("watch", run, "--once", "--on-bad", "true", "--on-bad-timeout", "5")
     assert r.exit_code == 2 and "--on-bad-timeout" in r.stderr
+
+
+def test_once_within_settle_names_what_is_settling_and_exits_0(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 2) == 0
+    # Just written (as right after a copy): within --settle 1h, nothing is judged yet.
+    r = subprocess.run([sys.executable, "-m", "ckpt_cli", "watch", str(run), "--once",
+                        "--json", "--settle", "1h"], env=ENV, cwd=ROOT, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(e["event"], e["path"], e["verdict"]) for e in events] == [
+        ("pending", "step_2", None), ("pending", "step_4", None)]
+    assert all(e["pending"]["state"] == "settling" for e in events)
+    assert "within --settle" in events[0]["pending"]["detail"]
+    assert all(e["on_bad"] is None for e in events)
+    assert r.stderr == ""
+    assert ledger.read_ledger(run) is None  # nothing recorded: the next run judges them
+
+    r = subprocess.run([sys.executable, "-m", "ckpt_cli", "watch", str(run), "--once",
+                        "--settle", "1h"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                       check=False)
+    assert r.returncode == 0
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all("pending" in s and "settling" in s for s in lines)
+    assert lines[0].startswith(f"ckpt watch: pending: {run}/step_2: settling (changed ")
+    assert lines[0].endswith("; not checked in this pass")
+
+    # Once settled, the next --once judges both and names nothing pending.
+    code, events, _ = watch_once(run)
+    assert code == 0 and [(e["event"], e["verdict"]) for e in events] == [
+        ("verified", "good"), ("verified", "good")]
+
+
+def test_once_names_a_checkpoint_a_writer_still_locks(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 1) == 0
+    (run / "step_2.lock").write_text("")
+    code, events, _ = watch_once(run)
+    assert code == 0
+    assert [(e["event"], e["path"], e["pending"]) for e in events] == [
+        ("pending", "step_2", {"state": "locked", "detail": "a writer holds step_2.lock"})]
+
+
+def test_a_long_running_watcher_does_not_repeat_pending(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert train(run, 1) == 0
+    got: list[WatchEvent] = []
+    w = Watcher(run, WatchOptions(settle=3600), got.append)
+    assert w.run_pass() == [] and got == []

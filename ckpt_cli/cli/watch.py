@@ -29,7 +29,8 @@ def watch_cmd(
         help="The run directory (or a directory of runs, or an object-store prefix) to follow.",
         show_default=False, parser=location)],
     once: Annotated[bool, typer.Option(
-        "--once", help="One pass, then exit (for cron): 1 if a bad checkpoint was found.")] = False,
+        "--once", help="One pass, then exit (for cron): 1 if a bad checkpoint was found. "
+        "Checkpoints not judged yet (settling, locked, being written) are named.")] = False,
     interval: Annotated[str, typer.Option(
         "--interval", metavar="AGE", help="Time between passes.")] = "5s",
     crc: Annotated[bool, typer.Option(
@@ -100,7 +101,8 @@ def watch_cmd(
                             abandon_after=parse_duration(abandon_after, what="--abandon-after"),
                             policy=policy, pattern=pattern, on_bad=on_bad,
                             on_bad_timeout=parse_duration(on_bad_timeout,
-                                                          what="--on-bad-timeout"))
+                                                          what="--on-bad-timeout"),
+                            report_pending=once)
         every = parse_duration(interval, what="--interval")
         from ckpt_cli.errors import CkptError
 
@@ -145,6 +147,10 @@ def _emit(ev: WatchEvent, json: bool) -> None:
         if ev.problems:
             line += f" ({ev.problems[0]})"
         print(line, flush=True)
+    elif ev.event == "pending" and not json:
+        pending = ev.pending or {}
+        print(f"ckpt watch: pending: {where}: {pending.get('state', 'pending')} "
+              f"({pending.get('detail', '')}); not checked in this pass", flush=True)
     elif ev.bad:
         why = ev.problems[0] if ev.problems else "bad"
         label = "abandoned" if ev.event == "abandoned" else ("error" if ev.event == "error"
