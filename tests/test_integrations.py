@@ -207,3 +207,24 @@ def test_hf_callback_under_ddp_stop_on_bad_stops_every_rank(tmp_path: Path) -> N
     assert [(e["path"], e["verdict"]) for e in _ledger_lines(out)] == [
         ("checkpoint-2", "good"), ("checkpoint-4", "bad")]
     assert latest_verified(out, verify="full") == out / "checkpoint-2"
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
+def test_lightning_callback_under_ddp_only_rank_0_verifies(tmp_path: Path) -> None:
+    out = tmp_path / "ckpts"
+    p = _torchrun_2("lightning_ddp.py", str(out), "6", "--break-at", "4")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    zero, one = _ranks(tmp_path)
+    assert zero["global_step"] == one["global_step"] == 6
+    assert zero["entries"] == [["step=2.ckpt", "good"], ["step=4.ckpt", "bad"],
+                               ["step=6.ckpt", "good"]]
+    assert one["entries"] == []
+    assert [(e["path"], e["verdict"]) for e in _ledger_lines(out)] == [
+        ("step=2.ckpt", "good"), ("step=4.ckpt", "bad"), ("step=6.ckpt", "good")]
+    # While the bad step=4 was the newest, rotation (save_top_k=1) kept step=2 on every rank's
+    # view of the shared directory.
+    assert "step=2.ckpt" in zero["saw"]["5"] and "step=4.ckpt" in one["saw"]["5"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ckpt-ledger.jsonl", "step=2.ckpt", "step=2.ckpt.ckpt-manifest.json", "step=6.ckpt",
+        "step=6.ckpt.ckpt-manifest.json"]
+    assert latest_verified(out, verify="full") == out / "step=6.ckpt"
