@@ -30,6 +30,7 @@ from typing import Any
 
 from ckpt_cli import ledger, storage
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats.names import is_last_copy
 from ckpt_cli.model import RunEntry
 from ckpt_cli.retention import PrunePolicy
 
@@ -162,7 +163,8 @@ def _signature(e: RunEntry) -> Signature:
 
 
 def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: bool = False,
-                      step: int | None = None, write: bool = True) -> ledger.LedgerEntry:
+                      step: int | None = None, write: bool = True,
+                      fresh: bool = False) -> ledger.LedgerEntry:
     """Validate one checkpoint of a run, write its manifest when good, and return the line.
 
     Args:
@@ -172,6 +174,10 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
         values: Scan values too.
         step: Its step when known (else what validation found).
         write: Append the line to the ledger.
+        fresh: It was just saved again under the same name (Lightning's ``last.ckpt``, a
+            checkpoint re-saved after a resume): a manifest left from the earlier save
+            describes other bytes, so it is removed before validating (a good verdict writes
+            a new one).
 
     Returns:
         The :class:`~ckpt_cli.ledger.LedgerEntry` (appended when ``write``).
@@ -184,6 +190,10 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
     problems: list[str] = []
     digest = None
     try:
+        if fresh:
+            from ckpt_cli.manifest import manifest_path
+
+            manifest_path(path).unlink(missing_ok=True)
         report = validate_checkpoint(path, Options(quick=not crc, values=values))
         problems = [f"{f.file + ': ' if f.file else ''}{f.message}"
                     for f in report.findings if f.severity == "error"][:5]
@@ -367,6 +377,12 @@ class RunWatcher:
         if lock is not None:
             # a writer still holds it: looked at again next pass
             return self._pending(e, rel, "locked", f"a writer holds {lock}")
+        if (line is not None and line.good and is_last_copy(e.name)
+                and e.mtime > line.time and not e.path.is_symlink()):
+            # Lightning writes last.ckpt again at every save (a copy, not a link, unless
+            # save_last="link"): modified after its verdict, it is a new save, verified afresh
+            # (its old manifest describes the previous save), not damage to the old one.
+            return self._verify(e, rel, fresh=True)
         if line is not None and line.bytes == e.bytes:
             if line.good:
                 problems = recheck_good(e.path, line, full=cached is not None)
@@ -381,13 +397,17 @@ class RunWatcher:
             problems = recheck_good(e.path, line, full=False)
             if problems:
                 return self._record_bad(e, sig, rel, problems)
+        return self._verify(e, rel, sig=sig)
+
+    def _verify(self, e: RunEntry, rel: str, *, sig: Signature | None = None,
+                fresh: bool = False) -> WatchEvent | None:
         entry = verify_checkpoint(self.root, e.path, crc=self.opts.crc, values=self.opts.values,
-                                  step=e.step, write=False)
+                                  step=e.step, write=False, fresh=fresh)
         if not entry.good and not e.path.exists():
             return None  # deleted meanwhile (a cron prune): nothing to judge
         ledger.append(self.root, entry)
         self.known[rel] = entry
-        if entry.good:
+        if entry.good or sig is None:
             # As it is now, with its manifest: the next pass must not take that for a change.
             from ckpt_cli.runs import run_entry
 

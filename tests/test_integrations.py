@@ -228,3 +228,60 @@ def test_lightning_callback_under_ddp_only_rank_0_verifies(tmp_path: Path) -> No
         "ckpt-ledger.jsonl", "step=2.ckpt", "step=2.ckpt.ckpt-manifest.json", "step=6.ckpt",
         "step=6.ckpt.ckpt-manifest.json"]
     assert latest_verified(out, verify="full") == out / "step=6.ckpt"
+
+
+def test_lightning_callback_verifies_a_copied_last_ckpt_at_every_save(tmp_path: Path) -> None:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt_cli.integrations.lightning import VerifiedModelCheckpoint
+
+    out = tmp_path / "ckpts"
+
+    class Mod(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 8)
+
+        def training_step(self, batch: Any, _i: int) -> torch.Tensor:
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    class BreakStep6(Callback):  # type: ignore[misc]
+        """Damages step=6.ckpt (not last.ckpt) right after Lightning wrote it."""
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            real = trainer.save_checkpoint
+
+            def save(filepath: str, *a: Any, **kw: Any) -> None:
+                real(filepath, *a, **kw)
+                if trainer.global_step == 6 and Path(filepath).name != "last.ckpt":
+                    _truncate(Path(filepath))
+
+            trainer.save_checkpoint = save
+
+    # save_last=True: Lightning writes last.ckpt as a copy (not a link) at every save.
+    ck = VerifiedModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=1,
+                                 save_last=True, filename="{step}")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)),
+                                         batch_size=4)
+    with third_party_quiet():
+        trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1,
+                            callbacks=[BreakStep6(), ck], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        torch.manual_seed(0)
+        trainer.fit(Mod(), loader)
+    assert not (out / "last.ckpt").is_symlink()
+    # Each new last.ckpt is judged on its own bytes, not by the previous save's manifest.
+    assert [(e.path, e.verdict, e.step) for e in ck.entries] == [
+        ("step=2.ckpt", "good", 2), ("last.ckpt", "good", 2),
+        ("step=4.ckpt", "good", 4), ("last.ckpt", "good", 4),
+        ("step=6.ckpt", "bad", 6), ("last.ckpt", "good", 6)]
+    # last.ckpt (verified, step 6) is the resume point; step=4.ckpt, the last verified file
+    # that no later save overwrites, is kept by rotation all the same.
+    assert latest_verified(out, verify="full") == out / "last.ckpt"
+    assert (out / "step=4.ckpt").is_file()
+    weights = torch.load(out / "last.ckpt", weights_only=True)
+    assert weights["global_step"] == 6

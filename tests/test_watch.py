@@ -377,3 +377,84 @@ def test_a_long_running_watcher_does_not_repeat_pending(tmp_path: Path) -> None:
     got: list[WatchEvent] = []
     w = Watcher(run, WatchOptions(settle=3600), got.append)
     assert w.run_pass() == [] and got == []
+
+
+def _replace_with(dst: Path, src: Path) -> None:
+    """Put ``src``'s bytes at ``dst`` by rename, as a save writing ``dst`` again would."""
+    tmp = dst.with_name(dst.name + ".tmp-copy")
+    tmp.write_bytes(src.read_bytes())
+    os.replace(tmp, dst)
+
+
+def test_a_rewritten_lightning_last_ckpt_is_a_new_save_not_damage(tmp_path: Path) -> None:
+    from tests.conftest import third_party_quiet
+    from tests.helpers.makers import lightning_run
+
+    with third_party_quiet():
+        run = lightning_run(tmp_path / "run", steps=4)  # last.ckpt: a copy, at step 4
+        later = lightning_run(tmp_path / "later", steps=8)  # later saves of the same run
+    last = run / "last.ckpt"
+    assert last.is_file() and not last.is_symlink()
+    got: list[WatchEvent] = []
+    w = Watcher(run, WatchOptions(settle=0), got.append)
+    w.run_pass()
+    assert verdicts(run) == {"epoch=0-step=2.ckpt": "good", "epoch=0-step=4.ckpt": "good",
+                             "last.ckpt": "good"}
+    assert latest_verified(run) == last
+
+    # Lightning writes last.ckpt again at its next save (step 6 here): a restarted watcher
+    # (sizes only) and a running one (which re-hashes a changed good one) verify it afresh.
+    time.sleep(0.01)  # a newer mtime than the verdict (not a timing assertion)
+    _replace_with(last, later / "epoch=1-step=6.ckpt")
+    code, events, err = watch_once(run)
+    assert code == 0, err
+    assert [(e["path"], e["verdict"], e["step"]) for e in events] == [("last.ckpt", "good", 6)]
+    time.sleep(0.01)
+    _replace_with(last, later / "last.ckpt")
+    got.clear()
+    w.run_pass()
+    assert [(e.path, e.verdict, e.step) for e in got] == [("last.ckpt", "good", 8)]
+    assert verdicts(run)["last.ckpt"] == "good"
+    # A verified regular-file last.ckpt is a resume point: the newest verified step.
+    assert latest_verified(run, verify="full") == last
+    r = run_cli("resume-path", run, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["step"] == 8
+
+    # Damage that leaves the mtime alone is still damage (bit rot): reported bad.
+    st = last.stat()
+    data = bytearray(last.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    last.write_bytes(bytes(data))
+    os.utime(last, ns=(st.st_atime_ns, st.st_mtime_ns))
+    got.clear()
+    w.run_pass()
+    assert [(e.path, e.verdict) for e in got] == [("last.ckpt", "bad")]
+    assert latest_verified(run) == run / "epoch=0-step=4.ckpt"
+
+
+def test_resume_skips_a_last_ckpt_written_again_but_not_verified(tmp_path: Path) -> None:
+    from tests.conftest import third_party_quiet
+    from tests.helpers.makers import lightning_run
+
+    with third_party_quiet():
+        run = lightning_run(tmp_path / "run", steps=4)
+        later = lightning_run(tmp_path / "later", steps=4, every=1)  # step-3 file: same size
+    assert watch_once(run)[0] == 0
+    last = run / "last.ckpt"
+    assert latest_verified(run) == last
+    newer = later / "epoch=0-step=3.ckpt"
+    assert newer.stat().st_size == last.stat().st_size  # a size check would pass it
+    time.sleep(0.01)  # a newer mtime than the verdict (not a timing assertion)
+    _replace_with(last, newer)
+    choice = choose(run)
+    assert choice is not None and choice.path == run / "epoch=0-step=4.ckpt"
+    assert choice.rejected == (("last.ckpt", "written again after it was verified (a newer "
+                                             "save not verified yet)"),)
+    # Once watch verified it (at the step it now holds, 3), nothing is passed over: the
+    # step-4 file is newer than what last.ckpt holds now.
+    code, events, _ = watch_once(run)
+    assert code == 0 and [(e["path"], e["verdict"], e["step"]) for e in events] == [
+        ("last.ckpt", "good", 3)]
+    choice = choose(run)
+    assert choice is not None and choice.rejected == ()
+    assert choice.path == run / "epoch=0-step=4.ckpt"

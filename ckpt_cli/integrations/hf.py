@@ -96,8 +96,10 @@ class CkptVerifyCallback(TrainerCallback):
         path = run / f"checkpoint-{state.global_step}"
         if not path.is_dir():
             return False
+        # fresh: a checkpoint-N saved again (a run resumed from an older step) must not be
+        # judged by the manifest of the earlier save.
         entry = verify_checkpoint(run, path, crc=self.crc, values=self.values,
-                                  step=state.global_step)
+                                  step=state.global_step, fresh=True)
         self.entries.append(entry)
         if entry.good:
             self.last_verified = os.fspath(path)
