@@ -282,6 +282,8 @@ class RunWatcher:
         self.known: dict[str, ledger.LedgerEntry] = {}  # the ledger's newest line per path
         self.loaded = False
         self._ledger_stamp: tuple[int, int, int] | None = None
+        # When a checkpoint this pass left settling is due a look (None: nothing settling).
+        self.next_due: float | None = None
 
     def run_pass(self) -> list[WatchEvent]:
         """One look at the run: verify what committed, re-check what changed, apply retention.
@@ -295,6 +297,7 @@ class RunWatcher:
         out: list[WatchEvent] = []
         listing = list_run(self.root, self.opts.pattern)
         now = self.clock()
+        self.next_due = None
         verified_any = False
         for e in listing.entries:
             sig = _signature(e)
@@ -368,6 +371,8 @@ class RunWatcher:
                               problems=[reason])
         if now - sig[2] < self.opts.settle:
             # committed just now: let the writer finish its last touches
+            due = sig[2] + self.opts.settle
+            self.next_due = due if self.next_due is None else min(self.next_due, due)
             return self._pending(e, rel, "settling",
                                  f"changed {_secs(max(0.0, now - sig[2]))} ago, within "
                                  f"--settle {_secs(self.opts.settle)}")
@@ -529,13 +534,139 @@ class Watcher:
                 out.append(ev)
         return out
 
-    def loop(self, interval: float, passes: int | None = None) -> Iterator[list[WatchEvent]]:
-        """Passes every ``interval`` seconds (forever, or ``passes`` times)."""
+    def next_due(self) -> float | None:
+        """The earliest time a checkpoint left settling by the last pass is due a look."""
+        dues = [w.next_due for w in self.runs.values() if w.next_due is not None]
+        return min(dues) if dues else None
+
+    def loop(self, interval: float, passes: int | None = None,
+             waker: Waker | None = None) -> Iterator[list[WatchEvent]]:
+        """Passes every ``interval`` seconds (forever, or ``passes`` times).
+
+        With a ``waker`` (:func:`make_waker`), a pass also runs as soon as it reports a change
+        under the root, and once a checkpoint left settling is due; ``interval`` stays the
+        longest wait between passes.
+        """
+        waker = waker or PollWaker()
         n = 0
-        while passes is None or n < passes:
-            started = time.monotonic()
-            yield self.run_pass()
-            n += 1
-            if passes is not None and n >= passes:
-                break
-            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+        try:
+            while passes is None or n < passes:
+                started = time.monotonic()
+                yield self.run_pass()
+                n += 1
+                if passes is not None and n >= passes:
+                    break
+                wait = max(0.0, interval - (time.monotonic() - started))
+                due = self.next_due()
+                if due is not None and waker.events:
+                    wait = min(wait, max(0.0, due - time.time()))
+                waker.wait(wait)
+        finally:
+            waker.close()
+
+
+class PollWaker:
+    """Wake after the timeout, whatever happens: plain polling (the default)."""
+
+    events = False
+
+    def wait(self, timeout: float) -> None:
+        """Sleep ``timeout`` seconds."""
+        time.sleep(timeout)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class EventWaker:
+    """Wake when a file under the root changes (inotify on Linux, through the optional
+    ``watchfiles`` package), or after the timeout.
+
+    Events are only a hint that a pass is worth running now: what a pass decides comes from
+    listing the run, as with polling, and ``interval`` still bounds the wait (writes from
+    another machine on a network file system raise no event here). The watcher's own writes
+    (the ledger, manifests, temporary files) are ignored, so verifying a checkpoint does not
+    wake it again.
+    """
+
+    events = True
+
+    def __init__(self, root: Path, *, debounce_ms: int = 200, tick_ms: int = 250) -> None:
+        import threading
+
+        import watchfiles
+
+        self._stop = threading.Event()
+        # One watch for the watcher's life (nothing is missed between waits); it hands back
+        # an empty set every tick without changes, so a wait can end at its own timeout.
+        self._gen: Iterator[set[tuple[Any, str]]] = watchfiles.watch(
+            root, watch_filter=_not_own_write, debounce=debounce_ms, step=50,
+            rust_timeout=tick_ms, yield_on_timeout=True, raise_interrupt=True,
+            stop_event=self._stop)
+        next(self._gen, None)  # starts watching now (the first tick)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a change under the root (debounced) or about ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            got = next(self._gen, _DONE)
+            if got is _DONE:  # the watch ended (stopped): plain sleep
+                time.sleep(left)
+                return
+            if got:
+                return
+
+    def close(self) -> None:
+        """Stop watching."""
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self._gen.close()  # type: ignore[attr-defined]
+
+
+_DONE: Any = object()
+
+
+def _not_own_write(_change: Any, path: str) -> bool:
+    from ckpt_cli.manifest import MANIFEST_NAME, MANIFEST_SUFFIX
+
+    name = os.path.basename(path)
+    return not (name.startswith(ledger.LEDGER_NAME) or name == MANIFEST_NAME
+                or name.endswith(MANIFEST_SUFFIX) or ".ckpt-tmp-" in name)
+
+
+Waker = PollWaker | EventWaker
+WAKE_MODES = ("auto", "events", "poll")
+
+
+def make_waker(mode: str, root: Path) -> tuple[Waker, str | None]:
+    """The waker for ``--wake`` on ``root``, and a note when ``auto`` fell back to polling.
+
+    ``poll``: polling. ``events``: file-system events (the optional ``watchfiles`` package;
+    local directories only). ``auto``: events when ``watchfiles`` is installed and the root is
+    local, else polling.
+
+    Raises:
+        UsageError: ``events`` where they cannot be had, or an unknown mode.
+    """
+    from ckpt_cli.errors import UsageError
+
+    if mode not in WAKE_MODES:
+        raise UsageError(f"--wake must be one of {', '.join(WAKE_MODES)}, not {mode!r}")
+    if mode == "poll":
+        return PollWaker(), None
+    if storage.is_remote(root):
+        if mode == "events":
+            raise UsageError("--wake events: object storage raises no file events", path=root)
+        return PollWaker(), None
+    try:
+        return EventWaker(root), None
+    except ImportError:
+        if mode == "events":
+            raise UsageError("--wake events needs the optional watchfiles package",
+                             hint="pip install 'ckpt-cli[watch]'") from None
+        return PollWaker(), None  # auto: polling, as without the extra
+    except Exception as e:  # e.g. the inotify watch limit reached: polling still works
+        if mode == "events":
+            raise UsageError(f"--wake events: file events are unavailable here ({e})",
+                             path=root) from None
+        return PollWaker(), f"file events are unavailable here ({e}); polling"

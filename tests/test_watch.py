@@ -50,12 +50,15 @@ def verdicts(run: Path) -> dict[str, str]:
     return {p: e.verdict for p, e in book.latest().items()}
 
 
-def test_sidecar_beside_a_training_loop_killed_mid_save(tmp_path: Path) -> None:
+@pytest.mark.parametrize("wake", ["poll", "events"])
+def test_sidecar_beside_a_training_loop_killed_mid_save(tmp_path: Path, wake: str) -> None:
+    if wake == "events":
+        pytest.importorskip("watchfiles")
     run = tmp_path / "run"
     run.mkdir()
     watcher = subprocess.Popen(
         [sys.executable, "-m", "ckpt_cli", "watch", str(run), "--json", "--interval", "0.1s",
-         "--settle", "0", "--abandon-after", "1h"],
+         "--settle", "0", "--abandon-after", "1h", "--wake", wake],
         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
     assert watcher.stdout is not None
@@ -458,3 +461,76 @@ def test_resume_skips_a_last_ckpt_written_again_but_not_verified(tmp_path: Path)
     choice = choose(run)
     assert choice is not None and choice.rejected == ()
     assert choice.path == run / "epoch=0-step=4.ckpt"
+
+
+def test_file_events_wake_the_watcher_long_before_its_interval(tmp_path: Path) -> None:
+    pytest.importorskip("watchfiles")
+    run = tmp_path / "run"
+    run.mkdir()
+    # --interval 1h: polling alone would not look again for an hour. A save's file events
+    # wake it; the pass that finds the checkpoint settling (--settle 1s) wakes it again once
+    # it is due, with no further event.
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "watch", str(run), "--json", "--interval", "1h",
+         "--wake", "events"],
+        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    assert watcher.stdout is not None
+    out = watcher.stdout
+    threading.Thread(target=lambda: [lines.put(s) for s in out], daemon=True).start()
+    try:
+        time.sleep(1)  # its first pass (an empty run) is done and it waits
+        assert train(run, 2) == 0
+        seen: dict[str, str] = {}
+        deadline = time.monotonic() + 120  # a hang guard (an hour short of --interval)
+        while len(seen) < 2 and time.monotonic() < deadline:
+            try:
+                ev = json.loads(lines.get(timeout=1))
+            except queue.Empty:
+                continue
+            seen[ev["path"]] = ev["verdict"]
+    finally:
+        watcher.terminate()
+        _, err = watcher.communicate()
+        out.close()
+    assert seen == {"step_2": "good", "step_4": "good"}, err
+    # Its own writes (ledger, manifests) do not wake it into passes that find nothing: the
+    # ledger holds one line per checkpoint.
+    book = ledger.read_ledger(run)
+    assert book is not None and [e.path for e in book.entries] == ["step_2", "step_4"]
+
+
+def test_wake_falls_back_to_polling_without_watchfiles(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpt_cli.errors import UsageError
+    from ckpt_cli.watch import PollWaker, make_waker
+
+    run = tmp_path / "run"
+    assert train(run, 1) == 0
+    monkeypatch.setitem(sys.modules, "watchfiles", None)  # as if not installed
+    waker, note = make_waker("auto", run)
+    assert isinstance(waker, PollWaker) and note is None
+    with pytest.raises(UsageError, match="watchfiles"):
+        make_waker("events", run)
+    r = run_cli("watch", run, "--wake", "events", "--interval", "1s")
+    assert r.exit_code == 2 and "needs the optional watchfiles package" in r.stderr
+    assert "pip install 'ckpt-cli[watch]'" in r.stderr
+    r = run_cli("watch", run, "--once", "--wake", "sometimes")
+    assert r.exit_code == 2 and "--wake must be one of auto, events, poll" in r.stderr
+    # auto without watchfiles polls, and the watcher works as before.
+    got: list[WatchEvent] = []
+    w = Watcher(run, WatchOptions(settle=0), got.append)
+    for _ in w.loop(0.01, passes=2, waker=waker):
+        pass
+    assert [(e.path, e.verdict) for e in got] == [("step_2", "good")]
+
+
+def test_the_watchers_own_writes_are_not_events() -> None:
+    from ckpt_cli.watch import _not_own_write
+
+    assert not _not_own_write(None, "/r/ckpt-ledger.jsonl")
+    assert not _not_own_write(None, "/r/step_2/ckpt-manifest.json")
+    assert not _not_own_write(None, "/r/last.ckpt.ckpt-manifest.json")
+    assert not _not_own_write(None, "/r/.last.ckpt.ckpt-tmp-abc")
+    assert _not_own_write(None, "/r/step_2/.metadata")
+    assert _not_own_write(None, "/r/last.ckpt")

@@ -32,7 +32,12 @@ def watch_cmd(
         "--once", help="One pass, then exit (for cron): 1 if a bad checkpoint was found. "
         "Checkpoints not judged yet (settling, locked, being written) are named.")] = False,
     interval: Annotated[str, typer.Option(
-        "--interval", metavar="AGE", help="Time between passes.")] = "5s",
+        "--interval", metavar="AGE", help="Time between passes (the longest, with file "
+        "events).")] = "5s",
+    wake: Annotated[str, typer.Option(
+        "--wake", metavar="MODE", help="auto: also run a pass as soon as files change, where "
+        "the optional watchfiles package can tell (local directories), else poll; events: "
+        "require that; poll: only every --interval.")] = "auto",
     crc: Annotated[bool, typer.Option(
         "--crc", help="Read every byte (CRC-32, DCP items), not just the structure.")] = False,
     values: Annotated[bool, typer.Option(
@@ -104,6 +109,12 @@ def watch_cmd(
                                                           what="--on-bad-timeout"),
                             report_pending=once)
         every = parse_duration(interval, what="--interval")
+        from ckpt_cli.watch import WAKE_MODES
+
+        if wake not in WAKE_MODES:
+            from ckpt_cli.errors import UsageError
+
+            raise UsageError(f"--wake must be one of {', '.join(WAKE_MODES)}, not {wake!r}")
         from ckpt_cli.errors import CkptError
 
         if not run_dir.is_dir():
@@ -116,8 +127,13 @@ def watch_cmd(
             _emit(ev, json)
 
         watcher = Watcher(run_dir, opts, emit)
+        from ckpt_cli.watch import PollWaker, make_waker
+
+        waker, note = make_waker(wake, run_dir) if not once else (PollWaker(), None)
+        if note:
+            sys.stderr.write(f"ckpt watch: {note}\n")
         try:
-            for _ in watcher.loop(every, passes=1 if once else None):
+            for _ in watcher.loop(every, passes=1 if once else None, waker=waker):
                 pass
         except KeyboardInterrupt:
             if once:
