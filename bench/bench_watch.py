@@ -12,6 +12,10 @@ Measured in this process with :func:`time.process_time` (CPU seconds, user + sys
   share of one core that is at the default 5 s interval.
 - restart: a new watcher's first pass over the verified run (ledger read, each checkpoint's
   sizes re-checked against its manifest, nothing validated again).
+- ``--wake events`` (when the optional watchfiles package is installed): the CPU and time to
+  start watching the run (one inotify watch per directory), the CPU of waiting 10 s with
+  nothing changing (next to polling's sleep), and how long after a new checkpoint is renamed
+  into the run the wait returns (polling: up to ``--interval``, 2.5 s on average at 5 s).
 
 Run: python -m bench.bench_watch [--n N] [--scratch DIR]
 """
@@ -42,6 +46,53 @@ def _cpu(fn: object) -> tuple[float, float]:
     c0, w0 = time.process_time(), time.perf_counter()
     fn()  # type: ignore[operator]
     return time.process_time() - c0, time.perf_counter() - w0
+
+
+def _events(run: Path, tpl: Path, n: int) -> list[tuple[str, str]]:
+    """``--wake events`` figures on the verified run (none without watchfiles)."""
+    import threading
+
+    try:
+        from ckpt_cli.watch import EventWaker
+    except ImportError:
+        return []
+    try:
+        import watchfiles  # noqa: F401
+    except ImportError:
+        return [("--wake events", "not measured: watchfiles is not installed")]
+    rows = []
+    box: list[EventWaker] = []
+    cpu, wall = _cpu(lambda: box.append(EventWaker(run)))
+    waker = box[0]
+    try:
+        rows.append((f"--wake events: start watching {n} checkpoints",
+                     f"{cpu * 1e3:.0f} ms CPU, {wall * 1e3:.0f} ms wall"))
+        cpu, wall = _cpu(lambda: waker.wait(10.0))
+        rows.append(("--wake events: waiting 10 s, nothing changing",
+                     f"{cpu * 1e3:.1f} ms CPU ({cpu / wall * 100:.2f} % of a core)"))
+        stage = run.parent / "staged"
+        lat = []
+
+        def land(dest: Path, t0: list[float]) -> None:
+            time.sleep(0.5)
+            t0.append(time.perf_counter())
+            stage.rename(dest)  # a save committing by rename
+
+        for i in range(5):
+            shutil.copytree(tpl, stage)
+            t0: list[float] = []
+            th = threading.Thread(target=land, args=(run / f"step_{n + 1 + i:07d}", t0))
+            th.start()
+            waker.wait(30.0)
+            woke = time.perf_counter()
+            th.join()
+            lat.append(woke - t0[0])
+        lat.sort()
+        rows.append(("--wake events: a save renamed into the run to wake-up (median of 5)",
+                     f"{lat[2] * 1e3:.0f} ms (polling: up to --interval)"))
+    finally:
+        waker.close()
+    return rows
 
 
 def main() -> None:
@@ -82,6 +133,7 @@ def main() -> None:
             cpu, wall = _cpu(fresh.run_pass)
             rows.append((f"restart: first pass of a new watcher over {a.n} verified",
                          f"{cpu:.2f} s CPU, {wall:.2f} s wall (nothing validated again)"))
+        rows += _events(base / "run", tpl, a.n)
         report(f"ckpt watch, {a.n} DCP checkpoints", rows)
     finally:
         shutil.rmtree(base, ignore_errors=True)

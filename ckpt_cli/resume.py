@@ -86,11 +86,33 @@ def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
         if links:
             rejected.append((e.path, f"{links[0]} is a symbolic link"))
             continue
+        if _rewritten_since(root / e.path, e):
+            rejected.append((e.path, "written again after it was verified (a newer save "
+                                     "not verified yet)"))
+            continue
         problems = recheck_good(root / e.path, e, full=verify == "full")
         if not problems:
             return ResumeChoice(root / e.path, e, tuple(rejected))
         rejected.append((e.path, problems[0]))
     return None
+
+
+def _rewritten_since(path: Path, line: ledger.LedgerEntry) -> bool:
+    """Whether a ``last.ckpt``-style copy was written again after its verdict.
+
+    Lightning overwrites ``last.ckpt`` in place at every save (``save_last=True``): a newer
+    save of the same size passes a size check against the old manifest, so its modification
+    time is compared with the verdict's. (Other checkpoints are never written again under
+    their name; local files only.)
+    """
+    from ckpt_cli.formats.names import is_last_copy
+
+    if not is_last_copy(path.name) or storage.is_remote(path):
+        return False
+    try:
+        return os.stat(path).st_mtime > line.time
+    except OSError:
+        return False  # gone: the re-check says so
 
 
 def latest_verified(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Path | None:

@@ -429,8 +429,10 @@ def _keep_sets(ranked: list[RunEntry], entries: list[RunEntry], policy: PrunePol
             if counted >= n:
                 keep_set[e.name] = (False, f"not among the newest {n} complete")
             elif why:
-                keep_set[e.name] = (True, f"newer than the newest {n} complete (--keep {n}), "
-                                          f"not counted: {why}")
+                # Fewer than N counted ones are newer: it sits among (or before) the newest
+                # N, not necessarily newer than all of them.
+                keep_set[e.name] = (True, f"fewer than {n} complete ones are newer "
+                                          f"(--keep {n}); not counted: {why}")
             else:
                 counted += 1
                 keep_set[e.name] = (True, f"newest {n} complete (--keep {n})")

@@ -641,6 +641,26 @@ def holds_final_model(path: Path) -> bool:
         return False
 
 
+def is_final_model_only(path: Path) -> bool:
+    """Whether ``path`` is an HF Trainer ``output_dir`` holding only its final model.
+
+    That is what ``trainer.save_model()`` (and ``save_state()``) leave when no ``checkpoint-N``
+    was kept (``save_strategy="no"``, or the checkpoints removed): the final model's weights by
+    their usual names, with ``training_args.bin`` or ``trainer_state.json`` beside them, in a
+    directory not itself named like a checkpoint. ``validate --latest`` checks it as the run's
+    only (and so latest) checkpoint.
+    """
+    if not path.is_dir() or step_from_name(path.name, strict=True) is not None:
+        return False
+    try:
+        with storage.scandir(path) as it:
+            names = {e.name for e in it if e.is_file()}
+    except OSError:
+        return False
+    return (any(_FINAL_MODEL.fullmatch(n) for n in names)
+            and bool(names & {"training_args.bin", "trainer_state.json"}))
+
+
 # The names transformers' save_model() gives a final model's weights (and their index).
 _FINAL_MODEL = re.compile(r"(?:model|pytorch_model|adapter_model|diffusion_pytorch_model)"
                           r"(?:-\d+-of-\d+)?\.(?:safetensors|bin)(?:\.index\.json)?")

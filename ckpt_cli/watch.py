@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from typing import Any
 
 from ckpt_cli import ledger, storage
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats.names import is_last_copy
 from ckpt_cli.model import RunEntry
 from ckpt_cli.retention import PrunePolicy
 from ckpt_cli.thinning import pending
@@ -51,6 +53,10 @@ class WatchOptions:
         pattern: Regex choosing checkpoint entries (as ``prune --pattern``).
         on_bad: A command (split with :func:`shlex.split`, never run by a shell) run for
             each bad checkpoint, with its path in ``CKPT_BAD_PATH``.
+        on_bad_timeout: Seconds ``on_bad`` may run before it (and what it started) is killed.
+        report_pending: Emit a ``pending`` event for each checkpoint not judged yet in this
+            pass (still settling, locked by a writer, not committed yet): ``--once`` says what
+            it left for the next run.
     """
 
     crc: bool = False
@@ -60,6 +66,46 @@ class WatchOptions:
     policy: PrunePolicy | None = None
     pattern: str | None = None
     on_bad: str | None = None
+    on_bad_timeout: float = 300.0
+    report_pending: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HookResult:
+    """How an ``--on-bad`` command ended.
+
+    Attributes:
+        command: Its first word (argv[0]), as given.
+        status: Its exit status (negative: the signal that ended it); None when it could not
+            be started.
+        timed_out: It ran past its timeout and was killed.
+        error: Why it could not be started (the OS's message), else None.
+    """
+
+    command: str
+    status: int | None = None
+    timed_out: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """It started, finished in time and exited 0."""
+        return self.status == 0 and not self.timed_out and self.error is None
+
+    def describe(self) -> str:
+        """One phrase saying what went wrong (or that it exited 0)."""
+        if self.error is not None:
+            return f"--on-bad command {self.command!r} could not be started: {self.error}"
+        if self.timed_out:
+            return f"--on-bad command {self.command!r} timed out and was killed"
+        if self.status is not None and self.status < 0:
+            return f"--on-bad command {self.command!r} was ended by signal {-self.status}"
+        return f"--on-bad command {self.command!r} exited with status {self.status}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The outcome as a JSON object."""
+        return {"command": self.command, "status": self.status, "timed_out": self.timed_out,
+                "error": self.error}
 
 
 @dataclass(slots=True)
@@ -67,7 +113,7 @@ class WatchEvent:
     """Something the watcher has to say (one JSON line with ``--json``).
 
     Attributes:
-        event: ``verified``, ``abandoned``, ``pruned`` or ``error``.
+        event: ``verified``, ``abandoned``, ``pruned``, ``error`` or ``pending``.
         run: The run directory.
         path: The checkpoint, relative to the run (None for run-level events).
         step: Its step.
@@ -77,6 +123,9 @@ class WatchEvent:
         problems: Why it is bad; for ``error``, the message.
         deleted: For ``pruned``: what retention deleted.
         thinned: For ``pruned``: what retention rewrote without optimizer state.
+        on_bad: For an ``error`` about a failed ``--on-bad`` command: how it ended.
+        pending: For ``pending``: ``{"state": "settling" | "locked" | "incomplete",
+            "detail": sentence}``, why the checkpoint was not judged in this pass.
     """
 
     event: str
@@ -89,6 +138,8 @@ class WatchEvent:
     problems: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     thinned: list[str] = field(default_factory=list)
+    on_bad: HookResult | None = None
+    pending: dict[str, str] | None = None
 
     @property
     def bad(self) -> bool:
@@ -100,7 +151,9 @@ class WatchEvent:
         return {"schema_version": 1, "event": self.event, "run": self.run, "path": self.path,
                 "step": self.step, "verdict": self.verdict, "bytes": self.bytes,
                 "manifest_digest": self.manifest_digest, "problems": list(self.problems),
-                "deleted": list(self.deleted), "thinned": list(self.thinned)}
+                "deleted": list(self.deleted), "thinned": list(self.thinned),
+                "on_bad": self.on_bad.to_json() if self.on_bad is not None else None,
+                "pending": dict(self.pending) if self.pending is not None else None}
 
 
 Signature = tuple[int, int, float]
@@ -111,7 +164,8 @@ def _signature(e: RunEntry) -> Signature:
 
 
 def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: bool = False,
-                      step: int | None = None, write: bool = True) -> ledger.LedgerEntry:
+                      step: int | None = None, write: bool = True,
+                      fresh: bool = False) -> ledger.LedgerEntry:
     """Validate one checkpoint of a run, write its manifest when good, and return the line.
 
     Args:
@@ -121,6 +175,10 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
         values: Scan values too.
         step: Its step when known (else what validation found).
         write: Append the line to the ledger.
+        fresh: It was just saved again under the same name (Lightning's ``last.ckpt``, a
+            checkpoint re-saved after a resume): a manifest left from the earlier save
+            describes other bytes, so it is removed before validating (a good verdict writes
+            a new one).
 
     Returns:
         The :class:`~ckpt_cli.ledger.LedgerEntry` (appended when ``write``).
@@ -133,6 +191,10 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
     problems: list[str] = []
     digest = None
     try:
+        if fresh:
+            from ckpt_cli.manifest import manifest_path
+
+            manifest_path(path).unlink(missing_ok=True)
         report = validate_checkpoint(path, Options(quick=not crc, values=values))
         problems = [f"{f.file + ': ' if f.file else ''}{f.message}"
                     for f in report.findings if f.severity == "error"][:5]
@@ -191,6 +253,16 @@ def links_in(path: Path) -> list[str]:
     return out
 
 
+def _secs(t: float) -> str:
+    """Seconds for a sentence: ``0.3s``, ``12s``, ``4m05s``."""
+    if t < 10:
+        return f"{t:.1f}s"
+    if t < 60:
+        return f"{t:.0f}s"
+    m, sec = divmod(int(t), 60)
+    return f"{m}m{sec:02d}s"
+
+
 def _rel(run_dir: Path, path: Path) -> str:
     try:
         return Path(os.path.relpath(str(path), str(run_dir))).as_posix()
@@ -211,6 +283,8 @@ class RunWatcher:
         self.known: dict[str, ledger.LedgerEntry] = {}  # the ledger's newest line per path
         self.loaded = False
         self._ledger_stamp: tuple[int, int, int] | None = None
+        # When a checkpoint this pass left settling is due a look (None: nothing settling).
+        self.next_due: float | None = None
 
     def run_pass(self) -> list[WatchEvent]:
         """One look at the run: verify what committed, re-check what changed, apply retention.
@@ -224,6 +298,7 @@ class RunWatcher:
         out: list[WatchEvent] = []
         listing = list_run(self.root, self.opts.pattern)
         now = self.clock()
+        self.next_due = None
         verified_any = False
         for e in listing.entries:
             sig = _signature(e)
@@ -263,9 +338,15 @@ class RunWatcher:
 
     def _say(self, ev: WatchEvent, out: list[WatchEvent]) -> None:
         out.append(ev)
-        self.emit(ev)
-        if ev.bad and ev.path is not None and self.opts.on_bad:
-            run_on_bad(self.opts.on_bad, self.root / ev.path, self.root)
+        self.emit(ev)  # reported first: a slow hook must not delay the report
+        if ev.bad and ev.event != "error" and ev.path is not None and self.opts.on_bad:
+            hook = run_on_bad(self.opts.on_bad, self.root / ev.path, self.root,
+                              timeout=self.opts.on_bad_timeout)
+            if not hook.ok:
+                failed = WatchEvent("error", str(self.root), ev.path, ev.step,
+                                    problems=[hook.describe()], on_bad=hook)
+                out.append(failed)
+                self.emit(failed)
 
     def _examine(self, e: RunEntry, sig: Signature, now: float,
                  cached: tuple[Signature, str] | None) -> WatchEvent | None:
@@ -276,7 +357,10 @@ class RunWatcher:
         if not e.complete:
             # Its newest modification time: how long ago the writer last wrote to it.
             if now - e.mtime < self.opts.abandon_after:
-                return None  # still being written: looked at again next pass
+                # still being written: looked at again next pass
+                return self._pending(e, rel, "incomplete",
+                                     f"not committed yet ({e.reason or 'no marker'}), last "
+                                     f"written {_secs(now - e.mtime)} ago")
             if line is not None and line.bytes == e.bytes and line.verdict == ledger.BAD:
                 self.seen[e.name] = (sig, ledger.BAD)
                 return None
@@ -289,11 +373,24 @@ class RunWatcher:
             return WatchEvent(ABANDONED, str(self.root), rel, e.step, ledger.BAD, e.bytes,
                               problems=[reason])
         if now - sig[2] < self.opts.settle:
-            return None  # committed just now: let the writer finish its last touches
+            # committed just now: let the writer finish its last touches
+            due = sig[2] + self.opts.settle
+            self.next_due = due if self.next_due is None else min(self.next_due, due)
+            return self._pending(e, rel, "settling",
+                                 f"changed {_secs(max(0.0, now - sig[2]))} ago, within "
+                                 f"--settle {_secs(self.opts.settle)}")
         from ckpt_cli.runs import writer_lock
 
-        if writer_lock(e.path) is not None:
-            return None  # a writer still holds it: looked at again next pass
+        lock = writer_lock(e.path)
+        if lock is not None:
+            # a writer still holds it: looked at again next pass
+            return self._pending(e, rel, "locked", f"a writer holds {lock}")
+        if (line is not None and line.good and is_last_copy(e.name)
+                and e.mtime > line.time and not e.path.is_symlink()):
+            # Lightning writes last.ckpt again at every save (a copy, not a link, unless
+            # save_last="link"): modified after its verdict, it is a new save, verified afresh
+            # (its old manifest describes the previous save), not damage to the old one.
+            return self._verify(e, rel, fresh=True)
         if line is not None and line.bytes == e.bytes:
             if line.good:
                 problems = recheck_good(e.path, line, full=cached is not None)
@@ -308,13 +405,17 @@ class RunWatcher:
             problems = recheck_good(e.path, line, full=False)
             if problems:
                 return self._record_bad(e, sig, rel, problems)
+        return self._verify(e, rel, sig=sig)
+
+    def _verify(self, e: RunEntry, rel: str, *, sig: Signature | None = None,
+                fresh: bool = False) -> WatchEvent | None:
         entry = verify_checkpoint(self.root, e.path, crc=self.opts.crc, values=self.opts.values,
-                                  step=e.step, write=False)
+                                  step=e.step, write=False, fresh=fresh)
         if not entry.good and not e.path.exists():
             return None  # deleted meanwhile (a cron prune): nothing to judge
         ledger.append(self.root, entry)
         self.known[rel] = entry
-        if entry.good:
+        if entry.good or sig is None:
             # As it is now, with its manifest: the next pass must not take that for a change.
             from ckpt_cli.runs import run_entry
 
@@ -322,6 +423,12 @@ class RunWatcher:
         self.seen[e.name] = (sig, entry.verdict)
         return WatchEvent(ledger.VERIFIED, str(self.root), rel, entry.step, entry.verdict,
                           entry.bytes, entry.manifest_digest, list(entry.problems))
+
+    def _pending(self, e: RunEntry, rel: str, state: str, detail: str) -> WatchEvent | None:
+        if not self.opts.report_pending:
+            return None
+        return WatchEvent("pending", str(self.root), rel, e.step, bytes=e.bytes,
+                          pending={"state": state, "detail": detail})
 
     def _record_bad(self, e: RunEntry, sig: Signature, rel: str,
                     problems: list[str]) -> WatchEvent:
@@ -357,16 +464,36 @@ class RunWatcher:
                           problems=[] if result.ok else ["retention: some deletions failed"])
 
 
-def run_on_bad(command: str, path: Path, run: Path) -> int:
-    """Run ``--on-bad``: argv from :func:`shlex.split`, the path only in the environment."""
+def run_on_bad(command: str, path: Path, run: Path, *, timeout: float = 300.0) -> HookResult:
+    """Run ``--on-bad``: argv from :func:`shlex.split`, the path only in the environment.
+
+    It runs in a session of its own, with its standard output sent to standard error (stdout
+    carries ``--json`` lines); past ``timeout`` seconds its whole process group is killed.
+
+    Returns:
+        How it ended (:attr:`HookResult.ok` when it exited 0 in time).
+    """
     argv = shlex.split(command)
     if not argv:
-        return 0
+        return HookResult(command="", status=0)
     env = dict(os.environ, **{BAD_ENV: str(path), "CKPT_RUN_DIR": str(run)})
     try:
-        return subprocess.run(argv, env=env, check=False, stdin=subprocess.DEVNULL).returncode
-    except OSError:
-        return 127
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=2,
+                                start_new_session=True)
+    except OSError as e:
+        return HookResult(command=argv[0], error=e.strerror or str(e))
+    try:
+        return HookResult(command=argv[0], status=proc.wait(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return HookResult(command=argv[0], status=proc.returncode, timed_out=True)
+    finally:
+        if proc.returncode is None:  # interrupted (Ctrl-C, SIGTERM): leave nothing behind
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def run_dirs(root: Path) -> list[Path]:
@@ -410,13 +537,139 @@ class Watcher:
                 out.append(ev)
         return out
 
-    def loop(self, interval: float, passes: int | None = None) -> Iterator[list[WatchEvent]]:
-        """Passes every ``interval`` seconds (forever, or ``passes`` times)."""
+    def next_due(self) -> float | None:
+        """The earliest time a checkpoint left settling by the last pass is due a look."""
+        dues = [w.next_due for w in self.runs.values() if w.next_due is not None]
+        return min(dues) if dues else None
+
+    def loop(self, interval: float, passes: int | None = None,
+             waker: Waker | None = None) -> Iterator[list[WatchEvent]]:
+        """Passes every ``interval`` seconds (forever, or ``passes`` times).
+
+        With a ``waker`` (:func:`make_waker`), a pass also runs as soon as it reports a change
+        under the root, and once a checkpoint left settling is due; ``interval`` stays the
+        longest wait between passes.
+        """
+        waker = waker or PollWaker()
         n = 0
-        while passes is None or n < passes:
-            started = time.monotonic()
-            yield self.run_pass()
-            n += 1
-            if passes is not None and n >= passes:
-                break
-            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+        try:
+            while passes is None or n < passes:
+                started = time.monotonic()
+                yield self.run_pass()
+                n += 1
+                if passes is not None and n >= passes:
+                    break
+                wait = max(0.0, interval - (time.monotonic() - started))
+                due = self.next_due()
+                if due is not None and waker.events:
+                    wait = min(wait, max(0.0, due - time.time()))
+                waker.wait(wait)
+        finally:
+            waker.close()
+
+
+class PollWaker:
+    """Wake after the timeout, whatever happens: plain polling (the default)."""
+
+    events = False
+
+    def wait(self, timeout: float) -> None:
+        """Sleep ``timeout`` seconds."""
+        time.sleep(timeout)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class EventWaker:
+    """Wake when a file under the root changes (inotify on Linux, through the optional
+    ``watchfiles`` package), or after the timeout.
+
+    Events are only a hint that a pass is worth running now: what a pass decides comes from
+    listing the run, as with polling, and ``interval`` still bounds the wait (writes from
+    another machine on a network file system raise no event here). The watcher's own writes
+    (the ledger, manifests, temporary files) are ignored, so verifying a checkpoint does not
+    wake it again.
+    """
+
+    events = True
+
+    def __init__(self, root: Path, *, debounce_ms: int = 200, tick_ms: int = 250) -> None:
+        import threading
+
+        import watchfiles
+
+        self._stop = threading.Event()
+        # One watch for the watcher's life (nothing is missed between waits); it hands back
+        # an empty set every tick without changes, so a wait can end at its own timeout.
+        self._gen: Iterator[set[tuple[Any, str]]] = watchfiles.watch(
+            root, watch_filter=_not_own_write, debounce=debounce_ms, step=50,
+            rust_timeout=tick_ms, yield_on_timeout=True, raise_interrupt=True,
+            stop_event=self._stop)
+        next(self._gen, None)  # starts watching now (the first tick)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a change under the root (debounced) or about ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            got = next(self._gen, _DONE)
+            if got is _DONE:  # the watch ended (stopped): plain sleep
+                time.sleep(left)
+                return
+            if got:
+                return
+
+    def close(self) -> None:
+        """Stop watching."""
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self._gen.close()  # type: ignore[attr-defined]
+
+
+_DONE: Any = object()
+
+
+def _not_own_write(_change: Any, path: str) -> bool:
+    from ckpt_cli.manifest import MANIFEST_NAME, MANIFEST_SUFFIX
+
+    name = os.path.basename(path)
+    return not (name.startswith(ledger.LEDGER_NAME) or name == MANIFEST_NAME
+                or name.endswith(MANIFEST_SUFFIX) or ".ckpt-tmp-" in name)
+
+
+Waker = PollWaker | EventWaker
+WAKE_MODES = ("auto", "events", "poll")
+
+
+def make_waker(mode: str, root: Path) -> tuple[Waker, str | None]:
+    """The waker for ``--wake`` on ``root``, and a note when ``auto`` fell back to polling.
+
+    ``poll``: polling. ``events``: file-system events (the optional ``watchfiles`` package;
+    local directories only). ``auto``: events when ``watchfiles`` is installed and the root is
+    local, else polling.
+
+    Raises:
+        UsageError: ``events`` where they cannot be had, or an unknown mode.
+    """
+    from ckpt_cli.errors import UsageError
+
+    if mode not in WAKE_MODES:
+        raise UsageError(f"--wake must be one of {', '.join(WAKE_MODES)}, not {mode!r}")
+    if mode == "poll":
+        return PollWaker(), None
+    if storage.is_remote(root):
+        if mode == "events":
+            raise UsageError("--wake events: object storage raises no file events", path=root)
+        return PollWaker(), None
+    try:
+        return EventWaker(root), None
+    except ImportError:
+        if mode == "events":
+            raise UsageError("--wake events needs the optional watchfiles package",
+                             hint="pip install 'ckpt-cli[watch]'") from None
+        return PollWaker(), None  # auto: polling, as without the extra
+    except Exception as e:  # e.g. the inotify watch limit reached: polling still works
+        if mode == "events":
+            raise UsageError(f"--wake events: file events are unavailable here ({e})",
+                             path=root) from None
+        return PollWaker(), f"file events are unavailable here ({e}); polling"

@@ -4,16 +4,20 @@ verified checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import torch
 
 from ckpt_cli import ledger
 from ckpt_cli.resume import latest_verified
-from tests.conftest import third_party_quiet
+from tests.conftest import run_cli, third_party_quiet
 from tests.helpers.makers import tiny_lm_data
 
 pytestmark = pytest.mark.requires_torch
@@ -141,3 +145,143 @@ def test_lightning_callback_verifies_each_save_and_keeps_the_last_verified(
     assert latest_verified(out, verify="full") == out / "step=6.ckpt"
     weights = torch.load(latest_verified(out), weights_only=True)  # type: ignore[arg-type]
     assert "state_dict" in weights
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+HELPERS = Path(__file__).parent / "helpers"
+
+
+def _torchrun_2(script: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """A 2-process torchrun world on CPU (gloo) running a helper; its completed process."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", NO_COLOR="1", PYTHONPATH=str(HELPERS.parent.parent))
+    return subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node=2",
+                           str(HELPERS / script), *argv], capture_output=True, text=True,
+                          env=env, timeout=400, check=False)  # a hang guard
+
+
+def _ranks(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
+
+
+def _ledger_lines(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(s) for s in (run / ledger.LEDGER_NAME).read_text().splitlines()]
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
+def test_hf_callback_under_ddp_rank_0_verifies_after_every_rank_saved(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # Rank 1 is the slow one: it writes its rng_state_1.pth only after rank 0 reached on_save.
+    p = _torchrun_2("hf_ddp.py", str(out), "6", "--break-at", "4", "--slow-rng-rank", "1")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    zero, one = _ranks(out)
+    assert zero["global_step"] == one["global_step"] == 6
+    # Only rank 0 verified and wrote: one ledger line per save, none twice.
+    assert zero["entries"] == [["checkpoint-2", "good"], ["checkpoint-4", "bad"],
+                               ["checkpoint-6", "good"]]
+    assert one["entries"] == []
+    assert [(e["path"], e["verdict"]) for e in _ledger_lines(out)] == [
+        ("checkpoint-2", "good"), ("checkpoint-4", "bad"), ("checkpoint-6", "good")]
+    # While the bad checkpoint-4 was the newest, rotation (save_total_limit=1) kept
+    # checkpoint-2, as every rank saw.
+    assert zero["saw"]["4"] == one["saw"]["4"] == ["checkpoint-2", "checkpoint-4"]
+    # At the end Trainer keeps only the last verified one (save_total_limit=1).
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]
+    # Its manifest covers every rank's files: it was verified after the slow rank finished.
+    files = {f["path"] for f in orjson.loads(
+        (out / "checkpoint-6" / "ckpt-manifest.json").read_bytes())["files"]}
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= files
+    assert latest_verified(out, verify="full") == out / "checkpoint-6"
+    r = run_cli("validate", out / "checkpoint-6")
+    assert r.exit_code == 0 and "(0 errors, 0 warnings)" in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
+def test_hf_callback_under_ddp_stop_on_bad_stops_every_rank(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    p = _torchrun_2("hf_ddp.py", str(out), "8", "--break-at", "4", "--stop-on-bad")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    zero, one = _ranks(out)
+    assert zero["global_step"] == one["global_step"] == 4  # both stopped at the bad save
+    assert [(e["path"], e["verdict"]) for e in _ledger_lines(out)] == [
+        ("checkpoint-2", "good"), ("checkpoint-4", "bad")]
+    assert latest_verified(out, verify="full") == out / "checkpoint-2"
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
+def test_lightning_callback_under_ddp_only_rank_0_verifies(tmp_path: Path) -> None:
+    out = tmp_path / "ckpts"
+    p = _torchrun_2("lightning_ddp.py", str(out), "6", "--break-at", "4")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    zero, one = _ranks(tmp_path)
+    assert zero["global_step"] == one["global_step"] == 6
+    assert zero["entries"] == [["step=2.ckpt", "good"], ["step=4.ckpt", "bad"],
+                               ["step=6.ckpt", "good"]]
+    assert one["entries"] == []
+    assert [(e["path"], e["verdict"]) for e in _ledger_lines(out)] == [
+        ("step=2.ckpt", "good"), ("step=4.ckpt", "bad"), ("step=6.ckpt", "good")]
+    # While the bad step=4 was the newest, rotation (save_top_k=1) kept step=2 on every rank's
+    # view of the shared directory.
+    assert "step=2.ckpt" in zero["saw"]["5"] and "step=4.ckpt" in one["saw"]["5"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ckpt-ledger.jsonl", "step=2.ckpt", "step=2.ckpt.ckpt-manifest.json", "step=6.ckpt",
+        "step=6.ckpt.ckpt-manifest.json"]
+    assert latest_verified(out, verify="full") == out / "step=6.ckpt"
+
+
+def test_lightning_callback_verifies_a_copied_last_ckpt_at_every_save(tmp_path: Path) -> None:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt_cli.integrations.lightning import VerifiedModelCheckpoint
+
+    out = tmp_path / "ckpts"
+
+    class Mod(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 8)
+
+        def training_step(self, batch: Any, _i: int) -> torch.Tensor:
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    class BreakStep6(Callback):  # type: ignore[misc]
+        """Damages step=6.ckpt (not last.ckpt) right after Lightning wrote it."""
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            real = trainer.save_checkpoint
+
+            def save(filepath: str, *a: Any, **kw: Any) -> None:
+                real(filepath, *a, **kw)
+                if trainer.global_step == 6 and Path(filepath).name != "last.ckpt":
+                    _truncate(Path(filepath))
+
+            trainer.save_checkpoint = save
+
+    # save_last=True: Lightning writes last.ckpt as a copy (not a link) at every save.
+    ck = VerifiedModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=1,
+                                 save_last=True, filename="{step}")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)),
+                                         batch_size=4)
+    with third_party_quiet():
+        trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1,
+                            callbacks=[BreakStep6(), ck], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        torch.manual_seed(0)
+        trainer.fit(Mod(), loader)
+    assert not (out / "last.ckpt").is_symlink()
+    # Each new last.ckpt is judged on its own bytes, not by the previous save's manifest.
+    assert [(e.path, e.verdict, e.step) for e in ck.entries] == [
+        ("step=2.ckpt", "good", 2), ("last.ckpt", "good", 2),
+        ("step=4.ckpt", "good", 4), ("last.ckpt", "good", 4),
+        ("step=6.ckpt", "bad", 6), ("last.ckpt", "good", 6)]
+    # last.ckpt (verified, step 6) is the resume point; step=4.ckpt, the last verified file
+    # that no later save overwrites, is kept by rotation all the same.
+    assert latest_verified(out, verify="full") == out / "last.ckpt"
+    assert (out / "step=4.ckpt").is_file()
+    weights = torch.load(out / "last.ckpt", weights_only=True)
+    assert weights["global_step"] == 6

@@ -23,7 +23,7 @@ def src(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("command", ["convert", "consolidate"])
-@pytest.mark.parametrize("name", ["out/model.safetenors", "out/x.txt", "model.ckpt", "m.h5"])
+@pytest.mark.parametrize("name", ["out/model.safetenors", "out/x.txt", "model.onnx", "m.h5"])
 def test_unknown_extension_is_refused(src: Path, tmp_path: Path, command: str,
                                       name: str) -> None:
     source = src if command == "convert" else _shards(tmp_path)
@@ -33,7 +33,7 @@ def test_unknown_extension_is_refused(src: Path, tmp_path: Path, command: str,
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert "unknown output extension" in lines[0] and out.suffix in lines[0]
-    assert ".safetensors, .pt, .pth or .bin" in lines[0]
+    assert ".safetensors, .pt, .pth, .bin or .ckpt" in lines[0]
     assert not out.exists() and not out.parent.joinpath("model.safetensors").exists()
     assert "Traceback" not in r.output
 
@@ -84,3 +84,22 @@ def test_an_upper_case_extension_and_a_directory_named_like_a_file_are_refused_c
     r = run_cli("convert", src, "-o", tmp_path / "taken.safetensors", "--overwrite")
     assert r.exit_code == 2 and "an existing directory" in r.output, r.output
     assert not (tmp_path / "x.PT").exists() and not any((tmp_path / "taken.safetensors").iterdir())
+
+
+@pytest.mark.parametrize("command", ["convert", "consolidate"])
+def test_a_ckpt_name_is_a_torch_file(src: Path, tmp_path: Path, command: str) -> None:
+    # Lightning's extension: a torch file, as torch.load reads it.
+    import torch
+
+    source = src if command == "convert" else _shards(tmp_path)
+    out = tmp_path / "model.ckpt"
+    r = run_cli(command, source, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert out.is_file()
+    loaded = torch.load(out, weights_only=True)
+    assert set(loaded) == set(tiny_state_dict())
+    assert torch.equal(loaded["head.weight"], tiny_state_dict()["head.weight"])
+    assert run_cli("validate", out).exit_code == 0
+    # --format safetensors contradicts the name: refused, as for .pt.
+    r = run_cli(command, source, "-o", tmp_path / "other.ckpt", "--format", "safetensors")
+    assert r.exit_code == 2 and "does not match the file name" in r.stderr

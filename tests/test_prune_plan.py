@@ -293,3 +293,21 @@ def test_keep_n_keeps_the_newest_n(scenario: tuple[RunListing, PrunePolicy, RunF
     kept = {d.entry.name for d in plan_prune(listing, policy, NOW, facts).kept}
     ranked = [e.name for e in listing.entries if e.name != "last.ckpt"]
     assert set(ranked[-(policy.keep or 0):]) <= kept
+
+
+def test_keep_wording_for_an_uncounted_one_between_counted_ones() -> None:
+    # Newest first: step_4 good, step_3 bad, step_2 good, step_1 good. --keep 2 counts step_4
+    # and step_2; step_3 is older than step_4, one of the newest two, so it must not be called
+    # "newer than the newest 2".
+    entries = _steps(1, 2, 3, 4)
+    facts = RunFacts(ledger=True, verdicts={"step_1": True, "step_2": True, "step_3": False,
+                                            "step_4": True})
+    plan = plan_prune(_listing(*entries), PrunePolicy(keep=2, grace=0), NOW, facts)
+    by = {d.entry.name: d for d in plan.decisions}
+    three = by["step_3"].reasons
+    assert not by["step_3"].delete
+    assert three[-1] == ("fewer than 2 complete ones are newer (--keep 2); not counted: "
+                         "its run ledger verdict is bad")
+    assert not any("newer than the newest" in r for d in plan.decisions for r in d.reasons)
+    assert by["step_2"].reasons[-1] == "newest 2 complete (--keep 2)"
+    assert by["step_1"].delete and "not among the newest 2 complete" in by["step_1"].reasons[-1]

@@ -145,6 +145,36 @@ def test_validate_latest_with_only_a_final_model_says_nothing_resumes(hf_output:
 
 
 @requires_torch
+def test_validate_latest_of_an_output_dir_holding_only_the_final_model(hf_output: Path,
+                                                                       tmp_path: Path) -> None:
+    # save_strategy="no" (or the checkpoints removed): output_dir holds save_model()'s final
+    # model and nothing else. It is the latest (and only) checkpoint: checked as such.
+    out = tmp_path / "out"
+    shutil.copytree(hf_output, out, ignore=shutil.ignore_patterns("checkpoint-*"))
+    assert runs.is_final_model_only(out)
+    assert not runs.is_final_model_only(hf_output / "checkpoint-4")
+    r = run_cli("validate", out, "--latest")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert "--latest: out (the final model: no checkpoint beside it to resume from)" in r.stdout
+    doc = _json("validate", out, "--latest")
+    assert [c["name"] for c in doc["checkpoints"]] == ["out"] and doc["valid"]
+    assert doc["latest"]["final_model"] is True
+    # It cannot resume training (weights only): the resume gate says so.
+    r = run_cli("validate", out, "--latest", "--require", "optimizer,step")
+    assert r.exit_code == 1 and "no optimizer state" in r.stdout
+    # Damage to it is found.
+    (out / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes()[:-100])
+    r = run_cli("validate", out, "--latest")
+    assert r.exit_code == 1 and "truncated" in r.stdout + r.stderr
+    # A directory that is no output dir (no training_args.bin / trainer_state.json) still
+    # needs a run directory.
+    for f in ("training_args.bin", "trainer_state.json"):
+        (out / f).unlink(missing_ok=True)
+    r = run_cli("validate", out, "--latest")
+    assert r.exit_code == 2 and "--latest needs a run directory" in r.stderr
+
+
+@requires_torch
 def test_validate_latest_of_a_trainer_dir_without_final_model(hf_trainer_dir: Path) -> None:
     r = run_cli("validate", hf_trainer_dir, "--latest", "--require", "optimizer,step")
     assert r.exit_code == 0, r.stdout + r.stderr

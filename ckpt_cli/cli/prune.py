@@ -35,7 +35,8 @@ def prune_cmd(
         parser=location)],
     keep: Annotated[int | None, typer.Option(
         "--keep", metavar="N", help="Keep the newest N complete (and, with a run ledger, "
-        "verified) checkpoints; newer ones are kept but not counted.", show_default=False)] = None,
+        "verified) checkpoints; others newer than the N-th of them are kept but not counted.",
+        show_default=False)] = None,
     keep_every: Annotated[str | None, typer.Option(
         "--keep-every", metavar="STEPS",
         help="Keep milestones: checkpoints whose step is a multiple of STEPS (e.g. 10K).")] = None,

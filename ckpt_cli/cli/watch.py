@@ -29,9 +29,15 @@ def watch_cmd(
         help="The run directory (or a directory of runs, or an object-store prefix) to follow.",
         show_default=False, parser=location)],
     once: Annotated[bool, typer.Option(
-        "--once", help="One pass, then exit (for cron): 1 if a bad checkpoint was found.")] = False,
+        "--once", help="One pass, then exit (for cron): 1 if a bad checkpoint was found. "
+        "Checkpoints not judged yet (settling, locked, being written) are named.")] = False,
     interval: Annotated[str, typer.Option(
-        "--interval", metavar="AGE", help="Time between passes.")] = "5s",
+        "--interval", metavar="AGE", help="Time between passes (the longest, with file "
+        "events).")] = "5s",
+    wake: Annotated[str, typer.Option(
+        "--wake", metavar="MODE", help="auto: also run a pass as soon as files change, where "
+        "the optional watchfiles package can tell (local directories), else poll; events: "
+        "require that; poll: only every --interval.")] = "auto",
     crc: Annotated[bool, typer.Option(
         "--crc", help="Read every byte (CRC-32, DCP items), not just the structure.")] = False,
     values: Annotated[bool, typer.Option(
@@ -59,7 +65,11 @@ def watch_cmd(
     )] = None,
     on_bad: Annotated[str | None, typer.Option(
         "--on-bad", metavar="CMD", help="Run CMD for each bad checkpoint (split like a shell "
-        "would, never run by one) with its path in $CKPT_BAD_PATH.")] = None,
+        "would, never run by one) with its path in $CKPT_BAD_PATH; its output goes to "
+        "stderr. One that cannot start, fails or times out is reported as an error.")] = None,
+    on_bad_timeout: Annotated[str, typer.Option(
+        "--on-bad-timeout", metavar="AGE", help="Kill an --on-bad command (and what it "
+        "started) still running after AGE, and report it.")] = "5m",
     storage_option: StorageOpt = None,
     json: JsonOpt = False,
 ) -> None:
@@ -94,8 +104,17 @@ def watch_cmd(
         opts = WatchOptions(crc=crc, values=values,
                             settle=parse_duration(settle, what="--settle", allow_zero=True),
                             abandon_after=parse_duration(abandon_after, what="--abandon-after"),
-                            policy=policy, pattern=pattern, on_bad=on_bad)
+                            policy=policy, pattern=pattern, on_bad=on_bad,
+                            on_bad_timeout=parse_duration(on_bad_timeout,
+                                                          what="--on-bad-timeout"),
+                            report_pending=once)
         every = parse_duration(interval, what="--interval")
+        from ckpt_cli.watch import WAKE_MODES
+
+        if wake not in WAKE_MODES:
+            from ckpt_cli.errors import UsageError
+
+            raise UsageError(f"--wake must be one of {', '.join(WAKE_MODES)}, not {wake!r}")
         from ckpt_cli.errors import CkptError
 
         if not run_dir.is_dir():
@@ -108,8 +127,13 @@ def watch_cmd(
             _emit(ev, json)
 
         watcher = Watcher(run_dir, opts, emit)
+        from ckpt_cli.watch import PollWaker, make_waker
+
+        waker, note = make_waker(wake, run_dir) if not once else (PollWaker(), None)
+        if note:
+            sys.stderr.write(f"ckpt watch: {note}\n")
         try:
-            for _ in watcher.loop(every, passes=1 if once else None):
+            for _ in watcher.loop(every, passes=1 if once else None, waker=waker):
                 pass
         except KeyboardInterrupt:
             if once:
@@ -139,6 +163,10 @@ def _emit(ev: WatchEvent, json: bool) -> None:
         if ev.problems:
             line += f" ({ev.problems[0]})"
         print(line, flush=True)
+    elif ev.event == "pending" and not json:
+        pending = ev.pending or {}
+        print(f"ckpt watch: pending: {where}: {pending.get('state', 'pending')} "
+              f"({pending.get('detail', '')}); not checked in this pass", flush=True)
     elif ev.bad:
         why = ev.problems[0] if ev.problems else "bad"
         label = "abandoned" if ev.event == "abandoned" else ("error" if ev.event == "error"

@@ -9,8 +9,16 @@ Usage::
 After each save (``on_save``, which Trainer calls once ``checkpoint-N`` is complete: model,
 optimizer, scheduler, RNG state and ``trainer_state.json``), the world-process-zero validates
 ``checkpoint-N`` (structure; ``crc=True`` for every byte), writes its manifest and appends the
-verdict to ``ckpt-ledger.jsonl`` in ``output_dir``. Other ranks do not wait for it: only rank 0
-reads the result, and Trainer's next collective (or the end of training) is their barrier.
+verdict to ``ckpt-ledger.jsonl`` in ``output_dir``.
+
+**Several processes (DDP, FSDP, DeepSpeed).** Trainer calls ``on_save`` on every rank right
+after that rank's part of the save, with no barrier in between, and every rank writes its own
+``rng_state_R.pth`` into ``checkpoint-N``. So all ranks first meet at accelerate's
+``wait_for_everyone`` (the barrier Trainer itself uses), and only then does rank 0 verify: the
+checkpoint is whole and its manifest lists every rank's file. The other ranks go on training
+without waiting for the verdict (their next collective waits for rank 0), except with
+``stop_on_bad=True``: then rank 0 broadcasts whether to stop, so that every rank stops at the
+same step (a rank stopping alone would leave the others waiting in a collective).
 
 **Rotation.** Trainer deletes old checkpoints in ``_save_checkpoint`` (``rotate_checkpoints``)
 *before* ``on_save`` runs, keeping the newest and ``state.best_model_checkpoint``. Without a
@@ -70,21 +78,52 @@ class CkptVerifyCallback(TrainerCallback):
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        if not state.is_world_process_zero:
-            return control
+        many = _distributed(args)
+        if many:
+            _wait_for_everyone()  # every rank's files (rng_state_R.pth) are in checkpoint-N
+        stop = False
+        if state.is_world_process_zero:
+            stop = self._verify(args, state)
+        if self.stop_on_bad and many:
+            stop = _broadcast_from_zero(stop)
+        if stop:
+            control.should_training_stop = True
+        return control
+
+    def _verify(self, args: Any, state: Any) -> bool:
+        """Rank 0's part of ``on_save``; whether training should stop."""
         run = Path(args.output_dir)
         path = run / f"checkpoint-{state.global_step}"
         if not path.is_dir():
-            return control
+            return False
+        # fresh: a checkpoint-N saved again (a run resumed from an older step) must not be
+        # judged by the manifest of the earlier save.
         entry = verify_checkpoint(run, path, crc=self.crc, values=self.values,
-                                  step=state.global_step)
+                                  step=state.global_step, fresh=True)
         self.entries.append(entry)
         if entry.good:
             self.last_verified = os.fspath(path)
         else:
             log.error("ckpt: checkpoint %s is bad: %s", path, "; ".join(entry.problems))
-            if self.stop_on_bad:
-                control.should_training_stop = True
         if self.protect and self.last_verified is not None and args.metric_for_best_model is None:
             state.best_model_checkpoint = self.last_verified
-        return control
+        return self.stop_on_bad and not entry.good
+
+
+def _distributed(args: Any) -> bool:
+    """Whether this Trainer runs as several processes."""
+    return int(getattr(args, "world_size", 1) or 1) > 1
+
+
+def _wait_for_everyone() -> None:
+    from accelerate import PartialState
+
+    PartialState().wait_for_everyone()
+
+
+def _broadcast_from_zero(flag: bool) -> bool:
+    from accelerate.utils import broadcast_object_list
+
+    box = [flag]
+    broadcast_object_list(box, from_process=0)
+    return bool(box[0])

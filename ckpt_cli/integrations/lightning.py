@@ -16,7 +16,9 @@ strategy's barrier, so none goes on before the verdict is recorded.
 
 **Rotation.** ``save_top_k`` removes checkpoints through ``_remove_checkpoint``; this class
 refuses to remove the last verified checkpoint (it is left in place and logged), so rotation
-never deletes it, even when the newer saves are bad.
+never deletes it, even when the newer saves are bad. ``last.ckpt`` (``save_last=True``) is
+verified at each save too, and so can be resumed from, but it does not count as that
+protected checkpoint: the next save overwrites it in place.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ckpt_cli import ledger
-from ckpt_cli.formats.names import step_from_name
+from ckpt_cli.formats.names import is_last_copy, step_from_name
 from ckpt_cli.watch import verify_checkpoint
 
 log = logging.getLogger(__name__)
@@ -58,10 +60,14 @@ class VerifiedModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             path = Path(filepath)
             step = step_from_name(path.name)
+            # fresh: last.ckpt (save_last=True) is written again at every save, under the
+            # same name: the manifest of the previous save must not judge the new bytes.
             entry = verify_checkpoint(path.parent, path, crc=self.crc, values=self.values,
-                                      step=step if step is not None else trainer.global_step)
+                                      step=step if step is not None else trainer.global_step,
+                                      fresh=True)
             self.entries.append(entry)
-            if entry.good:
+            if entry.good and not is_last_copy(path.name):
+                # last.ckpt is not what protects: the next save overwrites it in place.
                 self.last_verified = os.path.abspath(filepath)
             else:
                 log.error("ckpt: checkpoint %s is bad: %s", filepath, "; ".join(entry.problems))

@@ -51,6 +51,7 @@ from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, sel
 from ckpt_cli.streaming import memory_budget
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import (
+    FILE_SUFFIXES,
     SIDE_FILES,
     OutTensor,
     names_directory,
@@ -389,7 +390,7 @@ def _side_files(index: CheckpointIndex, given: Path, out: Path,
     """config.json, tokenizer files...: from the directory the user named (an HF Trainer +
     DeepSpeed ``checkpoint-N`` keeps them beside ``latest`` and ``global_stepN/``), else
     from the directory the weights were read in."""
-    if out.suffix.lower() in (".safetensors", ".pt", ".pth", ".bin"):
+    if out.suffix.lower() in FILE_SUFFIXES:
         return {}
     dirs = [d for d in dict.fromkeys((given, index.base)) if d.is_dir()]
     found: dict[str, bytes] = {}

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 FORMATS = ("safetensors", "pt")
-FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 _NAMING = {"safetensors": ("model", ".safetensors"), "pt": ("pytorch_model", ".bin")}
 
 
@@ -53,12 +53,13 @@ def output_format(dest: Path, fmt: str | None, *, directory: bool = False) -> st
     """The format to write: ``fmt``, or what ``dest``'s suffix says (a directory: safetensors).
 
     This is also where the output's kind is decided: a name ending in ``.safetensors``,
-    ``.pt``, ``.pth`` or ``.bin`` is a file; any other name is a directory, unless it has an
-    extension ckpt does not write (``model.safetenors``, ``x.txt``), which is refused rather
-    than silently made a directory. An extension is a suffix of letters and digits starting
-    with a letter (:func:`is_extension`): ``checkpoint-1.5`` and ``step_0001.00`` are
-    directory names. An existing directory, or a name given with a trailing slash
-    (``directory``), is a directory whatever its suffix.
+    ``.pt``, ``.pth``, ``.bin`` or ``.ckpt`` (Lightning's name for a torch file) is a file;
+    any other name is a directory, unless it has an extension ckpt does not write
+    (``model.safetenors``, ``x.txt``), which is refused rather than silently made a
+    directory. An extension is a suffix of letters and digits starting with a letter
+    (:func:`is_extension`): ``checkpoint-1.5`` and ``step_0001.00`` are directory names. An
+    existing directory, or a name given with a trailing slash (``directory``), is a
+    directory whatever its suffix.
 
     Args:
         dest: The output path.
@@ -73,7 +74,8 @@ def output_format(dest: Path, fmt: str | None, *, directory: bool = False) -> st
             safetensors would mislead every later reader), or an output name with an
             extension ckpt does not write.
     """
-    by_suffix = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt", ".bin": "pt"}
+    by_suffix = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt", ".bin": "pt",
+                 ".ckpt": "pt"}
     implied = by_suffix.get(dest.suffix)
     accepted = ", ".join(FILE_SUFFIXES[:-1]) + f" or {FILE_SUFFIXES[-1]}"
     if implied and directory:
@@ -197,7 +199,7 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
                      max_memory: int | None = None) -> WriteResult:
     """Write tensors as one file or as HF-style shards with an index, atomically.
 
-    ``dest`` is a file when it ends in ``.safetensors``/``.pt``/``.pth``/``.bin`` (then the
+    ``dest`` is a file when it ends in a :data:`FILE_SUFFIXES` extension (then the
     output must fit one shard), otherwise a directory holding ``model.safetensors`` (or
     ``pytorch_model.bin``) or shards ``model-0000i-of-0000n.safetensors`` plus
     ``model.safetensors.index.json``.
@@ -504,7 +506,7 @@ def _check_replaceable(dest: Path) -> None:
         if dest.exists() or dest.is_symlink():
             raise DestinationExistsError(
                 "is a file, and this output is a directory (-o names a directory unless it "
-                "ends in .safetensors, .pt, .pth or .bin); not replacing it", path=dest,
+                "ends in .safetensors, .pt, .pth, .bin or .ckpt); not replacing it", path=dest,
                 hint="remove it yourself, or give -o a new name")
         return
     odd = sorted(p.name for p in dest.iterdir()

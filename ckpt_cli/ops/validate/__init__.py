@@ -78,6 +78,7 @@ from ckpt_cli.runs import (
     POINTER_FILES,
     RESUME_POINTERS,
     holds_final_model,
+    is_final_model_only,
     is_run_dir,
     list_run,
     quick_status,
@@ -260,6 +261,11 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
                              split=split)
     if run_dir:
         return _validate_run(p, opts, latest=latest, pattern=pattern, split=split)
+    if latest and fmt is None and is_final_model_only(p):
+        # An HF output_dir with its final model and no checkpoint-N: that model is the run's
+        # latest (and only) checkpoint; --require optimizer,step still says it cannot resume.
+        return _validate_run(p, opts, latest=True, pattern=pattern, final_model=True,
+                             split=split)
     if latest:
         raise UsageError("--latest needs a run directory (a directory of checkpoints)",
                          path=p)
@@ -394,7 +400,8 @@ def _validate_run(root: Path, opts: Options, *, latest: bool, pattern: str | Non
                 for name in run.leftovers]
     result.run_checks.append(_result("leftovers", leftover, "no temporary or trash entries"
                                      if not leftover else f"{len(leftover)} leftover(s)"))
-    if not run.entries:
+    if not run.entries and not (latest and final_model):
+        # (A final model alone is what --latest checks: see _latest_choice.)
         result.run_checks[0].findings.append(Finding(
             "error", "no-checkpoints", "the run directory holds no checkpoint", None))
         result.run_checks[0].status = "fail"
