@@ -496,9 +496,9 @@ def _fp8_outs(built: _Built, picked: list[str], ignore: list[str],
         if o.name not in chosen:
             outs.append(o)
             continue
-        q = fp8.Quantized(o.load, layout, o.name)
+        q = fp8.Quantized(o.load, layout, o.name, pieces=o.pieces, shape=o.shape)
         module = o.name[: -len(".weight")]
-        outs.append(OutTensor(o.name, "F8_E4M3", o.shape, q.weight))
+        outs.append(OutTensor(o.name, "F8_E4M3", o.shape, q.weight, q.weight_pieces))
         outs.append(OutTensor(f"{module}.{fp8.scale_name(layout)}", "F32",
                               fp8.scale_shape(o.shape, layout), q.scale))
     built.outs[:] = outs
