@@ -382,12 +382,15 @@ def quantize_pieces(pieces: Callable[[], Iterator[np.ndarray]], shape: tuple[int
     if layout == "tensor":
         tensor_scale = _scales(_tensor_amax(pieces()))
         scale_out[...] = tensor_scale.reshape(scale_out.shape)
-    unit = BLOCK if layout == "block" else max(1, _JOB // max(1, cols))
+    # Rows go in groups of whole block rows (of one row, per channel or tensor); a job is a
+    # block row, or about _JOB elements of rows.
+    unit = BLOCK if layout == "block" else 1
+    per_job = BLOCK if layout == "block" else max(1, _JOB // max(1, cols))
     for r0, x in _row_groups(pieces(), rows, cols, unit):
         out = np.empty(x.shape, dtype=np.uint8)
         jobs: list[Callable[[], None]] = []
-        for i in range(0, x.shape[0], unit):
-            xs, os = x[i:i + unit], out[i:i + unit]
+        for i in range(0, x.shape[0], per_job):
+            xs, os = x[i:i + per_job], out[i:i + per_job]
             if layout == "block":
                 b = (r0 + i) // BLOCK
                 jobs.append(functools.partial(_block_row, xs, os, scale_out[b]))
@@ -413,10 +416,11 @@ def scales_only(pieces: Iterator[np.ndarray], shape: tuple[int, ...],
     if layout == "tensor":
         scale[...] = _scales(_tensor_amax(pieces)).reshape(scale.shape)
         return scale
-    unit = BLOCK if layout == "block" else max(1, _JOB // max(1, cols))
+    unit = BLOCK if layout == "block" else 1
+    per_job = BLOCK if layout == "block" else max(1, _JOB // max(1, cols))
     for r0, x in _row_groups(pieces, rows, cols, unit):
-        for i in range(0, x.shape[0], unit):
-            xs = x[i:i + unit]
+        for i in range(0, x.shape[0], per_job):
+            xs = x[i:i + per_job]
             if layout == "block":
                 nb = scale.shape[1]
                 colmax = np.zeros(nb * BLOCK, dtype=np.uint32)
