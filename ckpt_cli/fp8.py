@@ -106,16 +106,6 @@ def scale_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
     return (1,)
 
 
-def _torch() -> Any:
-    import torch
-    return torch
-
-
-def _as_f32(arr: np.ndarray) -> Any:
-    import numpy as np
-    return _torch().from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-
-
 # FP32 bit patterns and constants of the E4M3 encoder (see :func:`_encode`).
 _ABS = 0x7FFFFFFF
 _F32_448 = 0x43E00000  # 448.0
@@ -330,15 +320,16 @@ def _row_groups(pieces: Iterator[np.ndarray], rows: int, cols: int,
         raise ValueError(f"produced {done + held_n:,} values, expected {total:,}")
 
 
-def _run(jobs: list[Callable[[], None]], nbytes: int) -> None:
-    """Run ``jobs`` on the cast threads (inline when one thread or one job)."""
+def _run(jobs: list[Callable[[], None]], nbytes: int, stage: str = "quantize") -> None:
+    """Run ``jobs`` on the cast threads (inline when one thread or one job), their time
+    counted as ``stage`` (see :mod:`ckpt_cli.stages`)."""
     from ckpt_cli import stages
     from ckpt_cli.cast import cast_pool, cast_threads
 
     each = nbytes // max(1, len(jobs))
 
     def job(f: Callable[[], None]) -> None:
-        with stages.stage("quantize", each):
+        with stages.stage(stage, each):
             f()
 
     if len(jobs) == 1 or cast_threads() <= 1:
@@ -489,31 +480,65 @@ def quantize(arr: np.ndarray, layout: str) -> tuple[np.ndarray, np.ndarray]:
     return out.view(ml_dtypes.float8_e4m3fn).reshape(shape), scale
 
 
+def _dequantize_rows(w8: np.ndarray, lut: np.ndarray, s: np.ndarray, out: np.ndarray,
+                     dst: str) -> None:
+    """Rows of FP8 codes (uint8, 2-D) times ``s`` (broadcast) in FP32, rounded once into
+    ``out`` (``dst``), a few rows per pass."""
+    import numpy as np
+
+    from ckpt_cli.cast import f32_to_f16
+
+    rows, cols = w8.shape
+    step = max(1, _SUB // max(1, cols))
+    buf = _SCRATCH.get(min(rows, step) * cols)[0]
+    per_row = s.ndim == 2 and s.shape[0] == rows and rows > 1
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i in range(0, rows, step):
+            n = min(step, rows - i)
+            f = buf[: n * cols].reshape(n, cols)
+            np.take(lut, w8[i:i + n], out=f)
+            f *= s[i:i + n] if per_row else s
+            o = out[i:i + n]
+            if dst == "F16":
+                f32_to_f16(f.reshape(-1), o.reshape(-1))
+            else:
+                np.copyto(o, f, casting="unsafe")
+
+
 def dequantize(weight: np.ndarray, scale: np.ndarray, dst: str) -> np.ndarray:
     """``weight * scale`` in FP32 (the scale broadcast per tensor, row or 128x128 block),
-    rounded once to ``dst`` (``BF16``, ``F16``, ``F32``)."""
+    rounded once to ``dst`` (``BF16``, ``F16``, ``F32``): bit for bit torch's
+    ``(w.float() * s).to(dst)`` for every value but NaN (whose bits are numpy's, as in every
+    cast, see :mod:`ckpt_cli.cast`). numpy in row blocks on the cast threads; memory holds the
+    output and a few rows of FP32, not the FP32 product and the repeated scale whole."""
     import numpy as np
 
     from ckpt_cli import dtypes
-    torch = _torch()
-    w = _as_f32(weight)
-    s = _as_f32(scale)
     kind = scale_kind(tuple(weight.shape), tuple(scale.shape))
-    if kind == "block":
-        s = s.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: w.shape[0], : w.shape[1]]
-    elif kind == "channel":
-        s = s.reshape(-1, 1)
-    elif kind == "tensor":
-        s = s.reshape(())
-    else:
+    if kind is None:
         raise CkptError(f"scale shape {list(scale.shape)} fits no convention for a weight of "
                         f"shape {list(weight.shape)}")
-    out = w * s
-    tdt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dst]
-    res = out.to(tdt)
-    if dst == "BF16":
-        return np.asarray(res.view(torch.int16).numpy().view(dtypes.numpy_dtype("BF16")))
-    return np.asarray(res.numpy())
+    rows, cols = int(weight.shape[0]), int(weight.shape[1])
+    codes = np.ascontiguousarray(weight).view(np.uint8).reshape(rows, cols)
+    lut = np.arange(256, dtype=np.uint8).view(weight.dtype).astype(np.float32)
+    s = np.ascontiguousarray(scale).astype(np.float32)
+    out = np.empty((rows, cols), dtype=dtypes.numpy_dtype(dst))
+    jobs: list[Callable[[], None]] = []
+    if kind == "block":
+        s = s.reshape(-(-rows // BLOCK), -(-cols // BLOCK))
+        for b, r in enumerate(range(0, rows, BLOCK)):
+            jobs.append(functools.partial(_dequantize_rows, codes[r:r + BLOCK], lut,
+                                          np.repeat(s[b], BLOCK)[:cols], out[r:r + BLOCK],
+                                          dst))
+    else:
+        s = s.reshape(-1, 1) if kind == "channel" else s.reshape(1)
+        per = max(1, _JOB // max(1, cols))
+        jobs.extend(functools.partial(_dequantize_rows, codes[r:r + per], lut,
+                                      s[r:r + per] if kind == "channel" else s,
+                                      out[r:r + per], dst) for r in range(0, rows, per))
+    if jobs:
+        _run(jobs, out.nbytes, "dequantize")
+    return out
 
 
 def scale_kind(weight: tuple[int, ...], scale: tuple[int, ...]) -> str | None:

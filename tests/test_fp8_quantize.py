@@ -212,3 +212,48 @@ def test_convert_streams_a_weight_larger_than_a_piece(layout: str, tmp_path: Pat
     assert np.array_equal(got[name + ".weight"].view(torch.uint8).numpy(), rq)
     assert np.array_equal(got[name + "." + fp8.scale_name(layout)].numpy(), rs)
     assert len(seen) > 3 and sum(seen) == w.size and max(seen) <= (64 << 10) // 4 + 128 * 384
+
+
+def reference_dequant(w: np.ndarray, s: np.ndarray, dst: str) -> np.ndarray:
+    """``(w.float() * s).to(dst)`` with torch, the scale repeated over its 128x128 blocks."""
+    tw = torch.from_numpy(w.view(np.uint8)).view(
+        torch.float8_e4m3fn if w.dtype == ml_dtypes.float8_e4m3fn else torch.float8_e5m2)
+    ts = torch.from_numpy(s.astype(np.float32))
+    kind = fp8.scale_kind(w.shape, s.shape)
+    if kind == "block":
+        ts = ts.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    elif kind == "channel":
+        ts = ts.reshape(-1, 1)
+    else:
+        ts = ts.reshape(())
+    tdt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dst]
+    out = (tw.float() * ts).to(tdt)
+    return out.view(torch.int16).numpy() if dst != "F32" else out.view(torch.int32).numpy()
+
+
+@pytest.mark.parametrize("fmt", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
+@pytest.mark.parametrize("dst", ["BF16", "F16", "F32"])
+@pytest.mark.parametrize("scale_shape", ["block", "channel", "tensor", "channel-1d",
+                                         "tensor-0d"])
+def test_dequantize_bit_for_bit_torch(fmt: type, dst: str, scale_shape: str) -> None:
+    """Every FP8 code but NaN (E5M2's inf too), partial edge blocks, scales in FP32, BF16 and
+    FP16 (F16 overflow to inf as torch gives it)."""
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 256, size=(300, 272), dtype=np.uint8)
+    codes[0, :256] = np.arange(256, dtype=np.uint8)
+    w = codes.view(fmt)
+    nan = np.isnan(w.astype(np.float32))
+    codes[nan] = 0
+    shapes = {"block": (3, 3), "channel": (300, 1), "tensor": (1,), "channel-1d": (300,),
+              "tensor-0d": ()}
+    for sdt in (np.float32, ml_dtypes.bfloat16, np.float16):
+        s = (rng.uniform(1e-4, 300.0, size=shapes[scale_shape])).astype(sdt)
+        got = fp8.dequantize(w, s, dst)
+        bits = got.view(np.int16 if dst != "F32" else np.int32)
+        assert np.array_equal(bits, reference_dequant(w, s, dst)), (sdt, dst)
+
+
+def test_dequantize_refuses_a_scale_of_no_known_shape() -> None:
+    w = np.zeros((256, 256), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    with pytest.raises(CkptError, match="fits no convention"):
+        fp8.dequantize(w, np.ones((3, 3), dtype=np.float32), "BF16")
