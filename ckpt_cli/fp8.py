@@ -274,10 +274,11 @@ def _channel_rows(x: np.ndarray, out: np.ndarray, scale_rows: np.ndarray) -> Non
 
 
 def _row_groups(pieces: Iterator[np.ndarray], rows: int, cols: int,
-                unit: int) -> Iterator[tuple[int, np.ndarray]]:
-    """Regroup a tensor's flat pieces (row-major, any sizes) into 2-D FP32 arrays of whole
-    ``unit``-row groups (the last one may be short): as many as each piece holds, as views of
-    it; a group split between pieces is copied together.
+                unit: int, widen: bool = True) -> Iterator[tuple[int, np.ndarray]]:
+    """Regroup a tensor's flat pieces (row-major, any sizes) into 2-D FP32 arrays (with
+    ``widen``; else in the pieces' dtype) of whole ``unit``-row groups (the last one may be
+    short): as many as each piece holds, as views of it; a group split between pieces is
+    copied together.
 
     Yields:
         ``(first row, rows x cols array)``.
@@ -291,7 +292,7 @@ def _row_groups(pieces: Iterator[np.ndarray], rows: int, cols: int,
     held_n = 0
     for piece in pieces:
         p = np.asarray(piece).reshape(-1)
-        if p.dtype != np.float32:
+        if widen and p.dtype != np.float32:
             p = p.astype(np.float32)
         if done + held_n + p.size > total:
             raise ValueError(f"produced more than {total:,} values")
@@ -505,6 +506,42 @@ def _dequantize_rows(w8: np.ndarray, lut: np.ndarray, s: np.ndarray, out: np.nda
                 np.copyto(o, f, casting="unsafe")
 
 
+def _dequantize_jobs(codes: np.ndarray, r0: int, lut: np.ndarray, s: np.ndarray, kind: str,
+                     out: np.ndarray, dst: str) -> list[Callable[[], None]]:
+    """Pool tasks dequantizing rows ``r0...`` (``codes``: uint8, 2-D, starting at a block
+    row for the block layout) into ``out``, with the whole scale ``s`` (FP32, reshaped:
+    block ``[rb, cb]``, channel ``[rows, 1]``, tensor ``[1]``)."""
+    rows, cols = codes.shape
+    if kind == "block":
+        import numpy as np
+
+        return [functools.partial(_dequantize_rows, codes[r:r + BLOCK], lut,
+                                  np.repeat(s[(r0 + r) // BLOCK], BLOCK)[:cols],
+                                  out[r:r + BLOCK], dst) for r in range(0, rows, BLOCK)]
+    per = max(1, _JOB // max(1, cols))
+    return [functools.partial(_dequantize_rows, codes[r:r + per], lut,
+                              s[r0 + r:r0 + min(rows, r + per)] if kind == "channel"
+                              else s,
+                              out[r:r + per], dst) for r in range(0, rows, per)]
+
+
+def _dequantize_setup(dtype: Any, shape: tuple[int, ...], scale: np.ndarray
+                      ) -> tuple[str, np.ndarray, np.ndarray]:
+    """The scale's kind, the FP8 codes' FP32 table and the scale as FP32, reshaped."""
+    import numpy as np
+
+    kind = scale_kind(tuple(shape), tuple(scale.shape))
+    if kind is None:
+        raise CkptError(f"scale shape {list(scale.shape)} fits no convention for a weight of "
+                        f"shape {list(shape)}")
+    rows, cols = int(shape[0]), int(shape[1])
+    lut = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+    s = np.ascontiguousarray(scale).astype(np.float32)
+    s = (s.reshape(-(-rows // BLOCK), -(-cols // BLOCK)) if kind == "block"
+         else s.reshape(-1, 1) if kind == "channel" else s.reshape(1))
+    return kind, lut, s
+
+
 def dequantize(weight: np.ndarray, scale: np.ndarray, dst: str) -> np.ndarray:
     """``weight * scale`` in FP32 (the scale broadcast per tensor, row or 128x128 block),
     rounded once to ``dst`` (``BF16``, ``F16``, ``F32``): bit for bit torch's
@@ -514,31 +551,54 @@ def dequantize(weight: np.ndarray, scale: np.ndarray, dst: str) -> np.ndarray:
     import numpy as np
 
     from ckpt_cli import dtypes
-    kind = scale_kind(tuple(weight.shape), tuple(scale.shape))
-    if kind is None:
-        raise CkptError(f"scale shape {list(scale.shape)} fits no convention for a weight of "
-                        f"shape {list(weight.shape)}")
+    kind, lut, s = _dequantize_setup(weight.dtype, tuple(weight.shape), scale)
     rows, cols = int(weight.shape[0]), int(weight.shape[1])
     codes = np.ascontiguousarray(weight).view(np.uint8).reshape(rows, cols)
-    lut = np.arange(256, dtype=np.uint8).view(weight.dtype).astype(np.float32)
-    s = np.ascontiguousarray(scale).astype(np.float32)
     out = np.empty((rows, cols), dtype=dtypes.numpy_dtype(dst))
-    jobs: list[Callable[[], None]] = []
-    if kind == "block":
-        s = s.reshape(-(-rows // BLOCK), -(-cols // BLOCK))
-        for b, r in enumerate(range(0, rows, BLOCK)):
-            jobs.append(functools.partial(_dequantize_rows, codes[r:r + BLOCK], lut,
-                                          np.repeat(s[b], BLOCK)[:cols], out[r:r + BLOCK],
-                                          dst))
-    else:
-        s = s.reshape(-1, 1) if kind == "channel" else s.reshape(1)
-        per = max(1, _JOB // max(1, cols))
-        jobs.extend(functools.partial(_dequantize_rows, codes[r:r + per], lut,
-                                      s[r:r + per] if kind == "channel" else s,
-                                      out[r:r + per], dst) for r in range(0, rows, per))
+    jobs = _dequantize_jobs(codes, 0, lut, s, kind, out, dst)
     if jobs:
         _run(jobs, out.nbytes, "dequantize")
     return out
+
+
+def dequantize_pieces(pieces: Iterator[np.ndarray], scale: np.ndarray,
+                      shape: tuple[int, ...], dst: str) -> Iterator[np.ndarray]:
+    """:func:`dequantize` of a weight streamed as flat FP8 pieces (row-major), piece by
+    piece: memory holds a source piece and its output, never the tensor.
+
+    Yields:
+        Flat arrays of ``dst``, together the dequantized tensor in row-major order (each at
+        most :data:`ckpt_cli.streaming.PIECE_BYTES`, or one row of 128x128 blocks).
+    """
+    import numpy as np
+
+    from ckpt_cli import dtypes, streaming
+
+    rows, cols = int(shape[0]), int(shape[1])
+    it = iter(pieces)
+    first = next(it, None)
+    if first is None:
+        if rows * cols:
+            raise ValueError(f"produced 0 values, expected {rows * cols:,}")
+        return
+    kind, lut, s = _dequantize_setup(first.dtype, (rows, cols), scale)
+    unit = BLOCK if kind == "block" else 1
+    want = dtypes.numpy_dtype(dst)
+    most = max(unit, streaming.PIECE_BYTES // max(1, cols * want.itemsize) // unit * unit)
+
+    def chained() -> Iterator[np.ndarray]:
+        yield first
+        yield from it
+
+    for r0, group in _row_groups(chained(), rows, cols, unit, widen=False):
+        codes = group.view(np.uint8)
+        for r in range(0, codes.shape[0], most):
+            part = codes[r:r + most]
+            out = np.empty(part.shape, dtype=want)
+            _run(_dequantize_jobs(part, r0 + r, lut, s, kind, out, dst), out.nbytes,
+                 "dequantize")
+            yield out.reshape(-1)
+            del out
 
 
 def scale_kind(weight: tuple[int, ...], scale: tuple[int, ...]) -> str | None:

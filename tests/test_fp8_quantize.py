@@ -257,3 +257,46 @@ def test_dequantize_refuses_a_scale_of_no_known_shape() -> None:
     w = np.zeros((256, 256), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
     with pytest.raises(CkptError, match="fits no convention"):
         fp8.dequantize(w, np.ones((3, 3), dtype=np.float32), "BF16")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("sizes", [[1000] * 200, [7, 128 * 272 - 7, 1, 128 * 272 * 2 + 5]])
+def test_dequantize_pieces_split_anywhere(layout: str, sizes: list[int],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flat FP8 pieces split anywhere, outputs capped at a (small) piece: the whole
+    tensor's dequantization, in order."""
+    monkeypatch.setattr(streaming, "PIECE_BYTES", 200 * 272 * 2)
+    w = np.random.default_rng(9).standard_normal((300, 272)).astype(np.float32)
+    q, s = fp8.quantize(w, layout)
+    flat = q.reshape(-1)
+    got = list(fp8.dequantize_pieces(iter(_split(flat, sizes)), s, q.shape, "BF16"))
+    assert len(got) > 1 and all(p.ndim == 1 and p.nbytes <= 200 * 272 * 2 for p in got)
+    whole = fp8.dequantize(q, s, "BF16")
+    assert np.array_equal(np.concatenate(got).view(np.int16), whole.reshape(-1).view(np.int16))
+
+
+def test_convert_dequantize_streams_a_weight_larger_than_a_piece(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block-FP8 640x384 weight read and dequantized in 64 KiB pieces equals torch's
+    ``w.float() * scale_inv`` (repeated over the blocks) in BF16."""
+    monkeypatch.setattr(streaming, "PIECE_BYTES", 64 << 10)
+    w = np.random.default_rng(6).standard_normal((640, 384)).astype(np.float32)
+    q, s = fp8.quantize(w, "block")
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.layers.0.mlp.up_proj.weight": q.view(np.uint8),
+               "model.layers.0.mlp.up_proj.weight_scale_inv": s},
+              str(src / "model.safetensors"))
+    # safetensors.numpy writes uint8: retag the weight as F8_E4M3 through torch
+    t = load_file(src / "model.safetensors")
+    t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"].view(
+        torch.float8_e4m3fn)
+    from safetensors.torch import save_file as save_torch
+    save_torch(t, str(src / "model.safetensors"))
+    r = run_cli("convert", src, "--to", "bf16", "--dequantize", "-o", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert list(got) == ["model.layers.0.mlp.up_proj.weight"]
+    ref = reference_dequant(q, s, "BF16")
+    assert np.array_equal(got["model.layers.0.mlp.up_proj.weight"].view(torch.int16).numpy(),
+                          ref)

@@ -16,7 +16,7 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -564,7 +564,11 @@ def _dequantized_outs(built: _Built, target: str, src: Path) -> None:
         def load(w: OutTensor = o, s: OutTensor = sc) -> np.ndarray:
             return fp8.dequantize(w.load(), s.load(), target)
 
-        new[o.name] = OutTensor(o.name, target, o.shape, load)
+        def pieces(w: OutTensor = o, s: OutTensor = sc) -> Iterator[np.ndarray]:
+            src = w.pieces() if w.pieces is not None else iter((w.load(),))
+            return fp8.dequantize_pieces(src, s.load(), w.shape, target)
+
+        new[o.name] = OutTensor(o.name, target, o.shape, load, pieces)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
                                            if len(problems) > 5 else "")
