@@ -211,13 +211,17 @@ def run_fp8_memory() -> None:
         src.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([PY, "-c", BIG_LINEAR, str(src), str(n)], check=True)
     warm(src)
-    labels = ("bf16", "fp8-block", "fp8-channel", "fp8-tensor")
+    # "dequantize": --to bf16 --dequantize of the fp8-block output just written
+    labels = ("bf16", "fp8-block", "fp8-channel", "fp8-tensor", "dequantize")
     outs = {k: DATA / f"mem-{k}" for k in labels}
 
     def clean(label: str) -> None:
         shutil.rmtree(outs[label], ignore_errors=True)
 
     def argv(label: str) -> list[str]:
+        if label == "dequantize":
+            return ckpt_argv("convert", str(outs["fp8-block"]), "--to", "bf16", "--dequantize",
+                             "-o", str(outs[label]), "--max-memory", "64MiB", "--quiet")
         to = ["--to", label] if not label.startswith("fp8") else [
             "--to", "fp8", "--fp8-layout", label.split("-")[1]]
         return ckpt_argv("convert", str(src.parent), *to, "-o", str(outs[label]),
