@@ -11,7 +11,10 @@ Layouts (what inference engines load from an HF directory):
 
 Scales are ``amax / 448`` (448: E4M3's largest finite value) over the block, row or tensor
 (an all-zero group gets scale 1.0); values are divided by their scale, clamped to ±448
-(saturating) and rounded to nearest even (torch's ``.to(float8_e4m3fn)``).
+(saturating) and rounded to nearest even: bit for bit torch's ``.to(float8_e4m3fn)``, computed
+with numpy integer passes over row blocks on the cast threads, streamed piece by piece
+(:func:`quantize_pieces`, :class:`Quantized`). Dequantizing streams the same way
+(:func:`dequantize_pieces`).
 
 Which tensors qualify (:func:`qualifies`) is decided by name and shape, and explainable: a
 2-D floating ``*.weight`` whose module name does not match :data:`SKIP_PATTERNS`
@@ -108,7 +111,6 @@ def scale_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
 
 # FP32 bit patterns and constants of the E4M3 encoder (see :func:`_encode`).
 _ABS = 0x7FFFFFFF
-_F32_448 = 0x43E00000  # 448.0
 _F32_MIN_NORMAL_E4M3 = 0x3C800000  # 2**-6, E4M3's smallest normal value
 _REBIAS = (0x7FFFF - (120 << 23)) & 0xFFFFFFFF  # half an E4M3 ulp less one, exponent 127 -> 7
 _F32_2_14 = 0x46800000  # 16384.0: its FP32 ulp is 2**-9, E4M3's subnormal step

@@ -565,8 +565,8 @@ def _dequantized_outs(built: _Built, target: str, src: Path) -> None:
             return fp8.dequantize(w.load(), s.load(), target)
 
         def pieces(w: OutTensor = o, s: OutTensor = sc) -> Iterator[np.ndarray]:
-            src = w.pieces() if w.pieces is not None else iter((w.load(),))
-            return fp8.dequantize_pieces(src, s.load(), w.shape, target)
+            codes = w.pieces() if w.pieces is not None else iter((w.load(),))
+            return fp8.dequantize_pieces(codes, s.load(), w.shape, target)
 
         new[o.name] = OutTensor(o.name, target, o.shape, load, pieces)
     if problems:
