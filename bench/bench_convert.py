@@ -16,11 +16,14 @@ reported, with user+system CPU.
 generated for the run and deleted after it. Targets: >= 3x the peer, <= 1.5x the floor, peak
 RSS <= 25% of the peer's.
 
-``--fp8``: ``convert --to fp8`` (block layout, then channel) against ``convert --to bf16``
-of the same checkpoint, interleaved. Target: fp8 within 1.5x of bf16's time, peak RSS as for
-every convert (the largest tensor quantized at a time may add to the budget).
+``--fp8``: ``convert --to fp8`` (block layout, then channel) beside ``convert --to bf16`` and
+``--to fp16`` of the same checkpoint, interleaved (``--rounds N``, default 3), with each one's
+stage report. Target: fp8 within 1.5x of bf16's time, peak RSS as for every convert.
 
-Run: python -m bench.bench_convert [--quick | --big] [--fp8]
+``--fp8-memory``: peak RSS of ``convert --max-memory 64MiB`` of one 8192x8192 FP32 Linear
+(256 MiB) to bf16 and to fp8 in each layout (quantized tensors stream in pieces, as casts do).
+
+Run: python -m bench.bench_convert [--quick | --big] [--fp8 | --fp8-memory] [--rounds N]
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ def main() -> None:
     src = big_train_checkpoint() if big else train_checkpoint(
         **({"n_layers": 2, "dim": 512} if quick else {}))
     try:
-        if "--fp8" in sys.argv:
+        if "--fp8-memory" in sys.argv:
+            run_fp8_memory()
+        elif "--fp8" in sys.argv:
             run_fp8(src)
         else:
             run(src, big)
@@ -139,30 +144,98 @@ def run(src: Path, big: bool) -> None:
     peer_out.unlink(missing_ok=True)
 
 
+def _rounds(default: int) -> int:
+    """``--rounds N`` from the command line, else ``default``."""
+    if "--rounds" in sys.argv:
+        return int(sys.argv[sys.argv.index("--rounds") + 1])
+    return default
+
+
 def run_fp8(src: Path) -> None:
-    """``--to fp8`` (block and channel layouts) against ``--to bf16``, same input."""
+    """``--to fp8`` (block and channel layouts) beside ``--to bf16`` and ``--to fp16``, same
+    input, interleaved rounds; each with wall, CPU, peak RSS and its stage report."""
     warm(src)
-    outs = {k: DATA / f"convert-{k}" for k in ("bf16", "fp8-block", "fp8-channel")}
+    labels = ("bf16", "fp16", "fp8-block", "fp8-channel")
+    outs = {k: DATA / f"convert-{k}" for k in labels}
 
     def clean(label: str) -> None:
         shutil.rmtree(outs[label], ignore_errors=True)
 
     def argv(label: str) -> list[str]:
-        to = ["--to", "bf16"] if label == "bf16" else [
+        to = ["--to", label] if not label.startswith("fp8") else [
             "--to", "fp8", "--fp8-layout", label.split("-")[1]]
         return ckpt_argv("convert", str(src), *to, "-o", str(outs[label]), "--quiet")
 
-    best = timed_interleaved({k: argv(k) for k in outs}, setup=clean, repeat=3)
+    # "ckpt ..." labels: timed() records a ckpt process's stage report (CKPT_STAGE_REPORT)
+    timed_runs = timed_interleaved({f"ckpt {k}": argv(k) for k in labels},
+                                   setup=lambda label: clean(label[5:]), repeat=_rounds(3))
+    best = {k: timed_runs[f"ckpt {k}"] for k in labels}
     size = {k: sum(p.stat().st_size for p in d.iterdir()) for k, d in outs.items()}
     base = best["bf16"]
-    report(f"convert --to fp8 vs --to bf16 of a {human_bytes(src.stat().st_size)} training "
-           "checkpoint", [
+    report(f"convert --to fp8 vs --to bf16 / fp16 of a {human_bytes(src.stat().st_size)} "
+           "training checkpoint (fresh process each, warm page cache, interleaved rounds)", [
         *((f"ckpt convert --to {k}", f"{r.spread}, peak RSS {human_bytes(r.peak_rss)}, "
                                       f"CPU {r.cpu_seconds:.1f} s, output "
                                       f"{human_bytes(size[k])}") for k, r in best.items()),
-        *((f"{k} time vs bf16", f"{best[k].seconds / base.seconds:.2f}x  (target <= 1.5x)")
+        ("where the time goes (each one's best round)", ""),
+        *(row for k in labels for row in stage_rows(best[k])),
+        *((f"{k} time vs bf16", f"{best[k].seconds / base.seconds:.2f}x best, "
+                                f"{_median(best[k]) / _median(base):.2f}x median  "
+                                "(target <= 1.5x)")
+          for k in ("fp8-block", "fp8-channel")),
+        *((f"{k} CPU vs bf16", f"{best[k].cpu_seconds / base.cpu_seconds:.2f}x")
           for k in ("fp8-block", "fp8-channel")),
     ])
+    for d in outs.values():
+        shutil.rmtree(d, ignore_errors=True)
+
+
+BIG_LINEAR = """
+import sys, torch
+from safetensors.torch import save_file
+g = torch.Generator().manual_seed(0)
+n = int(sys.argv[2])
+save_file({"model.layers.0.mlp.down_proj.weight": torch.empty(n, n).normal_(0, 0.02,
+           generator=g), "model.norm.weight": torch.ones(n)}, sys.argv[1])
+"""
+
+
+def run_fp8_memory() -> None:
+    """Peak RSS of ``convert --to fp8 --max-memory 64MiB`` of one 8192x8192 FP32 Linear
+    (256 MiB): the quantized tensor streams in pieces, as a cast does."""
+    import subprocess
+
+    n = 8192
+    src = DATA / "fp8-big-linear" / "model.safetensors"
+    if not src.exists():
+        src.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([PY, "-c", BIG_LINEAR, str(src), str(n)], check=True)
+    warm(src)
+    # "dequantize": --to bf16 --dequantize of the fp8-block output just written
+    labels = ("bf16", "fp8-block", "fp8-channel", "fp8-tensor", "dequantize")
+    outs = {k: DATA / f"mem-{k}" for k in labels}
+
+    def clean(label: str) -> None:
+        shutil.rmtree(outs[label], ignore_errors=True)
+
+    def argv(label: str) -> list[str]:
+        if label == "dequantize":
+            return ckpt_argv("convert", str(outs["fp8-block"]), "--to", "bf16", "--dequantize",
+                             "-o", str(outs[label]), "--max-memory", "64MiB", "--quiet")
+        to = ["--to", label] if not label.startswith("fp8") else [
+            "--to", "fp8", "--fp8-layout", label.split("-")[1]]
+        return ckpt_argv("convert", str(src.parent), *to, "-o", str(outs[label]),
+                         "--max-memory", "64MiB", "--quiet")
+
+    timed_runs = timed_interleaved({f"ckpt {k}": argv(k) for k in labels},
+                                   setup=lambda label: clean(label[5:]), repeat=_rounds(2))
+    best = {k: timed_runs[f"ckpt {k}"] for k in labels}
+    report(f"convert --max-memory 64MiB of one {n}x{n} FP32 Linear "
+           f"({human_bytes(src.stat().st_size)})", [
+        ("ckpt convert fp8-block-out --to bf16 --dequantize" if k == "dequantize"
+         else f"ckpt convert --to {k}", f"{r.spread}, peak RSS {human_bytes(r.peak_rss)}, "
+                                         f"CPU {r.cpu_seconds:.1f} s")
+        for k, r in best.items()])
     for d in outs.values():
         shutil.rmtree(d, ignore_errors=True)
 

@@ -260,6 +260,16 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=_pool_threads(), thread_name_prefix="ckpt-cast")
 
 
+def cast_pool() -> ThreadPoolExecutor:
+    """The cast threads' pool (``CKPT_THREADS`` threads), shared with FP8 quantization."""
+    return _pool()
+
+
+def cast_threads() -> int:
+    """How many threads :func:`cast_pool` has."""
+    return _pool_threads()
+
+
 @functools.cache
 def _pool_threads() -> int:
     """How many cast threads (``CKPT_THREADS``, else one per usable CPU), fixed per process."""

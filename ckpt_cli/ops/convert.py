@@ -16,7 +16,7 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -497,9 +497,9 @@ def _fp8_outs(built: _Built, picked: list[str], ignore: list[str],
         if o.name not in chosen:
             outs.append(o)
             continue
-        q = fp8.Quantized(o.load, layout, o.name)
+        q = fp8.Quantized(o.load, layout, o.name, pieces=o.pieces, shape=o.shape)
         module = o.name[: -len(".weight")]
-        outs.append(OutTensor(o.name, "F8_E4M3", o.shape, q.weight))
+        outs.append(OutTensor(o.name, "F8_E4M3", o.shape, q.weight, q.weight_pieces))
         outs.append(OutTensor(f"{module}.{fp8.scale_name(layout)}", "F32",
                               fp8.scale_shape(o.shape, layout), q.scale))
     built.outs[:] = outs
@@ -565,7 +565,11 @@ def _dequantized_outs(built: _Built, target: str, src: Path) -> None:
         def load(w: OutTensor = o, s: OutTensor = sc) -> np.ndarray:
             return fp8.dequantize(w.load(), s.load(), target)
 
-        new[o.name] = OutTensor(o.name, target, o.shape, load)
+        def pieces(w: OutTensor = o, s: OutTensor = sc) -> Iterator[np.ndarray]:
+            codes = w.pieces() if w.pieces is not None else iter((w.load(),))
+            return fp8.dequantize_pieces(codes, s.load(), w.shape, target)
+
+        new[o.name] = OutTensor(o.name, target, o.shape, load, pieces)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
                                            if len(problems) > 5 else "")
