@@ -221,6 +221,20 @@ and its bytes before: ``prune`` records the intent in the run ledger there (see
 :func:`pending`)."""
 
 
+def _drop_optimizer(state: dict[str, Any], to: str | None
+                    ) -> tuple[dict[str, Any], list[str]] | None:
+    """The state without its optimizer entries (weights cast with ``to="bf16"``) and the keys
+    dropped; None when there is nothing to drop: no training state (weights only, EMA, or
+    thinned already), and --thin-to alone would be a lossy cast nobody asked for."""
+    dropped = [k for k in OPTIMIZER_KEYS if k in state and _is_optimizer_state(state[k])]
+    if not dropped:
+        return None
+    thin = {k: v for k, v in state.items() if k not in dropped}
+    if to == "bf16":
+        thin = {k: (_cast(v) if k in WEIGHT_KEYS else v) for k, v in thin.items()}
+    return thin, dropped
+
+
 def thin_file(path: Path, *, to: str | None = None,
               on_start: OnStart | None = None) -> Thinned | None:
     """Rewrite one checkpoint in place without its optimizer state.
@@ -271,14 +285,10 @@ def _thin_torch(path: Path, to: str | None, on_start: OnStart,
     before = path.stat()
     newest = _newest_ns(checkpoint) if checkpoint != path else None
     state = _load(path)
-    dropped = [k for k in OPTIMIZER_KEYS if k in state and _is_optimizer_state(state[k])]
-    if not dropped:
-        # Nothing to drop: no training state here (weights only, EMA, or thinned already), and
-        # --thin-to alone would be a lossy cast of a checkpoint nobody asked to thin.
+    picked = _drop_optimizer(state, to)
+    if picked is None:
         return None
-    thin = {k: v for k, v in state.items() if k not in dropped}
-    if to == "bf16":
-        thin = {k: (_cast(v) if k in WEIGHT_KEYS else v) for k, v in thin.items()}
+    thin, dropped = picked
     bytes_before = tree_scan(checkpoint).bytes
     # At the run's top a trash name (a killed prune's copy is removed by the next prune, which
     # alone may write one: it holds the prune lock); inside a step directory a temporary name.
@@ -722,12 +732,10 @@ def _thin_object(obj: Path, to: str | None, on_start: OnStart, checkpoint: Path
                         "left whole", path=obj) from None
     if not isinstance(state, dict):
         raise CkptError("not a dict of training state; left whole", path=obj)
-    dropped = [k for k in OPTIMIZER_KEYS if k in state and _is_optimizer_state(state[k])]
-    if not dropped:
+    picked = _drop_optimizer(state, to)
+    if picked is None:
         return None
-    thin = {k: v for k, v in state.items() if k not in dropped}
-    if to == "bf16":
-        thin = {k: (_cast(v) if k in WEIGHT_KEYS else v) for k, v in thin.items()}
+    thin, dropped = picked
     del state
     out = io.BytesIO()
     torch.save(thin, out)
