@@ -81,6 +81,13 @@ def main() -> None:
            "entries": [[e.path, e.verdict] for e in ck.entries],
            "saw": {str(k): v for k, v in saw.items()}}
     (out.parent / f"rank-{rank}.json").write_text(json.dumps(doc))
+    # Leave the world together: a rank that exits while the other still holds the gloo group
+    # can abort in the group's destructor ("terminate called without an active exception").
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
