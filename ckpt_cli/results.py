@@ -79,6 +79,8 @@ class InspectResult:
         describe_error: Why the run's latest checkpoint could not be read, if it could not.
         final_model: Whether ``index`` is the final model at the top of the run directory
             (an HF Trainer ``output_dir``) rather than one of its checkpoints.
+        quantization: The quantization scheme (:func:`ckpt_cli.fp8_scheme.describe`), when
+            ``index`` holds FP8 weights, scales or a ``quantization_config``.
     """
 
     path: Path
@@ -90,6 +92,7 @@ class InspectResult:
     tree: TreeNode | None = None
     describe_error: str | None = None
     final_model: bool = False
+    quantization: dict[str, Any] | None = None
 
 
 # -- validate ----------------------------------------------------------------------------------
