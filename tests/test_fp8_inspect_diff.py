@@ -168,3 +168,114 @@ def test_inspect_reads_config_from_ckpt_metadata(tmp_path: Path) -> None:
     q = _json("inspect", out)["quantization"]
     assert q["config"]["source"] == "metadata (ckpt.quantization_config)"
     assert q["layout"] == "block" and q["quantized"] == 1 and not math.isnan(q["bytes_saved"])
+
+
+# --- diff ------------------------------------------------------------------------------------
+
+def _torch_rel_l2(src: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> tuple[float, float]:
+    """Relative L2 and max abs error of ``w * s`` against ``src``, written here with torch."""
+    if s.dim() == 2 and s.shape[1] != 1:
+        s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    deq = w.float() * s.float()
+    d = (deq.double() - src.double())
+    rel = d.norm() / max(deq.double().norm(), src.double().norm())
+    return float(rel), float(d.abs().max())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_diff_source_against_quantized_compares_dequantized(
+        llama: Path, quantized: dict[str, Path], layout: str) -> None:
+    doc = _json("diff", llama, quantized[layout])
+    q = doc["quantization"]
+    src = load_file(llama / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for f in quantized[layout].glob("*.safetensors"):
+        out.update(load_file(f))
+    scale_key = "weight_scale_inv" if layout == "block" else "weight_scale"
+    fp8_names = sorted(n for n, t in out.items() if t.dtype == torch.float8_e4m3fn)
+    assert q["dequantized"] == len(fp8_names) == (8 if layout == "block" else 14)
+    assert q["quantized_side"] == "b" and q["scales_a"] == []
+    assert sorted(q["scales_b"]) == sorted(n.removesuffix("weight") + scale_key
+                                           for n in fp8_names)
+    # the scales are neither additions nor compared on their own
+    assert doc["only_in_b"] == [] and doc["summary"]["only_in_b"] == 0
+    assert not any(t["name"].endswith(scale_key) for t in doc["tensors"])
+    by_name = {t["name"]: t for t in doc["tensors"]}
+    for row in q["tensors"]:
+        name = row["name"]
+        rel, max_abs = _torch_rel_l2(src[name], out[name],
+                                     out[name.removesuffix("weight") + scale_key])
+        assert row["rel_l2"] == pytest.approx(rel, rel=1e-4)
+        assert row["max_abs"] == pytest.approx(max_abs, rel=1e-4)
+        assert 0.01 < row["rel_l2"] < BOUND[layout] == row["bound"]
+        assert row["b"]["layout"] == layout and row["a"] is None
+        assert row["status"] == by_name[name]["status"] == "within_tolerance"
+        assert by_name[name]["tolerance"] == "fp8:F8_E4M3"
+    assert q["above_bound"] == []
+    assert q["rel_l2_max"] == max(r["rel_l2"] for r in q["tensors"])
+    # no tensor value differs beyond tolerance: only the config's dtype (F32 -> BF16)
+    assert doc["summary"]["changed"] == 0
+    assert doc["differences"] == ["1 metadata value changed"]
+
+
+def test_diff_works_both_directions_and_both_quantized(llama: Path,
+                                                       quantized: dict[str, Path]) -> None:
+    ab = _json("diff", llama, quantized["channel"])["quantization"]
+    ba = _json("diff", quantized["channel"], llama)["quantization"]
+    assert ba["quantized_side"] == "a" and ba["scales_b"] == [] and ba["scales_a"]
+    assert {r["name"]: r["rel_l2"] for r in ab["tensors"]} == pytest.approx(
+        {r["name"]: r["rel_l2"] for r in ba["tensors"]}, rel=1e-6)
+    both = _json("diff", quantized["block"], quantized["channel"])
+    q = both["quantization"]
+    assert q["quantized_side"] == "both"
+    # block leaves the 400-wide MLP in BF16: 8 weights FP8 on both sides, 6 on B only
+    assert q["dequantized"] == 14 and len(q["scales_a"]) == 8 and len(q["scales_b"]) == 14
+    assert both["only_in_a"] == both["only_in_b"] == []
+    two = [r for r in q["tensors"] if r["a"] and r["b"]]
+    assert len(two) == 8
+    for r in two:  # two roundings: about sqrt(2) x one, within sqrt(2) x the bound
+        assert 0.02 < r["rel_l2"] < r["bound"] == pytest.approx(BOUND["channel"] * math.sqrt(2))
+    assert both["equal"] is True
+    same = _json("diff", quantized["tensor"], quantized["tensor"] / ".")
+    assert same["equal"] is True
+
+
+def test_diff_catches_a_wrong_scale(llama: Path, quantized: dict[str, Path],
+                                    tmp_path: Path) -> None:
+    """A checkpoint whose one scale is twice what it should be: that weight is changed."""
+    out = load_file(quantized["block"] / "model.safetensors")
+    bad = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    out[bad] = out[bad] * 2
+    d = tmp_path / "bad"
+    d.mkdir()
+    save_file(out, d / "model.safetensors")
+    r = run_cli("diff", llama, d, "--json")
+    assert r.exit_code == 1
+    doc = json.loads(r.stdout)
+    rows = {t["name"]: t for t in doc["quantization"]["tensors"]}
+    wrong = rows["model.layers.1.self_attn.o_proj.weight"]
+    # ||2w - w|| / ||2w||: 0.5
+    assert wrong["status"] == "changed" and wrong["rel_l2"] == pytest.approx(0.5, abs=0.01)
+    assert doc["quantization"]["above_bound"] == ["model.layers.1.self_attn.o_proj.weight"]
+    assert "1 tensor changed" in doc["differences"]
+    human = run_cli("diff", llama, d)
+    text = " ".join(human.stdout.split())
+    assert "above it: model.layers.1.self_attn.o_proj.weight" in text
+    assert "(above bound)" in text
+
+
+def test_diff_human_says_what_is_normal(llama: Path, quantized: dict[str, Path]) -> None:
+    r = run_cli("diff", llama, quantized["block"])
+    text = " ".join(r.stdout.split())
+    assert "8 FP8 weights compared dequantized" in text
+    assert "Normal for one E4M3 rounding: about 2-4%" in text
+    assert "the README bound is block 4.50%" in text
+    assert "8 scale tensors paired with their weights (not additions)" in text
+    assert "Dequantized FP8 weights (8, largest error first)" in text
+    assert "Only in" not in text
+
+
+def test_diff_structure_only_pairs_scales(llama: Path, quantized: dict[str, Path]) -> None:
+    doc = _json("diff", llama, quantized["block"], "--structure-only")
+    assert doc["only_in_b"] == [] and len(doc["quantization"]["scales_b"]) == 8
+    assert doc["quantization"]["rel_l2_max"] is None
