@@ -109,12 +109,17 @@ def test_fp8_in_parts_over_processes_equals_one_process(llama: Path, tmp_path: P
     split = tmp_path / "split"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "ckpt_cli", "convert", str(llama), "-o",
-                               str(split), *args, "--part", f"{k}/3"], env=env,
+                               str(split), *args, "--part", f"{k}/3", "--json"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for k in (1, 2, 3)]
+    parts = []
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err.decode()
+        parts.append(json.loads(out)["part"])
+    assert [x["index"] for x in parts] == [1, 2, 3]
+    assert sum(x["finalized_here"] for x in parts) == 1
+    assert all(x["files"] for x in parts)  # each process wrote a share of the shards
     _same_tree(one, split)
     cfg = json.loads((split / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "fp8"
