@@ -279,3 +279,64 @@ def test_diff_structure_only_pairs_scales(llama: Path, quantized: dict[str, Path
     doc = _json("diff", llama, quantized["block"], "--structure-only")
     assert doc["only_in_b"] == [] and len(doc["quantization"]["scales_b"]) == 8
     assert doc["quantization"]["rel_l2_max"] is None
+
+
+# --- a checkpoint written by compressed-tensors itself ----------------------------------------
+
+@pytest.fixture(scope="module")
+def ct_channel(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Llama quantized by compressed-tensors (per-channel FP8, ``lm_head`` ignored): its
+    ``apply_quantization_config``, min/max scales by its ``calculate_qparams``, compressed by
+    its ``ModelCompressor`` and the config written by ``update_config``."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from tests.conftest import third_party_quiet
+
+    assert ct.__version__
+    with third_party_quiet():
+        model = transformers.LlamaForCausalLM.from_pretrained(llama, dtype=torch.float32)
+        args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True,
+                                dynamic=False)
+        cfg = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
+            targets=["Linear"], weights=args)}, ignore=["lm_head"], format="float-quantized")
+        apply_quantization_config(model, cfg)
+        with torch.no_grad():
+            for mod in model.modules():
+                if hasattr(mod, "weight_scale"):
+                    w = mod.weight
+                    s, zp = calculate_qparams(w.amin(dim=1, keepdim=True),
+                                              w.amax(dim=1, keepdim=True), args)
+                    mod.weight_scale.copy_(s.reshape(mod.weight_scale.shape))
+                    mod.weight_zero_point.copy_(zp.reshape(mod.weight_zero_point.shape))
+        compressor = ModelCompressor(quantization_config=cfg)
+        compressor.compress_model(model)
+        out = tmp_path_factory.mktemp("ct") / "channel"
+        model.save_pretrained(out)
+        compressor.update_config(str(out))
+    return out
+
+
+def test_inspect_and_diff_a_compressed_tensors_checkpoint(
+        llama: Path, quantized: dict[str, Path], ct_channel: Path) -> None:
+    q = _json("inspect", ct_channel)["quantization"]
+    assert q["layout"] == "channel" and q["quantized"] == 14
+    assert q["scale_names"] == {"weight_scale": 14} and q["problems"] == []
+    assert q["config"]["quant_method"] == "compressed-tensors"
+    assert q["config"]["strategy"] == "channel" and q["ignore"] == ["lm_head"]
+    doc = _json("diff", llama, ct_channel)
+    assert doc["equal"] is True and doc["only_in_b"] == []
+    errors = [r["rel_l2"] for r in doc["quantization"]["tensors"]]
+    assert len(errors) == 14 and all(0.01 < e < BOUND["channel"] for e in errors)
+    # ckpt's channel layout and compressed-tensors' dequantize to the same values
+    both = _json("diff", quantized["channel"], ct_channel)["quantization"]
+    assert both["quantized_side"] == "both" and both["dequantized"] == 14
+    assert {r["status"] for r in both["tensors"]} == {"identical"}
+    assert both["rel_l2_max"] == 0
