@@ -549,6 +549,8 @@ class DiffResult:
         scales_a: A's scale tensors (and activation scales) belonging to those weights: not
             compared on their own, not reported as only in A.
         scales_b: The same for B.
+        fp8_unpaired: Common FP8 tensors without a usable scale, compared as stored (a
+            line each, ``A: ...``/``B: ...``, saying why).
     """
 
     index_a: CheckpointIndex
@@ -569,6 +571,7 @@ class DiffResult:
     dequantized: dict[str, Dequantized] = field(default_factory=dict)
     scales_a: list[str] = field(default_factory=list)
     scales_b: list[str] = field(default_factory=list)
+    fp8_unpaired: list[str] = field(default_factory=list)
 
     def with_status(self, *statuses: str) -> list[TensorDiff]:
         """Common tensors whose status is one of ``statuses``, in A's order."""

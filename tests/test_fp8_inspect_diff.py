@@ -340,3 +340,42 @@ def test_inspect_and_diff_a_compressed_tensors_checkpoint(
     assert both["quantized_side"] == "both" and both["dequantized"] == 14
     assert {r["status"] for r in both["tensors"]} == {"identical"}
     assert both["rel_l2_max"] == 0
+
+
+def test_diff_partial_blocks_bf16_scales_and_a_weight_without_scale(tmp_path: Path) -> None:
+    """DeepSeek's conventions written with torch + safetensors: a 400x256 weight whose last
+    block row is partial (scale [4, 2]) with BF16 scales; and an FP8 weight without a scale,
+    which is compared as stored and said so."""
+    torch.manual_seed(4)
+    src = {"l.weight": torch.randn(400, 256), "m.weight": torch.randn(256, 256),
+           "n.weight": torch.randn(256, 256)}
+    save_file(src, tmp_path / "src.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for name in ("l.weight", "m.weight", "n.weight"):
+        q, s = fp8.quantize(src[name].numpy(), "block")
+        out[name] = torch.from_numpy(q.view("uint8")).view(torch.float8_e4m3fn)
+        if name != "n.weight":
+            out[name + "_scale_inv"] = torch.from_numpy(s).to(torch.bfloat16)
+    assert out["l.weight_scale_inv"].shape == (4, 2)
+    save_file(out, tmp_path / "fp8.safetensors")
+    r = run_cli("diff", tmp_path / "src.safetensors", tmp_path / "fp8.safetensors", "--json")
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    q = doc["quantization"]
+    rows = {t["name"]: t for t in q["tensors"]}
+    assert sorted(rows) == ["l.weight", "m.weight"]
+    for name, row in rows.items():
+        rel, max_abs = _torch_rel_l2(src[name], out[name], out[name + "_scale_inv"])
+        assert row["rel_l2"] == pytest.approx(rel, rel=1e-4) and rel < BOUND["block"]
+        assert row["max_abs"] == pytest.approx(max_abs, rel=1e-4)
+        assert row["status"] == "within_tolerance"
+    assert q["scales_b"] == ["l.weight_scale_inv", "m.weight_scale_inv"]
+    assert q["unpaired"] == [
+        "B: n.weight (F8_E4M3 [256, 256]) has no scale (weight_scale_inv, weight_scale, "
+        "scale_weight): a loader ignoring that reads garbage; compared as stored"]
+    n = {t["name"]: t for t in doc["tensors"]}["n.weight"]
+    assert n["status"] == "changed" and n["tolerance"] == "dtype:F8_E4M3"
+    assert doc["differences"] == ["1 tensor changed"]
+    text = " ".join(run_cli("diff", tmp_path / "src.safetensors",
+                            tmp_path / "fp8.safetensors").stdout.split())
+    assert "FP8 without a usable scale: B: n.weight" in text

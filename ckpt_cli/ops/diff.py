@@ -553,6 +553,14 @@ def _pair_quantized(result: DiffResult) -> None:
     for td in result.tensors:
         qa = pa.pairs.get(td.name_a) if pa is not None else None
         qb = pb.pairs.get(td.name_b) if pb is not None else None
+        for label, q, pairing, name, dtype in (("A", qa, pa, td.name_a, td.dtype_a),
+                                               ("B", qb, pb, td.name_b, td.dtype_b)):
+            if q is None and pairing is not None and dtype in fp8_scheme.FP8_DTYPES:
+                module = name.rpartition(".")[0]
+                why = next((f.message for f in pairing.findings if f.location is not None
+                            and f.location.rpartition(".")[0] == module), None)
+                result.fp8_unpaired.append(f"{label}: {why or name + ' has no usable scale'}; "
+                                           "compared as stored")
         if (qa is None and qb is None) or td.status == "shape_changed":
             continue
         result.dequantized[td.name] = Dequantized(

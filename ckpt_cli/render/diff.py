@@ -131,7 +131,7 @@ def to_json(r: DiffResult, path_a: str, path_b: str, *, by_module: bool = False,
     }
     if by_module:
         doc["modules"] = [_module(m) for m in r.by_module(depth)]
-    if r.dequantized:
+    if r.dequantized or r.fp8_unpaired:
         doc["quantization"] = quantization_json(r)
     return doc
 
@@ -172,13 +172,14 @@ def quantization_json(r: DiffResult) -> dict[str, Any]:
             "rel_l2_max": errors[-1] if errors else None,
             "above_bound": above,
             "scales_a": r.scales_a, "scales_b": r.scales_b,
+            "unpaired": r.fp8_unpaired,
             "tensors": tensors}
 
 
 def _quantized_side(r: DiffResult) -> str:
     a = any(d.scale_a for d in r.dequantized.values())
     b = any(d.scale_b for d in r.dequantized.values())
-    return "both" if a and b else "a" if a else "b"
+    return "both" if a and b else "a" if a else "b" if b else "none"
 
 
 # --- people ----------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
             text += "; not a difference: " + _names(
                 [f"{o.name} is a tied copy of {o.tied_to}" for o in tied])
         _add(grid, "Only in", text)
-    if r.dequantized:
+    if r.dequantized or r.fp8_unpaired:
         _add(grid, "Quantized", _quant_line(r))
     if r.options.metadata:
         _add(grid, "Metadata", _meta_line(r))
@@ -262,6 +263,10 @@ def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
 def _quant_line(r: DiffResult) -> str:
     """What was dequantized, the errors, and what is normal (the README's bound)."""
     rows = [t for t in r.tensors if t.name in r.dequantized]
+    unpaired = ("FP8 without a usable scale: " + _names(r.fp8_unpaired, 2)
+                if r.fp8_unpaired else "")
+    if not rows:
+        return unpaired
     side = {"a": "A", "b": "B", "both": "A and B"}[_quantized_side(r)]
     layouts = sorted({d.layout or "" for d in r.dequantized.values()} - {""})
     line = (f"{_plural(len(rows), 'FP8 weight')} compared dequantized (weight x scale in "
@@ -282,7 +287,7 @@ def _quant_line(r: DiffResult) -> str:
     scales = len(r.scales_a) + len(r.scales_b)
     if scales:
         line += f"; {_plural(scales, 'scale tensor')} paired with their weights (not additions)"
-    return line
+    return line + (f"; {unpaired}" if unpaired else "")
 
 
 def quant_table(r: DiffResult, top: int | None) -> Table:
