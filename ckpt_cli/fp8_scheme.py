@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.fp8 import BLOCK, SCALE_NAMES, scale_kind, skip_reason
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
@@ -206,9 +207,15 @@ def describe(index: CheckpointIndex) -> dict[str, Any] | None:
         ``quantization_config``; else the object documented in docs/json-schema.md.
     """
     tensors = index.tensors
-    qc, source = read_quantization_config(index)
     has_fp8 = any(t.dtype in FP8_DTYPES for t in tensors.values())
-    if not has_fp8 and qc is None and not any(is_scale_name(n) for n in tensors):
+    scale_named = any(is_scale_name(n) for n in tensors)
+    # A config.json the reader listed is read again only where that is cheap (not over a
+    # network) unless the tensors look quantized.
+    listed = any(f.path == "config.json" for f in index.files) and not storage.is_remote(
+        index.base)
+    qc, source = read_quantization_config(index) if has_fp8 or scale_named or listed else (
+        None, None)
+    if not has_fp8 and qc is None and not scale_named:
         return None
     pairing = pair_scales(tensors)
     kinds: dict[str, int] = {}
@@ -251,6 +258,11 @@ def describe(index: CheckpointIndex) -> dict[str, Any] | None:
                 "warning", "fp8-not-ignored", f"{t.name} is {t.dtype}, not FP8, but the "
                 "quantization_config does not list it as ignored: a loader expects it quantized",
                 None, t.name))
+    if qc is not None and not has_fp8:
+        findings.append(Finding("warning", "fp8-config-without-fp8", "the config has a "
+                                "quantization_config but no tensor is FP8: a loader expects "
+                                "quantized weights (a dequantized copy should drop it)",
+                                source, None))
     findings.extend(Finding("warning", "fp8-config-ignored", f"the quantization_config "
                             f"ignores {m}, but its weight is FP8", None, f"{m}.weight")
                     for m in ignore if m in fp8_modules)

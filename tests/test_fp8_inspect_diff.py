@@ -379,3 +379,23 @@ def test_diff_partial_blocks_bf16_scales_and_a_weight_without_scale(tmp_path: Pa
     text = " ".join(run_cli("diff", tmp_path / "src.safetensors",
                             tmp_path / "fp8.safetensors").stdout.split())
     assert "FP8 without a usable scale: B: n.weight" in text
+
+
+def test_inspect_flags_a_quantization_config_without_fp8(llama: Path, quantized: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    """An FP32 checkpoint whose config.json still carries a quantization_config (a copy
+    dequantized by a tool that kept the config)."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(llama, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = json.loads(
+        (quantized["block"] / "config.json").read_text())["quantization_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    q = _json("inspect", d)["quantization"]
+    assert q["layout"] is None and q["quantized"] == 0 and q["bytes_saved"] == 0
+    assert [p["code"] for p in q["problems"]] == ["fp8-config-without-fp8"]
+    r = run_cli("inspect", d)
+    assert r.exit_code == 0 and "no FP8 weight paired with a scale" in r.stdout
+    assert "quantization_config but no tensor is FP8" in " ".join(r.output.split())
