@@ -13,7 +13,7 @@ import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ckpt_cli import fp8
 from ckpt_cli.errors import CkptError, UsageError
@@ -22,9 +22,27 @@ from ckpt_cli.writers import OutTensor
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckpt_cli.ops.convert import _Built
+    from ckpt_cli.cast import CastPlan
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+class _Built(Protocol):
+    """What these steps use of a conversion's outputs (``convert``'s ``_Built``; declared
+    here so that this module does not import another op module)."""
+
+    outs: list[OutTensor]
+    aliases: dict[str, str]
+    casts: Counter[str]
+    plan: CastPlan
+    meta: dict[str, str]
+    notes: list[str]
+
+    @property
+    def close(self) -> Callable[[], None]: ...
+
+
+B = TypeVar("B", bound=_Built)
 
 
 def wanted(to: str, layout: str) -> bool:
@@ -44,9 +62,8 @@ def check_usage(quant: bool, dequantize: bool, target: str | None, fmt: str) -> 
         raise UsageError("--to fp8 writes safetensors (an HF directory); not --format pt")
 
 
-def quantized(built: _Built, build: Callable[[tuple[str, ...]], _Built],
-              keep_fp32: tuple[str, ...], layout: str,
-              src: Path) -> tuple[_Built, dict[str, Any]]:
+def quantized(built: B, build: Callable[[tuple[str, ...]], B], keep_fp32: tuple[str, ...],
+              layout: str, src: Path) -> tuple[B, dict[str, Any]]:
     """The conversion's outputs with the qualifying weights quantized, and the
     ``quantization_config``.
 
