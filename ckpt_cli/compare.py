@@ -347,6 +347,35 @@ def compare_values(src_a: TensorSource, ta: TensorInfo, src_b: TensorSource, tb:
     return acc.stats(n)
 
 
+def compare_arrays(x: np.ndarray, y: np.ndarray, tol: Tolerance, *,
+                   block: int = BLOCK_ELEMENTS) -> DiffStats:
+    """Compare two float32 arrays of the same size already in memory, block by block, with
+    the statistics :func:`compare_values` computes (``diff`` of dequantized FP8 weights).
+
+    Args:
+        x: Side A's values (float32).
+        y: Side B's values (float32, as many elements).
+        tol: The tolerance deciding ``outside``.
+        block: Elements per block.
+
+    Returns:
+        The :class:`DiffStats`.
+    """
+    import numpy as np
+
+    xf, yf = x.reshape(-1), y.reshape(-1)
+    n = xf.shape[0]
+    if yf.shape[0] != n:
+        raise ValueError(f"{n} elements vs {yf.shape[0]}")
+    bufs = _Buffers(np.dtype(np.float32), min(block, max(n, 1)))
+    acc = _Acc()
+    with np.errstate(all="ignore"):
+        for i in range(0, n, block):
+            j = min(n, i + block)
+            _float_block(xf[i:j], yf[i:j], bufs, tol, acc)
+    return acc.stats(n)
+
+
 class _Buffers:
     """Reused work arrays of one block (upcast A, upcast B, difference, scratch)."""
 

@@ -79,6 +79,8 @@ class InspectResult:
         describe_error: Why the run's latest checkpoint could not be read, if it could not.
         final_model: Whether ``index`` is the final model at the top of the run directory
             (an HF Trainer ``output_dir``) rather than one of its checkpoints.
+        quantization: The quantization scheme (:func:`ckpt_cli.fp8_scheme.describe`), when
+            ``index`` holds FP8 weights, scales or a ``quantization_config``.
     """
 
     path: Path
@@ -90,6 +92,7 @@ class InspectResult:
     tree: TreeNode | None = None
     describe_error: str | None = None
     final_model: bool = False
+    quantization: dict[str, Any] | None = None
 
 
 # -- validate ----------------------------------------------------------------------------------
@@ -393,6 +396,31 @@ class OnlyIn:
     tie: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Dequantized:
+    """How one common tensor's values were compared when a side stores it in FP8 with a
+    scale: each such side dequantized (``weight * scale`` in FP32) first.
+
+    Attributes:
+        scale_a: A's scale tensor (as stored), or None when A is not quantized.
+        layout_a: ``block``, ``channel`` or ``tensor`` for A's scale, or None.
+        scale_b: B's scale tensor, or None.
+        layout_b: Likewise for B.
+    """
+
+    scale_a: str | None
+    layout_a: str | None
+    scale_b: str | None
+    layout_b: str | None
+
+    @property
+    def layout(self) -> str | None:
+        """The coarser layout of the quantized sides (the one that bounds the error)."""
+        order = ("block", "channel", "tensor")
+        got = [x for x in (self.layout_a, self.layout_b) if x is not None]
+        return max(got, key=order.index) if got else None
+
+
 @dataclass(slots=True)
 class TensorDiff:
     """One tensor name present on both sides.
@@ -516,6 +544,13 @@ class DiffResult:
             every common tensor is ``identical``; None otherwise.
         followed_a: The run directory pointer followed to A's checkpoint, if A was one.
         followed_b: The same for B.
+        dequantized: Common tensors stored in FP8 with a scale on one side or both, by
+            name: their values were compared dequantized.
+        scales_a: A's scale tensors (and activation scales) belonging to those weights: not
+            compared on their own, not reported as only in A.
+        scales_b: The same for B.
+        fp8_unpaired: Common FP8 tensors without a usable scale, compared as stored (a
+            line each, ``A: ...``/``B: ...``, saying why).
     """
 
     index_a: CheckpointIndex
@@ -533,6 +568,10 @@ class DiffResult:
     same_checkpoint: str | None = None
     followed_a: Followed | None = None
     followed_b: Followed | None = None
+    dequantized: dict[str, Dequantized] = field(default_factory=dict)
+    scales_a: list[str] = field(default_factory=list)
+    scales_b: list[str] = field(default_factory=list)
+    fp8_unpaired: list[str] = field(default_factory=list)
 
     def with_status(self, *statuses: str) -> list[TensorDiff]:
         """Common tensors whose status is one of ``statuses``, in A's order."""

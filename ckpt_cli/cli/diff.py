@@ -77,8 +77,9 @@ def diff_cmd(
 ) -> None:
     """Show what changed between two checkpoints: tensors, shapes, dtypes, values, metadata.
 
-    Works across formats (torch, safetensors, DCP, HF shards...). Exit 0 when equal (within
-    tolerance), 1 when different, 2 on error.
+    Works across formats (torch, safetensors, DCP, HF shards...). FP8 weights with their
+    scales are compared dequantized (weight x scale), with the relative L2 error per tensor.
+    Exit 0 when equal (within tolerance), 1 when different, 2 on error.
 
     Examples:
       ckpt diff run/step_1000/checkpoint.pt export/model.safetensors
@@ -86,6 +87,7 @@ def diff_cmd(
       ckpt diff base.safetensors finetuned.safetensors --by-module --depth 2
       ckpt diff model.pt model-fp16.safetensors --json | jq .summary
       ckpt diff ddp.pt plain.pt --strip-prefix module. --structure-only
+      ckpt diff model/ model-fp8/
     """
     from ckpt_cli.cli.progress import byte_progress
     from ckpt_cli.ops.diff import DiffOptions, diff

@@ -46,7 +46,8 @@ def inspect_cmd(
 
     Reads headers and pickles only (never tensor data, never torch), so it is fast on
     checkpoints of any size. A run directory gets a table of its checkpoints (and an HF
-    Trainer output directory its final model too).
+    Trainer output directory its final model too). An FP8 checkpoint's quantization scheme
+    (layout, scales paired with weights, bytes saved vs BF16, quantization_config) is shown.
 
     Examples:
       ckpt inspect model.safetensors
@@ -54,6 +55,7 @@ def inspect_cmd(
       ckpt inspect train.pt --tensors --filter '*.attn.*' --sort size
       ckpt inspect run/ --json
       ckpt inspect run/ --all
+      ckpt inspect model-fp8/
     """
     from ckpt_cli.ops.inspect import inspect
 

@@ -11,12 +11,11 @@ appears only when complete.
 from __future__ import annotations
 
 import fnmatch
-import glob
 import json
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ckpt_cli import dtypes, fp8, storage
+from ckpt_cli import dtypes, storage
 from ckpt_cli.atomic import check_not_input
 from ckpt_cli.cast import (
     CASTABLE,
@@ -37,13 +36,14 @@ from ckpt_cli.cast import (
     piece_caster,
     prefer_torch,
 )
-from ckpt_cli.errors import CkptError, UnsupportedError, UsageError
+from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import ParamPlan
 from ckpt_cli.gather import zero_metadata, zero_outputs
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
+from ckpt_cli.ops import convert_fp8
 from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.results import ConvertResult
 from ckpt_cli.runs import follow_pointer, is_run_dir
@@ -115,11 +115,9 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
     memory_budget(max_memory)  # a bad budget is a usage error before any work
-    quant = to == "fp8"
+    quant = convert_fp8.wanted(to, fp8_layout)
     if quant:
-        if fp8_layout not in fp8.LAYOUTS:
-            raise UsageError(f"--fp8-layout must be block, channel or tensor, not {fp8_layout!r}")
-        to = "bf16"
+        to = "bf16"  # what is not quantized
     elif to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32, fp8 or keep, not {to!r}")
     fmt = output_format(out, fmt, directory=names_directory(output))
@@ -144,63 +142,29 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         return _from_index(index, src, to, target, fmt, globs, keep_optimizer,
                            keep_prefix, container, clamp, stats)
 
-    if dequantize and (quant or target is None):
-        raise UsageError("--dequantize needs --to bf16, fp16 or fp32")
-    if quant and fmt != "safetensors":
-        raise UsageError("--to fp8 writes safetensors (an HF directory); not --format pt")
+    convert_fp8.check_usage(quant, dequantize, target, fmt)
     built = build(keep_fp32)
-    if quant:
-        held = [o.name for o in built.outs if o.dtype in _FP8_DTYPES]
-        if held:
-            built.close()
-            raise UsageError(f"{src} already holds {len(held)} FP8 tensor(s) (e.g. {held[0]})",
-                             hint="dequantize first: ckpt convert SRC --to bf16 --dequantize")
-    if dequantize:
-        assert target is not None
-        try:
-            _dequantized_outs(built, target, src)
-        except CkptError:
-            built.close()
-            raise
     quant_config = None
     if quant:
-        # The weights to quantize are read in FP32 (not rounded to BF16 first): built again
-        # with them kept, then each becomes an FP8 weight and its scale.
-        picked, ignore, fp8_notes = _fp8_pick(built, fp8_layout)
-        if picked:
-            before = built.casts
-            built.close()
-            built = build(keep_fp32 + tuple(glob.escape(n) for n in picked))
-            for key in [k for k in built.casts if k.endswith("->F32")]:
-                # read in FP32 only to be quantized: count the casts --keep-fp32 made
-                built.casts[key] = before.get(key, 0)
-            built.casts += Counter()  # drops the zero counts
-        built.notes.extend(fp8_notes)
-        quant_config = _fp8_outs(built, picked, ignore, fp8_layout)
-        to = "fp8"
-        built.meta["ckpt.conversion"] = built.meta.get("ckpt.conversion", "").replace(
-            "to=bf16", f"to=fp8 ({fp8_layout})", 1)
-        built.meta["ckpt.quantization_config"] = json.dumps(quant_config, sort_keys=True)
+        built, quant_config = convert_fp8.quantized(built, build, keep_fp32, fp8_layout, src)
+    elif dequantize:
+        assert target is not None
+        convert_fp8.dequantized(built, target, src)
     notes = built.notes
     side = _side_files(index, storage.locate(source), out, notes)
     config_dtype = None
     if target is not None and "config.json" in side:
         side["config.json"], config_dtype = retype_config(side["config.json"], target)
-        if quant_config is not None or dequantize:
-            side["config.json"] = with_quantization_config(side["config.json"], quant_config)
         kept32 = sum(1 for o in built.outs if o.dtype == "F32" and target != "F32" and any(
-            fnmatch.fnmatchcase(o.name, g) for g in keep_fp32) and not (
-            quant_config is not None and o.name.endswith(".weight_scale")))
+            fnmatch.fnmatchcase(o.name, g) for g in keep_fp32) and not
+            convert_fp8.is_scale(o.name, quant_config))
         if config_dtype is not None and kept32:
             # The loader casts every weight to the config's dtype unless told otherwise.
             notes.append(f"config.json says {config_dtype['to']}: from_pretrained loads the "
                          f"{kept32} tensor(s) --keep-fp32 kept in FP32 as {config_dtype['to']} "
                          "too, unless the model keeps them (keep_in_fp32_modules) or is loaded "
                          "with dtype=torch.float32")
-    elif quant_config is not None:
-        notes.append("no config.json beside the source: the quantization_config an engine "
-                     "needs in the model's config.json is in the shards' metadata "
-                     "(ckpt.quantization_config)")
+    convert_fp8.config_files(side, quant_config, dequantize, target, notes)
     prefer_torch(built.cast_elements)
     job = None
     if part is not None or finalize:
@@ -460,124 +424,3 @@ def retype_config(data: bytes, target: str) -> tuple[bytes, dict[str, Any] | Non
         new = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
     first = next(iter(changed.values()))
     return new, {"file": "config.json", "keys": list(changed), "from": first, "to": name}
-
-
-def _fp8_pick(built: _Built, layout: str) -> tuple[list[str], list[str], list[str]]:
-    """The output names to quantize, the ignore list (modules of Linear-like weights left
-    unquantized; ``lm_head`` always, tied or not), and notes naming what was left."""
-    picked: list[str] = []
-    notes: list[str] = []
-    ignore: list[str] = []
-    for o in built.outs:
-        ok, reason = fp8.qualifies(o.name, o.dtype, o.shape, layout)
-        if ok:
-            picked.append(o.name)
-        elif reason is not None and reason not in ("embedding", "norm"):
-            ignore.append(o.name[: -len(".weight")])
-            if not reason.startswith("output head"):
-                notes.append(f"{o.name} ({reason})")
-    ignore.extend(a[: -len(".weight")] for a in built.aliases if a.endswith(".weight")
-                  and fp8.skip_reason(a[: -len(".weight")]) == "output head (lm_head)")
-    if not any(m.rpartition(".")[2] == "lm_head" for m in ignore):
-        ignore.append("lm_head")
-    if notes:
-        shown = "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3
-                                         else "")
-        notes = [f"{len(notes)} Linear weight(s) left unquantized, listed in the "
-                 f"quantization_config's ignore list: {shown}"]
-    return picked, sorted(set(ignore)), notes
-
-
-def _fp8_outs(built: _Built, picked: list[str], ignore: list[str],
-              layout: str) -> dict[str, Any]:
-    """Replace each picked output (read in FP32) by its FP8 weight and scale, in place."""
-    chosen = set(picked)
-    outs: list[OutTensor] = []
-    for o in built.outs:
-        if o.name not in chosen:
-            outs.append(o)
-            continue
-        q = fp8.Quantized(o.load, layout, o.name, pieces=o.pieces, shape=o.shape)
-        module = o.name[: -len(".weight")]
-        outs.append(OutTensor(o.name, "F8_E4M3", o.shape, q.weight, q.weight_pieces))
-        outs.append(OutTensor(f"{module}.{fp8.scale_name(layout)}", "F32",
-                              fp8.scale_shape(o.shape, layout), q.scale))
-    built.outs[:] = outs
-    if picked:
-        built.casts["->F8_E4M3"] = len(picked)
-    listed = ", ".join(ignore[:5]) + (f" and {len(ignore) - 5} more" if len(ignore) > 5
-                                      else "")
-    built.notes.append(f"quantized {len(picked)} weight(s) to FP8 E4M3 ({layout} layout), "
-                       f"the rest cast to BF16; ignore list: {listed}")
-    return fp8.quantization_config(layout, ignore)
-
-
-def with_quantization_config(data: bytes, qc: dict[str, Any] | None) -> bytes:
-    """``config.json`` with ``quantization_config`` set to ``qc`` (None: removed;
-    re-serialized)."""
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        return data
-    if not isinstance(doc, dict):
-        return data
-    if qc is None:
-        if "quantization_config" not in doc:
-            return data
-        del doc["quantization_config"]
-    else:
-        doc["quantization_config"] = qc
-    return (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
-
-
-_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
-
-
-def _dequantized_outs(built: _Built, target: str, src: Path) -> None:
-    """Replace each FP8 weight and its scale by the dequantized weight, in place; refuse
-    (nothing written) a weight without a scale or a scale that fits no convention."""
-    by_name = {o.name: o for o in built.outs}
-    drop: set[str] = set()
-    new: dict[str, OutTensor] = {}
-    problems: list[str] = []
-    for o in built.outs:
-        if o.dtype not in _FP8_DTYPES:
-            continue
-        module, _, last = o.name.rpartition(".")
-        found = [f"{module}.{n}" for n in fp8.SCALE_NAMES if f"{module}.{n}" in by_name]
-        if last != "weight" or not found:
-            problems.append(f"{o.name} ({o.dtype} {list(o.shape)}) has no scale "
-                            f"({', '.join(fp8.SCALE_NAMES)})")
-            continue
-        if len(found) > 1:
-            problems.append(f"{o.name} has several scales: {', '.join(found)}")
-            continue
-        sc = by_name[found[0]]
-        if sc.dtype not in ("F32", "BF16", "F16") or fp8.scale_kind(o.shape, sc.shape) is None:
-            problems.append(f"{sc.name} ({sc.dtype} {list(sc.shape)}) fits no scale convention "
-                            f"for {o.name} {list(o.shape)}")
-            continue
-        drop.add(sc.name)
-        for extra in ("input_scale", "activation_scale"):
-            if f"{module}.{extra}" in by_name:
-                drop.add(f"{module}.{extra}")
-
-        def load(w: OutTensor = o, s: OutTensor = sc) -> np.ndarray:
-            return fp8.dequantize(w.load(), s.load(), target)
-
-        def pieces(w: OutTensor = o, s: OutTensor = sc) -> Iterator[np.ndarray]:
-            codes = w.pieces() if w.pieces is not None else iter((w.load(),))
-            return fp8.dequantize_pieces(codes, s.load(), w.shape, target)
-
-        new[o.name] = OutTensor(o.name, target, o.shape, load, pieces)
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
-                                           if len(problems) > 5 else "")
-        raise CkptError(f"{src}: cannot dequantize: {shown}")
-    built.outs[:] = [new.get(o.name, o) for o in built.outs if o.name not in drop]
-    if new:
-        built.casts[f"F8->{target} (dequantized)"] = len(new)
-        built.plan.kept.clear()
-        built.plan.kept_scales.clear()
-        built.notes.append(f"dequantized {len(new)} FP8 weight(s); dropped {len(drop)} "
-                           "scale tensor(s) and the config's quantization_config")

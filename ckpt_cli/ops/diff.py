@@ -14,7 +14,11 @@ sides are :class:`~ckpt_cli.model.CheckpointIndex` objects. Steps:
    but only when that makes more names match. Every rename is reported.
 3. **Structure.** Tensors only in A or only in B (a tied alias that one side omits is noted,
    not counted as a difference), shape changes, dtype changes.
-4. **Values.** Each common pair is streamed block by block (:mod:`ckpt_cli.compare`).
+4. **Values.** Each common pair is streamed block by block (:mod:`ckpt_cli.compare`). A
+   weight stored in FP8 with a scale (``X.weight`` + ``X.weight_scale_inv``/``weight_scale``/
+   ``scale_weight``, see :mod:`ckpt_cli.fp8_scheme`) is dequantized first (``w * scale`` in
+   FP32), on either side or both, one pair at a time; its scales are not compared on their
+   own nor reported as only on one side.
 5. **Metadata.** Training facts (step, epoch, lr, hyper-parameters) and non-tensor values.
 """
 
@@ -32,12 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import dtypes, storage
+from ckpt_cli import dtypes, fp8_scheme, storage
 from ckpt_cli.compare import (
     BLOCK_ELEMENTS,
     EXACT,
     DiffStats,
     Tolerance,
+    compare_arrays,
     compare_values,
     default_tolerance,
 )
@@ -54,7 +59,7 @@ from ckpt_cli.formats.containers import group_of
 from ckpt_cli.formats.provenance import is_provenance
 from ckpt_cli.formats.torchfile import role_of
 from ckpt_cli.model import CheckpointIndex, TensorInfo
-from ckpt_cli.results import DiffResult, MetaDiff, OnlyIn, Rename, TensorDiff
+from ckpt_cli.results import Dequantized, DiffResult, MetaDiff, OnlyIn, Rename, TensorDiff
 from ckpt_cli.runs import Followed, follow_pointer, is_run_dir, list_run
 from ckpt_cli.streaming import PIECE_BYTES, Meter, default_jobs, memory_budget, run_bounded
 from ckpt_cli.tensors import TensorSource
@@ -274,6 +279,7 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
                                           opts.strip_prefixes, auto=opts.auto_names)
     result = DiffResult(index_a, index_b, opts, scope, note, renames, same_checkpoint=same)
     _match(result, names_a, names_b, scope_a, scope_b)
+    _pair_quantized(result)
     # A side whose readers found damage in the files being compared (a missing shard, a
     # truncated file) cannot be called equal or different: say what is wrong instead.
     # Structure alone needs no data, but not a side with tensors missing.
@@ -533,6 +539,95 @@ def renamed(name: str, renames: Iterable[Rename], side: str) -> str:
     return name
 
 
+def _pair_quantized(result: DiffResult) -> None:
+    """Mark the common tensors stored in FP8 with a scale (either side or both) to be compared
+    dequantized, and take their scales out of the tensors compared and the one-sided lists."""
+    pairings = []
+    for ix in (result.index_a, result.index_b):
+        has = any(t.dtype in fp8_scheme.FP8_DTYPES for t in ix.tensors.values())
+        pairings.append(fp8_scheme.pair_scales(ix.tensors) if has else None)
+    pa, pb = pairings
+    if pa is None and pb is None:
+        return
+    taken: tuple[set[str], set[str]] = (set(), set())
+    for td in result.tensors:
+        qa = pa.pairs.get(td.name_a) if pa is not None else None
+        qb = pb.pairs.get(td.name_b) if pb is not None else None
+        for label, q, pairing, name, dtype in (("A", qa, pa, td.name_a, td.dtype_a),
+                                               ("B", qb, pb, td.name_b, td.dtype_b)):
+            if q is None and pairing is not None and dtype in fp8_scheme.FP8_DTYPES:
+                module = name.rpartition(".")[0]
+                why = next((f.message for f in pairing.findings if f.location is not None
+                            and f.location.rpartition(".")[0] == module), None)
+                result.fp8_unpaired.append(f"{label}: {why or name + ' has no usable scale'}; "
+                                           "compared as stored")
+        if (qa is None and qb is None) or td.status == "shape_changed":
+            continue
+        result.dequantized[td.name] = Dequantized(
+            qa.scale.name if qa else None, qa.kind if qa else None,
+            qb.scale.name if qb else None, qb.kind if qb else None)
+        for side, q, pairing in ((0, qa, pa), (1, qb, pb)):
+            if q is None or pairing is None:
+                continue
+            module = q.weight.name.rpartition(".")[0]
+            taken[side].add(q.scale.name)
+            taken[side].update(n for n in pairing.activation_scales
+                               if n.rpartition(".")[0] == module)
+    if not result.dequantized:
+        return
+    result.tensors = [td for td in result.tensors
+                      if td.name_a not in taken[0] and td.name_b not in taken[1]]
+    result.scales_a = [n for n in result.index_a.tensors if n in taken[0]]
+    result.scales_b = [n for n in result.index_b.tensors if n in taken[1]]
+    result.only_a = [o for o in result.only_a if o.original not in taken[0]]
+    result.only_b = [o for o in result.only_b if o.original not in taken[1]]
+
+
+def _dequantized_values(src: TensorSource, t: TensorInfo,
+                        scale: TensorInfo | None) -> tuple[np.ndarray, float]:
+    """A tensor's values in float32 (``weight * scale`` for an FP8 weight with its scale),
+    and its largest scale (0 when not quantized)."""
+    import numpy as np
+
+    from ckpt_cli import fp8
+
+    if scale is None:
+        return np.asarray(src.read(t), dtype=np.float32), 0.0
+    s = src.read(scale)
+    values = fp8.dequantize(src.read(t), s, "F32")
+    return values, float(np.asarray(s, dtype=np.float32).max(initial=0.0))
+
+
+def fp8_tolerance(ta: TensorInfo, tb: TensorInfo, max_scale: float, *,
+                  rtol: float | None = None, atol: float | None = None) -> Tolerance:
+    """The tolerance of a comparison of dequantized FP8 values: one unit in the last place
+    of the FP8 dtype (E4M3: ``rtol`` 2**-3) relative to the larger value, and its smallest
+    subnormal times the largest scale as ``atol`` (values below it round to 0 or a
+    subnormal); ``rtol``/``atol`` given by the user replace them one by one.
+
+    Args:
+        ta: The tensor in A.
+        tb: The tensor in B.
+        max_scale: The largest scale of the quantized side(s).
+        rtol: A user-given relative tolerance, or None.
+        atol: A user-given absolute tolerance, or None.
+
+    Returns:
+        The :class:`Tolerance` (source ``fp8:<CODE>``, or ``user``).
+    """
+    import ml_dtypes
+
+    codes = [t.dtype for t in (ta, tb) if t.dtype in fp8_scheme.FP8_DTYPES]
+    infos = [(ml_dtypes.finfo(dtypes.numpy_dtype(c)), c)  # type: ignore[no-untyped-call]
+             for c in codes]
+    fi, code = max(infos, key=lambda x: float(x[0].eps))
+    base = Tolerance(float(fi.eps), float(fi.smallest_subnormal) * max_scale, f"fp8:{code}")
+    if rtol is None and atol is None:
+        return base
+    return Tolerance(base.rtol if rtol is None else rtol, base.atol if atol is None else atol,
+                     "user")
+
+
 # --- values ----------------------------------------------------------------------------------
 
 def _why_not(t: TensorInfo, label: str) -> str | None:
@@ -590,8 +685,35 @@ def _compare_all(result: DiffResult, on_progress: ProgressFn | None, budget: int
                 sides.append(pair)
         return pair
 
+    def dequantized_job(td: TensorDiff, ta: TensorInfo, tb: TensorInfo,
+                        ) -> Callable[[Meter], tuple[DiffStats, Tolerance]]:
+        dq = result.dequantized[td.name]
+        sa = result.index_a.tensors[dq.scale_a] if dq.scale_a else None
+        sb = result.index_b.tensors[dq.scale_b] if dq.scale_b else None
+
+        def run(meter: Meter) -> tuple[DiffStats, Tolerance]:
+            src_a, src_b = sources()
+            try:
+                xa, ma = _dequantized_values(src_a, ta, sa)
+                xb, mb = _dequantized_values(src_b, tb, sb)
+            except MemoryError:
+                raise OutOfMemoryError(
+                    f"out of memory dequantizing tensor {td.name!r} ({ta.numel:,} elements): "
+                    "an FP8 weight is compared whole, in FP32 on both sides",
+                    hint="free memory or raise the limit (ulimit -v)") from None
+            except CkptError as e:
+                raise CkptError(f"{td.name}: {e}") from None
+            tol = fp8_tolerance(ta, tb, max(ma, mb), rtol=opts.rtol, atol=opts.atol)
+            stats = compare_arrays(xa, xb, tol, block=opts.block)
+            meter.add(ta.nbytes + tb.nbytes)
+            return stats, tol
+        return run
+
     def job(td: TensorDiff, ta: TensorInfo, tb: TensorInfo,
             ) -> Callable[[Meter], tuple[DiffStats, Tolerance]]:
+        if td.name in result.dequantized:
+            return dequantized_job(td, ta, tb)
+
         def run(meter: Meter) -> tuple[DiffStats, Tolerance]:
             src_a, src_b = sources()
             tol = default_tolerance(ta.dtype, tb.dtype, rtol=opts.rtol, atol=opts.atol)
@@ -616,7 +738,9 @@ def _compare_all(result: DiffResult, on_progress: ProgressFn | None, budget: int
     try:
         outcomes = run_bounded([job(*x) for x in todo],
                                [_held(ta, opts.block) + _held(tb, opts.block)
-                                + 7 * 8 * opts.block for _, ta, tb in todo],
+                                + 7 * 8 * opts.block if td.name not in result.dequantized
+                                else ta.nbytes + tb.nbytes + 20 * ta.numel
+                                for td, ta, tb in todo],
                                budget=budget, threads=default_jobs(), total=total,
                                label="values", on_progress=progress)
     finally:

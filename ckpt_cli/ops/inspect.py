@@ -6,7 +6,7 @@ import fnmatch
 from collections.abc import Iterable
 from pathlib import Path
 
-from ckpt_cli import storage
+from ckpt_cli import fp8_scheme, storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import allowlist, check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
@@ -58,6 +58,7 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
             result.tensors = select_tensors(result.index, filter_glob, sort)
         if tree:
             result.tree = module_tree(result.index, depth, filter_glob)
+        result.quantization = fp8_scheme.describe(result.index)
     return result
 
 

@@ -10,9 +10,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ckpt_cli.fp8_scheme import expected_error, fraction
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.render import human
-from ckpt_cli.results import DiffResult, MetaDiff, ModuleDiff, OnlyIn, TensorDiff
+from ckpt_cli.results import Dequantized, DiffResult, MetaDiff, ModuleDiff, OnlyIn, TensorDiff
 
 _STATUS_STYLE = {"equal": "bold green", "different": "bold red"}
 
@@ -130,7 +131,55 @@ def to_json(r: DiffResult, path_a: str, path_b: str, *, by_module: bool = False,
     }
     if by_module:
         doc["modules"] = [_module(m) for m in r.by_module(depth)]
+    if r.dequantized or r.fp8_unpaired:
+        doc["quantization"] = quantization_json(r)
     return doc
+
+
+def _bound(dq: Dequantized) -> float:
+    """The README's error bound for one E4M3 rounding in the pair's (coarser) layout; two
+    independent roundings (both sides quantized) add in quadrature: sqrt(2) times it."""
+    return expected_error(dq.layout) * (math.sqrt(2) if dq.scale_a and dq.scale_b else 1.0)
+
+
+def _rel(t: TensorDiff) -> float | None:
+    return _num(t.rel_l2) if t.stats is not None and not t.stats.raw_only else None
+
+
+def quantization_json(r: DiffResult) -> dict[str, Any]:
+    """The ``quantization`` object: the FP8 weights compared dequantized and their errors."""
+    rows = [t for t in r.tensors if t.name in r.dequantized]
+    errors = sorted(x for t in rows if (x := _rel(t)) is not None)
+    tensors = []
+    above = []
+    for t in rows:
+        dq = r.dequantized[t.name]
+        bound = _bound(dq)
+        rel = _rel(t)
+        if rel is not None and rel > bound:
+            above.append(t.name)
+        tensors.append({"name": t.name,
+                        "a": {"scale": dq.scale_a, "layout": dq.layout_a} if dq.scale_a
+                        else None,
+                        "b": {"scale": dq.scale_b, "layout": dq.layout_b} if dq.scale_b
+                        else None,
+                        "status": t.status, "rel_l2": rel,
+                        "max_abs": _num(t.stats.max_abs) if t.stats else None,
+                        "bound": bound})
+    return {"dequantized": len(rows),
+            "quantized_side": _quantized_side(r),
+            "rel_l2_median": errors[len(errors) // 2] if errors else None,
+            "rel_l2_max": errors[-1] if errors else None,
+            "above_bound": above,
+            "scales_a": r.scales_a, "scales_b": r.scales_b,
+            "unpaired": r.fp8_unpaired,
+            "tensors": tensors}
+
+
+def _quantized_side(r: DiffResult) -> str:
+    a = any(d.scale_a for d in r.dequantized.values())
+    b = any(d.scale_b for d in r.dequantized.values())
+    return "both" if a and b else "a" if a else "b" if b else "none"
 
 
 # --- people ----------------------------------------------------------------------------------
@@ -193,6 +242,8 @@ def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
             text += "; not a difference: " + _names(
                 [f"{o.name} is a tied copy of {o.tied_to}" for o in tied])
         _add(grid, "Only in", text)
+    if r.dequantized or r.fp8_unpaired:
+        _add(grid, "Quantized", _quant_line(r))
     if r.options.metadata:
         _add(grid, "Metadata", _meta_line(r))
     diffs = r.differences()
@@ -207,6 +258,56 @@ def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
                        style="yellow")
     _add(grid, "Result", verdict)
     return grid
+
+
+def _quant_line(r: DiffResult) -> str:
+    """What was dequantized, the errors, and what is normal (the README's bound)."""
+    rows = [t for t in r.tensors if t.name in r.dequantized]
+    unpaired = ("FP8 without a usable scale: " + _names(r.fp8_unpaired, 2)
+                if r.fp8_unpaired else "")
+    if not rows:
+        return unpaired
+    side = {"a": "A", "b": "B", "both": "A and B"}[_quantized_side(r)]
+    layouts = sorted({d.layout or "" for d in r.dequantized.values()} - {""})
+    line = (f"{_plural(len(rows), 'FP8 weight')} compared dequantized (weight x scale in "
+            f"FP32; quantized in {side}, {', '.join(layouts)} layout)")
+    errors = sorted(x for t in rows if (x := _rel(t)) is not None)
+    if errors:
+        line += (f"; relative L2 error median {fraction(errors[len(errors) // 2])}, max "
+                 f"{fraction(errors[-1])}")
+    bounds = ", ".join(f"{lay} {fraction(expected_error(lay))}" for lay in layouts)
+    line += (f". Normal for one E4M3 rounding: about 2-4% (3 mantissa bits); the README "
+             f"bound is {bounds}")
+    if side == "A and B":
+        line += " (x sqrt(2) where both sides are quantized: two roundings)"
+    above = [t.name for t in rows if (x := _rel(t)) is not None
+             and x > _bound(r.dequantized[t.name])]
+    if above:
+        line += f"; above it: {_names(above)}"
+    scales = len(r.scales_a) + len(r.scales_b)
+    if scales:
+        line += f"; {_plural(scales, 'scale tensor')} paired with their weights (not additions)"
+    return line + (f"; {unpaired}" if unpaired else "")
+
+
+def quant_table(r: DiffResult, top: int | None) -> Table:
+    """The dequantized FP8 weights, largest relative L2 error first."""
+    rows = sorted((t for t in r.tensors if t.name in r.dequantized),
+                  key=lambda t: (-(x if (x := _rel(t)) is not None else math.inf), t.name))
+    table = human.table(_Col("Tensor", kind="name"), _Col("Layout", drop=3),
+                        _Col("Dtype", drop=2), _Col("Max abs", "right", drop=1),
+                        _Col("Rel L2", "right", drop=4), _Col("Status", kind="text", drop=0))
+    for t in rows[:top] if top else rows:
+        dq = r.dequantized[t.name]
+        lay = " / ".join(f"{s}: {x}" for s, x in (("A", dq.layout_a), ("B", dq.layout_b)) if x)
+        rel = _rel(t)
+        bad = rel is not None and rel > _bound(dq)
+        _add(table, t.name, lay, f"{t.dtype_a}→{t.dtype_b}" if t.dtype_changed else t.dtype_a,
+             _g(t.stats.max_abs) if t.stats else "-",
+             fraction(rel) if rel is not None else "-",
+             Text(t.status.replace("_", " ") + (" (above bound)" if bad else ""),
+                  style="yellow" if bad or t.status == "changed" else ""))
+    return table
 
 
 def _tensor_line(r: DiffResult) -> str:
@@ -404,6 +505,10 @@ def render(r: DiffResult, path_a: str, path_b: str, *, top: int | None = 20,
     def shown(n: int) -> int:
         return min(n, top) if top else n
 
+    if r.dequantized and r.options.values:
+        n = len([t for t in r.tensors if t.name in r.dequantized])
+        _section(out, f"Dequantized FP8 weights ({n:,}, largest error first)", n, shown(n),
+                 quant_table(r, top))
     changed = r.changed
     if changed:
         _section(out, f"Changed tensors ({len(changed):,}, most changed first)", len(changed),

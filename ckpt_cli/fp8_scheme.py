@@ -1,0 +1,308 @@
+"""What quantization scheme a checkpoint uses, from its metadata alone (never tensor data).
+
+``inspect`` shows it; ``diff`` uses the same pairing of FP8 weights with their scales.
+
+A scale belongs to the weight of its module: ``X.weight`` (FP8 E4M3/E5M2) with
+``X.weight_scale_inv`` (block-wise, DeepSeek-V3 / transformers ``fp8``), ``X.weight_scale``
+(compressed-tensors) or ``X.scale_weight``; in every convention the scale is the multiplier
+that dequantizes, ``w = q * scale`` (see :mod:`ckpt_cli.fp8`). Activation scales
+(``X.input_scale``, ``X.activation_scale``, ``X.output_scale``) belong to ``X`` too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_cli import storage
+from ckpt_cli.errors import CkptError
+from ckpt_cli.fp8 import BLOCK, SCALE_NAMES, scale_kind, skip_reason
+from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
+
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+"""Storage dtypes of FP8 weights."""
+
+ACTIVATION_SCALES = ("input_scale", "activation_scale", "output_scale")
+"""Per-module scales of activations (static FP8 schemes): paired with the module, not a weight."""
+
+CONVENTIONS = {
+    "weight_scale_inv": "weight_scale_inv: w = q x scale_inv, one per 128x128 block "
+                        "(DeepSeek-V3, transformers fp8)",
+    "weight_scale": "weight_scale: w = q x scale (compressed-tensors)",
+    "scale_weight": "scale_weight: w = q x scale",
+}
+"""Each scale name's convention, in words."""
+
+_SCALE_DTYPES = ("F32", "BF16", "F16")
+_BF16_BYTES = 2
+
+
+@dataclass(slots=True)
+class Pair:
+    """One FP8 weight and its scale (both tensors of one checkpoint)."""
+
+    weight: TensorInfo
+    scale: TensorInfo
+    kind: str
+    """``block``, ``channel`` or ``tensor`` (:func:`ckpt_cli.fp8.scale_kind`)."""
+
+
+@dataclass(slots=True)
+class Pairing:
+    """FP8 weights paired with their scales, and what could not be paired."""
+
+    pairs: dict[str, Pair] = field(default_factory=dict)
+    """By weight name."""
+    activation_scales: list[str] = field(default_factory=list)
+    """Activation scales of quantized modules (not weights, not scales of one)."""
+    findings: list[Finding] = field(default_factory=list)
+    """A weight without a scale, with several, a scale of no known shape, a scale without
+    its weight (warnings)."""
+
+    def scale_names(self) -> set[str]:
+        """Every tensor that is a scale of a paired weight, activation scales included."""
+        return {p.scale.name for p in self.pairs.values()} | set(self.activation_scales)
+
+
+def is_scale_name(name: str) -> bool:
+    """Whether ``name``'s last part names a weight or activation scale."""
+    return name.rpartition(".")[2] in SCALE_NAMES + ACTIVATION_SCALES
+
+
+def pair_scales(tensors: dict[str, TensorInfo]) -> Pairing:
+    """Pair each FP8 ``X.weight`` of ``tensors`` with its scale, by name and shape.
+
+    Args:
+        tensors: A checkpoint's tensors by name (metadata only).
+
+    Returns:
+        The :class:`Pairing`; nothing is raised for what does not pair, it is a finding.
+    """
+    out = Pairing()
+
+    def warn(code: str, msg: str, where: str) -> None:
+        out.findings.append(Finding("warning", code, msg, None, where))
+
+    used: set[str] = set()
+    fp8_modules: set[str] = set()
+    for t in tensors.values():
+        if t.dtype not in FP8_DTYPES:
+            continue
+        module, _, last = t.name.rpartition(".")
+        fp8_modules.add(module)
+        scales = [tensors[f"{module}.{n}"] for n in SCALE_NAMES if f"{module}.{n}" in tensors]
+        used.update(s.name for s in scales)
+        if last != "weight" or not scales:
+            warn("fp8-no-scale", f"{t.name} ({t.dtype} {list(t.shape)}) has no scale "
+                 f"({', '.join(SCALE_NAMES)}): a loader ignoring that reads garbage", t.name)
+            continue
+        if len(scales) > 1:
+            warn("fp8-scale-ambiguous",
+                 f"{t.name} has several scales: {', '.join(s.name for s in scales)}", t.name)
+            continue
+        s = scales[0]
+        kind = scale_kind(tuple(t.shape), tuple(s.shape))
+        if kind is None or s.dtype not in _SCALE_DTYPES:
+            warn("fp8-scale-shape", f"{s.name} ({s.dtype} {list(s.shape)}) fits no scale "
+                 f"convention for {t.name} {list(t.shape)}", s.name)
+            continue
+        out.pairs[t.name] = Pair(t, s, kind)
+    for t in tensors.values():
+        module, _, last = t.name.rpartition(".")
+        if last in ACTIVATION_SCALES and module in fp8_modules:
+            out.activation_scales.append(t.name)
+        elif last in SCALE_NAMES and t.name not in used:
+            weight = tensors.get(f"{module}.weight")
+            what = (f"its weight {weight.name} is {weight.dtype}, not FP8" if weight is not None
+                    else f"there is no {module}.weight")
+            warn("fp8-scale-without-weight", f"{t.name} ({t.dtype} {list(t.shape)}) is a "
+                 f"scale, but {what}", t.name)
+    return out
+
+
+def read_quantization_config(index: CheckpointIndex) -> tuple[dict[str, Any] | None, str | None]:
+    """The ``quantization_config`` of ``config.json`` beside the weights, else the one ckpt
+    records in safetensors metadata (``ckpt.quantization_config``), and where it came from.
+
+    Reads a small side file, never tensor data; an unreadable one counts as absent.
+    """
+    try:
+        config = index.base / "config.json"
+        if index.base.is_dir() and config.is_file():
+            qc = json.loads(config.read_bytes()).get("quantization_config")
+            if isinstance(qc, dict):
+                return qc, "config.json"
+    except (ValueError, AttributeError, OSError, CkptError):
+        pass
+    meta = index.metadata.get("safetensors_metadata")
+    raw = meta.get("ckpt.quantization_config") if isinstance(meta, dict) else None
+    if isinstance(raw, str):
+        try:
+            qc = json.loads(raw)
+        except ValueError:
+            return None, None
+        if isinstance(qc, dict):
+            return qc, "metadata (ckpt.quantization_config)"
+    return None, None
+
+
+def config_summary(qc: dict[str, Any], source: str) -> dict[str, Any]:
+    """The parts of a ``quantization_config`` that say what the tensors should be."""
+    ignore = qc.get("modules_to_not_convert")
+    if ignore is None:
+        ignore = qc.get("ignore")
+    out: dict[str, Any] = {"source": source, "quant_method": qc.get("quant_method"),
+                           "format": qc.get("format") or qc.get("fmt"),
+                           "activation_scheme": qc.get("activation_scheme"),
+                           "weight_block_size": qc.get("weight_block_size"),
+                           "strategy": None, "targets": None,
+                           "ignore": [m for m in ignore if isinstance(m, str)]
+                           if isinstance(ignore, list) else []}
+    groups = qc.get("config_groups")
+    if isinstance(groups, dict):
+        strategies: list[str] = []
+        targets: list[str] = []
+        for g in groups.values():
+            if not isinstance(g, dict):
+                continue
+            w = g.get("weights")
+            if isinstance(w, dict) and isinstance(w.get("strategy"), str):
+                strategies.append(w["strategy"])
+                if w.get("type") == "float" and w.get("num_bits") == 8 and not out["format"]:
+                    out["format"] = "float-quantized"
+            if isinstance(g.get("targets"), list):
+                targets.extend(str(x) for x in g["targets"])
+        out["strategy"] = ", ".join(dict.fromkeys(strategies)) or None
+        out["targets"] = list(dict.fromkeys(targets)) or None
+    return out
+
+
+def _ignored(module: str, ignore: list[str]) -> bool:
+    """Whether an ignore list names ``module`` (plainly, by last part, or as ``re:REGEX``)."""
+    for m in ignore:
+        if m.startswith("re:"):
+            try:
+                if re.fullmatch(m[3:], module):
+                    return True
+            except re.error:
+                continue
+        elif m == module or module.endswith("." + m):
+            return True
+    return False
+
+
+def describe(index: CheckpointIndex) -> dict[str, Any] | None:
+    """The quantization scheme of a checkpoint: ``inspect``'s ``quantization`` object.
+
+    Metadata only (tensor names, dtypes and shapes, and ``config.json``); never tensor data.
+
+    Args:
+        index: The checkpoint.
+
+    Returns:
+        None when the checkpoint holds no FP8 tensor, no scale-named tensor and no
+        ``quantization_config``; else the object documented in docs/json-schema.md.
+    """
+    tensors = index.tensors
+    has_fp8 = any(t.dtype in FP8_DTYPES for t in tensors.values())
+    scale_named = any(is_scale_name(n) for n in tensors)
+    # A config.json the reader listed is read again only where that is cheap (not over a
+    # network) unless the tensors look quantized.
+    listed = any(f.path == "config.json" for f in index.files) and not storage.is_remote(
+        index.base)
+    qc, source = read_quantization_config(index) if has_fp8 or scale_named or listed else (
+        None, None)
+    if not has_fp8 and qc is None and not scale_named:
+        return None
+    pairing = pair_scales(tensors)
+    kinds: dict[str, int] = {}
+    names: dict[str, int] = {}
+    scale_dtypes: dict[str, int] = {}
+    weight_dtypes: dict[str, int] = {}
+    fp8_bytes = scale_bytes = bf16_bytes = 0
+    for p in pairing.pairs.values():
+        kinds[p.kind] = kinds.get(p.kind, 0) + 1
+        last = p.scale.name.rpartition(".")[2]
+        names[last] = names.get(last, 0) + 1
+        scale_dtypes[p.scale.dtype] = scale_dtypes.get(p.scale.dtype, 0) + 1
+    for t in tensors.values():
+        if t.dtype in FP8_DTYPES:
+            weight_dtypes[t.dtype] = weight_dtypes.get(t.dtype, 0) + 1
+            fp8_bytes += t.nbytes
+            bf16_bytes += t.numel * _BF16_BYTES
+    scale_set = pairing.scale_names()
+    scale_bytes = sum(tensors[n].nbytes for n in scale_set)
+    layout = None if not kinds else next(iter(kinds)) if len(kinds) == 1 else "mixed"
+    block_size = None
+    if "block" in kinds:
+        block_size = [BLOCK, BLOCK]
+    summary = config_summary(qc, source) if qc is not None and source is not None else None
+    if summary is not None and isinstance(summary["weight_block_size"], list):
+        block_size = summary["weight_block_size"]
+    ignore = summary["ignore"] if summary is not None else []
+    fp8_modules = {t.name.rpartition(".")[0] for t in tensors.values() if t.dtype in FP8_DTYPES}
+    unquantized: list[str] = []
+    findings = list(pairing.findings)
+    for t in tensors.values():
+        if (t.dtype in FP8_DTYPES or not t.is_floating or len(t.shape) != 2
+                or not t.name.endswith(".weight")):
+            continue
+        module = t.name[: -len(".weight")]
+        unquantized.append(t.name)
+        if (summary is not None and fp8_modules and skip_reason(module) is None
+                and not _ignored(module, ignore)):
+            findings.append(Finding(
+                "warning", "fp8-not-ignored", f"{t.name} is {t.dtype}, not FP8, but the "
+                "quantization_config does not list it as ignored: a loader expects it quantized",
+                None, t.name))
+    if qc is not None and not has_fp8:
+        findings.append(Finding("warning", "fp8-config-without-fp8", "the config has a "
+                                "quantization_config but no tensor is FP8: a loader expects "
+                                "quantized weights (a dequantized copy should drop it)",
+                                source, None))
+    findings.extend(Finding("warning", "fp8-config-ignored", f"the quantization_config "
+                            f"ignores {m}, but its weight is FP8", None, f"{m}.weight")
+                    for m in ignore if m in fp8_modules)
+    conventions = sorted(names)
+    return {
+        "layout": layout,
+        "layouts": kinds,
+        "block_size": block_size,
+        "scale_names": names,
+        "scale_convention": (CONVENTIONS[conventions[0]] if len(conventions) == 1 else
+                             None if not conventions else "several: " + ", ".join(conventions)),
+        "scale_dtypes": scale_dtypes,
+        "weight_dtypes": weight_dtypes,
+        "quantized": len(pairing.pairs),
+        "fp8_tensors": sum(weight_dtypes.values()),
+        "scales": len({p.scale.name for p in pairing.pairs.values()}),
+        "activation_scales": len(pairing.activation_scales),
+        "unquantized_weights": len(unquantized),
+        "unquantized_ignored": sum(_ignored(n[: -len(".weight")], ignore) for n in unquantized),
+        "other_tensors": len(tensors) - sum(weight_dtypes.values()) - len(scale_set)
+        - len(unquantized),
+        "ignore": ignore,
+        "fp8_bytes": fp8_bytes,
+        "scale_bytes": scale_bytes,
+        "bf16_bytes": bf16_bytes,
+        "bytes_saved": bf16_bytes - fp8_bytes - scale_bytes,
+        "bf16_total_bytes": index.total_bytes - fp8_bytes - scale_bytes + bf16_bytes,
+        "config": summary,
+        "pairs": [{"weight": p.weight.name, "scale": p.scale.name, "layout": p.kind,
+                   "scale_dtype": p.scale.dtype, "scale_shape": list(p.scale.shape)}
+                  for p in pairing.pairs.values()],
+        "problems": [f.to_dict() for f in findings],
+    }
+
+
+def expected_error(layout: str | None) -> float:
+    """The relative L2 error bound of one E4M3 round trip the README states for a layout."""
+    return {"block": 0.045, "channel": 0.045}.get(layout or "", 0.06)
+
+
+def fraction(x: float) -> str:
+    """``0.0264`` -> ``2.64%``."""
+    return "-" if not math.isfinite(x) else f"{100 * x:.2f}%"
