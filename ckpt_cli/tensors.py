@@ -14,7 +14,6 @@ import mmap
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -388,26 +387,3 @@ def iter_tensors(index: CheckpointIndex, names: Iterable[str] | None = None,
         for name in (names if names is not None else list(index.tensors)):
             t = index.tensors[name]
             yield t, src.read(t)
-
-
-def to_float(arr: np.ndarray, code: str, *, wide: bool = True) -> np.ndarray:
-    """Upcast an array of a floating (or any numeric) dtype for comparisons.
-
-    Args:
-        arr: Values as returned by :meth:`TensorSource.read`.
-        code: Their canonical dtype code.
-        wide: float64 if True, else float32.
-
-    Returns:
-        A float array (complex stays complex).
-    """
-    import numpy as np
-
-    if dtypes.DTYPES[code].kind == "complex":
-        return arr.astype(np.complex128)
-    return arr.astype(np.float64 if wide else np.float32)
-
-
-def file_path(index: CheckpointIndex, rel: str) -> Path:
-    """Absolute path of a file of ``index``."""
-    return index.path_of(rel)

@@ -15,7 +15,7 @@ import pickle
 import struct
 import tarfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -953,20 +953,3 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
     for vkey, (root, _) in views.items():
         main.storages.setdefault(vkey, storages[root])
     return main, starts
-
-
-def iter_zip_crc(path: Path) -> Iterator[ZipEntry]:
-    """The records of a torch zip file (for CRC checks by ``validate``).
-
-    Args:
-        path: The file.
-
-    Yields:
-        Each :class:`ZipEntry`.
-    """
-    size = file_size(path)
-    fd = open_regular(path)
-    try:
-        yield from zip_entries(fd, 0, size, str(path)).values()
-    finally:
-        storage.close(fd)
