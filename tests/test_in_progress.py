@@ -74,7 +74,8 @@ def test_prune_never_deletes_an_unfinished_save(tmp_path: Path) -> None:
 
 def test_a_file_entry_under_an_unfinished_name_is_incomplete(tmp_path: Path) -> None:
     # The listing's one-open path for files must apply the same name check as the general one.
-    from ckpt_cli.runs import quick_status, run_entry
+    from ckpt_cli.formats.probe import quick_status
+    from ckpt_cli.runs import run_entry
 
     path = tmp_path / "w.orbax-checkpoint-tmp-1.safetensors"
     save_file(tiny_state_dict(), str(path))

@@ -13,6 +13,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from ckpt_cli import runs
+from ckpt_cli.formats import probe
 from tests.conftest import HAS_DEEPSPEED, requires_deepspeed, run_cli, third_party_quiet
 
 requires_torch = pytest.mark.requires_torch
@@ -377,6 +378,6 @@ def test_a_file_entry_reads_like_the_generic_status(long_run: Path) -> None:
     for name in ("step_0001.safetensors", "step_0150.safetensors"):
         p = long_run / name
         e = runs.run_entry(p)
-        assert (e.format, e.complete, e.reason) == runs.quick_status(p)
+        assert (e.format, e.complete, e.reason) == probe.quick_status(p)
         scan = runs.tree_scan(p)
         assert (e.bytes, e.files, e.mtime) == (scan.bytes, scan.files, scan.mtime)

@@ -39,6 +39,7 @@ from ckpt_cli.formats import (
 )
 from ckpt_cli.formats.base import rel_to
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
+from ckpt_cli.formats.probe import quick_status
 from ckpt_cli.fp8 import check_quantized
 from ckpt_cli.manifest import (
     ALGORITHMS,
@@ -81,7 +82,6 @@ from ckpt_cli.runs import (
     is_final_model_only,
     is_run_dir,
     list_run,
-    quick_status,
     run_entry,
 )
 from ckpt_cli.streaming import (
