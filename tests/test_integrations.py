@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -207,6 +208,71 @@ def test_hf_callback_under_ddp_stop_on_bad_stops_every_rank(tmp_path: Path) -> N
     assert [(e["path"], e["verdict"]) for e in _ledger_lines(out)] == [
         ("checkpoint-2", "good"), ("checkpoint-4", "bad")]
     assert latest_verified(out, verify="full") == out / "checkpoint-2"
+
+
+def _torchrun_2_nodes(script: str, *argv: str) -> list[subprocess.CompletedProcess[str]]:
+    """Two torchrun agents on this machine, one process each, as the two nodes of one world
+    (static rendezvous on 127.0.0.1); their completed processes."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", NO_COLOR="1", PYTHONPATH=str(HELPERS.parent.parent))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([str(TORCHRUN), "--nnodes=2", f"--node-rank={n}",
+                               "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                               f"--master-port={port}", str(HELPERS / script), *argv],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for n in (0, 1)]
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=400)  # a hang guard
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def _node(out: Path, node: int) -> dict[str, Any]:
+    return dict(json.loads((out / f"node-{node}" / f"rank-{node}.json").read_text()))
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
+def test_hf_callback_save_on_each_node_verifies_every_nodes_copy(tmp_path: Path) -> None:
+    # save_on_each_node: each node's local process zero writes and rotates its own copy, and
+    # verifies it. transformers 5.24's save_pretrained writes the weights on global rank 0
+    # only (should_save_on_this_rank), so node 1's copies hold no model weights: node 1's own
+    # verification must catch that, while node 0's copies are good.
+    out = tmp_path / "out"
+    for p in _torchrun_2_nodes("hf_ddp.py", str(out), "6", "--each-node", "--break-at", "4",
+                               "--break-node", "0"):
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    zero, one = _node(out, 0), _node(out, 1)
+    assert zero["global_step"] == one["global_step"] == 6
+    assert zero["entries"] == [["checkpoint-2", "good"], ["checkpoint-4", "bad"],
+                               ["checkpoint-6", "good"]]
+    assert one["entries"] == [["checkpoint-2", "bad"], ["checkpoint-4", "bad"],
+                              ["checkpoint-6", "bad"]]
+    lines = _ledger_lines(out / "node-1")
+    assert [e["path"] for e in lines] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert all("without model weights" in " ".join(e["problems"]) for e in lines), lines
+    assert [(e["path"], e["verdict"]) for e in _ledger_lines(out / "node-0")] == [
+        ("checkpoint-2", "good"), ("checkpoint-4", "bad"), ("checkpoint-6", "good")]
+    # Node 0's rotation (save_total_limit=1) kept its last verified copy while the bad
+    # checkpoint-4 was the newest.
+    assert zero["saw"]["4"] == ["checkpoint-2", "checkpoint-4"]
+    assert latest_verified(out / "node-0", verify="full") == out / "node-0" / "checkpoint-6"
+    assert latest_verified(out / "node-1", verify="full") is None
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
+def test_hf_callback_save_on_each_node_stop_on_bad_stops_every_node(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    for p in _torchrun_2_nodes("hf_ddp.py", str(out), "8", "--each-node", "--stop-on-bad"):
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    zero, one = _node(out, 0), _node(out, 1)
+    # Node 0's copy of checkpoint-2 is good, node 1's has no weights: every node stops there.
+    assert zero["global_step"] == one["global_step"] == 2
+    assert zero["entries"] == [["checkpoint-2", "good"]]
+    assert one["entries"] == [["checkpoint-2", "bad"]]
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")

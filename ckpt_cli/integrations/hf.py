@@ -7,9 +7,9 @@ Usage::
     trainer.train(resume_from_checkpoint=latest_verified(args.output_dir))
 
 After each save (``on_save``, which Trainer calls once ``checkpoint-N`` is complete: model,
-optimizer, scheduler, RNG state and ``trainer_state.json``), the world-process-zero validates
-``checkpoint-N`` (structure; ``crc=True`` for every byte), writes its manifest and appends the
-verdict to ``ckpt-ledger.jsonl`` in ``output_dir``.
+optimizer, scheduler, RNG state and ``trainer_state.json``), the process that saved it (the
+world process zero by default) validates ``checkpoint-N`` (structure; ``crc=True`` for every
+byte), writes its manifest and appends the verdict to ``ckpt-ledger.jsonl`` in ``output_dir``.
 
 **Several processes (DDP, FSDP, DeepSpeed).** Trainer calls ``on_save`` on every rank right
 after that rank's part of the save, with no barrier in between, and every rank writes its own
@@ -17,8 +17,15 @@ after that rank's part of the save, with no barrier in between, and every rank w
 ``wait_for_everyone`` (the barrier Trainer itself uses), and only then does rank 0 verify: the
 checkpoint is whole and its manifest lists every rank's file. The other ranks go on training
 without waiting for the verdict (their next collective waits for rank 0), except with
-``stop_on_bad=True``: then rank 0 broadcasts whether to stop, so that every rank stops at the
-same step (a rank stopping alone would leave the others waiting in a collective).
+``stop_on_bad=True``: then the ranks agree on whether to stop (any verifying rank that found
+its checkpoint bad stops them all), so that every rank stops at the same step (a rank stopping
+alone would leave the others waiting in a collective).
+
+**Multi-node with ``save_on_each_node=True``.** Each node's local process zero writes its own
+copy of ``checkpoint-N`` to that node's ``output_dir`` and rotates it there. The callback
+verifies on the process that saves (``args.should_save``: the world-process-zero by default,
+each node's local process zero with ``save_on_each_node``), so every node's copy is validated,
+gets its own ledger and manifest, and its rotation keeps that node's last verified copy.
 
 **Rotation.** Trainer deletes old checkpoints in ``_save_checkpoint`` (``rotate_checkpoints``)
 *before* ``on_save`` runs, keeping the newest and ``state.best_model_checkpoint``. Without a
@@ -48,8 +55,8 @@ log = logging.getLogger(__name__)
 
 
 class CkptVerifyCallback(TrainerCallback):
-    """Verify each saved checkpoint on rank 0, record it in the run ledger, protect the last
-    verified one from ``save_total_limit`` rotation.
+    """Verify each saved checkpoint on the process that saved it, record it in the run
+    ledger, protect the last verified one from ``save_total_limit`` rotation.
 
     Args:
         crc: Check every byte (CRC-32) rather than structure only.
@@ -82,10 +89,10 @@ class CkptVerifyCallback(TrainerCallback):
         if many:
             _wait_for_everyone()  # every rank's files (rng_state_R.pth) are in checkpoint-N
         stop = False
-        if state.is_world_process_zero:
+        if _saves(args, state):
             stop = self._verify(args, state)
         if self.stop_on_bad and many:
-            stop = _broadcast_from_zero(stop)
+            stop = _any_process(stop)
         if stop:
             control.should_training_stop = True
         return control
@@ -121,9 +128,16 @@ def _wait_for_everyone() -> None:
     PartialState().wait_for_everyone()
 
 
-def _broadcast_from_zero(flag: bool) -> bool:
-    from accelerate.utils import broadcast_object_list
+def _saves(args: Any, state: Any) -> bool:
+    """Whether this process wrote ``checkpoint-N`` (and so verifies it): Trainer's own
+    ``should_save`` (world process zero, or each node's local process zero with
+    ``save_on_each_node``)."""
+    should = getattr(args, "should_save", None)
+    return bool(state.is_world_process_zero if should is None else should)
 
-    box = [flag]
-    broadcast_object_list(box, from_process=0)
-    return bool(box[0])
+
+def _any_process(flag: bool) -> bool:
+    """Whether ``flag`` is set on any process (every process must call this)."""
+    from accelerate.utils import gather_object
+
+    return any(bool(f) for f in gather_object([flag]))

@@ -1,14 +1,18 @@
 """Run under torchrun: a 2-process DDP (gloo, CPU) HF Trainer run with ``CkptVerifyCallback``.
 
 Usage: torchrun --standalone --nproc-per-node 2 tests/helpers/hf_ddp.py OUT STEPS
-       [--break-at STEP] [--stop-on-bad] [--slow-rng-rank RANK]
+       [--break-at STEP] [--stop-on-bad] [--slow-rng-rank RANK] [--each-node]
+       [--break-node NODE]
 
 ``--break-at`` truncates that checkpoint's model.safetensors on rank 0 right after Trainer
 wrote it (a save gone wrong). ``--slow-rng-rank`` makes that rank finish writing its
 ``rng_state_R.pth`` late (a rank slower than rank 0 to finish its part of a save: it waits
-until rank 0's ``on_save`` has begun, then half a second more). Each rank writes
-``OUT/rank-R.json``: the steps it ended at, the entries its callback recorded and the
-checkpoints it saw at each save.
+until rank 0's ``on_save`` has begun, then half a second more). ``--each-node`` runs with
+``save_on_each_node=True`` and ``OUT/node-G`` as output dir of node G (torchrun's
+``GROUP_RANK``: two torchrun agents on one machine act as two nodes with their own disks);
+``--break-at`` then breaks the copy of node ``--break-node`` (default 0). Each rank writes
+``rank-R.json`` into its output dir: the steps it ended at, the entries its callback recorded
+and the checkpoints it saw at each save.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def main() -> None:
     ap.add_argument("--break-at", type=int)
     ap.add_argument("--stop-on-bad", action="store_true")
     ap.add_argument("--slow-rng-rank", type=int)
+    ap.add_argument("--each-node", action="store_true")
+    ap.add_argument("--break-node", type=int, default=0)
     ns = ap.parse_args()
 
     import torch
@@ -49,7 +55,8 @@ def main() -> None:
     from ckpt_cli.integrations.hf import CkptVerifyCallback
     from tests.helpers.makers import tiny_lm_data
 
-    out: Path = ns.out
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    out: Path = ns.out / f"node-{node}" if ns.each_node else ns.out
     rank = int(os.environ["RANK"])
     started = out / ".rank0-on-save-{}"  # rank 0 marks that its on_save began for a step
 
@@ -57,6 +64,7 @@ def main() -> None:
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
             if state.is_world_process_zero:
                 (out / f".rank0-on-save-{state.global_step}").touch()
+            if args.should_save and node == ns.break_node:
                 if state.global_step == ns.break_at:
                     f = out / f"checkpoint-{state.global_step}" / "model.safetensors"
                     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
@@ -75,7 +83,8 @@ def main() -> None:
     args = TrainingArguments(output_dir=str(out), max_steps=ns.steps, save_steps=2,
                              save_total_limit=1, per_device_train_batch_size=4, report_to=[],
                              use_cpu=True, save_strategy="steps", disable_tqdm=True,
-                             ddp_backend="gloo", ddp_timeout=120, logging_strategy="no")
+                             ddp_backend="gloo", ddp_timeout=120, logging_strategy="no",
+                             save_on_each_node=ns.each_node)
     verify = CkptVerifyCallback(stop_on_bad=ns.stop_on_bad)
     trainer = Trainer(model=model, args=args, train_dataset=tiny_lm_data(),
                       callbacks=[Break(), verify, Probe()])
