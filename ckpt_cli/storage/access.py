@@ -29,6 +29,7 @@ def is_remote(path: object) -> bool:
     """Whether ``path`` names an object on a store (an :class:`ObjectPath`)."""
     return isinstance(path, ObjectPath)
 
+
 def locate(text: str | os.PathLike[str]) -> Path:
     """A local :class:`Path` for a path or ``file://`` URL, an :class:`ObjectPath` for others.
 
@@ -231,6 +232,7 @@ def tree_paths(path: Path) -> Iterator[tuple[str, os.stat_result]]:
 # What a place can do. Commands ask these, never "is it remote?": each names the capability a
 # branch depends on, so a new backend answers them and the commands need no change.
 
+
 def can_rename_atomically(path: object) -> bool:
     """Whether output at ``path`` is committed by a temporary sibling renamed into place.
 
@@ -277,6 +279,7 @@ def key_url(path: Path, key: str) -> str:
 
 
 # Operations whose local and object forms differ only in how the bytes get there.
+
 
 def create(path: Path, *, expected: int, buffering: int = -1) -> Any:
     """Open a new file or object for writing, as a context manager with ``write``/``tell``.

@@ -69,6 +69,7 @@ def is_url(text: str | os.PathLike[str]) -> bool:
     """Whether ``text`` is a URL (``scheme://...``) rather than a local path."""
     return isinstance(text, str) and _URL.match(text) is not None
 
+
 def configure(options: Mapping[str, Any], concurrency: int | None = None) -> None:
     """Set the fsspec options every store is opened with (``--storage-option``).
 
@@ -162,6 +163,7 @@ def redact(text: str) -> str:
     for s in _secrets():
         text = text.replace(s, "***")
     return _USERINFO.sub(r"\g<scheme>***@", text)
+
 
 def _import_fsspec(scheme: str) -> Any:
     try:

@@ -45,6 +45,7 @@ def _path_class(scheme: str) -> type[ObjectPath]:
                                           {"scheme": scheme})
         return cls
 
+
 class ObjectFile:
     """An object opened for positioned reads: ranged GETs through the store's block cache.
 

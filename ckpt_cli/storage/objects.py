@@ -77,6 +77,7 @@ def store_for(scheme: str) -> ObjectStore:
             st = _stores[scheme] = ObjectStore(scheme, dict(_options))
         return st
 
+
 class Entry(NamedTuple):
     """What a listing says of one key."""
 
