@@ -273,7 +273,7 @@ def cast_threads() -> int:
 @functools.cache
 def _pool_threads() -> int:
     """How many cast threads (``CKPT_THREADS``, else one per usable CPU), fixed per process."""
-    from ckpt_cli.streaming import worker_threads
+    from ckpt_cli.storage.reads import worker_threads
 
     return worker_threads()
 

@@ -577,11 +577,12 @@ def dequantize_pieces(pieces: Iterator[np.ndarray], scale: np.ndarray,
 
     Yields:
         Flat arrays of ``dst``, together the dequantized tensor in row-major order (each at
-        most :data:`ckpt_cli.streaming.PIECE_BYTES`, or one row of 128x128 blocks).
+        most :data:`ckpt_cli.storage.reads.PIECE_BYTES`, or one row of 128x128 blocks).
     """
     import numpy as np
 
-    from ckpt_cli import dtypes, streaming
+    from ckpt_cli import dtypes
+    from ckpt_cli.storage import reads
 
     rows, cols = int(shape[0]), int(shape[1])
     it = iter(pieces)
@@ -593,7 +594,7 @@ def dequantize_pieces(pieces: Iterator[np.ndarray], scale: np.ndarray,
     kind, lut, s = _dequantize_setup(first.dtype, (rows, cols), scale)
     unit = BLOCK if kind == "block" else 1
     want = dtypes.numpy_dtype(dst)
-    most = max(unit, streaming.PIECE_BYTES // max(1, cols * want.itemsize) // unit * unit)
+    most = max(unit, reads.PIECE_BYTES // max(1, cols * want.itemsize) // unit * unit)
 
     def chained() -> Iterator[np.ndarray]:
         yield first

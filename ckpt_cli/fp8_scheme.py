@@ -211,7 +211,7 @@ def describe(index: CheckpointIndex) -> dict[str, Any] | None:
     scale_named = any(is_scale_name(n) for n in tensors)
     # A config.json the reader listed is read again only where that is cheap (not over a
     # network) unless the tensors look quantized.
-    listed = any(f.path == "config.json" for f in index.files) and not storage.is_remote(
+    listed = any(f.path == "config.json" for f in index.files) and storage.reads_are_cheap(
         index.base)
     qc, source = read_quantization_config(index) if has_fp8 or scale_named or listed else (
         None, None)

@@ -178,7 +178,7 @@ def read_ledger(run_dir: str | os.PathLike[str]) -> Ledger | None:
     """
     path = ledger_path(run_dir)
     try:
-        if storage.is_remote(path):
+        if not storage.has_file_system(path):
             if not path.is_file():
                 return None
             return parse(path.read_bytes())
@@ -214,7 +214,7 @@ def append(run_dir: str | os.PathLike[str], entries: LedgerEntry | Iterable[Ledg
     data = b"".join(orjson.dumps(e.to_json(), option=orjson.OPT_SORT_KEYS) + b"\n"
                     for e in batch)
     path = ledger_path(run_dir)
-    if storage.is_remote(path):
+    if not storage.has_file_system(path):  # no O_APPEND: the object is rewritten
         _append_object(path, data)
         return
     flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)

@@ -36,11 +36,10 @@ from typing import Any, Protocol
 import orjson
 
 from ckpt_cli import stages, storage
-from ckpt_cli.atomic import atomic_file
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
-from ckpt_cli.formats.base import open_regular
 from ckpt_cli.model import Finding
-from ckpt_cli.streaming import (
+from ckpt_cli.storage import open_regular
+from ckpt_cli.storage.reads import (
     BUFFER_SIZE,
     Meter,
     ProgressFn,
@@ -431,11 +430,7 @@ def write_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
                                            on_progress=on_progress)
     data = manifest.to_json()
     try:
-        if storage.is_remote(dest):
-            dest.write_bytes(data)  # one PUT: the object appears whole or not at all
-        else:
-            with atomic_file(dest, overwrite=True) as tmp:
-                tmp.write_bytes(data)
+        storage.write_whole(dest, data)  # temp + rename, or one PUT: whole or not at all
     except OSError as e:
         raise CkptError(f"cannot write the manifest: {e.strerror}", path=dest) from None
     return dest, manifest, stats

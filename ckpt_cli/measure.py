@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.atomic import tmp_sibling
 from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.storage.atomic import tmp_sibling
 from ckpt_cli.units import require_positive
 
 DEFAULT_MEASURE_SIZE = 1_000_000_000

@@ -26,8 +26,8 @@ from typing import Any
 
 import orjson
 
-from ckpt_cli.atomic import fsync_path
 from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.storage.atomic import fsync_path
 
 _SPEC = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 PLAN_FILE = "plan.json"

@@ -107,7 +107,7 @@ def _rewritten_since(path: Path, line: ledger.LedgerEntry) -> bool:
     """
     from ckpt_cli.formats.names import is_last_copy
 
-    if not is_last_copy(path.name) or storage.is_remote(path):
+    if not is_last_copy(path.name) or not storage.has_file_system(path):
         return False
     try:
         return os.stat(path).st_mtime > line.time

@@ -22,7 +22,6 @@ from typing import NamedTuple
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron
-from ckpt_cli.formats.base import special_kind
 from ckpt_cli.formats.names import (
     FILE_EXTENSIONS,
     is_last_copy,
@@ -38,6 +37,7 @@ from ckpt_cli.model import (
     RunEntry,
     RunListing,
 )
+from ckpt_cli.storage import special_kind
 
 _METRIC = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_/]*)=(?P<val>[-+]?(?:\d+\.?\d*|\.\d+)"
                      r"(?:[eE][-+]?\d+)?)")
@@ -163,7 +163,7 @@ def tree_scan(path: Path) -> TreeScan:
     changed = max(st.st_mtime, st.st_ctime)
     if not stat.S_ISDIR(st.st_mode):
         return TreeScan(st.st_size, 1, st.st_mtime, changed)
-    if storage.is_remote(path):
+    if not storage.has_file_system(path):
         total, count, newest = 0, 0, st.st_mtime
         for _, est in storage.tree_paths(path):  # objects only: no directories
             total += est.st_size
@@ -617,7 +617,7 @@ def _entry(where: str, step: int | None, is_file: bool = False) -> RunEntry:
     path = storage.locate(where)
     scan: TreeScan | None = None
     status: Probe | None = None
-    if is_file and not storage.is_remote(path):
+    if is_file and storage.has_file_system(path):
         # One open serves the sizes and times (fstat) and the status (header reads): at
         # thousands of checkpoints, each extra stat or open is a measurable share.
         try:

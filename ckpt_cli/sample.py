@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_cli.atomic import atomic_dir, honour_umask
 from ckpt_cli.errors import DestinationExistsError
+from ckpt_cli.storage.atomic import atomic_dir, honour_umask
 
 VOCAB, DIM, LAYERS, HEADS, CONTEXT = 512, 64, 2, 4, 32
 STEPS = (100, 200, 300)

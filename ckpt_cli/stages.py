@@ -70,7 +70,7 @@ def snapshot() -> dict[str, dict[str, Any]]:
 def _dump() -> None:  # pragma: no cover - runs at exit of a benchmarked process
     if _PATH is None:
         return
-    from ckpt_cli.streaming import worker_threads
+    from ckpt_cli.storage.reads import worker_threads
 
     try:
         with open(_PATH, "w", encoding="utf-8") as f:

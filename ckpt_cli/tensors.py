@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import dcp
-from ckpt_cli.formats.base import open_regular, read_full
+from ckpt_cli.formats.base import read_full
 from ckpt_cli.model import CheckpointIndex, Chunk, TensorInfo
-from ckpt_cli.storage import Handle
-from ckpt_cli.streaming import crc32, crc32_range
+from ckpt_cli.storage import Handle, open_regular
+from ckpt_cli.storage.reads import crc32, crc32_range
 
 if TYPE_CHECKING:
     import numpy as np
@@ -158,7 +158,7 @@ class TensorSource:
 
         Args:
             t: A tensor of this source's index.
-            piece_bytes: Largest piece (default :data:`ckpt_cli.streaming.PIECE_BYTES`).
+            piece_bytes: Largest piece (default :data:`ckpt_cli.storage.reads.PIECE_BYTES`).
             mapped: Pieces may be read-only views of the file mapped into memory (see
                 :meth:`read`); each mapping covers one piece.
 
@@ -169,9 +169,9 @@ class TensorSource:
             CorruptCheckpointError: Truncated files, chunks that do not decode, CRC mismatch.
             UnsupportedError: Compressed DCP chunks, tensors without data.
         """
-        from ckpt_cli import streaming
+        from ckpt_cli.storage import reads
 
-        piece = piece_bytes or streaming.PIECE_BYTES
+        piece = piece_bytes or reads.PIECE_BYTES
         if t.chunks:
             subs = dcp.row_chunks(t, functools.partial(self._locate, t))
             if subs is None:
@@ -356,15 +356,15 @@ def split_pieces(arr: np.ndarray, piece_bytes: int | None = None) -> Iterator[np
 
     Args:
         arr: A C-contiguous array.
-        piece_bytes: Largest piece (default :data:`ckpt_cli.streaming.PIECE_BYTES`).
+        piece_bytes: Largest piece (default :data:`ckpt_cli.storage.reads.PIECE_BYTES`).
 
     Yields:
         1-D views that together cover ``arr`` (one empty view for an empty array).
     """
-    from ckpt_cli import streaming
+    from ckpt_cli.storage import reads
 
     flat = arr.reshape(-1)
-    step = max(1, (piece_bytes or streaming.PIECE_BYTES) // max(flat.itemsize, 1))
+    step = max(1, (piece_bytes or reads.PIECE_BYTES) // max(flat.itemsize, 1))
     if flat.size <= step:
         yield flat
         return

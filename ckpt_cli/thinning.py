@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from ckpt_cli import storage
-from ckpt_cli.atomic import fsync_path, fsync_tree, tmp_sibling
 from ckpt_cli.errors import CkptError
+from ckpt_cli.storage.atomic import fsync_path, fsync_tree, tmp_sibling
 
 # Top-level keys that hold optimizer state in the training files of the frameworks ckpt reads:
 # Lightning (optimizer_states), plain training loops (optimizer, optimizer_state_dict, optim).
@@ -104,8 +104,8 @@ def can_thin(path: Path) -> str | None:
     """None if ``path`` is a checkpoint this module can thin, else why not."""
     if path.is_symlink():
         return "a symbolic link: never followed"
-    if storage.is_remote(path) and path.is_dir() and not (path / "trainer_state.json").is_file(
-            ) and not lone_torch_file(path):
+    if (not storage.can_rename_atomically(path) and path.is_dir()
+            and not (path / "trainer_state.json").is_file() and not lone_torch_file(path)):
         return ("on object storage only torch files, prefixes holding one and HF checkpoint-N "
                 "prefixes are thinned so far (DCP: not yet)")
     if path.is_dir():
@@ -162,11 +162,7 @@ def _set_manifest_aside(path: Path) -> str | None:
     except CkptError:
         old = None
     algorithm = old.algorithm if old is not None else None
-    if storage.is_remote(mp):
-        mp.unlink()  # one DELETE
-    else:
-        os.unlink(mp)
-        fsync_path(mp.parent)
+    storage.remove(mp)  # locally unlinked and the directory fsynced; on a store one DELETE
     return algorithm or DEFAULT_ALGORITHM
 
 
@@ -258,7 +254,7 @@ def thin_file(path: Path, *, to: str | None = None,
     if why:
         raise CkptError(why, path=path)
     start = on_start or (lambda _d, _t, _b: None)
-    if storage.is_remote(path):
+    if not storage.can_rename_atomically(path):
         return _thin_remote(path, to, start)
     if path.is_dir():
         if (path / "trainer_state.json").is_file():
@@ -365,10 +361,10 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
     trash name ``tmp`` had (see :func:`_work_name`) and is removed (by the next prune, when a
     kill interrupts this).
     """
-    from ckpt_cli.atomic import exchange
     from ckpt_cli.manifest import DEFAULT_ALGORITHM, manifest_path, read_manifest
     from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
+    from ckpt_cli.storage.atomic import exchange
 
     problem = quick_validate(tmp)
     if problem:
@@ -409,7 +405,7 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
 def _cannot_exchange(parent: Path) -> str | None:
     """Why two directories in ``parent`` cannot be swapped atomically (None: they can), tried
     on two empty ones before anything is recorded or changed."""
-    from ckpt_cli.atomic import exchange
+    from ckpt_cli.storage.atomic import exchange
 
     a, b = tmp_sibling(parent / "swap-a"), tmp_sibling(parent / "swap-b")
     try:
@@ -496,11 +492,12 @@ def _thin_dcp_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | No
 
     from ckpt_cli.cast import cast_array
     from ckpt_cli.formats import read_index
-    from ckpt_cli.formats.base import open_regular, read_full
+    from ckpt_cli.formats.base import read_full
     from ckpt_cli.formats.dcp import metadata_file, parse_metadata, storage_map
     from ckpt_cli.manifest import MANIFEST_NAME
     from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
+    from ckpt_cli.storage import open_regular
     from ckpt_cli.tensors import TensorSource
 
     meta = metadata_file(path)

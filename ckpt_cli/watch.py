@@ -240,7 +240,7 @@ def recheck_good(path: Path, line: ledger.LedgerEntry, *, full: bool) -> list[st
 
 def links_in(path: Path) -> list[str]:
     """The symbolic links a checkpoint is (or holds), by name; local paths only."""
-    if storage.is_remote(path):
+    if not storage.has_file_system(path):
         return []
     if path.is_symlink():
         return [path.name]
@@ -322,7 +322,7 @@ class RunWatcher:
         after this watcher's own retention only."""
         stamp = None
         path = ledger.ledger_path(self.root)
-        if not storage.is_remote(path):
+        if storage.has_file_system(path):
             try:
                 st = os.stat(path)
                 stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -657,7 +657,7 @@ def make_waker(mode: str, root: Path) -> tuple[Waker, str | None]:
         raise UsageError(f"--wake must be one of {', '.join(WAKE_MODES)}, not {mode!r}")
     if mode == "poll":
         return PollWaker(), None
-    if storage.is_remote(root):
+    if not storage.has_file_system(root):
         if mode == "events":
             raise UsageError("--wake events: object storage raises no file events", path=root)
         return PollWaker(), None

@@ -1,4 +1,4 @@
-"""ckpt_cli.atomic: outputs appear whole or not at all."""
+"""ckpt_cli.storage.atomic: outputs appear whole or not at all."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_cli.atomic import atomic_dir, atomic_file
 from ckpt_cli.errors import CkptError
+from ckpt_cli.storage.atomic import atomic_dir, atomic_file
 
 
 def test_atomic_file_appears_only_on_success(tmp_path: Path) -> None:

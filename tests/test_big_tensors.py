@@ -1,6 +1,6 @@
 """Tensors larger than the memory budget: read, cast, checked and written piece by piece.
 
-Most tests shrink the piece size (``ckpt_cli.streaming.PIECE_BYTES``) so that small real files
+Most tests shrink the piece size (``ckpt_cli.storage.reads.PIECE_BYTES``) so that small real files
 stream in many pieces; one slow test converts a 1.25 GiB tensor under an address-space limit
 (``RLIMIT_AS``) that a whole-tensor copy cannot fit in.
 """
@@ -21,12 +21,12 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ckpt_cli import streaming
 from ckpt_cli.errors import CkptError, CorruptCheckpointError
 from ckpt_cli.formats import read_index
 from ckpt_cli.ops.consolidate import consolidate
 from ckpt_cli.ops.convert import convert
 from ckpt_cli.ops.diff import diff
+from ckpt_cli.storage import reads
 from ckpt_cli.tensors import TensorSource
 from tests.conftest import run_cli
 
@@ -37,7 +37,7 @@ PIECE = 4096
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Pieces of 4 KiB, and a record of every whole-tensor read larger than a piece."""
-    monkeypatch.setattr(streaming, "PIECE_BYTES", PIECE)
+    monkeypatch.setattr(reads, "PIECE_BYTES", PIECE)
     whole: list[int] = []
     read = TensorSource.read
 

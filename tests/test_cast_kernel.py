@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_cli import cast, streaming
+from ckpt_cli import cast
+from ckpt_cli.storage import reads
 
 pytestmark = pytest.mark.requires_torch
 
@@ -101,13 +102,13 @@ def test_cast_array_uses_it_with_overflow_counted() -> None:
 
 def test_threads_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPT_THREADS", "3")
-    assert streaming.worker_threads() == 3
-    assert streaming.default_jobs() == 3
+    assert reads.worker_threads() == 3
+    assert reads.default_jobs() == 3
     monkeypatch.setenv("CKPT_THREADS", "zero")
-    assert 1 <= streaming.worker_threads() <= 64
-    assert 1 <= streaming.default_jobs() <= 8
+    assert 1 <= reads.worker_threads() <= 64
+    assert 1 <= reads.default_jobs() <= 8
     monkeypatch.delenv("CKPT_THREADS")
-    assert streaming.worker_threads() == max(1, min(64, streaming.usable_cpus()))
+    assert reads.worker_threads() == max(1, min(64, reads.usable_cpus()))
 
 
 def test_stage_report(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ def test_chunks_that_do_not_tile_are_damage() -> None:
 def test_consolidate_refuses_a_dcp_chunk_that_fails_its_crc(sample_copy: Path,
                                                             tmp_path: Path) -> None:
     from ckpt_cli.formats.dcp import locate_chunk
-    from ckpt_cli.streaming import OpenFiles
+    from ckpt_cli.storage.reads import OpenFiles
 
     d = sample_copy / "step_000400"
     index = read_index(d)

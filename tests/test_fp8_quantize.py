@@ -14,8 +14,9 @@ import torch
 from safetensors.numpy import save_file
 from safetensors.torch import load_file
 
-from ckpt_cli import fp8, streaming
+from ckpt_cli import fp8
 from ckpt_cli.errors import CkptError
+from ckpt_cli.storage import reads
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.requires_torch
@@ -187,7 +188,7 @@ def test_convert_streams_a_weight_larger_than_a_piece(layout: str, tmp_path: Pat
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """With 64 KiB pieces a 640x384 FP32 weight (960 KiB) is read, quantized and written in
     pieces that split rows and blocks; the output is the reference's, bit for bit."""
-    monkeypatch.setattr(streaming, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(reads, "PIECE_BYTES", 64 << 10)
     w = np.random.default_rng(5).standard_normal((640, 384)).astype(np.float32) * 0.05
     w[130:140] = 0.0
     src = tmp_path / "src"
@@ -265,7 +266,7 @@ def test_dequantize_pieces_split_anywhere(layout: str, sizes: list[int],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Flat FP8 pieces split anywhere, outputs capped at a (small) piece: the whole
     tensor's dequantization, in order."""
-    monkeypatch.setattr(streaming, "PIECE_BYTES", 200 * 272 * 2)
+    monkeypatch.setattr(reads, "PIECE_BYTES", 200 * 272 * 2)
     w = np.random.default_rng(9).standard_normal((300, 272)).astype(np.float32)
     q, s = fp8.quantize(w, layout)
     flat = q.reshape(-1)
@@ -279,7 +280,7 @@ def test_convert_dequantize_streams_a_weight_larger_than_a_piece(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A block-FP8 640x384 weight read and dequantized in 64 KiB pieces equals torch's
     ``w.float() * scale_inv`` (repeated over the blocks) in BF16."""
-    monkeypatch.setattr(streaming, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(reads, "PIECE_BYTES", 64 << 10)
     w = np.random.default_rng(6).standard_normal((640, 384)).astype(np.float32)
     q, s = fp8.quantize(w, "block")
     src = tmp_path / "src"

@@ -1,7 +1,9 @@
 """The layering of ckpt_cli (docs: ARCHITECTURE.md), checked statically on import statements.
 
-formats/ holds readers only and imports nothing above it except model, errors, dtypes and
-streaming; ops/ returns results and never imports render/ or cli/; render/ never imports cli/.
+The bottom layer (storage/, model, errors, dtypes, units, stages) imports nothing above it, not
+even lazily; formats/ holds readers only and imports nothing above it except the bottom layer;
+ops/ returns results and never imports render/ or cli/; render/ never imports cli/. Only
+storage/ knows local from remote: nothing else asks ``is_remote`` or tests for URLs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import ckpt_cli
 
 ROOT = Path(ckpt_cli.__file__).parent
 FORMATS_MAY_IMPORT = ("ckpt_cli.formats", "ckpt_cli.model", "ckpt_cli.errors",
-                      "ckpt_cli.dtypes", "ckpt_cli.streaming", "ckpt_cli.storage")
+                      "ckpt_cli.dtypes", "ckpt_cli.storage")
+# The bottom layer: plain data, exceptions, dtype table, units, stage timing, and storage (where
+# bytes live, positioned reads, atomic outputs). It imports only itself, at any level.
+BOTTOM = ("ckpt_cli.storage", "ckpt_cli.model", "ckpt_cli.errors", "ckpt_cli.dtypes",
+          "ckpt_cli.units", "ckpt_cli.stages")
 # Known exceptions, (module, imported): none left.
 KNOWN: set[tuple[str, str]] = set()
 # Lazy (function-level) imports from formats/ that reach up: none left (the tie finder,
@@ -112,3 +118,87 @@ def test_the_check_sees_imports() -> None:
     found = dict(_imports("ckpt_cli.formats", ROOT / "formats" / "__init__.py"))
     assert found["ckpt_cli.formats.base"] is True
     assert found["ckpt_cli.formats.ties"] is False
+
+
+def test_the_bottom_layer_imports_nothing_above_it() -> None:
+    """storage/, model, errors, dtypes, units and stages import only each other, even lazily
+    (formats.base's safe opens live in storage, so reads need nothing from formats/)."""
+    bottom = [(n, p) for n, p in MODULES if any(_under(n, b) for b in BOTTOM)]
+    assert {"ckpt_cli.storage", "ckpt_cli.storage.reads", "ckpt_cli.storage.atomic",
+            "ckpt_cli.model", "ckpt_cli.units"} <= {n for n, _ in bottom}
+    bad = [f"{name} imports {mod}" for name, path in bottom for mod, _ in _imports(name, path)
+           if mod != "ckpt_cli" and not any(_under(mod, b) for b in BOTTOM)]
+    assert not bad, bad
+
+
+STORAGE = "ckpt_cli.storage"
+_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory", "file"}
+_STR_TESTS = {"startswith", "endswith", "split", "rsplit", "partition", "rpartition", "find",
+              "index", "count", "removeprefix"}
+
+
+def _url_questions(tree: ast.AST) -> list[str]:
+    """Where a module asks whether something is remote or a URL: ``is_remote``/``is_url``,
+    a ``"://"`` compared or searched for, a string tested for a scheme (``startswith("s3")``).
+    URLs in help texts and messages are no question."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name | ast.Attribute):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if name in ("is_remote", "is_url"):
+                found.append(f"line {node.lineno}: {name}")
+        elif isinstance(node, ast.alias) and node.name in ("is_remote", "is_url"):
+            found.append(f"imports {node.name}")
+        elif isinstance(node, ast.Compare):
+            found += [f"line {node.lineno}: compares with {c.value!r}"
+                      for c in [node.left, *node.comparators]
+                      if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                      and "://" in c.value]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in _STR_TESTS):
+            consts = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            consts += [e.value for a in node.args if isinstance(a, ast.Tuple) for e in a.elts
+                       if isinstance(e, ast.Constant)]
+            found += [f"line {node.lineno}: {node.func.attr}({v!r})" for v in consts
+                      if isinstance(v, str) and ("://" in v or v.rstrip(":") in _SCHEMES)]
+    return found
+
+
+def test_only_storage_knows_local_from_remote() -> None:
+    """No module outside storage/ asks ``is_remote`` or tests for a URL: it asks storage a
+    question named for what it needs (``can_rename_atomically``, ``has_file_system``...)."""
+    bad = {name: q for name, path in MODULES if not _under(name, STORAGE)
+           if (q := _url_questions(ast.parse(path.read_text())))}
+    assert not bad, bad
+    # The check itself sees each kind of question.
+    seen = _url_questions(ast.parse("storage.is_remote(p)\nx = '://' in s\n"
+                                    "s.startswith('s3')\ns.split('://', 1)\n"
+                                    "from ckpt_cli.storage import is_url\n"))
+    assert len(seen) == 5, seen
+    assert not _url_questions(ast.parse("help_text = 'a URL (s3://bucket/key)'\n"))
+
+
+def test_storage_front_door_and_module_sizes() -> None:
+    """storage/__init__.py only re-exports (at most 300 lines); no storage module is over 600
+    lines; the old root modules are gone."""
+    init = ROOT / "storage" / "__init__.py"
+    assert len(init.read_text().splitlines()) <= 300
+    tree = ast.parse(init.read_text())
+    assert not [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "storage").glob("*.py")}
+    assert {"local.py", "objects.py", "reads.py", "atomic.py"} <= set(sizes)
+    assert max(sizes.values()) <= 600, sizes
+    assert not [m for m in ("storage.py", "atomic.py", "streaming.py") if (ROOT / m).exists()]
+
+
+def test_help_imports_no_storage_module() -> None:
+    """``ckpt --help`` (the CLI app imported) loads storage's front door only: its names are
+    imported at first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ckpt_cli.cli.app; "
+            "print(sorted(m for m in sys.modules if m.startswith('ckpt_cli.storage')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "['ckpt_cli.storage']", out

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ckpt_cli import streaming
 from ckpt_cli.errors import UsageError
 from ckpt_cli.ops.consolidate import consolidate
-from ckpt_cli.streaming import MIN_MEMORY, Meter, memory_budget, run_bounded
+from ckpt_cli.storage import reads
+from ckpt_cli.storage.reads import MIN_MEMORY, Meter, memory_budget, run_bounded
 from ckpt_cli.writers import OutTensor, _Prefetch
 from tests.conftest import run_cli
 
@@ -105,7 +105,7 @@ def test_convert_peak_memory_and_bytes(big_safetensors: Path, tmp_path: Path) ->
     assert int(small["rise"]) <= BUDGET + BIG + SLACK, small  # type: ignore[call-overload]
     default = _run("convert", big_safetensors, tmp_path / "b.safetensors", budget=None)
     # Generous budget, more in flight: still bounded (256 MiB + the largest tensor).
-    assert int(default["rise"]) <= streaming.MEMORY_BUDGET + BIG + SLACK  # type: ignore
+    assert int(default["rise"]) <= reads.MEMORY_BUDGET + BIG + SLACK  # type: ignore
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
@@ -211,7 +211,7 @@ def test_run_bounded_keeps_to_the_budget_and_raises_the_first_failure() -> None:
 def test_too_small_budget_is_a_usage_error(big_safetensors: Path, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="at least 64MiB"):
         memory_budget(MIN_MEMORY - 1)
-    assert memory_budget(None) == streaming.MEMORY_BUDGET
+    assert memory_budget(None) == reads.MEMORY_BUDGET
     for args in (["convert", big_safetensors, "-o", tmp_path / "x.safetensors"],
                  ["consolidate", tmp_path, "-o", tmp_path / "y"],
                  ["validate", big_safetensors],

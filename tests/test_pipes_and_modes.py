@@ -78,7 +78,7 @@ def test_validate_piped_into_head(bad_pt: Path) -> None:
 
 def test_every_file_of_the_sample_has_the_umask_mode(sample_run: Path) -> None:
     """``ckpt sample``'s HF export (written by safetensors) was 0600; the rest 0644."""
-    from ckpt_cli.atomic import umask
+    from ckpt_cli.storage.atomic import umask
 
     want = 0o666 & ~umask()
     modes = {p.relative_to(sample_run).as_posix(): stat.S_IMODE(p.stat().st_mode)
@@ -88,7 +88,7 @@ def test_every_file_of_the_sample_has_the_umask_mode(sample_run: Path) -> None:
 
 
 def test_umask_is_read_without_changing_it() -> None:
-    from ckpt_cli.atomic import umask
+    from ckpt_cli.storage.atomic import umask
 
     old = os.umask(0o027)
     try:

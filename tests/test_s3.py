@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from ckpt_cli import storage
+from ckpt_cli.storage import objects
 from tests.conftest import run_cli
 from tests.helpers import s3
 
@@ -553,7 +554,7 @@ def test_ctrl_c_in_a_multipart_upload_aborts_it(s3env: s3.Proxy,
     src = tmp_path / "big.safetensors"
     save_file({f"w{i}": np.random.default_rng(i).standard_normal((1024, 1024), np.float32)
                for i in range(6)}, str(src))
-    monkeypatch.setattr(storage, "UPLOAD_PART", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(objects, "UPLOAD_PART", 5 << 20)  # S3's smallest part
     sent = {"bytes": 0}
     real_write = storage.Upload.write
 
@@ -873,7 +874,7 @@ def test_a_multipart_upload_sends_parts_in_parallel_and_the_bytes_are_right(
     src = tmp_path / "big.safetensors"
     save_file({f"w{i}": np.random.default_rng(i).standard_normal((1024, 1024), np.float32)
                for i in range(6)}, str(src))
-    monkeypatch.setattr(storage, "UPLOAD_PART", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(objects, "UPLOAD_PART", 5 << 20)  # S3's smallest part
     bucket = _bucket(endpoint)
     s3env.traffic.reset()
     r = run_cli("convert", src, "-o", f"s3://{bucket}/m.safetensors")

@@ -20,7 +20,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError
-from ckpt_cli.formats.base import file_size, not_regular, open_regular, read_head, read_small
+from ckpt_cli.formats.base import file_size, read_head, read_small
+from ckpt_cli.storage import not_regular, open_regular
 from tests.conftest import third_party_quiet
 
 pytestmark = pytest.mark.requires_torch

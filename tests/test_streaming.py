@@ -1,4 +1,4 @@
-"""ckpt_cli.streaming: positioned reads and CRCs on a real file."""
+"""ckpt_cli.storage.reads: positioned reads and CRCs on a real file."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError
-from ckpt_cli.streaming import (
+from ckpt_cli.storage.reads import (
     Cancelled,
     Meter,
     OpenFiles,

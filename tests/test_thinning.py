@@ -610,7 +610,7 @@ def test_a_dcp_checkpoint_is_left_whole_where_directories_cannot_be_swapped(
     no moment at which its name is missing: it is left whole, nothing recorded, nothing left."""
     import errno
 
-    from ckpt_cli import atomic
+    from ckpt_cli.storage import atomic
 
     run = tmp_path / "run"
     _dcp_run(run, (100, 200))

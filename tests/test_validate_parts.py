@@ -263,7 +263,7 @@ def test_a_file_rewritten_in_place_between_parts_is_another_plan(dcp7: Path,
 def test_a_corrupt_chunk_fails_its_part_and_the_merged_report(dcp4: Path) -> None:
     from ckpt_cli.formats import read_index
     from ckpt_cli.formats.dcp import locate_chunk
-    from ckpt_cli.streaming import OpenFiles
+    from ckpt_cli.storage.reads import OpenFiles
 
     index = read_index(dcp4)
     t = index.tensors["model.wte.weight"]

@@ -85,11 +85,11 @@ def test_zlib_fallback_without_isal(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     """Where isal has no wheel, zlib's CRC-32 is used and large records are not split."""
     import zlib
 
-    from ckpt_cli import streaming
+    from ckpt_cli.storage import reads
 
-    monkeypatch.setattr(streaming, "_crc32", zlib.crc32)
-    monkeypatch.setattr(streaming, "_crc32_combine", None)
-    assert streaming.crc32_combine(1, 2, 3) is None
+    monkeypatch.setattr(reads, "_crc32", zlib.crc32)
+    monkeypatch.setattr(reads, "_crc32_combine", None)
+    assert reads.crc32_combine(1, 2, 3) is None
     p = tmp_path / "big.pt"
     torch.save({"w": torch.arange(20_000_000, dtype=torch.float32)}, p)
     assert _check(p) == ([], 7, [])

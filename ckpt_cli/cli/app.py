@@ -130,7 +130,9 @@ class CkptCommand(TyperCommand):
             elif not arg.startswith("-") and not path:
                 path = arg
             i += 1
-        if not junit or "://" in junit:
+        from ckpt_cli import storage
+
+        if not junit or not storage.names_local_path(junit):
             return
         from pathlib import Path
 

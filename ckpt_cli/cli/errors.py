@@ -13,8 +13,8 @@ from typing import Any
 
 import typer
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, visible
-from ckpt_cli.storage import redact
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -36,7 +36,7 @@ _ENVIRONMENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT,
 def _say(text: str) -> None:
     # A credential must never reach a terminal or a CI log; a file name's escape sequences
     # are shown, not obeyed.
-    text = visible(redact(text))
+    text = visible(storage.redact(text))
     try:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
@@ -94,7 +94,7 @@ class _JsonErrors:
         if rj.emitted() != self.before:
             return  # its document is out (or half out): a second one would break the output
         def r(value: str | None) -> str | None:
-            return None if value is None else redact(value)
+            return None if value is None else storage.redact(value)
 
         with suppress(OSError, ValueError):
             rj.emit_error(self.command, {"kind": kind, "message": r(message), "path": r(path),

@@ -121,6 +121,6 @@ def local_only(path: Path | None, what: str) -> None:
     Raises:
         UsageError: If ``path`` is on an object store.
     """
-    if path is not None and storage.is_remote(path):
+    if path is not None and not storage.has_file_system(path):
         raise UsageError(f"{what} must be a local path, not a URL ({path} is on object "
                          "storage)")

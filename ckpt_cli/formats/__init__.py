@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UnknownFormatError
-from ckpt_cli.formats.base import Reader, not_regular
+from ckpt_cli.formats.base import Reader
 from ckpt_cli.formats.dcp import DCPReader
 from ckpt_cli.formats.deepspeed import DeepSpeedReader
 from ckpt_cli.formats.directory import DirectoryReader
@@ -85,7 +85,7 @@ def detect(path: Path, fmt: str | None = None) -> Reader:
     """
     check_exists(path)
     is_dir = path.is_dir()
-    special = None if is_dir else not_regular(path)
+    special = None if is_dir else storage.not_regular(path)
     if special is not None:
         raise CkptError(special, path=path)  # never opened: a FIFO would block the read
     if not is_dir and path.is_file() and path.stat().st_size == 0:

@@ -7,12 +7,14 @@ import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ckpt_cli.model import CheckpointIndex, Finding
-from ckpt_cli.storage import Handle
+
+if TYPE_CHECKING:
+    from ckpt_cli.storage import Handle
 
 
 @runtime_checkable
@@ -69,39 +71,6 @@ def wrong_kind(path: Path, *, directory: bool) -> str | None:
     return None if path.is_file() else "not a file"
 
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISDIR, "a directory"))
-
-
-def special_kind(mode: int) -> str | None:
-    """What a ``st_mode`` that is not a regular file's is (``"a FIFO"``), or None if it is one."""
-    if stat.S_ISREG(mode):
-        return None
-    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
-
-
-def not_regular(path: Path) -> str | None:
-    """Why ``path`` (followed through symlinks) is no regular file, or None when it is one or is
-    missing (callers report a missing file themselves).
-
-    Reading a FIFO blocks until someone writes to it, a socket cannot be read at all, and
-    reading a device may never end or have effects: none of them is a checkpoint file, so
-    they are told apart before anything opens them.
-
-    Args:
-        path: The path to check.
-
-    Returns:
-        ``"not a regular file (a FIFO)"`` and the like, or None.
-    """
-    try:
-        kind = special_kind(path.stat().st_mode)
-    except OSError:
-        return None
-    return None if kind is None else f"not a regular file ({kind})"
-
-
 def present(path: Path) -> bool:
     """Whether ``path`` (through symlinks) exists and is not a directory.
 
@@ -114,51 +83,6 @@ def present(path: Path) -> bool:
         return False
 
 
-def open_regular(path: Path, name: str | Path | None = None) -> Handle:
-    """Open a regular file for reading, refusing FIFOs, sockets and devices without blocking.
-
-    An object on a store (:class:`~ckpt_cli.storage.ObjectPath`) opens as an
-    :class:`~ckpt_cli.storage.ObjectFile`; read either kind with :func:`ckpt_cli.storage.pread`.
-
-    The check is made before opening (a device is never opened) and again on the descriptor
-    (the path may have been replaced in between); ``O_NONBLOCK`` keeps the open of a FIFO
-    that appeared in that gap from waiting for a writer.
-
-    Args:
-        path: The file.
-        name: How to name it in an error message (default: ``path``).
-
-    Returns:
-        A blocking, read-only descriptor (or an object handle) the caller closes with
-        :func:`ckpt_cli.storage.close`.
-
-    Raises:
-        CkptError: If it is missing or cannot be opened.
-        CorruptCheckpointError: If it is not a regular file.
-    """
-    where = name or path
-    if storage.is_remote(path):
-        return cast(storage.ObjectPath, path).open_object()
-    why = not_regular(path)
-    if why is not None:
-        raise CorruptCheckpointError(why, path=where)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise CkptError("no such file", path=where) from None
-    except OSError as e:
-        raise CkptError(f"cannot open: {e.strerror}", path=where) from None
-    try:
-        kind = special_kind(os.fstat(fd).st_mode)
-        if kind is not None:
-            raise CorruptCheckpointError(f"not a regular file ({kind})", path=where)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def open_stream(path: Path) -> io.BufferedIOBase:
     """A buffered binary stream of a regular file (or object), for parsers that read
     sequentially (pickles).
@@ -167,7 +91,7 @@ def open_stream(path: Path) -> io.BufferedIOBase:
         CkptError: If it is missing or cannot be opened.
         CorruptCheckpointError: If it is not a regular file.
     """
-    h = open_regular(path)  # never blocks on a FIFO, refuses devices
+    h = storage.open_regular(path)  # never blocks on a FIFO, refuses devices
     if isinstance(h, int):
         return os.fdopen(h, "rb")
     raw = storage.Window(h, 0, storage.size_of(h), owns=True)
@@ -188,7 +112,7 @@ def read_small(path: Path, limit: int) -> bytes:
     Raises:
         CkptError: If it cannot be read or is not a regular file.
     """
-    fd = open_regular(path)
+    fd = storage.open_regular(path)
     try:
         return storage.pread(fd, limit, 0)
     except OSError as e:
@@ -216,7 +140,7 @@ def file_size(path: Path) -> int:
         raise CkptError("no such file", path=path) from None
     except OSError as e:
         raise CkptError(f"cannot read: {e.strerror}", path=path) from None
-    kind = special_kind(st.st_mode)
+    kind = storage.special_kind(st.st_mode)
     if kind is not None:
         raise CorruptCheckpointError(f"not a regular file ({kind})", path=path)
     return st.st_size
@@ -264,7 +188,7 @@ def read_head(path: Path, n: int) -> bytes:
     Raises:
         CkptError: If the file cannot be opened or is not a regular file.
     """
-    fd = open_regular(path)
+    fd = storage.open_regular(path)
     try:
         return storage.pread(fd, n, 0)
     except OSError as e:

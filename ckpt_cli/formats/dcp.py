@@ -20,14 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import allowlist, containers
-from ckpt_cli.formats.base import (
-    contained_path,
-    file_size,
-    open_regular,
-    open_stream,
-    present,
-    wrong_kind,
-)
+from ckpt_cli.formats.base import contained_path, file_size, open_stream, present, wrong_kind
 from ckpt_cli.formats.torchfile import contiguous_strides, parse_zip
 from ckpt_cli.formats.unpickler import (
     UNPICKLE_ERRORS,
@@ -38,10 +31,11 @@ from ckpt_cli.formats.unpickler import (
     safe_load,
 )
 from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, StorageRef, TensorInfo
-from ckpt_cli.storage import Handle
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ckpt_cli.storage import Handle
 
 METADATA = ".metadata"
 _DISTCP = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -334,7 +328,7 @@ def _read_objects(index: CheckpointIndex, base: Path, items: list[tuple[str, str
                 continue
             fd = fds.get(rel)
             if fd is None:
-                fd = fds[rel] = open_regular(base / rel)
+                fd = fds[rel] = storage.open_regular(base / rel)
             try:
                 tz = parse_zip(fd, off, length, f"{rel}@{off}")
             except CkptError as e:

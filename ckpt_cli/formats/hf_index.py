@@ -12,17 +12,10 @@ from typing import Any
 
 import orjson
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnknownFormatError
 from ckpt_cli.formats import provenance, safetensors, torchfile
-from ckpt_cli.formats.base import (
-    contained_path,
-    file_size,
-    not_regular,
-    present,
-    read_head,
-    read_small,
-    rel_to,
-)
+from ckpt_cli.formats.base import contained_path, file_size, present, read_head, read_small, rel_to
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json", ".pt.index.json")
@@ -181,7 +174,7 @@ def read_into(index: CheckpointIndex, index_file: Path, *, role: str = "shard",
     for shard, expected in shards.items():
         spath = base / shard
         srel = rel_to(spath, index.base)
-        special = not_regular(spath)
+        special = storage.not_regular(spath)
         if special is not None:
             index.add(Finding("error", "bad-shard", special, srel))
             unreadable.add(shard)

@@ -14,9 +14,8 @@ from typing import NamedTuple
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.formats import dcp, deepspeed, megatron, safetensors, torchfile
-from ckpt_cli.formats.base import open_regular
 from ckpt_cli.formats.names import FILE_EXTENSIONS, in_progress_reason
-from ckpt_cli.storage import Handle
+from ckpt_cli.storage import Handle, open_regular
 
 
 class Probe(NamedTuple):

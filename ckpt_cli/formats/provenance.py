@@ -115,7 +115,7 @@ def source_label(path: Path) -> str:
     Returns:
         The string to record.
     """
-    if storage.is_remote(path):
+    if not storage.has_file_system(path):
         return storage.redact(str(path))
     full = path.resolve()
     return full.name or str(full)

@@ -13,17 +13,19 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CorruptCheckpointError
 from ckpt_cli.formats import provenance
-from ckpt_cli.formats.base import open_regular, read_head, rel_to, wrong_kind
+from ckpt_cli.formats.base import read_head, rel_to, wrong_kind
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
-from ckpt_cli.storage import Handle
+
+if TYPE_CHECKING:
+    from ckpt_cli.storage import Handle
 
 MAX_HEADER = 100_000_000
 """Largest header accepted, as in the Rust reader (``HeaderTooLarge``)."""
@@ -87,7 +89,7 @@ def parse_header(path: Path, *, fd: Handle | None = None,
         CorruptCheckpointError: If there is no parseable header.
     """
     if fd is None or size is None:
-        h = open_regular(path)
+        h = storage.open_regular(path)
         try:
             return parse_header(path, fd=h, size=storage.size_of(h))
         finally:

@@ -31,7 +31,7 @@ from ckpt_cli.formats.base import read_full
 from ckpt_cli.formats.dcp import locate_chunk
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.storage import Handle
-from ckpt_cli.streaming import OpenFiles
+from ckpt_cli.storage.reads import OpenFiles
 
 WINDOW = 4096
 """Bytes sampled at each of a tensor's start, middle and end."""

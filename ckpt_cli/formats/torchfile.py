@@ -18,7 +18,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import (
@@ -27,14 +27,7 @@ from ckpt_cli.errors import (
     ZipConflictError,
 )
 from ckpt_cli.formats import allowlist, containers
-from ckpt_cli.formats.base import (
-    file_size,
-    open_regular,
-    open_stream,
-    read_head,
-    rel_to,
-    wrong_kind,
-)
+from ckpt_cli.formats.base import file_size, open_stream, read_head, rel_to, wrong_kind
 from ckpt_cli.formats.unpickler import (
     UNPICKLE_ERRORS,
     PickleResult,
@@ -48,7 +41,9 @@ from ckpt_cli.formats.unpickler import (
     unpickler_for,
 )
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, StorageRef, TensorInfo
-from ckpt_cli.storage import Handle, ObjectFile, Window
+
+if TYPE_CHECKING:
+    from ckpt_cli.storage import Handle, ObjectFile
 
 ZIP_MAGIC = b"PK\x03\x04"
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -116,7 +111,7 @@ def zip_entries(fd: Handle, start: int, length: int, where: str) -> dict[str, Zi
         CorruptCheckpointError: No or a malformed central directory, bad local headers.
     """
     try:
-        raw = io.BufferedReader(Window(fd, start, length))
+        raw = io.BufferedReader(storage.Window(fd, start, length))
         with zipfile.ZipFile(raw) as zf:
             infos = zf.infolist()
             end = zipfile._EndRecData(raw)  # type: ignore[attr-defined]
@@ -518,7 +513,7 @@ def _read_tar(path: Path, members: dict[str, tuple[int, int]]) -> PickleResult:
     decode this format's tensors.
     """
     result = PickleResult({})
-    fd = open_regular(path)
+    fd = storage.open_regular(path)
     try:
         for name, (offset, size) in members.items():
             raw = storage.pread(fd, min(size, _SCAN_LIMIT), offset)
@@ -600,7 +595,7 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, prefix: str) -> 
     head = read_head(path, 16)
     if head.startswith(ZIP_MAGIC):
         fmt = "torch"
-        fd = open_regular(path)
+        fd = storage.open_regular(path)
         try:
             tz = parse_zip(fd, 0, size, str(path))
             _zip_findings(index, tz, rel, fd)
@@ -929,7 +924,7 @@ def _read_legacy(path: Path, size: int) -> tuple[PickleResult, dict[str, int]]:
     if not isinstance(keys, list):
         raise CorruptCheckpointError("legacy storage key list is missing", path=path)
     starts: dict[str, int] = {}
-    fd = open_regular(path)
+    fd = storage.open_regular(path)
     try:
         for key in keys:
             hdr = storage.pread(fd, 8, pos)

@@ -25,11 +25,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.formats import allowlist
-from ckpt_cli.storage import Handle, Window
+
+if TYPE_CHECKING:
+    from ckpt_cli.storage import Handle
 
 
 def classify_global(qualname: str, *, dotted: bool = False) -> str:
@@ -780,7 +782,7 @@ def unpickler_for(data: bytes | io.BufferedIOBase, extra: dict[str, Any] | None 
         check_lengths(f.getvalue(), f.tell())
         return SafeUnpickler(f, extra, persistent)
     window = getattr(f, "raw", None)
-    if isinstance(window, Window) and window.start == 0:
+    if isinstance(window, storage.Window) and window.start == 0:
         # An object on a store: the walk reads through ranged reads, not the whole object.
         check_lengths(_PreadView(window.fd, window.length), f.tell())
         return SafeUnpickler(f, extra, persistent)

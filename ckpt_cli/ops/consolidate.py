@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import storage
-from ckpt_cli.atomic import check_not_input
 from ckpt_cli.cast import (
     CASTABLE,
     TARGETS,
@@ -56,7 +55,8 @@ from ckpt_cli.runs import (
     tree_stats,
 )
 from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, select_tensors
-from ckpt_cli.streaming import memory_budget
+from ckpt_cli.storage.atomic import check_not_input
+from ckpt_cli.storage.reads import memory_budget
 from ckpt_cli.tensors import TensorSource, split_pieces
 from ckpt_cli.units import natural_key
 from ckpt_cli.writers import (
@@ -190,7 +190,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
     followed = follow_pointer(src) if src.is_dir() else None
     if followed is not None:
         src = followed.path
-    if verify and storage.is_remote(out):
+    if verify and not storage.can_rename_atomically(out):
         raise UsageError("--verify re-reads the output before it is put in place, which an "
                          "object store's output cannot be yet",
                          hint=f"compare afterwards instead: ckpt diff {src} {out}")
@@ -214,7 +214,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
         check_overflow(stats, clamp)
         if verify and split is None:
             checked.append(_verify(tmp, job))
-        if manifest and tmp.is_dir() and split is None and not storage.is_remote(tmp):
+        if manifest and tmp.is_dir() and split is None and storage.can_rename_atomically(tmp):
             write_manifest(tmp)  # inside the directory, so it arrives with it
 
     split = None
@@ -227,7 +227,7 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
                                  before_commit=check, on_start=on_start, part=split,
                                  max_memory=max_memory)
         complete = write.part is None or write.part.finalized_here
-        if manifest and complete and (out.is_file() or storage.is_remote(out)):
+        if manifest and complete and (out.is_file() or not storage.can_rename_atomically(out)):
             # A single file's manifest sits beside it. On object storage a directory's comes
             # after its index (the commit marker, written last of the set), so it covers it.
             write_manifest(out)

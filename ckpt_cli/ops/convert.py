@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import dtypes, storage
-from ckpt_cli.atomic import check_not_input
 from ckpt_cli.cast import (
     CASTABLE,
     FP16_MAX,
@@ -48,7 +47,8 @@ from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.results import ConvertResult
 from ckpt_cli.runs import follow_pointer, is_run_dir
 from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, select_tensors
-from ckpt_cli.streaming import memory_budget
+from ckpt_cli.storage.atomic import check_not_input
+from ckpt_cli.storage.reads import memory_budget
 from ckpt_cli.tensors import TensorSource
 from ckpt_cli.writers import (
     FILE_SUFFIXES,

@@ -61,7 +61,7 @@ from ckpt_cli.formats.torchfile import role_of
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.results import Dequantized, DiffResult, MetaDiff, OnlyIn, Rename, TensorDiff
 from ckpt_cli.runs import Followed, follow_pointer, is_run_dir, list_run
-from ckpt_cli.streaming import PIECE_BYTES, Meter, default_jobs, memory_budget, run_bounded
+from ckpt_cli.storage.reads import PIECE_BYTES, Meter, default_jobs, memory_budget, run_bounded
 from ckpt_cli.tensors import TensorSource
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ def same_checkpoint(index_a: CheckpointIndex, index_b: CheckpointIndex) -> str |
         return None  # one file read as two formats (--format-a/--format-b) is two views
     ra, rb = index_a.root, index_b.root
     what = "directory" if ra.is_dir() else "file"
-    if storage.is_remote(ra) or storage.is_remote(rb):
+    if not (storage.has_file_system(ra) and storage.has_file_system(rb)):
         # Objects have no inodes: only the same URL is the same checkpoint.
         return f"A and B are the same URL, so the same {what}" if ra == rb else None
     if os.path.normpath(os.path.abspath(ra)) == os.path.normpath(os.path.abspath(rb)):

@@ -100,7 +100,7 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
     """
     policy.check()
     root_arg = storage.locate(path)
-    if storage.is_remote(root_arg):
+    if not storage.has_file_system(root_arg):  # keys, not directories: the prefix pruner
         remote = _prune_prefix(root_arg, policy, pattern=pattern, metrics_file=metrics_file,
                                dry_run=dry_run, any_dir=any_dir, confirm=confirm,
                                report=on_progress or (lambda _e: None), now=now)
@@ -329,7 +329,7 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         CkptError: The metrics file cannot be read.
     """
     facts = RunFacts()
-    remote = storage.is_remote(listing.root)
+    remote = not storage.has_file_system(listing.root)
     # Mount points inside the run directory (usually none: then no per-checkpoint work).
     points = [] if remote else mounts_inside(str(listing.root))
     real_root = str(listing.root) if remote else os.path.realpath(listing.root)

@@ -12,9 +12,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpt_cli.atomic import atomic_file
 from ckpt_cli.errors import CkptError, visible
 from ckpt_cli.model import Finding
+from ckpt_cli.storage.atomic import atomic_file
 
 if TYPE_CHECKING:
     from ckpt_cli.results import CheckResult, ValidateResult

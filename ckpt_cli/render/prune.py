@@ -44,14 +44,15 @@ def prune_doc(result: PruneResult) -> dict[str, Any]:
                      "metrics_file": str(result.metrics_file) if result.metrics_file else None}
     doc["newest_valid"] = plan.newest_valid
     doc["note"] = result.note
-    remote = storage.is_remote(result.path)
-    scheme = f"{str(result.path).split('://', 1)[0]}://" if remote else ""
+    remote = not storage.has_file_system(result.path)
+    root = result.path
     doc["object_store"] = None if not remote else {
         "versioned": result.versioned,
         "objects_to_delete": sum(len(k) for k in result.keys.values()),
-        "keys": {name: [scheme + k for k in keys] for name, keys in result.keys.items()},
-        "stale_uploads": [scheme + k for k, _ in result.stale_uploads],
-        "uploads_aborted": [scheme + k for k in result.uploads_aborted],
+        "keys": {name: [storage.key_url(root, k) for k in keys]
+                 for name, keys in result.keys.items()},
+        "stale_uploads": [storage.key_url(root, k) for k, _ in result.stale_uploads],
+        "uploads_aborted": [storage.key_url(root, k) for k in result.uploads_aborted],
     }
     doc["trash_removed"] = result.trash_removed
     doc["trash_failed"] = result.trash_failed

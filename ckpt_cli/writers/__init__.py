@@ -2,11 +2,12 @@
 
 Shared by ``convert`` and ``consolidate``. The caller describes each output tensor and how to
 produce its values (:class:`OutTensor`); the writer plans shards (:func:`plan_shards`), builds
-everything under a temporary sibling (:mod:`ckpt_cli.atomic`), streams one tensor at a time
-while a background thread reads and casts ahead within a memory budget, and renames the
+everything under a temporary sibling (:mod:`ckpt_cli.storage.atomic`), streams one tensor at a
+time while a background thread reads and casts ahead within a memory budget, and renames the
 result into place only when it is complete and fsynced. A tensor larger than a piece
-(:data:`ckpt_cli.streaming.PIECE_BYTES`) can be produced piece by piece (:attr:`OutTensor.pieces`),
-so memory stays within :data:`ckpt_cli.streaming.MEMORY_BUDGET` whatever one tensor's size.
+(:data:`ckpt_cli.storage.reads.PIECE_BYTES`) can be produced piece by piece
+(:attr:`OutTensor.pieces`), so memory stays within
+:data:`ckpt_cli.storage.reads.MEMORY_BUDGET` whatever one tensor's size.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING, Any, cast
 import orjson
 
 from ckpt_cli import dtypes, stages, storage
-from ckpt_cli.atomic import TMP_MARK, atomic_dir, atomic_file, fsync_path
 from ckpt_cli.errors import (
     CkptError,
     DestinationExistsError,
@@ -36,7 +36,8 @@ from ckpt_cli.errors import (
 from ckpt_cli.manifest import MANIFEST_NAME, manifest_path
 from ckpt_cli.parts import PartOutcome, fingerprint
 from ckpt_cli.shardplan import ShardPlan, plan_shards
-from ckpt_cli.streaming import MEMORY_BUDGET, PIECE_BYTES, memory_budget
+from ckpt_cli.storage.atomic import TMP_MARK, atomic_dir, atomic_file, fsync_path
+from ckpt_cli.storage.reads import MEMORY_BUDGET, PIECE_BYTES, memory_budget
 from ckpt_cli.writers.parts import PartJob, write_parted
 from ckpt_cli.writers.safetensors import header_bytes, write_all
 from ckpt_cli.writers.torchzip import TorchZipWriter
@@ -224,7 +225,7 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
         part: Write only this process's share of the shards, and finalize when every part
             is done (:mod:`ckpt_cli.writers.parts`).
         max_memory: Bytes of tensor data read and cast ahead of the writer (``--max-memory``;
-            default :data:`ckpt_cli.streaming.MEMORY_BUDGET`).
+            default :data:`ckpt_cli.storage.reads.MEMORY_BUDGET`).
 
     Returns:
         The :class:`WriteResult`.
@@ -256,7 +257,7 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
         _check_replaceable(dest)
     content_id = _content_id(fmt, tensors, plan, meta, aliases, side_files)
     ids = {f: _serialization_id(content_id, f) for f in plan.files}
-    remote = storage.is_remote(dest)
+    remote = not storage.can_rename_atomically(dest)  # then uploads, the marker last
     if remote and part is not None:
         raise UsageError("--part needs a local (shared) output directory for its receipts; "
                          "an output on object storage is written by one process for now")
@@ -550,9 +551,8 @@ def _write_shard(path: Path, fmt: str, tensors: Sequence[OutTensor], members: tu
     # short writes (Linux caps one write at ~2 GiB), so it gets a buffered file, whose write()
     # loops until everything is written. An object is an upload, whose writes are never short.
     expected = sum(tensors[i].nbytes for i in members)
-    out: Any = (storage.Upload(cast(storage.ObjectPath, path), expected=expected)
-                if storage.is_remote(path)
-                else open(path, "wb", buffering=0 if fmt == "safetensors" else -1))
+    out: Any = storage.create(path, expected=expected,
+                              buffering=0 if fmt == "safetensors" else -1)
     with out as f:
         flusher = _Flusher(f)
         if fmt == "safetensors":
@@ -739,7 +739,7 @@ class _Prefetch:
     Args:
         tensors: What to produce, in order.
         budget: Bytes of produced, unwritten pieces (default
-            :data:`ckpt_cli.streaming.MEMORY_BUDGET`).
+            :data:`ckpt_cli.storage.reads.MEMORY_BUDGET`).
     """
 
     def __init__(self, tensors: Sequence[OutTensor], budget: int | None = None):

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli.atomic import fsync_path, fsync_tree, replace_dir
 from ckpt_cli.errors import DestinationExistsError
 from ckpt_cli.manifest import manifest_path
 from ckpt_cli.parts import (
@@ -35,6 +34,7 @@ from ckpt_cli.parts import (
     fingerprint,
     staging_dir,
 )
+from ckpt_cli.storage.atomic import fsync_path, fsync_tree, replace_dir
 
 if TYPE_CHECKING:
     from ckpt_cli.shardplan import ShardPlan

@@ -84,7 +84,7 @@ from ckpt_cli.runs import (
     list_run,
     run_entry,
 )
-from ckpt_cli.streaming import (
+from ckpt_cli.storage.reads import (
     BUFFER_SIZE,
     MEMORY_BUDGET,
     OpenFiles,

@@ -35,7 +35,7 @@ from ckpt_cli.formats.unpickler import TensorRecord, scan_globals
 from ckpt_cli.model import CheckpointIndex, Chunk, Finding, TensorInfo
 from ckpt_cli.ops.validate.zipcheck import CrcTask, ZipReport, check_zip, crc_tasks
 from ckpt_cli.storage import Handle
-from ckpt_cli.streaming import OpenFiles
+from ckpt_cli.storage.reads import OpenFiles
 
 _DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
 

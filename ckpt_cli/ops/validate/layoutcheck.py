@@ -299,7 +299,7 @@ def leftover_findings(path: Path, *, ignore: str | None = None) -> list[Finding]
         siblings = []
     found.extend(Finding("warning", "leftover", leftover_message(name), f"../{name}")
                  for name in sorted(siblings))
-    if storage.is_remote(path):
+    if storage.has_multipart_uploads(path):
         found.extend(_unfinished_uploads(cast(storage.ObjectPath, path)))
     return found
 

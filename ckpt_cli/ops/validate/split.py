@@ -30,7 +30,7 @@ from ckpt_cli.ops.validate.dcpcheck import DcpReport
 from ckpt_cli.ops.validate.valuecheck import TensorValues, value_file
 from ckpt_cli.ops.validate.zipcheck import CrcTask
 from ckpt_cli.parts import assign, source_identity
-from ckpt_cli.streaming import ProgressFn
+from ckpt_cli.storage.reads import ProgressFn
 
 RECEIPT_VERSION = 1
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.formats import allowlist, torchfile
-from ckpt_cli.formats.base import open_regular, rel_to
+from ckpt_cli.formats.base import rel_to
 from ckpt_cli.model import CheckpointIndex, Finding
+from ckpt_cli.storage import open_regular
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
 _CODES = ("unsafe-global", "unknown-global", "unscanned-pickle", "torchscript-archive")

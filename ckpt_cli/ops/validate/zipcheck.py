@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ckpt_cli import storage
 from ckpt_cli.model import Finding, Severity
 from ckpt_cli.storage import Handle
-from ckpt_cli.streaming import (
+from ckpt_cli.storage.reads import (
     BUFFER_SIZE,
     Meter,
     ProgressFn,

@@ -1,4 +1,5 @@
-"""Reading every byte of large files: bounded memory, parallel threads, progress.
+"""Reading every byte of large files: bounded memory, parallel threads, progress; the pools
+that run such work and the memory budget tensor pipelines keep to.
 
 ``validate``'s CRC-32 pass and the integrity manifest read whole checkpoints. Both stream byte
 ranges through small reusable buffers with positioned reads (``os.preadv``), so memory is a
@@ -19,10 +20,10 @@ from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadP
 from pathlib import Path
 from typing import TypeVar
 
-from ckpt_cli import stages, storage
+from ckpt_cli import stages
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
-from ckpt_cli.formats.base import open_regular
-from ckpt_cli.storage import Handle
+from ckpt_cli.storage import access
+from ckpt_cli.storage.access import Handle
 
 _crc32_combine: Callable[[int, int, int], int] | None
 try:  # ISA-L's CRC-32 (x86 PCLMUL / ARM PMULL) is ~20x zlib's; zlib is the fallback.
@@ -120,7 +121,7 @@ def crc32_range(fd: Handle, offset: int, length: int, piece: int = 16 << 20) -> 
     buf = memoryview(bytearray(min(length, piece)))
     value, done = 0, 0
     while done < length:
-        n = storage.readinto(fd, buf[:min(len(buf), length - done)], offset + done)
+        n = access.readinto(fd, buf[:min(len(buf), length - done)], offset + done)
         if n <= 0:
             return None
         value = crc32(buf[:n], value)
@@ -188,7 +189,7 @@ def read_range(fd: Handle, start: int, length: int, buf: bytearray, meter: Meter
     while off < end:
         try:
             with stages.stage("read"):
-                n = storage.readinto(fd, mv[:min(len(mv), end - off)], off)
+                n = access.readinto(fd, mv[:min(len(mv), end - off)], off)
         except OSError as e:
             raise CkptError(f"cannot read at byte {off:,}: {e.strerror}", path=path) from None
         if n <= 0:
@@ -345,14 +346,14 @@ class OpenFiles:
         """
         fd = self._fds.get(path)
         if fd is None:
-            fd = open_regular(path, name)
+            fd = access.open_regular(path, name)
             self._fds[path] = fd
         return fd
 
     def close(self) -> None:
         """Close every descriptor."""
         while self._fds:
-            storage.close(self._fds.popitem()[1])
+            access.close(self._fds.popitem()[1])
 
     def __enter__(self) -> OpenFiles:
         return self
