@@ -188,13 +188,7 @@ def read_head(path: Path, n: int) -> bytes:
     Raises:
         CkptError: If the file cannot be opened or is not a regular file.
     """
-    fd = storage.open_regular(path)
-    try:
-        return storage.pread(fd, n, 0)
-    except OSError as e:
-        raise CkptError(f"cannot read: {e.strerror}", path=path) from None
-    finally:
-        storage.close(fd)
+    return read_small(path, n)  # the same read: up to n bytes from the start
 
 
 def contained_path(base: Path, rel: str, *, what: str, source: Path) -> Path:
