@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from ckpt_cli import fp8
 from tests.conftest import run_cli, third_party_quiet
+from tests.helpers.makers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 ct = pytest.importorskip("compressed_tensors")
@@ -39,14 +40,7 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama saved by transformers: q/o 256x256, k/v 128x256, gate/up 400x256 and
     down 256x400 (400: partial 128-blocks), untied lm_head 320x256."""
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=400,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    out = tmp_path_factory.mktemp("llama") / "src"
-    model.save_pretrained(out)
-    return out
+    return tiny_llama(tmp_path_factory.mktemp("llama") / "src", 400)
 
 
 @pytest.fixture(scope="module")

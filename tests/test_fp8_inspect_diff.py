@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from ckpt_cli import fp8
 from tests.conftest import run_cli
+from tests.helpers.makers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.requires_torch
@@ -27,14 +28,7 @@ LAYOUTS = ("block", "channel", "tensor")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama saved by transformers in FP32: 256-wide attention (whole 128-blocks),
     400-wide MLP (left unquantized in the block layout), untied lm_head."""
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=400,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    out = tmp_path_factory.mktemp("llama") / "src"
-    model.save_pretrained(out)
-    return out
+    return tiny_llama(tmp_path_factory.mktemp("llama") / "src", 400)
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from ckpt_cli import storage
 from tests.conftest import run_cli
 from tests.helpers import s3
+from tests.helpers.makers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.requires_torch,
@@ -32,14 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama saved by transformers in FP32 (256-wide attention, 512-wide MLP: every
     Linear weight holds whole 128x128 blocks)."""
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    out = tmp_path_factory.mktemp("llama") / "src"
-    model.save_pretrained(out)
-    return out
+    return tiny_llama(tmp_path_factory.mktemp("llama") / "src", 512)
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,21 @@ def hf_sharded(out: Path, sd: dict[str, torch.Tensor], max_shard_size: int) -> N
     save_torch_state_dict(sd, out, max_shard_size=max_shard_size)
 
 
+def tiny_llama(out: Path, intermediate_size: int = 400) -> Path:
+    """A tiny Llama saved by transformers in FP32 to ``out``: 256-wide attention (whole
+    128-blocks), an MLP ``intermediate_size`` wide (400: partial 128-blocks), untied lm_head
+    320x256. Returns ``out``."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=256,
+                                   intermediate_size=intermediate_size, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
 def tiny_lm_data() -> Any:
     """32 token sequences of length 16 over a 64-token vocabulary (inputs are labels): what the
     tiny GPT-2 Trainer runs of the tests train on."""
