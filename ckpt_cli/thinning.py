@@ -1,7 +1,8 @@
 """Thinning: rewrite old training checkpoints in place without their optimizer state.
 
 ``prune --thin-after K`` keeps the newest K counted checkpoints whole (see
-:mod:`ckpt_cli.retention`); older ones that stay keep their weights and training metadata (step,
+:mod:`ckpt_cli.ops.prune.retention`); older ones that stay keep their weights and training
+metadata (step,
 epoch, loops, scheduler, RNG) but lose the optimizer state, which is most of a training
 checkpoint's bytes (Adam: two FP32 moments per parameter). ``--thin-to bf16`` also casts the
 floating-point weights to BF16. ``--keep-full-every N`` keeps checkpoints whose step is a multiple
@@ -329,8 +330,8 @@ def _work_name(path: Path) -> Path:
     name of prune's trash (``.ckpt-trash-NAME.thin-*``), which no reader takes for a checkpoint
     and which the next prune removes when a kill left it behind. Only prune thins, under its
     lock, so no other prune removes it while it is being written."""
-    from ckpt_cli.deletion import fit_name
     from ckpt_cli.formats.names import TRASH_PREFIX
+    from ckpt_cli.ops.prune.deletion import fit_name
 
     return path.parent / fit_name(f"{TRASH_PREFIX}{path.name}", f".thin-{uuid.uuid4().hex[:8]}")
 

@@ -22,7 +22,7 @@ import torch
 
 from ckpt_cli.ops import prune as prune_ops
 from ckpt_cli.ops.prune import PruneEvent, prune
-from ckpt_cli.retention import PrunePlan, PrunePolicy
+from ckpt_cli.ops.prune.retention import PrunePlan, PrunePolicy
 from ckpt_cli.runs import list_run
 from tests.conftest import Golden, requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.golden import safetensors_run, stable

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ckpt_cli.results import ConsolidateResult
+    from ckpt_cli.ops.consolidate import ConsolidateResult
 
 
 def show(r: ConsolidateResult, *, json: bool, quiet: bool) -> None:

@@ -14,7 +14,7 @@ sides are :class:`~ckpt_cli.model.CheckpointIndex` objects. Steps:
    but only when that makes more names match. Every rename is reported.
 3. **Structure.** Tensors only in A or only in B (a tied alias that one side omits is noted,
    not counted as a difference), shape changes, dtype changes.
-4. **Values.** Each common pair is streamed block by block (:mod:`ckpt_cli.compare`). A
+4. **Values.** Each common pair is streamed block by block (:mod:`ckpt_cli.ops.diff.compare`). A
    weight stored in FP8 with a scale (``X.weight`` + ``X.weight_scale_inv``/``weight_scale``/
    ``scale_weight``, see :mod:`ckpt_cli.fp8_scheme`) is dequantized first (``w * scale`` in
    FP32), on either side or both, one pair at a time; its scales are not compared on their
@@ -32,20 +32,10 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes, fp8_scheme, storage
-from ckpt_cli.compare import (
-    BLOCK_ELEMENTS,
-    EXACT,
-    DiffStats,
-    Tolerance,
-    compare_arrays,
-    compare_values,
-    default_tolerance,
-)
 from ckpt_cli.errors import (
     CkptError,
     OutOfMemoryError,
@@ -59,7 +49,23 @@ from ckpt_cli.formats.containers import group_of
 from ckpt_cli.formats.provenance import is_provenance
 from ckpt_cli.formats.torchfile import role_of
 from ckpt_cli.model import CheckpointIndex, TensorInfo
-from ckpt_cli.results import Dequantized, DiffResult, MetaDiff, OnlyIn, Rename, TensorDiff
+from ckpt_cli.ops.diff.compare import (
+    EXACT,
+    DiffStats,
+    Tolerance,
+    compare_arrays,
+    compare_values,
+    default_tolerance,
+)
+from ckpt_cli.ops.diff.result import (
+    Dequantized,
+    DiffResult,
+    MetaDiff,
+    OnlyIn,
+    Rename,
+    TensorDiff,
+)
+from ckpt_cli.ops.diff.result import DiffOptions as DiffOptions  # re-exported: the public name
 from ckpt_cli.runs import Followed, follow_pointer, is_run_dir, list_run
 from ckpt_cli.streaming import PIECE_BYTES, Meter, default_jobs, memory_budget, run_bounded
 from ckpt_cli.tensors import TensorSource
@@ -81,33 +87,6 @@ STATUSES: tuple[str, ...] = ("identical", "within_tolerance", "changed", "shape_
 
 ProgressFn = Callable[[int, int], None]
 """``on_progress(bytes_done, bytes_total)``."""
-
-
-@dataclass(frozen=True, slots=True)
-class DiffOptions:
-    """What to compare and how.
-
-    Attributes:
-        everything: Compare every tensor (optimizer, RNG, ...), not only model weights/buffers.
-        values: Compare values (False: names, shapes and dtypes only).
-        rtol: Relative tolerance for floats (None: the default for the pair's dtypes).
-        atol: Absolute tolerance for floats (None: likewise).
-        strip_prefixes: Prefixes removed from names on both sides, in order, before matching.
-        auto_names: Strip well-known wrapper prefixes where that makes more names match.
-        metadata: Compare non-tensor values (step, epoch, lr, hyper-parameters...).
-        filter_glob: Only tensors whose (normalised) name matches this shell pattern.
-        block: Elements per block when comparing values.
-    """
-
-    everything: bool = False
-    values: bool = True
-    rtol: float | None = None
-    atol: float | None = None
-    strip_prefixes: tuple[str, ...] = ()
-    auto_names: bool = True
-    metadata: bool = True
-    filter_glob: str | None = None
-    block: int = BLOCK_ELEMENTS
 
 
 def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,

@@ -7,7 +7,7 @@ The order of work, and why:
 2. Take ``.ckpt-prune.lock`` with ``flock`` (not for ``dry_run``), so two prunes never race.
 3. List the run directory, gather facts by reading files (lock files, quick validation of the
    newest checkpoints, metric values, HF Trainer's best checkpoint), and let the pure
-   :func:`ckpt_cli.retention.plan_prune` decide.
+   :func:`ckpt_cli.ops.prune.retention.plan_prune` decide.
 4. Stop for ``dry_run``; ask ``confirm`` (the CLI's prompt) when given.
 5. Finish the trash an interrupted prune left, then for each checkpoint to delete: re-check it
    (it may have changed since planning), rename it out of the checkpoint namespace to
@@ -15,7 +15,7 @@ The order of work, and why:
    only after all renames are durable (``fsync`` of the directory) remove the trash. A crash
    leaves trash that no reader mistakes for a checkpoint and that the next prune removes, never
    a half-deleted checkpoint under its own name. The renames and removals themselves are
-   :mod:`ckpt_cli.deletion`; metric values come from :mod:`ckpt_cli.run_metrics`.
+   :mod:`ckpt_cli.ops.prune.deletion`; metric values come from :mod:`ckpt_cli.ops.prune.metrics`.
 
 Nothing here prints or prompts; progress goes to ``on_progress``.
 """
@@ -33,21 +33,21 @@ from pathlib import Path
 from typing import cast
 
 from ckpt_cli import storage
-from ckpt_cli.deletion import (
+from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.formats import check_exists, read_index
+from ckpt_cli.formats.names import TRASH_PREFIX
+from ckpt_cli.ledger import read_ledger
+from ckpt_cli.model import POINTER_UNREADABLE, RunEntry, RunListing
+from ckpt_cli.ops.prune.deletion import (
     HeldDir,
     mounts_inside,
     put_back,
     remove_child,
     trash_name,
 )
-from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.formats import check_exists, read_index
-from ckpt_cli.formats.names import TRASH_PREFIX
-from ckpt_cli.ledger import read_ledger
-from ckpt_cli.model import POINTER_UNREADABLE, RunEntry, RunListing
-from ckpt_cli.ops.validate.layoutcheck import rank_findings
-from ckpt_cli.results import Outcome, PruneEvent, PruneResult
-from ckpt_cli.retention import (
+from ckpt_cli.ops.prune.metrics import metric_values, trainer_state
+from ckpt_cli.ops.prune.result import Outcome, PruneEvent, PruneResult
+from ckpt_cli.ops.prune.retention import (
     Decision,
     PrunePlan,
     PrunePolicy,
@@ -56,7 +56,7 @@ from ckpt_cli.retention import (
     pointer_protections,
     ranked_entries,
 )
-from ckpt_cli.run_metrics import metric_values, trainer_state
+from ckpt_cli.ops.validate.layoutcheck import rank_findings
 from ckpt_cli.runs import (
     LOCK_SUFFIX,
     POINTER_FILES,
@@ -80,7 +80,7 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
 
     Args:
         path: The run directory.
-        policy: What to keep (see :class:`~ckpt_cli.retention.PrunePolicy`).
+        policy: What to keep (see :class:`~ckpt_cli.ops.prune.retention.PrunePolicy`).
         pattern: A regex that overrides checkpoint-name recognition.
         metrics_file: A CSV, JSON or JSON-lines file of metrics by step (for ``keep_best``).
         dry_run: Plan only; change nothing and take no lock.
@@ -311,7 +311,7 @@ def _locked(root: Path) -> Iterator[None]:
 
 def gather_facts(listing: RunListing, policy: PrunePolicy,
                  metrics_file: str | Path | None = None) -> RunFacts:
-    """Read what :func:`~ckpt_cli.retention.plan_prune` needs from the files.
+    """Read what :func:`~ckpt_cli.ops.prune.retention.plan_prune` needs from the files.
 
     Quick validation walks from the newest checkpoint back and stops at the first complete one
     that reads without errors, so it reads one or a few checkpoints' headers, not all.
@@ -322,7 +322,7 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         metrics_file: An explicit metrics file, if any.
 
     Returns:
-        The :class:`~ckpt_cli.retention.RunFacts`.
+        The :class:`~ckpt_cli.ops.prune.retention.RunFacts`.
 
     Raises:
         UsageError: ``keep_best`` and no checkpoint has a value for the metric.
@@ -407,7 +407,7 @@ def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
                   report: Callable[[PruneEvent], None], now: float | None) -> PruneResult:
     """:func:`prune` of a run directory on object storage, with the same rules.
 
-    The plan is the same pure :func:`~ckpt_cli.retention.plan_prune` of the same listing
+    The plan is the same pure :func:`~ckpt_cli.ops.prune.retention.plan_prune` of the same listing
     (newest valid kept, in-progress and too-recent checkpoints kept, ``latest`` pointers
     honoured). An object store has no locks and no rename, so the deletion differs: each
     checkpoint is re-listed right before it goes (any change since planning keeps it), only
