@@ -495,14 +495,14 @@ def _thin_dcp_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | No
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from ckpt_cli.cast import cast_array
     from ckpt_cli.formats import read_index
     from ckpt_cli.formats.base import open_regular, read_full
     from ckpt_cli.formats.dcp import metadata_file, parse_metadata, storage_map
     from ckpt_cli.manifest import MANIFEST_NAME
     from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.tensors.cast import cast_array
+    from ckpt_cli.tensors.source import TensorSource
 
     meta = metadata_file(path)
     if meta is None:
@@ -586,7 +586,7 @@ def _thin_hf_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | Non
     with or without that file, complete either way: the Trainer resumes with a fresh optimizer
     when the file is absent). With ``to="bf16"``: a copy of the directory is built beside it
     (unchanged files hard-linked, the ``model*.safetensors`` weights cast to BF16 with
-    :mod:`ckpt_cli.cast`, ``config.json``'s dtype and the index's ``total_size`` updated, no
+    :mod:`ckpt_cli.tensors.cast`, ``config.json``'s dtype and the index's ``total_size`` updated, no
     optimizer file) and swapped in with one atomic exchange.
     """
     from ckpt_cli.ops.prune import quick_validate
@@ -673,9 +673,9 @@ def _safetensors_to_bf16(src: Path, dest: Path) -> int:
     memory at a time); returns the bytes of tensor data written."""
     import numpy as np
 
-    from ckpt_cli.cast import cast_array
     from ckpt_cli.formats import read_index
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.tensors.cast import cast_array
+    from ckpt_cli.tensors.source import TensorSource
     from ckpt_cli.writers.safetensors import header_bytes, write_all
 
     index = read_index(src)

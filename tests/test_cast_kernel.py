@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_cli import cast, streaming
+from ckpt_cli import streaming
+from ckpt_cli.tensors import cast
 
 pytestmark = pytest.mark.requires_torch
 

@@ -18,7 +18,7 @@ from ckpt_cli.formats import read_index
 from ckpt_cli.ops.diff import DiffOptions, diff
 from ckpt_cli.ops.diff.compare import EXACT, compare_values, default_tolerance, work_dtype
 from ckpt_cli.ops.diff.result import DiffResult
-from ckpt_cli.tensors import TensorSource
+from ckpt_cli.tensors.source import TensorSource
 
 pytestmark = pytest.mark.requires_torch
 

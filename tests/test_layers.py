@@ -129,8 +129,8 @@ RENDER_KNOWN = {("ckpt_cli.render.prune", "ckpt_cli.storage"),
                 ("ckpt_cli.render.prune", "ckpt_cli.ops.prune.retention"),
                 ("ckpt_cli.render.junit", "ckpt_cli.atomic"),
                 ("ckpt_cli.render.junit", "ckpt_cli.storage"),
-                ("ckpt_cli.render.convert", "ckpt_cli.cast"),
-                ("ckpt_cli.render.consolidate", "ckpt_cli.cast"),
+                ("ckpt_cli.render.convert", "ckpt_cli.tensors.cast"),
+                ("ckpt_cli.render.consolidate", "ckpt_cli.tensors.cast"),
                 ("ckpt_cli.render.validate", "ckpt_cli.parts"),
                 ("ckpt_cli.render.diff", "ckpt_cli.fp8_scheme")}
 

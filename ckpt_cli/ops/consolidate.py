@@ -25,16 +25,6 @@ import orjson
 
 from ckpt_cli import storage
 from ckpt_cli.atomic import check_not_input
-from ckpt_cli.cast import (
-    CASTABLE,
-    TARGETS,
-    CastPlan,
-    CastStats,
-    check_overflow,
-    choice,
-    piece_caster,
-    prefer_torch,
-)
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
@@ -54,9 +44,19 @@ from ckpt_cli.runs import (
     read_pointer,
     tree_stats,
 )
-from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, select_tensors
 from ckpt_cli.streaming import memory_budget
-from ckpt_cli.tensors import TensorSource, split_pieces
+from ckpt_cli.tensors.cast import (
+    CASTABLE,
+    TARGETS,
+    CastPlan,
+    CastStats,
+    check_overflow,
+    choice,
+    piece_caster,
+    prefer_torch,
+)
+from ckpt_cli.tensors.select import Selection, hostile_warning, hostile_warnings, select_tensors
+from ckpt_cli.tensors.source import TensorSource, split_pieces
 from ckpt_cli.units import natural_key
 from ckpt_cli.writers import (
     FILE_SUFFIXES,

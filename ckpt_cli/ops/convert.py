@@ -25,17 +25,6 @@ import orjson
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.atomic import check_not_input
-from ckpt_cli.cast import (
-    CASTABLE,
-    FP16_MAX,
-    TARGETS,
-    CastPlan,
-    CastStats,
-    cast_array,
-    check_overflow,
-    piece_caster,
-    prefer_torch,
-)
 from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged
@@ -46,9 +35,20 @@ from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 from ckpt_cli.ops import convert_fp8
 from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.runs import follow_pointer, is_run_dir
-from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, select_tensors
 from ckpt_cli.streaming import memory_budget
-from ckpt_cli.tensors import TensorSource
+from ckpt_cli.tensors.cast import (
+    CASTABLE,
+    FP16_MAX,
+    TARGETS,
+    CastPlan,
+    CastStats,
+    cast_array,
+    check_overflow,
+    piece_caster,
+    prefer_torch,
+)
+from ckpt_cli.tensors.select import Selection, hostile_warning, hostile_warnings, select_tensors
+from ckpt_cli.tensors.source import TensorSource
 from ckpt_cli.writers import (
     FILE_SUFFIXES,
     SIDE_FILES,

@@ -36,8 +36,8 @@ def _emit_json(r: ConsolidateResult) -> None:
 
 
 def _render(r: ConsolidateResult, quiet: bool) -> None:
-    from ckpt_cli.cast import kept_summary
     from ckpt_cli.render import human
+    from ckpt_cli.tensors.cast import kept_summary
 
     out = human.stdout()
     after = len(r.write.files)

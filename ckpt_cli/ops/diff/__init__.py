@@ -68,7 +68,7 @@ from ckpt_cli.ops.diff.result import (
 from ckpt_cli.ops.diff.result import DiffOptions as DiffOptions  # re-exported: the public name
 from ckpt_cli.runs import Followed, follow_pointer, is_run_dir, list_run
 from ckpt_cli.streaming import PIECE_BYTES, Meter, default_jobs, memory_budget, run_bounded
-from ckpt_cli.tensors import TensorSource
+from ckpt_cli.tensors.source import TensorSource
 
 if TYPE_CHECKING:
     import numpy as np
