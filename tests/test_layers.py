@@ -34,6 +34,14 @@ def _modules() -> list[tuple[str, Path]]:
     return out
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` names, relative imports resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+    return f"{base}.{node.module}" if node.module else base
+
+
 def _imports(name: str, path: Path) -> list[tuple[str, bool]]:
     """``(imported module, at module level)`` for every import of ``path``."""
     tree = ast.parse(path.read_text())
@@ -45,11 +53,7 @@ def _imports(name: str, path: Path) -> list[tuple[str, bool]]:
         if isinstance(node, ast.Import):
             found += [(a.name, id(node) in top) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                mod = f"{base}.{node.module}" if node.module else base
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, package)
             found.append((mod, id(node) in top))
             # "from ckpt_cli import ties" imports a module too
             found += [(f"{mod}.{a.name}", id(node) in top) for a in node.names
@@ -175,11 +179,7 @@ def _module_edges(name: str, path: Path, names: set[str], typing: bool) -> set[s
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                mod = f"{base}.{node.module}" if node.module else base
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, package)
             for a in node.names:
                 out.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in names else mod)
     # The package root (ckpt_cli/__init__.py) runs before any submodule: not an edge.
