@@ -14,8 +14,10 @@ The order of work, and why:
    ``.ckpt-trash-<name>``, check it again and put it back if it changed while being moved, and
    only after all renames are durable (``fsync`` of the directory) remove the trash. A crash
    leaves trash that no reader mistakes for a checkpoint and that the next prune removes, never
-   a half-deleted checkpoint under its own name. The renames and removals themselves are
-   :mod:`ckpt_cli.ops.prune.deletion`; metric values come from :mod:`ckpt_cli.ops.prune.metrics`.
+   a half-deleted checkpoint under its own name. This step is :mod:`ckpt_cli.ops.prune.local`
+   (a prefix on object storage: :mod:`ckpt_cli.ops.prune.objects`); the renames and removals
+   themselves are :mod:`ckpt_cli.ops.prune.deletion`; metric values come from
+   :mod:`ckpt_cli.ops.prune.metrics`.
 
 Nothing here prints or prompts; progress goes to ``on_progress``.
 """
