@@ -60,7 +60,7 @@ save_file(out, sys.argv[2], metadata={"format": "pt"})
 # ckpt with torch's cast kernels whatever the size (the evidence for cast.TORCH_WORTH_IT).
 TORCH_CAST = """
 import sys
-from ckpt_cli import cast
+from ckpt_cli.tensors import cast
 cast.TORCH_WORTH_IT = 0
 from ckpt_cli.cli.app import main
 sys.argv[0] = "ckpt"

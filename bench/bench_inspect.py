@@ -2,6 +2,9 @@
 
 Peer: ``torch.load(path, mmap=True, weights_only=True, map_location="cpu")`` and a walk that
 counts parameters. Both run as fresh processes (import time included, as for a user).
+Beside the big file's times: what ``inspect --json`` spends importing (``python -X importtime``:
+all imports, and ckpt_cli's own modules' share) and how many ckpt_cli modules it and
+``ckpt --help`` load; inspect should import no writer, no retention, no storage client.
 Also: inspect of a DCP directory and of a run directory at growing file counts (the cost per
 file must stay flat), and of a run directory of 20,000 small checkpoints (target: at most 2 s)
 against a plain listing (scandir + stat of every entry) and, with
@@ -14,12 +17,15 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 from bench._common import (
     DATA,
     PY,
+    child_env,
     ckpt_argv,
     human_bytes,
     in_subprocess,
@@ -59,7 +65,57 @@ def bench_big_file(quick: bool) -> None:
         ("speed-up (peer / ckpt)", f"{peer.seconds / ours.seconds:.1f}x  (target >= 8x)"),
         ("parameters (ckpt / peer)", f"{ours_params:,} / {peer_params:,}  "
                                      f"{'same' if ours_params == peer_params else 'DIFFERENT'}"),
+        *import_rows(path),
     ])
+
+
+def import_time(*args: str, repeat: int = 5) -> tuple[float, float, int]:
+    """``python -X importtime -m ckpt_cli ARGS``: the median over ``repeat`` runs of the time
+    spent importing (all top-level imports, cumulative) and of ckpt_cli's own modules' share
+    (their self time), and how many ckpt_cli modules were imported."""
+    totals, own, count = [], [], 0
+    for _ in range(repeat):
+        p = subprocess.run([PY, "-X", "importtime", "-m", "ckpt_cli", *args], env=child_env(),
+                           capture_output=True, text=True, check=False)
+        total = mine = 0
+        modules = set()
+        for line in p.stderr.splitlines():
+            if not line.startswith("import time:") or "self [us]" in line:
+                continue
+            self_us, cumulative, raw = line[len("import time:"):].split("|")
+            name = raw[1:]
+            if not name.startswith(" "):  # a top-level import: its cumulative time counts
+                total += int(cumulative)
+            if name.strip().split(".")[0] == "ckpt_cli":
+                mine += int(self_us)
+                modules.add(name.strip())
+        totals.append(total / 1e6)
+        own.append(mine / 1e6)
+        count = len(modules)
+    return statistics.median(totals), statistics.median(own), count
+
+
+HELP_MODULES = """
+import runpy, sys
+sys.argv = ["ckpt", "--help"]
+try:
+    runpy.run_module("ckpt_cli", run_name="__main__")
+except SystemExit:
+    pass
+print(sum(1 for m in sys.modules if m == "ckpt_cli" or m.startswith("ckpt_cli.")),
+      file=sys.stderr)
+"""
+
+
+def import_rows(path: Path) -> list[tuple[str, str]]:
+    """Rows for :func:`report`: what ``inspect --json PATH`` and ``--help`` import."""
+    total, own, count = import_time("inspect", "--json", str(path))
+    p = subprocess.run([PY, "-c", HELP_MODULES], env=child_env(), capture_output=True,
+                       text=True, check=False)
+    help_count = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "?"
+    return [("imports (-X importtime, median)", f"{total:.3f} s, of it ckpt_cli's own "
+                                                f"{own:.3f} s; {count} ckpt_cli modules"),
+            ("ckpt --help loads", f"{help_count} ckpt_cli modules")]
 
 
 def _dcp_dir(n_files: int) -> Path:

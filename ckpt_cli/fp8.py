@@ -334,7 +334,7 @@ def _run(jobs: list[Callable[[], None]], nbytes: int, stage: str = "quantize") -
     """Run ``jobs`` on the cast threads (inline when one thread or one job), their time
     counted as ``stage`` (see :mod:`ckpt_cli.stages`)."""
     from ckpt_cli import stages
-    from ckpt_cli.cast import cast_pool, cast_threads
+    from ckpt_cli.tensors.cast import cast_pool, cast_threads
 
     each = nbytes // max(1, len(jobs))
 
@@ -358,7 +358,7 @@ def _tensor_amax(pieces: Iterator[np.ndarray]) -> np.ndarray:
     """The per-tensor layout's first pass: the largest ``|x|`` over all pieces, as bits."""
     import numpy as np
 
-    from ckpt_cli.cast import cast_threads
+    from ckpt_cli.tensors.cast import cast_threads
 
     best = np.zeros(1, dtype=np.uint32)
     for p in pieces:
@@ -496,7 +496,7 @@ def _dequantize_rows(w8: np.ndarray, lut: np.ndarray, s: np.ndarray, out: np.nda
     ``out`` (``dst``), a few rows per pass."""
     import numpy as np
 
-    from ckpt_cli.cast import f32_to_f16
+    from ckpt_cli.tensors.cast import f32_to_f16
 
     rows, cols = w8.shape
     step = _rows_per_pass(rows, cols)
@@ -555,8 +555,8 @@ def dequantize(weight: np.ndarray, scale: np.ndarray, dst: str) -> np.ndarray:
     """``weight * scale`` in FP32 (the scale broadcast per tensor, row or 128x128 block),
     rounded once to ``dst`` (``BF16``, ``F16``, ``F32``): bit for bit torch's
     ``(w.float() * s).to(dst)`` for every value but NaN (whose bits are numpy's, as in every
-    cast, see :mod:`ckpt_cli.cast`). numpy in row blocks on the cast threads; memory holds the
-    output and a few rows of FP32, not the FP32 product and the repeated scale whole."""
+    cast, see :mod:`ckpt_cli.tensors.cast`). numpy in row blocks on the cast threads; memory
+    holds the output and a few rows of FP32, not the FP32 product and the repeated scale whole."""
     import numpy as np
 
     from ckpt_cli import dtypes
@@ -731,7 +731,7 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
     import numpy as np
 
     from ckpt_cli.model import Finding
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.tensors.source import TensorSource
 
     tensors = index.tensors
     weights = [t for t in tensors.values() if t.dtype in ("F8_E4M3", "F8_E5M2")]

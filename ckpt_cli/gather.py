@@ -3,7 +3,7 @@
 ``consolidate`` and ``convert`` both take a ZeRO 1/2/3 checkpoint: the plan
 (:func:`ckpt_cli.formats.zero.plan_zero`) says where each parameter's pieces lie in the rank
 files, and each output tensor is gathered with positioned reads when the writer asks for it,
-cast on the way (:mod:`ckpt_cli.cast`). No rank's optimizer state is ever loaded whole.
+cast on the way (:mod:`ckpt_cli.tensors.cast`). No rank's optimizer state is ever loaded whole.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli.cast import CastStats, cast_array, piece_caster
 from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import ParamPlan, PieceReader, ZeroPlan, plan_zero
-from ckpt_cli.tensors import split_pieces
+from ckpt_cli.tensors.cast import CastStats, cast_array, piece_caster
+from ckpt_cli.tensors.source import split_pieces
 from ckpt_cli.writers import OutTensor
 
 if TYPE_CHECKING:

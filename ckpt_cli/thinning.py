@@ -1,7 +1,8 @@
 """Thinning: rewrite old training checkpoints in place without their optimizer state.
 
 ``prune --thin-after K`` keeps the newest K counted checkpoints whole (see
-:mod:`ckpt_cli.retention`); older ones that stay keep their weights and training metadata (step,
+:mod:`ckpt_cli.ops.prune.retention`); older ones that stay keep their weights and training
+metadata (step,
 epoch, loops, scheduler, RNG) but lose the optimizer state, which is most of a training
 checkpoint's bytes (Adam: two FP32 moments per parameter). ``--thin-to bf16`` also casts the
 floating-point weights to BF16. ``--keep-full-every N`` keeps checkpoints whose step is a multiple
@@ -325,8 +326,8 @@ def _work_name(path: Path) -> Path:
     name of prune's trash (``.ckpt-trash-NAME.thin-*``), which no reader takes for a checkpoint
     and which the next prune removes when a kill left it behind. Only prune thins, under its
     lock, so no other prune removes it while it is being written."""
-    from ckpt_cli.deletion import fit_name
     from ckpt_cli.formats.names import TRASH_PREFIX
+    from ckpt_cli.ops.prune.deletion import fit_name
 
     return path.parent / fit_name(f"{TRASH_PREFIX}{path.name}", f".thin-{uuid.uuid4().hex[:8]}")
 
@@ -490,7 +491,6 @@ def _thin_dcp_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | No
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from ckpt_cli.cast import cast_array
     from ckpt_cli.formats import read_index
     from ckpt_cli.formats.base import read_full
     from ckpt_cli.formats.dcp import metadata_file, parse_metadata, storage_map
@@ -498,7 +498,8 @@ def _thin_dcp_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | No
     from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
     from ckpt_cli.storage import open_regular
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.tensors.cast import cast_array
+    from ckpt_cli.tensors.source import TensorSource
 
     meta = metadata_file(path)
     if meta is None:
@@ -582,7 +583,7 @@ def _thin_hf_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | Non
     with or without that file, complete either way: the Trainer resumes with a fresh optimizer
     when the file is absent). With ``to="bf16"``: a copy of the directory is built beside it
     (unchanged files hard-linked, the ``model*.safetensors`` weights cast to BF16 with
-    :mod:`ckpt_cli.cast`, ``config.json``'s dtype and the index's ``total_size`` updated, no
+    :mod:`ckpt_cli.tensors.cast`, ``config.json``'s dtype and the index's ``total_size`` updated, no
     optimizer file) and swapped in with one atomic exchange.
     """
     from ckpt_cli.ops.prune import quick_validate
@@ -669,9 +670,9 @@ def _safetensors_to_bf16(src: Path, dest: Path) -> int:
     memory at a time); returns the bytes of tensor data written."""
     import numpy as np
 
-    from ckpt_cli.cast import cast_array
     from ckpt_cli.formats import read_index
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.tensors.cast import cast_array
+    from ckpt_cli.tensors.source import TensorSource
     from ckpt_cli.writers.safetensors import header_bytes, write_all
 
     index = read_index(src)

@@ -32,7 +32,7 @@ from ckpt_cli import ledger, storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.formats.names import is_last_copy
 from ckpt_cli.model import RunEntry
-from ckpt_cli.retention import PrunePolicy
+from ckpt_cli.ops.prune.retention import PrunePolicy
 from ckpt_cli.thinning import pending
 
 ABANDONED = "abandoned"

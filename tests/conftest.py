@@ -49,7 +49,7 @@ def cli() -> Callable[..., Result]:
 @pytest.fixture(scope="session")
 def sample_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``ckpt sample`` output: torch step dirs, a 4-rank DCP checkpoint, an HF export."""
-    from ckpt_cli.sample import write_sample
+    from ckpt_cli.ops.sample import write_sample
 
     dest = tmp_path_factory.mktemp("sample") / "run"
     with third_party_quiet():

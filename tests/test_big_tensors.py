@@ -27,7 +27,7 @@ from ckpt_cli.ops.consolidate import consolidate
 from ckpt_cli.ops.convert import convert
 from ckpt_cli.ops.diff import diff
 from ckpt_cli.storage import reads
-from ckpt_cli.tensors import TensorSource
+from ckpt_cli.tensors.source import TensorSource
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,8 +150,8 @@ def test_memory_error_names_the_tensor_and_budget(tmp_path: Path,
     src = tmp_path / "m.safetensors"
     save_file({"emb": _values(1000), "b": np.zeros(3, dtype=np.float32)}, str(src))
 
-    from ckpt_cli import cast
     from ckpt_cli.ops import convert as convert_op
+    from ckpt_cli.tensors import cast
 
     real = cast.cast_array
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_cli import cast
-from ckpt_cli.cast import CastStats, cast_array
 from ckpt_cli.errors import CkptError
+from ckpt_cli.tensors import cast
+from ckpt_cli.tensors.cast import CastStats, cast_array
 
 pytestmark = pytest.mark.requires_torch
 

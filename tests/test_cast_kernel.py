@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_cli import cast
 from ckpt_cli.storage import reads
+from ckpt_cli.tensors import cast
 
 pytestmark = pytest.mark.requires_torch
 

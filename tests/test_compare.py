@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from ckpt_cli.compare import EXACT, compare_values, default_tolerance, work_dtype
 from ckpt_cli.formats import read_index
 from ckpt_cli.ops.diff import DiffOptions, diff
-from ckpt_cli.results import DiffResult
-from ckpt_cli.tensors import TensorSource
+from ckpt_cli.ops.diff.compare import EXACT, compare_values, default_tolerance, work_dtype
+from ckpt_cli.ops.diff.result import DiffResult
+from ckpt_cli.tensors.source import TensorSource
 
 pytestmark = pytest.mark.requires_torch
 

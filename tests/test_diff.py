@@ -15,7 +15,7 @@ from safetensors.torch import save_file, save_model
 from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import read_index
 from ckpt_cli.ops.diff import DiffOptions, diff, diff_indexes
-from ckpt_cli.results import DiffResult
+from ckpt_cli.ops.diff.result import DiffResult
 from tests.conftest import Golden, requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.makers import tiny_state_dict, training_checkpoint
 from tests.test_inspect_cli import _imports_torch

@@ -18,7 +18,7 @@ from ckpt_cli.errors import (
     UnknownFormatError,
 )
 from ckpt_cli.formats import detect, read_index
-from ckpt_cli.tensors import iter_tensors
+from ckpt_cli.tensors.source import iter_tensors
 from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.makers import (
     hf_sharded,

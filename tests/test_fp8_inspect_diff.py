@@ -52,7 +52,7 @@ def _json(*args: Any) -> dict[str, Any]:
 
 def _no_data_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make any read of tensor data fail the test."""
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.tensors.source import TensorSource
 
     def refuse(*_a: Any, **_k: Any) -> Any:
         raise AssertionError("inspect read tensor data")

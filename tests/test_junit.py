@@ -11,8 +11,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from ckpt_cli.ops.validate import validate
+from ckpt_cli.ops.validate.result import ValidateResult
 from ckpt_cli.render.junit import junit_xml, write_junit
-from ckpt_cli.results import ValidateResult
 
 
 def _save(path: Path) -> Path:

@@ -40,6 +40,14 @@ def _modules() -> list[tuple[str, Path]]:
     return out
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` names, relative imports resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+    return f"{base}.{node.module}" if node.module else base
+
+
 def _imports(name: str, path: Path) -> list[tuple[str, bool]]:
     """``(imported module, at module level)`` for every import of ``path``."""
     tree = ast.parse(path.read_text())
@@ -51,11 +59,7 @@ def _imports(name: str, path: Path) -> list[tuple[str, bool]]:
         if isinstance(node, ast.Import):
             found += [(a.name, id(node) in top) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                mod = f"{base}.{node.module}" if node.module else base
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, package)
             found.append((mod, id(node) in top))
             # "from ckpt_cli import ties" imports a module too
             found += [(f"{mod}.{a.name}", id(node) in top) for a in node.names
@@ -108,7 +112,7 @@ def test_ops_do_not_import_each_other() -> None:
 
 
 # plan builds on inspect's summary and prune on validate's rank checks (another helper owns
-# ops/plan.py and ops/prune.py; see the report of #14 item 3).
+# ops/plan/ and ops/prune/; see the report of #14 item 3).
 OPS_KNOWN = {("ckpt_cli.ops.plan", "ckpt_cli.ops.inspect"),
              ("ckpt_cli.ops.prune", "ckpt_cli.ops.validate")}
 
@@ -202,3 +206,108 @@ def test_help_imports_no_storage_module() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "['ckpt_cli.storage']", out
+
+
+# -- render imports results, and no import cycle --------------------------------------------------
+
+# What render/ may import: ops' result types (a package op's ``result`` module, or a one-module
+# op, which holds its result types itself), and the plain bottom modules.
+RENDER_MAY_IMPORT = ("ckpt_cli.render", "ckpt_cli.model", "ckpt_cli.errors", "ckpt_cli.units",
+                     "ckpt_cli.dtypes")
+# The rest, known and each for one job: render/prune words remote paths (storage) and names
+# trash (formats.names) and shows the plan (retention's Decision/PrunePlan); junit writes its
+# report atomically and redacts URLs; convert/consolidate summarise kept dtypes (cast, lazily);
+# validate describes --part (parts, lazily); diff words FP8 schemes (fp8_scheme).
+RENDER_KNOWN = {("ckpt_cli.render.prune", "ckpt_cli.storage"),
+                ("ckpt_cli.render.prune", "ckpt_cli.formats.names"),
+                ("ckpt_cli.render.prune", "ckpt_cli.ops.prune.retention"),
+                ("ckpt_cli.render.junit", "ckpt_cli.storage.atomic"),
+                ("ckpt_cli.render.junit", "ckpt_cli.storage"),
+                ("ckpt_cli.render.convert", "ckpt_cli.tensors.cast"),
+                ("ckpt_cli.render.consolidate", "ckpt_cli.tensors.cast"),
+                ("ckpt_cli.render.validate", "ckpt_cli.parts"),
+                ("ckpt_cli.render.diff", "ckpt_cli.fp8_scheme")}
+
+
+def _is_result_module(mod: str) -> bool:
+    """An op's result types: ``ckpt_cli.ops.<verb>.result``, or a one-module op."""
+    parts = mod.split(".")
+    if parts[:2] != ["ckpt_cli", "ops"] or len(parts) < 3:
+        return False
+    if len(parts) == 4 and parts[3] == "result":
+        return True
+    return len(parts) == 3 and not (ROOT / "ops" / parts[2]).is_dir()
+
+
+def test_render_imports_only_results() -> None:
+    """render/ imports ops' result types and the bottom modules, not writers/, storage or the
+    ops themselves (as pip-audit's formatters import the service's types)."""
+    bad = []
+    for name, path in MODULES:
+        if not _under(name, "ckpt_cli.render"):
+            continue
+        for mod, _ in _imports(name, path):
+            if mod == "ckpt_cli" or any(_under(mod, a) for a in RENDER_MAY_IMPORT):
+                continue
+            if _is_result_module(mod) or (name, mod) in RENDER_KNOWN:
+                continue
+            bad.append(f"{name} imports {mod}")
+    assert not bad, bad
+
+
+def _module_edges(name: str, path: Path, names: set[str], typing: bool) -> set[str]:
+    """The ckpt_cli modules ``name`` imports at module level (with ``typing``, its
+    ``if TYPE_CHECKING:`` imports too): ``from P import a`` counts as importing ``P.a`` when that
+    is a module."""
+    tree = ast.parse(path.read_text())
+    body = list(tree.body)
+    if typing:
+        body += [n for s in tree.body if isinstance(s, ast.If) for n in s.body]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            mod = _from_module(node, package)
+            for a in node.names:
+                out.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in names else mod)
+    # The package root (ckpt_cli/__init__.py) runs before any submodule: not an edge.
+    return {m for m in out if m in names and m not in ("ckpt_cli", name)}
+
+
+# Loops through type-checking imports only (nothing runs them): writers/parts.py names
+# writers' WriteResult in annotations; storage's config names the ObjectStore it configures,
+# and objects names the ObjectPath its listings return.
+_S = "ckpt_cli.storage."
+KNOWN_TYPING_CYCLES = {("ckpt_cli.writers", "ckpt_cli.writers.parts", "ckpt_cli.writers"),
+                       (_S + "config", _S + "objects", _S + "config"),
+                       (_S + "config", _S + "objects", _S + "objectpath", _S + "config"),
+                       (_S + "objects", _S + "objectpath", _S + "objects")}
+
+
+@pytest.mark.parametrize("typing", [False, True], ids=["runtime", "with-type-checking"])
+def test_no_import_cycle(typing: bool) -> None:
+    """No ckpt_cli module imports, at module level, a module that imports it back (directly or
+    through others): every module can be imported first. With ``typing``, the imports under
+    ``if TYPE_CHECKING:`` count too (known loops aside)."""
+    names = {n for n, _ in MODULES}
+    graph = {n: _module_edges(n, p, names, typing) for n, p in MODULES}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(n: str, trail: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                cycles.append([*trail[trail.index(m):], m])
+            elif m not in state:
+                visit(m, [*trail, m])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    if typing:
+        cycles = [c for c in cycles if tuple(c) not in KNOWN_TYPING_CYCLES]
+    assert not cycles, cycles

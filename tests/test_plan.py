@@ -1,5 +1,5 @@
-"""The size model, Young and Daly, the overhead model (``ckpt_cli.cadence``), ``--measure``
-(``ckpt_cli.measure``) and ``ckpt_cli.ops.plan``."""
+"""The size model, Young and Daly, the overhead model (``ckpt_cli.ops.plan.cadence``), ``--measure``
+(``ckpt_cli.ops.plan.measure``) and ``ckpt_cli.ops.plan``."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckpt_cli import measure as M
-from ckpt_cli.cadence import (
+from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.ops.plan import measure as M
+from ckpt_cli.ops.plan import plan, size_from_checkpoint
+from ckpt_cli.ops.plan.cadence import (
     bytes_per_parameter,
     daly_interval,
     expected_overhead,
@@ -24,9 +26,7 @@ from ckpt_cli.cadence import (
     size_from_params,
     young_interval,
 )
-from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.measure import measure_bandwidth
-from ckpt_cli.ops.plan import plan, size_from_checkpoint
+from ckpt_cli.ops.plan.measure import measure_bandwidth
 from ckpt_cli.render.plan import plan_dict
 
 HOUR = 3600.0

@@ -22,7 +22,8 @@ import torch
 
 from ckpt_cli.ops import prune as prune_ops
 from ckpt_cli.ops.prune import PruneEvent, prune
-from ckpt_cli.retention import PrunePlan, PrunePolicy
+from ckpt_cli.ops.prune import local as prune_local
+from ckpt_cli.ops.prune.retention import PrunePlan, PrunePolicy
 from ckpt_cli.runs import list_run
 from tests.conftest import Golden, requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.golden import safetensors_run, stable
@@ -514,7 +515,7 @@ def test_interrupted_prune_leaves_trash_that_the_next_run_removes(
         next(p for p in (sample_copy / name).rglob("*") if p.is_file()).unlink()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prune_ops, "remove_child", half_then_interrupt)
+    monkeypatch.setattr(prune_local, "remove_child", half_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         prune(sample_copy, KEEP1)
     monkeypatch.undo()
@@ -534,7 +535,8 @@ def test_interrupted_prune_leaves_trash_that_the_next_run_removes(
 
 
 def test_failed_deletion_exits_1(sample_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prune_ops, "remove_child", lambda root, name: f"cannot remove {name}: EIO")
+    monkeypatch.setattr(prune_local, "remove_child",
+                        lambda root, name: f"cannot remove {name}: EIO")
     r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0")
     assert r.exit_code == 1
     assert "FAILED to delete step_000100" in r.stderr and "next prune" in r.stderr

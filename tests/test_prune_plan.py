@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ckpt_cli.errors import UsageError
 from ckpt_cli.model import Finding, RunEntry, RunListing
-from ckpt_cli.retention import PrunePolicy, RunFacts, plan_prune
+from ckpt_cli.ops.prune.retention import PrunePolicy, RunFacts, plan_prune
 
 NOW = 1_800_000_000.0
 DAY = 86400.0

@@ -708,7 +708,7 @@ def test_a_killed_write_is_reported_by_validate_and_aborted_by_prune(
     import time
 
     from ckpt_cli.ops.prune import prune
-    from ckpt_cli.retention import PrunePolicy
+    from ckpt_cli.ops.prune.retention import PrunePolicy
 
     bucket = _bucket(endpoint)
     s3.upload(endpoint[0], sample_run, bucket, "run")

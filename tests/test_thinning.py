@@ -181,7 +181,7 @@ def test_a_long_running_watch_trusts_what_thinning_rewrote(tmp_path: Path) -> No
     """The watcher's cached ledger lines must not outlive a thinning (its own, or a cron
     prune's): the rewritten checkpoints are good, never reported bad."""
     from ckpt_cli.ledger import read_ledger as read
-    from ckpt_cli.retention import PrunePolicy
+    from ckpt_cli.ops.prune.retention import PrunePolicy
     from ckpt_cli.watch import Watcher, WatchOptions
 
     run = tmp_path / "run"
@@ -374,7 +374,7 @@ def test_thin_sample_run_step_dirs_and_sharded_dcp(sample_copy: Path) -> None:
     FSDP-sharded DCP checkpoint thinned to BF16 loads into a plain model with ``dcp.load``."""
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_cli.sample import TinyGPT
+    from ckpt_cli.ops.sample import TinyGPT
 
     run = sample_copy
     (run / "latest").write_text("step_000300\n")  # so that step_000400 (DCP) is old enough
@@ -540,8 +540,8 @@ def test_a_thinning_killed_midway_is_never_reported_bad(tmp_path: Path, kind: st
     """D6: a prune killed between setting the manifest aside and writing the new one left a
     checkpoint that the next watch pass reported bad (a false alarm, and --on-bad ran)."""
     from ckpt_cli.ops.prune import prune
+    from ckpt_cli.ops.prune.retention import PrunePolicy
     from ckpt_cli.resume import latest_verified
-    from ckpt_cli.retention import PrunePolicy
 
     run = tmp_path / "run"
     if kind == "torch":
@@ -580,7 +580,7 @@ def test_the_next_prune_finishes_a_thinning_that_was_killed(tmp_path: Path, wher
     from ckpt_cli.ledger import manifest_digest
     from ckpt_cli.manifest import verify_manifest
     from ckpt_cli.ops.prune import prune
-    from ckpt_cli.retention import PrunePolicy
+    from ckpt_cli.ops.prune.retention import PrunePolicy
 
     run = tmp_path / "run"
     _aged_run(run, (100, 200, 300))
@@ -633,7 +633,7 @@ def test_a_dcp_checkpoint_is_left_whole_where_directories_cannot_be_swapped(
 def test_watch_thins_a_dcp_run_and_trusts_it_after(tmp_path: Path) -> None:
     """``watch --thin-after`` on a DCP run: old step directories thinned as the run is watched,
     and the following passes find every checkpoint good."""
-    from ckpt_cli.retention import PrunePolicy
+    from ckpt_cli.ops.prune.retention import PrunePolicy
     from ckpt_cli.watch import Watcher, WatchOptions
 
     run = tmp_path / "run"

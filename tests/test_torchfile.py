@@ -55,7 +55,7 @@ def test_views_of_a_damaged_storage_are_refused(tmp_path: Path, kind: str) -> No
 
 def test_many_views_of_a_damaged_storage_read_it_once(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.tensors.source import TensorSource
 
     base = torch.randn(256, 64)
     src = tmp_path / "slices.pt"

@@ -27,7 +27,7 @@ from ckpt_cli.formats import read_index
 from ckpt_cli.model import Finding
 from ckpt_cli.ops.validate import parse_require, validate
 from ckpt_cli.ops.validate.layoutcheck import directory_pointers
-from ckpt_cli.results import CHECKS, CheckpointReport
+from ckpt_cli.ops.validate.result import CHECKS, CheckpointReport
 from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers import damage
 from tests.helpers.makers import (

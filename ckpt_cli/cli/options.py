@@ -38,7 +38,7 @@ ForceOpt = Annotated[bool, typer.Option("--force", "--overwrite",
 
 def _cast_targets(incomplete: str) -> list[str]:
     """Shell completion of ``--to``: the cast targets (imported only when completing)."""
-    from ckpt_cli.cast import TARGETS
+    from ckpt_cli.tensors.cast import TARGETS
 
     return [t for t in TARGETS if t.startswith(incomplete)]
 

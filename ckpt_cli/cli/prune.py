@@ -25,8 +25,8 @@ from ckpt_cli.cli.options import (
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-    from ckpt_cli.results import PruneEvent, PruneResult
-    from ckpt_cli.retention import PrunePlan, PrunePolicy
+    from ckpt_cli.ops.prune.result import PruneEvent, PruneResult
+    from ckpt_cli.ops.prune.retention import PrunePlan, PrunePolicy
 
 
 def prune_cmd(
@@ -147,7 +147,7 @@ def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
             metric: str | None, mode: str, older_than: str | None, max_total_size: str | None,
             grace: str, pattern: str | None = None) -> PrunePolicy:
     from ckpt_cli.errors import UsageError
-    from ckpt_cli.retention import PrunePolicy
+    from ckpt_cli.ops.prune.retention import PrunePolicy
     from ckpt_cli.units import parse_count, parse_duration, parse_size
 
     for value, what in ((metric, "--metric"), (pattern, "--pattern")):

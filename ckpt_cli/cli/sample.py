@@ -51,7 +51,7 @@ def sample_cmd(
             if not quiet and not json:
                 err.print(f"[dim]sample:[/] {msg}")
 
-        from ckpt_cli.sample import write_sample
+        from ckpt_cli.ops.sample import write_sample
 
         written = write_sample(dest, overwrite=overwrite, on_progress=progress)
         outcome.exit_code = EXIT_OK

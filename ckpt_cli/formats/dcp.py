@@ -445,7 +445,7 @@ def _pairwise(good: list[tuple[tuple[int, ...], tuple[int, ...]]], numel: int) -
 
 # Reading chunks: each is a complete torch.save zip, whose small header says where its storage
 # lies. The byte reading itself (positioned reads, mappings, CRC checks) is the caller's
-# (ckpt_cli.tensors.TensorSource); these functions only know the DCP layout.
+# (ckpt_cli.tensors.source.TensorSource); these functions only know the DCP layout.
 
 
 def locate_chunk(index: CheckpointIndex, fd_of: Callable[[str], Handle], t: TensorInfo,

@@ -24,16 +24,6 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import storage
-from ckpt_cli.cast import (
-    CASTABLE,
-    TARGETS,
-    CastPlan,
-    CastStats,
-    check_overflow,
-    choice,
-    piece_caster,
-    prefer_torch,
-)
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
@@ -46,7 +36,6 @@ from ckpt_cli.manifest import Manifest, hash_files, manifest_path, write_manifes
 from ckpt_cli.manifest import checkpoint_files as manifest_files
 from ckpt_cli.model import CheckpointIndex, Finding
 from ckpt_cli.parts import Part, source_identity
-from ckpt_cli.results import ConsolidateResult
 from ckpt_cli.runs import (
     PointerError,
     follow_pointer,
@@ -54,10 +43,20 @@ from ckpt_cli.runs import (
     read_pointer,
     tree_stats,
 )
-from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, select_tensors
 from ckpt_cli.storage.atomic import check_not_input
 from ckpt_cli.storage.reads import memory_budget
-from ckpt_cli.tensors import TensorSource, split_pieces
+from ckpt_cli.tensors.cast import (
+    CASTABLE,
+    TARGETS,
+    CastPlan,
+    CastStats,
+    check_overflow,
+    choice,
+    piece_caster,
+    prefer_torch,
+)
+from ckpt_cli.tensors.select import Selection, hostile_warning, hostile_warnings, select_tensors
+from ckpt_cli.tensors.source import TensorSource, split_pieces
 from ckpt_cli.units import natural_key
 from ckpt_cli.writers import (
     FILE_SUFFIXES,
@@ -70,6 +69,66 @@ from ckpt_cli.writers.parts import PartJob
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ckpt_cli.runs import Followed
+    from ckpt_cli.writers import WriteResult
+
+# -- the result ------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ConsolidateResult:
+    """What ``consolidate`` did.
+
+    Attributes:
+        source: The input path.
+        kind: ``dcp``, ``deepspeed``, ``hf-index`` or ``rank-files``.
+        output: The output file or directory.
+        write: Files written.
+        files_before: Number of input files.
+        bytes_before: Bytes of the input on disk.
+        elements_in: Elements of the selected source tensors (padding excluded).
+        elements_out: Elements written.
+        tensors: Number of tensors written.
+        aliases: Tied/shared tensors written once.
+        dropped: Source tensors left out, per group.
+        details: Facts about the source (world size, ZeRO stage, step...).
+        verified: Tensors re-read from the output and compared with the source (``--verify``).
+        notes: Remarks.
+        seconds: Wall time.
+        warnings: Source files whose pickles would run code under ``torch.load``.
+        followed: The run directory's pointer followed to the checkpoint merged, if
+            ``source`` was a run directory.
+        kept: Quantized tensors (FP8...) ``--to`` left as they are, by dtype.
+        kept_scales: Their scales, left as they are too, by dtype.
+    """
+
+    source: Path
+    kind: str
+    output: Path
+    write: WriteResult
+    files_before: int
+    bytes_before: int
+    elements_in: int
+    elements_out: int
+    tensors: int
+    aliases: dict[str, str]
+    dropped: dict[str, int]
+    details: dict[str, Any] = field(default_factory=dict)
+    verified: int | None = None
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    warnings: list[Finding] = field(default_factory=list)
+    followed: Followed | None = None
+    kept: dict[str, int] = field(default_factory=dict)
+    kept_scales: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def lost_elements(self) -> int:
+        """Selected source elements that did not reach the output (0 when all is well)."""
+        return self.elements_in - self.elements_out
+
+
+# -- the op ----------------------------------------------------------------------------------------
 
 DEFAULT_MAX_SHARD = 5_000_000_000
 

@@ -16,7 +16,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +24,19 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import dtypes, storage
-from ckpt_cli.cast import (
+from ckpt_cli.errors import UnsupportedError, UsageError
+from ckpt_cli.formats import check_exists, deepspeed, read_index
+from ckpt_cli.formats.base import refuse_damaged
+from ckpt_cli.formats.provenance import source_label
+from ckpt_cli.formats.zero import ParamPlan
+from ckpt_cli.gather import zero_metadata, zero_outputs
+from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
+from ckpt_cli.ops import convert_fp8
+from ckpt_cli.parts import Part, source_identity
+from ckpt_cli.runs import follow_pointer, is_run_dir
+from ckpt_cli.storage.atomic import check_not_input
+from ckpt_cli.storage.reads import memory_budget
+from ckpt_cli.tensors.cast import (
     CASTABLE,
     FP16_MAX,
     TARGETS,
@@ -35,21 +47,8 @@ from ckpt_cli.cast import (
     piece_caster,
     prefer_torch,
 )
-from ckpt_cli.errors import UnsupportedError, UsageError
-from ckpt_cli.formats import check_exists, deepspeed, read_index
-from ckpt_cli.formats.base import refuse_damaged
-from ckpt_cli.formats.provenance import source_label
-from ckpt_cli.formats.zero import ParamPlan
-from ckpt_cli.gather import zero_metadata, zero_outputs
-from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
-from ckpt_cli.ops import convert_fp8
-from ckpt_cli.parts import Part, source_identity
-from ckpt_cli.results import ConvertResult
-from ckpt_cli.runs import follow_pointer, is_run_dir
-from ckpt_cli.selection import Selection, hostile_warning, hostile_warnings, select_tensors
-from ckpt_cli.storage.atomic import check_not_input
-from ckpt_cli.storage.reads import memory_budget
-from ckpt_cli.tensors import TensorSource
+from ckpt_cli.tensors.select import Selection, hostile_warning, hostile_warnings, select_tensors
+from ckpt_cli.tensors.source import TensorSource
 from ckpt_cli.writers import (
     FILE_SUFFIXES,
     SIDE_FILES,
@@ -62,6 +61,63 @@ from ckpt_cli.writers.parts import PartJob
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ckpt_cli.runs import Followed
+    from ckpt_cli.writers import WriteResult
+
+# -- the result ------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ConvertResult:
+    """What ``convert`` did.
+
+    Attributes:
+        source: The input path.
+        source_format: Its format.
+        output: The written file or directory.
+        write: Files written and sizes.
+        tensors: Output tensors, in order (name -> (dtype, shape)).
+        renamed: How names were changed (container and wrapper prefixes stripped).
+        dropped: Tensors left out, counted per group.
+        casts: ``"F32->F16"`` -> number of tensors.
+        aliases: Tied tensors written once: ``{dropped name: kept name}``.
+        overflow: Tensors with values beyond FP16's range (count), when casting to FP16.
+        clamped: Whether overflowing values were clamped (``--clamp``).
+        metadata: The ``__metadata__`` written.
+        notes: Plain-words remarks (what was dropped, chosen, copied).
+        seconds: Wall time.
+        warnings: Source files whose pickles would run code under ``torch.load`` (see
+            :func:`hostile_warnings`).
+        followed: The run directory's pointer followed to the checkpoint read, if
+            ``source`` was a run directory.
+        kept: Quantized tensors (FP8...) ``--to`` left as they are, by dtype.
+        kept_scales: Their scales, left as they are too, by dtype.
+        config_dtype: How the copied ``config.json``'s dtype was rewritten to the output's
+            (``{file, keys, from, to}``), or None.
+    """
+
+    source: Path
+    source_format: str
+    output: Path
+    write: WriteResult
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    renamed: list[str]
+    dropped: dict[str, int]
+    casts: dict[str, int]
+    aliases: dict[str, str]
+    overflow: dict[str, int]
+    clamped: bool
+    metadata: dict[str, str]
+    notes: list[str]
+    seconds: float
+    warnings: list[Finding] = field(default_factory=list)
+    followed: Followed | None = None
+    kept: dict[str, int] = field(default_factory=dict)
+    kept_scales: dict[str, int] = field(default_factory=dict)
+    config_dtype: dict[str, Any] | None = None
+
+
+# -- the op ----------------------------------------------------------------------------------------
 
 def convert(source: str | Path, output: str | Path, *, to: str = "keep",
             fmt: str | None = None, max_shard_size: int | None = None,

@@ -22,7 +22,7 @@ from ckpt_cli.writers import OutTensor
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckpt_cli.cast import CastPlan
+    from ckpt_cli.tensors.cast import CastPlan
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 

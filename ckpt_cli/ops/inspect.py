@@ -4,16 +4,87 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckpt_cli import fp8_scheme, storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import allowlist, check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
-from ckpt_cli.model import GROUPS, CheckpointIndex, TensorInfo, parameters_of
-from ckpt_cli.results import InspectResult, TreeNode
+from ckpt_cli.model import GROUPS, CheckpointIndex, RunListing, TensorInfo, parameters_of
 from ckpt_cli.runs import holds_final_model, is_run_dir, list_run
 
+# -- the result ------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class TreeNode:
+    """A module prefix with the totals of the tensors below it.
+
+    The totals follow the summary's rules, so that the root's add up to it: a tied copy
+    (a second name for one storage, or a copy found by value) is a tensor but adds no
+    parameters or bytes, and only model weights are parameters.
+
+    Attributes:
+        name: This level's name component (the full prefix is the path from the root).
+        tensors: Number of tensor names below (tied copies included, as ``num_tensors``).
+        parameters: Parameters below: elements of model weights, tied copies once
+            (as ``num_parameters``).
+        bytes: Bytes below, tied copies once (as ``total_bytes``).
+        bytes_by_group: Those bytes per group (``model``, ``buffer``, ``optimizer``,
+            ``other``), as the summary's ``bytes_by_group``.
+        tied: Of the tensors below, the tied copies (counted once, under the name they
+            repeat).
+        children: Sub-prefixes by name, in first-seen order.
+    """
+
+    name: str
+    tensors: int = 0
+    parameters: int = 0
+    bytes: int = 0
+    bytes_by_group: dict[str, int] = field(default_factory=dict)
+    tied: int = 0
+    children: dict[str, TreeNode] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"name": self.name, "tensors": self.tensors, "parameters": self.parameters,
+                "bytes": self.bytes, "bytes_by_group": self.bytes_by_group, "tied": self.tied,
+                "children": [c.to_dict() for c in self.children.values()]}
+
+
+@dataclass(slots=True)
+class InspectResult:
+    """What ``inspect`` found.
+
+    Attributes:
+        path: The path inspected.
+        kind: ``checkpoint`` or ``run``.
+        index: The checkpoint described (for a run directory: its latest complete one).
+        run: The run listing, for a run directory.
+        described: For a run directory, the name of the checkpoint ``index`` describes.
+        tensors: Selected tensors (``--tensors``), filtered and sorted.
+        tree: Module tree (``--tree``).
+        describe_error: Why the run's latest checkpoint could not be read, if it could not.
+        final_model: Whether ``index`` is the final model at the top of the run directory
+            (an HF Trainer ``output_dir``) rather than one of its checkpoints.
+        quantization: The quantization scheme (:func:`ckpt_cli.fp8_scheme.describe`), when
+            ``index`` holds FP8 weights, scales or a ``quantization_config``.
+    """
+
+    path: Path
+    kind: str
+    index: CheckpointIndex | None
+    run: RunListing | None = None
+    described: str | None = None
+    tensors: list[TensorInfo] | None = None
+    tree: TreeNode | None = None
+    describe_error: str | None = None
+    final_model: bool = False
+    quantization: dict[str, Any] | None = None
+
+
+# -- the op ----------------------------------------------------------------------------------------
 
 def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
             filter_glob: str | None = None, sort: str = "name", tree: bool = False,

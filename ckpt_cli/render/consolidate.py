@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ckpt_cli.results import ConsolidateResult
+    from ckpt_cli.ops.consolidate import ConsolidateResult
 
 
 def show(r: ConsolidateResult, *, json: bool, quiet: bool) -> None:
@@ -36,8 +36,8 @@ def _emit_json(r: ConsolidateResult) -> None:
 
 
 def _render(r: ConsolidateResult, quiet: bool) -> None:
-    from ckpt_cli.cast import kept_summary
     from ckpt_cli.render import human
+    from ckpt_cli.tensors.cast import kept_summary
 
     out = human.stdout()
     after = len(r.write.files)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ckpt_cli.results import ConvertResult
+    from ckpt_cli.ops.convert import ConvertResult
 
 
 def show(r: ConvertResult, *, json: bool, quiet: bool) -> None:
@@ -34,8 +34,8 @@ def _emit_json(r: ConvertResult) -> None:
 
 
 def _render(r: ConvertResult, quiet: bool) -> None:
-    from ckpt_cli.cast import kept_summary
     from ckpt_cli.render import human
+    from ckpt_cli.tensors.cast import kept_summary
 
     out = human.stdout()
     files = len(r.write.files)

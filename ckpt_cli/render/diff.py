@@ -12,8 +12,15 @@ from rich.text import Text
 
 from ckpt_cli.fp8_scheme import expected_error, fraction
 from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.ops.diff.result import (
+    Dequantized,
+    DiffResult,
+    MetaDiff,
+    ModuleDiff,
+    OnlyIn,
+    TensorDiff,
+)
 from ckpt_cli.render import human
-from ckpt_cli.results import Dequantized, DiffResult, MetaDiff, ModuleDiff, OnlyIn, TensorDiff
 
 _STATUS_STYLE = {"equal": "bold green", "different": "bold red"}
 

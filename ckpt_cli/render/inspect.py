@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ckpt_cli.model import Finding
+    from ckpt_cli.ops.inspect import InspectResult
     from ckpt_cli.render.human import FitTable
-    from ckpt_cli.results import InspectResult
 
 
 def show(result: InspectResult, *, json: bool, all_rows: bool = False) -> None:

@@ -17,7 +17,7 @@ from ckpt_cli.model import Finding
 from ckpt_cli.storage.atomic import atomic_file
 
 if TYPE_CHECKING:
-    from ckpt_cli.results import CheckResult, ValidateResult
+    from ckpt_cli.ops.validate.result import CheckResult, ValidateResult
 
 
 def _line(f: Finding) -> str:

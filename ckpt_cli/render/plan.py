@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from rich.table import Table
     from rich.text import Text
 
-    from ckpt_cli.results import IntervalFigures, PlanResult
+    from ckpt_cli.ops.plan.result import IntervalFigures, PlanResult
 
 
 def show(result: PlanResult, *, json: bool, quiet: bool, err: Console | None = None) -> None:

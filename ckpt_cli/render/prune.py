@@ -14,11 +14,11 @@ from rich.text import Text
 
 from ckpt_cli import storage
 from ckpt_cli.formats.names import TRASH_PREFIX
+from ckpt_cli.ops.prune.result import PruneEvent, PruneResult
+from ckpt_cli.ops.prune.retention import Decision, PrunePlan
 from ckpt_cli.render import human
 from ckpt_cli.render import json as rj
 from ckpt_cli.render.human import size
-from ckpt_cli.results import PruneEvent, PruneResult
-from ckpt_cli.retention import Decision, PrunePlan
 
 
 def prune_doc(result: PruneResult) -> dict[str, Any]:

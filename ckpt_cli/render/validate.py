@@ -18,7 +18,7 @@ from ckpt_cli.render import human
 
 if TYPE_CHECKING:
     from ckpt_cli.model import Finding
-    from ckpt_cli.results import (
+    from ckpt_cli.ops.validate.result import (
         CheckpointReport,
         CheckResult,
         LatestChoice,

@@ -26,7 +26,7 @@ def main() -> None:
 
     from ckpt_cli import thinning
     from ckpt_cli.ops.prune import prune
-    from ckpt_cli.retention import PrunePolicy
+    from ckpt_cli.ops.prune.retention import PrunePolicy
 
     run, after, where = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     if where == "writing":

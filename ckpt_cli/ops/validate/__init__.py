@@ -63,10 +63,7 @@ from ckpt_cli.ops.validate.layoutcheck import (
     resumable_findings,
     stray_shards,
 )
-from ckpt_cli.ops.validate.strays import stray_pickle_findings
-from ckpt_cli.ops.validate.valuecheck import ValueScan, scan_values
-from ckpt_cli.ops.validate.zipcheck import CrcTask, check_zip, crc_tasks, verify_crcs
-from ckpt_cli.results import (
+from ckpt_cli.ops.validate.result import (
     CHECKS,
     CheckpointReport,
     CheckResult,
@@ -75,6 +72,9 @@ from ckpt_cli.results import (
     Status,
     ValidateResult,
 )
+from ckpt_cli.ops.validate.strays import stray_pickle_findings
+from ckpt_cli.ops.validate.valuecheck import ValueScan, scan_values
+from ckpt_cli.ops.validate.zipcheck import CrcTask, check_zip, crc_tasks, verify_crcs
 from ckpt_cli.runs import (
     POINTER_FILES,
     RESUME_POINTERS,
@@ -95,9 +95,9 @@ from ckpt_cli.storage.reads import (
 from ckpt_cli.units import format_size
 
 if TYPE_CHECKING:
+    from ckpt_cli.ops.validate.result import PartStatus
     from ckpt_cli.ops.validate.split import Share
     from ckpt_cli.parts import Part
-    from ckpt_cli.results import PartStatus
 
 REQUIREMENTS = ("optimizer", "step")
 """What ``--require`` accepts."""
@@ -307,8 +307,8 @@ def validate_split(path: Path, opts: Options, split: Split, *,
     import shutil
 
     from ckpt_cli.ops.validate import split as sp
+    from ckpt_cli.ops.validate.result import PartStatus
     from ckpt_cli.parts import PartsIncompleteError, PartStore, fingerprint, staging_dir
-    from ckpt_cli.results import PartStatus
 
     files = sp.plan_files(path)
     plan = sp.make_plan(path, files, {

@@ -282,7 +282,7 @@ class Share:
 
         Args:
             files: The files the plan gave this part.
-            report: Its :class:`~ckpt_cli.results.CheckpointReport` (for the summary).
+            report: Its :class:`~ckpt_cli.ops.validate.result.CheckpointReport` (for the summary).
         """
         return {"receipt": RECEIPT_VERSION, "files": files,
                 "work": {rel: w.to_json() for rel, w in sorted(self.mine.items())},

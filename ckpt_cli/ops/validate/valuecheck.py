@@ -1,6 +1,6 @@
 """``validate --values``: stream every floating tensor and look for NaN, Inf and all-zero.
 
-Tensors are read piece by piece through :meth:`~ckpt_cli.tensors.TensorSource.iter_pieces`
+Tensors are read piece by piece through :meth:`~ckpt_cli.tensors.source.TensorSource.iter_pieces`
 (a tensor stored as one byte range in pieces of :data:`~ckpt_cli.storage.reads.PIECE_BYTES`; DCP
 tensors a chunk at a time; strided views whole) and examined in slices. Several
 tensors are scanned at once, on as many threads as ``--jobs`` and the memory budget
@@ -22,7 +22,7 @@ from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 from ckpt_cli.storage.reads import PIECE_BYTES, Meter, ProgressFn, memory_budget, run_bounded
-from ckpt_cli.tensors import TensorSource
+from ckpt_cli.tensors.source import TensorSource
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,9 +1,10 @@
 """``plan``: how big a checkpoint is, how long it stalls training, how often to save, and what
 the retention policy costs in bytes and files.
 
-The arithmetic is :mod:`ckpt_cli.cadence` (its docstring states the model), the ``--measure``
-benchmark :mod:`ckpt_cli.measure`; this module checks the inputs, reads a ``--from``
-checkpoint's sizes and puts the figures together in a :class:`~ckpt_cli.results.PlanResult`.
+The arithmetic is :mod:`ckpt_cli.ops.plan.cadence` (its docstring states the model), the
+``--measure`` benchmark :mod:`ckpt_cli.ops.plan.measure`; this module checks the inputs, reads a
+``--from`` checkpoint's sizes and puts the figures together in a
+:class:`~ckpt_cli.ops.plan.result.PlanResult`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
-from ckpt_cli.cadence import (
+from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.ops.plan.cadence import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SNAPSHOT_BANDWIDTH,
@@ -22,9 +24,12 @@ from ckpt_cli.cadence import (
     size_from_params,
     young_interval,
 )
-from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.measure import DEFAULT_MEASURE_SIZE, DEFAULT_MEASURE_STREAMS, measure_bandwidth
-from ckpt_cli.results import PlanResult
+from ckpt_cli.ops.plan.measure import (
+    DEFAULT_MEASURE_SIZE,
+    DEFAULT_MEASURE_STREAMS,
+    measure_bandwidth,
+)
+from ckpt_cli.ops.plan.result import PlanResult
 from ckpt_cli.units import require_positive
 
 

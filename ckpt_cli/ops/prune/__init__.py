@@ -7,15 +7,17 @@ The order of work, and why:
 2. Take ``.ckpt-prune.lock`` with ``flock`` (not for ``dry_run``), so two prunes never race.
 3. List the run directory, gather facts by reading files (lock files, quick validation of the
    newest checkpoints, metric values, HF Trainer's best checkpoint), and let the pure
-   :func:`ckpt_cli.retention.plan_prune` decide.
+   :func:`ckpt_cli.ops.prune.retention.plan_prune` decide.
 4. Stop for ``dry_run``; ask ``confirm`` (the CLI's prompt) when given.
 5. Finish the trash an interrupted prune left, then for each checkpoint to delete: re-check it
    (it may have changed since planning), rename it out of the checkpoint namespace to
    ``.ckpt-trash-<name>``, check it again and put it back if it changed while being moved, and
    only after all renames are durable (``fsync`` of the directory) remove the trash. A crash
    leaves trash that no reader mistakes for a checkpoint and that the next prune removes, never
-   a half-deleted checkpoint under its own name. The renames and removals themselves are
-   :mod:`ckpt_cli.deletion`; metric values come from :mod:`ckpt_cli.run_metrics`.
+   a half-deleted checkpoint under its own name. This step is :mod:`ckpt_cli.ops.prune.local`
+   (a prefix on object storage: :mod:`ckpt_cli.ops.prune.objects`); the renames and removals
+   themselves are :mod:`ckpt_cli.ops.prune.deletion`; metric values come from
+   :mod:`ckpt_cli.ops.prune.metrics`.
 
 Nothing here prints or prompts; progress goes to ``on_progress``.
 """
@@ -26,42 +28,40 @@ import contextlib
 import errno
 import fcntl
 import os
-import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
 
 from ckpt_cli import storage
-from ckpt_cli.deletion import (
-    HeldDir,
-    mounts_inside,
-    put_back,
-    remove_child,
-    trash_name,
-)
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
-from ckpt_cli.formats.names import TRASH_PREFIX
 from ckpt_cli.ledger import read_ledger
-from ckpt_cli.model import POINTER_UNREADABLE, RunEntry, RunListing
-from ckpt_cli.ops.validate.layoutcheck import rank_findings
-from ckpt_cli.results import Outcome, PruneEvent, PruneResult
-from ckpt_cli.retention import (
-    Decision,
+from ckpt_cli.model import RunEntry, RunListing
+from ckpt_cli.ops.prune.deletion import (
+    HeldDir,
+    mounts_inside,
+)
+from ckpt_cli.ops.prune.local import PointerWatch, _delete, _finish_trash, recheck
+from ckpt_cli.ops.prune.metrics import metric_values, trainer_state
+from ckpt_cli.ops.prune.objects import (
+    _abort_upload,
+    _delete_prefix,
+    _keys_of,
+    _recheck_prefix,
+    _stale_uploads,
+)
+from ckpt_cli.ops.prune.result import Outcome, PruneEvent, PruneResult
+from ckpt_cli.ops.prune.retention import (
     PrunePlan,
     PrunePolicy,
     RunFacts,
     plan_prune,
-    pointer_protections,
     ranked_entries,
 )
-from ckpt_cli.run_metrics import metric_values, trainer_state
+from ckpt_cli.ops.validate.layoutcheck import rank_findings
 from ckpt_cli.runs import (
-    LOCK_SUFFIX,
-    POINTER_FILES,
     list_run,
-    read_pointers,
     run_dir_problem,
     tree_scan,
     writer_lock,
@@ -80,7 +80,7 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
 
     Args:
         path: The run directory.
-        policy: What to keep (see :class:`~ckpt_cli.retention.PrunePolicy`).
+        policy: What to keep (see :class:`~ckpt_cli.ops.prune.retention.PrunePolicy`).
         pattern: A regex that overrides checkpoint-name recognition.
         metrics_file: A CSV, JSON or JSON-lines file of metrics by step (for ``keep_best``).
         dry_run: Plan only; change nothing and take no lock.
@@ -311,7 +311,7 @@ def _locked(root: Path) -> Iterator[None]:
 
 def gather_facts(listing: RunListing, policy: PrunePolicy,
                  metrics_file: str | Path | None = None) -> RunFacts:
-    """Read what :func:`~ckpt_cli.retention.plan_prune` needs from the files.
+    """Read what :func:`~ckpt_cli.ops.prune.retention.plan_prune` needs from the files.
 
     Quick validation walks from the newest checkpoint back and stops at the first complete one
     that reads without errors, so it reads one or a few checkpoints' headers, not all.
@@ -322,7 +322,7 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         metrics_file: An explicit metrics file, if any.
 
     Returns:
-        The :class:`~ckpt_cli.retention.RunFacts`.
+        The :class:`~ckpt_cli.ops.prune.retention.RunFacts`.
 
     Raises:
         UsageError: ``keep_best`` and no checkpoint has a value for the metric.
@@ -394,20 +394,13 @@ def quick_validate(path: Path) -> str | None:
 
 # -- a prefix on object storage ---------------------------------------------------------------
 
-# What a checkpoint's readers trust it by: deleted first, so that an interrupted deletion
-# leaves an incomplete checkpoint (which validate reports and the next prune removes), never
-# one that looks complete with objects missing.
-_MARKERS = (".metadata", ".index.json", "trainer_state.json", "metadata.json", "latest",
-            "latest_checkpointed_iteration.txt", "ckpt-manifest.json")
-
-
 def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
                   metrics_file: str | Path | None, dry_run: bool, any_dir: bool,
                   confirm: Callable[[PrunePlan], bool] | None,
                   report: Callable[[PruneEvent], None], now: float | None) -> PruneResult:
     """:func:`prune` of a run directory on object storage, with the same rules.
 
-    The plan is the same pure :func:`~ckpt_cli.retention.plan_prune` of the same listing
+    The plan is the same pure :func:`~ckpt_cli.ops.prune.retention.plan_prune` of the same listing
     (newest valid kept, in-progress and too-recent checkpoints kept, ``latest`` pointers
     honoured). An object store has no locks and no rename, so the deletion differs: each
     checkpoint is re-listed right before it goes (any change since planning keeps it), only
@@ -453,281 +446,3 @@ def _prune_prefix(root: Path, policy: PrunePolicy, *, pattern: str | None,
 
     _thin(root, plan, result, time.time, report, recheck_object)
     return result
-
-
-def _stale_uploads(root: storage.ObjectPath, plan: PrunePlan,
-                   now: float) -> list[tuple[str, str]]:
-    """Multipart uploads below the prefix that a killed writer left: invisible, but their
-    parts are billed. Only those idle (no new part) for longer than ``--grace`` and than
-    :data:`~ckpt_cli.storage.UPLOAD_IDLE` count (an upload's progress shows only in its
-    parts), and never one under a checkpoint a pointer names."""
-    horizon = now - max(plan.policy.grace, storage.UPLOAD_IDLE)
-    named = {f"{root.key}/{t}/" for t in plan.listing.pointers.values()}
-    try:
-        pending = root.store.pending_uploads(root.key + "/")
-    except CkptError:  # a role without s3:ListBucketMultipartUploads: leave them be
-        return []
-    return [(k, uid) for k, uid, last in pending
-            if last < horizon and not any(k.startswith(n) for n in named)]
-
-
-def _abort_upload(root: storage.ObjectPath, key: str, upload_id: str, result: PruneResult,
-                  report: Callable[[PruneEvent], None]) -> None:
-    try:
-        root.store.abort_upload(key, upload_id)
-    except CkptError as e:
-        report(PruneEvent("failed", key, f"could not abort its unfinished upload: {e.message}"))
-    else:
-        result.uploads_aborted.append(key)
-
-
-def _keys_of(root: storage.ObjectPath, name: str) -> list[str]:
-    """The keys of checkpoint ``name``: the object itself or every key below its prefix,
-    never one outside ``<root>/<name>``."""
-    child = root / name
-    keys = child.keys_below()
-    inside = f"{child.key}/"
-    return [k for k in keys if k == child.key or k.startswith(inside)]
-
-
-def _recheck_prefix(root: storage.ObjectPath, entry: RunEntry, plan: PrunePlan,
-                    now: float) -> str | None:
-    """None if checkpoint ``entry`` is still as planned; else why it is kept after all."""
-    run = cast(Path, root)
-    scan = tree_scan(run / entry.name)
-    if not scan.exists:
-        return "it is gone already (removed by someone else)"
-    if (scan.bytes, scan.files, scan.mtime) != (entry.bytes, entry.files, entry.mtime):
-        return (f"it changed since planning ({entry.files:,} -> {scan.files:,} objects, "
-                f"{entry.bytes:,} -> {scan.bytes:,} bytes, or newer times)")
-    if plan.policy.grace and now - scan.mtime < plan.policy.grace:
-        return "it changed within --grace"
-    pointers, _ = read_pointers(run)
-    named = [p for p, target in pointers.items() if target == entry.name]
-    if named:
-        return f"{named[0]} names it now"
-    lock = writer_lock(run / entry.name)
-    if lock:
-        return f"lock file {lock} appeared"
-    return None
-
-
-def _delete_prefix(root: storage.ObjectPath, name: str) -> tuple[str, str | None]:
-    keys = _keys_of(root, name)
-    if not keys:
-        return "skipped", "it is gone already (removed by someone else)"
-    first = [k for k in keys if k.endswith(_MARKERS)]
-    rest = [k for k in keys if k not in set(first)]
-    try:
-        if first:
-            root.store.delete(first)
-        root.store.delete(rest)
-    except CkptError as e:
-        return "failed", (f"{e.message}; what is left has no commit marker: validate reports it "
-                           "and the next prune removes it")
-    return "deleted", None
-
-
-# -- execution ---------------------------------------------------------------------------------
-
-
-def _finish_trash(root: HeldDir, listing: RunListing, result: PruneResult,
-                  report: Callable[[PruneEvent], None]) -> None:
-    """Remove what an interrupted prune renamed aside but did not get to remove."""
-    for name in listing.leftovers:
-        if not name.startswith(TRASH_PREFIX):
-            continue  # other leftovers (writers' temporary names) may still be in use
-        err = remove_child(root, name)
-        if err:
-            result.trash_failed[name] = err
-            report(PruneEvent("failed", name, err))
-        else:
-            result.trash_removed.append(name)
-            report(PruneEvent("trash", name))
-
-
-def _delete(root: HeldDir, plan: PrunePlan, result: PruneResult, clock: Callable[[], float],
-            report: Callable[[PruneEvent], None]) -> None:
-    victims = plan.to_delete
-    total = len(victims)
-    moved: list[tuple[Decision, str]] = []
-    done = 0
-    pointers = PointerWatch(root.path, plan)
-    # Mount points inside the run directory; mounts made after this are caught by the
-    # mount-id check of the removal walk.
-    points = mounts_inside(str(root.path))
-
-    def finish(d: Decision, status: str, detail: str | None = None) -> None:
-        nonlocal done
-        done += 1
-        result.outcomes[d.entry.name] = Outcome(status, detail)
-        report(PruneEvent(status, d.entry.name, detail, done, total, d))
-
-    for d in victims:
-        name = d.entry.name
-        # Its top is stat-ed before the re-check walks it: whatever is added at its top after
-        # this moment changes the top's modification time, which is compared after the rename.
-        try:
-            top = root.lstat(name)
-        except OSError:
-            top = None
-        why = recheck(root.path, d.entry, plan, clock(), pointers, points)
-        if why or top is None:
-            finish(d, "skipped", why or "it is gone already (removed by someone else)")
-            continue
-        try:
-            trash = trash_name(root, name)
-            root.rename(name, trash)
-        except OSError as e:
-            finish(d, "failed", f"could not move it aside: {e.strerror}")
-            continue
-        why = _moved_unchanged(root, top, trash, d.entry, pointers)
-        if why:
-            finish(d, *put_back(root, name, trash, why))
-            continue
-        moved.append((d, trash))
-        report(PruneEvent("moved", name, None, done, total, d))
-    if moved:
-        # The renames must be on disk before any file goes: after a crash the checkpoint is
-        # then either whole under its name or (partly) gone under a trash name.
-        try:
-            os.fsync(root.fd)
-        except OSError as e:
-            # Some file systems cannot fsync a directory (EINVAL); their renames are as
-            # durable as they get. Anything else: stop before removing anything.
-            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise CkptError(f"cannot flush the renames to disk: {e.strerror}; the moved "
-                                "checkpoints stay as .ckpt-trash-* for the next prune",
-                                path=root.path) from None
-    for d, trash in moved:
-        err = remove_child(root, trash)
-        if err:
-            finish(d, "failed", f"{err}; the rest is left as {trash} for the next prune to "
-                                "remove")
-        else:
-            finish(d, "deleted")
-
-
-class PointerWatch:
-    """Re-reads the run directory's pointers when, and only when, their files change.
-
-    Checking "does a pointer name this now?" before each of thousands of deletions must not
-    re-read and re-parse every pointer file each time; an ``lstat`` of each tells whether it
-    may have changed.
-
-    Args:
-        root: The run directory.
-        plan: The plan (its pointers are the ones decided with).
-    """
-
-    def __init__(self, root: Path, plan: PrunePlan) -> None:
-        self.root, self.plan = root, plan
-        self.names = [*POINTER_FILES, *(n for n in plan.listing.pointers if n.startswith("last"))]
-        self._paths = [os.path.join(root, n) for n in self.names]
-        self._sig: list[tuple[int, int, int, int] | None] | None = None
-        self._why: str | None = None
-        self._pointers: dict[str, str] = dict(plan.listing.pointers)
-
-    def _signature(self) -> list[tuple[int, int, int, int] | None]:
-        out: list[tuple[int, int, int, int] | None] = []
-        for path in self._paths:
-            try:
-                st = os.lstat(path)
-            except OSError:
-                out.append(None)
-                continue
-            out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-        return out
-
-    def protects(self, entry: RunEntry) -> str | None:
-        """Why a pointer protects ``entry`` now (which it did not when the plan was made).
-
-        Args:
-            entry: A checkpoint of the plan.
-
-        Returns:
-            The reason, or None.
-        """
-        sig = self._signature()
-        if sig != self._sig:
-            self._sig = sig
-            links = [n for n in self.names if n.startswith("last")]
-            pointers, findings = read_pointers(self.root, links)
-            bad = [f for f in findings if f.code == POINTER_UNREADABLE]
-            self._why = bad[0].message if bad else None
-            self._pointers = pointers
-        if self._why:
-            return self._why
-        if self._pointers == self.plan.listing.pointers:
-            return None
-        protected = pointer_protections(self.plan.listing.entries, self._pointers).get(
-            entry.name)
-        return f"now {protected[1]}" if protected else None
-
-
-def recheck(root: Path, entry: RunEntry, plan: PrunePlan, now: float,
-            pointers: PointerWatch | None = None, points: list[str] | None = None) -> str | None:
-    """Check right before deleting that a checkpoint is still what the plan decided about.
-
-    Between planning and deleting (a prompt, other deletions) a writer may have added files to
-    it, touched it, started rewriting it, locked it, or moved a pointer to it. Its tree must be
-    exactly as planned (sizes, file count, modification and inode-change times): an unchanged
-    tree is also still complete and has no new lock file inside.
-
-    Args:
-        root: The run directory.
-        entry: The checkpoint as planned.
-        plan: The plan.
-        now: The current time.
-        pointers: A :class:`PointerWatch` shared across checks (one is made if None).
-        points: Mount points to consider (those inside the run directory), read once per
-            prune (all are read if None).
-
-    Returns:
-        None if it may be deleted, else why not.
-    """
-    path = os.path.join(root, entry.name)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return "it is gone already (removed by someone else)"
-    except OSError as e:
-        return f"cannot check it: {e.strerror}"
-    if stat.S_ISLNK(st.st_mode):
-        return "it is a symbolic link now; never followed"
-    inside = mounts_inside(path, points)
-    if inside:
-        return f"a file system is mounted inside it ({inside[0]}); not deleted"
-    scan = tree_scan(Path(path))
-    before = (entry.bytes, entry.files, entry.mtime, entry.changed)
-    if (scan.bytes, scan.files, scan.mtime, scan.changed) != before:
-        return (f"it changed since planning ({entry.files:,} -> {scan.files:,} files, "
-                f"{entry.bytes:,} -> {scan.bytes:,} bytes, or newer times)")
-    if plan.policy.grace and now - scan.changed < plan.policy.grace:
-        return "it changed within --grace"
-    why = (pointers or PointerWatch(root, plan)).protects(entry)
-    if why:
-        return why
-    for lock in (f"{entry.name}{LOCK_SUFFIX}", f".{entry.name}{LOCK_SUFFIX}"):
-        if os.path.lexists(os.path.join(root, lock)):
-            return f"lock file {lock} appeared"
-    return None
-
-
-def _moved_unchanged(root: HeldDir, top: os.stat_result, trash: str, entry: RunEntry,
-                     pointers: PointerWatch) -> str | None:
-    """Whether anything changed a checkpoint, or a pointer moved to it, while it was being
-    renamed aside (since the re-check, microseconds ago).
-
-    A file or directory added at its top changes the top's modification time; the rename
-    itself only sets the inode-change time.
-    """
-    try:
-        now = root.lstat(trash)
-    except OSError as e:
-        return f"cannot check it after moving it aside: {e.strerror}"
-    if (now.st_ino, now.st_size, now.st_mtime_ns) != (top.st_ino, top.st_size, top.st_mtime_ns):
-        return "it changed while being moved aside"
-    return pointers.protects(entry)
-
-

@@ -3,8 +3,8 @@
 Used by ``ckpt diff`` and by commands that verify what they wrote. Memory stays small: a tensor
 stored as one contiguous byte range is read block by block with positioned reads into reused
 buffers; DCP chunks split along the first dimension are streamed piece by piece
-(:meth:`~ckpt_cli.tensors.TensorSource.iter_pieces`); other layouts (strided views, chunks split
-along other dimensions) are read whole once and then walked in blocks, so the upcast
+(:meth:`~ckpt_cli.tensors.source.TensorSource.iter_pieces`); other layouts (strided views,
+chunks split along other dimensions) are read whole once and then walked in blocks, so the upcast
 temporaries are always block-sized.
 
 Rules:
@@ -33,7 +33,7 @@ from ckpt_cli.model import TensorInfo
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckpt_cli.tensors import TensorSource
+    from ckpt_cli.tensors.source import TensorSource
 
 BLOCK_ELEMENTS = 1 << 18
 """Elements per block: 1 MB of float32, small enough to stay in cache."""

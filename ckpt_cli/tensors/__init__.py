@@ -1,0 +1,6 @@
+"""Tensor data, piece by piece: :mod:`~ckpt_cli.tensors.source` (``TensorSource``, the one façade
+commands read tensor data through), :mod:`~ckpt_cli.tensors.cast` (dtype casts and ``CastPlan``)
+and :mod:`~ckpt_cli.tensors.select` (which source tensors become which output names).
+
+Nothing is imported here, so importing one of them loads only what it needs.
+"""
