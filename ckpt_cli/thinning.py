@@ -895,8 +895,10 @@ def tidy(path: Path, *, ours_only: bool = False) -> list[str]:
         return []
     gone = _unreferenced(path, ours_only)
     if gone:
+        algorithm = _set_manifest_aside(path)  # a watch pass may have listed them in it
         store = cast(storage.ObjectPath, path).store
         store.delete([cast(storage.ObjectPath, path / n).key for n in gone])
+        _manifest_again(path, algorithm)
     return gone
 
 
