@@ -780,21 +780,21 @@ def _thin_object(obj: Path, to: str | None, on_start: OnStart, checkpoint: Path
 
 
 def _thin_hf_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned | None:
-    """An HF Trainer ``checkpoint-N`` prefix: its optimizer object deleted (one DELETE)."""
+    """An HF Trainer ``checkpoint-N`` prefix: its optimizer object deleted (one DELETE); with
+    ``to="bf16"`` its weights cast too (see :func:`_hf_prefix_to_bf16`)."""
     from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
 
+    tidy(path, ours_only=True)  # a killed --thin-to's uploads, never named by the index
     victims = [n for n in HF_OPTIMIZER_FILES if (path / n).is_file()]
     if not victims:
         return None
-    if to is not None:
-        raise CkptError("--thin-to on an HF checkpoint-N prefix on object storage is not "
-                        "supported yet (its shards and config.json cannot be replaced in one "
-                        "step); left whole", path=path)
     problem = quick_validate(path)
     if problem:
         raise CkptError(f"does not validate ({problem}); left whole", path=path)
     bytes_before = tree_scan(path).bytes
+    if to == "bf16":
+        return _hf_prefix_to_bf16(path, victims, on_start, bytes_before)
     on_start(victims, None, bytes_before)
     algorithm = _set_manifest_aside(path)
     for n in victims:
@@ -999,3 +999,98 @@ def _thin_dcp_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned |
     cast(storage.ObjectPath, path).store.changed()
     digest = _manifest_again(path, algorithm)
     return Thinned(path, dropped, to, bytes_before, tree_scan(path).bytes, digest)
+
+
+def _hf_prefix_to_bf16(path: Path, victims: list[str], on_start: OnStart,
+                       bytes_before: int) -> Thinned:
+    """``--thin-to bf16`` on an HF ``checkpoint-N`` prefix on object storage.
+
+    Sharded (``model.safetensors.index.json``): each shard is cast into a local temporary file
+    and uploaded under a new, tagged name (``model-00001-of-00002.thin1a2b3c4d.safetensors``),
+    then ``config.json``'s dtype is stored, then the index naming the new shards (one PUT: the
+    step at which loaders see the BF16 weights), then the old shards and the optimizer state
+    are deleted. A lone ``model.safetensors``: replaced by one upload (after ``config.json``),
+    then the optimizer state deleted. Before the index (or the weights) is replaced the
+    checkpoint loads as it was; after, as thinned; a kill in between leaves shards the index
+    does not name, which the next prune removes (:func:`tidy`) before finishing the work.
+    """
+    import json
+    import tempfile
+
+    from ckpt_cli.formats import read_index
+    from ckpt_cli.ops.prune import quick_validate
+    from ckpt_cli.runs import tree_scan
+
+    children = list(path.iterdir())
+    if any(not c.is_file() for c in children):
+        raise CkptError("holds sub-prefixes; --thin-to bf16 leaves it whole", path=path)
+    if any(c.name.endswith((".bin", ".pt", ".pth")) and "model" in c.name for c in children):
+        raise CkptError("holds torch-pickle weights beside safetensors; --thin-to bf16 casts "
+                        "only safetensors and leaves it whole", path=path)
+    idxs = [c for c in children if c.name.startswith("model")
+            and c.name.endswith(".safetensors.index.json")]
+    if len(idxs) > 1:
+        raise CkptError("holds more than one weights index; left whole", path=path)
+    named = _referenced(path)
+    weights = [c for c in children if c.name.startswith("model")
+               and c.name.endswith(".safetensors") and named is not None and c.name in named]
+    if not weights or (not idxs and [w.name for w in weights] != ["model.safetensors"]):
+        raise CkptError("no model*.safetensors weights (named by an index, or a lone "
+                        "model.safetensors) to cast; left whole", path=path)
+    before = _sizes(path)
+    infos = {w.name: read_index(w) for w in weights}
+    wide = ("F32", "F64", "F16")
+    to_cast = [w for w in weights if any(t.dtype in wide for t in infos[w.name].tensors.values())]
+    if not to_cast:  # cast already (a killed thinning committed its index): the optimizer goes
+        on_start(victims, "bf16", bytes_before)
+        algorithm = _set_manifest_aside(path)
+        _delete_old(path, victims)
+        digest = _manifest_again(path, algorithm)
+        return Thinned(path, victims, "bf16", bytes_before, tree_scan(path).bytes, digest)
+    tag = _new_tag()
+    renamed = {w.name: (f"{w.name[:-len('.safetensors')]}.{tag}.safetensors" if idxs
+                        else w.name) for w in to_cast}
+    with tempfile.TemporaryDirectory(prefix="ckpt-thin-") as td:
+        local = Path(td)
+        total = 0
+        for w in weights:
+            if w.name in renamed:
+                out = local / renamed[w.name]
+                total += _safetensors_to_bf16(w, out)
+                problem = quick_validate(out)
+                if problem:
+                    raise CkptError(f"the cast copy of {w.name} does not validate ({problem}); "
+                                    "left whole", path=path)
+            else:
+                total += sum(t.nbytes for t in infos[w.name].tensors.values())
+        config: bytes | None = None
+        if (path / "config.json").is_file():
+            cfg = json.loads((path / "config.json").read_text())
+            if isinstance(cfg, dict):
+                for k in [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]:
+                    cfg[k] = "bfloat16"
+                config = (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+        index: bytes | None = None
+        if idxs:
+            doc = json.loads(idxs[0].read_text())
+            doc["weight_map"] = {k: renamed.get(v, v) for k, v in doc["weight_map"].items()}
+            if isinstance(doc.get("metadata"), dict) and "total_size" in doc["metadata"]:
+                doc["metadata"]["total_size"] = total
+            index = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+        if not _unchanged(path, before):
+            raise CkptError("it changed while being thinned; left as it is", path=path)
+        on_start(victims, "bf16", bytes_before)
+        algorithm = _set_manifest_aside(path)
+        if idxs:
+            for n in renamed.values():
+                _upload_file(local / n, path / n)
+        if config is not None:
+            (path / "config.json").write_bytes(config)  # one PUT
+        if index is not None:
+            _put_commit(idxs[0], index)
+        else:
+            _upload_file(local / "model.safetensors", path / "model.safetensors")
+    _delete_old(path, victims + ([n for n in renamed if n not in renamed.values()]))
+    cast(storage.ObjectPath, path).store.changed()
+    digest = _manifest_again(path, algorithm)
+    return Thinned(path, victims, "bf16", bytes_before, tree_scan(path).bytes, digest)

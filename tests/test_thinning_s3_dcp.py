@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -183,6 +184,160 @@ def test_a_dcp_prefix_thinning_killed_midway_loads_and_the_next_prune_finishes(
     got = _dcp_load(_download(moto, name, "run/step_000100", tmp_path / "got2"))
     assert all(torch.equal(got["model"][k], v) for k, v in saved[100].items())
     r = run_cli("validate", f"{url}/step_000100")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    r = run_cli("watch", url, "--once", "--settle", "0s")
+    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
+
+
+def _hf_sharded_run(run: Path) -> Any:
+    """Two HF Trainer-style ``checkpoint-N`` directories with sharded safetensors weights
+    (transformers' ``save_pretrained``), AdamW state and trainer_state.json. Returns the
+    model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                       n_head=2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    opt.step()
+    for step in (2, 4):
+        d = run / f"checkpoint-{step}"
+        with third_party_quiet():
+            model.save_pretrained(d, max_shard_size="20KB")
+        torch.save(opt.state_dict(), d / "optimizer.pt")
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": step,
+                                                          "log_history": []}))
+    assert len(list((run / "checkpoint-2").glob("model-*.safetensors"))) > 1
+    return model
+
+
+def _hf_load(d: Path, dtype: Any = "auto") -> Any:
+    from transformers import AutoModelForCausalLM
+
+    with third_party_quiet():
+        return AutoModelForCausalLM.from_pretrained(d, dtype=dtype)
+
+
+def test_thin_hf_prefixes_to_bf16_on_object_storage(bucket: tuple[str, str],
+                                                     hf_trainer_dir: Path,
+                                                     tmp_path: Path) -> None:
+    """``--thin-to bf16`` on S3: a lone ``model.safetensors`` (a Trainer run) replaced by one
+    upload, and sharded weights written under new names with the index replaced last; both
+    load with ``from_pretrained`` as the original's weights cast to BF16."""
+    import shutil
+
+    moto, name = bucket
+    single = tmp_path / "single"
+    shutil.copytree(hf_trainer_dir, single, symlinks=True)
+    sharded = tmp_path / "sharded"
+    model = _hf_sharded_run(sharded)
+    for local, prefix in ((single, "single"), (sharded, "sharded")):
+        s3.upload(moto, local, name, prefix)
+    oldest = min(single.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    want = {"single": _hf_load(oldest).state_dict(), "sharded": model.state_dict()}
+    old_shards = {"single": ["model.safetensors"],
+                  "sharded": sorted(p.name for p in (sharded / "checkpoint-2").glob(
+                      "model-*.safetensors"))}
+    for prefix, ck in (("single", oldest.name), ("sharded", "checkpoint-2")):
+        url = f"s3://{name}/{prefix}"
+        assert run_cli("watch", url, "--once", "--settle", "0s").exit_code == 0
+        before = _object_bytes(moto, name, f"{prefix}/{ck}")
+        r = run_cli("prune", url, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0",
+                    "--yes", "--json")
+        assert r.exit_code == 0, r.stdout + r.stderr
+        doc = json.loads(r.stdout)["thinning"]
+        t = doc["thinned"][ck]
+        assert t["dropped"] == ["optimizer.pt"] and t["dtype"] == "bf16"
+        assert t["bytes_before"] == before
+        assert t["bytes_after"] == _object_bytes(moto, name, f"{prefix}/{ck}")
+        assert t["bytes_after"] < t["bytes_before"] / 2
+        print(f"S3 HF {prefix} to bf16: {t['bytes_before']:,} -> {t['bytes_after']:,} bytes")
+        keys = _keys(moto, name, f"{prefix}/{ck}")
+        assert "optimizer.pt" not in keys and "trainer_state.json" in keys
+        shards = [k for k in keys if k.startswith("model") and k.endswith(".safetensors")]
+        if prefix == "single":
+            assert shards == ["model.safetensors"]
+        else:
+            assert not set(shards) & set(old_shards[prefix]) and len(shards) == len(
+                old_shards[prefix]) and all(".thin" in k for k in shards)
+        got = _download(moto, name, f"{prefix}/{ck}", tmp_path / f"got-{prefix}")
+        cfg = json.loads((got / "config.json").read_text())
+        assert all(cfg[k] == "bfloat16" for k in ("torch_dtype", "dtype") if k in cfg)
+        thin = _hf_load(got)
+        assert thin.dtype == torch.bfloat16
+        sd = thin.state_dict()
+        for k, v in want[prefix].items():
+            assert torch.equal(sd[k], v.to(torch.bfloat16)), (prefix, k)
+        book = ledger.read_ledger(url)
+        assert book is not None
+        line = book.latest()[ck]
+        assert line.event == "thinned" and "pending" not in line.detail
+        assert line.detail["dtype"] == "bf16"
+        assert line.manifest_digest == ledger.manifest_digest(f"{url}/{ck}")
+        r = run_cli("validate", f"{url}/{ck}")
+        assert r.exit_code == 0, r.stdout + r.stderr
+        r = run_cli("watch", url, "--once", "--settle", "0s")
+        assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("where", ["uploaded", "committed"])
+def test_an_hf_bf16_thinning_killed_midway_loads_and_the_next_prune_finishes(
+        bucket: tuple[str, str], tmp_path: Path, where: str) -> None:
+    """Killed before the index was replaced (the original loads; the cast shards are unnamed
+    leftovers) or after (the BF16 one loads; the old shards and the optimizer state are still
+    there): nothing is reported bad, and the next prune finishes the work."""
+    from ckpt_cli import thinning
+    from ckpt_cli.ops.prune import prune
+    from ckpt_cli.retention import PrunePolicy
+
+    moto, name = bucket
+    local = tmp_path / "out"
+    model = _hf_sharded_run(local)
+    s3.upload(moto, local, name, "out")
+    url = f"s3://{name}/out"
+    original = _keys(moto, name, "out/checkpoint-2")
+    assert run_cli("watch", url, "--once", "--settle", "0s").exit_code == 0
+
+    def die(*_a: object) -> None:
+        raise _Killed
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(_Killed):
+        mp.setattr(thinning, "_put_commit" if where == "uploaded" else "_delete_old", die)
+        prune(url, PrunePolicy(thin_after=1, grace=0, thin_to="bf16"))
+    keys = _keys(moto, name, "out/checkpoint-2")
+    assert [k for k in keys if ".thin" in k]
+    assert set(original) - {"ckpt-manifest.json"} <= set(keys)
+    # config.json says bfloat16 from before the index is replaced: loaded in FP32, the weights
+    # are the original's until then, their BF16 cast after.
+    got = _hf_load(_download(moto, name, "out/checkpoint-2", tmp_path / "got"),
+                   torch.float32).state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k], v if where == "uploaded"
+                           else v.to(torch.bfloat16).float()), k
+    r = run_cli("validate", f"{url}/checkpoint-2")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    marker = tmp_path / "on-bad-ran"
+    r = run_cli("watch", url, "--once", "--settle", "0s", "--on-bad", f"touch {marker}")
+    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
+    assert not marker.exists()
+    r = run_cli("prune", url, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0",
+                "--yes", "--json")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    keys = _keys(moto, name, "out/checkpoint-2")
+    shards = [k for k in keys if k.startswith("model") and k.endswith(".safetensors")]
+    assert "optimizer.pt" not in keys and shards and all(".thin" in k for k in shards)
+    assert len(shards) == len([k for k in original if k.endswith(".safetensors")])
+    thin = _hf_load(_download(moto, name, "out/checkpoint-2", tmp_path / "got2"))
+    assert thin.dtype == torch.bfloat16
+    for k, v in model.state_dict().items():
+        assert torch.equal(thin.state_dict()[k], v.to(torch.bfloat16)), k
+    book = ledger.read_ledger(url)
+    assert book is not None
+    line = book.latest()["checkpoint-2"]
+    assert line.event == "thinned" and "pending" not in line.detail
+    assert line.manifest_digest == ledger.manifest_digest(f"{url}/checkpoint-2")
+    r = run_cli("validate", f"{url}/checkpoint-2")
     assert r.exit_code == 0, r.stdout + r.stderr
     r = run_cli("watch", url, "--once", "--settle", "0s")
     assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
