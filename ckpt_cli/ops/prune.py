@@ -150,6 +150,11 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
             continue
         name = d.entry.name
         why = can_thin(d.entry.path) or recheck_one(d.entry)
+        if not why and d.entry.step is None and storage.is_remote(d.entry.path):
+            # Its place in the run comes from its objects' LastModified, which the rewrite
+            # would reset (S3 cannot set it): it would then pass for the newest checkpoint.
+            why = ("no step in its name or metadata: ordered by modification time, which "
+                   "rewriting it on object storage would reset; left whole")
         if why:
             result.thin_skipped[name] = why
             report(PruneEvent("thin-skipped", name, why, plan=plan))
