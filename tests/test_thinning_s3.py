@@ -1,5 +1,6 @@
 """``prune --thin-after`` on object storage, through a real moto S3 server: torch single-file
-checkpoints and HF Trainer ``checkpoint-N`` prefixes thinned, each object replaced whole."""
+checkpoints and HF Trainer ``checkpoint-N`` prefixes thinned, each object replaced whole (DCP
+prefixes and HF ``--thin-to bf16``: test_thinning_s3_dcp.py)."""
 
 from __future__ import annotations
 
@@ -93,12 +94,6 @@ def test_thin_hf_checkpoint_prefixes_on_object_storage(bucket: tuple[str, str],
     url = f"s3://{name}/out"
     oldest = min((p for p in local.glob("checkpoint-*")), key=lambda p: int(p.name[11:]))
     assert run_cli("watch", url, "--once", "--settle", "0s").exit_code == 0
-    # --thin-to bf16 cannot replace shards and config.json in one step there: left whole.
-    r = run_cli("prune", url, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0",
-                "--yes", "--json")
-    assert r.exit_code == 0, r.stderr
-    doc = json.loads(r.stdout)["thinning"]
-    assert not doc["thinned"] and "not supported yet" in doc["skipped"][oldest.name]
     r = run_cli("prune", url, "--thin-after", "1", "--grace", "0", "--yes", "--json")
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)["thinning"]

@@ -36,7 +36,7 @@ from typing import cast
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
-from ckpt_cli.ledger import read_ledger
+from ckpt_cli.ledger import Ledger, read_ledger
 from ckpt_cli.model import RunEntry, RunListing
 from ckpt_cli.ops.prune.deletion import (
     HeldDir,
@@ -135,7 +135,7 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
     (``recheck_one``: the object-storage re-check; local: :func:`recheck`), and append a
     ``thinned`` line to the run ledger for each."""
     from ckpt_cli.ledger import THINNED, LedgerEntry, append
-    from ckpt_cli.thinning import PENDING, can_thin, thin_file
+    from ckpt_cli.thinning import PENDING, can_thin, thin_file, tidy
 
     if recheck_one is None:
         pointers = PointerWatch(root, plan)
@@ -150,6 +150,11 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
             continue
         name = d.entry.name
         why = can_thin(d.entry.path) or recheck_one(d.entry)
+        if not why and d.entry.step is None and not storage.has_file_system(d.entry.path):
+            # Its place in the run comes from its objects' LastModified, which the rewrite
+            # would reset (S3 cannot set it): it would then pass for the newest checkpoint.
+            why = ("no step in its name or metadata: ordered by modification time, which "
+                   "rewriting it on object storage would reset; left whole")
         if why:
             result.thin_skipped[name] = why
             report(PruneEvent("thin-skipped", name, why, plan=plan))
@@ -166,6 +171,8 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
                                              "bytes_before": before, PENDING: True}))
 
         try:
+            if book is not None and _killed_thinning(book, name):
+                tidy(d.entry.path)  # object storage: what the killed thinning left unnamed
             done = thin_file(d.entry.path, to=plan.policy.thin_to, on_start=intent)
         except CkptError as e:
             result.thin_skipped[name] = e.message
@@ -191,6 +198,16 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
         report(PruneEvent("thinned", name, f"dropped {', '.join(done.dropped) or 'nothing'}"
                           f"{', weights to ' + done.dtype if done.dtype else ''}: "
                           f"{done.bytes_before:,} -> {done.bytes_after:,} bytes", plan=plan))
+
+
+def _killed_thinning(book: Ledger, name: str) -> bool:
+    """Whether the newest ``thinned`` line of checkpoint ``name`` is a pending intent."""
+    from ckpt_cli.ledger import THINNED
+    from ckpt_cli.thinning import pending
+
+    line = next((e for e in reversed(book.entries) if e.path == name and e.event == THINNED),
+                None)
+    return line is not None and pending(line)
 
 
 def _confirm_interrupted(root: Path, name: str, step: int | None) -> None:

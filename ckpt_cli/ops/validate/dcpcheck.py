@@ -37,7 +37,7 @@ from ckpt_cli.ops.validate.zipcheck import CrcTask, ZipReport, check_zip, crc_ta
 from ckpt_cli.storage import Handle
 from ckpt_cli.storage.reads import OpenFiles
 
-_DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
+_DISTCP = re.compile(r"^__(?:thin[0-9a-f]{8}_)?\d+_\d+\.distcp$")  # tagged: ckpt thinning
 
 
 @dataclass(slots=True)
