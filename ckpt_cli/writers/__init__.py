@@ -35,7 +35,7 @@ from ckpt_cli.errors import (
 )
 from ckpt_cli.manifest import MANIFEST_NAME, manifest_path
 from ckpt_cli.parts import PartOutcome, fingerprint
-from ckpt_cli.shardplan import ShardPlan, plan_shards
+from ckpt_cli.writers.plan import ShardPlan, plan_shards
 from ckpt_cli.storage.atomic import TMP_MARK, atomic_dir, atomic_file, fsync_path
 from ckpt_cli.storage.reads import MEMORY_BUDGET, PIECE_BYTES, memory_budget
 from ckpt_cli.writers.parts import PartJob, write_parted

@@ -1,7 +1,7 @@
 """Writing one output from many processes: each part writes its own shards, the last one the
 index.
 
-Every part computes the same shard plan (:func:`ckpt_cli.shardplan.plan_shards`) from the
+Every part computes the same shard plan (:func:`ckpt_cli.writers.plan.plan_shards`) from the
 source's metadata and deals the shards to parts by size (:func:`ckpt_cli.parts.assign`). A
 part writes its shards into the staging directory's ``out/`` (each under a temporary name,
 fsynced, then renamed), runs the caller's checks, and leaves a receipt saying which files it
@@ -37,7 +37,7 @@ from ckpt_cli.parts import (
 from ckpt_cli.storage.atomic import fsync_path, fsync_tree, replace_dir
 
 if TYPE_CHECKING:
-    from ckpt_cli.shardplan import ShardPlan
+    from ckpt_cli.writers.plan import ShardPlan
     from ckpt_cli.writers import WriteResult
 
 OUT = "out"
