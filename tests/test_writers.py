@@ -13,8 +13,8 @@ import torch
 
 from ckpt_cli import dtypes
 from ckpt_cli.errors import DestinationExistsError, UsageError
-from ckpt_cli.writers.plan import plan_shards
 from ckpt_cli.writers import OutTensor, write_checkpoint
+from ckpt_cli.writers.plan import plan_shards
 from ckpt_cli.writers.torchzip import TorchZipWriter
 
 pytestmark = pytest.mark.requires_torch
