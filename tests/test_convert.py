@@ -261,7 +261,7 @@ def _big_input(tmp_path: Path) -> Path:
 _PAUSED_CONVERT = """
 import os, signal, sys, time
 from pathlib import Path
-import ckpt_cli.writers as writers
+import ckpt_cli.writers.files as writers
 
 # Ctrl-C as at a terminal, even when the test runner was started with SIGINT ignored (a
 # shell's background job): an ignored SIGINT is inherited, and Python keeps it ignored.

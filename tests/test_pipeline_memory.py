@@ -20,7 +20,8 @@ from ckpt_cli.errors import UsageError
 from ckpt_cli.ops.consolidate import consolidate
 from ckpt_cli.storage import reads
 from ckpt_cli.storage.reads import MIN_MEMORY, Meter, memory_budget, run_bounded
-from ckpt_cli.writers import OutTensor, _Prefetch
+from ckpt_cli.writers import OutTensor
+from ckpt_cli.writers.pipeline import Prefetch
 from tests.conftest import run_cli
 
 MiB = 1 << 20
@@ -158,7 +159,7 @@ def _pieces(n: int, size: int, log: list[str]) -> OutTensor:
 def test_prefetch_runs_ahead_within_budget() -> None:
     log: list[str] = []
     t = _pieces(20, 1000, log)
-    with _Prefetch([t], budget=4000) as pre:
+    with Prefetch([t], budget=4000) as pre:
         it = pre.pieces(0)
         first = next(it)
         time.sleep(0.3)  # the producer runs ahead as far as the budget allows, no further
@@ -171,7 +172,7 @@ def test_prefetch_runs_ahead_within_budget() -> None:
 def test_prefetch_piece_larger_than_budget_goes_alone() -> None:
     log: list[str] = []
     t = _pieces(3, 5000, log)
-    with _Prefetch([t], budget=4000) as pre:
+    with Prefetch([t], budget=4000) as pre:
         it = pre.pieces(0)
         next(it)
         time.sleep(0.2)

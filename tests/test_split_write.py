@@ -174,11 +174,11 @@ def test_source_changed_between_parts_is_refused(train_pt: Path, tmp_path: Path)
 
 def test_failed_part_rerun_is_idempotent(train_pt: Path, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt_cli import writers
+    from ckpt_cli.writers import files as writers
 
     single, out = tmp_path / "single", tmp_path / "out"
     assert run_cli(*CONVERT, train_pt, "-o", single, "-q").exit_code == 0
-    real = writers._write_shard
+    real = writers.write_shard
     calls: list[Path] = []
 
     def dies_on_second_shard(path: Path, *a: object, **k: object) -> None:
@@ -187,10 +187,10 @@ def test_failed_part_rerun_is_idempotent(train_pt: Path, tmp_path: Path,
             raise KeyboardInterrupt  # Ctrl-C in the middle of the part
         real(path, *a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(writers, "_write_shard", dies_on_second_shard)
+    monkeypatch.setattr(writers, "write_shard", dies_on_second_shard)
     r = run_cli(*CONVERT, train_pt, "-o", out, "--part", "1/2")
     assert r.exit_code != 0
-    monkeypatch.setattr(writers, "_write_shard", real)
+    monkeypatch.setattr(writers, "write_shard", real)
     staged = staging_dir(out)
     # no half-written shard, no receipt, nothing at the destination
     assert not any(".ckpt-tmp-" in p.name for p in (staged / "out").iterdir())

@@ -48,7 +48,7 @@ MEMORY_BUDGET = 4 * PIECE_BYTES
 """The default memory budget (``--max-memory``): tensor data read ahead and not yet written
 (or checked, or compared). 256 MiB holds the piece being written, two read and cast ahead, and
 one being read: enough for reading and casting to run on while the writer waits for a flush
-(every 256 MB, see :class:`ckpt_cli.writers._Flusher`) or the disk, and small beside what
+(every 256 MB, see :class:`ckpt_cli.writers.pipeline.Flusher`) or the disk, and small beside what
 loading a checkpoint costs (a 4.7 GB training checkpoint: a 1.6 GB model). A tensor that must
 be read whole (strided views, DCP chunks split along other dimensions) may add its size."""
 

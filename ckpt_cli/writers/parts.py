@@ -3,13 +3,13 @@ index.
 
 Every part computes the same shard plan (:func:`ckpt_cli.writers.plan.plan_shards`) from the
 source's metadata and deals the shards to parts by size (:func:`ckpt_cli.parts.assign`). A
-part writes its shards into the staging directory's ``out/`` (each under a temporary name,
-fsynced, then renamed), runs the caller's checks, and leaves a receipt saying which files it
-wrote and their sizes. Under the staging lock, whoever finds every receipt there, matching the
-plan, finalizes: it checks every planned file is there with the size its receipt gives,
-writes the index and side files, fsyncs, and renames ``out/`` into place (or, for a
-single-file output, the one file), then removes the staging directory. Until then nothing
-at the destination looks like an output.
+part (:class:`PartSink`, the writer's sink for a split job) writes its shards into the staging
+directory's ``out/`` (each under a temporary name, fsynced, then renamed), runs the caller's
+checks, and leaves a receipt saying which files it wrote and their sizes. Under the staging
+lock, whoever finds every receipt there, matching the plan, finalizes: it checks every planned
+file is there with the size its receipt gives, writes the index and side files, fsyncs, and
+renames ``out/`` into place (or, for a single-file output, the one file), then removes the
+staging directory. Until then nothing at the destination looks like an output.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,10 +34,10 @@ from ckpt_cli.parts import (
     fingerprint,
     staging_dir,
 )
-from ckpt_cli.storage.atomic import fsync_path, fsync_tree, replace_dir
+from ckpt_cli.storage.atomic import TMP_MARK, fsync_path, fsync_tree, replace_dir
+from ckpt_cli.writers.sink import Sink, Tail
 
 if TYPE_CHECKING:
-    from ckpt_cli.writers import WriteResult
     from ckpt_cli.writers.plan import ShardPlan
 
 OUT = "out"
@@ -71,67 +71,90 @@ def owners(plan: ShardPlan, count: int) -> list[int]:
     return assign(list(plan.sizes), count)
 
 
-def write_parted(dest: Path, job: PartJob, plan: ShardPlan, content_id: str, as_file: bool,
-                 overwrite: bool, result: WriteResult,
-                 write_mine: Callable[[list[int], Path], Generator[tuple[int, Path], None, None]],
-                 finish: Callable[[Path], list[tuple[str, int]]],
-                 before_commit: Callable[[Path], None] | None) -> None:
-    """Do this process's part of a split write, then finalize if every part is done.
+class PartSink(Sink):
+    """This process's part of a split write: it claims the part (checks the destination, joins
+    the staged plan), writes its shards into the staging directory's ``out/`` (each under a
+    temporary name, fsynced, then renamed, before its receipt vouches for it), and at
+    :meth:`commit` runs the caller's check, leaves its receipt, and finalizes if every part is
+    done (:func:`_settle`). Finalizing writes the index and side files into ``out/``.
 
     Args:
         dest: The output file or directory.
-        job: The split.
         plan: The shard plan (the same in every part).
+        overwrite: Replace an existing ``dest`` (at finalize).
+        before_commit: The caller's check of this part's work (FP16 overflow...), given the
+            staged directory before its receipt is written.
+        job: The split.
         content_id: Fingerprint of what is written (tensors, metadata, side files).
         as_file: Whether ``dest`` is a single file.
-        overwrite: Replace an existing ``dest`` (at finalize).
-        result: Filled in: the files this process wrote, and ``part``.
-        write_mine: Writes the given shards (indices into the plan) into a directory, each
-            under a temporary name then renamed; yields each shard and its path once done.
-        finish: Writes the index and side files into the staged directory; returns them.
-        before_commit: The caller's check of this part's work (FP16 overflow...), before
-            its receipt is written.
 
     Raises:
         DestinationExistsError: ``dest`` exists and ``overwrite`` is False.
-        PartsIncompleteError: Parts of another plan are staged, or a finalize found parts
-            missing or files not matching their receipts.
+        PartsIncompleteError: Parts of another plan are staged, or (finalizing alone) none.
     """
-    if (dest.exists() or dest.is_symlink()) and not overwrite:
-        raise DestinationExistsError("already exists", path=dest,
-                                     hint="pass --force to replace it (every part the same)")
-    root = staging_dir(dest)
-    count = job.part.count if job.part else _staged_count(root, dest)
-    plan_id = fingerprint({"content": content_id, "source": job.source_id, "parts": count,
-                           "dest": dest.name, "file": as_file, "files": plan.files})
-    store = PartStore(root, plan_id, count, what=str(dest))
-    outcome = PartOutcome(job.part, count, [])
-    result.part = outcome
-    out_dir = root / OUT
-    if job.part is not None:
-        store.join()
-        out_dir.mkdir(exist_ok=True)
-        mine = [i for i, p in enumerate(owners(plan, count)) if p == job.part.index]
-        written: list[list[Any]] = []
-        with contextlib.closing(write_mine(mine, out_dir)) as shards:
-            for i, path in shards:
-                size = path.stat().st_size
-                extra = job.check_shard(path, plan.members[i]) if job.check_shard else {}
-                written.append([plan.files[i], size, extra])
-                result.files.append((plan.files[i], size))
-                outcome.files.append(plan.files[i])
-        if before_commit:
-            before_commit(out_dir)
-        fsync_path(out_dir)
-        store.write_receipt(job.part.index, {"files": written})
-    try:
-        with store.lock():
-            _settle(dest, store, plan, count, job, outcome, result, overwrite, as_file, finish)
-    except FileNotFoundError:
-        # The staging directory went while we waited for its lock: another part finalized.
-        if not (dest.exists() and not root.exists()):
+
+    def __init__(self, dest: Path, plan: ShardPlan, *, overwrite: bool,
+                 before_commit: Callable[[Path], None] | None, job: PartJob, content_id: str,
+                 as_file: bool):
+        super().__init__(dest, plan, overwrite=overwrite, before_commit=before_commit)
+        if (dest.exists() or dest.is_symlink()) and not overwrite:
+            raise DestinationExistsError("already exists", path=dest,
+                                         hint="pass --force to replace it (every part the same)")
+        self.job, self.as_file = job, as_file
+        root = staging_dir(dest)
+        count = job.part.count if job.part else _staged_count(root, dest)
+        plan_id = fingerprint({"content": content_id, "source": job.source_id, "parts": count,
+                               "dest": dest.name, "file": as_file, "files": plan.files})
+        self.store = PartStore(root, plan_id, count, what=str(dest))
+        self.outcome = self.part = PartOutcome(job.part, count, [])
+        self.root = root / OUT
+        self.receipt: list[list[Any]] = []
+        self.shards = None
+        if job.part is not None:
+            self.store.join()
+            self.root.mkdir(exist_ok=True)
+            self.shards = [i for i, p in enumerate(owners(plan, count)) if p == job.part.index]
+
+    def target(self, name: str) -> Path:
+        return self.root / f".{name}{TMP_MARK}{os.getpid()}"
+
+    @contextlib.contextmanager
+    def open(self, name: str, *, expected: int, buffering: int) -> Iterator[Any]:
+        tmp = self.target(name)
+        try:
+            with super().open(name, expected=expected, buffering=buffering) as f:
+                yield f
+        except BaseException:
+            tmp.unlink(missing_ok=True)
             raise
-        outcome.finalized = True
+
+    def wrote(self, name: str, path: Path, size: int) -> None:
+        # Durable before its receipt vouches for it (a power loss must not leave a receipt
+        # for a shard of the right size and the wrong bytes).
+        fsync_path(path)
+        final = self.root / name
+        os.replace(path, final)
+        i = self.plan.files.index(name)
+        extra = self.job.check_shard(final, self.plan.members[i]) if self.job.check_shard else {}
+        self.receipt.append([name, size, extra])
+        super().wrote(name, final, size)
+        self.outcome.files.append(name)
+
+    def commit(self, tail: Tail) -> None:
+        job = self.job
+        if job.part is not None:
+            if self.before_commit:
+                self.before_commit(self.root)
+            fsync_path(self.root)
+            self.store.write_receipt(job.part.index, {"files": self.receipt})
+        try:
+            with self.store.lock():
+                _settle(self, tail)
+        except FileNotFoundError:
+            # The staging directory went while we waited for its lock: another part finalized.
+            if not (self.dest.exists() and not self.store.root.exists()):
+                raise
+            self.outcome.finalized = True
 
 
 def _staged_count(root: Path, dest: Path) -> int:
@@ -146,10 +169,9 @@ def _staged_count(root: Path, dest: Path) -> int:
     return count
 
 
-def _settle(dest: Path, store: PartStore, plan: ShardPlan, count: int, job: PartJob,
-            outcome: PartOutcome, result: WriteResult, overwrite: bool, as_file: bool,
-            finish: Callable[[Path], list[tuple[str, int]]]) -> None:
+def _settle(sink: PartSink, tail: Tail) -> None:
     """Under the lock: finalize if every receipt is there, else say what is missing."""
+    dest, store, job, outcome = sink.dest, sink.store, sink.job, sink.outcome
     recorded = store.recorded_plan()
     out_dir = store.root / OUT
     if recorded is not None and recorded.get("plan") != store.plan_id:
@@ -170,15 +192,19 @@ def _settle(dest: Path, store: PartStore, plan: ShardPlan, count: int, job: Part
         if job.finalize or job.part is None:
             raise store.incomplete(missing)
         return
-    staged = _check_receipts(store, plan, count, receipts)
-    extra = finish(out_dir) if not as_file else []
+    staged = _check_receipts(store, sink.plan, store.count, receipts)
+    sink.files = []
+    if not sink.as_file:
+        sink.write_tail(out_dir, tail)
+    extra = sink.files
     if job.on_finalize:
         job.on_finalize(out_dir, receipts)
     fsync_tree(out_dir)
-    _commit(out_dir, dest, plan, as_file, overwrite)
+    _commit(out_dir, dest, sink.plan, sink.as_file, sink.overwrite)
     shutil.rmtree(store.root, ignore_errors=True)
     fsync_path(dest.parent)
-    result.files[:] = [*staged, *extra]
+    sink.files = [*staged, *extra]
+    sink.complete = True
     outcome.finalized = outcome.finalized_here = True
 
 
