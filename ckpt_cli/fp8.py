@@ -332,8 +332,8 @@ def _row_groups(pieces: Iterator[np.ndarray], rows: int, cols: int,
 
 def _run(jobs: list[Callable[[], None]], nbytes: int, stage: str = "quantize") -> None:
     """Run ``jobs`` on the cast threads (inline when one thread or one job), their time
-    counted as ``stage`` (see :mod:`ckpt_cli.stages`)."""
-    from ckpt_cli import stages
+    counted as ``stage`` (see :mod:`ckpt_cli.storage.stages`)."""
+    from ckpt_cli.storage import stages
     from ckpt_cli.tensors.cast import cast_pool, cast_threads
 
     each = nbytes // max(1, len(jobs))
