@@ -218,7 +218,7 @@ RENDER_MAY_IMPORT = ("ckpt_cli.render", "ckpt_cli.model", "ckpt_cli.errors", "ck
 # The rest, known and each for one job: render/prune words remote paths (storage) and names
 # trash (formats.names) and shows the plan (retention's Decision/PrunePlan); junit writes its
 # report atomically and redacts URLs; convert/consolidate summarise kept dtypes (cast, lazily);
-# validate describes --part (parts, lazily); diff words FP8 schemes (fp8_scheme).
+# validate describes --part (parts, lazily); diff words FP8 schemes (fp8.scheme).
 RENDER_KNOWN = {("ckpt_cli.render.prune", "ckpt_cli.storage"),
                 ("ckpt_cli.render.prune", "ckpt_cli.formats.names"),
                 ("ckpt_cli.render.prune", "ckpt_cli.ops.prune.retention"),
@@ -227,7 +227,7 @@ RENDER_KNOWN = {("ckpt_cli.render.prune", "ckpt_cli.storage"),
                 ("ckpt_cli.render.convert", "ckpt_cli.tensors.cast"),
                 ("ckpt_cli.render.consolidate", "ckpt_cli.tensors.cast"),
                 ("ckpt_cli.render.validate", "ckpt_cli.parts"),
-                ("ckpt_cli.render.diff", "ckpt_cli.fp8_scheme")}
+                ("ckpt_cli.render.diff", "ckpt_cli.fp8.scheme")}
 
 
 def _is_result_module(mod: str) -> bool:

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli import fp8_scheme, storage
+from ckpt_cli import storage
 from ckpt_cli.errors import (
     CkptError,
     UnknownFormatError,
@@ -40,6 +40,7 @@ from ckpt_cli.errors import (
 )
 from ckpt_cli.formats import deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged, refuse_incomplete
+from ckpt_cli.fp8 import scheme as fp8_scheme
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.diff.metadata import diff_metadata
 from ckpt_cli.ops.diff.names import WEIGHT_GROUPS, normalise
