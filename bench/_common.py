@@ -69,7 +69,7 @@ def timed(label: str, argv: list[str], *, env: dict[str, str] | None = None,
     """Run ``argv`` ``repeat`` times; the fastest wall time, with that run's own peak RSS.
 
     A ckpt process (label starting with ``ckpt``) also records its per-stage busy time
-    (``CKPT_STAGE_REPORT``, see ``ckpt_cli.stages``) into :attr:`Run.stages`.
+    (``CKPT_STAGE_REPORT``, see ``ckpt_cli.storage.stages``) into :attr:`Run.stages`.
     """
     import tempfile
 

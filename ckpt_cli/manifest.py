@@ -35,10 +35,10 @@ from typing import Any, Protocol
 
 import orjson
 
-from ckpt_cli import stages, storage
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.model import Finding
-from ckpt_cli.storage import open_regular
+from ckpt_cli.storage import open_regular, stages
 from ckpt_cli.storage.reads import (
     BUFFER_SIZE,
     Meter,

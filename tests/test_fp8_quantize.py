@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from ckpt_cli import fp8
 from ckpt_cli.errors import CkptError
+from ckpt_cli.fp8 import encode
 from ckpt_cli.storage import reads
 from tests.conftest import run_cli
 
@@ -204,7 +205,7 @@ def test_convert_streams_a_weight_larger_than_a_piece(layout: str, tmp_path: Pat
             seen.append(p.size)
             yield p
 
-    monkeypatch.setattr(fp8, "quantize_pieces", counting)
+    monkeypatch.setattr(encode, "quantize_pieces", counting)  # where Quantized finds it
     r = run_cli("convert", src, "--to", "fp8", "--fp8-layout", layout, "-o", tmp_path / "out")
     assert r.exit_code == 0, r.output
     got = load_file(tmp_path / "out" / "model.safetensors")

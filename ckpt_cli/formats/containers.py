@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ckpt_cli.formats.unpickler import Opaque, TensorRecord
+from ckpt_cli.formats.standins import Opaque, TensorRecord
 
 MODEL_KEYS = ("model", "state_dict", "module", "model_state_dict", "model_state", "network",
               "net", "params", "weights", "ema", "model_ema", "ema_state_dict", "generator",

@@ -21,15 +21,10 @@ from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import allowlist, containers
 from ckpt_cli.formats.base import contained_path, file_size, open_stream, present, wrong_kind
-from ckpt_cli.formats.torchfile import contiguous_strides, parse_zip
-from ckpt_cli.formats.unpickler import (
-    UNPICKLE_ERRORS,
-    DTypeRef,
-    Opaque,
-    PickleResult,
-    TensorRecord,
-    safe_load,
-)
+from ckpt_cli.formats.standins import DTypeRef, Opaque, TensorRecord
+from ckpt_cli.formats.torchfile import contiguous_strides
+from ckpt_cli.formats.torchzip import parse_zip
+from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, PickleResult, safe_load
 from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, StorageRef, TensorInfo
 
 if TYPE_CHECKING:

@@ -30,8 +30,9 @@ from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import allowlist, deepspeed
 from ckpt_cli.formats.base import file_size
-from ckpt_cli.formats.torchfile import TorchZip, contiguous_strides, parse_zip
-from ckpt_cli.formats.unpickler import Opaque, TensorRecord
+from ckpt_cli.formats.standins import Opaque, TensorRecord
+from ckpt_cli.formats.torchfile import contiguous_strides
+from ckpt_cli.formats.torchzip import TorchZip, parse_zip
 from ckpt_cli.storage import Handle, open_regular
 from ckpt_cli.storage.reads import crc32_range
 

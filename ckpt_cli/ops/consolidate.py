@@ -31,7 +31,6 @@ from ckpt_cli.formats.directory import checkpoint_files
 from ckpt_cli.formats.megatron import MegatronReader
 from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import resolve_tag
-from ckpt_cli.gather import cast_loader, zero_metadata, zero_outputs
 from ckpt_cli.manifest import Manifest, hash_files, manifest_path, write_manifest
 from ckpt_cli.manifest import checkpoint_files as manifest_files
 from ckpt_cli.model import CheckpointIndex, Finding
@@ -55,6 +54,7 @@ from ckpt_cli.tensors.cast import (
     piece_caster,
     prefer_torch,
 )
+from ckpt_cli.tensors.gather import cast_loader, zero_metadata, zero_outputs
 from ckpt_cli.tensors.select import Selection, hostile_warning, hostile_warnings, select_tensors
 from ckpt_cli.tensors.source import TensorSource, split_pieces
 from ckpt_cli.units import natural_key

@@ -29,7 +29,6 @@ from ckpt_cli.formats import check_exists, deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import ParamPlan
-from ckpt_cli.gather import zero_metadata, zero_outputs
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 from ckpt_cli.ops import convert_fp8
 from ckpt_cli.parts import Part, source_identity
@@ -47,6 +46,7 @@ from ckpt_cli.tensors.cast import (
     piece_caster,
     prefer_torch,
 )
+from ckpt_cli.tensors.gather import zero_metadata, zero_outputs
 from ckpt_cli.tensors.select import Selection, hostile_warning, hostile_warnings, select_tensors
 from ckpt_cli.tensors.source import TensorSource
 from ckpt_cli.writers import (

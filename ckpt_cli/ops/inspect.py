@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli import fp8_scheme, storage
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import allowlist, check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
+from ckpt_cli.fp8 import scheme
 from ckpt_cli.model import GROUPS, CheckpointIndex, RunListing, TensorInfo, parameters_of
 from ckpt_cli.runs import holds_final_model, is_run_dir, list_run
 
@@ -68,7 +69,7 @@ class InspectResult:
         describe_error: Why the run's latest checkpoint could not be read, if it could not.
         final_model: Whether ``index`` is the final model at the top of the run directory
             (an HF Trainer ``output_dir``) rather than one of its checkpoints.
-        quantization: The quantization scheme (:func:`ckpt_cli.fp8_scheme.describe`), when
+        quantization: The quantization scheme (:func:`ckpt_cli.fp8.scheme.describe`), when
             ``index`` holds FP8 weights, scales or a ``quantization_config``.
     """
 
@@ -129,7 +130,7 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
             result.tensors = select_tensors(result.index, filter_glob, sort)
         if tree:
             result.tree = module_tree(result.index, depth, filter_glob)
-        result.quantization = fp8_scheme.describe(result.index)
+        result.quantization = scheme.describe(result.index)
     return result
 
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckpt_cli.fp8_scheme import expected_error, fraction
+from ckpt_cli.fp8.scheme import expected_error, fraction
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.diff.result import (
     Dequantized,

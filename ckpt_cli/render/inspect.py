@@ -102,7 +102,7 @@ def _problems(q: dict[str, Any]) -> list[Finding]:
 
 
 def quantization_grid(q: dict[str, Any]) -> FitTable:
-    """The quantization scheme of :func:`ckpt_cli.fp8_scheme.describe` as a grid."""
+    """The quantization scheme of :func:`ckpt_cli.fp8.scheme.describe` as a grid."""
     from ckpt_cli.render import human
 
     g = human.grid()

@@ -11,7 +11,8 @@ store. Everything above it asks the capability predicates (:func:`can_rename_ato
   :class:`Upload`; ``objectpath``: :class:`ObjectPath`, :class:`ObjectFile`.
 - ``config``: URL syntax, ``--storage-option``, :func:`redact`, failures in one line.
 - ``reads``: positioned reads of whole files, CRC-32, thread pools, the memory budget;
-  ``atomic``: temp + fsync + rename for local outputs. (Imported by their module path.)
+  ``atomic``: temp + fsync + rename for local outputs; ``stages``: per-stage busy time for the
+  benchmarks. (Imported by their module path.)
 
 This module only re-exports, lazily: ``ckpt --help`` imports none of the submodules, and the
 first use of a name imports the one module that defines it.

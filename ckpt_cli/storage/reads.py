@@ -20,9 +20,8 @@ from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadP
 from pathlib import Path
 from typing import TypeVar
 
-from ckpt_cli import stages
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
-from ckpt_cli.storage import access
+from ckpt_cli.storage import access, stages
 from ckpt_cli.storage.access import Handle
 
 _crc32_combine: Callable[[int, int, int], int] | None

@@ -45,8 +45,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import dtypes, stages
+from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
+from ckpt_cli.storage import stages
 
 if TYPE_CHECKING:
     import numpy as np

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from ckpt_cli import stages
+from ckpt_cli.storage import stages
 from ckpt_cli.writers.pipeline import Flusher, Prefetch, tensor_bytes
 from ckpt_cli.writers.plan import OutTensor, ShardPlan
 from ckpt_cli.writers.safetensors import header_bytes, write_all

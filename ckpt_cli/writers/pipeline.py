@@ -17,8 +17,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import dtypes, stages, storage
+from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import OutOfMemoryError
+from ckpt_cli.storage import stages
 from ckpt_cli.storage.reads import MEMORY_BUDGET, PIECE_BYTES
 
 if TYPE_CHECKING:

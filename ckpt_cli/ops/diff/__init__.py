@@ -16,7 +16,7 @@ sides are :class:`~ckpt_cli.model.CheckpointIndex` objects. Steps:
    not counted as a difference), shape changes, dtype changes.
 4. **Values.** Each common pair is streamed block by block (:mod:`ckpt_cli.ops.diff.compare`). A
    weight stored in FP8 with a scale (``X.weight`` + ``X.weight_scale_inv``/``weight_scale``/
-   ``scale_weight``, see :mod:`ckpt_cli.fp8_scheme`) is dequantized first (``w * scale`` in
+   ``scale_weight``, see :mod:`ckpt_cli.fp8.scheme`) is dequantized first (``w * scale`` in
    FP32), on either side or both, one pair at a time; its scales are not compared on their
    own nor reported as only on one side.
 5. **Metadata.** Training facts (step, epoch, lr, hyper-parameters) and non-tensor values.
@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli import fp8_scheme, storage
+from ckpt_cli import storage
 from ckpt_cli.errors import (
     CkptError,
     UnknownFormatError,
@@ -40,6 +40,7 @@ from ckpt_cli.errors import (
 )
 from ckpt_cli.formats import deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged, refuse_incomplete
+from ckpt_cli.fp8 import scheme as fp8_scheme
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.diff.metadata import diff_metadata
 from ckpt_cli.ops.diff.names import WEIGHT_GROUPS, normalise

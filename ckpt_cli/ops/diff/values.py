@@ -11,11 +11,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from ckpt_cli import dtypes, fp8_scheme
+from ckpt_cli import dtypes
 from ckpt_cli.errors import (
     CkptError,
     OutOfMemoryError,
 )
+from ckpt_cli.fp8 import scheme as fp8_scheme
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.ops.diff.compare import (
     EXACT,

@@ -40,7 +40,7 @@ from ckpt_cli.formats import (
 from ckpt_cli.formats.base import rel_to
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
 from ckpt_cli.formats.probe import quick_status
-from ckpt_cli.fp8 import check_quantized
+from ckpt_cli.fp8.config import check_quantized
 from ckpt_cli.manifest import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,

@@ -20,7 +20,9 @@ from pathlib import Path
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, ZipConflictError
 from ckpt_cli.formats import allowlist, dcp
-from ckpt_cli.formats.torchfile import (
+from ckpt_cli.formats.standins import TensorRecord
+from ckpt_cli.formats.torchfile import view_extent
+from ckpt_cli.formats.torchzip import (
     TorchZip,
     ZipEntry,
     archive_prefix,
@@ -29,9 +31,8 @@ from ckpt_cli.formats.torchfile import (
     record,
     refuse_colliding_names,
     scan_other_pickles,
-    view_extent,
 )
-from ckpt_cli.formats.unpickler import TensorRecord, scan_globals
+from ckpt_cli.formats.unpickler import scan_globals
 from ckpt_cli.model import CheckpointIndex, Chunk, Finding, TensorInfo
 from ckpt_cli.ops.validate.zipcheck import CrcTask, ZipReport, check_zip, crc_tasks
 from ckpt_cli.storage import Handle
@@ -251,7 +252,7 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
 def _load(fd: Handle, start: int, length: int, zr: ZipReport, where: str) -> TorchZip:
     """Unpickle an item's ``data.pkl`` from the records :func:`check_zip` already located.
 
-    Same result as :func:`~ckpt_cli.formats.torchfile.parse_zip`, without parsing the central
+    Same result as :func:`~ckpt_cli.formats.torchzip.parse_zip`, without parsing the central
     directory a second time (DCP checkpoints hold thousands of items).
 
     Raises:

@@ -1,4 +1,12 @@
-"""What quantization scheme a checkpoint uses, from its metadata alone (never tensor data).
+"""FP8 schemes: which tensors a conversion quantizes and how its scales are named and
+shaped (the rules :mod:`ckpt_cli.fp8.encode` and ``convert --to fp8`` follow), and what
+quantization scheme a checkpoint uses, from its metadata alone (never tensor data).
+
+Which tensors qualify (:func:`qualifies`) is decided by name and shape, and explainable: a
+2-D floating ``*.weight`` whose module name does not match :data:`SKIP_PATTERNS`
+(embeddings, norms, ``lm_head``, MoE routers/gates) and whose dims suit the layout
+(:func:`layout_fits`). Linear weights that do not fit are left in the ``--rest`` dtype and
+listed in the config's ignore list.
 
 ``inspect`` shows it; ``diff`` uses the same pairing of FP8 weights with their scales.
 
@@ -8,6 +16,7 @@ A scale belongs to the weight of its module: ``X.weight`` (FP8 E4M3/E5M2) with
 that dequantizes, ``w = q * scale`` (see :mod:`ckpt_cli.fp8`). Activation scales
 (``X.input_scale``, ``X.activation_scale``, ``X.output_scale``) belong to ``X`` too.
 """
+
 
 from __future__ import annotations
 
@@ -19,8 +28,92 @@ from typing import Any
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
-from ckpt_cli.fp8 import BLOCK, SCALE_NAMES, scale_kind, skip_reason
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
+
+FP8_MAX = 448.0
+BLOCK = 128
+LAYOUTS = ("block", "channel", "tensor")
+CHANNEL_MULTIPLE = 16
+"""channel/tensor layouts: both dims must be multiples of 16 (the FP8 GEMM kernels' rule)."""
+
+SKIP_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"(^|\.)(embed_tokens|embeddings?|wte|wpe|word_embeddings|tok_embeddings)(\.|$)",
+     "embedding"),
+    (r"(^|\.)(lm_head|output|embed_out)$", "output head (lm_head)"),
+    (r"norm|(^|\.)ln_", "norm"),
+    (r"(^|\.)(router|gate)$", "MoE router"),
+)
+"""``(regex on the module name, reason)``: modules never quantized."""
+
+SCALE_NAMES = ("weight_scale_inv", "weight_scale", "scale_weight")
+
+
+def skip_reason(module: str) -> str | None:
+    """Why module ``module`` is never quantized (None: it may be)."""
+    for pattern, reason in SKIP_PATTERNS:
+        if re.search(pattern, module):
+            return reason
+    return None
+
+
+def layout_fits(shape: tuple[int, ...], layout: str) -> bool:
+    """Whether a 2-D weight of ``shape`` can be stored in ``layout``."""
+    if len(shape) != 2:
+        return False
+    if layout == "block":
+        return all(d % BLOCK == 0 and d > 0 for d in shape)
+    return all(d % CHANNEL_MULTIPLE == 0 and d > 0 for d in shape)
+
+
+def qualifies(name: str, dtype: str, shape: tuple[int, ...],
+              layout: str) -> tuple[bool, str | None]:
+    """Whether tensor ``name`` is quantized, and if not while being a Linear-like weight,
+    why (for the ignore list and the notes).
+
+    Returns:
+        ``(True, None)``: quantize. ``(False, reason)``: a 2-D ``*.weight`` left unquantized
+        (its module goes in the ignore list). ``(False, None)``: not a candidate at all.
+    """
+    if dtype not in ("F64", "F32", "F16", "BF16") or not name.endswith(".weight"):
+        return False, None
+    if len(shape) != 2:
+        return False, None
+    module = name[: -len(".weight")]
+    reason = skip_reason(module)
+    if reason is not None:
+        return False, reason
+    if not layout_fits(shape, layout):
+        rule = f"a dim not a multiple of {BLOCK if layout == 'block' else CHANNEL_MULTIPLE}"
+        return False, f"shape {list(shape)}: {rule}"
+    return True, None
+
+
+def scale_name(layout: str) -> str:
+    """The scale tensor's last name part in ``layout``."""
+    return "weight_scale_inv" if layout == "block" else "weight_scale"
+
+
+def scale_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """The scale's shape for a weight of ``shape`` in ``layout``."""
+    if layout == "block":
+        return (math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK))
+    if layout == "channel":
+        return (shape[0], 1)
+    return (1,)
+
+
+def scale_kind(weight: tuple[int, ...], scale: tuple[int, ...]) -> str | None:
+    """Which convention a scale of shape ``scale`` follows for ``weight`` (None: none)."""
+    if len(weight) != 2:
+        return None
+    if scale in ((), (1,), (1, 1)):
+        return "tensor"
+    if scale in ((weight[0], 1), (weight[0],)):
+        return "channel"
+    if scale == (math.ceil(weight[0] / BLOCK), math.ceil(weight[1] / BLOCK)):
+        return "block"
+    return None
+
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 """Storage dtypes of FP8 weights."""
