@@ -1,6 +1,6 @@
 """Resume only from a verified checkpoint.
 
-:func:`latest_verified` reads the run ledger (:mod:`ckpt_cli.ledger`) and returns the newest
+:func:`latest_verified` reads the run ledger (:mod:`ckpt_cli.trust.ledger`) and returns the newest
 checkpoint whose newest line says ``good`` and which is still what was verified: its manifest is
 the one recorded (same SHA-256), every file the manifest lists is there with its recorded size
 and nothing was added, and with ``verify="full"`` every file's checksum matches too. A
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ckpt_cli import ledger, storage
+from ckpt_cli import storage
+from ckpt_cli.trust import ledger
 
 Verify = Literal["sizes", "full"]
 
@@ -59,8 +60,8 @@ def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
         ValueError: An unknown ``verify``.
         CkptError: The ledger cannot be read.
     """
-    from ckpt_cli.thinning import pending
-    from ckpt_cli.watch import links_in, recheck_good
+    from ckpt_cli.trust.ledger import links_in, recheck_good
+    from ckpt_cli.trust.thinning import pending
 
     if verify not in ("sizes", "full"):
         raise ValueError(f"verify must be 'sizes' or 'full', not {verify!r}")

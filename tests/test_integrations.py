@@ -16,8 +16,8 @@ import orjson
 import pytest
 import torch
 
-from ckpt_cli import ledger
 from ckpt_cli.resume import latest_verified
+from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers.makers import tiny_lm_data
 

@@ -209,6 +209,63 @@ def test_help_imports_no_storage_module() -> None:
     assert out.strip() == "['ckpt_cli.storage']", out
 
 
+# -- trust/: the run ledger, thinning and the watcher ---------------------------------------------
+
+TRUST = "ckpt_cli.trust"
+# The watcher drives validate and prune (it is ``ckpt watch``'s engine): it sits above ops/.
+TRUST_ABOVE_OPS = ("ckpt_cli.trust.watch",)
+# Known, each for one job: thinning validates its thinned copy with prune's quick check (index
+# read plus validate's rank-file check) and names its work copy with prune's name shortener.
+TRUST_KNOWN = {("ckpt_cli.trust.thinning.base", "ckpt_cli.ops.prune"),
+               ("ckpt_cli.trust.thinning.base", "ckpt_cli.ops.prune.deletion"),
+               ("ckpt_cli.trust.thinning.torchfile", "ckpt_cli.ops.prune"),
+               ("ckpt_cli.trust.thinning.dcp", "ckpt_cli.ops.prune"),
+               ("ckpt_cli.trust.thinning.hf", "ckpt_cli.ops.prune"),
+               ("ckpt_cli.trust.thinning.objects", "ckpt_cli.ops.prune")}
+
+
+def test_trust_sits_between_writers_and_ops() -> None:
+    """trust/ (ledger, thinning) imports storage, formats, tensors and writers but no op, no
+    render/, no cli/ (known exceptions aside), even lazily; only the watcher, ``ckpt watch``'s
+    engine, drives ops (validate, prune), and only the CLI and the training callbacks import
+    it. Nothing below trust/ (bottom, formats/, tensors/, writers/) nor render/ imports trust/."""
+    names = {n for n, _ in MODULES}
+    assert {"ckpt_cli.trust.ledger", "ckpt_cli.trust.watch", "ckpt_cli.trust.thinning"} <= names
+    bad = []
+    for name, path in MODULES:
+        for mod, _ in _imports(name, path):
+            if _under(name, TRUST):
+                if any(_under(mod, x) for x in ("ckpt_cli.render", "ckpt_cli.cli",
+                                                 "ckpt_cli.integrations")):
+                    bad.append(f"{name} imports {mod}")
+                elif (_under(mod, "ckpt_cli.ops") and name not in TRUST_ABOVE_OPS
+                      and (name, mod) not in TRUST_KNOWN):
+                    bad.append(f"{name} imports {mod}")
+            elif _under(mod, TRUST) and any(_under(name, b) for b in (
+                    *BOTTOM, "ckpt_cli.formats", "ckpt_cli.tensors", "ckpt_cli.writers",
+                    "ckpt_cli.render")):
+                bad.append(f"{name} imports {mod}")  # below trust/
+            elif (any(_under(mod, w) for w in TRUST_ABOVE_OPS)
+                  and not any(_under(name, x) for x in ("ckpt_cli.cli",
+                                                        "ckpt_cli.integrations"))):
+                bad.append(f"{name} imports {mod}")  # the watcher: only its callers
+    assert not bad, bad
+
+
+def test_trust_module_sizes() -> None:
+    """No trust/ module is over 600 lines; thinning's front door only re-exports (at most 300
+    lines); the old root modules are gone."""
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in (ROOT / "trust").rglob("*.py")}
+    assert max(sizes.values()) <= 600, sizes
+    init = (ROOT / "trust" / "thinning" / "__init__.py").read_text()
+    assert len(init.splitlines()) <= 300
+    body = [n for n in ast.parse(init).body
+            if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    assert all(isinstance(n, ast.ImportFrom | ast.Assign) for n in body), body
+    assert not [m for m in ("ledger.py", "watch.py", "thinning.py") if (ROOT / m).exists()]
+
+
 # -- render imports results, and no import cycle --------------------------------------------------
 
 # What render/ may import: ops' result types (a package op's ``result`` module, or a one-module

@@ -10,9 +10,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from ckpt_cli import ledger, storage
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
-from ckpt_cli.ledger import LedgerEntry
+from ckpt_cli.trust import ledger
+from ckpt_cli.trust.ledger import LedgerEntry
 from tests.helpers import s3
 
 

@@ -1019,7 +1019,7 @@ def test_capital_m_is_not_minutes_in_prune(sample_copy: Path, age: str) -> None:
 
 
 def test_keep_trusts_the_run_ledger(sample_copy: Path) -> None:
-    from ckpt_cli.ledger import LedgerEntry, append
+    from ckpt_cli.trust.ledger import LedgerEntry, append
 
     # The watcher found step_000300 bad and has not verified step_000400 yet: --keep 1 keeps
     # both (not counted) and step_000200, the newest good one; step_000100 goes.

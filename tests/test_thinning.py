@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_cli.ledger import read_ledger
+from ckpt_cli.trust.ledger import read_ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers.makers import lightning_run
 
@@ -114,9 +114,9 @@ def test_a_watched_run_stays_valid_and_verified_after_thinning(tmp_path: Path) -
     import os
     import time
 
-    from ckpt_cli.ledger import manifest_digest
     from ckpt_cli.manifest import manifest_path, verify_manifest
     from ckpt_cli.resume import latest_verified
+    from ckpt_cli.trust.ledger import manifest_digest
 
     run = tmp_path / "run"
     _training_run(run, (100, 200, 300))
@@ -180,9 +180,9 @@ def _aged_run(run: Path, steps: tuple[int, ...]) -> None:
 def test_a_long_running_watch_trusts_what_thinning_rewrote(tmp_path: Path) -> None:
     """The watcher's cached ledger lines must not outlive a thinning (its own, or a cron
     prune's): the rewritten checkpoints are good, never reported bad."""
-    from ckpt_cli.ledger import read_ledger as read
     from ckpt_cli.ops.prune.retention import PrunePolicy
-    from ckpt_cli.watch import Watcher, WatchOptions
+    from ckpt_cli.trust.ledger import read_ledger as read
+    from ckpt_cli.trust.watch import Watcher, WatchOptions
 
     run = tmp_path / "run"
     _aged_run(run, (100, 200, 300, 400))
@@ -406,7 +406,7 @@ def test_thin_sample_run_step_dirs_and_sharded_dcp(sample_copy: Path) -> None:
         assert tree_scan(run / n).mtime <= ages[n]  # no younger than it was
     print("sample step dir:", doc["thinned"]["step_000100"])
     # The sharded DCP checkpoint, thinned directly.
-    from ckpt_cli.thinning import thin_file
+    from ckpt_cli.trust.thinning import thin_file
 
     done = thin_file(run / "step_000400", to="bf16")
     assert done is not None and done.dropped == ["optim"]
@@ -515,7 +515,7 @@ class _Killed(Exception):
 
 
 def _kill_at(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    from ckpt_cli import thinning
+    from ckpt_cli.trust.thinning import base as thinning
 
     if where == "manifest-set-aside":  # the old manifest removed, the file not yet replaced
         real = thinning._set_manifest_aside
@@ -577,10 +577,10 @@ def test_a_thinning_killed_midway_is_never_reported_bad(tmp_path: Path, kind: st
 def test_the_next_prune_finishes_a_thinning_that_was_killed(tmp_path: Path, where: str,
                                                             monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
-    from ckpt_cli.ledger import manifest_digest
     from ckpt_cli.manifest import verify_manifest
     from ckpt_cli.ops.prune import prune
     from ckpt_cli.ops.prune.retention import PrunePolicy
+    from ckpt_cli.trust.ledger import manifest_digest
 
     run = tmp_path / "run"
     _aged_run(run, (100, 200, 300))
@@ -634,7 +634,7 @@ def test_watch_thins_a_dcp_run_and_trusts_it_after(tmp_path: Path) -> None:
     """``watch --thin-after`` on a DCP run: old step directories thinned as the run is watched,
     and the following passes find every checkpoint good."""
     from ckpt_cli.ops.prune.retention import PrunePolicy
-    from ckpt_cli.watch import Watcher, WatchOptions
+    from ckpt_cli.trust.watch import Watcher, WatchOptions
 
     run = tmp_path / "run"
     saved = _dcp_run(run, (100, 200, 300, 400))
@@ -659,7 +659,7 @@ def test_thin_a_torchtitan_style_dcp_checkpoint(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from ckpt_cli.thinning import thin_file
+    from ckpt_cli.trust.thinning import thin_file
 
     torch.manual_seed(0)
     model = _dcp_model()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_cli import ledger, storage
+from ckpt_cli import storage
+from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers import s3
 from tests.test_thinning import _training_run

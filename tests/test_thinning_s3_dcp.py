@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_cli import ledger
+from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers import s3
 from tests.test_thinning import _dcp_load, _dcp_run
@@ -127,9 +127,9 @@ def test_a_dcp_prefix_thinning_killed_midway_loads_and_the_next_prune_finishes(
     after it was replaced but before the originals were deleted (``committed``: the thinned
     one loads). Either way nothing is reported bad, and the next prune removes what is not
     named and records the thinning as done."""
-    from ckpt_cli import thinning
     from ckpt_cli.ops.prune import prune
     from ckpt_cli.ops.prune.retention import PrunePolicy
+    from ckpt_cli.trust.thinning import objects as thinning
 
     moto, name = bucket
     local = tmp_path / "run"
@@ -287,9 +287,9 @@ def test_an_hf_bf16_thinning_killed_midway_loads_and_the_next_prune_finishes(
     """Killed before the index was replaced (the original loads; the cast shards are unnamed
     leftovers) or after (the BF16 one loads; the old shards and the optimizer state are still
     there): nothing is reported bad, and the next prune finishes the work."""
-    from ckpt_cli import thinning
     from ckpt_cli.ops.prune import prune
     from ckpt_cli.ops.prune.retention import PrunePolicy
+    from ckpt_cli.trust.thinning import objects as thinning
 
     moto, name = bucket
     local = tmp_path / "out"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_cli import ledger, storage
+from ckpt_cli import storage
+from ckpt_cli.trust import ledger
 from tests.conftest import run_cli
 from tests.helpers import s3
 from tests.test_watch import train

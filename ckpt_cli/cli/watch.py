@@ -21,7 +21,7 @@ from ckpt_cli.cli.options import (
 )
 
 if TYPE_CHECKING:
-    from ckpt_cli.watch import WatchEvent
+    from ckpt_cli.trust.watch import WatchEvent
 
 
 def watch_cmd(
@@ -91,8 +91,8 @@ def watch_cmd(
     with handled() as outcome:
         use_storage(storage_option)
         from ckpt_cli.cli.prune import _policy
+        from ckpt_cli.trust.watch import Watcher, WatchOptions
         from ckpt_cli.units import parse_duration
-        from ckpt_cli.watch import Watcher, WatchOptions
 
         policy = None
         thinning = (thin_after, thin_to, keep_full_every) != (None, None, None)
@@ -109,7 +109,7 @@ def watch_cmd(
                                                           what="--on-bad-timeout"),
                             report_pending=once)
         every = parse_duration(interval, what="--interval")
-        from ckpt_cli.watch import WAKE_MODES
+        from ckpt_cli.trust.wake import WAKE_MODES
 
         if wake not in WAKE_MODES:
             from ckpt_cli.errors import UsageError
@@ -127,7 +127,7 @@ def watch_cmd(
             _emit(ev, json)
 
         watcher = Watcher(run_dir, opts, emit)
-        from ckpt_cli.watch import PollWaker, make_waker
+        from ckpt_cli.trust.wake import PollWaker, make_waker
 
         waker, note = make_waker(wake, run_dir) if not once else (PollWaker(), None)
         if note:

@@ -30,9 +30,9 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from ckpt_cli import ledger
 from ckpt_cli.formats.names import is_last_copy, step_from_name
-from ckpt_cli.watch import verify_checkpoint
+from ckpt_cli.trust import ledger
+from ckpt_cli.trust.watch import verify_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ def main() -> None:
     warnings.simplefilter("ignore")
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from ckpt_cli import thinning
     from ckpt_cli.ops.prune import prune
     from ckpt_cli.ops.prune.retention import PrunePolicy
+    from ckpt_cli.trust.thinning import base as thinning
 
     run, after, where = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     if where == "writing":

@@ -36,7 +36,6 @@ from typing import cast
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists, read_index
-from ckpt_cli.ledger import Ledger, read_ledger
 from ckpt_cli.model import RunEntry, RunListing
 from ckpt_cli.ops.prune.deletion import (
     HeldDir,
@@ -66,6 +65,7 @@ from ckpt_cli.runs import (
     tree_scan,
     writer_lock,
 )
+from ckpt_cli.trust.ledger import Ledger, read_ledger
 
 LOCK_NAME = ".ckpt-prune.lock"
 """The file ``prune`` locks in the run directory (left in place: removing a lock file races)."""
@@ -134,8 +134,8 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
     """Rewrite the checkpoints the plan thins (``--thin-after``), each re-checked first
     (``recheck_one``: the object-storage re-check; local: :func:`recheck`), and append a
     ``thinned`` line to the run ledger for each."""
-    from ckpt_cli.ledger import THINNED, LedgerEntry, append
-    from ckpt_cli.thinning import PENDING, can_thin, thin_file, tidy
+    from ckpt_cli.trust.ledger import THINNED, LedgerEntry, append
+    from ckpt_cli.trust.thinning import PENDING, can_thin, thin_file, tidy
 
     if recheck_one is None:
         pointers = PointerWatch(root, plan)
@@ -183,8 +183,8 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
             _confirm_interrupted(root, name, d.entry.step)
             continue
         if done.manifest_digest is None and name in manifested:
-            from ckpt_cli.ledger import manifest_digest
             from ckpt_cli.manifest import write_manifest
+            from ckpt_cli.trust.ledger import manifest_digest
 
             with contextlib.suppress(CkptError):  # watch writes it when it verifies it
                 write_manifest(d.entry.path)
@@ -202,8 +202,8 @@ def _thin(root: Path, plan: PrunePlan, result: PruneResult, clock: Callable[[], 
 
 def _killed_thinning(book: Ledger, name: str) -> bool:
     """Whether the newest ``thinned`` line of checkpoint ``name`` is a pending intent."""
-    from ckpt_cli.ledger import THINNED
-    from ckpt_cli.thinning import pending
+    from ckpt_cli.trust.ledger import THINNED
+    from ckpt_cli.trust.thinning import pending
 
     line = next((e for e in reversed(book.entries) if e.path == name and e.event == THINNED),
                 None)
@@ -214,9 +214,9 @@ def _confirm_interrupted(root: Path, name: str, step: int | None) -> None:
     """A checkpoint thinned by a prune that was killed before recording it (its newest
     ``thinned`` line is still the intent): give it its manifest again (when it has none) and
     record the thinning as done."""
-    from ckpt_cli.ledger import THINNED, LedgerEntry, append, manifest_digest
     from ckpt_cli.manifest import manifest_path, write_manifest
-    from ckpt_cli.thinning import PENDING, pending
+    from ckpt_cli.trust.ledger import THINNED, LedgerEntry, append, manifest_digest
+    from ckpt_cli.trust.thinning import PENDING, pending
 
     book = read_ledger(root)
     # Its newest thinning line (a watch pass may have verified it again since).

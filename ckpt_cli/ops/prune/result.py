@@ -73,7 +73,7 @@ class PruneResult:
         note: A remark for the user that is no problem (a run directory with no checkpoints
             yet), or None.
         thinned: Checkpoints rewritten without optimizer state (``--thin-after``): name ->
-            :class:`ckpt_cli.thinning.Thinned`.
+            :class:`ckpt_cli.trust.thinning.Thinned`.
         thin_skipped: Checkpoints the plan thins that were left whole, and why.
     """
 

@@ -60,7 +60,7 @@ class PrunePolicy:
         grace: Seconds; anything changed more recently may still be being written and is never
             deleted. 0 turns this protection off (markers, locks and pointers still protect).
         thin_after: Thin what stays beyond the newest N counted checkpoints (see
-            :mod:`ckpt_cli.thinning`): rewrite it without optimizer state.
+            :mod:`ckpt_cli.trust.thinning`): rewrite it without optimizer state.
         thin_to: ``bf16`` to cast the weights of thinned checkpoints too.
         keep_full_every: Never thin checkpoints whose step is a multiple of this.
     """

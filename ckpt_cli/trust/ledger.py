@@ -280,3 +280,43 @@ def manifest_digest(checkpoint: str | os.PathLike[str]) -> str | None:
     except OSError as e:
         raise CkptError(f"cannot read the manifest: {e}", path=path) from e
     return hashlib.sha256(data).hexdigest()
+
+
+def recheck_good(path: Path, line: LedgerEntry, *, full: bool) -> list[str]:
+    """Why a checkpoint the ledger trusts is no longer what was verified ([] when it still is).
+
+    Sizes (and, with ``full``, hashes) are compared with its manifest, and the manifest with
+    the digest the ledger recorded.
+    """
+    from ckpt_cli.manifest import HashStats, verify_manifest
+
+    if not path.exists():
+        return ["gone"]
+    try:
+        if manifest_digest(path) != line.manifest_digest:
+            return ["its manifest is not the one written when it was verified"]
+        if full:
+            v = verify_manifest(path)
+        else:
+            v = verify_manifest(path, hasher=lambda base, rels: ({}, HashStats(0, 0, 0.0, 1)))
+    except CkptError as e:
+        return [str(e)]
+    if v is None:
+        return ["its manifest is missing"]
+    return [f"{f.file}: {f.message}" for f in v.findings("manifest")
+            if f.severity == "error"][:5]
+
+
+def links_in(path: Path) -> list[str]:
+    """The symbolic links a checkpoint is (or holds), by name; local paths only."""
+    if not storage.has_file_system(path):
+        return []
+    if path.is_symlink():
+        return [path.name]
+    if not path.is_dir():
+        return []
+    out: list[str] = []
+    for dirpath, dirs, files in os.walk(path):
+        out.extend(os.path.relpath(os.path.join(dirpath, n), path) for n in [*dirs, *files]
+                   if os.path.islink(os.path.join(dirpath, n)))
+    return out

@@ -5,7 +5,7 @@ records only, never tensor data). A checkpoint is examined once it looks complet
 own commit marker is there: DCP ``.metadata``, an HF index or model file with
 ``trainer_state.json``, a torch zip's end record, no temporary name) and nothing in it changed
 for ``settle`` seconds. It is then validated (structure, or CRC / values), its manifest is
-written when it is good, and one line goes to the run ledger (:mod:`ckpt_cli.ledger`).
+written when it is good, and one line goes to the run ledger (:mod:`ckpt_cli.trust.ledger`).
 
 The ledger is the watcher's only state: after a restart, a checkpoint whose newest ledger line
 matches its size (and, for a good one, whose manifest is the one recorded) is not validated
@@ -19,24 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
-import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli import ledger, storage
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.formats.names import is_last_copy
 from ckpt_cli.model import RunEntry
 from ckpt_cli.ops.prune.retention import PrunePolicy
-from ckpt_cli.thinning import pending
+from ckpt_cli.trust import ledger
+from ckpt_cli.trust.hooks import HookResult, run_on_bad
+from ckpt_cli.trust.ledger import recheck_good
+from ckpt_cli.trust.thinning import pending
+from ckpt_cli.trust.wake import PollWaker, Waker
 
 ABANDONED = "abandoned"
-BAD_ENV = "CKPT_BAD_PATH"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,43 +69,6 @@ class WatchOptions:
     on_bad_timeout: float = 300.0
     report_pending: bool = False
 
-
-@dataclass(frozen=True, slots=True)
-class HookResult:
-    """How an ``--on-bad`` command ended.
-
-    Attributes:
-        command: Its first word (argv[0]), as given.
-        status: Its exit status (negative: the signal that ended it); None when it could not
-            be started.
-        timed_out: It ran past its timeout and was killed.
-        error: Why it could not be started (the OS's message), else None.
-    """
-
-    command: str
-    status: int | None = None
-    timed_out: bool = False
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        """It started, finished in time and exited 0."""
-        return self.status == 0 and not self.timed_out and self.error is None
-
-    def describe(self) -> str:
-        """One phrase saying what went wrong (or that it exited 0)."""
-        if self.error is not None:
-            return f"--on-bad command {self.command!r} could not be started: {self.error}"
-        if self.timed_out:
-            return f"--on-bad command {self.command!r} timed out and was killed"
-        if self.status is not None and self.status < 0:
-            return f"--on-bad command {self.command!r} was ended by signal {-self.status}"
-        return f"--on-bad command {self.command!r} exited with status {self.status}"
-
-    def to_json(self) -> dict[str, Any]:
-        """The outcome as a JSON object."""
-        return {"command": self.command, "status": self.status, "timed_out": self.timed_out,
-                "error": self.error}
 
 
 @dataclass(slots=True)
@@ -181,7 +144,7 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
             a new one).
 
     Returns:
-        The :class:`~ckpt_cli.ledger.LedgerEntry` (appended when ``write``).
+        The :class:`~ckpt_cli.trust.ledger.LedgerEntry` (appended when ``write``).
     """
     from ckpt_cli.manifest import write_manifest
     from ckpt_cli.ops.validate import Options, validate_checkpoint
@@ -211,46 +174,6 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
     if write:
         ledger.append(run_dir, entry)
     return entry
-
-
-def recheck_good(path: Path, line: ledger.LedgerEntry, *, full: bool) -> list[str]:
-    """Why a checkpoint the ledger trusts is no longer what was verified ([] when it still is).
-
-    Sizes (and, with ``full``, hashes) are compared with its manifest, and the manifest with
-    the digest the ledger recorded.
-    """
-    from ckpt_cli.manifest import HashStats, verify_manifest
-
-    if not path.exists():
-        return ["gone"]
-    try:
-        if ledger.manifest_digest(path) != line.manifest_digest:
-            return ["its manifest is not the one written when it was verified"]
-        if full:
-            v = verify_manifest(path)
-        else:
-            v = verify_manifest(path, hasher=lambda base, rels: ({}, HashStats(0, 0, 0.0, 1)))
-    except CkptError as e:
-        return [str(e)]
-    if v is None:
-        return ["its manifest is missing"]
-    return [f"{f.file}: {f.message}" for f in v.findings("manifest")
-            if f.severity == "error"][:5]
-
-
-def links_in(path: Path) -> list[str]:
-    """The symbolic links a checkpoint is (or holds), by name; local paths only."""
-    if not storage.has_file_system(path):
-        return []
-    if path.is_symlink():
-        return [path.name]
-    if not path.is_dir():
-        return []
-    out: list[str] = []
-    for dirpath, dirs, files in os.walk(path):
-        out.extend(os.path.relpath(os.path.join(dirpath, n), path) for n in [*dirs, *files]
-                   if os.path.islink(os.path.join(dirpath, n)))
-    return out
 
 
 def _secs(t: float) -> str:
@@ -464,37 +387,6 @@ class RunWatcher:
                           problems=[] if result.ok else ["retention: some deletions failed"])
 
 
-def run_on_bad(command: str, path: Path, run: Path, *, timeout: float = 300.0) -> HookResult:
-    """Run ``--on-bad``: argv from :func:`shlex.split`, the path only in the environment.
-
-    It runs in a session of its own, with its standard output sent to standard error (stdout
-    carries ``--json`` lines); past ``timeout`` seconds its whole process group is killed.
-
-    Returns:
-        How it ended (:attr:`HookResult.ok` when it exited 0 in time).
-    """
-    argv = shlex.split(command)
-    if not argv:
-        return HookResult(command="", status=0)
-    env = dict(os.environ, **{BAD_ENV: str(path), "CKPT_RUN_DIR": str(run)})
-    try:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=2,
-                                start_new_session=True)
-    except OSError as e:
-        return HookResult(command=argv[0], error=e.strerror or str(e))
-    try:
-        return HookResult(command=argv[0], status=proc.wait(timeout=timeout))
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return HookResult(command=argv[0], status=proc.returncode, timed_out=True)
-    finally:
-        if proc.returncode is None:  # interrupted (Ctrl-C, SIGTERM): leave nothing behind
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
 
 def run_dirs(root: Path) -> list[Path]:
     """The run directories to watch under ``root``: itself, or the runs it holds."""
@@ -566,110 +458,3 @@ class Watcher:
                 waker.wait(wait)
         finally:
             waker.close()
-
-
-class PollWaker:
-    """Wake after the timeout, whatever happens: plain polling (the default)."""
-
-    events = False
-
-    def wait(self, timeout: float) -> None:
-        """Sleep ``timeout`` seconds."""
-        time.sleep(timeout)
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-class EventWaker:
-    """Wake when a file under the root changes (inotify on Linux, through the optional
-    ``watchfiles`` package), or after the timeout.
-
-    Events are only a hint that a pass is worth running now: what a pass decides comes from
-    listing the run, as with polling, and ``interval`` still bounds the wait (writes from
-    another machine on a network file system raise no event here). The watcher's own writes
-    (the ledger, manifests, temporary files) are ignored, so verifying a checkpoint does not
-    wake it again.
-    """
-
-    events = True
-
-    def __init__(self, root: Path, *, debounce_ms: int = 200, tick_ms: int = 250) -> None:
-        import threading
-
-        import watchfiles
-
-        self._stop = threading.Event()
-        # One watch for the watcher's life (nothing is missed between waits); it hands back
-        # an empty set every tick without changes, so a wait can end at its own timeout.
-        self._gen: Iterator[set[tuple[Any, str]]] = watchfiles.watch(
-            root, watch_filter=_not_own_write, debounce=debounce_ms, step=50,
-            rust_timeout=tick_ms, yield_on_timeout=True, raise_interrupt=True,
-            stop_event=self._stop)
-        next(self._gen, None)  # starts watching now (the first tick)
-
-    def wait(self, timeout: float) -> None:
-        """Block until a change under the root (debounced) or about ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            got = next(self._gen, _DONE)
-            if got is _DONE:  # the watch ended (stopped): plain sleep
-                time.sleep(left)
-                return
-            if got:
-                return
-
-    def close(self) -> None:
-        """Stop watching."""
-        self._stop.set()
-        with contextlib.suppress(Exception):
-            self._gen.close()  # type: ignore[attr-defined]
-
-
-_DONE: Any = object()
-
-
-def _not_own_write(_change: Any, path: str) -> bool:
-    from ckpt_cli.manifest import MANIFEST_NAME, MANIFEST_SUFFIX
-
-    name = os.path.basename(path)
-    return not (name.startswith(ledger.LEDGER_NAME) or name == MANIFEST_NAME
-                or name.endswith(MANIFEST_SUFFIX) or ".ckpt-tmp-" in name)
-
-
-Waker = PollWaker | EventWaker
-WAKE_MODES = ("auto", "events", "poll")
-
-
-def make_waker(mode: str, root: Path) -> tuple[Waker, str | None]:
-    """The waker for ``--wake`` on ``root``, and a note when ``auto`` fell back to polling.
-
-    ``poll``: polling. ``events``: file-system events (the optional ``watchfiles`` package;
-    local directories only). ``auto``: events when ``watchfiles`` is installed and the root is
-    local, else polling.
-
-    Raises:
-        UsageError: ``events`` where they cannot be had, or an unknown mode.
-    """
-    from ckpt_cli.errors import UsageError
-
-    if mode not in WAKE_MODES:
-        raise UsageError(f"--wake must be one of {', '.join(WAKE_MODES)}, not {mode!r}")
-    if mode == "poll":
-        return PollWaker(), None
-    if not storage.has_file_system(root):
-        if mode == "events":
-            raise UsageError("--wake events: object storage raises no file events", path=root)
-        return PollWaker(), None
-    try:
-        return EventWaker(root), None
-    except ImportError:
-        if mode == "events":
-            raise UsageError("--wake events needs the optional watchfiles package",
-                             hint="pip install 'ckpt-cli[watch]'") from None
-        return PollWaker(), None  # auto: polling, as without the extra
-    except Exception as e:  # e.g. the inotify watch limit reached: polling still works
-        if mode == "events":
-            raise UsageError(f"--wake events: file events are unavailable here ({e})",
-                             path=root) from None
-        return PollWaker(), f"file events are unavailable here ({e}); polling"
