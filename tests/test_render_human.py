@@ -8,6 +8,7 @@ import pytest
 from rich.text import Text
 
 from ckpt_cli.render import human
+from ckpt_cli.render.inspect_tables import tied_text
 
 
 @pytest.mark.parametrize("n,want", [(None, "-"), (0, "0 Bytes"), (999, "999 Bytes"),
@@ -71,11 +72,11 @@ def test_tied_text_limits_and_says_how_counted() -> None:
     tied = [{"name": "lm_head", "tied_to": "embed", "counted_twice": False, "tie": "storage"},
             {"name": "x", "tied_to": "y", "counted_twice": True, "tie": "values"},
             {"name": "p", "tied_to": "q", "counted_twice": False, "tie": "values"}]
-    text = human.tied_text(tied, limit=2)
+    text = tied_text(tied, limit=2)
     assert text == ("lm_head = embed (one storage): counted once; x may repeat y (same shape "
                     "and dtype; bytes not compared): counted twice; and 1 more")
-    assert "same shape, dtype and sampled bytes" in human.tied_text(tied[2:])
-    assert human.tied_text([]) == ""
+    assert "same shape, dtype and sampled bytes" in tied_text(tied[2:])
+    assert tied_text([]) == ""
 
 
 class _Tty(io.StringIO):

@@ -49,13 +49,14 @@ def _render(result: InspectResult, all_rows: bool = False) -> None:
     from rich.text import Text
 
     from ckpt_cli.render import human
+    from ckpt_cli.render import inspect_tables as tables
 
     out = human.stdout()
     if result.run is not None:
         run = result.run
         out.print(Text(f"{result.path}  run directory, {len(run.entries):,} checkpoint(s)",
                        style="bold"))
-        out.print(human.run_table(run, limit=None if all_rows else human.RUN_ROWS))
+        out.print(tables.run_table(run, limit=None if all_rows else tables.RUN_ROWS))
         if run.leftovers:
             out.print(Text(f"Leftovers (temporary or trash): {', '.join(run.leftovers)}",
                            style="yellow"))
@@ -73,22 +74,22 @@ def _render(result: InspectResult, all_rows: bool = False) -> None:
         return
     if result.run is None:
         out.print(Text(str(result.path), style="bold"))
-    out.print(human.summary_table(index))
+    out.print(tables.summary_table(index))
     out.print()
-    out.print(human.group_table(index))
+    out.print(tables.group_table(index))
     if result.quantization is not None:
         out.print()
         out.print(Text("Quantization", style="bold"))
         out.print(quantization_grid(result.quantization))
     if len(index.files) > 1:
         out.print()
-        out.print(human.files_table(index))
+        out.print(tables.files_table(index))
     if result.tree is not None:
         out.print()
-        out.print(human.module_tree(result.tree))
+        out.print(tables.module_tree(result.tree))
     if result.tensors is not None:
         out.print()
-        out.print(human.tensors_table(result.tensors))
+        out.print(tables.tensors_table(result.tensors))
     human.print_findings(index.findings)
     if result.quantization is not None:
         human.print_findings(_problems(result.quantization))
