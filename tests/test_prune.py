@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from ckpt_cli.errors import CkptError
 from ckpt_cli.ops import prune as prune_ops
 from ckpt_cli.ops.prune import PruneEvent, prune
 from ckpt_cli.ops.prune import local as prune_local
@@ -504,6 +505,35 @@ def test_a_second_prune_waits_for_the_lock(sample_copy: Path) -> None:
     assert "step_000100" in _names(sample_copy)
     r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes")  # lock released
     assert r.exit_code == 0 and "step_000100" not in _names(sample_copy)
+
+
+def test_plan_holds_the_lock_until_execute_carries_it_out(sample_copy: Path) -> None:
+    """The library's shape: ``plan`` decides (and locks), ``execute`` deletes and unlocks."""
+    events: list[str] = []
+    with prune_ops.plan(sample_copy, KEEP1) as planned:
+        assert [d.entry.name for d in planned.plan.to_delete] == ["step_000100", "step_000200",
+                                                                  "step_000300"]
+        assert planned.asks and not planned.dry_run
+        with pytest.raises(CkptError, match="another ckpt prune is running"):
+            prune_ops.plan(sample_copy, KEEP1)
+        assert "step_000100" in _names(sample_copy)  # nothing changed by planning
+        result = prune_ops.execute(planned, on_progress=lambda e: events.append(e.kind))
+    assert [result.status(d) for d in result.plan.to_delete] == ["deleted"] * 3
+    assert events.count("moved") == 3 and events.count("deleted") == 3
+    assert "step_000100" not in _names(sample_copy)
+    with prune_ops.plan(sample_copy, KEEP1) as again:  # the lock was released
+        assert not again.plan.to_delete and not again.asks
+
+
+def test_a_declined_plan_changes_nothing(sample_copy: Path) -> None:
+    with prune_ops.plan(sample_copy, KEEP1) as planned:
+        planned.decline()
+        result = prune_ops.execute(planned)
+    assert result.declined and not result.outcomes
+    assert {"step_000100", "step_000200", "step_000300"} <= _names(sample_copy)
+    dry = prune_ops.plan(sample_copy, KEEP1, dry_run=True)
+    assert not dry.asks and not prune_ops.execute(dry).outcomes
+    assert "step_000100" in _names(sample_copy)
 
 
 # -- crash safety and re-checks -------------------------------------------------------------------

@@ -95,7 +95,7 @@ def prune_cmd(
         local_only(metrics_file, '--metrics-file')
         use_storage(storage_option)
         from ckpt_cli.errors import UsageError
-        from ckpt_cli.ops.prune import prune
+        from ckpt_cli.ops.prune import execute, plan
 
         if old_force:
             sys.stderr.write("ckpt: warning: prune --force is deprecated; use --any-dir (same "
@@ -116,16 +116,15 @@ def prune_cmd(
                                          keep_full_every=keep_full_every)
             policy.check()
         view = _View(tty=_is_terminal(), quiet=json, dry_run=dry_run)
-
-        def confirm(plan: PrunePlan) -> bool:
-            if yes or json or not _interactive():
-                return True
-            return view.ask(plan)
-
         try:
-            result = prune(run_dir, policy, pattern=pattern, metrics_file=metrics_file,
-                           dry_run=dry_run, any_dir=any_dir, confirm=confirm,
-                           on_progress=view.event)
+            # The plan, shown; the question (not for --yes, --json or cron); then the deletions.
+            with plan(run_dir, policy, pattern=pattern, metrics_file=metrics_file,
+                      dry_run=dry_run, any_dir=any_dir) as planned:
+                view.show(planned.plan)
+                if (planned.asks and not (yes or json or not _interactive())
+                        and not view.ask(planned.plan)):
+                    planned.decline()
+                result = execute(planned, on_progress=view.event)
         finally:
             view.stop()
         failed = bool(result.named("failed") or result.trash_failed)
@@ -199,9 +198,6 @@ class _View:
         """Show one progress event."""
         if self.quiet:
             return
-        if event.kind == "planned" and event.plan is not None:
-            self._plan(event.plan)
-            return
         from ckpt_cli.render.prune import event_line
 
         line = event_line(event)
@@ -213,7 +209,10 @@ class _View:
         elif line:
             _plain(line, err=event.kind == "failed")
 
-    def _plan(self, plan: PrunePlan) -> None:
+    def show(self, plan: PrunePlan) -> None:
+        """Show the plan: a table on a terminal, else one line per decision kept."""
+        if self.quiet:
+            return
         from ckpt_cli.render import human
         from ckpt_cli.render.prune import decisions_table, headline, leftover_lines, plan_line
 

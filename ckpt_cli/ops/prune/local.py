@@ -1,16 +1,25 @@
-"""``prune``'s deletion in a local run directory: finish an interrupted prune's trash, then for
-each checkpoint re-check it, rename it aside to a trash name, check it again, and remove the trash
-only after every rename is durable (see :mod:`ckpt_cli.ops.prune`, step 5)."""
+"""``prune`` in a local run directory: :class:`LocalRun`, the executor's site for a directory.
+
+It refuses roots that cannot be meant, holds ``.ckpt-prune.lock``, finishes an interrupted
+prune's trash, then for each checkpoint re-checks it, renames it aside to a trash name, checks it
+again, and removes the trash only after every rename is durable (see :mod:`ckpt_cli.ops.prune`,
+step 5). Every rename and removal is relative to the directory held open
+(:mod:`ckpt_cli.ops.prune.deletion`); nothing is followed.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import stat
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.formats import check_exists
 from ckpt_cli.formats.names import TRASH_PREFIX
 from ckpt_cli.model import POINTER_UNREADABLE, RunEntry, RunListing
 from ckpt_cli.ops.prune.deletion import (
@@ -20,6 +29,7 @@ from ckpt_cli.ops.prune.deletion import (
     remove_child,
     trash_name,
 )
+from ckpt_cli.ops.prune.executor import ANY_DIR_HINT
 from ckpt_cli.ops.prune.result import Outcome, PruneEvent, PruneResult
 from ckpt_cli.ops.prune.retention import (
     Decision,
@@ -49,67 +59,140 @@ def _finish_trash(root: HeldDir, listing: RunListing, result: PruneResult,
             report(PruneEvent("trash", name))
 
 
-def _delete(root: HeldDir, plan: PrunePlan, result: PruneResult, clock: Callable[[], float],
-            report: Callable[[PruneEvent], None]) -> None:
-    victims = plan.to_delete
-    total = len(victims)
-    moved: list[tuple[Decision, str]] = []
-    done = 0
-    pointers = PointerWatch(root.path, plan)
-    # Mount points inside the run directory; mounts made after this are caught by the
-    # mount-id check of the removal walk.
-    points = mounts_inside(str(root.path))
+LOCK_NAME = ".ckpt-prune.lock"
+"""The file ``prune`` locks in the run directory (left in place: removing a lock file races)."""
 
-    def finish(d: Decision, status: str, detail: str | None = None) -> None:
-        nonlocal done
-        done += 1
-        result.outcomes[d.entry.name] = Outcome(status, detail)
-        report(PruneEvent(status, d.entry.name, detail, done, total, d))
 
-    for d in victims:
-        name = d.entry.name
+class LocalRun:
+    """A run directory on a file system, as the executor's :class:`~ckpt_cli.ops.prune.executor.
+    RunSite`.
+
+    Args:
+        path: The run directory as given.
+        any_dir: Accept ``/``, ``$HOME`` and its parents.
+        now: The current time (tests); the clock by default.
+
+    Raises:
+        UsageError: A root refused without ``any_dir``.
+        CkptError: It is missing or not a directory.
+    """
+
+    def __init__(self, path: Path, *, any_dir: bool, now: float | None) -> None:
+        self.root = _checked_root(path, any_dir)
+        self.start, self._started = (time.time() if now is None else now), time.monotonic()
+        self._held: HeldDir | None = None
+        self._plan: PrunePlan | None = None
+        self._pointers: PointerWatch | None = None
+        # Mount points inside the run directory while deleting, read once (None: all, read
+        # at each check); mounts made later are caught by the removal walk's mount-id check.
+        self._points: list[str] | None = None
+
+    def clock(self) -> float:
+        """The current time: ``now`` moved on by the monotonic clock."""
+        return self.start + (time.monotonic() - self._started)
+
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """Hold ``.ckpt-prune.lock`` (see :func:`_locked`)."""
+        return _locked(self.root)
+
+    def planned(self, result: PruneResult) -> None:
+        """Take note of the plan (its pointers are the ones re-checks compare with)."""
+        self._plan = result.plan
+        self._pointers = PointerWatch(self.root, result.plan)
+
+    def _state(self) -> tuple[PrunePlan, PointerWatch]:
+        assert self._plan is not None and self._pointers is not None, "planned() first"
+        return self._plan, self._pointers
+
+    def _dir(self) -> HeldDir:
+        assert self._held is not None, "begin() first"
+        return self._held
+
+    def begin(self, result: PruneResult, report: Callable[[PruneEvent], None]) -> None:
+        """Hold the directory open and remove an interrupted prune's trash."""
+        plan, _ = self._state()
+        self._held = HeldDir(self.root)
+        _finish_trash(self._held, plan.listing, result, report)
+        self._points = mounts_inside(str(self.root))
+
+    def recheck(self, entry: RunEntry) -> str | None:
+        """:func:`recheck` now."""
+        plan, pointers = self._state()
+        return recheck(self.root, entry, plan, self.clock(), pointers, self._points)
+
+    def set_aside(self, d: Decision) -> Outcome | str:
+        """Re-check it and rename it aside to a trash name, or put it back if it changed while
+        being moved: the trash name, or the outcome when it stays."""
+        held, name = self._dir(), d.entry.name
+        _, pointers = self._state()
         # Its top is stat-ed before the re-check walks it: whatever is added at its top after
         # this moment changes the top's modification time, which is compared after the rename.
         try:
-            top = root.lstat(name)
+            top = held.lstat(name)
         except OSError:
             top = None
-        why = recheck(root.path, d.entry, plan, clock(), pointers, points)
+        why = self.recheck(d.entry)
         if why or top is None:
-            finish(d, "skipped", why or "it is gone already (removed by someone else)")
-            continue
+            return Outcome("skipped", why or "it is gone already (removed by someone else)")
         try:
-            trash = trash_name(root, name)
-            root.rename(name, trash)
+            trash = trash_name(held, name)
+            held.rename(name, trash)
         except OSError as e:
-            finish(d, "failed", f"could not move it aside: {e.strerror}")
-            continue
-        why = _moved_unchanged(root, top, trash, d.entry, pointers)
+            return Outcome("failed", f"could not move it aside: {e.strerror}")
+        why = _moved_unchanged(held, top, trash, d.entry, pointers)
         if why:
-            finish(d, *put_back(root, name, trash, why))
-            continue
-        moved.append((d, trash))
-        report(PruneEvent("moved", name, None, done, total, d))
-    if moved:
-        # The renames must be on disk before any file goes: after a crash the checkpoint is
-        # then either whole under its name or (partly) gone under a trash name.
+            return Outcome(*put_back(held, name, trash, why))
+        return trash
+
+    def make_durable(self) -> None:
+        """The renames must be on disk before any file goes: after a crash the checkpoint is
+        then either whole under its name or (partly) gone under a trash name."""
+        held = self._dir()
         try:
-            os.fsync(root.fd)
+            os.fsync(held.fd)
         except OSError as e:
             # Some file systems cannot fsync a directory (EINVAL); their renames are as
             # durable as they get. Anything else: stop before removing anything.
             if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise CkptError(f"cannot flush the renames to disk: {e.strerror}; the moved "
                                 "checkpoints stay as .ckpt-trash-* for the next prune",
-                                path=root.path) from None
-    for d, trash in moved:
-        err = remove_child(root, trash)
-        if err:
-            finish(d, "failed", f"{err}; the rest is left as {trash} for the next prune to "
-                                "remove")
-        else:
-            finish(d, "deleted")
+                                path=held.path) from None
 
+    def remove(self, d: Decision, waiting: str) -> Outcome:
+        """Remove the trash a checkpoint was renamed to."""
+        err = remove_child(self._dir(), waiting)
+        if err:
+            return Outcome("failed", f"{err}; the rest is left as {waiting} for the next prune "
+                                     "to remove")
+        return Outcome("deleted")
+
+    def end(self) -> None:
+        """Release the directory."""
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+        self._points = None
+
+
+def _checked_root(path: Path, any_dir: bool) -> Path:
+    """The real path of the run directory, refusing ``/``, ``$HOME`` and its parents unless
+    ``any_dir``."""
+    check_exists(path)
+    if not path.is_dir():
+        raise CkptError("not a directory", path=path)
+    # Work on the real path: the root's own symlink is what the user named, but nothing below
+    # it is ever followed.
+    root = path.resolve(strict=True)
+    try:
+        home = Path.home().resolve()
+    except (RuntimeError, KeyError, OSError):  # no HOME and no passwd entry: nothing to guard
+        home = Path(root.anchor) / ".ckpt-no-home"
+    what = ("the root directory" if root == Path(root.anchor) else "your home directory"
+            if root == home else "a parent of your home directory" if root in home.parents
+            else None)
+    if what and not any_dir:
+        raise UsageError(f"refusing to prune {what}", path=path, hint=ANY_DIR_HINT)
+    return root
 
 class PointerWatch:
     """Re-reads the run directory's pointers when, and only when, their files change.
@@ -232,3 +315,37 @@ def _moved_unchanged(root: HeldDir, top: os.stat_result, trash: str, entry: RunE
     if (now.st_ino, now.st_size, now.st_mtime_ns) != (top.st_ino, top.st_size, top.st_mtime_ns):
         return "it changed while being moved aside"
     return pointers.protects(entry)
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``root/.ckpt-prune.lock`` (released when the process
+    dies, so a crashed prune never blocks the next)."""
+    lock = root / LOCK_NAME
+    try:
+        # O_NOFOLLOW: a lock file that is a symlink must not make us open (and create) a file
+        # elsewhere.
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except PermissionError:
+        # Someone else's lock file in a shared run directory: flock works on a read-only
+        # descriptor too.
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise CkptError(f"cannot open the lock file {LOCK_NAME}: {e.strerror}", path=root,
+                            hint="prune needs to read or create the lock file") from None
+    except OSError as e:
+        raise CkptError(f"cannot open the lock file {LOCK_NAME}: {e.strerror}", path=root,
+                        hint="prune needs write access to the run directory") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CkptError(f"cannot lock {LOCK_NAME}: {e.strerror}", path=root) from None
+            raise CkptError("another ckpt prune is running on this directory", path=root,
+                            hint=f"it holds {root / LOCK_NAME}; try again when it has "
+                                 "finished") from None
+        yield
+    finally:
+        os.close(fd)

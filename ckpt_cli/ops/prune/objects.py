@@ -1,18 +1,32 @@
-"""``prune`` of a run directory on object storage: the helpers that list, re-check and delete a
-checkpoint's keys below a prefix, and abort the multipart uploads a killed writer left
-(:func:`ckpt_cli.ops.prune._prune_prefix` plans and drives them)."""
+"""``prune`` of a run directory on object storage: :class:`PrefixRun`, the executor's site for a
+prefix, and the helpers that list, re-check and delete a checkpoint's keys below it and abort the
+multipart uploads a killed writer left.
+
+The plan is the same pure :func:`~ckpt_cli.ops.prune.retention.plan_prune` of the same listing
+(newest valid kept, in-progress and too-recent checkpoints kept, ``latest`` pointers honoured).
+An object store has no locks and no rename, so the deletion differs: each checkpoint is re-listed
+right before it goes (any change since planning keeps it), only keys below ``<prefix>/<name>`` are
+deleted (``DeleteObjects``, 1,000 keys a call), its commit markers first. A versioned bucket is
+said so: deleted objects stay as noncurrent versions, and cost money, until a lifecycle rule
+expires them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.formats import check_exists
 from ckpt_cli.model import RunEntry
-from ckpt_cli.ops.prune.result import PruneEvent, PruneResult
+from ckpt_cli.ops.prune.executor import ANY_DIR_HINT
+from ckpt_cli.ops.prune.result import Outcome, PruneEvent, PruneResult
 from ckpt_cli.ops.prune.retention import (
+    Decision,
     PrunePlan,
 )
 from ckpt_cli.runs import (
@@ -26,6 +40,76 @@ from ckpt_cli.runs import (
 # one that looks complete with objects missing.
 _MARKERS = (".metadata", ".index.json", "trainer_state.json", "metadata.json", "latest",
             "latest_checkpointed_iteration.txt", "ckpt-manifest.json")
+
+
+class PrefixRun:
+    """A run directory on object storage (a prefix), as the executor's
+    :class:`~ckpt_cli.ops.prune.executor.RunSite`: no lock, no rename; each checkpoint is
+    re-listed right before its keys are deleted.
+
+    Args:
+        path: The prefix.
+        any_dir: Accept a whole bucket.
+        now: The current time (tests); the clock by default.
+
+    Raises:
+        UsageError: A whole bucket without ``any_dir``.
+        CkptError: Nothing is below the prefix.
+    """
+
+    def __init__(self, path: Path, *, any_dir: bool, now: float | None) -> None:
+        self.root, self._obj, self._now = path, cast(storage.ObjectPath, path), now
+        check_exists(path)
+        if not path.is_dir():
+            raise CkptError("not a prefix with checkpoints below it", path=path)
+        if "/" not in self._obj.key and not any_dir:
+            raise UsageError("refusing to prune a whole bucket", path=path, hint=ANY_DIR_HINT)
+        self.start = self.clock()
+        self._plan: PrunePlan | None = None
+
+    def clock(self) -> float:
+        """The current time (``now`` when given)."""
+        return time.time() if self._now is None else self._now
+
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing: an object store has no locks (each deletion is re-checked instead)."""
+        return contextlib.nullcontext()
+
+    def planned(self, result: PruneResult) -> None:
+        """Add whether the bucket keeps versions, the keys of each checkpoint to delete and
+        the stale uploads to abort."""
+        obj, plan = self._obj, result.plan
+        self._plan = plan
+        result.versioned = obj.store.versioned(obj.key.split("/", 1)[0])
+        for d in plan.to_delete:
+            result.keys[d.entry.name] = _keys_of(obj, d.entry.name)
+        result.stale_uploads = _stale_uploads(obj, plan, self.clock())
+
+    def begin(self, result: PruneResult, report: Callable[[PruneEvent], None]) -> None:
+        """Abort the stale multipart uploads."""
+        for key, uid in result.stale_uploads:
+            _abort_upload(self._obj, key, uid, result, report)
+
+    def recheck(self, entry: RunEntry) -> str | None:
+        """:func:`_recheck_prefix`, seeing the store as it is now, not as planned."""
+        assert self._plan is not None, "planned() first"
+        self._obj.store.changed()
+        return _recheck_prefix(self._obj, entry, self._plan, self.clock())
+
+    def set_aside(self, d: Decision) -> Outcome | str:
+        """Re-check it and delete its keys: nothing waits (an object store has no rename)."""
+        why = self.recheck(d.entry)
+        return Outcome("skipped", why) if why else self.remove(d, d.entry.name)
+
+    def make_durable(self) -> None:
+        """Nothing: each deletion is done when its call returns."""
+
+    def remove(self, d: Decision, waiting: str) -> Outcome:
+        """Delete the checkpoint's keys, markers first."""
+        return Outcome(*_delete_prefix(self._obj, waiting))
+
+    def end(self) -> None:
+        """Nothing held."""
 
 
 def _stale_uploads(root: storage.ObjectPath, plan: PrunePlan,
