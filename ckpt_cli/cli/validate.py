@@ -97,16 +97,13 @@ def validate_cmd(
             use_storage(storage_option, concurrency)
             local_only(path if write_manifest else None, "--write-manifest's checkpoint")
             local_only(parts_dir, '--parts-dir')
-            from ckpt_cli.units import parse_size
-
-            budget = parse_size(max_memory, what="--max-memory") if max_memory else None
             with byte_progress("validating", enabled=not (quiet or json)) as bar:
                 result = validate(path, fmt=input_format, latest=latest, quick=quick,
                                   values=values, require=require,
                                   write_manifest=write_manifest,
                                   manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern,
                                   on_progress=bar.labelled, part=part, finalize=finalize,
-                                  parts_dir=parts_dir, max_memory=budget,
+                                  parts_dir=parts_dir, max_memory=max_memory,
                                   allow_globals=allow_global or ())
         except (Exception, KeyboardInterrupt) as e:
             if junit is not None:
