@@ -79,13 +79,14 @@ def consolidate_cmd(
     with handled() as outcome:
         use_storage(storage_option, concurrency)
         from ckpt_cli.cli.progress import byte_progress
-        from ckpt_cli.ops.consolidate import consolidate
+        from ckpt_cli.ops.consolidate import ConsolidateOptions, consolidate
         with byte_progress("consolidating", enabled=not (quiet or json)) as bar:
-            r = consolidate(source, output, fmt=fmt, max_shard_size=max_shard_size,
-                            with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force,
-                            verify=verify, manifest=manifest, on_progress=bar.advance,
-                            on_start=bar.start, part=part, finalize=finalize,
-                            max_memory=max_memory)
+            options = ConsolidateOptions(
+                fmt=fmt, max_shard_size=max_shard_size, with_optimizer=with_optimizer, to=to,
+                clamp=clamp, overwrite=force, verify=verify, manifest=manifest, part=part,
+                finalize=finalize, max_memory=max_memory)
+            r = consolidate(source, output, options, on_progress=bar.advance,
+                            on_start=bar.start)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.consolidate import show
 

@@ -98,15 +98,16 @@ def convert_cmd(
     with handled() as outcome:
         use_storage(storage_option, concurrency)
         from ckpt_cli.cli.progress import byte_progress
-        from ckpt_cli.ops.convert import convert
+        from ckpt_cli.ops.convert import ConvertOptions, convert
         with byte_progress("converting", enabled=not (quiet or json)) as bar:
-            result = convert(source, output, to=to, fmt=fmt, max_shard_size=max_shard_size,
-                             keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
-                             keep_fp32=tuple(keep_fp32 or ()), clamp=clamp, overwrite=force,
-                             container=container, input_format=input_format,
-                             on_progress=bar.advance, on_start=bar.start, part=part,
-                             finalize=finalize, max_memory=max_memory,
-                             fp8_layout=fp8_layout, dequantize=dequantize)
+            options = ConvertOptions(
+                to=to, fmt=fmt, max_shard_size=max_shard_size, keep_optimizer=keep_optimizer,
+                keep_prefix=keep_prefix, keep_fp32=tuple(keep_fp32 or ()), clamp=clamp,
+                overwrite=force, container=container, input_format=input_format, part=part,
+                finalize=finalize, max_memory=max_memory, fp8_layout=fp8_layout,
+                dequantize=dequantize)
+            result = convert(source, output, options, on_progress=bar.advance,
+                             on_start=bar.start)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.convert import show
 

@@ -134,6 +134,7 @@ def plan_cmd(
     from rich.markup import escape
 
     from ckpt_cli.ops.plan import plan
+    from ckpt_cli.ops.plan.options import PlanOptions
     from ckpt_cli.render.human import size as human_size
 
     with handled() as outcome:
@@ -145,13 +146,14 @@ def plan_cmd(
                 err.print(f"[dim]plan:[/] measuring: writing {human_size(total)} to "
                           f"{escape(str(measure))} and fsyncing ...")
 
-        result = plan(
+        options = PlanOptions(
             params=params, precision=precision, optimizer=optimizer, from_path=from_path,
             input_format=input_format, bandwidth=bandwidth, measure_dir=measure,
             measure_size=measure_size, measure_streams=measure_streams, mtbf=mtbf, gpus=gpus,
             gpu_mtbf=gpu_mtbf, ranks=ranks, keep=keep, async_save=async_save,
             thin_after=thin_after, thin_to=thin_to, snapshot_bandwidth=snapshot_bandwidth,
-            interval=interval, restart=restart, on_progress=progress)
+            interval=interval, restart=restart)
+        result = plan(options, on_progress=progress)
         outcome.exit_code = EXIT_OK
         from ckpt_cli.render.plan import show
 
