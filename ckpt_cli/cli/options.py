@@ -70,37 +70,50 @@ def size_parser(flag: str, *, empty_is_none: bool = False,
     return _parser("size", parse)
 
 
+def _units_parser(kind: str, flag: str, **how: bool) -> Callable[[Any], Any]:
+    """A parser calling ``ckpt_cli.units.parse_<kind>`` (imported only when a value comes)."""
+
+    def parse(text: str) -> Any:
+        from ckpt_cli import units
+
+        return getattr(units, f"parse_{kind}")(text, what=flag, **how)
+
+    return _parser(kind, parse)
+
+
 def duration_parser(flag: str, *, allow_zero: bool = False) -> Callable[[Any], Any]:
     """Parse a duration option (``4h``, ``1h30m``) into seconds, the error naming ``flag``."""
-
-    def parse(text: str) -> float:
-        from ckpt_cli.units import parse_duration
-
-        return parse_duration(text, what=flag, allow_zero=allow_zero)
-
-    return _parser("duration", parse)
+    return _units_parser("duration", flag, allow_zero=allow_zero)
 
 
 def rate_parser(flag: str) -> Callable[[Any], Any]:
     """Parse a rate option (``10GB/s``) into bytes per second, the error naming ``flag``."""
-
-    def parse(text: str) -> float:
-        from ckpt_cli.units import parse_rate
-
-        return parse_rate(text, what=flag)
-
-    return _parser("rate", parse)
+    return _units_parser("rate", flag)
 
 
 def count_parser(flag: str, *, whole: bool = False) -> Callable[[Any], Any]:
     """Parse a count option (``7B``; with ``whole`` an integer), the error naming ``flag``."""
+    return _units_parser("count", flag, whole=whole)
 
-    def parse(text: str) -> int:
-        from ckpt_cli.units import parse_count
 
-        return parse_count(text, what=flag, whole=whole)
+def whole_parser(flag: str) -> Callable[[Any], Any]:
+    """Parse a whole-number option (``--ranks 8``, ``1K``), the error naming ``flag``."""
+    return count_parser(flag, whole=True)
 
-    return _parser("count", parse)
+
+def valued(flag: str, metavar: str, help: str,
+           parser: Callable[[str], Callable[[Any], Any]]) -> Any:
+    """An option whose value a parser above reads (``valued("--mtbf", "DURATION", "...",
+    duration_parser)``), with no default shown: typer's ``Option`` for an ``Annotated``.
+
+    Args:
+        flag: The option.
+        metavar: Its value's name in the help.
+        help: Its help.
+        parser: One of the ``*_parser`` functions, given ``flag``.
+    """
+    return typer.Option(flag, parser=parser(flag), metavar=metavar, help=help,
+                        show_default=False)
 
 
 def _part(text: str) -> Part | None:

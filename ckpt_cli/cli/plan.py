@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -18,6 +19,8 @@ from ckpt_cli.cli.options import (
     location,
     rate_parser,
     size_parser,
+    valued,
+    whole_parser,
 )
 
 if TYPE_CHECKING:
@@ -27,10 +30,9 @@ _Dur = "DURATION"
 
 
 def plan_cmd(
-    params: Annotated[int | None, typer.Option(
-        "--params", parser=count_parser("--params"),
-        metavar="N", help="Model parameters, e.g. 175B, 7.5B, 350M.",
-        show_default=False)] = None,
+    params: Annotated[int | None, valued(
+        "--params", "N", "Model parameters, e.g. 175B, 7.5B, 350M.",
+        count_parser)] = None,
     precision: Annotated[str | None, typer.Option(
         "--precision", metavar="fp32|bf16|mixed",
         help="With --params. fp32: 4 bytes/param weights, fp32 state. bf16: 2, state in bf16, "
@@ -46,66 +48,57 @@ def plan_cmd(
                                        "directory: its latest complete one).",
         show_default=False, parser=location)] = None,
     input_format: InputFormatOpt = None,
-    bandwidth: Annotated[float | None, typer.Option(
-        "--bandwidth", parser=rate_parser("--bandwidth"),
-        metavar="RATE", help="Aggregate storage write bandwidth, e.g. 10GB/s.",
-        show_default=False)] = None,
+    bandwidth: Annotated[float | None, valued(
+        "--bandwidth", "RATE", "Aggregate storage write bandwidth, e.g. 10GB/s.",
+        rate_parser)] = None,
     measure: Annotated[Location | None, typer.Option(
         "--measure", metavar="DIR", help="Measure the write bandwidth by writing and fsyncing "
                                          "a test file in DIR (removed afterwards).",
         show_default=False, parser=location)] = None,
-    measure_size: Annotated[int | None, typer.Option(
-        "--measure-size", parser=size_parser("--measure-size"),
-        metavar="SIZE", help="Bytes --measure writes. Default: 1GB.",
-        show_default=False)] = None,
-    measure_streams: Annotated[int | None, typer.Option(
-        "--measure-streams", parser=count_parser("--measure-streams", whole=True),
-        metavar="N", help="Parallel writers of --measure. Default: 4.",
-        show_default=False)] = None,
-    mtbf: Annotated[float | None, typer.Option(
-        "--mtbf", parser=duration_parser("--mtbf"),
-        metavar=_Dur, help="The job's mean time between failures, e.g. 4h.",
-        show_default=False)] = None,
-    gpus: Annotated[int | None, typer.Option(
-        "--gpus", parser=count_parser("--gpus", whole=True),
-        metavar="N", help="Devices in the job; with --gpu-mtbf, job MTBF = "
-                                    "--gpu-mtbf / N.", show_default=False)] = None,
-    gpu_mtbf: Annotated[float | None, typer.Option(
-        "--gpu-mtbf", parser=duration_parser("--gpu-mtbf"),
-        metavar=_Dur, help="One device's mean time between failures, e.g. 5y.",
-        show_default=False)] = None,
-    ranks: Annotated[int | None, typer.Option(
-        "--ranks", parser=count_parser("--ranks", whole=True),
-        metavar="N", help="Ranks writing in parallel, one file each (files per "
-                                     "checkpoint). Default: 1, or the files of --from.",
-        show_default=False)] = None,
-    keep: Annotated[int | None, typer.Option(
-        "--keep", parser=count_parser("--keep", whole=True),
-        metavar="N", help="Checkpoints retained: steady-state storage and files.",
-        show_default=False)] = None,
-    thin_after: Annotated[int | None, typer.Option(
-        "--thin-after", parser=count_parser("--thin-after", whole=True),
-        metavar="N", help="Storage per day when all but the newest N checkpoints "
-        "are thinned (prune --thin-after).", show_default=False)] = None,
+    measure_size: Annotated[int | None, valued(
+        "--measure-size", "SIZE", "Bytes --measure writes. Default: 1GB.",
+        size_parser)] = None,
+    measure_streams: Annotated[int | None, valued(
+        "--measure-streams", "N", "Parallel writers of --measure. Default: 4.",
+        whole_parser)] = None,
+    mtbf: Annotated[float | None, valued(
+        "--mtbf", _Dur, "The job's mean time between failures, e.g. 4h.",
+        duration_parser)] = None,
+    gpus: Annotated[int | None, valued(
+        "--gpus", "N", "Devices in the job; with --gpu-mtbf, job MTBF = --gpu-mtbf / N.",
+        whole_parser)] = None,
+    gpu_mtbf: Annotated[float | None, valued(
+        "--gpu-mtbf", _Dur, "One device's mean time between failures, e.g. 5y.",
+        duration_parser)] = None,
+    ranks: Annotated[int | None, valued(
+        "--ranks", "N", "Ranks writing in parallel, one file each (files per checkpoint). "
+                        "Default: 1, or the files of --from.",
+        whole_parser)] = None,
+    keep: Annotated[int | None, valued(
+        "--keep", "N", "Checkpoints retained: steady-state storage and files.",
+        whole_parser)] = None,
+    thin_after: Annotated[int | None, valued(
+        "--thin-after", "N", "Storage per day when all but the newest N checkpoints are thinned "
+                             "(prune --thin-after).",
+        whole_parser)] = None,
     thin_to: Annotated[str | None, typer.Option(
         "--thin-to", metavar="bf16", help="Thinned checkpoints keep BF16 weights.",
         show_default=False)] = None,
     async_save: Annotated[bool, typer.Option(
         "--async", help="Asynchronous saves: only the copy to host memory blocks training; "
                         "the write overlaps compute.")] = False,
-    snapshot_bandwidth: Annotated[float | None, typer.Option(
-        "--snapshot-bandwidth", parser=rate_parser("--snapshot-bandwidth"),
-        metavar="RATE",
-        help="With --async: device-to-host copy rate of each rank. Default: 10GB/s.",
-        show_default=False)] = None,
-    interval: Annotated[float | None, typer.Option(
-        "--interval", parser=duration_parser("--interval"),
-        metavar=_Dur, help="Your current interval (compute time between saves), "
-                                         "to compare, e.g. 30m.", show_default=False)] = None,
-    restart: Annotated[float | None, typer.Option(
-        "--restart", parser=duration_parser("--restart", allow_zero=True),
-        metavar=_Dur, help="Time to restart after a failure, counted as lost. "
-                                        "Default: not counted.", show_default=False)] = None,
+    snapshot_bandwidth: Annotated[float | None, valued(
+        "--snapshot-bandwidth", "RATE", "With --async: device-to-host copy rate of each rank. "
+                                        "Default: 10GB/s.",
+        rate_parser)] = None,
+    interval: Annotated[float | None, valued(
+        "--interval", _Dur, "Your current interval (compute time between saves), to compare, "
+                            "e.g. 30m.",
+        duration_parser)] = None,
+    restart: Annotated[float | None, valued(
+        "--restart", _Dur, "Time to restart after a failure, counted as lost. Default: not "
+                           "counted.",
+        partial(duration_parser, allow_zero=True))] = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:

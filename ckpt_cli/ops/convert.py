@@ -147,16 +147,18 @@ class ConvertOptions:
             error naming the tensors (nothing written).
     """
 
+    # What is kept, and how it is cast.
     to: str = "keep"
-    fmt: str | None = None
-    max_shard_size: int | None = None
     keep_optimizer: bool = False
     keep_prefix: bool = False
     keep_fp32: tuple[str, ...] = ()
     clamp: bool = False
-    overwrite: bool = False
     container: str | None = None
     input_format: str | None = None
+    # The output.
+    fmt: str | None = None
+    max_shard_size: int | None = None
+    overwrite: bool = False
     part: Part | None = None
     finalize: bool = False
     max_memory: int | None = None

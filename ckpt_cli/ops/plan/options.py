@@ -39,23 +39,28 @@ class PlanOptions:
         thin_to: ``bf16``: thinned checkpoints keep BF16 weights.
     """
 
+    # The checkpoint: its size from the model, or from a checkpoint on disk.
     params: int | None = None
     precision: str | None = None
     optimizer: str | None = None
     from_path: str | Path | None = None
     input_format: str | None = None
+    # The storage: bandwidth given, or measured.
     bandwidth: float | None = None
     measure_dir: str | Path | None = None
     measure_size: int | None = None
     measure_streams: int | None = None
+    # Failures: the job's MTBF, or the devices' and their count.
     mtbf: float | None = None
     gpus: int | None = None
     gpu_mtbf: float | None = None
+    restart: float | None = None
+    # Files, retention and thinning.
     ranks: int | None = None
     keep: int | None = None
+    thin_after: int | None = None
+    thin_to: str | None = None
+    # Asynchronous saves, and the interval in use.
     async_save: bool = False
     snapshot_bandwidth: float | None = None
     interval: float | None = None
-    restart: float | None = None
-    thin_after: int | None = None
-    thin_to: str | None = None
