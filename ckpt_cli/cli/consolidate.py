@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -21,6 +21,7 @@ from ckpt_cli.cli.options import (
     StorageOpt,
     location,
     output_location,
+    size_parser,
     use_storage,
 )
 
@@ -34,8 +35,10 @@ def consolidate_cmd(
         "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
         show_default=False, parser=output_location)],
     fmt: OutputFormatOpt = None,
-    max_shard_size: Annotated[str, typer.Option(
-        "--max-shard-size", metavar="SIZE", help="Largest output file; 0 for one file.")] = "5GB",
+    # Any: the default is text, and typer parses it as it parses a given value (int | None).
+    max_shard_size: Annotated[Any, typer.Option(
+        "--max-shard-size", metavar="SIZE", help="Largest output file; 0 for one file.",
+        parser=size_parser("--max-shard-size", allow_zero=True))] = "5GB",
     with_optimizer: Annotated[bool, typer.Option(
         "--with-optimizer/--model-only", help="Keep the optimizer state too (to resume on a "
                                               "different world size), or only the model "
@@ -76,19 +79,14 @@ def consolidate_cmd(
     with handled() as outcome:
         use_storage(storage_option, concurrency)
         from ckpt_cli.cli.progress import byte_progress
-        from ckpt_cli.ops.consolidate import consolidate
-        from ckpt_cli.parts import parse_part
-        from ckpt_cli.units import parse_size
-
-        which = parse_part(part)
-        shard = parse_size(max_shard_size, what="--max-shard-size", allow_zero=True) or None
-        budget = parse_size(max_memory, what="--max-memory") if max_memory else None
+        from ckpt_cli.ops.consolidate import ConsolidateOptions, consolidate
         with byte_progress("consolidating", enabled=not (quiet or json)) as bar:
-            r = consolidate(source, output, fmt=fmt, max_shard_size=shard,
-                            with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force,
-                            verify=verify, manifest=manifest, on_progress=bar.advance,
-                            on_start=bar.start, part=which, finalize=finalize,
-                            max_memory=budget)
+            options = ConsolidateOptions(
+                fmt=fmt, max_shard_size=max_shard_size, with_optimizer=with_optimizer, to=to,
+                clamp=clamp, overwrite=force, verify=verify, manifest=manifest, part=part,
+                finalize=finalize, max_memory=max_memory)
+            r = consolidate(source, output, options, on_progress=bar.advance,
+                            on_start=bar.start)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.consolidate import show
 

@@ -21,6 +21,7 @@ from ckpt_cli.cli.options import (
     StorageOpt,
     location,
     output_location,
+    size_parser,
     use_storage,
 )
 
@@ -51,8 +52,10 @@ def convert_cmd(
                              "(weight_scale_inv, weight_scale, scale_weight) into weight * "
                              "scale; drop the scales and quantization_config.")] = False,
     fmt: OutputFormatOpt = None,
-    max_shard_size: Annotated[str | None, typer.Option(
-        "--max-shard-size", metavar="SIZE", help="Split into HF-style shards of at most SIZE "
+    max_shard_size: Annotated[int | None, typer.Option(
+        "--max-shard-size", metavar="SIZE",
+        parser=size_parser("--max-shard-size", empty_is_none=True),
+        help="Split into HF-style shards of at most SIZE "
                                                  "(e.g. 5GB) with an index.")] = None,
     keep_optimizer: Annotated[bool, typer.Option(
         "--keep-optimizer", help="Keep every tensor, optimizer state included, under its "
@@ -95,21 +98,16 @@ def convert_cmd(
     with handled() as outcome:
         use_storage(storage_option, concurrency)
         from ckpt_cli.cli.progress import byte_progress
-        from ckpt_cli.ops.convert import convert
-        from ckpt_cli.parts import parse_part
-        from ckpt_cli.units import parse_size
-
-        which = parse_part(part)
-        shard = parse_size(max_shard_size, what="--max-shard-size") if max_shard_size else None
-        budget = parse_size(max_memory, what="--max-memory") if max_memory else None
+        from ckpt_cli.ops.convert import ConvertOptions, convert
         with byte_progress("converting", enabled=not (quiet or json)) as bar:
-            result = convert(source, output, to=to, fmt=fmt, max_shard_size=shard,
-                             keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
-                             keep_fp32=tuple(keep_fp32 or ()), clamp=clamp, overwrite=force,
-                             container=container, input_format=input_format,
-                             on_progress=bar.advance, on_start=bar.start, part=which,
-                             finalize=finalize, max_memory=budget,
-                             fp8_layout=fp8_layout, dequantize=dequantize)
+            options = ConvertOptions(
+                to=to, fmt=fmt, max_shard_size=max_shard_size, keep_optimizer=keep_optimizer,
+                keep_prefix=keep_prefix, keep_fp32=tuple(keep_fp32 or ()), clamp=clamp,
+                overwrite=force, container=container, input_format=input_format, part=part,
+                finalize=finalize, max_memory=max_memory, fp8_layout=fp8_layout,
+                dequantize=dequantize)
+            result = convert(source, output, options, on_progress=bar.advance,
+                             on_start=bar.start)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.convert import show
 

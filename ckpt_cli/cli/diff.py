@@ -95,16 +95,13 @@ def diff_cmd(
 
     with handled() as outcome:
         use_storage(storage_option, concurrency)
-        from ckpt_cli.units import parse_size
-
-        budget = parse_size(max_memory, what="--max-memory") if max_memory else None
         options = DiffOptions(everything=everything, values=not structure_only, rtol=rtol,
                               atol=atol, strip_prefixes=tuple(strip_prefix or ()),
                               auto_names=not exact_names, metadata=metadata,
                               filter_glob=filter_glob)
         with byte_progress("comparing", enabled=not (quiet or json)) as bar:
             result = diff(a, b, options, fmt_a=input_format_a, fmt_b=input_format_b,
-                          on_progress=bar.update, max_memory=budget)
+                          on_progress=bar.update, max_memory=max_memory)
         outcome.exit_code = code = EXIT_OK if result.equal or exit_zero else EXIT_FINDINGS
         rd.show(result, str(a), str(b), json=json, quiet=quiet, top=top, by_module=by_module,
                 depth=depth)

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -103,6 +103,35 @@ class _JsonErrors:
                           exit_code)
 
 
+def _report(e: CkptError, doc: _JsonErrors) -> NoReturn:
+    """A ckpt error: its line (and hint) on stderr, its ``--json`` document, its exit code."""
+    _say(f"ckpt: error: {e}")
+    if e.hint:
+        _say(f"hint: {e.hint}")
+    doc.emit(e.kind, e.message, e.exit_code, path=e.path, side=e.side, hint=e.hint,
+             text=str(e))
+    raise typer.Exit(e.exit_code) from None
+
+
+def refused(error: CkptError, command: str | None) -> NoReturn:
+    """Report an option value refused while the command line was parsed (see
+    :mod:`ckpt_cli.cli.options`) exactly as :func:`handled` reports the same error raised
+    inside the command.
+
+    Args:
+        error: The parser's error.
+        command: The command's name when it was given ``--json``, else None.
+
+    Raises:
+        typer.Exit: Always, with the error's exit code.
+    """
+    token = _JSON_COMMAND.set(command)
+    try:
+        _report(error, _JsonErrors())
+    finally:
+        _JSON_COMMAND.reset(token)
+
+
 class Outcome:
     """A command's exit status, set as soon as its result is known (before it is printed).
 
@@ -140,12 +169,7 @@ def handled() -> Iterator[Outcome]:
     except (typer.Exit, typer.Abort):
         raise
     except CkptError as e:
-        _say(f"ckpt: error: {e}")
-        if e.hint:
-            _say(f"hint: {e.hint}")
-        doc.emit(e.kind, e.message, e.exit_code, path=e.path, side=e.side, hint=e.hint,
-                 text=str(e))
-        raise typer.Exit(e.exit_code) from None
+        _report(e, doc)
     except KeyboardInterrupt:
         _say("ckpt: interrupted")
         doc.emit("interrupted", "interrupted", EXIT_INTERRUPTED)

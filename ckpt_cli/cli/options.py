@@ -3,13 +3,127 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer._click.exceptions import BadParameter
 
 from ckpt_cli import storage
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import CkptError, UsageError
+
+if TYPE_CHECKING:
+    from ckpt_cli.parts import Part
+
+
+class Refused(BadParameter):
+    """An option value a parser below refused: the command reports its ``error`` as it reports
+    the same error raised inside the command (one ``ckpt: error:`` line, the ``--json``
+    document, exit 2), not as click's ``Invalid value`` (see ``CkptCommand.make_context``).
+
+    Attributes:
+        error: The parse error, worded with the flag.
+    """
+
+    def __init__(self, error: CkptError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def _parser(name: str, parse: Callable[[str], Any]) -> Callable[[Any], Any]:
+    """A typer ``parser=`` callback: ``parse`` applied to the text given on the command line.
+
+    A value that is not text is a default already parsed (typer passes defaults through the
+    parser too), and comes back as it is.
+    """
+
+    def parser(value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return parse(value)
+        except CkptError as e:
+            raise Refused(e) from None
+
+    parser.__name__ = name
+    return parser
+
+
+def size_parser(flag: str, *, empty_is_none: bool = False,
+                allow_zero: bool = False) -> Callable[[Any], Any]:
+    """Parse a size option (``5GB``) into bytes, the error naming ``flag``.
+
+    Args:
+        flag: The option, for the error message.
+        empty_is_none: An empty value means "not given" (None).
+        allow_zero: ``0`` is accepted, and means None ("no limit").
+    """
+
+    def parse(text: str) -> int | None:
+        from ckpt_cli.units import parse_size
+
+        if empty_is_none and not text:
+            return None
+        return parse_size(text, what=flag, allow_zero=allow_zero) or None
+
+    return _parser("size", parse)
+
+
+def _units_parser(kind: str, flag: str, **how: bool) -> Callable[[Any], Any]:
+    """A parser calling ``ckpt_cli.units.parse_<kind>`` (imported only when a value comes)."""
+
+    def parse(text: str) -> Any:
+        from ckpt_cli import units
+
+        return getattr(units, f"parse_{kind}")(text, what=flag, **how)
+
+    return _parser(kind, parse)
+
+
+def duration_parser(flag: str, *, allow_zero: bool = False) -> Callable[[Any], Any]:
+    """Parse a duration option (``4h``, ``1h30m``) into seconds, the error naming ``flag``."""
+    return _units_parser("duration", flag, allow_zero=allow_zero)
+
+
+def rate_parser(flag: str) -> Callable[[Any], Any]:
+    """Parse a rate option (``10GB/s``) into bytes per second, the error naming ``flag``."""
+    return _units_parser("rate", flag)
+
+
+def count_parser(flag: str, *, whole: bool = False) -> Callable[[Any], Any]:
+    """Parse a count option (``7B``; with ``whole`` an integer), the error naming ``flag``."""
+    return _units_parser("count", flag, whole=whole)
+
+
+def whole_parser(flag: str) -> Callable[[Any], Any]:
+    """Parse a whole-number option (``--ranks 8``, ``1K``), the error naming ``flag``."""
+    return count_parser(flag, whole=True)
+
+
+def valued(flag: str, metavar: str, help: str,
+           parser: Callable[[str], Callable[[Any], Any]]) -> Any:
+    """An option whose value a parser above reads (``valued("--mtbf", "DURATION", "...",
+    duration_parser)``), with no default shown: typer's ``Option`` for an ``Annotated``.
+
+    Args:
+        flag: The option.
+        metavar: Its value's name in the help.
+        help: Its help.
+        parser: One of the ``*_parser`` functions, given ``flag``.
+    """
+    return typer.Option(flag, parser=parser(flag), metavar=metavar, help=help,
+                        show_default=False)
+
+
+def _part(text: str) -> Part | None:
+    from ckpt_cli.parts import parse_part
+
+    return parse_part(text)
+
+
+part_parser = _parser("part", _part)
+"""Parse ``--part K/N|auto`` (``auto`` reads the launcher's environment)."""
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout "
                                                       "(stable schema, see docs/json-schema.md).")]
@@ -49,15 +163,15 @@ CastToOpt = Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
 OutputFormatOpt = Annotated[str | None, typer.Option(
     "--format", "-f", metavar="safetensors|pt",
     help="Output file format (default: from the output's suffix, else safetensors).")]
-PartOpt = Annotated[str | None, typer.Option(
-    "--part", metavar="K/N|auto",
+PartOpt = Annotated[Any, typer.Option(
+    "--part", metavar="K/N|auto", parser=part_parser,
     help="Do only part K of N of the work (auto: from torchrun's RANK/WORLD_SIZE or a SLURM "
          "array); the last part to finish completes the job (index, manifest, report).")]
 FinalizeOpt = Annotated[bool, typer.Option(
     "--finalize", help="Complete a job split with --part from every part's receipt (exit 2 "
                        "naming the parts missing).")]
-MaxMemoryOpt = Annotated[str | None, typer.Option(
-    "--max-memory", metavar="SIZE",
+MaxMemoryOpt = Annotated[int | None, typer.Option(
+    "--max-memory", metavar="SIZE", parser=size_parser("--max-memory", empty_is_none=True),
     help="Budget for data read ahead and written behind, e.g. 512MB (default 256MB; the "
          "largest tensor may add to it).")]
 Location = Any

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -12,8 +13,14 @@ from ckpt_cli.cli.options import (
     JsonOpt,
     Location,
     QuietOpt,
+    count_parser,
+    duration_parser,
     local_only,
     location,
+    rate_parser,
+    size_parser,
+    valued,
+    whole_parser,
 )
 
 if TYPE_CHECKING:
@@ -23,9 +30,9 @@ _Dur = "DURATION"
 
 
 def plan_cmd(
-    params: Annotated[str | None, typer.Option(
-        "--params", metavar="N", help="Model parameters, e.g. 175B, 7.5B, 350M.",
-        show_default=False)] = None,
+    params: Annotated[int | None, valued(
+        "--params", "N", "Model parameters, e.g. 175B, 7.5B, 350M.",
+        count_parser)] = None,
     precision: Annotated[str | None, typer.Option(
         "--precision", metavar="fp32|bf16|mixed",
         help="With --params. fp32: 4 bytes/param weights, fp32 state. bf16: 2, state in bf16, "
@@ -41,54 +48,57 @@ def plan_cmd(
                                        "directory: its latest complete one).",
         show_default=False, parser=location)] = None,
     input_format: InputFormatOpt = None,
-    bandwidth: Annotated[str | None, typer.Option(
-        "--bandwidth", metavar="RATE", help="Aggregate storage write bandwidth, e.g. 10GB/s.",
-        show_default=False)] = None,
+    bandwidth: Annotated[float | None, valued(
+        "--bandwidth", "RATE", "Aggregate storage write bandwidth, e.g. 10GB/s.",
+        rate_parser)] = None,
     measure: Annotated[Location | None, typer.Option(
         "--measure", metavar="DIR", help="Measure the write bandwidth by writing and fsyncing "
                                          "a test file in DIR (removed afterwards).",
         show_default=False, parser=location)] = None,
-    measure_size: Annotated[str | None, typer.Option(
-        "--measure-size", metavar="SIZE", help="Bytes --measure writes. Default: 1GB.",
-        show_default=False)] = None,
-    measure_streams: Annotated[str | None, typer.Option(
-        "--measure-streams", metavar="N", help="Parallel writers of --measure. Default: 4.",
-        show_default=False)] = None,
-    mtbf: Annotated[str | None, typer.Option(
-        "--mtbf", metavar=_Dur, help="The job's mean time between failures, e.g. 4h.",
-        show_default=False)] = None,
-    gpus: Annotated[str | None, typer.Option(
-        "--gpus", metavar="N", help="Devices in the job; with --gpu-mtbf, job MTBF = "
-                                    "--gpu-mtbf / N.", show_default=False)] = None,
-    gpu_mtbf: Annotated[str | None, typer.Option(
-        "--gpu-mtbf", metavar=_Dur, help="One device's mean time between failures, e.g. 5y.",
-        show_default=False)] = None,
-    ranks: Annotated[str | None, typer.Option(
-        "--ranks", metavar="N", help="Ranks writing in parallel, one file each (files per "
-                                     "checkpoint). Default: 1, or the files of --from.",
-        show_default=False)] = None,
-    keep: Annotated[str | None, typer.Option(
-        "--keep", metavar="N", help="Checkpoints retained: steady-state storage and files.",
-        show_default=False)] = None,
-    thin_after: Annotated[str | None, typer.Option(
-        "--thin-after", metavar="N", help="Storage per day when all but the newest N checkpoints "
-        "are thinned (prune --thin-after).", show_default=False)] = None,
+    measure_size: Annotated[int | None, valued(
+        "--measure-size", "SIZE", "Bytes --measure writes. Default: 1GB.",
+        size_parser)] = None,
+    measure_streams: Annotated[int | None, valued(
+        "--measure-streams", "N", "Parallel writers of --measure. Default: 4.",
+        whole_parser)] = None,
+    mtbf: Annotated[float | None, valued(
+        "--mtbf", _Dur, "The job's mean time between failures, e.g. 4h.",
+        duration_parser)] = None,
+    gpus: Annotated[int | None, valued(
+        "--gpus", "N", "Devices in the job; with --gpu-mtbf, job MTBF = --gpu-mtbf / N.",
+        whole_parser)] = None,
+    gpu_mtbf: Annotated[float | None, valued(
+        "--gpu-mtbf", _Dur, "One device's mean time between failures, e.g. 5y.",
+        duration_parser)] = None,
+    ranks: Annotated[int | None, valued(
+        "--ranks", "N", "Ranks writing in parallel, one file each (files per checkpoint). "
+                        "Default: 1, or the files of --from.",
+        whole_parser)] = None,
+    keep: Annotated[int | None, valued(
+        "--keep", "N", "Checkpoints retained: steady-state storage and files.",
+        whole_parser)] = None,
+    thin_after: Annotated[int | None, valued(
+        "--thin-after", "N", "Storage per day when all but the newest N checkpoints are thinned "
+                             "(prune --thin-after).",
+        whole_parser)] = None,
     thin_to: Annotated[str | None, typer.Option(
         "--thin-to", metavar="bf16", help="Thinned checkpoints keep BF16 weights.",
         show_default=False)] = None,
     async_save: Annotated[bool, typer.Option(
         "--async", help="Asynchronous saves: only the copy to host memory blocks training; "
                         "the write overlaps compute.")] = False,
-    snapshot_bandwidth: Annotated[str | None, typer.Option(
-        "--snapshot-bandwidth", metavar="RATE",
-        help="With --async: device-to-host copy rate of each rank. Default: 10GB/s.",
-        show_default=False)] = None,
-    interval: Annotated[str | None, typer.Option(
-        "--interval", metavar=_Dur, help="Your current interval (compute time between saves), "
-                                         "to compare, e.g. 30m.", show_default=False)] = None,
-    restart: Annotated[str | None, typer.Option(
-        "--restart", metavar=_Dur, help="Time to restart after a failure, counted as lost. "
-                                        "Default: not counted.", show_default=False)] = None,
+    snapshot_bandwidth: Annotated[float | None, valued(
+        "--snapshot-bandwidth", "RATE", "With --async: device-to-host copy rate of each rank. "
+                                        "Default: 10GB/s.",
+        rate_parser)] = None,
+    interval: Annotated[float | None, valued(
+        "--interval", _Dur, "Your current interval (compute time between saves), to compare, "
+                            "e.g. 30m.",
+        duration_parser)] = None,
+    restart: Annotated[float | None, valued(
+        "--restart", _Dur, "Time to restart after a failure, counted as lost. Default: not "
+                           "counted.",
+        partial(duration_parser, allow_zero=True))] = None,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:
@@ -117,8 +127,8 @@ def plan_cmd(
     from rich.markup import escape
 
     from ckpt_cli.ops.plan import plan
+    from ckpt_cli.ops.plan.options import PlanOptions
     from ckpt_cli.render.human import size as human_size
-    from ckpt_cli.units import parse_count, parse_duration, parse_rate, parse_size
 
     with handled() as outcome:
         local_only(measure, '--measure')
@@ -129,36 +139,18 @@ def plan_cmd(
                 err.print(f"[dim]plan:[/] measuring: writing {human_size(total)} to "
                           f"{escape(str(measure))} and fsyncing ...")
 
-        result = plan(
-            params=None if params is None else parse_count(params, what="--params"),
-            precision=precision, optimizer=optimizer, from_path=from_path,
-            input_format=input_format,
-            bandwidth=None if bandwidth is None else parse_rate(bandwidth, what="--bandwidth"),
-            measure_dir=measure,
-            measure_size=None if measure_size is None else parse_size(
-                measure_size, what="--measure-size"),
-            measure_streams=_whole(measure_streams, "--measure-streams"),
-            mtbf=None if mtbf is None else parse_duration(mtbf, what="--mtbf"),
-            gpus=_whole(gpus, "--gpus"),
-            gpu_mtbf=None if gpu_mtbf is None else parse_duration(gpu_mtbf, what="--gpu-mtbf"),
-            ranks=_whole(ranks, "--ranks"), keep=_whole(keep, "--keep"), async_save=async_save,
-            thin_after=_whole(thin_after, "--thin-after"), thin_to=thin_to,
-            snapshot_bandwidth=None if snapshot_bandwidth is None else parse_rate(
-                snapshot_bandwidth, what="--snapshot-bandwidth"),
-            interval=None if interval is None else parse_duration(interval, what="--interval"),
-            restart=None if restart is None else parse_duration(restart, what="--restart",
-                                                                allow_zero=True),
-            on_progress=progress)
+        options = PlanOptions(
+            params=params, precision=precision, optimizer=optimizer, from_path=from_path,
+            input_format=input_format, bandwidth=bandwidth, measure_dir=measure,
+            measure_size=measure_size, measure_streams=measure_streams, mtbf=mtbf, gpus=gpus,
+            gpu_mtbf=gpu_mtbf, ranks=ranks, keep=keep, async_save=async_save,
+            thin_after=thin_after, thin_to=thin_to, snapshot_bandwidth=snapshot_bandwidth,
+            interval=interval, restart=restart)
+        result = plan(options, on_progress=progress)
         outcome.exit_code = EXIT_OK
         from ckpt_cli.render.plan import show
 
         show(result, json=json, quiet=quiet, err=err)
-
-def _whole(text: str | None, what: str) -> int | None:
-    from ckpt_cli.units import parse_count
-
-    return None if text is None else parse_count(text, what=what, whole=True)
-
 
 def _stderr() -> Console:
     from ckpt_cli.render import human

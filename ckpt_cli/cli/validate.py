@@ -90,6 +90,7 @@ def validate_cmd(
     """
     from ckpt_cli.cli.progress import byte_progress
     from ckpt_cli.ops.validate import validate
+    from ckpt_cli.ops.validate.options import ValidateOptions
 
     with handled() as outcome:
         local_only(junit, '--junit')
@@ -97,17 +98,14 @@ def validate_cmd(
             use_storage(storage_option, concurrency)
             local_only(path if write_manifest else None, "--write-manifest's checkpoint")
             local_only(parts_dir, '--parts-dir')
-            from ckpt_cli.units import parse_size
-
-            budget = parse_size(max_memory, what="--max-memory") if max_memory else None
             with byte_progress("validating", enabled=not (quiet or json)) as bar:
-                result = validate(path, fmt=input_format, latest=latest, quick=quick,
-                                  values=values, require=require,
-                                  write_manifest=write_manifest,
-                                  manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern,
-                                  on_progress=bar.labelled, part=part, finalize=finalize,
-                                  parts_dir=parts_dir, max_memory=budget,
-                                  allow_globals=allow_global or ())
+                options = ValidateOptions(
+                    fmt=input_format, latest=latest, quick=quick, values=values,
+                    require=require, write_manifest=write_manifest,
+                    manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern, part=part,
+                    finalize=finalize, parts_dir=parts_dir, max_memory=max_memory,
+                    allow_globals=tuple(allow_global or ()))
+                result = validate(path, options, on_progress=bar.labelled)
         except (Exception, KeyboardInterrupt) as e:
             if junit is not None:
                 _junit_of_error(junit, path, e)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -16,6 +16,7 @@ from ckpt_cli.cli.options import (
     StorageOpt,
     ThinAfterOpt,
     ThinToOpt,
+    duration_parser,
     location,
     use_storage,
 )
@@ -31,8 +32,11 @@ def watch_cmd(
     once: Annotated[bool, typer.Option(
         "--once", help="One pass, then exit (for cron): 1 if a bad checkpoint was found. "
         "Checkpoints not judged yet (settling, locked, being written) are named.")] = False,
-    interval: Annotated[str, typer.Option(
-        "--interval", metavar="AGE", help="Time between passes (the longest, with file "
+    # The AGE options are Any: their defaults are text, parsed by typer as a given value is
+    # (seconds, a float).
+    interval: Annotated[Any, typer.Option(
+        "--interval", metavar="AGE", parser=duration_parser("--interval"),
+        help="Time between passes (the longest, with file "
         "events).")] = "5s",
     wake: Annotated[str, typer.Option(
         "--wake", metavar="MODE", help="auto: also run a pass as soon as files change, where "
@@ -42,11 +46,13 @@ def watch_cmd(
         "--crc", help="Read every byte (CRC-32, DCP items), not just the structure.")] = False,
     values: Annotated[bool, typer.Option(
         "--values", help="Also scan tensors for NaN, Inf and all-zero.")] = False,
-    settle: Annotated[str, typer.Option(
-        "--settle", metavar="AGE", help="A committed checkpoint must be unchanged this long "
+    settle: Annotated[Any, typer.Option(
+        "--settle", metavar="AGE", parser=duration_parser("--settle", allow_zero=True),
+        help="A committed checkpoint must be unchanged this long "
         "before it is validated.")] = "1s",
-    abandon_after: Annotated[str, typer.Option(
-        "--abandon-after", metavar="AGE", help="A checkpoint still incomplete this long after "
+    abandon_after: Annotated[Any, typer.Option(
+        "--abandon-after", metavar="AGE", parser=duration_parser("--abandon-after"),
+        help="A checkpoint still incomplete this long after "
         "its last change is reported as abandoned (a save killed midway).")] = "10m",
     keep: Annotated[int | None, typer.Option(
         "--keep", metavar="N", help="Retention after each verified checkpoint: keep the newest "
@@ -67,8 +73,9 @@ def watch_cmd(
         "--on-bad", metavar="CMD", help="Run CMD for each bad checkpoint (split like a shell "
         "would, never run by one) with its path in $CKPT_BAD_PATH; its output goes to "
         "stderr. One that cannot start, fails or times out is reported as an error.")] = None,
-    on_bad_timeout: Annotated[str, typer.Option(
-        "--on-bad-timeout", metavar="AGE", help="Kill an --on-bad command (and what it "
+    on_bad_timeout: Annotated[Any, typer.Option(
+        "--on-bad-timeout", metavar="AGE", parser=duration_parser("--on-bad-timeout"),
+        help="Kill an --on-bad command (and what it "
         "started) still running after AGE, and report it.")] = "5m",
     storage_option: StorageOpt = None,
     json: JsonOpt = False,
@@ -92,7 +99,6 @@ def watch_cmd(
         use_storage(storage_option)
         from ckpt_cli.cli.prune import _policy
         from ckpt_cli.trust.watch import Watcher, WatchOptions
-        from ckpt_cli.units import parse_duration
 
         policy = None
         thinning = (thin_after, thin_to, keep_full_every) != (None, None, None)
@@ -102,13 +108,11 @@ def watch_cmd(
                 thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every)
             policy.check()
         opts = WatchOptions(crc=crc, values=values,
-                            settle=parse_duration(settle, what="--settle", allow_zero=True),
-                            abandon_after=parse_duration(abandon_after, what="--abandon-after"),
+                            settle=settle, abandon_after=abandon_after,
                             policy=policy, pattern=pattern, on_bad=on_bad,
-                            on_bad_timeout=parse_duration(on_bad_timeout,
-                                                          what="--on-bad-timeout"),
+                            on_bad_timeout=on_bad_timeout,
                             report_pending=once)
-        every = parse_duration(interval, what="--interval")
+        every: float = interval
         from ckpt_cli.trust.wake import WAKE_MODES
 
         if wake not in WAKE_MODES:

@@ -34,6 +34,7 @@ from ckpt_cli.formats.zero import resolve_tag
 from ckpt_cli.manifest import Manifest, hash_files, manifest_path, write_manifest
 from ckpt_cli.manifest import checkpoint_files as manifest_files
 from ckpt_cli.model import CheckpointIndex, Finding
+from ckpt_cli.ops import options_of
 from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.runs import (
     PointerError,
@@ -199,18 +200,11 @@ def detect_kind(path: Path) -> str:
                      f"for a single checkpoint use: ckpt convert {path} -o OUT")
 
 
-def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = None,
-                max_shard_size: int | None = DEFAULT_MAX_SHARD, with_optimizer: bool = False,
-                to: str = "keep", clamp: bool = False, overwrite: bool = False,
-                verify: bool = False, manifest: bool = True,
-                on_progress: Callable[[int], None] | None = None,
-                on_start: Callable[[int], None] | None = None, part: Part | None = None,
-                finalize: bool = False, max_memory: int | None = None) -> ConsolidateResult:
-    """Merge a rank-sharded checkpoint into few large files.
+@dataclass(frozen=True, slots=True)
+class ConsolidateOptions:
+    """What :func:`consolidate` does (``ckpt consolidate``'s flags; the defaults are theirs).
 
-    Args:
-        source: DCP directory, DeepSpeed tag/save directory, or directory of per-rank files.
-        output: Output file or directory (see :func:`ckpt_cli.writers.write_checkpoint`).
+    Attributes:
         fmt: ``safetensors`` or ``pt``; None infers it from ``output``'s suffix.
         max_shard_size: Largest output shard in bytes (None: one file).
         with_optimizer: Keep optimizer state too (DCP and rank files), under the flattened
@@ -222,15 +216,42 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
         manifest: Write an integrity manifest (``ckpt-manifest.json``, or
             ``<file>.ckpt-manifest.json`` beside a single-file output) that ``ckpt validate``
             checks.
-        on_progress: Called with bytes written.
-        on_start: Called once with the total bytes to write.
         part: Write only this part's share of the output shards (``--part K/N``): each
             part verifies and hashes its own shards; the last part to finish writes the
             index and the manifest (see :mod:`ckpt_cli.writers.parts`).
         finalize: Finalize a split consolidation now (an error naming the parts missing).
         max_memory: Memory budget in bytes for data read and cast ahead of the writer
             (default 256 MiB; the largest tensor may add to it).
+    """
 
+    fmt: str | None = None
+    max_shard_size: int | None = DEFAULT_MAX_SHARD
+    with_optimizer: bool = False
+    to: str = "keep"
+    clamp: bool = False
+    overwrite: bool = False
+    verify: bool = False
+    manifest: bool = True
+    part: Part | None = None
+    finalize: bool = False
+    max_memory: int | None = None
+
+
+def consolidate(source: str | Path, output: str | Path,
+                options: ConsolidateOptions | None = None, *,
+                on_progress: Callable[[int], None] | None = None,
+                on_start: Callable[[int], None] | None = None,
+                **fields: Any) -> ConsolidateResult:
+    """Merge a rank-sharded checkpoint into few large files.
+
+    Args:
+        source: DCP directory, DeepSpeed tag/save directory, or directory of per-rank files.
+        output: Output file or directory (see :func:`ckpt_cli.writers.write_checkpoint`).
+        options: What to do (:class:`ConsolidateOptions`; default: its defaults).
+        on_progress: Called with bytes written.
+        on_start: Called once with the total bytes to write.
+        **fields: :class:`ConsolidateOptions` fields, instead of ``options`` (see
+            :func:`ckpt_cli.ops.options_of`).
     Returns:
         The :class:`ConsolidateResult`.
 
@@ -238,62 +259,68 @@ def consolidate(source: str | Path, output: str | Path, *, fmt: str | None = Non
         CkptError: Bad or incomplete input (missing rank files, truncated chunks, mismatched
             world sizes), existing output, values outside FP16's range.
     """
+    opts = options_of(ConsolidateOptions, options, fields)
+    fmt = opts.fmt
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
-    if to not in TARGETS:
-        raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {to!r}")
-    memory_budget(max_memory)  # a bad budget is a usage error before any work
+    if opts.to not in TARGETS:
+        raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {opts.to!r}")
+    memory_budget(opts.max_memory)  # a bad budget is a usage error before any work
     check_exists(src)
     # A run directory's resume pointer names the checkpoint (DeepSpeed's `latest` is also
     # followed by detect_kind for a save directory of one tag; Megatron's tracker only here).
     followed = follow_pointer(src) if src.is_dir() else None
     if followed is not None:
         src = followed.path
-    if verify and not storage.can_rename_atomically(out):
+    if opts.verify and not storage.can_rename_atomically(out):
         raise UsageError("--verify re-reads the output before it is put in place, which an "
                          "object store's output cannot be yet",
                          hint=f"compare afterwards instead: ckpt diff {src} {out}")
     kind = detect_kind(src)
     check_not_input(out, src)
     fmt = output_format(out, fmt, directory=names_directory(output))
-    target = TARGETS[to]
+    target = TARGETS[opts.to]
     stats = CastStats()
     if kind == "deepspeed":
-        job = _deepspeed_job(src, target, with_optimizer, stats, clamp)
+        job = _deepspeed_job(src, target, opts.with_optimizer, stats, opts.clamp)
     elif kind in ("dcp", "hf-index"):
-        job = _index_job(kind, read_index(src, kind), target, with_optimizer, fmt, stats, clamp)
+        job = _index_job(kind, read_index(src, kind), target, opts.with_optimizer, fmt, stats,
+                         opts.clamp)
     else:
-        job = _rank_files_job(src, target, with_optimizer, fmt, stats, clamp)
+        job = _rank_files_job(src, target, opts.with_optimizer, fmt, stats, opts.clamp)
     prefer_torch(job.cast_elements)
     files_before, bytes_before = _input_size(src, kind)
     checked: list[int] = []
 
     def check(tmp: Path) -> None:
         # Checked in place before the rename: a problem leaves no output behind.
-        check_overflow(stats, clamp)
-        if verify and split is None:
+        check_overflow(stats, opts.clamp)
+        if opts.verify and split is None:
             checked.append(_verify(tmp, job))
-        if manifest and tmp.is_dir() and split is None and storage.can_rename_atomically(tmp):
+        if (opts.manifest and tmp.is_dir() and split is None
+                and storage.can_rename_atomically(tmp)):
             write_manifest(tmp)  # inside the directory, so it arrives with it
 
     split = None
-    if part is not None or finalize:
-        split = _part_job(part, finalize, src, kind, out, job, verify, manifest, checked)
+    if opts.part is not None or opts.finalize:
+        split = _part_job(opts.part, opts.finalize, src, kind, out, job, opts.verify,
+                          opts.manifest, checked)
     try:
-        write = write_checkpoint(out, job.outs, fmt=fmt, max_shard_size=max_shard_size,
+        write = write_checkpoint(out, job.outs, fmt=fmt, max_shard_size=opts.max_shard_size,
                                  metadata=job.metadata, aliases=job.aliases,
-                                 overwrite=overwrite, on_progress=on_progress,
+                                 overwrite=opts.overwrite, on_progress=on_progress,
                                  before_commit=check, on_start=on_start, part=split,
-                                 max_memory=max_memory)
+                                 max_memory=opts.max_memory)
         complete = write.part is None or write.part.finalized_here
-        if manifest and complete and (out.is_file() or not storage.can_rename_atomically(out)):
+        if opts.manifest and complete and (out.is_file()
+                                           or not storage.can_rename_atomically(out)):
             # A single file's manifest sits beside it. On object storage a directory's comes
             # after its index (the commit marker, written last of the set), so it covers it.
             write_manifest(out)
     finally:
         for close in job.close:
             close()
-    if manifest and complete:
+    if opts.manifest and complete:
         mpath = manifest_path(out)
         write.files.append((mpath.name, mpath.stat().st_size))
     elements_out = sum(t.numel for t in job.outs)

@@ -30,7 +30,7 @@ from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import ParamPlan
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
-from ckpt_cli.ops import convert_fp8
+from ckpt_cli.ops import convert_fp8, options_of
 from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.runs import follow_pointer, is_run_dir
 from ckpt_cli.storage.atomic import check_not_input
@@ -117,24 +117,11 @@ class ConvertResult:
     config_dtype: dict[str, Any] | None = None
 
 
-# -- the op ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ConvertOptions:
+    """What :func:`convert` does (``ckpt convert``'s flags; the defaults are theirs).
 
-def convert(source: str | Path, output: str | Path, *, to: str = "keep",
-            fmt: str | None = None, max_shard_size: int | None = None,
-            keep_optimizer: bool = False, keep_prefix: bool = False,
-            keep_fp32: tuple[str, ...] = (), clamp: bool = False, overwrite: bool = False,
-            container: str | None = None, input_format: str | None = None,
-            on_progress: Callable[[int], None] | None = None,
-            on_start: Callable[[int], None] | None = None, part: Part | None = None,
-            finalize: bool = False, max_memory: int | None = None,
-            fp8_layout: str = "block", dequantize: bool = False) -> ConvertResult:
-    """Convert a checkpoint.
-
-    Args:
-        source: Any checkpoint the readers know, or a run directory whose ``latest`` (or
-            Megatron tracker) pointer names the checkpoint to read.
-        output: A ``.safetensors``/``.pt``/``.bin`` file, or a directory for
-            ``model.safetensors`` or HF-style shards + index.
+    Attributes:
         to: ``fp16``, ``bf16``, ``fp32`` or ``keep``: cast of floating-point model tensors.
         fmt: ``safetensors`` or ``pt``; None infers it from ``output``'s suffix.
         max_shard_size: Largest output shard in bytes (None: one file).
@@ -146,8 +133,6 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         overwrite: Replace an existing output.
         container: Which top-level container holds the weights when there are several.
         input_format: Force the input format.
-        on_progress: Called with bytes written.
-        on_start: Called once with the total bytes to write.
         part: Write only this part's share of the output shards (``--part K/N``); the last
             part to finish writes the index (see :mod:`ckpt_cli.writers.parts`).
         finalize: Finalize a split conversion now (an error naming the parts missing).
@@ -160,6 +145,44 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
             ``weight * scale`` in the target dtype; the scales and ``quantization_config``
             are dropped. A weight without its scale, or a scale of no known shape, is an
             error naming the tensors (nothing written).
+    """
+
+    # What is kept, and how it is cast.
+    to: str = "keep"
+    keep_optimizer: bool = False
+    keep_prefix: bool = False
+    keep_fp32: tuple[str, ...] = ()
+    clamp: bool = False
+    container: str | None = None
+    input_format: str | None = None
+    # The output.
+    fmt: str | None = None
+    max_shard_size: int | None = None
+    overwrite: bool = False
+    part: Part | None = None
+    finalize: bool = False
+    max_memory: int | None = None
+    fp8_layout: str = "block"
+    dequantize: bool = False
+
+
+# -- the op ----------------------------------------------------------------------------------------
+
+def convert(source: str | Path, output: str | Path, options: ConvertOptions | None = None, *,
+            on_progress: Callable[[int], None] | None = None,
+            on_start: Callable[[int], None] | None = None, **fields: Any) -> ConvertResult:
+    """Convert a checkpoint.
+
+    Args:
+        source: Any checkpoint the readers know, or a run directory whose ``latest`` (or
+            Megatron tracker) pointer names the checkpoint to read.
+        output: A ``.safetensors``/``.pt``/``.bin`` file, or a directory for
+            ``model.safetensors`` or HF-style shards + index.
+        options: What to do (:class:`ConvertOptions`; default: its defaults).
+        on_progress: Called with bytes written.
+        on_start: Called once with the total bytes to write.
+        **fields: :class:`ConvertOptions` fields, instead of ``options`` (see
+            :func:`ckpt_cli.ops.options_of`).
 
     Returns:
         The :class:`ConvertResult`.
@@ -167,24 +190,26 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     Raises:
         CkptError: Bad input, unsupported layouts, existing output, values out of FP16 range.
     """
+    opts = options_of(ConvertOptions, options, fields)
+    to, fmt = opts.to, opts.fmt
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
-    memory_budget(max_memory)  # a bad budget is a usage error before any work
-    quant = convert_fp8.wanted(to, fp8_layout)
+    memory_budget(opts.max_memory)  # a bad budget is a usage error before any work
+    quant = convert_fp8.wanted(to, opts.fp8_layout)
     if quant:
         to = "bf16"  # what is not quantized
     elif to not in TARGETS:
         raise UsageError(f"--to must be fp16, bf16, fp32, fp8 or keep, not {to!r}")
     fmt = output_format(out, fmt, directory=names_directory(output))
-    followed = follow_pointer(src) if input_format is None else None
+    followed = follow_pointer(src) if opts.input_format is None else None
     if followed is not None:
         src = followed.path
-    elif input_format is None and is_run_dir(src):
+    elif opts.input_format is None and is_run_dir(src):
         raise UsageError(f"{src} is a run directory; name one of its checkpoints",
                          hint=f"ckpt inspect {src} lists them")
     check_not_input(out, src)
-    index = read_index(src, input_format)
+    index = read_index(src, opts.input_format)
     check_not_input(out, src, (index.path_of(f.path) for f in index.files))
     _check_supported(index, src)
     target = TARGETS[to]
@@ -194,16 +219,17 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
         if index.format == "deepspeed":
             # ZeRO keeps the FP32 weights partitioned in the optimizer files: gathered the way
             # consolidate gathers them (what training would resume from).
-            return _from_zero(src, to, target, globs, keep_optimizer, clamp, stats)
-        return _from_index(index, src, to, target, fmt, globs, keep_optimizer,
-                           keep_prefix, container, clamp, stats)
+            return _from_zero(src, to, target, globs, opts.keep_optimizer, opts.clamp, stats)
+        return _from_index(index, src, to, target, fmt, globs, opts.keep_optimizer,
+                           opts.keep_prefix, opts.container, opts.clamp, stats)
 
-    convert_fp8.check_usage(quant, dequantize, target, fmt)
-    built = build(keep_fp32)
+    convert_fp8.check_usage(quant, opts.dequantize, target, fmt)
+    built = build(opts.keep_fp32)
     quant_config = None
     if quant:
-        built, quant_config = convert_fp8.quantized(built, build, keep_fp32, fp8_layout, src)
-    elif dequantize:
+        built, quant_config = convert_fp8.quantized(built, build, opts.keep_fp32,
+                                                    opts.fp8_layout, src)
+    elif opts.dequantize:
         assert target is not None
         convert_fp8.dequantized(built, target, src)
     notes = built.notes
@@ -212,7 +238,7 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
     if target is not None and "config.json" in side:
         side["config.json"], config_dtype = retype_config(side["config.json"], target)
         kept32 = sum(1 for o in built.outs if o.dtype == "F32" and target != "F32" and any(
-            fnmatch.fnmatchcase(o.name, g) for g in keep_fp32) and not
+            fnmatch.fnmatchcase(o.name, g) for g in opts.keep_fp32) and not
             convert_fp8.is_scale(o.name, quant_config))
         if config_dtype is not None and kept32:
             # The loader casts every weight to the config's dtype unless told otherwise.
@@ -220,26 +246,28 @@ def convert(source: str | Path, output: str | Path, *, to: str = "keep",
                          f"{kept32} tensor(s) --keep-fp32 kept in FP32 as {config_dtype['to']} "
                          "too, unless the model keeps them (keep_in_fp32_modules) or is loaded "
                          "with dtype=torch.float32")
-    convert_fp8.config_files(side, quant_config, dequantize, target, notes)
+    convert_fp8.config_files(side, quant_config, opts.dequantize, target, notes)
     prefer_torch(built.cast_elements)
     job = None
-    if part is not None or finalize:
-        job = PartJob(part, finalize, source_identity(index.base, [f.path for f in index.files]))
+    if opts.part is not None or opts.finalize:
+        job = PartJob(opts.part, opts.finalize,
+                      source_identity(index.base, [f.path for f in index.files]))
     try:
-        result = write_checkpoint(out, built.outs, fmt=fmt, max_shard_size=max_shard_size,
+        result = write_checkpoint(out, built.outs, fmt=fmt, max_shard_size=opts.max_shard_size,
                                   metadata=built.meta, aliases=built.aliases,
-                                  overwrite=overwrite, side_files=side, on_progress=on_progress,
-                                  before_commit=lambda _tmp: check_overflow(stats, clamp),
-                                  on_start=on_start, part=job, max_memory=max_memory)
+                                  overwrite=opts.overwrite, side_files=side,
+                                  on_progress=on_progress,
+                                  before_commit=lambda _tmp: check_overflow(stats, opts.clamp),
+                                  on_start=on_start, part=job, max_memory=opts.max_memory)
     finally:
         built.close()
-    if clamp and stats.overflow:
+    if opts.clamp and stats.overflow:
         notes.append(f"clamped {sum(stats.overflow.values()):,} value(s) beyond FP16's range "
                      f"to ±{FP16_MAX:g} in {len(stats.overflow)} tensor(s)")
     return ConvertResult(storage.locate(source), index.format, out, result,
                          {o.name: (o.dtype, o.shape) for o in built.outs}, built.renamed,
                          built.dropped, dict(built.casts), built.aliases, dict(stats.overflow),
-                         clamp, built.meta, notes, time.perf_counter() - t0, built.warnings,
+                         opts.clamp, built.meta, notes, time.perf_counter() - t0, built.warnings,
                          followed, dict(built.plan.kept), dict(built.plan.kept_scales),
                          config_dtype)
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.ops import options_of
 from ckpt_cli.ops.plan.cadence import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
@@ -29,6 +31,7 @@ from ckpt_cli.ops.plan.measure import (
     DEFAULT_MEASURE_STREAMS,
     measure_bandwidth,
 )
+from ckpt_cli.ops.plan.options import PlanOptions
 from ckpt_cli.ops.plan.result import PlanResult
 from ckpt_cli.units import require_positive
 
@@ -67,46 +70,15 @@ def size_from_checkpoint(path: str | Path, fmt: str | None = None) -> Checkpoint
         parameters=index.num_parameters, path=index.root, format=index.format)
 
 
-def plan(*, params: int | None = None, precision: str | None = None,
-         optimizer: str | None = None, from_path: str | Path | None = None,
-         input_format: str | None = None, bandwidth: float | None = None,
-         measure_dir: str | Path | None = None, measure_size: int | None = None,
-         measure_streams: int | None = None, mtbf: float | None = None,
-         gpus: int | None = None, gpu_mtbf: float | None = None, ranks: int | None = None,
-         keep: int | None = None, async_save: bool = False,
-         snapshot_bandwidth: float | None = None, interval: float | None = None,
-         restart: float | None = None, thin_after: int | None = None,
-         thin_to: str | None = None,
-         on_progress: Callable[[int, int], None] | None = None) -> PlanResult:
+def plan(options: PlanOptions | None = None, *,
+         on_progress: Callable[[int, int], None] | None = None, **fields: Any) -> PlanResult:
     """Plan checkpointing for a run: size, write time, optimal interval, storage and files.
 
     Args:
-        params: Model parameters (exclusive with ``from_path``).
-        precision: ``fp32``, ``bf16`` or ``mixed`` (``params`` only; default ``mixed``).
-        optimizer: ``adam``, ``adamw``, ``sgd`` or ``adafactor`` (``params`` only; default
-            ``adamw``).
-        from_path: An existing checkpoint (or run directory) to take the sizes from.
-        input_format: Force the format of ``from_path``.
-        bandwidth: Storage write bandwidth in bytes per second (exclusive with
-            ``measure_dir``).
-        measure_dir: Measure the bandwidth by writing to this directory.
-        measure_size: Bytes the measurement writes (default 1 GB).
-        measure_streams: Parallel writers of the measurement (default 4).
-        mtbf: The job's mean time between failures in seconds.
-        gpus: Devices of the job (with ``gpu_mtbf``, instead of ``mtbf``).
-        gpu_mtbf: One device's mean time between failures in seconds.
-        ranks: Ranks writing in parallel, one file each (default: 1, or the file count of
-            ``from_path``).
-        keep: Checkpoints retained.
-        async_save: Only the snapshot to host memory blocks training.
-        snapshot_bandwidth: Device-to-host bytes per second per rank (``async_save`` only;
-            default :data:`DEFAULT_SNAPSHOT_BANDWIDTH`).
-        interval: The interval in use, in seconds of compute, to compare with the optimum.
-        restart: Seconds to restart after a failure, counted as time lost.
-        thin_after: Storage per day when all but the newest N checkpoints are thinned
-            (``prune --thin-after``).
-        thin_to: ``bf16``: thinned checkpoints keep BF16 weights.
+        options: The run to plan for (:class:`PlanOptions`; default: its defaults).
         on_progress: Progress of the measurement, ``(bytes_written, total)``.
+        **fields: :class:`PlanOptions` fields, instead of ``options`` (see
+            :func:`ckpt_cli.ops.options_of`).
 
     Returns:
         The :class:`PlanResult`.
@@ -116,55 +88,58 @@ def plan(*, params: int | None = None, precision: str | None = None,
             least twice the MTBF (where Daly's formula does not apply).
         CkptError: ``from_path`` cannot be read, or the measurement fails.
     """
-    size = _size(params, precision, optimizer, from_path, input_format)
-    if bandwidth is not None and measure_dir is not None:
+    opts = options_of(PlanOptions, options, fields)
+    size = _size(opts.params, opts.precision, opts.optimizer, opts.from_path, opts.input_format)
+    if opts.bandwidth is not None and opts.measure_dir is not None:
         raise UsageError("give --bandwidth or --measure, not both")
-    if measure_dir is None and (measure_size is not None or measure_streams is not None):
+    if opts.measure_dir is None and (opts.measure_size is not None
+                                     or opts.measure_streams is not None):
         raise UsageError("--measure-size and --measure-streams need --measure DIR")
-    if mtbf is not None and (gpus is not None or gpu_mtbf is not None):
+    if opts.mtbf is not None and (opts.gpus is not None or opts.gpu_mtbf is not None):
         raise UsageError("give --mtbf or --gpus with --gpu-mtbf, not both")
-    if (gpus is None) != (gpu_mtbf is None):
+    if (opts.gpus is None) != (opts.gpu_mtbf is None):
         raise UsageError("--gpus and --gpu-mtbf go together (job MTBF = --gpu-mtbf / --gpus)")
-    if snapshot_bandwidth is not None and not async_save:
+    if opts.snapshot_bandwidth is not None and not opts.async_save:
         raise UsageError("--snapshot-bandwidth only matters with --async")
-    for value, what in ((bandwidth, "--bandwidth"), (mtbf, "--mtbf"), (ranks, "--ranks"),
-                        (keep, "--keep"), (snapshot_bandwidth, "--snapshot-bandwidth"),
-                        (interval, "--interval")):
+    for value, what in ((opts.bandwidth, "--bandwidth"), (opts.mtbf, "--mtbf"),
+                        (opts.ranks, "--ranks"), (opts.keep, "--keep"),
+                        (opts.snapshot_bandwidth, "--snapshot-bandwidth"),
+                        (opts.interval, "--interval")):
         if value is not None:
             require_positive(value, what)
-    if thin_to is not None and thin_to != "bf16":
-        raise UsageError(f"--thin-to must be bf16, not {thin_to!r}")
-    if thin_to is not None and thin_after is None:
+    if opts.thin_to is not None and opts.thin_to != "bf16":
+        raise UsageError(f"--thin-to must be bf16, not {opts.thin_to!r}")
+    if opts.thin_to is not None and opts.thin_after is None:
         raise UsageError("--thin-to is used only with --thin-after N")
-    if thin_after is not None:
-        require_positive(thin_after, "--thin-after")
-    if restart is not None and not (restart >= 0 and math.isfinite(restart)):
-        raise UsageError(f"--restart cannot be negative, not {restart!r}")
+    if opts.thin_after is not None:
+        require_positive(opts.thin_after, "--thin-after")
+    if opts.restart is not None and not (opts.restart >= 0 and math.isfinite(opts.restart)):
+        raise UsageError(f"--restart cannot be negative, not {opts.restart!r}")
 
-    files = ranks if ranks is not None else size.files
+    files = opts.ranks if opts.ranks is not None else size.files
     dirs = size.dirs or (1 if files > 1 else 0)
     result = PlanResult(size=size, files_per_checkpoint=files, inodes_per_checkpoint=files + dirs,
-                        async_save=async_save, restart=restart or 0.0, keep=keep,
-                        thin_after=thin_after, thin_to=thin_to)
-    if async_save:
-        result.snapshot_bandwidth = snapshot_bandwidth or DEFAULT_SNAPSHOT_BANDWIDTH
-    if measure_dir is not None:
+                        async_save=opts.async_save, restart=opts.restart or 0.0, keep=opts.keep,
+                        thin_after=opts.thin_after, thin_to=opts.thin_to)
+    if opts.async_save:
+        result.snapshot_bandwidth = opts.snapshot_bandwidth or DEFAULT_SNAPSHOT_BANDWIDTH
+    if opts.measure_dir is not None:
         result.measurement = measure_bandwidth(
-            measure_dir, measure_size or DEFAULT_MEASURE_SIZE,
-            measure_streams or DEFAULT_MEASURE_STREAMS, on_progress)
+            opts.measure_dir, opts.measure_size or DEFAULT_MEASURE_SIZE,
+            opts.measure_streams or DEFAULT_MEASURE_STREAMS, on_progress)
         result.bandwidth = result.measurement.bytes_per_second
         result.notes.append("bandwidth measured from this machine alone; ranks on many nodes "
                             "may reach more in aggregate")
     else:
-        result.bandwidth = bandwidth
-    if gpus is not None and gpu_mtbf is not None:
-        result.gpus, result.gpu_mtbf = gpus, gpu_mtbf
-        result.mtbf = job_mtbf(gpu_mtbf, gpus)
+        result.bandwidth = opts.bandwidth
+    if opts.gpus is not None and opts.gpu_mtbf is not None:
+        result.gpus, result.gpu_mtbf = opts.gpus, opts.gpu_mtbf
+        result.mtbf = job_mtbf(opts.gpu_mtbf, opts.gpus)
     else:
-        result.mtbf = mtbf
+        result.mtbf = opts.mtbf
     _optimum(result)
-    if interval is not None:
-        result.current = result.figures_at(interval)
+    if opts.interval is not None:
+        result.current = result.figures_at(opts.interval)
     if result.bandwidth is None:
         result.notes.append("give --bandwidth or --measure DIR for the write time and the "
                             "optimal interval")

@@ -20,24 +20,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ckpt_cli import storage
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import allowlist, check_exists, get_reader
-from ckpt_cli.manifest import ALGORITHMS, DEFAULT_ALGORITHM
+from ckpt_cli.manifest import ALGORITHMS
+from ckpt_cli.ops import options_of
 from ckpt_cli.ops.validate.checkpoint import validate_checkpoint
-from ckpt_cli.ops.validate.options import Options, Split
+from ckpt_cli.ops.validate.options import Options, Split, ValidateOptions
 from ckpt_cli.ops.validate.partrun import validate_split
 from ckpt_cli.ops.validate.result import ValidateResult
 from ckpt_cli.ops.validate.run import check_one, validate_run
 from ckpt_cli.runs import holds_final_model, is_final_model_only, is_run_dir
 from ckpt_cli.storage.reads import BUFFER_SIZE, ProgressFn, default_jobs, memory_budget
 
-if TYPE_CHECKING:
-    from ckpt_cli.parts import Part
-
-__all__ = ["REQUIREMENTS", "Options", "Split", "parse_require", "validate",
+__all__ = ["REQUIREMENTS", "Options", "Split", "ValidateOptions", "parse_require", "validate",
            "validate_checkpoint", "validate_split"]
 
 REQUIREMENTS = ("optimizer", "step")
@@ -67,43 +65,16 @@ def parse_require(spec: str | Iterable[str] | None) -> tuple[str, ...]:
     return tuple(r for r in REQUIREMENTS if r in names)
 
 
-def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
-             quick: bool = False, values: bool = False,
-             require: str | Iterable[str] | None = None, write_manifest: bool = False,
-             manifest_algorithm: str = DEFAULT_ALGORITHM, jobs: int | None = None,
-             pattern: str | None = None, on_progress: ProgressFn | None = None,
-             part: Part | str | None = None, finalize: bool = False,
-             parts_dir: str | Path | None = None,
-             max_memory: int | None = None,
-             allow_globals: Iterable[str] = ()) -> ValidateResult:
+def validate(path: str | Path, options: ValidateOptions | None = None, *,
+             on_progress: ProgressFn | None = None, **fields: Any) -> ValidateResult:
     """Validate a checkpoint, or every checkpoint of a run directory.
 
     Args:
         path: A checkpoint file or directory, or a run directory.
-        fmt: Read the input as this format (skips detection and run-directory handling).
-        latest: For a run directory, validate only the checkpoint training would resume from:
-            the one a resume pointer names, else the newest by step (never an HF Trainer
-            final model while checkpoints lie beside it); the result's ``latest`` says which.
-        quick: Structure only: skip the CRC-32 pass and DCP item decoding (no data is read).
-        values: Also read every floating tensor and report NaN, Inf and all-zero tensors.
-        require: ``optimizer`` and/or ``step``: their absence becomes an error.
-        write_manifest: Write (or refresh) the integrity manifest of each valid checkpoint.
-        manifest_algorithm: Checksum for a written manifest: one of :data:`ALGORITHMS`.
-        jobs: Threads for CRC and hashing (default: usable CPUs, at most 8).
-        pattern: For run directories, a regex choosing the checkpoint entries.
+        options: What to check (:class:`ValidateOptions`; default: its defaults).
         on_progress: ``(label, done, total)`` progress callback, in bytes.
-        part: Check in depth only this part's share of the files (``K/N``, ``auto`` or a
-            :class:`~ckpt_cli.parts.Part`), record it in a receipt, and finalize when every
-            part's receipt is there (one checkpoint only; see :mod:`.split`).
-        finalize: Merge every part's receipt into the report (and write the manifest);
-            parts missing, or planned with other options, are an error.
-        parts_dir: Where the parts' receipts go (default: a hidden sibling of the checkpoint),
-            for read-only checkpoint storage.
-        max_memory: Memory budget in bytes for data being checked (the ``--values`` scan;
-            the CRC and hashing buffers, a small one per thread); default 256 MiB, and a
-            tensor that must be read whole may add its size.
-        allow_globals: Pickle globals the user trusts (``module.name``): their findings
-            become notes instead of errors.
+        **fields: :class:`ValidateOptions` fields, instead of ``options`` (see
+            :func:`ckpt_cli.ops.options_of`).
 
     Returns:
         The :class:`ValidateResult` (with ``part`` set when split).
@@ -114,6 +85,13 @@ def validate(path: str | Path, *, fmt: str | None = None, latest: bool = False,
         UsageError: Bad options.
         PartsIncompleteError: Finalizing with parts missing or planned differently.
     """
+    given = options_of(ValidateOptions, options, fields)
+    fmt, latest, quick, values = given.fmt, given.latest, given.quick, given.values
+    require, write_manifest, jobs = given.require, given.write_manifest, given.jobs
+    manifest_algorithm, pattern, max_memory = (given.manifest_algorithm, given.pattern,
+                                               given.max_memory)
+    part, finalize, parts_dir = given.part, given.finalize, given.parts_dir
+    allow_globals = given.allow_globals
     p = storage.locate(path)
     check_exists(p)
     if manifest_algorithm not in ALGORITHMS:
