@@ -17,7 +17,7 @@ import torch
 from ckpt_cli import ledger, storage
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers import s3
-from tests.test_thinning import _training_run
+from tests.trust.test_thinning import _training_run
 
 pytestmark = [pytest.mark.requires_torch, pytest.mark.filterwarnings(
     "ignore::DeprecationWarning")]

@@ -12,7 +12,7 @@ import pytest
 from ckpt_cli import ledger, storage
 from tests.conftest import run_cli
 from tests.helpers import s3
-from tests.test_watch import train
+from tests.trust.test_watch import train
 
 pytestmark = [pytest.mark.requires_torch, pytest.mark.filterwarnings(
     "ignore::DeprecationWarning")]
