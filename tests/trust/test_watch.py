@@ -25,7 +25,7 @@ from tests.conftest import run_cli
 
 pytestmark = pytest.mark.requires_torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), NO_COLOR="1")
 
 

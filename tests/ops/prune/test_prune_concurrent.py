@@ -18,7 +18,7 @@ import torch
 
 pytestmark = pytest.mark.requires_torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 KEEP = 2
 
 

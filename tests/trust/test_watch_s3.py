@@ -13,7 +13,7 @@ from ckpt_cli import storage
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli
 from tests.helpers import s3
-from tests.test_watch import train
+from tests.trust.test_watch import train
 
 pytestmark = [pytest.mark.requires_torch, pytest.mark.filterwarnings(
     "ignore::DeprecationWarning")]

@@ -1,6 +1,6 @@
 """Issue #23: the pickle scanner fails closed, reads zips as torch does, and keeps no state.
 
-The regression corpus of published bypasses is tests/test_pickle_corpus.py; these tests pin
+The regression corpus of published bypasses is tests/formats/test_pickle_corpus.py; these tests pin
 the mechanisms: allowlist semantics, attribute paths, BUILD onto globals, zip records two
 readers could disagree on, protocols 0-5 and legacy tars, ``--allow-global``.
 """

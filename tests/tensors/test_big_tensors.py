@@ -30,7 +30,7 @@ from ckpt_cli.storage import reads
 from ckpt_cli.tensors.source import TensorSource
 from tests.conftest import run_cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PIECE = 4096
 
 

@@ -25,7 +25,7 @@ from tests.conftest import third_party_quiet
 
 pytestmark = pytest.mark.requires_torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 _TIMING = {"seconds", "bytes_per_second", "threads"}
 

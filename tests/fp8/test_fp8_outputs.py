@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.requires_torch,
               # botocore and moto call datetime.utcnow() and friends; not ckpt's code.
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from tests.helpers.makers import hf_trainer_run, lightning_run, megatron_legacy
 
 pytestmark = pytest.mark.requires_torch
 
-HELPERS = Path(__file__).parent / "helpers"
+HELPERS = Path(__file__).parents[2] / "helpers"
 KEEP1 = PrunePolicy(keep=1, grace=0)
 
 
@@ -821,7 +821,7 @@ def test_json_schema(sample_copy: Path) -> None:
 
 
 def test_prune_does_not_import_torch(sample_run: Path) -> None:
-    from tests.test_inspect_cli import _imports_torch
+    from tests.ops.inspect.test_inspect_cli import _imports_torch
 
     imported, tail = _imports_torch("prune", str(sample_run), "--keep", "1", "--dry-run")
     assert not imported, tail

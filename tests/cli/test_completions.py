@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-COMPLETIONS = Path(__file__).parent.parent / "completions"
+COMPLETIONS = Path(__file__).parents[2] / "completions"
 
 
 @pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])

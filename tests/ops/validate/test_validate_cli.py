@@ -15,7 +15,7 @@ from tests.conftest import Golden, run_cli
 from tests.helpers import damage
 from tests.helpers.golden import safetensors_run, stable
 from tests.helpers.makers import tiny_state_dict, training_checkpoint
-from tests.test_inspect_cli import _imports_torch
+from tests.ops.inspect.test_inspect_cli import _imports_torch
 
 pytestmark = pytest.mark.requires_torch
 

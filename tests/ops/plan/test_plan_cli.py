@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Golden, run_cli
-from tests.test_inspect_cli import _imports_torch
+from tests.ops.inspect.test_inspect_cli import _imports_torch
 
 WORKED = ("--params", "175B", "--precision", "fp32", "--optimizer", "adam",
           "--bandwidth", "10GB/s", "--mtbf", "4h")

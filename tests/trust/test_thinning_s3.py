@@ -18,7 +18,7 @@ from ckpt_cli import storage
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers import s3
-from tests.test_thinning import _training_run
+from tests.trust.test_thinning import _training_run
 
 pytestmark = [pytest.mark.requires_torch, pytest.mark.filterwarnings(
     "ignore::DeprecationWarning")]

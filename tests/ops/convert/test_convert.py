@@ -320,7 +320,7 @@ def test_killed_mid_write_leaves_no_output(tmp_path: Path, sig: signal.Signals) 
 
 
 def test_convert_does_not_import_torch(tmp_path: Path) -> None:
-    from tests.test_inspect_cli import _imports_torch
+    from tests.ops.inspect.test_inspect_cli import _imports_torch
 
     save_file(tiny_state_dict(), str(tmp_path / "m.safetensors"))
     imported, tail = _imports_torch("convert", str(tmp_path / "m.safetensors"), "--to", "bf16",

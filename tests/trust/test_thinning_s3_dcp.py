@@ -18,8 +18,8 @@ import torch
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers import s3
-from tests.test_thinning import _dcp_load, _dcp_run
-from tests.test_thinning_s3 import bucket
+from tests.trust.test_thinning import _dcp_load, _dcp_run
+from tests.trust.test_thinning_s3 import bucket
 
 pytestmark = [pytest.mark.requires_torch, pytest.mark.filterwarnings(
     "ignore::DeprecationWarning")]

@@ -24,7 +24,7 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.requires_torch
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-HELPERS = Path(__file__).parent / "helpers"
+HELPERS = Path(__file__).parents[1] / "helpers"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def _torchrun(n: int, *argv: str, logs: Path | None = None) -> list[str]:
     """Run a torchrun world of ``n`` processes; each rank's stdout (with ``logs``)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", NO_COLOR="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    env.update(OMP_NUM_THREADS="1", NO_COLOR="1", PYTHONPATH=str(Path(__file__).parents[2]))
     opts = [f"--log-dir={logs}", "--redirects=1"] if logs else []
     p = subprocess.run([str(TORCHRUN), "--standalone", f"--nproc-per-node={n}", *opts, *argv],
                        capture_output=True, text=True, env=env, timeout=300)

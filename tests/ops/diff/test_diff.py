@@ -18,7 +18,7 @@ from ckpt_cli.ops.diff import DiffOptions, diff, diff_indexes
 from ckpt_cli.ops.diff.result import DiffResult
 from tests.conftest import Golden, requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.makers import tiny_state_dict, training_checkpoint
-from tests.test_inspect_cli import _imports_torch
+from tests.ops.inspect.test_inspect_cli import _imports_torch
 
 pytestmark = pytest.mark.requires_torch
 

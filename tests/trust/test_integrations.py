@@ -149,7 +149,7 @@ def test_lightning_callback_verifies_each_save_and_keeps_the_last_verified(
 
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-HELPERS = Path(__file__).parent / "helpers"
+HELPERS = Path(__file__).parents[1] / "helpers"
 
 
 def _torchrun_2(script: str, *argv: str) -> subprocess.CompletedProcess[str]:

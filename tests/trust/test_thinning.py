@@ -703,7 +703,7 @@ def test_a_dcp_thinning_killed_leaves_a_complete_checkpoint_under_its_name(
     assert run_cli("watch", run, "--once", "--settle", "0").exit_code == 0
     original = {p.name: p.read_bytes() for p in (run / "step_000100").iterdir()}
     proc = subprocess.run([sys.executable, "-m", "tests.helpers.thin_killed", str(run), "1",
-                           where], cwd=Path(__file__).parent.parent, capture_output=True,
+                           where], cwd=Path(__file__).parents[2], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     left = [p.name for p in run.iterdir() if "ckpt-tmp" in p.name or "ckpt-trash" in p.name]

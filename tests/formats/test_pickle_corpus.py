@@ -31,7 +31,7 @@ from tests.helpers.pickle_corpus import PICKLE, TORCH, Case
 # refusals run ckpt in-process, so `-m "not slow"` still checks every one.
 pytestmark = pytest.mark.requires_torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SOURCES = {
     "profile_run": "issue 23 item 1",
