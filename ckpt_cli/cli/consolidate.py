@@ -1,6 +1,5 @@
 """``ckpt consolidate``."""
 
-from __future__ import annotations
 
 from typing import Annotated, Any
 

@@ -1,6 +1,5 @@
 """``ckpt diff``."""
 
-from __future__ import annotations
 
 from typing import Annotated
 

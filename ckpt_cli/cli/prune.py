@@ -1,6 +1,5 @@
 """``ckpt prune``."""
 
-from __future__ import annotations
 
 import sys
 from typing import TYPE_CHECKING, Annotated
@@ -144,7 +143,7 @@ def prune_cmd(
 
 def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
             metric: str | None, mode: str, older_than: str | None, max_total_size: str | None,
-            grace: str, pattern: str | None = None) -> PrunePolicy:
+            grace: str, pattern: str | None = None) -> "PrunePolicy":
     from ckpt_cli.errors import UsageError
     from ckpt_cli.ops.prune.retention import PrunePolicy
     from ckpt_cli.units import parse_count, parse_duration, parse_size
@@ -194,7 +193,7 @@ class _View:
         self.progress: Progress | None = None
         self.task: TaskID | None = None
 
-    def event(self, event: PruneEvent) -> None:
+    def event(self, event: "PruneEvent") -> None:
         """Show one progress event."""
         if self.quiet:
             return
@@ -209,7 +208,7 @@ class _View:
         elif line:
             _plain(line, err=event.kind == "failed")
 
-    def show(self, plan: PrunePlan) -> None:
+    def show(self, plan: "PrunePlan") -> None:
         """Show the plan: a table on a terminal, else one line per decision kept."""
         if self.quiet:
             return
@@ -232,7 +231,7 @@ class _View:
                 _plain(line)
         human.print_findings([*plan.listing.findings, *plan.findings])
 
-    def ask(self, plan: PrunePlan) -> bool:
+    def ask(self, plan: "PrunePlan") -> bool:
         """Ask whether to delete (the plan is on screen already); end of input means no."""
         from ckpt_cli.render.human import size
 
@@ -243,7 +242,7 @@ class _View:
         except typer.Abort:
             return False
 
-    def _advance(self, event: PruneEvent) -> None:
+    def _advance(self, event: "PruneEvent") -> None:
         from rich.progress import Progress
 
         if self.progress is None:
@@ -259,7 +258,7 @@ class _View:
             self.progress.stop()
             self.progress = None
 
-    def finish(self, result: PruneResult) -> None:
+    def finish(self, result: "PruneResult") -> None:
         """The closing summary (stdout) and leftover-trash problems (stderr)."""
         from ckpt_cli.render.prune import summary
 

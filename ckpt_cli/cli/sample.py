@@ -1,6 +1,5 @@
 """``ckpt sample``."""
 
-from __future__ import annotations
 
 from typing import Annotated
 

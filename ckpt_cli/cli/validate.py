@@ -1,6 +1,5 @@
 """``ckpt validate``."""
 
-from __future__ import annotations
 
 from typing import Annotated
 

@@ -1,6 +1,5 @@
 """``ckpt watch`` and ``ckpt resume-path``."""
 
-from __future__ import annotations
 
 import dataclasses
 import sys
@@ -148,7 +147,7 @@ def watch_cmd(
     raise typer.Exit(outcome.exit_code)
 
 
-def _emit(ev: WatchEvent, json: bool) -> None:
+def _emit(ev: "WatchEvent", json: bool) -> None:
     from ckpt_cli.storage import redact
 
     if json:
