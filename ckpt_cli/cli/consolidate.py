@@ -17,18 +17,17 @@ from ckpt_cli.cli.options import (
     OutputFormatOpt,
     PartOpt,
     common_options,
-    location,
     output_location,
+    path_argument,
     size_parser,
 )
 
 
 @common_options(*STREAMING)
 def consolidate_cmd(
-    source: Annotated[Location, typer.Argument(
-        help="DCP directory, DeepSpeed checkpoint (global_stepN/ or its save dir with "
-             "'latest'), HF-style shards with an index, or a directory of per-rank files.",
-        show_default=False, parser=location)],
+    source: Annotated[Location, path_argument(
+        "DCP directory, DeepSpeed checkpoint (global_stepN/ or its save dir with 'latest'), "
+        "HF-style shards with an index, or a directory of per-rank files.")],
     output: Annotated[Location, typer.Option(
         "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
         show_default=False, parser=output_location)],

@@ -17,8 +17,8 @@ from ckpt_cli.cli.options import (
     OutputFormatOpt,
     PartOpt,
     common_options,
-    location,
     output_location,
+    path_argument,
     size_parser,
 )
 
@@ -29,8 +29,7 @@ def _targets(incomplete: str) -> list[str]:
 
 @common_options(*STREAMING)
 def convert_cmd(
-    source: Annotated[Location, typer.Argument(help="Checkpoint to convert (file or directory).",
-                                           show_default=False, parser=location)],
+    source: Annotated[Location, path_argument("Checkpoint to convert (file or directory).")],
     output: Annotated[Location, typer.Option(
         "--output", "-o", help="Output: a .safetensors/.pt/.bin file, or a directory for "
                                "model.safetensors or HF-style shards.", show_default=False,

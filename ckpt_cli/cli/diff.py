@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK
-from ckpt_cli.cli.options import STREAMING, Common, Location, common_options, location
+from ckpt_cli.cli.options import STREAMING, Common, Location, common_options, path_argument
 
 _FORMAT_HELP = ("Skip detection and read {side} as this format: safetensors, hf-index, torch, "
                 "dcp, deepspeed, megatron or dir.")
@@ -15,10 +15,8 @@ _FORMAT_HELP = ("Skip detection and read {side} as this format: safetensors, hf-
 
 @common_options(*STREAMING)
 def diff_cmd(
-    a: Annotated[Location, typer.Argument(help="Checkpoint A (file, shard set or directory).",
-                                      metavar="A", show_default=False, parser=location)],
-    b: Annotated[Location, typer.Argument(help="Checkpoint B.", metavar="B",
-                                      show_default=False, parser=location)],
+    a: Annotated[Location, path_argument("Checkpoint A (file, shard set or directory).", "A")],
+    b: Annotated[Location, path_argument("Checkpoint B.", "B")],
     structure_only: Annotated[bool, typer.Option(
         "--structure-only", help="Compare names, shapes and dtypes only; read no tensor "
                                  "data.")] = False,

@@ -225,9 +225,14 @@ def output_location(text: str) -> Path | str:
     return text if text.endswith(("/", os.sep)) and len(text) > 1 else located
 
 
-CheckpointArg = Annotated[Location, typer.Argument(
-    help="Checkpoint file, shard set, checkpoint directory or run directory, or a URL (s3://...).",
-    show_default=False, parser=location)]
+def path_argument(help: str, metavar: str | None = None) -> Any:
+    """A path argument parsed by :func:`location` (a local path or a URL), with no default
+    shown: typer's ``Argument`` for an ``Annotated[Location, ...]``."""
+    return typer.Argument(help=help, metavar=metavar, show_default=False, parser=location)
+
+
+CheckpointArg = Annotated[Location, path_argument(
+    "Checkpoint file, shard set, checkpoint directory or run directory, or a URL (s3://...).")]
 RunPatternOpt = Annotated[str | None, typer.Option(
     "--pattern", metavar="REGEX", help="Run directories: which entries are checkpoints "
                                        "(a 'step' group gives the step).")]
