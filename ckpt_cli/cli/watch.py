@@ -122,7 +122,7 @@ def watch_cmd(
             raise CkptError("not a directory", path=run_dir)
         bad = 0
 
-        def emit(ev: WatchEvent) -> None:
+        def emit(ev: "WatchEvent") -> None:
             nonlocal bad
             bad += ev.bad
             _emit(ev, common.json)
