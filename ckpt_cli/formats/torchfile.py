@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pickle
 import struct
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -90,6 +89,8 @@ _TAR_MAX_MEMBERS = 4096
 def _tar_members(path: Path) -> dict[str, tuple[int, int]] | None:
     """The members of a tar file (``name -> (data offset, size)``), or None if it is not
     one: what ``torch.load`` tries first (``tarfile.open(mode="r:")``) on a non-zip file."""
+    import tarfile  # the legacy format only: a zip checkpoint never loads it
+
     try:
         with open_stream(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
             out: dict[str, tuple[int, int]] = {}
