@@ -57,9 +57,30 @@ class CkptError(Exception):
 
 
 class UsageError(CkptError):
-    """An option or argument combination that cannot work."""
+    """An option or argument combination that cannot work.
+
+    Its message names the parameters at fault as the library knows them (``max_memory``,
+    ``to``) and the value given; the CLI writes its flags in their place (``--max-memory``).
+
+    Args:
+        message: One plain sentence naming the parameter(s) and the value.
+        param: The parameter (or options-dataclass field) at fault, or all of them when the
+            message names several (``("parts_dir", "part", "finalize")``), the main one first.
+        path: As for :class:`CkptError`.
+        hint: As for :class:`CkptError`; it may name the parameters too.
+
+    Attributes:
+        params: Every parameter the message names, the main one first (empty when none).
+        param: The main one, or None.
+    """
 
     kind = "usage"
+
+    def __init__(self, message: str, *, param: str | tuple[str, ...] | None = None,
+                 path: str | Path | None = None, hint: str | None = None):
+        super().__init__(message, path=path, hint=hint)
+        self.params: tuple[str, ...] = (param,) if isinstance(param, str) else tuple(param or ())
+        self.param = self.params[0] if self.params else None
 
 
 class UnknownFormatError(CkptError):

@@ -13,7 +13,7 @@ from ckpt_cli import __version__
 from ckpt_cli.cli.consolidate import consolidate_cmd
 from ckpt_cli.cli.convert import convert_cmd
 from ckpt_cli.cli.diff import diff_cmd
-from ckpt_cli.cli.errors import json_errors, refused
+from ckpt_cli.cli.errors import json_errors, refused, worded
 from ckpt_cli.cli.inspect import inspect_cmd
 from ckpt_cli.cli.options import Refused
 from ckpt_cli.cli.plan import plan_cmd
@@ -104,8 +104,8 @@ class CkptCommand(TyperCommand):
             # A value one of cli/options.py's parsers refused: worded and reported as the
             # same error raised inside the command would be (its --json document included).
             if self.name == "validate":
-                self._write_junit(raw, str(e.error))
-            refused(e.error, self.name if "--json" in raw else None)
+                self._write_junit(raw, worded(e.error, self)[2])
+            refused(e.error, self.name if "--json" in raw else None, self)
         except click_errors.BadParameter as e:
             self._refused(raw, e.format_message())
         except click_errors.UsageError as e:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from typing import Any, NoReturn
@@ -14,7 +15,7 @@ from typing import Any, NoReturn
 import typer
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError, visible
+from ckpt_cli.errors import CkptError, UsageError, visible
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -103,17 +104,93 @@ class _JsonErrors:
                           exit_code)
 
 
-def _report(e: CkptError, doc: _JsonErrors) -> NoReturn:
+# Library parameters whose command-line option has another name, per command: the library's
+# name (an options-dataclass field, a function parameter) -> the command function's parameter,
+# whose flag click knows. Every other library name is the command's parameter of that name.
+_CLI_NAMES: dict[str, dict[str, str]] = {
+    "validate": {"manifest_algorithm": "manifest_hash", "fmt": "input_format",
+                 "allow_globals": "allow_global"},
+    "inspect": {"fmt": "input_format", "allow_globals": "allow_global"},
+    "diff": {"filter": "filter_glob"},
+    "convert": {"storage_options": "storage_option"},
+    "plan": {"measure_dir": "measure"},
+}
+
+# Library parameters the messages word by a short flag.
+_SHORT = {"output": "-o"}
+
+
+def _flags(command: Any) -> dict[str, str]:
+    """Library parameter name -> the flag that sets it, for a click command (else empty)."""
+    if command is None:
+        return {}
+    flags: dict[str, str] = {}
+    for p in command.params:
+        if p.param_type_name == "option" and p.name and p.opts:
+            flags[p.name] = next((o for o in p.opts if o.startswith("--")), p.opts[0])
+    for library, cli in _CLI_NAMES.get(command.name or "", {}).items():
+        if cli in flags:
+            flags[library] = flags[cli]
+    flags.update((name, short) for name, short in _SHORT.items() if name in flags)
+    return flags
+
+
+def _worded(text: str | None, names: Iterable[str], flags: dict[str, str]) -> str | None:
+    """``text`` with each whole-word parameter name in ``names`` replaced by its flag; a name
+    inside a quoted value or a longer name (``'to'``, ``to_dtype``, ``--to``) is kept."""
+    if text is None:
+        return None
+    for name in names:
+        if name in flags:
+            # (A flag holds no backslash: it is a plain replacement.)
+            text = re.sub(rf"(?<![\w'\"./=-]){re.escape(name)}(?![\w'\"=-])",
+                          flags[name], text)
+    return text
+
+
+def _current_command() -> Any:
+    """The click command running now, if any."""
+    # typer 0.27+ carries its own copy of click: its context, not click's, is the current one.
+    from typer._click.globals import get_current_context
+
+    ctx = get_current_context(silent=True)
+    return None if ctx is None else ctx.command
+
+
+def worded(e: CkptError, command: Any = None) -> tuple[str, str | None, str]:
+    """An error's message, hint and whole line as the command line words them.
+
+    A :class:`UsageError` names library parameters (``max_memory``); here they become the
+    command's flags (``--max-memory``).
+
+    Args:
+        e: The error.
+        command: The click command whose flags to use; by default the one running now.
+
+    Returns:
+        ``(message, hint, text)``: ``e.message``, ``e.hint`` and ``str(e)``, flags in place
+        of parameter names.
+    """
+    message, hint, text = e.message, e.hint, str(e)
+    if isinstance(e, UsageError) and e.params:
+        flags = _flags(command if command is not None else _current_command())
+        message = _worded(message, e.params, flags) or ""
+        hint = _worded(hint, e.params, flags)
+        text = text[:len(text) - len(e.message)] + message
+    return message, hint, text
+
+
+def _report(e: CkptError, doc: _JsonErrors, command: Any = None) -> NoReturn:
     """A ckpt error: its line (and hint) on stderr, its ``--json`` document, its exit code."""
-    _say(f"ckpt: error: {e}")
-    if e.hint:
-        _say(f"hint: {e.hint}")
-    doc.emit(e.kind, e.message, e.exit_code, path=e.path, side=e.side, hint=e.hint,
-             text=str(e))
+    message, hint, text = worded(e, command)
+    _say(f"ckpt: error: {text}")
+    if hint:
+        _say(f"hint: {hint}")
+    doc.emit(e.kind, message, e.exit_code, path=e.path, side=e.side, hint=hint, text=text)
     raise typer.Exit(e.exit_code) from None
 
 
-def refused(error: CkptError, command: str | None) -> NoReturn:
+def refused(error: CkptError, command: str | None, cli: Any = None) -> NoReturn:
     """Report an option value refused while the command line was parsed (see
     :mod:`ckpt_cli.cli.options`) exactly as :func:`handled` reports the same error raised
     inside the command.
@@ -121,13 +198,14 @@ def refused(error: CkptError, command: str | None) -> NoReturn:
     Args:
         error: The parser's error.
         command: The command's name when it was given ``--json``, else None.
+        cli: The click command whose line was parsed (to word parameters as its flags).
 
     Raises:
         typer.Exit: Always, with the error's exit code.
     """
     token = _JSON_COMMAND.set(command)
     try:
-        _report(error, _JsonErrors())
+        _report(error, _JsonErrors(), cli)
     finally:
         _JSON_COMMAND.reset(token)
 

@@ -79,9 +79,9 @@ def output_format(dest: Path, fmt: str | None, *, directory: bool = False) -> st
     if fmt is None:
         return implied or "safetensors"
     if fmt not in FORMATS:
-        raise UsageError(f"--format must be safetensors or pt, not {fmt!r}")
+        raise UsageError(f"fmt must be safetensors or pt, not {fmt!r}", param="fmt")
     if implied and implied != fmt:
-        raise UsageError(f"--format {fmt} does not match the file name {dest.name!r}",
+        raise UsageError(f"fmt {fmt} does not match the file name {dest.name!r}", param="fmt",
                          hint=f"name it *.{'safetensors' if fmt == 'safetensors' else 'pt'}")
     return fmt
 
