@@ -1,6 +1,5 @@
 """The ``ckpt`` application: wires each command module to a subcommand."""
 
-from __future__ import annotations
 
 import inspect
 import re

@@ -1,36 +1,32 @@
 """``ckpt consolidate``."""
 
-from __future__ import annotations
 
 from typing import Annotated, Any
 
 import typer
 
-from ckpt_cli.cli.errors import EXIT_OK, handled
+from ckpt_cli.cli.errors import EXIT_OK
 from ckpt_cli.cli.options import (
+    STREAMING,
     CastToOpt,
-    ConcurrencyOpt,
+    Common,
     FinalizeOpt,
     ForceOpt,
-    JsonOpt,
     Location,
-    MaxMemoryOpt,
     OutputFormatOpt,
     PartOpt,
-    QuietOpt,
-    StorageOpt,
-    location,
+    common_options,
     output_location,
+    path_argument,
     size_parser,
-    use_storage,
 )
 
 
+@common_options(*STREAMING)
 def consolidate_cmd(
-    source: Annotated[Location, typer.Argument(
-        help="DCP directory, DeepSpeed checkpoint (global_stepN/ or its save dir with "
-             "'latest'), HF-style shards with an index, or a directory of per-rank files.",
-        show_default=False, parser=location)],
+    source: Annotated[Location, path_argument(
+        "DCP directory, DeepSpeed checkpoint (global_stepN/ or its save dir with 'latest'), "
+        "HF-style shards with an index, or a directory of per-rank files.")],
     output: Annotated[Location, typer.Option(
         "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
         show_default=False, parser=output_location)],
@@ -56,11 +52,8 @@ def consolidate_cmd(
     force: ForceOpt = False,
     part: PartOpt = None,
     finalize: FinalizeOpt = False,
-    max_memory: MaxMemoryOpt = None,
-    quiet: QuietOpt = False,
-    storage_option: StorageOpt = None,
-    concurrency: ConcurrencyOpt = None,
-    json: JsonOpt = False,
+    *,
+    common: Common,
 ) -> None:
     """Merge a rank-sharded checkpoint (DCP, DeepSpeed ZeRO, per-rank files) into few files.
 
@@ -76,18 +69,16 @@ def consolidate_cmd(
       ckpt consolidate fsdp_ckpt/ --with-optimizer -o resume/ --verify
       ckpt consolidate dcp/ -o full/ --part 2/4
     """
-    with handled() as outcome:
-        use_storage(storage_option, concurrency)
-        from ckpt_cli.cli.progress import byte_progress
+    with common.handled() as outcome:
         from ckpt_cli.ops.consolidate import ConsolidateOptions, consolidate
-        with byte_progress("consolidating", enabled=not (quiet or json)) as bar:
+        with common.progress("consolidating") as bar:
             options = ConsolidateOptions(
                 fmt=fmt, max_shard_size=max_shard_size, with_optimizer=with_optimizer, to=to,
                 clamp=clamp, overwrite=force, verify=verify, manifest=manifest, part=part,
-                finalize=finalize, max_memory=max_memory)
+                finalize=finalize, max_memory=common.max_memory)
             r = consolidate(source, output, options, on_progress=bar.advance,
                             on_start=bar.start)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.consolidate import show
 
-        show(r, json=json, quiet=quiet)
+        show(r, json=common.json, quiet=common.quiet)

@@ -1,28 +1,24 @@
 """``ckpt convert``."""
 
-from __future__ import annotations
 
 from typing import Annotated
 
 import typer
 
-from ckpt_cli.cli.errors import EXIT_OK, handled
+from ckpt_cli.cli.errors import EXIT_OK
 from ckpt_cli.cli.options import (
-    ConcurrencyOpt,
+    STREAMING,
+    Common,
     FinalizeOpt,
     ForceOpt,
     InputFormatOpt,
-    JsonOpt,
     Location,
-    MaxMemoryOpt,
     OutputFormatOpt,
     PartOpt,
-    QuietOpt,
-    StorageOpt,
-    location,
+    common_options,
     output_location,
+    path_argument,
     size_parser,
-    use_storage,
 )
 
 
@@ -30,9 +26,9 @@ def _targets(incomplete: str) -> list[str]:
     return [t for t in ("fp16", "bf16", "fp32", "fp8", "keep") if t.startswith(incomplete)]
 
 
+@common_options(*STREAMING)
 def convert_cmd(
-    source: Annotated[Location, typer.Argument(help="Checkpoint to convert (file or directory).",
-                                           show_default=False, parser=location)],
+    source: Annotated[Location, path_argument("Checkpoint to convert (file or directory).")],
     output: Annotated[Location, typer.Option(
         "--output", "-o", help="Output: a .safetensors/.pt/.bin file, or a directory for "
                                "model.safetensors or HF-style shards.", show_default=False,
@@ -75,11 +71,8 @@ def convert_cmd(
     part: PartOpt = None,
     finalize: FinalizeOpt = False,
     input_format: InputFormatOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    quiet: QuietOpt = False,
-    storage_option: StorageOpt = None,
-    concurrency: ConcurrencyOpt = None,
-    json: JsonOpt = False,
+    *,
+    common: Common,
 ) -> None:
     """Convert a checkpoint: training -> inference, FP32 -> FP16/BF16, torch -> safetensors.
 
@@ -95,20 +88,18 @@ def convert_cmd(
       ckpt convert model.bin --keep-fp32 '*norm*' --to fp16 -o model.safetensors
       ckpt convert dcp/ --to bf16 -o out/ --part auto
     """
-    with handled() as outcome:
-        use_storage(storage_option, concurrency)
-        from ckpt_cli.cli.progress import byte_progress
+    with common.handled() as outcome:
         from ckpt_cli.ops.convert import ConvertOptions, convert
-        with byte_progress("converting", enabled=not (quiet or json)) as bar:
+        with common.progress("converting") as bar:
             options = ConvertOptions(
                 to=to, fmt=fmt, max_shard_size=max_shard_size, keep_optimizer=keep_optimizer,
                 keep_prefix=keep_prefix, keep_fp32=tuple(keep_fp32 or ()), clamp=clamp,
                 overwrite=force, container=container, input_format=input_format, part=part,
-                finalize=finalize, max_memory=max_memory, fp8_layout=fp8_layout,
+                finalize=finalize, max_memory=common.max_memory, fp8_layout=fp8_layout,
                 dequantize=dequantize)
             result = convert(source, output, options, on_progress=bar.advance,
                              on_start=bar.start)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.convert import show
 
-        show(result, json=json, quiet=quiet)
+        show(result, json=common.json, quiet=common.quiet)

@@ -1,32 +1,21 @@
 """``ckpt diff``."""
 
-from __future__ import annotations
 
 from typing import Annotated
 
 import typer
 
-from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
-from ckpt_cli.cli.options import (
-    ConcurrencyOpt,
-    JsonOpt,
-    Location,
-    MaxMemoryOpt,
-    QuietOpt,
-    StorageOpt,
-    location,
-    use_storage,
-)
+from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK
+from ckpt_cli.cli.options import STREAMING, Common, Location, common_options, path_argument
 
 _FORMAT_HELP = ("Skip detection and read {side} as this format: safetensors, hf-index, torch, "
                 "dcp, deepspeed, megatron or dir.")
 
 
+@common_options(*STREAMING)
 def diff_cmd(
-    a: Annotated[Location, typer.Argument(help="Checkpoint A (file, shard set or directory).",
-                                      metavar="A", show_default=False, parser=location)],
-    b: Annotated[Location, typer.Argument(help="Checkpoint B.", metavar="B",
-                                      show_default=False, parser=location)],
+    a: Annotated[Location, path_argument("Checkpoint A (file, shard set or directory).", "A")],
+    b: Annotated[Location, path_argument("Checkpoint B.", "B")],
     structure_only: Annotated[bool, typer.Option(
         "--structure-only", help="Compare names, shapes and dtypes only; read no tensor "
                                  "data.")] = False,
@@ -69,11 +58,8 @@ def diff_cmd(
         "--input-format-a", metavar="NAME", help=_FORMAT_HELP.format(side="A"))] = None,
     input_format_b: Annotated[str | None, typer.Option(
         "--input-format-b", metavar="NAME", help=_FORMAT_HELP.format(side="B"))] = None,
-    max_memory: MaxMemoryOpt = None,
-    quiet: QuietOpt = False,
-    storage_option: StorageOpt = None,
-    concurrency: ConcurrencyOpt = None,
-    json: JsonOpt = False,
+    *,
+    common: Common,
 ) -> None:
     """Show what changed between two checkpoints: tensors, shapes, dtypes, values, metadata.
 
@@ -89,20 +75,18 @@ def diff_cmd(
       ckpt diff ddp.pt plain.pt --strip-prefix module. --structure-only
       ckpt diff model/ model-fp8/
     """
-    from ckpt_cli.cli.progress import byte_progress
     from ckpt_cli.ops.diff import DiffOptions, diff
     from ckpt_cli.render import diff as rd
 
-    with handled() as outcome:
-        use_storage(storage_option, concurrency)
+    with common.handled() as outcome:
         options = DiffOptions(everything=everything, values=not structure_only, rtol=rtol,
                               atol=atol, strip_prefixes=tuple(strip_prefix or ()),
                               auto_names=not exact_names, metadata=metadata,
                               filter_glob=filter_glob)
-        with byte_progress("comparing", enabled=not (quiet or json)) as bar:
+        with common.progress("comparing") as bar:
             result = diff(a, b, options, fmt_a=input_format_a, fmt_b=input_format_b,
-                          on_progress=bar.update, max_memory=max_memory)
+                          on_progress=bar.update, max_memory=common.max_memory)
         outcome.exit_code = code = EXIT_OK if result.equal or exit_zero else EXIT_FINDINGS
-        rd.show(result, str(a), str(b), json=json, quiet=quiet, top=top, by_module=by_module,
-                depth=depth)
+        rd.show(result, str(a), str(b), json=common.json, quiet=common.quiet, top=top,
+                by_module=by_module, depth=depth)
     raise typer.Exit(code)

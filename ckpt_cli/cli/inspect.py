@@ -1,27 +1,24 @@
 """``ckpt inspect``."""
 
-from __future__ import annotations
 
 from typing import Annotated
 
 import typer
 
-from ckpt_cli.cli.errors import EXIT_OK, handled
+from ckpt_cli.cli.errors import EXIT_OK
 from ckpt_cli.cli.options import (
     AllowGlobalOpt,
+    CheckpointArg,
+    Common,
     InputFormatOpt,
-    JsonOpt,
-    Location,
-    StorageOpt,
-    location,
-    use_storage,
+    RunPatternOpt,
+    common_options,
 )
 
 
+@common_options("storage_option", "json")
 def inspect_cmd(
-    path: Annotated[Location, typer.Argument(help="Checkpoint file, shard set, checkpoint "
-                                              "directory or run directory, or a URL (s3://...).",
-                                         show_default=False, parser=location)],
+    path: CheckpointArg,
     tensors: Annotated[bool, typer.Option("--tensors", "-t", help="List every tensor.")] = False,
     filter_glob: Annotated[str | None, typer.Option(
         "--filter", metavar="GLOB", help="Only tensors whose name matches GLOB "
@@ -31,16 +28,14 @@ def inspect_cmd(
     tree: Annotated[bool, typer.Option("--tree", help="Parameters grouped by module "
                                                       "prefix.")] = False,
     depth: Annotated[int, typer.Option("--depth", min=1, help="Levels of --tree.")] = 3,
-    pattern: Annotated[str | None, typer.Option(
-        "--pattern", metavar="REGEX", help="Run directories: which entries are checkpoints "
-                                           "(a 'step' group gives the step).")] = None,
+    pattern: RunPatternOpt = None,
     all_rows: Annotated[bool, typer.Option(
         "--all", help="Run directories: a row for every checkpoint (by default a long run "
                       "shows its oldest and newest few).")] = False,
     input_format: InputFormatOpt = None,
     allow_global: AllowGlobalOpt = None,
-    storage_option: StorageOpt = None,
-    json: JsonOpt = False,
+    *,
+    common: Common,
 ) -> None:
     """Show what is in a checkpoint: format, tensors, parameters, dtypes, bytes, step.
 
@@ -59,12 +54,11 @@ def inspect_cmd(
     """
     from ckpt_cli.ops.inspect import inspect
 
-    with handled() as outcome:
-        use_storage(storage_option)
+    with common.handled() as outcome:
         result = inspect(path, fmt=input_format, tensors=tensors, filter_glob=filter_glob,
                          sort=sort, tree=tree, depth=depth, pattern=pattern,
                          allow_globals=allow_global or ())
         outcome.exit_code = EXIT_OK
         from ckpt_cli.render.inspect import show
 
-        show(result, json=json, all_rows=all_rows)
+        show(result, json=common.json, all_rows=all_rows)

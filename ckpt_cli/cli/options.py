@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import os
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -14,6 +19,8 @@ from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
 
 if TYPE_CHECKING:
+    from ckpt_cli.cli.errors import Outcome
+    from ckpt_cli.cli.progress import ProgressSink
     from ckpt_cli.parts import Part
 
 
@@ -218,6 +225,19 @@ def output_location(text: str) -> Path | str:
     return text if text.endswith(("/", os.sep)) and len(text) > 1 else located
 
 
+def path_argument(help: str, metavar: str | None = None) -> Any:
+    """A path argument parsed by :func:`location` (a local path or a URL), with no default
+    shown: typer's ``Argument`` for an ``Annotated[Location, ...]``."""
+    return typer.Argument(help=help, metavar=metavar, show_default=False, parser=location)
+
+
+CheckpointArg = Annotated[Location, path_argument(
+    "Checkpoint file, shard set, checkpoint directory or run directory, or a URL (s3://...).")]
+RunPatternOpt = Annotated[str | None, typer.Option(
+    "--pattern", metavar="REGEX", help="Run directories: which entries are checkpoints "
+                                       "(a 'step' group gives the step).")]
+
+
 def use_storage(options: list[str] | None, concurrency: int | None = None) -> None:
     """Open stores with the ``--storage-option`` (and ``--concurrency``) settings; call
     inside ``handled()``.
@@ -238,3 +258,78 @@ def local_only(path: Path | None, what: str) -> None:
     if path is not None and not storage.has_file_system(path):
         raise UsageError(f"{what} must be a local path, not a URL ({path} is on object "
                          "storage)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Common:
+    """The options several commands share, declared once: a command names those it takes in
+    :func:`common_options` and gets their values as one ``common`` parameter.
+
+    The field order is their order at the end of each command's ``--help``.
+    """
+
+    max_memory: MaxMemoryOpt = None
+    quiet: QuietOpt = False
+    storage_option: StorageOpt = None
+    concurrency: ConcurrencyOpt = None
+    json: JsonOpt = False
+
+    def use_storage(self) -> None:
+        """Open stores with ``--storage-option`` and ``--concurrency``; call inside
+        ``handled()``."""
+        use_storage(self.storage_option, self.concurrency)
+
+    @contextmanager
+    def handled(self) -> Iterator[Outcome]:
+        """A command body's ``handled()`` block, the stores opened first."""
+        from ckpt_cli.cli.errors import handled
+
+        with handled() as outcome:
+            self.use_storage()
+            yield outcome
+
+    def progress(self, description: str) -> AbstractContextManager[ProgressSink]:
+        """A byte-progress bar, off with ``--quiet`` or ``--json``."""
+        from ckpt_cli.cli.progress import byte_progress
+
+        return byte_progress(description, enabled=not (self.quiet or self.json))
+
+
+STREAMING = ("max_memory", "quiet", "storage_option", "concurrency", "json")
+"""The common options of the commands that stream tensors (validate, diff, convert,
+consolidate)."""
+
+
+def common_options(*names: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command the :class:`Common` options ``names``, after its own options.
+
+    The command declares a keyword-only ``common: Common`` parameter instead of one parameter
+    per option; typer reads the returned function's signature, which has the options in its
+    place.
+
+    Raises:
+        TypeError: For a name that is not a field of :class:`Common`.
+    """
+    hints = typing.get_type_hints(Common, include_extras=True)
+    fields = [f for f in dataclasses.fields(Common) if f.name in names]
+    if len(fields) != len(names):
+        raise TypeError(f"not common options: {sorted(set(names) - {f.name for f in fields})}")
+    added = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                               annotation=hints[f.name]) for f in fields]
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own = inspect.signature(command, eval_str=True)
+        signature = own.replace(parameters=[
+            *(p for p in own.parameters.values() if p.name != "common"), *added])
+
+        @functools.wraps(command)
+        def run(**kwargs: Any) -> None:
+            common = Common(**{name: kwargs.pop(name) for name in names})
+            command(**kwargs, common=common)
+
+        run.__signature__ = signature  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+        run.__annotations__["return"] = signature.return_annotation
+        return run
+
+    return decorate

@@ -1,6 +1,5 @@
 """``ckpt plan``."""
 
-from __future__ import annotations
 
 from functools import partial
 from typing import TYPE_CHECKING, Annotated
@@ -152,7 +151,7 @@ def plan_cmd(
 
         show(result, json=json, quiet=quiet, err=err)
 
-def _stderr() -> Console:
+def _stderr() -> "Console":
     from ckpt_cli.render import human
 
     return human.stderr()

@@ -1,6 +1,5 @@
 """``ckpt prune``."""
 
-from __future__ import annotations
 
 import sys
 from typing import TYPE_CHECKING, Annotated
@@ -9,17 +8,17 @@ import typer
 
 from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, EXIT_REFUSED, handled
 from ckpt_cli.cli.options import (
+    Common,
     DryRunOpt,
-    JsonOpt,
     KeepFullEveryOpt,
     Location,
-    StorageOpt,
     ThinAfterOpt,
     ThinToOpt,
     YesOpt,
+    common_options,
     local_only,
     location,
-    use_storage,
+    path_argument,
 )
 
 if TYPE_CHECKING:
@@ -29,10 +28,9 @@ if TYPE_CHECKING:
     from ckpt_cli.ops.prune.retention import PrunePlan, PrunePolicy
 
 
+@common_options("storage_option", "json")
 def prune_cmd(
-    run_dir: Annotated[Location, typer.Argument(
-        help="The run directory whose checkpoints to prune.", show_default=False,
-        parser=location)],
+    run_dir: Annotated[Location, path_argument("The run directory whose checkpoints to prune.")],
     keep: Annotated[int | None, typer.Option(
         "--keep", metavar="N", help="Keep the newest N complete (and, with a run ledger, "
         "verified) checkpoints; others newer than the N-th of them are kept but not counted.",
@@ -73,8 +71,8 @@ def prune_cmd(
         "--force", hidden=True, help="Deprecated name of --any-dir.")] = False,
     dry_run: DryRunOpt = False,
     yes: YesOpt = False,
-    storage_option: StorageOpt = None,
-    json: JsonOpt = False,
+    *,
+    common: Common,
 ) -> None:
     """Delete old checkpoints of a run directory by retention rules, safely, even from cron.
 
@@ -93,7 +91,7 @@ def prune_cmd(
     """
     with handled() as outcome:
         local_only(metrics_file, '--metrics-file')
-        use_storage(storage_option)
+        common.use_storage()
         from ckpt_cli.errors import UsageError
         from ckpt_cli.ops.prune import execute, plan
 
@@ -101,7 +99,7 @@ def prune_cmd(
             sys.stderr.write("ckpt: warning: prune --force is deprecated; use --any-dir (same "
                              "meaning)\n")
             any_dir = True
-        if json and not yes and not dry_run:
+        if common.json and not yes and not dry_run:
             raise UsageError("--json never asks for confirmation: add --yes to delete, or "
                              "--dry-run to only see the plan")
         if metrics_file is not None and keep_best is None:
@@ -115,13 +113,13 @@ def prune_cmd(
             policy = dataclasses.replace(policy, thin_after=thin_after, thin_to=thin_to,
                                          keep_full_every=keep_full_every)
             policy.check()
-        view = _View(tty=_is_terminal(), quiet=json, dry_run=dry_run)
+        view = _View(tty=_is_terminal(), quiet=common.json, dry_run=dry_run)
         try:
             # The plan, shown; the question (not for --yes, --json or cron); then the deletions.
             with plan(run_dir, policy, pattern=pattern, metrics_file=metrics_file,
                       dry_run=dry_run, any_dir=any_dir) as planned:
                 view.show(planned.plan)
-                if (planned.asks and not (yes or json or not _interactive())
+                if (planned.asks and not (yes or common.json or not _interactive())
                         and not view.ask(planned.plan)):
                     planned.decline()
                 result = execute(planned, on_progress=view.event)
@@ -130,9 +128,9 @@ def prune_cmd(
         failed = bool(result.named("failed") or result.trash_failed)
         outcome.exit_code = code = (EXIT_OK if result.ok else EXIT_FINDINGS if failed
                                     else EXIT_REFUSED)
-        if result.note and not json:
+        if result.note and not common.json:
             sys.stderr.write(f"ckpt: note: {result.path}: {result.note}\n")
-        if json:
+        if common.json:
             from ckpt_cli.render import json as rj
             from ckpt_cli.render.prune import prune_doc
 
@@ -144,7 +142,7 @@ def prune_cmd(
 
 def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
             metric: str | None, mode: str, older_than: str | None, max_total_size: str | None,
-            grace: str, pattern: str | None = None) -> PrunePolicy:
+            grace: str, pattern: str | None = None) -> "PrunePolicy":
     from ckpt_cli.errors import UsageError
     from ckpt_cli.ops.prune.retention import PrunePolicy
     from ckpt_cli.units import parse_count, parse_duration, parse_size
@@ -194,7 +192,7 @@ class _View:
         self.progress: Progress | None = None
         self.task: TaskID | None = None
 
-    def event(self, event: PruneEvent) -> None:
+    def event(self, event: "PruneEvent") -> None:
         """Show one progress event."""
         if self.quiet:
             return
@@ -209,7 +207,7 @@ class _View:
         elif line:
             _plain(line, err=event.kind == "failed")
 
-    def show(self, plan: PrunePlan) -> None:
+    def show(self, plan: "PrunePlan") -> None:
         """Show the plan: a table on a terminal, else one line per decision kept."""
         if self.quiet:
             return
@@ -232,7 +230,7 @@ class _View:
                 _plain(line)
         human.print_findings([*plan.listing.findings, *plan.findings])
 
-    def ask(self, plan: PrunePlan) -> bool:
+    def ask(self, plan: "PrunePlan") -> bool:
         """Ask whether to delete (the plan is on screen already); end of input means no."""
         from ckpt_cli.render.human import size
 
@@ -243,7 +241,7 @@ class _View:
         except typer.Abort:
             return False
 
-    def _advance(self, event: PruneEvent) -> None:
+    def _advance(self, event: "PruneEvent") -> None:
         from rich.progress import Progress
 
         if self.progress is None:
@@ -259,7 +257,7 @@ class _View:
             self.progress.stop()
             self.progress = None
 
-    def finish(self, result: PruneResult) -> None:
+    def finish(self, result: "PruneResult") -> None:
         """The closing summary (stdout) and leftover-trash problems (stderr)."""
         from ckpt_cli.render.prune import summary
 

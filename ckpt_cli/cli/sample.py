@@ -1,6 +1,5 @@
 """``ckpt sample``."""
 
-from __future__ import annotations
 
 from typing import Annotated
 
@@ -12,14 +11,13 @@ from ckpt_cli.cli.options import (
     Location,
     QuietOpt,
     local_only,
-    location,
+    path_argument,
 )
 from ckpt_cli.errors import DestinationExistsError
 
 
 def sample_cmd(
-    dest: Annotated[Location, typer.Argument(help="Directory to create.", show_default=False,
-                                             parser=location)],
+    dest: Annotated[Location, path_argument("Directory to create.")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DEST if it "
                                                                 "exists.")] = False,
     quiet: QuietOpt = False,

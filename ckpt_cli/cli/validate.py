@@ -1,6 +1,5 @@
 """``ckpt validate``."""
 
-from __future__ import annotations
 
 from typing import Annotated
 
@@ -8,26 +7,24 @@ import typer
 
 from ckpt_cli.cli.errors import handled, worded
 from ckpt_cli.cli.options import (
+    STREAMING,
     AllowGlobalOpt,
-    ConcurrencyOpt,
+    CheckpointArg,
+    Common,
     FinalizeOpt,
     InputFormatOpt,
-    JsonOpt,
     Location,
-    MaxMemoryOpt,
     PartOpt,
-    QuietOpt,
-    StorageOpt,
+    RunPatternOpt,
+    common_options,
     local_only,
     location,
-    use_storage,
 )
 
 
+@common_options(*STREAMING)
 def validate_cmd(
-    path: Annotated[Location, typer.Argument(help="Checkpoint file, shard set, checkpoint "
-                                              "directory or run directory, or a URL (s3://...).",
-                                         show_default=False, parser=location)],
+    path: CheckpointArg,
     latest: Annotated[bool, typer.Option(
         "--latest", help="Run directory: validate only the checkpoint training resumes from "
                          "(what latest or last.ckpt names, else the newest step; never an HF "
@@ -55,9 +52,7 @@ def validate_cmd(
     jobs: Annotated[int | None, typer.Option(
         "--jobs", "-j", min=1, metavar="N", help="Threads for checksums (default: CPUs, at "
                                                  "most 8).")] = None,
-    pattern: Annotated[str | None, typer.Option(
-        "--pattern", metavar="REGEX", help="Run directories: which entries are checkpoints "
-                                           "(a 'step' group gives the step).")] = None,
+    pattern: RunPatternOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show notes, and every "
                                                                   "check of a run.")] = False,
     part: PartOpt = None,
@@ -68,11 +63,8 @@ def validate_cmd(
         parser=location)] = None,
     input_format: InputFormatOpt = None,
     allow_global: AllowGlobalOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    quiet: QuietOpt = False,
-    storage_option: StorageOpt = None,
-    concurrency: ConcurrencyOpt = None,
-    json: JsonOpt = False,
+    *,
+    common: Common,
 ) -> None:
     """Check that a checkpoint is complete, consistent and uncorrupted.
 
@@ -88,22 +80,21 @@ def validate_cmd(
       ckpt validate export/ --write-manifest
       torchrun --nproc-per-node 8 -m ckpt_cli validate run/step_1000 --part auto
     """
-    from ckpt_cli.cli.progress import byte_progress
     from ckpt_cli.ops.validate import validate
     from ckpt_cli.ops.validate.options import ValidateOptions
 
     with handled() as outcome:
         local_only(junit, '--junit')
         try:
-            use_storage(storage_option, concurrency)
+            common.use_storage()
             local_only(path if write_manifest else None, "--write-manifest's checkpoint")
             local_only(parts_dir, '--parts-dir')
-            with byte_progress("validating", enabled=not (quiet or json)) as bar:
+            with common.progress("validating") as bar:
                 options = ValidateOptions(
                     fmt=input_format, latest=latest, quick=quick, values=values,
                     require=require, write_manifest=write_manifest,
                     manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern, part=part,
-                    finalize=finalize, parts_dir=parts_dir, max_memory=max_memory,
+                    finalize=finalize, parts_dir=parts_dir, max_memory=common.max_memory,
                     allow_globals=tuple(allow_global or ()))
                 result = validate(path, options, on_progress=bar.labelled)
         except (Exception, KeyboardInterrupt) as e:
@@ -117,7 +108,7 @@ def validate_cmd(
             write_junit(result, junit)
         from ckpt_cli.render.validate import show
 
-        show(result, json=json, strict=strict, verbose=verbose)
+        show(result, json=common.json, strict=strict, verbose=verbose)
     raise typer.Exit(code)
 
 

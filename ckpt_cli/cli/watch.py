@@ -1,6 +1,5 @@
 """``ckpt watch`` and ``ckpt resume-path``."""
 
-from __future__ import annotations
 
 import dataclasses
 import sys
@@ -8,27 +7,26 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
+from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK
 from ckpt_cli.cli.options import (
-    JsonOpt,
+    Common,
     KeepFullEveryOpt,
     Location,
-    StorageOpt,
     ThinAfterOpt,
     ThinToOpt,
+    common_options,
     duration_parser,
-    location,
-    use_storage,
+    path_argument,
 )
 
 if TYPE_CHECKING:
     from ckpt_cli.trust.watch import WatchEvent
 
 
+@common_options("storage_option", "json")
 def watch_cmd(
-    run_dir: Annotated[Location, typer.Argument(
-        help="The run directory (or a directory of runs, or an object-store prefix) to follow.",
-        show_default=False, parser=location)],
+    run_dir: Annotated[Location, path_argument(
+        "The run directory (or a directory of runs, or an object-store prefix) to follow.")],
     once: Annotated[bool, typer.Option(
         "--once", help="One pass, then exit (for cron): 1 if a bad checkpoint was found. "
         "Checkpoints not judged yet (settling, locked, being written) are named.")] = False,
@@ -77,8 +75,8 @@ def watch_cmd(
         "--on-bad-timeout", metavar="AGE", parser=duration_parser("--on-bad-timeout"),
         help="Kill an --on-bad command (and what it "
         "started) still running after AGE, and report it.")] = "5m",
-    storage_option: StorageOpt = None,
-    json: JsonOpt = False,
+    *,
+    common: Common,
 ) -> None:
     """Verify each checkpoint of a run as training writes it; record verdicts in the run ledger.
 
@@ -95,8 +93,7 @@ def watch_cmd(
       ckpt watch runs/ --once --json
       ckpt watch s3://bucket/run --interval 30s
     """
-    with handled() as outcome:
-        use_storage(storage_option)
+    with common.handled() as outcome:
         from ckpt_cli.cli.prune import _policy
         from ckpt_cli.trust.watch import Watcher, WatchOptions
 
@@ -125,10 +122,10 @@ def watch_cmd(
             raise CkptError("not a directory", path=run_dir)
         bad = 0
 
-        def emit(ev: WatchEvent) -> None:
+        def emit(ev: "WatchEvent") -> None:
             nonlocal bad
             bad += ev.bad
-            _emit(ev, json)
+            _emit(ev, common.json)
 
         watcher = Watcher(run_dir, opts, emit)
         from ckpt_cli.trust.wake import PollWaker, make_waker
@@ -148,7 +145,7 @@ def watch_cmd(
     raise typer.Exit(outcome.exit_code)
 
 
-def _emit(ev: WatchEvent, json: bool) -> None:
+def _emit(ev: "WatchEvent", json: bool) -> None:
     from ckpt_cli.storage import redact
 
     if json:
@@ -182,13 +179,13 @@ def _emit(ev: WatchEvent, json: bool) -> None:
         print(f"ckpt watch: verified: {where}{step}", flush=True)
 
 
+@common_options("storage_option", "json")
 def resume_path_cmd(
-    run_dir: Annotated[Location, typer.Argument(
-        help="The run directory.", show_default=False, parser=location)],
+    run_dir: Annotated[Location, path_argument("The run directory.")],
     full: Annotated[bool, typer.Option(
         "--full", help="Hash every file against the manifest (default: sizes only).")] = False,
-    storage_option: StorageOpt = None,
-    json: JsonOpt = False,
+    *,
+    common: Common,
 ) -> None:
     """Print the newest verified checkpoint of a run: the one to resume from.
 
@@ -200,13 +197,12 @@ def resume_path_cmd(
       ckpt resume-path runs/gpt
       python train.py --resume "$(ckpt resume-path runs/gpt)"
     """
-    with handled() as outcome:
-        use_storage(storage_option)
+    with common.handled() as outcome:
         from ckpt_cli.resume import choose
 
         choice = choose(run_dir, verify="full" if full else "sizes")
         outcome.exit_code = EXIT_OK if choice is not None else EXIT_FINDINGS
-        if json:
+        if common.json:
             import orjson
 
             doc = {"schema_version": 1, "command": "resume-path", "run": str(run_dir),
@@ -222,6 +218,6 @@ def resume_path_cmd(
         else:
             for p, why in choice.rejected:
                 sys.stderr.write(f"ckpt: skipped {p}: {why}\n")
-            if not json:
+            if not common.json:
                 print(choice.path)
     raise typer.Exit(outcome.exit_code)

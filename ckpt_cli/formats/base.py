@@ -71,6 +71,26 @@ def wrong_kind(path: Path, *, directory: bool) -> str | None:
     return None if path.is_file() else "not a file"
 
 
+class DirectoryLayout:
+    """The shared half of a directory format's reader: :meth:`sniff` says ``"not a
+    directory"`` for anything else, then asks the format's own :meth:`recognises`, and gives
+    :attr:`missing` as the reason when it does not recognise the directory."""
+
+    is_dir_format = True
+    #: Why a directory is not in this format (what ``detect`` lists when nothing matches).
+    missing = "not this format"
+
+    def recognises(self, path: Path) -> bool:
+        """Whether the directory ``path`` is laid out in this format."""
+        raise NotImplementedError
+
+    def sniff(self, path: Path) -> str | None:
+        """See :meth:`Reader.sniff`."""
+        if (why := wrong_kind(path, directory=True)) is not None:
+            return why
+        return None if self.recognises(path) else self.missing
+
+
 def present(path: Path) -> bool:
     """Whether ``path`` (through symlinks) exists and is not a directory.
 

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import allowlist, containers
-from ckpt_cli.formats.base import contained_path, file_size, open_stream, present, wrong_kind
+from ckpt_cli.formats.base import (
+    DirectoryLayout,
+    contained_path,
+    file_size,
+    open_stream,
+    present,
+)
 from ckpt_cli.formats.standins import DTypeRef, Opaque, TensorRecord
 from ckpt_cli.formats.torchfile import contiguous_strides
 from ckpt_cli.formats.torchzip import parse_zip
@@ -47,21 +53,17 @@ def metadata_file(path: Path) -> Path | None:
     return alts[0] if len(alts) == 1 else None
 
 
-class DCPReader:
+class DCPReader(DirectoryLayout):
     """Reads a torch.distributed.checkpoint directory's ``.metadata``."""
 
     name = "dcp"
-    is_dir_format = True
+    missing = "no .metadata or __<rank>_<n>.distcp files"
 
-    def sniff(self, path: Path) -> str | None:
-        """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
-        if (why := wrong_kind(path, directory=True)) is not None:
-            return why
-        if metadata_file(path) is not None:
-            return None
-        if any(_DISTCP.match(p.name) for p in path.iterdir()):
-            return None  # .distcp files without .metadata: an unfinished save (read_index says)
-        return "no .metadata or __<rank>_<n>.distcp files"
+    def recognises(self, path: Path) -> bool:
+        """A ``.metadata`` file, or ``.distcp`` files without one: an unfinished save, which
+        ``read_index`` reports."""
+        return (metadata_file(path) is not None
+                or any(_DISTCP.match(p.name) for p in path.iterdir()))
 
     def read_index(self, path: Path) -> CheckpointIndex:
         """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from ckpt_cli.errors import CkptError, UnknownFormatError
 from ckpt_cli.formats import torchfile
-from ckpt_cli.formats.base import read_small, wrong_kind
+from ckpt_cli.formats.base import DirectoryLayout, read_small
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 MODEL_STATES = re.compile(
@@ -120,19 +120,15 @@ def is_zero3(index: CheckpointIndex) -> bool:
                and m.group("dp") is not None for f in index.files)
 
 
-class DeepSpeedReader:
+class DeepSpeedReader(DirectoryLayout):
     """Reads a DeepSpeed tag directory (``global_stepN/``)."""
 
     name = "deepspeed"
-    is_dir_format = True
+    missing = "no *_model_states.pt files"
 
-    def sniff(self, path: Path) -> str | None:
-        """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
-        if (why := wrong_kind(path, directory=True)) is not None:
-            return why
-        if tag_dir(path) is not None:
-            return None
-        return "no *_model_states.pt files"
+    def recognises(self, path: Path) -> bool:
+        """A tag directory, or the save directory whose ``latest`` names its only tag."""
+        return tag_dir(path) is not None
 
     def read_index(self, path: Path) -> CheckpointIndex:
         """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""

@@ -17,7 +17,7 @@ import orjson
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, safetensors, torchfile
-from ckpt_cli.formats.base import file_size, present, read_head, rel_to, wrong_kind
+from ckpt_cli.formats.base import DirectoryLayout, file_size, present, read_head, rel_to
 from ckpt_cli.formats.names import step_from_name
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
@@ -37,19 +37,15 @@ def checkpoint_files(path: Path) -> list[Path]:
         return []
 
 
-class DirectoryReader:
+class DirectoryReader(DirectoryLayout):
     """Reads a directory of checkpoint files as one checkpoint."""
 
     name = "dir"
-    is_dir_format = True
+    missing = "no checkpoint files (.safetensors/.pt/.pth/.bin/.ckpt) at its top level"
 
-    def sniff(self, path: Path) -> str | None:
-        """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
-        if (why := wrong_kind(path, directory=True)) is not None:
-            return why
-        if checkpoint_files(path) or (path / "trainer_state.json").is_file():
-            return None
-        return "no checkpoint files (.safetensors/.pt/.pth/.bin/.ckpt) at its top level"
+    def recognises(self, path: Path) -> bool:
+        """Checkpoint files at the top level, or an HF Trainer's ``trainer_state.json``."""
+        return bool(checkpoint_files(path)) or (path / "trainer_state.json").is_file()
 
     def read_index(self, path: Path) -> CheckpointIndex:
         """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""

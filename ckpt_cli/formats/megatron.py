@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ckpt_cli.errors import CkptError, UnknownFormatError
 from ckpt_cli.formats import torchfile
-from ckpt_cli.formats.base import wrong_kind
+from ckpt_cli.formats.base import DirectoryLayout
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 RANK_DIR = re.compile(r"^mp_rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?(?:_(?P<ep>\d{3}))?$")
@@ -29,19 +29,15 @@ def rank_dirs(path: Path) -> list[tuple[Path, int, int, int]]:
     return sorted(out, key=lambda r: (r[3], r[2], r[1]))
 
 
-class MegatronReader:
+class MegatronReader(DirectoryLayout):
     """Reads a Megatron-LM legacy iteration directory."""
 
     name = "megatron"
-    is_dir_format = True
+    missing = "no mp_rank_XX directories"
 
-    def sniff(self, path: Path) -> str | None:
-        """See :meth:`ckpt_cli.formats.base.Reader.sniff`."""
-        if (why := wrong_kind(path, directory=True)) is not None:
-            return why
-        if rank_dirs(path):
-            return None
-        return "no mp_rank_XX directories"
+    def recognises(self, path: Path) -> bool:
+        """``mp_rank_XX`` directories."""
+        return bool(rank_dirs(path))
 
     def read_index(self, path: Path) -> CheckpointIndex:
         """See :meth:`ckpt_cli.formats.base.Reader.read_index`."""

@@ -22,16 +22,18 @@ and said so.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ckpt_cli.errors import CkptError
 from ckpt_cli.formats.base import read_full
 from ckpt_cli.formats.dcp import locate_chunk
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.storage import Handle
-from ckpt_cli.storage.reads import OpenFiles
+
+if TYPE_CHECKING:
+    import hashlib
 
 WINDOW = 4096
 """Bytes sampled at each of a tensor's start, middle and end."""
@@ -67,6 +69,9 @@ def find_ties(index: CheckpointIndex) -> None:
               for g in by_sig.values() if len(g) > 1]
     if not groups:
         return
+    # Most checkpoints have no candidate pair: the read machinery loads only when one does.
+    from ckpt_cli.storage.reads import OpenFiles
+
     with OpenFiles() as files:
         def fd_of(rel: str) -> Handle:
             return files.open(index.path_of(rel))
@@ -88,6 +93,8 @@ def find_ties(index: CheckpointIndex) -> None:
 def _fingerprint(index: CheckpointIndex, fd_of: Callable[[str], Handle],
                  t: TensorInfo) -> bytes | None:
     """A digest of a tensor's sampled bytes (and chunk layout), or None if unreadable."""
+    import hashlib
+
     h = hashlib.blake2b(digest_size=16)
     try:
         if t.chunks:

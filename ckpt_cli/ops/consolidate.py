@@ -265,7 +265,7 @@ def consolidate(source: str | Path, output: str | Path,
     src, out = storage.locate(source), storage.locate(output)
     if opts.to not in TARGETS:
         raise UsageError(f"to must be fp16, bf16, fp32 or keep, not {opts.to!r}", param="to")
-    memory_budget(opts.max_memory)  # a bad budget is a usage error before any work
+    budget = memory_budget(opts.max_memory)  # a bad budget is a usage error before any work
     check_exists(src)
     # A run directory's resume pointer names the checkpoint (DeepSpeed's `latest` is also
     # followed by detect_kind for a save directory of one tag; Megatron's tracker only here).
@@ -310,7 +310,7 @@ def consolidate(source: str | Path, output: str | Path,
                                  metadata=job.metadata, aliases=job.aliases,
                                  overwrite=opts.overwrite, on_progress=on_progress,
                                  before_commit=check, on_start=on_start, part=split,
-                                 max_memory=opts.max_memory)
+                                 max_memory=budget)
         complete = write.part is None or write.part.finalized_here
         if opts.manifest and complete and (out.is_file()
                                            or not storage.can_rename_atomically(out)):

@@ -195,7 +195,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
-    memory_budget(opts.max_memory)  # a bad budget is a usage error before any work
+    budget = memory_budget(opts.max_memory)  # a bad budget is a usage error before any work
     quant = convert_fp8.wanted(to, opts.fp8_layout)
     if quant:
         to = "bf16"  # what is not quantized
@@ -258,7 +258,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
                                   overwrite=opts.overwrite, side_files=side,
                                   on_progress=on_progress,
                                   before_commit=lambda _tmp: check_overflow(stats, opts.clamp),
-                                  on_start=on_start, part=job, max_memory=opts.max_memory)
+                                  on_start=on_start, part=job, max_memory=budget)
     finally:
         built.close()
     if opts.clamp and stats.overflow:

@@ -191,28 +191,20 @@ def young_interval(cost: float, mtbf: float) -> float:
     Raises:
         UsageError: A non-positive argument.
     """
-    require_positive(cost, "checkpoint cost")
-    require_positive(mtbf, "MTBF")
+    _check_cost_mtbf(cost, mtbf)
     return math.sqrt(2 * cost * mtbf)
 
 
-def daly_interval(cost: float, mtbf: float) -> float:
-    """Daly's higher-order optimum checkpoint interval (FGCS 22(3), 2006).
-
-    For C < 2M: sqrt(2 C M) (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C; for C >= 2M, M.
-
-    Args:
-        cost: Seconds one checkpoint stalls training (C).
-        mtbf: Mean time between failures in seconds (M).
-
-    Returns:
-        The compute time between checkpoints, in seconds.
-
-    Raises:
-        UsageError: A non-positive argument.
-    """
+def _check_cost_mtbf(cost: float, mtbf: float) -> None:
     require_positive(cost, "checkpoint cost")
     require_positive(mtbf, "MTBF")
+
+
+def daly_interval(cost: float, mtbf: float) -> float:
+    """Daly's higher-order optimum checkpoint interval (FGCS 22(3), 2006): for C < 2M,
+    sqrt(2 C M) (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C; for C >= 2M, M. Arguments, result
+    and errors as :func:`young_interval`'s."""
+    _check_cost_mtbf(cost, mtbf)
     if cost >= 2 * mtbf:
         return mtbf
     ratio = cost / (2 * mtbf)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
-from ckpt_cli.storage.reads import PIECE_BYTES, Meter, ProgressFn, memory_budget, run_bounded
+from ckpt_cli.storage.reads import MEMORY_BUDGET, PIECE_BYTES, Meter, ProgressFn, run_bounded
 from ckpt_cli.tensors.source import TensorSource
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
                 select: Callable[[TensorInfo], bool] | None = None,
                 done_elsewhere: Mapping[str, TensorValues] | None = None,
                 collect: dict[str, TensorValues] | None = None,
-                max_memory: int | None = None, threads: int = 1,
+                max_memory: int = MEMORY_BUDGET, threads: int = 1,
                 ) -> tuple[list[Finding], ValueScan]:
     """Examine every floating tensor's values.
 
@@ -145,8 +145,9 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
             are taken from ``done_elsewhere`` when there, else left out.
         done_elsewhere: Results of tensors other parts examined, by name.
         collect: Receives the result of each tensor examined here, by name.
-        max_memory: Memory budget in bytes for the tensors being scanned (default 256 MiB;
-            a tensor whose layout is read whole may add its size).
+        max_memory: Memory budget in bytes for the tensors being scanned, as resolved once
+            by :func:`~ckpt_cli.ops.validate.validate` (default 256 MiB; a tensor whose layout
+            is read whole may add its size).
         threads: Tensors scanned at once (at most; the budget may allow fewer).
 
     Returns:
@@ -158,7 +159,7 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
     """
     t0 = time.perf_counter()
     elsewhere = done_elsewhere or {}
-    budget = memory_budget(max_memory)
+    budget = max_memory
     todo: list[TensorInfo] = []
     seen: set[tuple[object, ...]] = set()
     skipped = 0
