@@ -37,6 +37,12 @@ class CkptError(Exception):
         message: One plain sentence saying what is wrong.
         path: The file or directory the problem is about, if any; it prefixes the message.
         hint: An optional suggestion of what to do about it.
+        param: The library parameters (or options-dataclass fields) the message or hint
+            names, the main one first; the CLI writes its flags in their place.
+
+    Attributes:
+        params: Every parameter the message or hint names, the main one first (empty when none).
+        param: The main one, or None.
     """
 
     exit_code: int = 2
@@ -45,10 +51,13 @@ class CkptError(Exception):
     #: ``A`` or ``B`` when the error concerns one side of a comparison (``ckpt diff``).
     side: str | None = None
 
-    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None):
+    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None,
+                 param: str | tuple[str, ...] | None = None):
         self.message = message
         self.path = str(path) if path is not None else None
         self.hint = hint
+        self.params: tuple[str, ...] = (param,) if isinstance(param, str) else tuple(param or ())
+        self.param = self.params[0] if self.params else None
         super().__init__(self.__str__())
 
     def __str__(self) -> str:
@@ -68,19 +77,9 @@ class UsageError(CkptError):
             message names several (``("parts_dir", "part", "finalize")``), the main one first.
         path: As for :class:`CkptError`.
         hint: As for :class:`CkptError`; it may name the parameters too.
-
-    Attributes:
-        params: Every parameter the message names, the main one first (empty when none).
-        param: The main one, or None.
     """
 
     kind = "usage"
-
-    def __init__(self, message: str, *, param: str | tuple[str, ...] | None = None,
-                 path: str | Path | None = None, hint: str | None = None):
-        super().__init__(message, path=path, hint=hint)
-        self.params: tuple[str, ...] = (param,) if isinstance(param, str) else tuple(param or ())
-        self.param = self.params[0] if self.params else None
 
 
 class UnknownFormatError(CkptError):

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import typer
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError, UsageError, visible
+from ckpt_cli.errors import CkptError, visible
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -106,13 +106,12 @@ class _JsonErrors:
 
 # Library parameters whose command-line option has another name, per command: the library's
 # name (an options-dataclass field, a function parameter) -> the command function's parameter,
-# whose flag click knows. Every other library name is the command's parameter of that name.
+# whose flag click knows ("*": every command). Every other library name is the command's
+# parameter of that name.
 _CLI_NAMES: dict[str, dict[str, str]] = {
-    "validate": {"manifest_algorithm": "manifest_hash", "fmt": "input_format",
-                 "allow_globals": "allow_global"},
-    "inspect": {"fmt": "input_format", "allow_globals": "allow_global"},
-    "diff": {"filter": "filter_glob"},
-    "convert": {"storage_options": "storage_option"},
+    "*": {"storage_options": "storage_option", "allow_globals": "allow_global"},
+    "validate": {"manifest_algorithm": "manifest_hash", "fmt": "input_format"},
+    "inspect": {"fmt": "input_format"},
     "plan": {"measure_dir": "measure"},
 }
 
@@ -120,48 +119,70 @@ _CLI_NAMES: dict[str, dict[str, str]] = {
 _SHORT = {"output": "-o"}
 
 
-def _flags(command: Any) -> dict[str, str]:
-    """Library parameter name -> the flag that sets it, for a click command (else empty)."""
-    if command is None:
-        return {}
+def _own_flags(command: Any) -> dict[str, str]:
+    """Library parameter name -> the flag that sets it, for one click command."""
     flags: dict[str, str] = {}
     for p in command.params:
         if p.param_type_name == "option" and p.name and p.opts:
             flags[p.name] = next((o for o in p.opts if o.startswith("--")), p.opts[0])
-    for library, cli in _CLI_NAMES.get(command.name or "", {}).items():
-        if cli in flags:
-            flags[library] = flags[cli]
+    for aliases in (_CLI_NAMES["*"], _CLI_NAMES.get(command.name or "", {})):
+        for library, cli in aliases.items():
+            if cli in flags:
+                flags[library] = flags[cli]
     flags.update((name, short) for name, short in _SHORT.items() if name in flags)
     return flags
 
 
+def _flags(command: Any, root: Any = None) -> dict[str, str]:
+    """Library parameter name -> the flag that sets it, for a click command (else empty).
+
+    A name the command has no option for (a hint naming another command's flag: ``--force``
+    beside ``--overwrite``, ``prune --keep-best`` in a retention rule ``watch`` shares) takes
+    the flag of the first of ``root``'s commands, by name, that has one.
+    """
+    if command is None:
+        return {}
+    flags: dict[str, str] = {}
+    others = getattr(root, "commands", None) or {}
+    for name in sorted(others, reverse=True):
+        flags.update(_own_flags(others[name]))
+    flags.update(_own_flags(command))
+    return flags
+
+
+_NOT_AFTER_DETERMINER = "".join(rf"(?<!\b{w} )" for w in ("a", "an", "the", "no", "each", "every"))
+
+
 def _worded(text: str | None, names: Iterable[str], flags: dict[str, str]) -> str | None:
-    """``text`` with each whole-word parameter name in ``names`` replaced by its flag; a name
-    inside a quoted value or a longer name (``'to'``, ``to_dtype``, ``--to``) is kept."""
+    """``text`` with each whole-word parameter name in ``names`` replaced by its flag.
+
+    Kept as they are: a name inside a quoted value or a longer name (``'to'``, ``to_dtype``,
+    ``--to``), and one read as an English word: after a determiner (``not a part``, ``no part
+    of``) or before a colon (``say what to keep:``).
+    """
     if text is None:
         return None
     for name in names:
         if name in flags:
             # (A flag holds no backslash: it is a plain replacement.)
-            text = re.sub(rf"(?<![\w'\"./=-]){re.escape(name)}(?![\w'\"=-])",
-                          flags[name], text)
+            text = re.sub(rf"(?<![\w'\"./=-]){_NOT_AFTER_DETERMINER}"
+                          rf"{re.escape(name)}(?![\w'\":=-])", flags[name], text)
     return text
 
 
-def _current_command() -> Any:
-    """The click command running now, if any."""
+def _current_context() -> Any:
+    """The click context running now, if any."""
     # typer 0.27+ carries its own copy of click: its context, not click's, is the current one.
     from typer._click.globals import get_current_context
 
-    ctx = get_current_context(silent=True)
-    return None if ctx is None else ctx.command
+    return get_current_context(silent=True)
 
 
 def worded(e: CkptError, command: Any = None) -> tuple[str, str | None, str]:
     """An error's message, hint and whole line as the command line words them.
 
-    A :class:`UsageError` names library parameters (``max_memory``); here they become the
-    command's flags (``--max-memory``).
+    A library error names library parameters (``max_memory``, listed in ``e.params``); here
+    they become the command's flags (``--max-memory``).
 
     Args:
         e: The error.
@@ -172,8 +193,12 @@ def worded(e: CkptError, command: Any = None) -> tuple[str, str | None, str]:
         of parameter names.
     """
     message, hint, text = e.message, e.hint, str(e)
-    if isinstance(e, UsageError) and e.params:
-        flags = _flags(command if command is not None else _current_command())
+    if e.params:
+        ctx = _current_context()
+        if command is None and ctx is not None:
+            command = ctx.command
+        root = ctx.find_root().command if ctx is not None else None
+        flags = _flags(command, root)
         message = _worded(message, e.params, flags) or ""
         hint = _worded(hint, e.params, flags)
         text = text[:len(text) - len(e.message)] + message

@@ -182,7 +182,8 @@ def _optimum(result: PlanResult) -> None:
         raise UsageError(
             f"the checkpoint {what} ({cost:,.0f} s) is at least twice the MTBF ({mtbf:,.0f} s): "
             "Daly's formula does not apply there and the run would spend most of its time "
-            "saving and redoing work; use faster storage, --async, or a more reliable job")
+            "saving and redoing work; use faster storage, async_save, or a more reliable job",
+            param="async_save")
     young, daly = young_interval(cost, mtbf), daly_interval(cost, mtbf)
     if result.async_save and daly < write:
         # Past the write time the loss grows with the interval, and below it the saves queue
