@@ -184,3 +184,18 @@ def test_watch_words_the_flags_it_shares_with_prune(run_dir: Path) -> None:
         "ckpt: error: say what to keep: --keep N, --keep-every STEPS, --keep-best N --metric "
         "NAME, --older-than AGE or --max-total-size SIZE (or what to thin: --thin-after N)")
 
+
+
+def test_each_alias_names_a_real_option() -> None:
+    import typer
+
+    from ckpt_cli.cli.app import app
+    from ckpt_cli.cli.errors import _CLI_NAMES
+
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    options = {name: {p.name for p in c.params if p.param_type_name == "option"}
+               for name, c in commands.items()}
+    for command, aliases in _CLI_NAMES.items():
+        for cli in aliases.values():
+            having = [n for n, o in options.items() if cli in o]
+            assert (having if command == "*" else command in having), (command, cli)
