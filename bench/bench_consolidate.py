@@ -24,19 +24,7 @@ import socket
 import sys
 from pathlib import Path
 
-from bench._common import (
-    DATA,
-    PY,
-    ckpt_argv,
-    human_bytes,
-    in_subprocess,
-    report,
-    stage_rows,
-    timed,
-    timed_interleaved,
-    timed_together,
-    warm,
-)
+from bench import _common as bc
 
 RANKS = 8
 ROWS, COLS, TENSORS = 4096, 8192, 16  # 16 x 128 MiB fp32 = 2.1 GB
@@ -97,40 +85,40 @@ dcp_to_torch_save(sys.argv[1], sys.argv[2])
 
 
 def _dcp8() -> Path:
-    src = DATA / "dcp8"
+    src = bc.DATA / "dcp8"
     if not (src / ".metadata").exists():
         print("[bench] writing the 8-rank DCP checkpoint ...", file=sys.stderr)
-        in_subprocess("bench.bench_consolidate.write_sharded", src)
-    warm(src)
+        bc.in_subprocess("bench.bench_consolidate.write_sharded", src)
+    bc.warm(src)
     return src
 
 
 def split_in_parts(src: Path, title: str, shard: str, rounds: int = 3,
                    target: str = "target >= 1.6x on 2 cores") -> float:
     """One process vs two parts started together; prints and returns the speed-up."""
-    out = DATA / "cons-parts-out"
+    out = bc.DATA / "cons-parts-out"
     args = ("consolidate", str(src), "-o", str(out), "--max-shard-size", shard, "--quiet")
     one: list[float] = []
     two: list[float] = []
     cpu1 = cpu2 = 0.0
     for _ in range(rounds):  # in turn, so both see the same machine
         shutil.rmtree(out, ignore_errors=True)
-        r1 = timed("1 process", ckpt_argv(*args))
+        r1 = bc.timed("1 process", bc.ckpt_argv(*args))
         one.append(r1.seconds)
         cpu1 = r1.cpu_seconds
         shutil.rmtree(out, ignore_errors=True)
-        r2 = timed_together("2 parts", [ckpt_argv(*args, "--part", f"{k}/2") for k in (1, 2)])
+        r2 = bc.timed_together("2 parts", [bc.ckpt_argv(*args, "--part", f"{k}/2") for k in (1, 2)])
         two.append(r2.seconds)
         cpu2 = r2.cpu_seconds
         if not (out / "model.safetensors.index.json").exists() and shard != "0":
             raise SystemExit("2 parts did not finalize the output")
     written = sum(p.stat().st_size for p in src.iterdir() if p.is_file())
     shutil.rmtree(out, ignore_errors=True)
-    floor = timed("floor", ["sh", "-c", f"dd if=/dev/zero of={DATA / 'floor.bin'} bs=1M "
-                            f"count={max(1, written >> 20)} conv=fsync status=none"])
-    (DATA / "floor.bin").unlink(missing_ok=True)
+    floor = bc.timed("floor", ["sh", "-c", f"dd if=/dev/zero of={bc.DATA / 'floor.bin'} bs=1M "
+                               f"count={max(1, written >> 20)} conv=fsync status=none"])
+    (bc.DATA / "floor.bin").unlink(missing_ok=True)
     ratio = min(one) / min(two)
-    report(title, [
+    bc.report(title, [
         ("floor: dd write of as many bytes, fsynced", f"{floor.seconds:.2f} s (the disk: "
                                                       "no number of parts goes below it)"),
         ("1 process", f"best {min(one):.2f} s of {rounds} ({', '.join(f'{t:.2f}' for t in one)})"
@@ -143,12 +131,12 @@ def split_in_parts(src: Path, title: str, shard: str, rounds: int = 3,
 
 
 def main() -> None:
-    DATA.mkdir(parents=True, exist_ok=True)
+    bc.DATA.mkdir(parents=True, exist_ok=True)
     src = _dcp8()
     if "--parts" in sys.argv:
         _parts_section(src)
         return
-    ours_out, peer_out = DATA / "cons-out", DATA / "cons-peer.pt"
+    ours_out, peer_out = bc.DATA / "cons-out", bc.DATA / "cons-peer.pt"
 
     def clean(label: str) -> None:
         if label == "ckpt":
@@ -156,19 +144,19 @@ def main() -> None:
         else:
             peer_out.unlink(missing_ok=True)
 
-    best = timed_interleaved({
-        "ckpt": ckpt_argv("consolidate", str(src), "-o", str(ours_out), "--quiet"),
-        "peer": [PY, "-c", PEER, str(src), str(peer_out)]}, repeat=3, setup=clean)
+    best = bc.timed_interleaved({
+        "ckpt": bc.ckpt_argv("consolidate", str(src), "-o", str(ours_out), "--quiet"),
+        "peer": [bc.PY, "-c", PEER, str(src), str(peer_out)]}, repeat=3, setup=clean)
     ours, peer = best["ckpt"], best["peer"]
     size = sum(p.stat().st_size for p in src.iterdir())
-    report(f"consolidate a {human_bytes(size)} DCP checkpoint written by {RANKS} ranks", [
-        ("ckpt consolidate", f"{ours.spread}, peak RSS {human_bytes(ours.peak_rss)}"),
-        ("peer dcp_to_torch_save", f"{peer.spread}, peak RSS {human_bytes(peer.peak_rss)}"),
+    bc.report(f"consolidate a {bc.human_bytes(size)} DCP checkpoint written by {RANKS} ranks", [
+        ("ckpt consolidate", f"{ours.spread}, peak RSS {bc.human_bytes(ours.peak_rss)}"),
+        ("peer dcp_to_torch_save", f"{peer.spread}, peak RSS {bc.human_bytes(peer.peak_rss)}"),
         ("speed-up vs peer", f"{peer.seconds / ours.seconds:.2f}x  (target >= 2x)"),
         ("peak RSS vs peer", f"{100 * ours.peak_rss / peer.peak_rss:.0f}%  (target <= 25%)"),
         ("CPU ckpt / peer", f"{ours.cpu_seconds:.1f} s / {peer.cpu_seconds:.1f} s"),
         ("where ckpt's time goes (its best round)", ""),
-        *stage_rows(ours),
+        *bc.stage_rows(ours),
     ])
     shutil.rmtree(ours_out, ignore_errors=True)
     peer_out.unlink(missing_ok=True)
@@ -176,32 +164,33 @@ def main() -> None:
     rows = []
     times = {}
     for label, per_item in (("1,024 files", True), ("8 files", False)):
-        d = DATA / ("dcp_1024files" if per_item else "dcp_8files")
+        d = bc.DATA / ("dcp_1024files" if per_item else "dcp_8files")
         if not (d / ".metadata").exists():
-            in_subprocess("bench.bench_consolidate.write_many_files", d, per_item)
-        warm(d)
-        out = DATA / "cons-many-out"
+            bc.in_subprocess("bench.bench_consolidate.write_many_files", d, per_item)
+        bc.warm(d)
+        out = bc.DATA / "cons-many-out"
         shutil.rmtree(out, ignore_errors=True)
-        r = timed(label, ckpt_argv("consolidate", str(d), "-o", str(out), "--quiet", "--force"),
-                  repeat=3)
+        r = bc.timed(label, bc.ckpt_argv("consolidate", str(d), "-o", str(out), "--quiet",
+                                         "--force"),
+                     repeat=3)
         times[label] = r.seconds
         files = len(list(d.iterdir()))
         rows.append((f"{label} ({files} entries)", f"{r.seconds:.2f} s"))
         shutil.rmtree(out, ignore_errors=True)
     rows.append(("ratio 1,024 / 8 files", f"{times['1,024 files'] / times['8 files']:.2f}x  "
                  "(target <= 2x)"))
-    report("the same 256 MB of tensors in 1,024 files vs 8 files", rows)
+    bc.report("the same 256 MB of tensors in 1,024 files vs 8 files", rows)
     _parts_section(src)
 
 
 def _parts_section(src: Path) -> None:
     size = sum(p.stat().st_size for p in src.iterdir())
-    split_in_parts(src, f"consolidate the {human_bytes(size)} 8-rank DCP into 512 MB shards: "
+    split_in_parts(src, f"consolidate the {bc.human_bytes(size)} 8-rank DCP into 512 MB shards: "
                         "1 process vs 2 parts", "512MB")
-    many = DATA / "dcp_1024files"
+    many = bc.DATA / "dcp_1024files"
     if not (many / ".metadata").exists():
-        in_subprocess("bench.bench_consolidate.write_many_files", many, True)
-    warm(many)
+        bc.in_subprocess("bench.bench_consolidate.write_many_files", many, True)
+    bc.warm(many)
     split_in_parts(many, "consolidate the 256 MB in 1,024 rank files into 32 MB shards: "
                          "1 process vs 2 parts", "32MB",
                    target="no target: at 256 MB each part's start-up and metadata reads weigh")

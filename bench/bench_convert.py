@@ -33,20 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench._common import (
-    DATA,
-    PY,
-    Run,
-    big_train_checkpoint,
-    ckpt_argv,
-    human_bytes,
-    report,
-    stage_rows,
-    timed,
-    timed_interleaved,
-    train_checkpoint,
-    warm,
-)
+from bench import _common as bc
 
 PEER = """
 import sys, torch
@@ -68,13 +55,13 @@ main()
 """
 
 
-def _median(r: Run) -> float:
+def _median(r: bc.Run) -> float:
     return statistics.median(r.all_seconds or (r.seconds,))
 
 
 def main() -> None:
     quick, big = "--quick" in sys.argv, "--big" in sys.argv
-    src = big_train_checkpoint() if big else train_checkpoint(
+    src = bc.big_train_checkpoint() if big else bc.train_checkpoint(
         **({"n_layers": 2, "dim": 512} if quick else {}))
     try:
         if "--fp8-memory" in sys.argv:
@@ -90,9 +77,9 @@ def main() -> None:
 
 def run(src: Path, big: bool) -> None:
     speedup_target = 3.0 if big else 1.5
-    warm(src)
-    out_dir = DATA / "convert-out"
-    peer_out = DATA / "convert-peer.safetensors"
+    bc.warm(src)
+    out_dir = bc.DATA / "convert-out"
+    peer_out = bc.DATA / "convert-peer.safetensors"
 
     def clean(label: str) -> None:
         if label.startswith("ckpt"):
@@ -101,38 +88,38 @@ def run(src: Path, big: bool) -> None:
             peer_out.unlink(missing_ok=True)
 
     args = ["convert", str(src), "--to", "fp16", "-o", str(out_dir), "--quiet"]
-    runs = {"ckpt": ckpt_argv(*args), "peer": [PY, "-c", PEER, str(src), str(peer_out)]}
+    runs = {"ckpt": bc.ckpt_argv(*args), "peer": [bc.PY, "-c", PEER, str(src), str(peer_out)]}
     if big:
-        runs["ckpt-torch"] = [PY, "-c", TORCH_CAST, *args]
-    best = timed_interleaved(runs, setup=clean, repeat=3 if big else 5)
+        runs["ckpt-torch"] = [bc.PY, "-c", TORCH_CAST, *args]
+    best = bc.timed_interleaved(runs, setup=clean, repeat=3 if big else 5)
     ours, peer = best["ckpt"], best["peer"]
     forced = best.get("ckpt-torch")
     out_bytes = sum(p.stat().st_size for p in out_dir.iterdir())
     import json
 
-    summary = json.loads(timed("inspect", ckpt_argv("inspect", str(src), "--json")).stdout)
+    summary = json.loads(bc.timed("inspect", bc.ckpt_argv("inspect", str(src), "--json")).stdout)
     model_bytes = summary["bytes_by_group"]["model"] + summary["bytes_by_group"]["buffer"]
     mb = 1 << 20
     floor_script = (f"dd if={src} of=/dev/null bs=1M count={model_bytes // mb} status=none && "
-                    f"dd if=/dev/zero of={DATA / 'floor.bin'} bs=1M count={out_bytes // mb} "
+                    f"dd if=/dev/zero of={bc.DATA / 'floor.bin'} bs=1M count={out_bytes // mb} "
                     "conv=fsync status=none")
-    floor = timed("floor", ["sh", "-c", floor_script], repeat=3)
-    (DATA / "floor.bin").unlink(missing_ok=True)
-    report(f"convert --to fp16 of a {human_bytes(src.stat().st_size)} training checkpoint "
-           f"({human_bytes(model_bytes)} of model tensors -> {human_bytes(out_bytes)})", [
-        ("ckpt convert", f"{ours.spread}, peak RSS {human_bytes(ours.peak_rss)}, "
+    floor = bc.timed("floor", ["sh", "-c", floor_script], repeat=3)
+    (bc.DATA / "floor.bin").unlink(missing_ok=True)
+    bc.report(f"convert --to fp16 of a {bc.human_bytes(src.stat().st_size)} training checkpoint "
+              f"({bc.human_bytes(model_bytes)} of model tensors -> {bc.human_bytes(out_bytes)})", [
+        ("ckpt convert", f"{ours.spread}, peak RSS {bc.human_bytes(ours.peak_rss)}, "
                          f"CPU {ours.cpu_seconds:.1f} s"),
         ("peer torch.load+half+save_file", f"{peer.spread}, peak RSS "
-                                           f"{human_bytes(peer.peak_rss)}, "
+                                           f"{bc.human_bytes(peer.peak_rss)}, "
                                            f"CPU {peer.cpu_seconds:.1f} s"),
         *([("ckpt convert, torch casts forced", f"{forced.spread}, peak RSS "
-                                                 f"{human_bytes(forced.peak_rss)}, "
+                                                 f"{bc.human_bytes(forced.peak_rss)}, "
                                                  f"CPU {forced.cpu_seconds:.1f} s")]
           if forced else []),
         ("floor (dd read + dd write, fsync)", f"{floor.seconds:.2f} s"),
         ("where ckpt's time goes (its best round)", ""),
-        *stage_rows(ours),
-        *(stage_rows(forced) if forced else []),
+        *bc.stage_rows(ours),
+        *(bc.stage_rows(forced) if forced else []),
         ("CPU vs peer", f"{ours.cpu_seconds / peer.cpu_seconds:.2f}x  (target <= 1x)"),
         ("speed-up vs peer", f"{peer.seconds / ours.seconds:.2f}x best, "
                              f"{_median(peer) / _median(ours):.2f}x median  "
@@ -154,9 +141,9 @@ def _rounds(default: int) -> int:
 def run_fp8(src: Path) -> None:
     """``--to fp8`` (block and channel layouts) beside ``--to bf16`` and ``--to fp16``, same
     input, interleaved rounds; each with wall, CPU, peak RSS and its stage report."""
-    warm(src)
+    bc.warm(src)
     labels = ("bf16", "fp16", "fp8-block", "fp8-channel")
-    outs = {k: DATA / f"convert-{k}" for k in labels}
+    outs = {k: bc.DATA / f"convert-{k}" for k in labels}
 
     def clean(label: str) -> None:
         shutil.rmtree(outs[label], ignore_errors=True)
@@ -164,21 +151,21 @@ def run_fp8(src: Path) -> None:
     def argv(label: str) -> list[str]:
         to = ["--to", label] if not label.startswith("fp8") else [
             "--to", "fp8", "--fp8-layout", label.split("-")[1]]
-        return ckpt_argv("convert", str(src), *to, "-o", str(outs[label]), "--quiet")
+        return bc.ckpt_argv("convert", str(src), *to, "-o", str(outs[label]), "--quiet")
 
     # "ckpt ..." labels: timed() records a ckpt process's stage report (CKPT_STAGE_REPORT)
-    timed_runs = timed_interleaved({f"ckpt {k}": argv(k) for k in labels},
-                                   setup=lambda label: clean(label[5:]), repeat=_rounds(3))
+    timed_runs = bc.timed_interleaved({f"ckpt {k}": argv(k) for k in labels},
+                                      setup=lambda label: clean(label[5:]), repeat=_rounds(3))
     best = {k: timed_runs[f"ckpt {k}"] for k in labels}
     size = {k: sum(p.stat().st_size for p in d.iterdir()) for k, d in outs.items()}
     base = best["bf16"]
-    report(f"convert --to fp8 vs --to bf16 / fp16 of a {human_bytes(src.stat().st_size)} "
-           "training checkpoint (fresh process each, warm page cache, interleaved rounds)", [
-        *((f"ckpt convert --to {k}", f"{r.spread}, peak RSS {human_bytes(r.peak_rss)}, "
+    bc.report(f"convert --to fp8 vs --to bf16 / fp16 of a {bc.human_bytes(src.stat().st_size)} "
+              "training checkpoint (fresh process each, warm page cache, interleaved rounds)", [
+        *((f"ckpt convert --to {k}", f"{r.spread}, peak RSS {bc.human_bytes(r.peak_rss)}, "
                                       f"CPU {r.cpu_seconds:.1f} s, output "
-                                      f"{human_bytes(size[k])}") for k, r in best.items()),
+                                      f"{bc.human_bytes(size[k])}") for k, r in best.items()),
         ("where the time goes (each one's best round)", ""),
-        *(row for k in labels for row in stage_rows(best[k])),
+        *(row for k in labels for row in bc.stage_rows(best[k])),
         *((f"{k} time vs bf16", f"{best[k].seconds / base.seconds:.2f}x best, "
                                 f"{_median(best[k]) / _median(base):.2f}x median  "
                                 "(target <= 1.5x)")
@@ -206,34 +193,34 @@ def run_fp8_memory() -> None:
     import subprocess
 
     n = 8192
-    src = DATA / "fp8-big-linear" / "model.safetensors"
+    src = bc.DATA / "fp8-big-linear" / "model.safetensors"
     if not src.exists():
         src.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([PY, "-c", BIG_LINEAR, str(src), str(n)], check=True)
-    warm(src)
+        subprocess.run([bc.PY, "-c", BIG_LINEAR, str(src), str(n)], check=True)
+    bc.warm(src)
     # "dequantize": --to bf16 --dequantize of the fp8-block output just written
     labels = ("bf16", "fp8-block", "fp8-channel", "fp8-tensor", "dequantize")
-    outs = {k: DATA / f"mem-{k}" for k in labels}
+    outs = {k: bc.DATA / f"mem-{k}" for k in labels}
 
     def clean(label: str) -> None:
         shutil.rmtree(outs[label], ignore_errors=True)
 
     def argv(label: str) -> list[str]:
         if label == "dequantize":
-            return ckpt_argv("convert", str(outs["fp8-block"]), "--to", "bf16", "--dequantize",
-                             "-o", str(outs[label]), "--max-memory", "64MiB", "--quiet")
+            return bc.ckpt_argv("convert", str(outs["fp8-block"]), "--to", "bf16", "--dequantize",
+                                "-o", str(outs[label]), "--max-memory", "64MiB", "--quiet")
         to = ["--to", label] if not label.startswith("fp8") else [
             "--to", "fp8", "--fp8-layout", label.split("-")[1]]
-        return ckpt_argv("convert", str(src.parent), *to, "-o", str(outs[label]),
-                         "--max-memory", "64MiB", "--quiet")
+        return bc.ckpt_argv("convert", str(src.parent), *to, "-o", str(outs[label]),
+                            "--max-memory", "64MiB", "--quiet")
 
-    timed_runs = timed_interleaved({f"ckpt {k}": argv(k) for k in labels},
-                                   setup=lambda label: clean(label[5:]), repeat=_rounds(2))
+    timed_runs = bc.timed_interleaved({f"ckpt {k}": argv(k) for k in labels},
+                                      setup=lambda label: clean(label[5:]), repeat=_rounds(2))
     best = {k: timed_runs[f"ckpt {k}"] for k in labels}
-    report(f"convert --max-memory 64MiB of one {n}x{n} FP32 Linear "
-           f"({human_bytes(src.stat().st_size)})", [
+    bc.report(f"convert --max-memory 64MiB of one {n}x{n} FP32 Linear "
+              f"({bc.human_bytes(src.stat().st_size)})", [
         ("ckpt convert fp8-block-out --to bf16 --dequantize" if k == "dequantize"
-         else f"ckpt convert --to {k}", f"{r.spread}, peak RSS {human_bytes(r.peak_rss)}, "
+         else f"ckpt convert --to {k}", f"{r.spread}, peak RSS {bc.human_bytes(r.peak_rss)}, "
                                          f"CPU {r.cpu_seconds:.1f} s")
         for k, r in best.items()])
     for d in outs.values():

@@ -19,16 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench._common import (
-    DATA,
-    PY,
-    ckpt_argv,
-    human_bytes,
-    in_subprocess,
-    report,
-    timed,
-    warm,
-)
+from bench import _common as bc
 
 PEER = """
 import sys, torch
@@ -72,10 +63,10 @@ def write_pair(out_dir: str, n_layers: int, dim: int) -> None:
 def pair(quick: bool) -> tuple[Path, Path]:
     """The two checkpoints, generated once and cached under bench/data."""
     n_layers, dim = (2, 512) if quick else (12, 1536)
-    out = DATA / f"diff_{n_layers}x{dim}"
+    out = bc.DATA / f"diff_{n_layers}x{dim}"
     if not (out / "b.pt").exists():
         print(f"[bench] writing {out} ...", file=sys.stderr)
-        in_subprocess("bench.bench_diff.write_pair", out, n_layers, dim)
+        bc.in_subprocess("bench.bench_diff.write_pair", out, n_layers, dim)
     return out / "a.safetensors", out / "b.pt"
 
 
@@ -83,11 +74,11 @@ def main() -> None:
     quick = "--quick" in sys.argv
     repeat = int(sys.argv[sys.argv.index("--repeat") + 1]) if "--repeat" in sys.argv else 3
     a, b = pair(quick)
-    warm(a)
-    warm(b)
-    ours = timed("ckpt diff", ckpt_argv("diff", str(a), str(b), "--json", "--exit-zero"),
-                 repeat=repeat)
-    peer = timed("peer", [PY, "-c", PEER, str(a), str(b)], repeat=repeat)
+    bc.warm(a)
+    bc.warm(b)
+    ours = bc.timed("ckpt diff", bc.ckpt_argv("diff", str(a), str(b), "--json", "--exit-zero"),
+                    repeat=repeat)
+    peer = bc.timed("peer", [bc.PY, "-c", PEER, str(a), str(b)], repeat=repeat)
     doc = json.loads(ours.stdout)
     ours_changed = doc["summary"]["changed"]
     ours_max = max(t["max_abs"] for t in doc["tensors"])
@@ -95,11 +86,11 @@ def main() -> None:
     speed = peer.seconds / ours.seconds
     memory = ours.peak_rss / peer.peak_rss
     size = a.stat().st_size + b.stat().st_size
-    report(f"diff of two fp32 state dicts ({human_bytes(a.stat().st_size)} safetensors vs "
-           f"{human_bytes(b.stat().st_size)} torch .pt, {human_bytes(size)} read)", [
-        ("ckpt diff --json", f"{ours.seconds:.2f} s, peak RSS {human_bytes(ours.peak_rss)}"),
+    bc.report(f"diff of two fp32 state dicts ({bc.human_bytes(a.stat().st_size)} safetensors vs "
+              f"{bc.human_bytes(b.stat().st_size)} torch .pt, {bc.human_bytes(size)} read)", [
+        ("ckpt diff --json", f"{ours.seconds:.2f} s, peak RSS {bc.human_bytes(ours.peak_rss)}"),
         ("peer torch.load x2 + allclose", f"{peer.seconds:.2f} s, peak RSS "
-                                          f"{human_bytes(peer.peak_rss)}"),
+                                          f"{bc.human_bytes(peer.peak_rss)}"),
         ("speed-up (peer / ckpt)", f"{speed:.2f}x  (target >= 1.5x) "
                                    f"{'OK' if speed >= 1.5 else 'MISSED'}"),
         ("memory (ckpt / peer)", f"{memory:.3f} = 1/{1 / memory:.1f}  (target <= 1/3) "

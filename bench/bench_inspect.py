@@ -22,19 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench._common import (
-    DATA,
-    PY,
-    child_env,
-    ckpt_argv,
-    human_bytes,
-    in_subprocess,
-    many_checkpoints,
-    report,
-    timed,
-    train_checkpoint,
-    warm,
-)
+from bench import _common as bc
 
 PEER = """
 import sys, torch
@@ -52,16 +40,16 @@ print(count(sd["model"]))
 
 
 def bench_big_file(quick: bool) -> None:
-    path = train_checkpoint(**({"n_layers": 2, "dim": 512} if quick else {}))
-    warm(path)
-    ours = timed("ckpt inspect --json", ckpt_argv("inspect", str(path), "--json"), repeat=3)
-    peer = timed("torch.load(mmap) + walk", [PY, "-c", PEER, str(path)], repeat=3)
+    path = bc.train_checkpoint(**({"n_layers": 2, "dim": 512} if quick else {}))
+    bc.warm(path)
+    ours = bc.timed("ckpt inspect --json", bc.ckpt_argv("inspect", str(path), "--json"), repeat=3)
+    peer = bc.timed("torch.load(mmap) + walk", [bc.PY, "-c", PEER, str(path)], repeat=3)
     ours_params = json.loads(ours.stdout)["num_parameters"]
     peer_params = int(peer.stdout.strip())
-    report(f"inspect of a {human_bytes(path.stat().st_size)} torch training checkpoint", [
-        ("ckpt inspect --json", f"{ours.seconds:.3f} s, peak RSS {human_bytes(ours.peak_rss)}"),
+    bc.report(f"inspect of a {bc.human_bytes(path.stat().st_size)} torch training checkpoint", [
+        ("ckpt inspect --json", f"{ours.seconds:.3f} s, peak RSS {bc.human_bytes(ours.peak_rss)}"),
         ("peer torch.load(mmap)+walk", f"{peer.seconds:.3f} s, peak RSS "
-                                       f"{human_bytes(peer.peak_rss)}"),
+                                       f"{bc.human_bytes(peer.peak_rss)}"),
         ("speed-up (peer / ckpt)", f"{peer.seconds / ours.seconds:.1f}x  (target >= 8x)"),
         ("parameters (ckpt / peer)", f"{ours_params:,} / {peer_params:,}  "
                                      f"{'same' if ours_params == peer_params else 'DIFFERENT'}"),
@@ -75,7 +63,7 @@ def import_time(*args: str, repeat: int = 5) -> tuple[float, float, int]:
     (their self time), and how many ckpt_cli modules were imported."""
     totals, own, count = [], [], 0
     for _ in range(repeat):
-        p = subprocess.run([PY, "-X", "importtime", "-m", "ckpt_cli", *args], env=child_env(),
+        p = subprocess.run([bc.PY, "-X", "importtime", "-m", "ckpt_cli", *args], env=bc.child_env(),
                            capture_output=True, text=True, check=False)
         total = mine = 0
         modules = set()
@@ -110,7 +98,7 @@ print(sum(1 for m in sys.modules if m == "ckpt_cli" or m.startswith("ckpt_cli.")
 def import_rows(path: Path) -> list[tuple[str, str]]:
     """Rows for :func:`report`: what ``inspect --json PATH`` and ``--help`` import."""
     total, own, count = import_time("inspect", "--json", str(path))
-    p = subprocess.run([PY, "-c", HELP_MODULES], env=child_env(), capture_output=True,
+    p = subprocess.run([bc.PY, "-c", HELP_MODULES], env=bc.child_env(), capture_output=True,
                        text=True, check=False)
     help_count = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "?"
     return [("imports (-X importtime, median)", f"{total:.3f} s, of it ckpt_cli's own "
@@ -121,9 +109,9 @@ def import_rows(path: Path) -> list[tuple[str, str]]:
 def _dcp_dir(n_files: int) -> Path:
     """A DCP checkpoint with ``n_files`` .distcp files (one file per item, as DCP writes with
     single_file_per_rank=False)."""
-    out = DATA / f"dcp_{n_files}"
+    out = bc.DATA / f"dcp_{n_files}"
     if not (out / ".metadata").exists():
-        in_subprocess("bench.bench_inspect.write_dcp", out, n_files)
+        bc.in_subprocess("bench.bench_inspect.write_dcp", out, n_files)
     return out
 
 
@@ -144,9 +132,9 @@ def write_dcp(out: str, n_files: int) -> None:
 
 
 def _run_dir(n: int) -> Path:
-    out = DATA / f"run_{n}"
+    out = bc.DATA / f"run_{n}"
     if not (out / f"step_{n:06d}").exists():
-        in_subprocess("bench.bench_inspect.write_run", out, n)
+        bc.in_subprocess("bench.bench_inspect.write_run", out, n)
     return out
 
 
@@ -171,15 +159,15 @@ def bench_scaling() -> None:
         per = []
         for n in sizes:
             d = make(n)
-            warm(d)
-            r = timed(f"inspect {n}", ckpt_argv("inspect", str(d), "--json"), repeat=3)
+            bc.warm(d)
+            r = bc.timed(f"inspect {n}", bc.ckpt_argv("inspect", str(d), "--json"), repeat=3)
             per.append(r.seconds)
             rows.append((f"{label}: {n}", f"{r.seconds:.3f} s"))
         # Subtract the fixed start-up cost (the smallest run's time scaled) to see growth.
         growth = (per[-1] - per[0]) / (sizes[-1] - sizes[0]) * 1000
         rows.append((f"{label}: marginal cost", f"{growth:.2f} ms per file "
                      f"({per[-1] / per[0]:.2f}x time for {sizes[-1] / sizes[0]:.0f}x files)"))
-    report("inspect cost vs number of files (linear = constant marginal cost)", rows)
+    bc.report("inspect cost vs number of files (linear = constant marginal cost)", rows)
 
 
 LISTING = """
@@ -194,33 +182,33 @@ print(n)
 
 
 def bench_many_checkpoints(n: int = 20_000) -> None:
-    d = many_checkpoints(n)
-    warm(d)
-    runs = {"plain listing (scandir+stat)": [PY, "-c", LISTING, str(d)],
-            "ckpt inspect": ckpt_argv("inspect", str(d)),
-            "ckpt inspect --json": ckpt_argv("inspect", str(d), "--json")}
+    d = bc.many_checkpoints(n)
+    bc.warm(d)
+    runs = {"plain listing (scandir+stat)": [bc.PY, "-c", LISTING, str(d)],
+            "ckpt inspect": bc.ckpt_argv("inspect", str(d)),
+            "ckpt inspect --json": bc.ckpt_argv("inspect", str(d), "--json")}
     baseline = os.environ.get("CKPT_BENCH_BASELINE")
     if baseline:
         # -P: not the current directory first on sys.path, so PYTHONPATH picks the checkout.
-        runs["baseline ckpt inspect"] = [PY, "-P", "-m", "ckpt_cli", "inspect", str(d)]
-    results = {label: timed(label, argv, repeat=3, env={"PYTHONPATH": baseline}
-                            if label.startswith("baseline") and baseline else None)
+        runs["baseline ckpt inspect"] = [bc.PY, "-P", "-m", "ckpt_cli", "inspect", str(d)]
+    results = {label: bc.timed(label, argv, repeat=3, env={"PYTHONPATH": baseline}
+                               if label.startswith("baseline") and baseline else None)
                for label, argv in runs.items()}
     entries = len(json.loads(results["ckpt inspect --json"].stdout)["checkpoints"])
     rows = [(label, f"{r.seconds:.2f} s wall, {r.cpu_seconds:.2f} s CPU, peak RSS "
-                    f"{human_bytes(r.peak_rss)}"
+                    f"{bc.human_bytes(r.peak_rss)}"
              + (f", {r.stdout.count(chr(10)):,} lines" if label.endswith("inspect") else ""))
             for label, r in results.items()]
     rows.append(("entries in --json", f"{entries:,} (of {n:,})"))
     ours = results["ckpt inspect"]
     rows.append(("target", f"ckpt inspect <= 2 s: {'met' if ours.seconds <= 2 else 'MISSED'}"
                            f" (wall; CPU {ours.cpu_seconds:.2f} s: a busy machine inflates wall)"))
-    report(f"inspect of a run directory of {n:,} small checkpoints", rows)
+    bc.report(f"inspect of a run directory of {n:,} small checkpoints", rows)
 
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    DATA.mkdir(parents=True, exist_ok=True)
+    bc.DATA.mkdir(parents=True, exist_ok=True)
     if "--many" in sys.argv:  # only the 20,000-checkpoint run directory
         bench_many_checkpoints()
         return

@@ -37,17 +37,7 @@ import sys
 import time
 import uuid
 
-from bench._common import (
-    DATA,
-    PY,
-    Run,
-    ckpt_argv,
-    human_bytes,
-    many_checkpoints,
-    report,
-    timed,
-    train_checkpoint,
-)
+from bench import _common as bc
 from tests.helpers import s3
 
 PEER_INSPECT = """
@@ -87,33 +77,33 @@ def local_paths() -> None:
         print("[bench] set CKPT_BENCH_BASELINE to a checkout to compare local paths with",
               file=sys.stderr)
         return
-    src = train_checkpoint()
-    st = str(next(many_checkpoints(100).glob("*.safetensors")))
+    src = bc.train_checkpoint()
+    st = str(next(bc.many_checkpoints(100).glob("*.safetensors")))
     cases = {"--help": ["--help"], "inspect --json train.pt": ["inspect", str(src), "--json"],
              "inspect --json small.safetensors": ["inspect", st, "--json"]}
     rows = []
     for label, args in cases.items():
-        runs = {"now": ckpt_argv(*args), "before": [PY, "-P", "-m", "ckpt_cli", *args]}
-        best: dict[str, Run] = {}
+        runs = {"now": bc.ckpt_argv(*args), "before": [bc.PY, "-P", "-m", "ckpt_cli", *args]}
+        best: dict[str, bc.Run] = {}
         for _ in range(7):
             for who, argv in runs.items():
-                r = timed(who, argv, env={"PYTHONPATH": baseline} if who == "before" else None)
+                r = bc.timed(who, argv, env={"PYTHONPATH": baseline} if who == "before" else None)
                 if who not in best or r.seconds < best[who].seconds:
                     best[who] = r
         now, before = best["now"], best["before"]
-        rows.append((label, f"now {now.seconds:.3f} s ({human_bytes(now.peak_rss)}), before "
-                            f"{before.seconds:.3f} s ({human_bytes(before.peak_rss)}): "
+        rows.append((label, f"now {now.seconds:.3f} s ({bc.human_bytes(now.peak_rss)}), before "
+                            f"{before.seconds:.3f} s ({bc.human_bytes(before.peak_rss)}): "
                             f"{now.seconds / before.seconds:.2f}x"))
-    report("local paths, this checkout vs the baseline (best of 7, interleaved)", rows)
+    bc.report("local paths, this checkout vs the baseline (best of 7, interleaved)", rows)
 
 
 def main() -> None:
     if "--local" in sys.argv:
         local_paths()
         return
-    src = train_checkpoint()
-    small = train_checkpoint(n_layers=2, dim=512)
-    run_dir = many_checkpoints(100)
+    src = bc.train_checkpoint()
+    small = bc.train_checkpoint(n_layers=2, dim=512)
+    run_dir = bc.many_checkpoints(100)
     size, small_size = src.stat().st_size, small.stat().st_size
     with s3.moto_process_endpoint() as (moto, proxy):
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
@@ -122,23 +112,23 @@ def main() -> None:
         s3.upload(moto, src, bucket, "train.pt")
         s3.upload(moto, small, bucket, "small.pt")
         s3.upload(moto, run_dir, bucket, "run")
-        print(f"[bench] uploaded {human_bytes(size + small_size)} in "
+        print(f"[bench] uploaded {bc.human_bytes(size + small_size)} in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
         env = s3.env_for(proxy.url)
         url = f"s3://{bucket}/train.pt"
 
         # 1. inspect of the training checkpoint.
         proxy.traffic.reset()
-        ours = timed("ckpt inspect", ckpt_argv("inspect", url, "--json"), env=env)
+        ours = bc.timed("ckpt inspect", bc.ckpt_argv("inspect", url, "--json"), env=env)
         doc = json.loads(ours.stdout)
         t = proxy.traffic
         requests, moved = t.requests, t.bytes_out
-        report(f"inspect --json {url} ({human_bytes(size)}, {doc['num_tensors']} tensors)", [
+        bc.report(f"inspect --json {url} ({bc.human_bytes(size)}, {doc['num_tensors']} tensors)", [
             ("ckpt", f"{requests} requests ({t.lists} LIST, {t.by_method.get('HEAD', 0)} HEAD, "
                      f"{requests - t.lists - t.by_method.get('HEAD', 0)} ranged GET), "
-                     f"{human_bytes(moved)} moved, {ours.seconds:.2f} s, peak RSS "
-                     f"{human_bytes(ours.peak_rss)}"),
-            ("peer (download, then torch.load)", f"moves the whole object: {human_bytes(size)} "
+                     f"{bc.human_bytes(moved)} moved, {ours.seconds:.2f} s, peak RSS "
+                     f"{bc.human_bytes(ours.peak_rss)}"),
+            ("peer (download, then torch.load)", f"moves the whole object: {bc.human_bytes(size)} "
                                                  f"({size / max(moved, 1):,.0f}x ckpt's bytes)"),
             ("target", f"<= 20 requests: {'met' if requests <= 20 else 'NOT met'}; "
                        f"<= 2 MB: {'met' if moved <= 2_000_000 else 'NOT met'}"),
@@ -146,15 +136,15 @@ def main() -> None:
 
         # 2. a run directory of 100 checkpoints.
         proxy.traffic.reset()
-        run = timed("ckpt inspect run", ckpt_argv("inspect", f"s3://{bucket}/run", "--json"),
-                    env=env)
+        run = bc.timed("ckpt inspect run", bc.ckpt_argv("inspect", f"s3://{bucket}/run", "--json"),
+                       env=env)
         listing = json.loads(run.stdout)
         t = proxy.traffic
-        report(f"inspect --json s3://{bucket}/run (100 checkpoints)", [
+        bc.report(f"inspect --json s3://{bucket}/run (100 checkpoints)", [
             ("ckpt", f"{run.seconds:.2f} s, {t.requests} requests: {t.lists} LIST page(s), "
                      f"{t.by_method.get('HEAD', 0)} HEAD, "
                      f"{t.requests - t.lists - t.by_method.get('HEAD', 0)} ranged GETs, "
-                     f"{human_bytes(t.bytes_out)} moved"),
+                     f"{bc.human_bytes(t.bytes_out)} moved"),
             ("checkpoints listed", str(len(listing["checkpoints"]))),
         ])
 
@@ -162,62 +152,62 @@ def main() -> None:
         surl = f"s3://{bucket}/small.pt"
         rows = []
         proxy.traffic.reset()
-        floor = timed("boto3 download", [PY, "-c", PEER_READ, bucket, "small.pt"], env=env)
+        floor = bc.timed("boto3 download", [bc.PY, "-c", PEER_READ, bucket, "small.pt"], env=env)
         rows.append(("boto3 download_fileobj (10 threads, to nowhere)",
                      f"{floor.seconds:.2f} s, {small_size / floor.seconds / 1e6:,.0f} MB/s, "
                      f"{proxy.traffic.requests} requests"))
-        tmp = DATA / "peer-download.pt"
+        tmp = bc.DATA / "peer-download.pt"
         try:
-            peer = timed("peer", [PY, "-c", PEER_INSPECT, bucket, "small.pt", str(tmp)],
-                         env=env)
+            peer = bc.timed("peer", [bc.PY, "-c", PEER_INSPECT, bucket, "small.pt", str(tmp)],
+                            env=env)
         finally:
             tmp.unlink(missing_ok=True)
         rows.append(("peer inspect: download + torch.load(mmap)",
-                     f"{peer.seconds:.2f} s, peak RSS {human_bytes(peer.peak_rss)}"))
+                     f"{peer.seconds:.2f} s, peak RSS {bc.human_bytes(peer.peak_rss)}"))
         proxy.traffic.reset()
-        mine = timed("ckpt inspect small", ckpt_argv("inspect", surl, "--json"), env=env)
+        mine = bc.timed("ckpt inspect small", bc.ckpt_argv("inspect", surl, "--json"), env=env)
         rows.append(("ckpt inspect --json", f"{mine.seconds:.2f} s, {proxy.traffic.requests} "
-                     f"requests, {human_bytes(proxy.traffic.bytes_out)} moved "
+                     f"requests, {bc.human_bytes(proxy.traffic.bytes_out)} moved "
                      f"({peer.seconds / mine.seconds:.1f}x faster than the peer)"))
         for conc in (1, 4, 8):
             proxy.traffic.reset()
-            r = timed(f"validate c={conc}", ckpt_argv("validate", surl, "--json",
-                                                      "--concurrency", str(conc)), env=env)
+            r = bc.timed(f"validate c={conc}", bc.ckpt_argv("validate", surl, "--json",
+                                                            "--concurrency", str(conc)), env=env)
             ok = json.loads(r.stdout)["valid"]
             rows.append((f"ckpt validate --concurrency {conc}",
                          f"{r.seconds:.2f} s, {small_size / r.seconds / 1e6:,.0f} MB/s "
                          f"({floor.seconds / r.seconds:.2f}x the download), "
                          f"{proxy.traffic.requests} requests, peak RSS "
-                         f"{human_bytes(r.peak_rss)}, valid={ok}"))
-        local = timed("validate local", ckpt_argv("validate", str(small), "--json"))
+                         f"{bc.human_bytes(r.peak_rss)}, valid={ok}"))
+        local = bc.timed("validate local", bc.ckpt_argv("validate", str(small), "--json"))
         rows.append(("ckpt validate of the local file", f"{local.seconds:.2f} s"))
-        report(f"streaming {surl} ({human_bytes(small_size)})", rows)
+        bc.report(f"streaming {surl} ({bc.human_bytes(small_size)})", rows)
 
         # 4. writing: the whole training state of the smaller checkpoint, as safetensors.
-        out = DATA / "upload-peer.safetensors"
+        out = bc.DATA / "upload-peer.safetensors"
         rows = []
         try:
-            conv = timed("local convert", ckpt_argv("convert", str(small), "--keep-optimizer",
-                                                    "-o", str(out), "--force"))
+            conv = bc.timed("local convert", bc.ckpt_argv("convert", str(small), "--keep-optimizer",
+                                                          "-o", str(out), "--force"))
             size_out = out.stat().st_size
             proxy.traffic.reset()
-            peer_up = timed("boto3 upload", [PY, "-c", PEER_UPLOAD, str(out), bucket, "p.st"],
-                            env=env)
+            peer_up = bc.timed("boto3 upload", [bc.PY, "-c", PEER_UPLOAD, str(out), bucket, "p.st"],
+                               env=env)
             rows.append(("boto3 upload_file of the converted file (10 threads)",
                          f"{peer_up.seconds:.2f} s, {size_out / peer_up.seconds / 1e6:,.0f} MB/s,"
                          f" {proxy.traffic.requests} requests"))
             rows.append(("ckpt convert to a local file (for reference)", f"{conv.seconds:.2f} s"))
             proxy.traffic.reset()
-            up = timed("ckpt convert -o s3", ckpt_argv(
+            up = bc.timed("ckpt convert -o s3", bc.ckpt_argv(
                 "convert", str(small), "--keep-optimizer", "-o", f"s3://{bucket}/c.safetensors",
                 "--force"), env=env)
             rows.append(("ckpt convert -o s3://... (read, write, upload at once)",
                          f"{up.seconds:.2f} s, {size_out / up.seconds / 1e6:,.0f} MB/s, "
                          f"{proxy.traffic.requests} requests, peak RSS "
-                         f"{human_bytes(up.peak_rss)}"))
+                         f"{bc.human_bytes(up.peak_rss)}"))
         finally:
             out.unlink(missing_ok=True)
-        report(f"writing {human_bytes(size_out)} of safetensors to the bucket", rows)
+        bc.report(f"writing {bc.human_bytes(size_out)} of safetensors to the bucket", rows)
     local_paths()
 
 

@@ -24,30 +24,18 @@ import shutil
 import sys
 from pathlib import Path
 
-from bench._common import (
-    DATA,
-    PY,
-    Run,
-    ckpt_argv,
-    human_bytes,
-    in_subprocess,
-    report,
-    stage_rows,
-    timed,
-    timed_together,
-    train_checkpoint,
-    warm,
-)
+from bench import _common as bc
 
 TESTZIP = "import sys, zipfile; bad = zipfile.ZipFile(sys.argv[1]).testzip(); print(bad)"
 
 
-def _manifest_rate(path: Path, args: list[str], repeat: int) -> tuple[float, float, Run | None]:
+def _manifest_rate(path: Path, args: list[str], repeat: int) -> tuple[float, float, bc.Run | None]:
     """Best hashing throughput (bytes/s, from ckpt's own measurement), its wall time and
     that run (with its per-stage report)."""
     best, wall, best_run = 0.0, 0.0, None
     for _ in range(repeat):
-        run = timed("ckpt validate " + " ".join(args), ckpt_argv("validate", str(path), *args))
+        run = bc.timed("ckpt validate " + " ".join(args),
+                       bc.ckpt_argv("validate", str(path), *args))
         doc = json.loads(run.stdout)
         rate = doc["checkpoints"][0]["manifest"]["bytes_per_second"]
         if rate > best:
@@ -81,11 +69,11 @@ def write_rank_dcp(out: str, n_files: int, file_kib: int) -> None:
 
 def rank_dcp(n_files: int, file_kib: int) -> Path:
     """The DCP checkpoint of :func:`write_rank_dcp`, made once and cached."""
-    out = DATA / f"dcp_ranks_{n_files}x{file_kib}k"
+    out = bc.DATA / f"dcp_ranks_{n_files}x{file_kib}k"
     if not (out / ".metadata").exists():
-        DATA.mkdir(parents=True, exist_ok=True)
+        bc.DATA.mkdir(parents=True, exist_ok=True)
         print(f"[bench] writing {out} ...", file=sys.stderr)
-        in_subprocess("bench.bench_validate.write_rank_dcp", out, n_files, file_kib)
+        bc.in_subprocess("bench.bench_validate.write_rank_dcp", out, n_files, file_kib)
     return out
 
 
@@ -106,23 +94,23 @@ def bench_parts(quick: bool) -> None:
     for n in (256, 1024):
         d = rank_dcp(n, file_kib)
         size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
-        warm(d)
+        bc.warm(d)
         args = ["validate", str(d), "--write-manifest", "--json"]
         one, two = float("inf"), float("inf")
         reference: list[object] = []
         for _ in range(repeat):  # interleaved: both see the same machine
             (d / "ckpt-manifest.json").unlink(missing_ok=True)
-            one = min(one, timed_together("1 process", [ckpt_argv(*args)], env=_ENV).seconds)
+            one = min(one, bc.timed_together("1 process", [bc.ckpt_argv(*args)], env=_ENV).seconds)
             reference = _manifest_files(d)
             (d / "ckpt-manifest.json").unlink(missing_ok=True)
-            two = min(two, timed_together("2 parts", [ckpt_argv(*args, "--part", f"{k}/2")
-                                                      for k in (1, 2)], env=_ENV).seconds)
+            two = min(two, bc.timed_together("2 parts", [bc.ckpt_argv(*args, "--part", f"{k}/2")
+                                                         for k in (1, 2)], env=_ENV).seconds)
             assert _manifest_files(d) == reference, "the merged manifest differs"
         (d / "ckpt-manifest.json").unlink(missing_ok=True)
         per[n] = (one, size)
-        rows += [(f"{n:,} rank files, {human_bytes(size)}: 1 process",
-                  f"{one:.2f} s, {human_bytes(size / one)}/s"),
-                 (f"{n:,} rank files: 2 parts at once", f"{two:.2f} s, {human_bytes(size / two)}"
+        rows += [(f"{n:,} rank files, {bc.human_bytes(size)}: 1 process",
+                  f"{one:.2f} s, {bc.human_bytes(size / one)}/s"),
+                 (f"{n:,} rank files: 2 parts at once", f"{two:.2f} s, {bc.human_bytes(size / two)}"
                                                         f"/s = {one / two:.2f}x"
                                                         + ("  (target >= 1.6x)"
                                                            if n == 256 else ""))]
@@ -130,8 +118,8 @@ def bench_parts(quick: bool) -> None:
     rows.append(("linearity (1,024 vs 256 files, 1 process)",
                  f"{t1024 / t256:.2f}x the time for {b1024 / b256:.2f}x the bytes and 4x the "
                  "files (linear: about the same)"))
-    report("validate --write-manifest of a DCP checkpoint: 2 parts (--part K/2) vs 1 process"
-           + (" [--quick: small files, smoke only]" if quick else ""), rows)
+    bc.report("validate --write-manifest of a DCP checkpoint: 2 parts (--part K/2) vs 1 process"
+              + (" [--quick: small files, smoke only]" if quick else ""), rows)
 
 
 def main() -> None:
@@ -140,60 +128,60 @@ def main() -> None:
         return
     quick = "--quick" in sys.argv
     repeat = 1 if quick else 3
-    path = train_checkpoint(**({"n_layers": 2, "dim": 512} if quick else {}))
+    path = bc.train_checkpoint(**({"n_layers": 2, "dim": 512} if quick else {}))
     manifest = path.with_name(path.name + ".ckpt-manifest.json")
     manifest.unlink(missing_ok=True)
     size = path.stat().st_size
-    warm(path)
+    bc.warm(path)
 
-    ours = timed("ckpt validate", ckpt_argv("validate", str(path), "--json"), repeat=repeat)
+    ours = bc.timed("ckpt validate", bc.ckpt_argv("validate", str(path), "--json"), repeat=repeat)
     doc = json.loads(ours.stdout)
     assert doc["valid"], doc
     crc = next(c for c in doc["checkpoints"][0]["checks"] if c["id"] == "crc32")
-    testzip = timed("testzip", [PY, "-c", TESTZIP, str(path)], repeat=repeat)
+    testzip = bc.timed("testzip", [bc.PY, "-c", TESTZIP, str(path)], repeat=repeat)
     assert testzip.stdout.strip() == "None", testzip.stdout
-    sha = timed("sha256sum", ["sha256sum", str(path)], repeat=1) if shutil.which(
+    sha = bc.timed("sha256sum", ["sha256sum", str(path)], repeat=1) if shutil.which(
         "sha256sum") else None
     rows = [
         ("ckpt validate (structure + CRC)", f"{ours.seconds:.2f} s, "
-                                            f"{human_bytes(size / ours.seconds)}/s, peak RSS "
-                                            f"{human_bytes(ours.peak_rss)}  [{crc['summary']}]"),
+                                            f"{bc.human_bytes(size / ours.seconds)}/s, peak RSS "
+                                            f"{bc.human_bytes(ours.peak_rss)}  [{crc['summary']}]"),
         ("zipfile testzip() (CRC only)", f"{testzip.seconds:.2f} s, peak RSS "
-                                         f"{human_bytes(testzip.peak_rss)}"),
+                                         f"{bc.human_bytes(testzip.peak_rss)}"),
         ("speed-up vs testzip", f"{testzip.seconds / ours.seconds:.1f}x  (target >= 1x)"),
     ]
     if sha is not None:
         rows += [("sha256sum", f"{sha.seconds:.2f} s"),
                  ("speed-up vs sha256sum", f"{sha.seconds / ours.seconds:.1f}x")]
-    rows += [("where ckpt's time goes", ""), *stage_rows(ours)]
-    report(f"validate a {human_bytes(size)} torch training checkpoint (warm cache)", rows)
+    rows += [("where ckpt's time goes", ""), *bc.stage_rows(ours)]
+    bc.report(f"validate a {bc.human_bytes(size)} torch training checkpoint (warm cache)", rows)
 
-    cat = timed("cat", ["sh", "-c", 'cat "$1" > /dev/null', "sh", str(path)], repeat=repeat)
+    cat = bc.timed("cat", ["sh", "-c", 'cat "$1" > /dev/null', "sh", str(path)], repeat=repeat)
     cat_rate = size / cat.seconds
     write_rate, write_wall, write_run = _manifest_rate(
         path, ["--write-manifest", "--json"], repeat)  # the full check: --quick refuses it
     verify_rate, verify_wall, _ = _manifest_rate(path, ["--quick", "--json"], repeat)
     manifest.unlink(missing_ok=True)
-    report("integrity manifest (xxh3_128) vs reading the file from page cache", [
-        ("cat FILE > /dev/null", f"{cat.seconds:.2f} s, {human_bytes(cat_rate)}/s"),
-        ("hashing (--write-manifest)", f"{human_bytes(write_rate)}/s = "
+    bc.report("integrity manifest (xxh3_128) vs reading the file from page cache", [
+        ("cat FILE > /dev/null", f"{cat.seconds:.2f} s, {bc.human_bytes(cat_rate)}/s"),
+        ("hashing (--write-manifest)", f"{bc.human_bytes(write_rate)}/s = "
                                        f"{100 * write_rate / cat_rate:.0f}% of cat "
                                        f"(target >= 70%); whole command {write_wall:.2f} s"),
-        ("hashing (verify)", f"{human_bytes(verify_rate)}/s = "
+        ("hashing (verify)", f"{bc.human_bytes(verify_rate)}/s = "
                              f"{100 * verify_rate / cat_rate:.0f}% of cat; whole command "
                              f"{verify_wall:.2f} s"),
-        *(stage_rows(write_run) if write_run is not None else []),
+        *(bc.stage_rows(write_run) if write_run is not None else []),
     ])
 
-    values = timed("ckpt validate --values", ckpt_argv("validate", str(path), "--quick",
-                                                       "--values", "--json"))
+    values = bc.timed("ckpt validate --values", bc.ckpt_argv("validate", str(path), "--quick",
+                                                             "--values", "--json"))
     vdoc = json.loads(values.stdout)
     summary = next(c for c in vdoc["checkpoints"][0]["checks"] if c["id"] == "values")
-    report("--values (every floating tensor, one at a time)", [
+    bc.report("--values (every floating tensor, one at a time)", [
         ("ckpt validate --quick --values", f"{values.seconds:.2f} s, peak RSS "
-                                           f"{human_bytes(values.peak_rss)}"),
+                                           f"{bc.human_bytes(values.peak_rss)}"),
         ("checked", summary["summary"]),
-        *stage_rows(values),
+        *bc.stage_rows(values),
     ])
 
 

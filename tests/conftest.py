@@ -95,6 +95,21 @@ def ds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                   "z1-fp32+frozen", "z2-fp32+frozen"])
 
 
+@pytest.fixture
+def s3env(endpoint: tuple[str, Any], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The test credentials and the proxy's endpoint in the environment; its faults cleared
+    and its traffic counters reset. ``endpoint`` is the module's own fixture (moto's URL and
+    the :class:`tests.helpers.s3.Proxy` in front of it)."""
+    from tests.helpers import s3
+
+    _, proxy = endpoint
+    proxy.faults.clear()
+    proxy.traffic.reset()
+    with s3.client_env(proxy, monkeypatch):
+        yield proxy
+    proxy.faults.clear()
+
+
 GOLDEN = Path(__file__).parent / "golden"
 
 Golden = Callable[..., None]

@@ -9,26 +9,16 @@ import typer
 from typer.core import TyperArgument, TyperCommand
 
 from ckpt_cli import __version__
-from ckpt_cli.cli.consolidate import consolidate_cmd
-from ckpt_cli.cli.convert import convert_cmd
-from ckpt_cli.cli.diff import diff_cmd
 from ckpt_cli.cli.errors import json_errors, refused, worded
-from ckpt_cli.cli.inspect import inspect_cmd
 from ckpt_cli.cli.options import Refused
-from ckpt_cli.cli.plan import plan_cmd
-from ckpt_cli.cli.prune import prune_cmd
-from ckpt_cli.cli.sample import sample_cmd
-from ckpt_cli.cli.validate import validate_cmd
-from ckpt_cli.cli.watch import resume_path_cmd, watch_cmd
 
-app = typer.Typer(
-    name="ckpt",
-    help="Inspect, validate, diff, convert, consolidate and prune deep-learning checkpoints.",
-    no_args_is_help=True,
-    rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
-    pretty_exceptions_enable=False,
-)
+# Each subcommand, in --help's order: its name, and the module and function that implement it.
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("inspect", "inspect", "inspect_cmd"), ("validate", "validate", "validate_cmd"),
+    ("diff", "diff", "diff_cmd"), ("convert", "convert", "convert_cmd"),
+    ("consolidate", "consolidate", "consolidate_cmd"), ("prune", "prune", "prune_cmd"),
+    ("plan", "plan", "plan_cmd"), ("sample", "sample", "sample_cmd"),
+    ("watch", "watch", "watch_cmd"), ("resume-path", "watch", "resume_path_cmd"))
 
 
 def command_help(doc: str | None) -> str:
@@ -209,7 +199,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
@@ -217,23 +206,66 @@ def _root(
     """Inspect, validate, diff, convert, consolidate and prune deep-learning checkpoints."""
 
 
-for _name, _command in (("inspect", inspect_cmd), ("validate", validate_cmd),
-                        ("diff", diff_cmd), ("convert", convert_cmd),
-                        ("consolidate", consolidate_cmd), ("prune", prune_cmd),
-                        ("plan", plan_cmd), ("sample", sample_cmd),
-                        ("watch", watch_cmd), ("resume-path", resume_path_cmd)):
-    # json_errors: a failing command given --json prints an error document on stdout.
-    app.command(_name, cls=CkptCommand, help=command_help(_command.__doc__))(
-        json_errors(_name, _command))
+def build(only: str | None = None) -> typer.Typer:
+    """The ``ckpt`` application, with every subcommand or only the one named ``only``.
+
+    typer turns every registered command's signature into click parameters on each run
+    (about 2 ms a command), and each command module costs its import: a run that names its
+    command builds that one alone. The group, its root options and the command's usage,
+    help and errors are the same either way.
+    """
+    import importlib
+
+    app = typer.Typer(
+        name="ckpt",
+        help="Inspect, validate, diff, convert, consolidate and prune deep-learning checkpoints.",
+        no_args_is_help=True,
+        rich_markup_mode="rich",
+        context_settings={"help_option_names": ["-h", "--help"]},
+        pretty_exceptions_enable=False,
+    )
+    app.callback()(_root)
+    for name, module, function in COMMANDS:
+        if only is not None and name != only:
+            continue
+        command = getattr(importlib.import_module(f"ckpt_cli.cli.{module}"), function)
+        # json_errors: a failing command given --json prints an error document on stdout.
+        app.command(name, cls=CkptCommand, help=command_help(command.__doc__))(
+            json_errors(name, command))
+    return app
+
+
+_FULL: list[typer.Typer] = []
+
+
+def __getattr__(name: str) -> Any:
+    # ``app``: the whole application (tests, docs, completions), built at first use.
+    if name == "app":
+        if not _FULL:
+            _FULL.append(build())
+        return _FULL[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def named_command(argv: list[str]) -> str | None:
+    """The subcommand a command line names first (``ckpt inspect ...``), else None: root
+    options first, no command, an unknown one or shell completion need the whole app."""
+    import os
+
+    if not argv or any(k.startswith("_CKPT_COMPLETE") for k in os.environ):
+        return None
+    return argv[0] if any(argv[0] == name for name, _, _ in COMMANDS) else None
 
 
 def main() -> None:
     """Console-script entry point (also ``python -m ckpt_cli``)."""
     import signal
+    import sys
 
     # SIGTERM (from cron, a scheduler or `kill`) unwinds like Ctrl-C, so writers clean up.
     def _term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
-    app(prog_name="ckpt")
+    only = named_command(sys.argv[1:])
+    (build(only) if only else __getattr__("app"))(prog_name="ckpt")

@@ -119,8 +119,17 @@ _CLI_NAMES: dict[str, dict[str, str]] = {
 _SHORT = {"output": "-o"}
 
 
-def _own_flags(command: Any) -> dict[str, str]:
-    """Library parameter name -> the flag that sets it, for one click command."""
+def _flags(command: Any, names: Iterable[str]) -> dict[str, str]:
+    """Library parameter name -> the flag that sets it, for a click command (else empty).
+
+    A name in ``names`` the command has no option for (a hint naming another command's flag:
+    ``--force`` beside ``--overwrite``, prune's ``--keep-best`` in a retention rule ``watch``
+    shares) is worded by the rule the options follow: ``--`` and the name with dashes
+    (``keep_best`` -> ``--keep-best``), after the aliases every command shares. (A run builds
+    only the command it names: the others' options cannot be asked.)
+    """
+    if command is None:
+        return {}
     flags: dict[str, str] = {}
     for p in command.params:
         if p.param_type_name == "option" and p.name and p.opts:
@@ -130,35 +139,22 @@ def _own_flags(command: Any) -> dict[str, str]:
             if cli in flags:
                 flags[library] = flags[cli]
     flags.update((name, short) for name, short in _SHORT.items() if name in flags)
+    for name in names:
+        if name not in flags:
+            flags[name] = "--" + _CLI_NAMES["*"].get(name, name).replace("_", "-")
     return flags
 
 
-def _flags(command: Any, root: Any = None) -> dict[str, str]:
-    """Library parameter name -> the flag that sets it, for a click command (else empty).
-
-    A name the command has no option for (a hint naming another command's flag: ``--force``
-    beside ``--overwrite``, ``prune --keep-best`` in a retention rule ``watch`` shares) takes
-    the flag of the first of ``root``'s commands, by name, that has one.
-    """
-    if command is None:
-        return {}
-    flags: dict[str, str] = {}
-    others = getattr(root, "commands", None) or {}
-    for name in sorted(others, reverse=True):
-        flags.update(_own_flags(others[name]))
-    flags.update(_own_flags(command))
-    return flags
-
-
-_NOT_AFTER_DETERMINER = "".join(rf"(?<!\b{w} )" for w in ("a", "an", "the", "no", "each", "every"))
+_NOT_AFTER_DETERMINER = "".join(rf"(?<!\b{w} )" for w in ("a", "an", "the", "no", "each", "every",
+                                                         "what to"))
 
 
 def _worded(text: str | None, names: Iterable[str], flags: dict[str, str]) -> str | None:
     """``text`` with each whole-word parameter name in ``names`` replaced by its flag.
 
     Kept as they are: a name inside a quoted value or a longer name (``'to'``, ``to_dtype``,
-    ``--to``), and one read as an English word: after a determiner (``not a part``, ``no part
-    of``) or before a colon (``say what to keep:``).
+    ``--to``), and one read as an English word: after a determiner or "what to" (``not a
+    part``, ``no part of``, ``say what to keep``).
     """
     if text is None:
         return None
@@ -166,7 +162,7 @@ def _worded(text: str | None, names: Iterable[str], flags: dict[str, str]) -> st
         if name in flags:
             # (A flag holds no backslash: it is a plain replacement.)
             text = re.sub(rf"(?<![\w'\"./=-]){_NOT_AFTER_DETERMINER}"
-                          rf"{re.escape(name)}(?![\w'\":=-])", flags[name], text)
+                          rf"{re.escape(name)}(?![\w'\"=-])", flags[name], text)
     return text
 
 
@@ -194,11 +190,10 @@ def worded(e: CkptError, command: Any = None) -> tuple[str, str | None, str]:
     """
     message, hint, text = e.message, e.hint, str(e)
     if e.params:
-        ctx = _current_context()
-        if command is None and ctx is not None:
-            command = ctx.command
-        root = ctx.find_root().command if ctx is not None else None
-        flags = _flags(command, root)
+        if command is None:
+            ctx = _current_context()
+            command = None if ctx is None else ctx.command
+        flags = _flags(command, e.params)
         message = _worded(message, e.params, flags) or ""
         hint = _worded(hint, e.params, flags)
         text = text[:len(text) - len(e.message)] + message

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import save_file
+from typer.testing import CliRunner
 
+from ckpt_cli.cli.app import build
 from ckpt_cli.errors import UsageError
 from ckpt_cli.ops.convert import convert
 from ckpt_cli.ops.inspect import inspect
@@ -103,6 +105,9 @@ CLI_CASES = [
     # The library's manifest_algorithm is validate's --manifest-hash.
     (["validate", "{good}", "--manifest-hash", "bogus"],
      "--manifest-hash must be one of xxh3_128, blake3, sha256, not 'bogus'", None),
+    # A parameter before a colon is worded too.
+    (["validate", "{good}", "--require", "nothing"],
+     "--require: unknown requirement 'nothing'; choose from optimizer, step", None),
     (["inspect", "{good}", "--sort", "bogus"], "--sort must be name or size, not 'bogus'", None),
     (["diff", "{good}", "{good}", "--filter", "nomatch*"],
      "--filter 'nomatch*' matches no tensor on either side", None),
@@ -132,6 +137,14 @@ def _args(args: list[str], good: Path, run: Path, tmp: Path) -> list[str]:
     return [a.format(good=good, run=run, tmp=tmp) for a in args]
 
 
+def _alone(argv: list[str]) -> tuple[int, str]:
+    """Exit code and stderr of ``argv`` run by an app built with its command alone, as
+    ``ckpt COMMAND ...`` runs: the other commands' options are not there to be asked."""
+    r = CliRunner().invoke(build(argv[0]), argv, prog_name="ckpt",  # type: ignore[arg-type]
+                           env={"NO_COLOR": "1", "COLUMNS": "100", "TERM": "dumb"})
+    return r.exit_code, r.stderr
+
+
 @pytest.mark.parametrize("args,message,hint", CLI_CASES, ids=lambda v: str(v)[:40])
 def test_cli_words_parameters_as_flags(args: list[str], message: str, hint: str | None,
                                        good: Path, run_dir: Path, tmp_path: Path) -> None:
@@ -144,6 +157,7 @@ def test_cli_words_parameters_as_flags(args: list[str], message: str, hint: str 
     first, *rest = r.stderr.splitlines()
     assert first.startswith("ckpt: error: ") and message in first, r.stderr
     assert ("hint: " + hint in rest) if hint else not any("hint: --" in x for x in rest)
+    assert _alone(argv) == (r.exit_code, r.stderr)
     # No parameter name the library used is left on the line.
     for name in ("manifest_algorithm", "measure_dir", "from_path", "async_save", "keep_best",
                  "max_total_size", "older_than", "thin_after", "filter_glob"):
@@ -180,6 +194,7 @@ def test_watch_words_the_flags_it_shares_with_prune(run_dir: Path) -> None:
     # prune's flags, as it always did.
     r = run_cli("watch", run_dir, "--once", "--thin-to", "bf16")
     assert r.exit_code == 2
+    assert _alone(["watch", str(run_dir), "--once", "--thin-to", "bf16"]) == (2, r.stderr)
     assert r.stderr.splitlines()[0] == (
         "ckpt: error: say what to keep: --keep N, --keep-every STEPS, --keep-best N --metric "
         "NAME, --older-than AGE or --max-total-size SIZE (or what to thin: --thin-after N)")

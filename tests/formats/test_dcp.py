@@ -11,6 +11,7 @@ from ckpt_cli.errors import CkptError
 from ckpt_cli.formats import read_index
 from ckpt_cli.ops.convert import convert
 from tests.conftest import run_cli
+from tests.helpers import damage
 
 
 def test_truncated_rank_file_stops_convert(sample_copy: Path, tmp_path: Path) -> None:
@@ -33,20 +34,10 @@ def test_chunks_that_do_not_tile_are_damage() -> None:
 
 def test_consolidate_refuses_a_dcp_chunk_that_fails_its_crc(sample_copy: Path,
                                                             tmp_path: Path) -> None:
-    from ckpt_cli.formats.dcp import locate_chunk
-    from ckpt_cli.storage.reads import OpenFiles
-
     d = sample_copy / "step_000400"
-    index = read_index(d)
-    t = index.tensors["model.wte.weight"]
-    with OpenFiles() as files:
-        sub = locate_chunk(index, lambda rel: files.open(index.path_of(rel)), t, t.chunks[1])
-    assert sub.file is not None and sub.offset is not None
-    data = bytearray((d / sub.file).read_bytes())
-    data[sub.offset + 100] ^= 4
-    (d / sub.file).write_bytes(bytes(data))
+    file = damage.flip_in_dcp_chunk(d, "model.wte.weight", 1)
     r = run_cli("consolidate", d, "-o", tmp_path / "out", "--verify")
-    assert r.exit_code == 2 and "CRC-32" in r.stderr and sub.file in r.stderr, r.output
+    assert r.exit_code == 2 and "CRC-32" in r.stderr and file in r.stderr, r.output
     assert not (tmp_path / "out").exists()
 
 

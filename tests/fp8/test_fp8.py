@@ -16,24 +16,18 @@ from safetensors.torch import load_file, save_file
 
 from ckpt_cli import fp8
 from tests.conftest import run_cli, third_party_quiet
+from tests.helpers.fp8 import LAYOUTS, convert_each_layout
+from tests.helpers.loads import safetensors_dir as _tensors
 from tests.helpers.makers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 ct = pytest.importorskip("compressed_tensors")
 pytestmark = pytest.mark.requires_torch
 
-LAYOUTS = ("block", "channel", "tensor")
 # Relative L2 error of FP32 -> FP8 E4M3 -> BF16 per tensor, as the README states: E4M3 has
 # 3 mantissa bits (relative rounding error up to 2**-4 per value, ~2.5-3.5% RMS on Gaussian
 # weights); a per-tensor scale wastes range on outliers, hence the looser bound.
 BOUND = {"block": 0.045, "channel": 0.045, "tensor": 0.06}
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +39,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def quantized(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("fp8")
-    outs = {}
-    for layout in LAYOUTS:
-        r = run_cli("convert", llama, "--to", "fp8", "--fp8-layout", layout, "-o",
-                    base / layout, "--max-shard-size", "1MB")
-        assert r.exit_code == 0, r.output
-        outs[layout] = base / layout
-    return outs
+    return convert_each_layout(llama, tmp_path_factory.mktemp("fp8"), "--max-shard-size", "1MB")
 
 
 def _ref_dequant(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from ckpt_cli import fp8
 from tests.conftest import run_cli
+from tests.helpers.fp8 import LAYOUTS, convert_each_layout
 from tests.helpers.makers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -21,7 +22,6 @@ pytestmark = pytest.mark.requires_torch
 
 # The README's bound on the relative L2 error of one FP32 -> E4M3 round trip, per layout.
 BOUND = {"block": 0.045, "channel": 0.045, "tensor": 0.06}
-LAYOUTS = ("block", "channel", "tensor")
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +33,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def quantized(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("fp8")
-    outs = {}
-    for layout in LAYOUTS:
-        r = run_cli("convert", llama, "--to", "fp8", "--fp8-layout", layout, "-o",
-                    base / layout)
-        assert r.exit_code == 0, r.output
-        outs[layout] = base / layout
-    return outs
+    return convert_each_layout(llama, tmp_path_factory.mktemp("fp8"))
 
 
 def _json(*args: Any) -> dict[str, Any]:

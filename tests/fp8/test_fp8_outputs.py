@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from ckpt_cli import storage
 from tests.conftest import run_cli
 from tests.helpers import s3
 from tests.helpers.makers import tiny_llama
@@ -39,18 +38,6 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def endpoint() -> Iterator[tuple[str, s3.Proxy]]:
     with s3.moto_endpoint() as pair:
         yield pair
-
-
-@pytest.fixture
-def s3env(endpoint: tuple[str, s3.Proxy], monkeypatch: pytest.MonkeyPatch) -> s3.Proxy:
-    _, proxy = endpoint
-    for k, v in s3.env_for(proxy.url).items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    proxy.faults.clear()
-    storage.configure({})
-    yield proxy
-    storage.configure({})
 
 
 def _same_tree(a: Path, b: Path) -> None:

@@ -105,3 +105,20 @@ def flip_in_entry(path: Path, suffix: str, at: int) -> None:
     assert 0 <= at < e.file_size
     data[e.header_offset + 30 + name_len + extra_len + at] ^= 1
     path.write_bytes(bytes(data))
+
+
+def flip_in_dcp_chunk(directory: Path, tensor: str, chunk: int, at: int = 100,
+                      mask: int = 4) -> str:
+    """Flip a bit ``at`` bytes into one stored chunk of a DCP tensor (found the way ckpt's
+    reader finds it); returns the ``.distcp`` file that holds it."""
+    from ckpt_cli.formats import read_index
+    from ckpt_cli.formats.dcp import locate_chunk
+    from ckpt_cli.storage.reads import OpenFiles
+
+    index = read_index(directory)
+    t = index.tensors[tensor]
+    with OpenFiles() as files:
+        sub = locate_chunk(index, lambda rel: files.open(index.path_of(rel)), t, t.chunks[chunk])
+    assert sub.file is not None and sub.offset is not None
+    flip(directory / sub.file, sub.offset + at, mask)
+    return sub.file

@@ -48,6 +48,12 @@ def training_checkpoint(seed: int = 0, step: int = 100) -> dict[str, Any]:
             "epoch": 2, "lr": 1e-3}
 
 
+def save_training_checkpoint(path: Path) -> Path:
+    """:func:`training_checkpoint` written by ``torch.save`` to ``path``; returns ``path``."""
+    torch.save(training_checkpoint(), path)
+    return path
+
+
 def hf_sharded(out: Path, sd: dict[str, torch.Tensor], max_shard_size: int) -> None:
     """Shard with huggingface_hub's own writer (model-0000i-of-0000n + index)."""
     from huggingface_hub import save_torch_state_dict

@@ -236,3 +236,26 @@ def upload(endpoint: str, local: Path, bucket: str, prefix: str) -> None:
     for p in sorted(local.rglob("*")):
         if p.is_file() and not p.is_symlink():
             c.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(local).as_posix()}")
+
+
+@contextmanager
+def client_env(proxy: Proxy, monkeypatch: Any) -> Iterator[Proxy]:
+    """The test credentials and ``proxy``'s endpoint in the environment (``AWS_PROFILE``
+    unset), with ckpt's storage options reset on the way in and out."""
+    from ckpt_cli import storage
+
+    for k, v in env_for(proxy.url).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    storage.configure({})
+    yield proxy
+    storage.configure({})
+
+
+def new_bucket(endpoint: str) -> str:
+    """Create a bucket with a fresh random name on ``endpoint``; returns its name."""
+    import uuid
+
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    client(endpoint).create_bucket(Bucket=name)
+    return name

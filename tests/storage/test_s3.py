@@ -22,6 +22,7 @@ from ckpt_cli import storage
 from ckpt_cli.storage import objects
 from tests.conftest import run_cli
 from tests.helpers import s3
+from tests.helpers.child import ckpt_in_child
 
 pytestmark = pytest.mark.filterwarnings(
     # botocore and moto call datetime.utcnow() and friends; not ckpt's code.
@@ -39,25 +40,9 @@ def endpoint() -> Iterator[tuple[str, s3.Proxy]]:
 def bucket_run(endpoint: tuple[str, s3.Proxy], sample_run: Path) -> str:
     """The sample run uploaded to ``s3://<bucket>/run``; returns the bucket."""
     moto, _ = endpoint
-    name = f"ckpt-{uuid.uuid4().hex[:12]}"
-    s3.client(moto).create_bucket(Bucket=name)
+    name = s3.new_bucket(moto)
     s3.upload(moto, sample_run, name, "run")
     return name
-
-
-@pytest.fixture
-def s3env(endpoint: tuple[str, s3.Proxy], monkeypatch: pytest.MonkeyPatch) -> s3.Proxy:
-    """The test credentials and the proxy's endpoint in the environment; faults cleared."""
-    _, proxy = endpoint
-    for k, v in s3.env_for(proxy.url).items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    proxy.faults.clear()
-    proxy.traffic.reset()
-    storage.configure({})
-    yield proxy
-    proxy.faults.clear()
-    storage.configure({})
 
 
 def _doc(*args: str | Path, code: int = 0) -> dict[str, Any]:
@@ -335,14 +320,8 @@ def test_parts_with_an_output_on_object_storage_are_refused(s3env: s3.Proxy, buc
 
 
 def test_local_paths_never_import_fsspec(sample_run: Path) -> None:
-    code = ("import sys\n"
-            "from ckpt_cli.cli.app import main\n"
-            f"sys.argv = ['ckpt', 'inspect', {str(sample_run / 'export')!r}, '--json']\n"
-            "try:\n    main()\n"
-            "except SystemExit:\n    pass\n"
-            "sys.stderr.write('FSSPEC=%s' % ('fsspec' in sys.modules))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "NO_COLOR": "1"})
+    r = ckpt_in_child("inspect", str(sample_run / "export"), "--json",
+                      report="'FSSPEC=%s' % ('fsspec' in sys.modules)")
     assert "FSSPEC=False" in r.stderr, r.stderr
 
 

@@ -19,6 +19,7 @@ import torch
 from ckpt_cli.resume import latest_verified
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
+from tests.helpers.lightning_parts import fit_tiny, save_breaker, truncate_half
 from tests.helpers.makers import tiny_lm_data
 
 pytestmark = pytest.mark.requires_torch
@@ -28,10 +29,6 @@ def _verdicts(run: Path) -> dict[str, str]:
     book = ledger.read_ledger(run)
     assert book is not None
     return {p: e.verdict for p, e in book.latest().items()}
-
-
-def _truncate(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 def test_hf_trainer_callback_keeps_the_last_verified_checkpoint(tmp_path: Path) -> None:
@@ -54,7 +51,7 @@ def test_hf_trainer_callback_keeps_the_last_verified_checkpoint(tmp_path: Path) 
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
             if state.global_step == 4:
-                _truncate(out / "checkpoint-4" / "model.safetensors")
+                truncate_half(out / "checkpoint-4" / "model.safetensors")
             return control
 
     class Probe(TrainerCallback):  # type: ignore[misc]
@@ -95,47 +92,15 @@ def test_hf_callback_refuses_rotation_that_could_delete_the_verified_one(tmp_pat
 
 def test_lightning_callback_verifies_each_save_and_keeps_the_last_verified(
         tmp_path: Path) -> None:
-    import lightning as L
-    from lightning.pytorch.callbacks import Callback
-
     from ckpt_cli.integrations.lightning import VerifiedModelCheckpoint
 
     out = tmp_path / "ckpts"
-
-    class Mod(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(4, 8)
-
-        def training_step(self, batch: Any, _i: int) -> torch.Tensor:
-            return self.net(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=0.01)
-
-    class BreakStep4(Callback):  # type: ignore[misc]
-        """Damages the step-4 file right after Lightning wrote it."""
-
-        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-            real = trainer.save_checkpoint
-
-            def save(filepath: str, *a: Any, **kw: Any) -> None:
-                real(filepath, *a, **kw)
-                if trainer.global_step == 4:
-                    _truncate(Path(filepath))
-
-            trainer.save_checkpoint = save
-
+    # Damages the step-4 file right after Lightning wrote it.
+    break_step4 = save_breaker(lambda trainer, _f: trainer.global_step == 4)
     ck = VerifiedModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=1,
                                  filename="{step}")
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)),
-                                         batch_size=4)
     with third_party_quiet():
-        trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1,
-                            callbacks=[BreakStep4(), ck], logger=False,
-                            enable_progress_bar=False, enable_model_summary=False)
-        torch.manual_seed(0)
-        trainer.fit(Mod(), loader)
+        fit_tiny([break_step4, ck], steps=6, samples=32, devices=1)
     assert _verdicts(out) == {"step=2.ckpt": "good", "step=4.ckpt": "bad",
                               "step=6.ckpt": "good"}
     assert (out / "step=2.ckpt").is_file()  # rotation after the bad save did not delete it
@@ -170,20 +135,29 @@ def _ledger_lines(run: Path) -> list[dict[str, Any]]:
     return [json.loads(s) for s in (run / ledger.LEDGER_NAME).read_text().splitlines()]
 
 
+def _rank_0_alone_verified(ranks_dir: Path, run: Path,
+                           saves: tuple[str, str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both ranks of a 6-step run with the step-4 save broken reached step 6; rank 0 alone
+    recorded ``saves`` as good, bad, good, and the ledger holds each once. Returns the two
+    ranks' reports (``rank-R.json`` in ``ranks_dir``)."""
+    zero, one = _ranks(ranks_dir)
+    assert zero["global_step"] == one["global_step"] == 6
+    verdicts = list(zip(saves, ("good", "bad", "good"), strict=True))
+    assert zero["entries"] == [list(v) for v in verdicts]
+    assert one["entries"] == []
+    assert [(e["path"], e["verdict"]) for e in _ledger_lines(run)] == verdicts
+    return zero, one
+
+
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
 def test_hf_callback_under_ddp_rank_0_verifies_after_every_rank_saved(tmp_path: Path) -> None:
     out = tmp_path / "out"
     # Rank 1 is the slow one: it writes its rng_state_1.pth only after rank 0 reached on_save.
     p = _torchrun_2("hf_ddp.py", str(out), "6", "--break-at", "4", "--slow-rng-rank", "1")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    zero, one = _ranks(out)
-    assert zero["global_step"] == one["global_step"] == 6
     # Only rank 0 verified and wrote: one ledger line per save, none twice.
-    assert zero["entries"] == [["checkpoint-2", "good"], ["checkpoint-4", "bad"],
-                               ["checkpoint-6", "good"]]
-    assert one["entries"] == []
-    assert [(e["path"], e["verdict"]) for e in _ledger_lines(out)] == [
-        ("checkpoint-2", "good"), ("checkpoint-4", "bad"), ("checkpoint-6", "good")]
+    zero, one = _rank_0_alone_verified(out, out, ("checkpoint-2", "checkpoint-4",
+                                                  "checkpoint-6"))
     # While the bad checkpoint-4 was the newest, rotation (save_total_limit=1) kept
     # checkpoint-2, as every rank saw.
     assert zero["saw"]["4"] == one["saw"]["4"] == ["checkpoint-2", "checkpoint-4"]
@@ -280,13 +254,8 @@ def test_lightning_callback_under_ddp_only_rank_0_verifies(tmp_path: Path) -> No
     out = tmp_path / "ckpts"
     p = _torchrun_2("lightning_ddp.py", str(out), "6", "--break-at", "4")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    zero, one = _ranks(tmp_path)
-    assert zero["global_step"] == one["global_step"] == 6
-    assert zero["entries"] == [["step=2.ckpt", "good"], ["step=4.ckpt", "bad"],
-                               ["step=6.ckpt", "good"]]
-    assert one["entries"] == []
-    assert [(e["path"], e["verdict"]) for e in _ledger_lines(out)] == [
-        ("step=2.ckpt", "good"), ("step=4.ckpt", "bad"), ("step=6.ckpt", "good")]
+    zero, one = _rank_0_alone_verified(tmp_path, out, ("step=2.ckpt", "step=4.ckpt",
+                                                       "step=6.ckpt"))
     # While the bad step=4 was the newest, rotation (save_top_k=1) kept step=2 on every rank's
     # view of the shared directory.
     assert "step=2.ckpt" in zero["saw"]["5"] and "step=4.ckpt" in one["saw"]["5"]
@@ -297,48 +266,17 @@ def test_lightning_callback_under_ddp_only_rank_0_verifies(tmp_path: Path) -> No
 
 
 def test_lightning_callback_verifies_a_copied_last_ckpt_at_every_save(tmp_path: Path) -> None:
-    import lightning as L
-    from lightning.pytorch.callbacks import Callback
-
     from ckpt_cli.integrations.lightning import VerifiedModelCheckpoint
 
     out = tmp_path / "ckpts"
-
-    class Mod(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(4, 8)
-
-        def training_step(self, batch: Any, _i: int) -> torch.Tensor:
-            return self.net(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=0.01)
-
-    class BreakStep6(Callback):  # type: ignore[misc]
-        """Damages step=6.ckpt (not last.ckpt) right after Lightning wrote it."""
-
-        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-            real = trainer.save_checkpoint
-
-            def save(filepath: str, *a: Any, **kw: Any) -> None:
-                real(filepath, *a, **kw)
-                if trainer.global_step == 6 and Path(filepath).name != "last.ckpt":
-                    _truncate(Path(filepath))
-
-            trainer.save_checkpoint = save
-
+    # Damages step=6.ckpt (not last.ckpt) right after Lightning wrote it.
+    break_step6 = save_breaker(lambda trainer, f: trainer.global_step == 6
+                               and f.name != "last.ckpt")
     # save_last=True: Lightning writes last.ckpt as a copy (not a link) at every save.
     ck = VerifiedModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=1,
                                  save_last=True, filename="{step}")
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)),
-                                         batch_size=4)
     with third_party_quiet():
-        trainer = L.Trainer(max_steps=6, accelerator="cpu", devices=1,
-                            callbacks=[BreakStep6(), ck], logger=False,
-                            enable_progress_bar=False, enable_model_summary=False)
-        torch.manual_seed(0)
-        trainer.fit(Mod(), loader)
+        fit_tiny([break_step6, ck], steps=6, samples=32, devices=1)
     assert not (out / "last.ckpt").is_symlink()
     # Each new last.ckpt is judged on its own bytes, not by the previous save's manifest.
     assert [(e.path, e.verdict, e.step) for e in ck.entries] == [

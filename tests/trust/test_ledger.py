@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,15 +127,9 @@ def test_many_processes_appending_never_interleave(tmp_path: Path) -> None:
 
 @pytest.fixture
 def s3run(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    with s3.moto_endpoint() as (moto, proxy):
-        for k, v in s3.env_for(proxy.url).items():
-            monkeypatch.setenv(k, v)
-        monkeypatch.delenv("AWS_PROFILE", raising=False)
-        storage.configure({})
-        bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
-        s3.client(moto).create_bucket(Bucket=bucket)
+    with s3.moto_endpoint() as (moto, proxy), s3.client_env(proxy, monkeypatch):
+        bucket = s3.new_bucket(moto)
         yield f"s3://{bucket}/run"
-        storage.configure({})
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -167,6 +168,20 @@ def test_watch_applies_thinning_after_verifying(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "--thin-to" in r.stderr
 
 
+def _watch_thinning(run: Path) -> list[Any]:
+    """Three passes of a watcher over ``run`` that thins all but the 2 newest checkpoints (no
+    grace period); the events it reported."""
+    from ckpt_cli.ops.prune.retention import PrunePolicy
+    from ckpt_cli.trust.watch import Watcher, WatchOptions
+
+    events: list[Any] = []
+    w = Watcher(run, WatchOptions(settle=0, policy=PrunePolicy(thin_after=2, grace=0)),
+                events.append)
+    for _ in w.loop(0, passes=3):
+        pass
+    return events
+
+
 def _aged_run(run: Path, steps: tuple[int, ...]) -> None:
     import os
     import time
@@ -180,17 +195,12 @@ def _aged_run(run: Path, steps: tuple[int, ...]) -> None:
 def test_a_long_running_watch_trusts_what_thinning_rewrote(tmp_path: Path) -> None:
     """The watcher's cached ledger lines must not outlive a thinning (its own, or a cron
     prune's): the rewritten checkpoints are good, never reported bad."""
-    from ckpt_cli.ops.prune.retention import PrunePolicy
     from ckpt_cli.trust.ledger import read_ledger as read
     from ckpt_cli.trust.watch import Watcher, WatchOptions
 
     run = tmp_path / "run"
     _aged_run(run, (100, 200, 300, 400))
-    events: list = []
-    own = Watcher(run, WatchOptions(settle=0, policy=PrunePolicy(thin_after=2, grace=0)),
-                  events.append)
-    for _ in own.loop(0, passes=3):
-        pass
+    events = _watch_thinning(run)
     assert not [e for e in events if e.bad], [e.problems for e in events if e.bad]
     assert [e.thinned for e in events if e.event == "pruned"] == [["step_0100.pt",
                                                                    "step_0200.pt"]]
@@ -473,13 +483,12 @@ def test_thin_hf_trainer_checkpoint_to_bf16(hf_trainer_dir: Path, tmp_path: Path
     assert not [p.name for p in run.iterdir() if "ckpt-tmp" in p.name or "ckpt-trash" in p.name]
 
 
-def test_thin_hf_sharded_checkpoint_to_bf16(tmp_path: Path) -> None:
-    """Sharded weights (index + shards): every shard cast, the index's total_size updated."""
-    import shutil
+def _hf_sharded_run(run: Path) -> Any:
+    """Two HF Trainer-style ``checkpoint-N`` directories with sharded safetensors weights
+    (transformers' ``save_pretrained``), AdamW state and trainer_state.json. Returns the
+    model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
-
-    run = tmp_path / "out"
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
                                        n_head=2))
@@ -493,8 +502,19 @@ def test_thin_hf_sharded_checkpoint_to_bf16(tmp_path: Path) -> None:
         torch.save(opt.state_dict(), d / "optimizer.pt")
         (d / "trainer_state.json").write_text(json.dumps({"global_step": step,
                                                           "log_history": []}))
+    assert len(list((run / "checkpoint-2").glob("model-*.safetensors"))) > 1
+    return model
+
+
+def test_thin_hf_sharded_checkpoint_to_bf16(tmp_path: Path) -> None:
+    """Sharded weights (index + shards): every shard cast, the index's total_size updated."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "out"
+    model = _hf_sharded_run(run)  # checks that checkpoint-2 holds several shards
     d = run / "checkpoint-2"
-    assert len(list(d.glob("model-*.safetensors"))) > 1
     shutil.copy(d / "model.safetensors.index.json", tmp_path / "index-before.json")
     os_ages(run)
     r = run_cli("prune", run, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0", "--yes")
@@ -633,16 +653,9 @@ def test_a_dcp_checkpoint_is_left_whole_where_directories_cannot_be_swapped(
 def test_watch_thins_a_dcp_run_and_trusts_it_after(tmp_path: Path) -> None:
     """``watch --thin-after`` on a DCP run: old step directories thinned as the run is watched,
     and the following passes find every checkpoint good."""
-    from ckpt_cli.ops.prune.retention import PrunePolicy
-    from ckpt_cli.trust.watch import Watcher, WatchOptions
-
     run = tmp_path / "run"
     saved = _dcp_run(run, (100, 200, 300, 400))
-    events: list = []
-    w = Watcher(run, WatchOptions(settle=0, policy=PrunePolicy(thin_after=2, grace=0)),
-                events.append)
-    for _ in w.loop(0, passes=3):
-        pass
+    events = _watch_thinning(run)
     assert not [e for e in events if e.bad], [e.problems for e in events if e.bad]
     assert [e.thinned for e in events if e.event == "pruned"] == [["step_000100",
                                                                    "step_000200"]]

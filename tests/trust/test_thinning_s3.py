@@ -7,14 +7,12 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from ckpt_cli import storage
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers import s3
@@ -27,15 +25,9 @@ pytestmark = [pytest.mark.requires_torch, pytest.mark.filterwarnings(
 @pytest.fixture
 def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
     """A fresh bucket on a moto server; yields (moto URL, bucket)."""
-    with s3.moto_endpoint() as (moto, proxy):
-        for k, v in s3.env_for(proxy.url).items():
-            monkeypatch.setenv(k, v)
-        monkeypatch.delenv("AWS_PROFILE", raising=False)
-        storage.configure({})
-        name = f"ckpt-{uuid.uuid4().hex[:12]}"
-        s3.client(moto).create_bucket(Bucket=name)
+    with s3.moto_endpoint() as (moto, proxy), s3.client_env(proxy, monkeypatch):
+        name = s3.new_bucket(moto)
         yield moto, name
-        storage.configure({})
 
 
 def _get(moto: str, bucket: str, key: str) -> bytes:

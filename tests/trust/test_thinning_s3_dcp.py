@@ -18,7 +18,7 @@ import torch
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers import s3
-from tests.trust.test_thinning import _dcp_load, _dcp_run
+from tests.trust.test_thinning import _dcp_load, _dcp_run, _hf_sharded_run
 from tests.trust.test_thinning_s3 import bucket
 
 pytestmark = [pytest.mark.requires_torch, pytest.mark.filterwarnings(
@@ -119,6 +119,41 @@ class _Killed(Exception):
     """Stands for the prune process dying at that point."""
 
 
+def _upload_and_kill_a_prune(bucket: tuple[str, str], local: Path, prefix: str,
+                             checkpoint: str, where: str, policy: Any) -> tuple[str, list[str]]:
+    """Upload ``local`` as ``s3://BUCKET/PREFIX`` and watch it once (nothing bad), then run
+    ``prune(url, policy)`` killed at ``where`` (``uploaded``: before the object that names the
+    data is replaced; ``committed``: before the originals are deleted). Returns the URL and
+    the keys under ``checkpoint`` before the prune."""
+    from ckpt_cli.ops.prune import prune
+    from ckpt_cli.trust.thinning import objects as thinning
+
+    moto, name = bucket
+    s3.upload(moto, local, name, prefix)
+    url = f"s3://{name}/{prefix}"
+    original = _keys(moto, name, f"{prefix}/{checkpoint}")
+    assert run_cli("watch", url, "--once", "--settle", "0s").exit_code == 0
+
+    def die(*_a: object) -> None:
+        raise _Killed
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(_Killed):
+        mp.setattr(thinning, "_put_commit" if where == "uploaded" else "_delete_old", die)
+        prune(url, policy)
+    return url, original
+
+
+def _nothing_reported_bad(url: str, checkpoint: str, tmp_path: Path) -> None:
+    """``checkpoint`` validates, and a watch pass reports nothing bad (its ``--on-bad``
+    command never runs)."""
+    r = run_cli("validate", f"{url}/{checkpoint}")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    marker = tmp_path / "on-bad-ran"
+    r = run_cli("watch", url, "--once", "--settle", "0s", "--on-bad", f"touch {marker}")
+    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("where", ["uploaded", "committed"])
 def test_a_dcp_prefix_thinning_killed_midway_loads_and_the_next_prune_finishes(
         bucket: tuple[str, str], tmp_path: Path, where: str) -> None:
@@ -127,24 +162,13 @@ def test_a_dcp_prefix_thinning_killed_midway_loads_and_the_next_prune_finishes(
     after it was replaced but before the originals were deleted (``committed``: the thinned
     one loads). Either way nothing is reported bad, and the next prune removes what is not
     named and records the thinning as done."""
-    from ckpt_cli.ops.prune import prune
     from ckpt_cli.ops.prune.retention import PrunePolicy
-    from ckpt_cli.trust.thinning import objects as thinning
 
     moto, name = bucket
     local = tmp_path / "run"
     saved = _dcp_run(local, (100, 200))
-    s3.upload(moto, local, name, "run")
-    url = f"s3://{name}/run"
-    original = _keys(moto, name, "run/step_000100")
-    assert run_cli("watch", url, "--once", "--settle", "0s").exit_code == 0
-
-    def die(*_a: object) -> None:
-        raise _Killed
-
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(_Killed):
-        mp.setattr(thinning, "_put_commit" if where == "uploaded" else "_delete_old", die)
-        prune(url, PrunePolicy(thin_after=1, grace=0))
+    url, original = _upload_and_kill_a_prune(bucket, local, "run", "step_000100", where,
+                                             PrunePolicy(thin_after=1, grace=0))
     keys = _keys(moto, name, "run/step_000100")
     tagged = [k for k in keys if k.startswith("__thin")]
     assert tagged and "ckpt-manifest.json" not in keys
@@ -159,12 +183,7 @@ def test_a_dcp_prefix_thinning_killed_midway_loads_and_the_next_prune_finishes(
         from ckpt_cli.formats import read_index
 
         assert any(n.startswith("optim.") for n in read_index(got_dir).tensors)
-    r = run_cli("validate", f"{url}/step_000100")
-    assert r.exit_code == 0, r.stdout + r.stderr
-    marker = tmp_path / "on-bad-ran"
-    r = run_cli("watch", url, "--once", "--settle", "0s", "--on-bad", f"touch {marker}")
-    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
-    assert not marker.exists()
+    _nothing_reported_bad(url, "step_000100", tmp_path)
     r = run_cli("prune", url, "--thin-after", "1", "--grace", "0", "--yes", "--json")
     assert r.exit_code == 0, r.stdout + r.stderr
     keys = _keys(moto, name, "run/step_000100")
@@ -187,29 +206,6 @@ def test_a_dcp_prefix_thinning_killed_midway_loads_and_the_next_prune_finishes(
     assert r.exit_code == 0, r.stdout + r.stderr
     r = run_cli("watch", url, "--once", "--settle", "0s")
     assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
-
-
-def _hf_sharded_run(run: Path) -> Any:
-    """Two HF Trainer-style ``checkpoint-N`` directories with sharded safetensors weights
-    (transformers' ``save_pretrained``), AdamW state and trainer_state.json. Returns the
-    model."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
-                                       n_head=2))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
-    opt.step()
-    for step in (2, 4):
-        d = run / f"checkpoint-{step}"
-        with third_party_quiet():
-            model.save_pretrained(d, max_shard_size="20KB")
-        torch.save(opt.state_dict(), d / "optimizer.pt")
-        (d / "trainer_state.json").write_text(json.dumps({"global_step": step,
-                                                          "log_history": []}))
-    assert len(list((run / "checkpoint-2").glob("model-*.safetensors"))) > 1
-    return model
 
 
 def _hf_load(d: Path, dtype: Any = "auto") -> Any:
@@ -287,24 +283,13 @@ def test_an_hf_bf16_thinning_killed_midway_loads_and_the_next_prune_finishes(
     """Killed before the index was replaced (the original loads; the cast shards are unnamed
     leftovers) or after (the BF16 one loads; the old shards and the optimizer state are still
     there): nothing is reported bad, and the next prune finishes the work."""
-    from ckpt_cli.ops.prune import prune
     from ckpt_cli.ops.prune.retention import PrunePolicy
-    from ckpt_cli.trust.thinning import objects as thinning
 
     moto, name = bucket
     local = tmp_path / "out"
     model = _hf_sharded_run(local)
-    s3.upload(moto, local, name, "out")
-    url = f"s3://{name}/out"
-    original = _keys(moto, name, "out/checkpoint-2")
-    assert run_cli("watch", url, "--once", "--settle", "0s").exit_code == 0
-
-    def die(*_a: object) -> None:
-        raise _Killed
-
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(_Killed):
-        mp.setattr(thinning, "_put_commit" if where == "uploaded" else "_delete_old", die)
-        prune(url, PrunePolicy(thin_after=1, grace=0, thin_to="bf16"))
+    url, original = _upload_and_kill_a_prune(bucket, local, "out", "checkpoint-2", where,
+                                             PrunePolicy(thin_after=1, grace=0, thin_to="bf16"))
     keys = _keys(moto, name, "out/checkpoint-2")
     assert [k for k in keys if ".thin" in k]
     assert set(original) - {"ckpt-manifest.json"} <= set(keys)
@@ -315,12 +300,7 @@ def test_an_hf_bf16_thinning_killed_midway_loads_and_the_next_prune_finishes(
     for k, v in model.state_dict().items():
         assert torch.equal(got[k], v if where == "uploaded"
                            else v.to(torch.bfloat16).float()), k
-    r = run_cli("validate", f"{url}/checkpoint-2")
-    assert r.exit_code == 0, r.stdout + r.stderr
-    marker = tmp_path / "on-bad-ran"
-    r = run_cli("watch", url, "--once", "--settle", "0s", "--on-bad", f"touch {marker}")
-    assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
-    assert not marker.exists()
+    _nothing_reported_bad(url, "checkpoint-2", tmp_path)
     r = run_cli("prune", url, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0",
                 "--yes", "--json")
     assert r.exit_code == 0, r.stdout + r.stderr

@@ -13,8 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -44,6 +45,32 @@ def watch_once(run: Path, *args: str) -> tuple[int, list[dict[str, Any]], str]:
     return r.returncode, [json.loads(line) for line in r.stdout.splitlines()], r.stderr
 
 
+def watcher(run: Path, *args: str, stderr: int = subprocess.DEVNULL,
+            ) -> tuple[subprocess.Popen[str], IO[str], queue.Queue[str]]:
+    """``ckpt watch RUN --json ARGS`` as a process beside the test, its stdout, and a queue a
+    reader thread fills with its stdout lines."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpt_cli", "watch", str(run), "--json", *args],
+        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    out = proc.stdout
+    threading.Thread(target=lambda: [lines.put(s) for s in out], daemon=True).start()
+    return proc, out, lines
+
+
+def watch_events(lines: queue.Queue[str], enough: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+    """The watcher's JSON events as they come, until ``enough()`` is true; stops after 120 s
+    all the same (a hang guard, not a timing assertion)."""
+    deadline = time.monotonic() + 120
+    while not enough() and time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        yield json.loads(line)
+
+
 def verdicts(run: Path) -> dict[str, str]:
     book = ledger.read_ledger(run)
     assert book is not None
@@ -56,29 +83,18 @@ def test_sidecar_beside_a_training_loop_killed_mid_save(tmp_path: Path, wake: st
         pytest.importorskip("watchfiles")
     run = tmp_path / "run"
     run.mkdir()
-    watcher = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_cli", "watch", str(run), "--json", "--interval", "0.1s",
-         "--settle", "0", "--abandon-after", "1h", "--wake", wake],
-        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    assert watcher.stdout is not None
-    out = watcher.stdout
-    threading.Thread(target=lambda: [lines.put(s) for s in out], daemon=True).start()
+    proc, out, lines = watcher(run, "--interval", "0.1s", "--settle", "0", "--abandon-after",
+                               "1h", "--wake", wake)
     try:
         assert train(run, 4, kill_at=4) == -9  # step_8 killed before its .metadata
         seen: dict[str, dict[str, Any]] = {}
-        deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
-        while len(seen) < 3 and time.monotonic() < deadline:
-            try:
-                ev = json.loads(lines.get(timeout=1))
-            except queue.Empty:
-                continue
+        for ev in watch_events(lines, lambda: len(seen) >= 3):
             seen[ev["path"]] = ev
         # A few more passes over the partial step_8: it must never be verified.
         time.sleep(0.5)
     finally:
-        watcher.terminate()
-        watcher.wait()
+        proc.terminate()
+        proc.wait()
         out.close()
     while not lines.empty():
         ev = json.loads(lines.get())
@@ -470,28 +486,17 @@ def test_file_events_wake_the_watcher_long_before_its_interval(tmp_path: Path) -
     # --interval 1h: polling alone would not look again for an hour. A save's file events
     # wake it; the pass that finds the checkpoint settling (--settle 1s) wakes it again once
     # it is due, with no further event.
-    watcher = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_cli", "watch", str(run), "--json", "--interval", "1h",
-         "--wake", "events"],
-        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    assert watcher.stdout is not None
-    out = watcher.stdout
-    threading.Thread(target=lambda: [lines.put(s) for s in out], daemon=True).start()
+    proc, out, lines = watcher(run, "--interval", "1h", "--wake", "events", stderr=subprocess.PIPE)
     try:
         time.sleep(1)  # its first pass (an empty run) is done and it waits
         assert train(run, 2) == 0
         seen: dict[str, str] = {}
-        deadline = time.monotonic() + 120  # a hang guard (an hour short of --interval)
-        while len(seen) < 2 and time.monotonic() < deadline:
-            try:
-                ev = json.loads(lines.get(timeout=1))
-            except queue.Empty:
-                continue
+        # The 120 s hang guard is an hour short of --interval.
+        for ev in watch_events(lines, lambda: len(seen) >= 2):
             seen[ev["path"]] = ev["verdict"]
     finally:
-        watcher.terminate()
-        _, err = watcher.communicate()
+        proc.terminate()
+        _, err = proc.communicate()
         out.close()
     assert seen == {"step_2": "good", "step_4": "good"}, err
     # Its own writes (ledger, manifests) do not wake it into passes that find nothing: the

@@ -20,6 +20,7 @@ from ckpt_cli.formats import read_index
 from ckpt_cli.ops.consolidate import consolidate
 from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
 from tests.helpers.damage import flip_in_entry
+from tests.helpers.loads import safetensors_dir as load_dir
 from tests.helpers.makers import hf_sharded, tiny_state_dict
 
 pytestmark = pytest.mark.requires_torch
@@ -37,13 +38,6 @@ def flatten(tree: object, prefix: str = "") -> dict[str, object]:
     else:
         out[prefix[:-1]] = tree
     return out
-
-
-def load_dir(out: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(out.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    return tensors
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.conftest import run_cli
+from tests.helpers.child import ckpt_in_child
 
 
 def test_sample_overwrite_replaces_only_a_sample(tmp_path: Path) -> None:
@@ -39,14 +37,8 @@ def test_sample_into_an_existing_directory_stops_before_importing_torch(tmp_path
     """Refused at once (exit 2), not after importing torch (1.5 s, 230 MB)."""
     d = tmp_path / "demo-run"
     d.mkdir()
-    code = ("import sys\n"
-            "from ckpt_cli.cli.app import main\n"
-            f"sys.argv = ['ckpt', 'sample', {str(d)!r}]\n"
-            "try:\n    main()\n"
-            "except SystemExit as e:\n    code = e.code\n"
-            "sys.stderr.write('\\nEXIT=%s TORCH=%s' % (code, 'torch' in sys.modules))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "NO_COLOR": "1"})
+    r = ckpt_in_child("sample", str(d),
+                      report="'\\nEXIT=%s TORCH=%s' % (code, 'torch' in sys.modules)")
     assert r.stderr.endswith("EXIT=2 TORCH=False"), r.stderr
     assert f"{d}: already exists" in r.stderr and "--overwrite" in r.stderr
     assert list(d.iterdir()) == []

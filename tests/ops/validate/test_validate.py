@@ -33,6 +33,7 @@ from tests.helpers import damage
 from tests.helpers.makers import (
     hf_sharded,
     megatron_legacy,
+    save_training_checkpoint,
     tiny_state_dict,
     training_checkpoint,
 )
@@ -144,9 +145,7 @@ def test_safetensors_duplicate_key(st_file: Path) -> None:
 
 @pytest.fixture
 def pt_file(tmp_path: Path) -> Path:
-    p = tmp_path / "train.pt"
-    torch.save(training_checkpoint(), p)
-    return p
+    return save_training_checkpoint(tmp_path / "train.pt")
 
 
 def test_valid_torch_file(pt_file: Path) -> None:

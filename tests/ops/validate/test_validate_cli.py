@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from tests.conftest import Golden, run_cli
 from tests.helpers import damage
 from tests.helpers.golden import safetensors_run, stable
-from tests.helpers.makers import tiny_state_dict, training_checkpoint
+from tests.helpers.makers import save_training_checkpoint, tiny_state_dict, training_checkpoint
 from tests.ops.inspect.test_inspect_cli import _imports_torch
 
 pytestmark = pytest.mark.requires_torch
@@ -33,9 +33,7 @@ def _json(*args: str | Path, code: int = 0) -> dict:  # type: ignore[type-arg]
 
 @pytest.fixture
 def pt(tmp_path: Path) -> Path:
-    p = tmp_path / "train.pt"
-    torch.save(training_checkpoint(), p)
-    return p
+    return save_training_checkpoint(tmp_path / "train.pt")
 
 
 def test_valid_file_exits_0_with_a_report(pt: Path) -> None:

@@ -22,6 +22,7 @@ from ckpt_cli.cli.app import app
 from ckpt_cli.ops.validate.split import owner_map, plan_files
 from ckpt_cli.parts import staging_dir
 from tests.conftest import third_party_quiet
+from tests.helpers import damage
 
 pytestmark = pytest.mark.requires_torch
 
@@ -261,22 +262,11 @@ def test_a_file_rewritten_in_place_between_parts_is_another_plan(dcp7: Path,
 
 
 def test_a_corrupt_chunk_fails_its_part_and_the_merged_report(dcp4: Path) -> None:
-    from ckpt_cli.formats import read_index
-    from ckpt_cli.formats.dcp import locate_chunk
-    from ckpt_cli.storage.reads import OpenFiles
-
-    index = read_index(dcp4)
-    t = index.tensors["model.wte.weight"]
-    with OpenFiles() as files:
-        sub = locate_chunk(index, lambda rel: files.open(index.path_of(rel)), t, t.chunks[1])
-    assert sub.file is not None and sub.offset is not None
-    data = bytearray((dcp4 / sub.file).read_bytes())
-    data[sub.offset + 100] ^= 4
-    (dcp4 / sub.file).write_bytes(bytes(data))
+    file = damage.flip_in_dcp_chunk(dcp4, "model.wte.weight", 1)
     code, single, _ = single_run(dcp4, "--write-manifest")
     assert code == 1 and any(f["code"] == "crc-mismatch" for f in single["checkpoints"][0]
                              ["findings"])
-    bad = owner_map(plan_files(dcp4), 2)[sub.file]
+    bad = owner_map(plan_files(dcp4), 2)[file]
     good = 3 - bad
     r = ckpt("validate", dcp4, "--json", "--write-manifest", "--part", f"{good}/2")
     assert r.exit_code == 0, r.stdout  # its own files are fine
