@@ -37,6 +37,12 @@ class CkptError(Exception):
         message: One plain sentence saying what is wrong.
         path: The file or directory the problem is about, if any; it prefixes the message.
         hint: An optional suggestion of what to do about it.
+        param: The library parameters (or options-dataclass fields) the message or hint
+            names, the main one first; the CLI writes its flags in their place.
+
+    Attributes:
+        params: Every parameter the message or hint names, the main one first (empty when none).
+        param: The main one, or None.
     """
 
     exit_code: int = 2
@@ -45,10 +51,13 @@ class CkptError(Exception):
     #: ``A`` or ``B`` when the error concerns one side of a comparison (``ckpt diff``).
     side: str | None = None
 
-    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None):
+    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None,
+                 param: str | tuple[str, ...] | None = None):
         self.message = message
         self.path = str(path) if path is not None else None
         self.hint = hint
+        self.params: tuple[str, ...] = (param,) if isinstance(param, str) else tuple(param or ())
+        self.param = self.params[0] if self.params else None
         super().__init__(self.__str__())
 
     def __str__(self) -> str:
@@ -57,7 +66,18 @@ class CkptError(Exception):
 
 
 class UsageError(CkptError):
-    """An option or argument combination that cannot work."""
+    """An option or argument combination that cannot work.
+
+    Its message names the parameters at fault as the library knows them (``max_memory``,
+    ``to``) and the value given; the CLI writes its flags in their place (``--max-memory``).
+
+    Args:
+        message: One plain sentence naming the parameter(s) and the value.
+        param: The parameter (or options-dataclass field) at fault, or all of them when the
+            message names several (``("parts_dir", "part", "finalize")``), the main one first.
+        path: As for :class:`CkptError`.
+        hint: As for :class:`CkptError`; it may name the parameters too.
+    """
 
     kind = "usage"
 

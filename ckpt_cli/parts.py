@@ -125,10 +125,11 @@ def parse_part(spec: str | None, env: Mapping[str, str] | None = None) -> Part |
         return _from_env(os.environ if env is None else env)
     m = _SPEC.match(spec)
     if not m:
-        raise UsageError(f"--part must be K/N (e.g. 2/8) or auto, not {spec!r}")
+        raise UsageError(f"part must be K/N (e.g. 2/8) or auto, not {spec!r}", param="part")
     k, n = int(m.group(1)), int(m.group(2))
     if n < 1 or not 1 <= k <= n:
-        raise UsageError(f"--part {spec}: K must be between 1 and N (parts count from 1)")
+        raise UsageError(f"part {spec}: K must be between 1 and N (parts count from 1)",
+                         param="part")
     return Part(k, n, f"--part {k}/{n}")
 
 
@@ -148,16 +149,16 @@ def _from_env(env: Mapping[str, str]) -> Part:
     proc, ntasks = num("SLURM_PROCID"), num("SLURM_NTASKS")
     if proc is not None and ntasks is not None:
         return _checked(proc + 1, ntasks, f"srun SLURM_PROCID={proc} SLURM_NTASKS={ntasks}")
-    raise UsageError("--part auto: no launcher found in the environment (torchrun's RANK and "
+    raise UsageError("part auto: no launcher found in the environment (torchrun's RANK and "
                      "WORLD_SIZE, a SLURM array's SLURM_ARRAY_TASK_ID and "
                      "SLURM_ARRAY_TASK_COUNT, or srun's SLURM_PROCID and SLURM_NTASKS)",
-                     hint="give --part K/N")
+                     hint="give part K/N", param="part")
 
 
 def _checked(k: int, n: int, origin: str) -> Part:
     if n < 1 or not 1 <= k <= n:
-        raise UsageError(f"--part auto: {origin} is not a part between 1 and {n} "
-                         "(a SLURM array must be contiguous, without a step)")
+        raise UsageError(f"part auto: {origin} is not a part between 1 and {n} "
+                         "(a SLURM array must be contiguous, without a step)", param="part")
     return Part(k, n, origin)
 
 
@@ -310,7 +311,8 @@ class PartStore:
         return PartsIncompleteError(
             f"cannot finalize {self.what}: {describe_parts(missing)} of "
             f"{self.count} not done (no receipt in {self.receipts_dir})", path=self.root,
-            hint="run the missing parts with the same options, then --finalize")
+            hint="run the missing parts with the same options, then finalize",
+            param="finalize")
 
 
 def describe_parts(parts: Sequence[int]) -> str:

@@ -306,7 +306,8 @@ def _compile(pattern: str | None) -> re.Pattern[str] | None:
     try:
         return re.compile(pattern)
     except re.error as e:
-        raise UsageError(f"--pattern is not a valid regular expression: {e}") from None
+        raise UsageError(f"pattern is not a valid regular expression: {e}",
+                         param="pattern") from None
 
 
 def _recognise(entry: os.DirEntry[str], rx: re.Pattern[str] | None,

@@ -244,15 +244,16 @@ def natural_key(name: str) -> list[tuple[int, int | str]]:
     return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p]
 
 
-def require_positive(value: float, what: str) -> None:
+def require_positive(value: float, what: str, *, param: bool = False) -> None:
     """Refuse a quantity that is not a positive finite number.
 
     Args:
         value: The quantity.
-        what: What it is, for the message (``--params``, ``MTBF``...).
+        what: What it is, for the message (``params``, ``MTBF``...).
+        param: ``what`` is a parameter's name (the CLI words it as its flag).
 
     Raises:
         UsageError: Zero, negative, NaN or infinite.
     """
     if not (value > 0 and math.isfinite(value)):
-        raise UsageError(f"{what} must be positive, not {value!r}")
+        raise UsageError(f"{what} must be positive, not {value!r}", param=what if param else None)

@@ -9,7 +9,7 @@ import typer
 from typer.core import TyperArgument, TyperCommand
 
 from ckpt_cli import __version__
-from ckpt_cli.cli.errors import json_errors, refused
+from ckpt_cli.cli.errors import json_errors, refused, worded
 from ckpt_cli.cli.options import Refused
 
 # Each subcommand, in --help's order: its name, and the module and function that implement it.
@@ -93,8 +93,8 @@ class CkptCommand(TyperCommand):
             # A value one of cli/options.py's parsers refused: worded and reported as the
             # same error raised inside the command would be (its --json document included).
             if self.name == "validate":
-                self._write_junit(raw, str(e.error))
-            refused(e.error, self.name if "--json" in raw else None)
+                self._write_junit(raw, worded(e.error, self)[2])
+            refused(e.error, self.name if "--json" in raw else None, self)
         except click_errors.BadParameter as e:
             self._refused(raw, e.format_message())
         except click_errors.UsageError as e:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from typing import Any, NoReturn
@@ -103,17 +104,113 @@ class _JsonErrors:
                           exit_code)
 
 
-def _report(e: CkptError, doc: _JsonErrors) -> NoReturn:
+# Library parameters whose command-line option has another name, per command: the library's
+# name (an options-dataclass field, a function parameter) -> the command function's parameter,
+# whose flag click knows ("*": every command). Every other library name is the command's
+# parameter of that name.
+_CLI_NAMES: dict[str, dict[str, str]] = {
+    "*": {"storage_options": "storage_option", "allow_globals": "allow_global"},
+    "validate": {"manifest_algorithm": "manifest_hash", "fmt": "input_format"},
+    "inspect": {"fmt": "input_format"},
+    "plan": {"measure_dir": "measure"},
+}
+
+# Library parameters the messages word by a short flag.
+_SHORT = {"output": "-o"}
+
+
+def _flags(command: Any, names: Iterable[str]) -> dict[str, str]:
+    """Library parameter name -> the flag that sets it, for a click command (else empty).
+
+    A name in ``names`` the command has no option for (a hint naming another command's flag:
+    ``--force`` beside ``--overwrite``, prune's ``--keep-best`` in a retention rule ``watch``
+    shares) is worded by the rule the options follow: ``--`` and the name with dashes
+    (``keep_best`` -> ``--keep-best``), after the aliases every command shares. (A run builds
+    only the command it names: the others' options cannot be asked.)
+    """
+    if command is None:
+        return {}
+    flags: dict[str, str] = {}
+    for p in command.params:
+        if p.param_type_name == "option" and p.name and p.opts:
+            flags[p.name] = next((o for o in p.opts if o.startswith("--")), p.opts[0])
+    for aliases in (_CLI_NAMES["*"], _CLI_NAMES.get(command.name or "", {})):
+        for library, cli in aliases.items():
+            if cli in flags:
+                flags[library] = flags[cli]
+    flags.update((name, short) for name, short in _SHORT.items() if name in flags)
+    for name in names:
+        if name not in flags:
+            flags[name] = "--" + _CLI_NAMES["*"].get(name, name).replace("_", "-")
+    return flags
+
+
+_NOT_AFTER_DETERMINER = "".join(rf"(?<!\b{w} )" for w in ("a", "an", "the", "no", "each", "every",
+                                                         "what to"))
+
+
+def _worded(text: str | None, names: Iterable[str], flags: dict[str, str]) -> str | None:
+    """``text`` with each whole-word parameter name in ``names`` replaced by its flag.
+
+    Kept as they are: a name inside a quoted value or a longer name (``'to'``, ``to_dtype``,
+    ``--to``), and one read as an English word: after a determiner or "what to" (``not a
+    part``, ``no part of``, ``say what to keep``).
+    """
+    if text is None:
+        return None
+    for name in names:
+        if name in flags:
+            # (A flag holds no backslash: it is a plain replacement.)
+            text = re.sub(rf"(?<![\w'\"./=-]){_NOT_AFTER_DETERMINER}"
+                          rf"{re.escape(name)}(?![\w'\"=-])", flags[name], text)
+    return text
+
+
+def _current_context() -> Any:
+    """The click context running now, if any."""
+    # typer 0.27+ carries its own copy of click: its context, not click's, is the current one.
+    from typer._click.globals import get_current_context
+
+    return get_current_context(silent=True)
+
+
+def worded(e: CkptError, command: Any = None) -> tuple[str, str | None, str]:
+    """An error's message, hint and whole line as the command line words them.
+
+    A library error names library parameters (``max_memory``, listed in ``e.params``); here
+    they become the command's flags (``--max-memory``).
+
+    Args:
+        e: The error.
+        command: The click command whose flags to use; by default the one running now.
+
+    Returns:
+        ``(message, hint, text)``: ``e.message``, ``e.hint`` and ``str(e)``, flags in place
+        of parameter names.
+    """
+    message, hint, text = e.message, e.hint, str(e)
+    if e.params:
+        if command is None:
+            ctx = _current_context()
+            command = None if ctx is None else ctx.command
+        flags = _flags(command, e.params)
+        message = _worded(message, e.params, flags) or ""
+        hint = _worded(hint, e.params, flags)
+        text = text[:len(text) - len(e.message)] + message
+    return message, hint, text
+
+
+def _report(e: CkptError, doc: _JsonErrors, command: Any = None) -> NoReturn:
     """A ckpt error: its line (and hint) on stderr, its ``--json`` document, its exit code."""
-    _say(f"ckpt: error: {e}")
-    if e.hint:
-        _say(f"hint: {e.hint}")
-    doc.emit(e.kind, e.message, e.exit_code, path=e.path, side=e.side, hint=e.hint,
-             text=str(e))
+    message, hint, text = worded(e, command)
+    _say(f"ckpt: error: {text}")
+    if hint:
+        _say(f"hint: {hint}")
+    doc.emit(e.kind, message, e.exit_code, path=e.path, side=e.side, hint=hint, text=text)
     raise typer.Exit(e.exit_code) from None
 
 
-def refused(error: CkptError, command: str | None) -> NoReturn:
+def refused(error: CkptError, command: str | None, cli: Any = None) -> NoReturn:
     """Report an option value refused while the command line was parsed (see
     :mod:`ckpt_cli.cli.options`) exactly as :func:`handled` reports the same error raised
     inside the command.
@@ -121,13 +218,14 @@ def refused(error: CkptError, command: str | None) -> NoReturn:
     Args:
         error: The parser's error.
         command: The command's name when it was given ``--json``, else None.
+        cli: The click command whose line was parsed (to word parameters as its flags).
 
     Raises:
         typer.Exit: Always, with the error's exit code.
     """
     token = _JSON_COMMAND.set(command)
     try:
-        _report(error, _JsonErrors())
+        _report(error, _JsonErrors(), cli)
     finally:
         _JSON_COMMAND.reset(token)
 

@@ -16,6 +16,7 @@ import typer
 from typer._click.exceptions import BadParameter
 
 from ckpt_cli import storage
+from ckpt_cli.cli.errors import worded
 from ckpt_cli.errors import CkptError, UsageError
 
 if TYPE_CHECKING:
@@ -209,7 +210,7 @@ def location(text: str) -> Path:
     try:
         return storage.locate(text)
     except UsageError as e:
-        raise typer.BadParameter(e.message) from None
+        raise typer.BadParameter(worded(e)[0]) from None
 
 
 def output_location(text: str) -> Path | str:

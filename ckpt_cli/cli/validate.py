@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from ckpt_cli.cli.errors import handled
+from ckpt_cli.cli.errors import handled, worded
 from ckpt_cli.cli.options import (
     STREAMING,
     AllowGlobalOpt,
@@ -122,8 +122,8 @@ def _junit_of_error(dest: Location, path: Location, error: BaseException) -> Non
 
     detail = ""
     if isinstance(error, CkptError):
-        kind, message = error.kind, str(error)
-        detail = f"hint: {error.hint}" if error.hint else ""
+        _, hint, message = worded(error)
+        kind, detail = error.kind, f"hint: {hint}" if hint else ""
     elif isinstance(error, KeyboardInterrupt):
         kind, message = "interrupted", "interrupted"
     elif isinstance(error, MemoryError):

@@ -264,7 +264,7 @@ def consolidate(source: str | Path, output: str | Path,
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
     if opts.to not in TARGETS:
-        raise UsageError(f"--to must be fp16, bf16, fp32 or keep, not {opts.to!r}")
+        raise UsageError(f"to must be fp16, bf16, fp32 or keep, not {opts.to!r}", param="to")
     budget = memory_budget(opts.max_memory)  # a bad budget is a usage error before any work
     check_exists(src)
     # A run directory's resume pointer names the checkpoint (DeepSpeed's `latest` is also
@@ -273,8 +273,8 @@ def consolidate(source: str | Path, output: str | Path,
     if followed is not None:
         src = followed.path
     if opts.verify and not storage.can_rename_atomically(out):
-        raise UsageError("--verify re-reads the output before it is put in place, which an "
-                         "object store's output cannot be yet",
+        raise UsageError("verify re-reads the output before it is put in place, which an "
+                         "object store's output cannot be yet", param="verify",
                          hint=f"compare afterwards instead: ckpt diff {src} {out}")
     kind = detect_kind(src)
     check_not_input(out, src)

@@ -200,7 +200,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
     if quant:
         to = "bf16"  # what is not quantized
     elif to not in TARGETS:
-        raise UsageError(f"--to must be fp16, bf16, fp32, fp8 or keep, not {to!r}")
+        raise UsageError(f"to must be fp16, bf16, fp32, fp8 or keep, not {to!r}", param="to")
     fmt = output_format(out, fmt, directory=names_directory(output))
     followed = follow_pointer(src) if opts.input_format is None else None
     if followed is not None:

@@ -50,16 +50,18 @@ def wanted(to: str, layout: str) -> bool:
     if to != "fp8":
         return False
     if layout not in fp8.LAYOUTS:
-        raise UsageError(f"--fp8-layout must be block, channel or tensor, not {layout!r}")
+        raise UsageError(f"fp8_layout must be block, channel or tensor, not {layout!r}",
+                         param="fp8_layout")
     return True
 
 
 def check_usage(quant: bool, dequantize: bool, target: str | None, fmt: str) -> None:
     """Refuse FP8 options that do not go together (before any work)."""
     if dequantize and (quant or target is None):
-        raise UsageError("--dequantize needs --to bf16, fp16 or fp32")
+        raise UsageError("dequantize needs to bf16, fp16 or fp32", param=("dequantize", "to"))
     if quant and fmt != "safetensors":
-        raise UsageError("--to fp8 writes safetensors (an HF directory); not --format pt")
+        raise UsageError("to fp8 writes safetensors (an HF directory); not fmt pt",
+                         param=("to", "fmt"))
 
 
 def quantized(built: B, build: Callable[[tuple[str, ...]], B], keep_fp32: tuple[str, ...],

@@ -114,9 +114,9 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
     p = storage.locate(path)
     check_exists(p)
     if sort not in ("name", "size", "name-alpha"):
-        raise UsageError(f"--sort must be name or size, not {sort!r}")
+        raise UsageError(f"sort must be name or size, not {sort!r}", param="sort")
     if depth < 1:
-        raise UsageError("--depth must be at least 1")
+        raise UsageError("depth must be at least 1", param="depth")
     allowed = allowlist.parse_names(allow_globals)
     if fmt is None and holds_final_model(p):
         result = _inspect_final(p, pattern)

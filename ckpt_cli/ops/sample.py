@@ -117,7 +117,7 @@ def write_sample(dest: Path, *, overwrite: bool = False,
     """
     if dest.exists() and not overwrite:
         raise DestinationExistsError("already exists", path=dest,
-                                     hint="pass --overwrite to replace it")
+                                     hint="pass overwrite to replace it", param="overwrite")
     if overwrite and (dest.exists() or dest.is_symlink()):
         _check_is_a_sample(dest)
     say = on_progress or (lambda _msg: None)

@@ -57,7 +57,8 @@ def locate(text: str | os.PathLike[str]) -> Path:
                          f"{', '.join(s + '://' for s in sorted(OBJECT_STORES))}")
     if "@" in rest.split("/", 1)[0]:
         raise UsageError(f"{redact(text)}: credentials in a URL are not accepted; use the "
-                         "standard environment variables or --storage-option")
+                         "standard environment variables or storage_options",
+                         param="storage_options")
     rest = rest.strip("/")
     if not rest:
         raise UsageError(f"{text}: name a bucket (and a key or prefix)")

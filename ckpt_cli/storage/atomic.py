@@ -79,7 +79,8 @@ def _check_dest(dest: Path, overwrite: bool) -> None:
     if (dest.exists() or dest.is_symlink()) and not _is_empty_dir(dest):
         if not overwrite:
             raise DestinationExistsError("already exists", path=dest,
-                                         hint="pass --overwrite (or --force) to replace it")
+                                         hint="pass overwrite (or force) to replace it",
+                                         param=("overwrite", "force"))
     if not dest.parent.is_dir():
         raise CkptError("parent directory does not exist", path=dest.parent)
 

@@ -84,7 +84,8 @@ def configure(options: Mapping[str, Any], concurrency: int | None = None) -> Non
     """
     global _concurrency
     if concurrency is not None and concurrency < 1:
-        raise UsageError(f"--concurrency must be at least 1, not {concurrency}")
+        raise UsageError(f"concurrency must be at least 1, not {concurrency}",
+                         param="concurrency")
     with _lock:
         _options.clear()
         _options.update(options)
@@ -113,7 +114,8 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
         key, sep, raw = pair.partition("=")
         key = key.strip()
         if not sep or not key or any(not k for k in key.split(".")):
-            raise UsageError(f"--storage-option wants KEY=VALUE, not {_mask_pair(pair)!r}")
+            raise UsageError(f"storage_options wants KEY=VALUE, not {_mask_pair(pair)!r}",
+                             param="storage_options")
         value: Any = raw
         low = raw.strip().lower()
         if low in ("true", "false"):
@@ -127,7 +129,8 @@ def parse_options(pairs: list[str] | None) -> dict[str, Any]:
         for h in heads:
             nxt = node.setdefault(h, {})
             if not isinstance(nxt, dict):
-                raise UsageError(f"--storage-option {key}: {h} is set twice")
+                raise UsageError(f"storage_options {key}: {h} is set twice",
+                                 param="storage_options")
             node = nxt
         node[last] = value
     return out

@@ -71,8 +71,8 @@ def memory_budget(max_memory: int | None) -> int:
     if max_memory is None:
         return MEMORY_BUDGET
     if max_memory < MIN_MEMORY:
-        raise UsageError(f"--max-memory must be at least {MIN_MEMORY >> 20}MiB (one piece of a "
-                         f"tensor), not {max_memory:,} bytes")
+        raise UsageError(f"max_memory must be at least {MIN_MEMORY >> 20}MiB (one piece of a "
+                         f"tensor), not {max_memory:,} bytes", param="max_memory")
     return max_memory
 
 T = TypeVar("T")

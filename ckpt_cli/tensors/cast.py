@@ -340,7 +340,8 @@ def check_overflow(stats: CastStats, clamp: bool) -> None:
         more = f" and {len(worst) - 5} more" if len(worst) > 5 else ""
         raise CkptError(f"{sum(stats.overflow.values()):,} value(s) exceed FP16's range "
                         f"(±{FP16_MAX:g}) and would become inf: {listed}{more}; nothing written",
-                        hint="use --to bf16, --keep-fp32 GLOB for those tensors, or --clamp")
+                        hint="use to bf16, keep_fp32 GLOB for those tensors, or clamp",
+                        param=("to", "keep_fp32", "clamp"))
 
 
 TARGETS: dict[str, str | None] = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", "keep": None}

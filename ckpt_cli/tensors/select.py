@@ -99,7 +99,7 @@ def select_tensors(index: CheckpointIndex, *, keep_optimizer: bool = False,
     for src_name, out_name in names.items():
         if out_name in out:
             raise UsageError(f"{out[out_name]!r} and {src_name!r} both become {out_name!r}; "
-                             "use --keep-prefix or --container")
+                             "use keep_prefix or container", param=("keep_prefix", "container"))
         out[out_name] = src_name
     return Selection(out, renamed, _count_dropped(index, set(out.values())), notes)
 
@@ -134,8 +134,9 @@ def _choose_container(prefixes: list[str], wanted: str | None, notes: list[str])
     if wanted:
         want = wanted.rstrip(".") + "."
         if want not in prefixes:
-            raise UsageError(f"--container {wanted!r} not found; model containers here: "
-                             f"{', '.join(p.rstrip('.') for p in prefixes) or 'none'}")
+            raise UsageError(f"container {wanted!r} not found; model containers here: "
+                             f"{', '.join(p.rstrip('.') for p in prefixes) or 'none'}",
+                             param="container")
         return want
     if len(prefixes) <= 1:
         return prefixes[0] if prefixes else ""

@@ -103,22 +103,24 @@ def make_waker(mode: str, root: Path) -> tuple[Waker, str | None]:
     from ckpt_cli.errors import UsageError
 
     if mode not in WAKE_MODES:
-        raise UsageError(f"--wake must be one of {', '.join(WAKE_MODES)}, not {mode!r}")
+        raise UsageError(f"wake must be one of {', '.join(WAKE_MODES)}, not {mode!r}",
+                         param="wake")
     if mode == "poll":
         return PollWaker(), None
     if not storage.has_file_system(root):
         if mode == "events":
-            raise UsageError("--wake events: object storage raises no file events", path=root)
+            raise UsageError("wake events: object storage raises no file events", path=root,
+                             param="wake")
         return PollWaker(), None
     try:
         return EventWaker(root), None
     except ImportError:
         if mode == "events":
-            raise UsageError("--wake events needs the optional watchfiles package",
-                             hint="pip install 'ckpt-cli[watch]'") from None
+            raise UsageError("wake events needs the optional watchfiles package",
+                             hint="pip install 'ckpt-cli[watch]'", param="wake") from None
         return PollWaker(), None  # auto: polling, as without the extra
     except Exception as e:  # e.g. the inotify watch limit reached: polling still works
         if mode == "events":
-            raise UsageError(f"--wake events: file events are unavailable here ({e})",
-                             path=root) from None
+            raise UsageError(f"wake events: file events are unavailable here ({e})",
+                             path=root, param="wake") from None
         return PollWaker(), f"file events are unavailable here ({e}); polling"

@@ -120,7 +120,7 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
         DestinationExistsError: ``dest`` exists and ``overwrite`` is False.
     """
     if fmt not in FORMATS:
-        raise UsageError(f"--format must be safetensors or pt, not {fmt!r}")
+        raise UsageError(f"fmt must be safetensors or pt, not {fmt!r}", param="fmt")
     budget = memory_budget(max_memory)
     check_dtypes(tensors, fmt)
     names = [t.name for t in tensors]
@@ -130,8 +130,9 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
     plan = plan_shards([t.nbytes for t in tensors], max_shard_size, stem=stem, ext=ext)
     as_file = dest.suffix in FILE_SUFFIXES
     if as_file and plan.sharded:
-        raise UsageError(f"{len(plan.files)} shards at this --max-shard-size; give -o a "
-                         f"directory, not the file name {dest.name!r}")
+        raise UsageError(f"{len(plan.files)} shards at this max_shard_size; give output a "
+                         f"directory, not the file name {dest.name!r}",
+                         param=("max_shard_size", "output"))
     result = WriteResult(path=dest, tensors=len(tensors))
     meta = dict(metadata or {})
     if fmt == "safetensors":
@@ -143,8 +144,9 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
     ids = {f: _serialization_id(content_id, f) for f in plan.files}
     rename = storage.can_rename_atomically(dest)  # else uploads, the marker last
     if not rename and part is not None:
-        raise UsageError("--part needs a local (shared) output directory for its receipts; "
-                         "an output on object storage is written by one process for now")
+        raise UsageError("part needs a local (shared) output directory for its receipts; "
+                         "an output on object storage is written by one process for now",
+                         param="part")
     tail = Tail(None if not plan.sharded else
                 (index_name(fmt),
                  lambda root: files.index_bytes(root, fmt, tensors, plan, aliases, meta)),

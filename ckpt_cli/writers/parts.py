@@ -99,7 +99,8 @@ class PartSink(Sink):
         super().__init__(dest, plan, overwrite=overwrite, before_commit=before_commit)
         if (dest.exists() or dest.is_symlink()) and not overwrite:
             raise DestinationExistsError("already exists", path=dest,
-                                         hint="pass --force to replace it (every part the same)")
+                                         hint="pass force to replace it (every part the same)",
+                                         param="force")
         self.job, self.as_file = job, as_file
         root = staging_dir(dest)
         count = job.part.count if job.part else _staged_count(root, dest)
@@ -162,7 +163,7 @@ def _staged_count(root: Path, dest: Path) -> int:
     if recorded is None:
         raise PartsIncompleteError(
             f"nothing to finalize: no parts are staged for it (expected {root})", path=dest,
-            hint="run the parts with --part K/N first (with the same options)")
+            hint="run the parts with part K/N first (with the same options)", param="part")
     count = recorded.get("parts")
     if not isinstance(count, int) or count < 1:
         raise PartsIncompleteError("the staged part plan is unreadable", path=root)
@@ -234,7 +235,8 @@ def _check_receipts(store: PartStore, plan: ShardPlan, count: int,
         raise PartsIncompleteError(
             f"cannot finalize {store.what}: {describe_parts(parts)} did not write what the "
             f"plan gives ({'; '.join(f'part {k}: {wrong[k]}' for k in parts[:3])})",
-            path=store.root, hint="rerun those parts with the same options, then --finalize")
+            path=store.root, hint="rerun those parts with the same options, then finalize",
+            param="finalize")
     return [(f, sizes[f]) for f in plan.files]
 
 

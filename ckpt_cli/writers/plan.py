@@ -79,9 +79,9 @@ def output_format(dest: Path, fmt: str | None, *, directory: bool = False) -> st
     if fmt is None:
         return implied or "safetensors"
     if fmt not in FORMATS:
-        raise UsageError(f"--format must be safetensors or pt, not {fmt!r}")
+        raise UsageError(f"fmt must be safetensors or pt, not {fmt!r}", param="fmt")
     if implied and implied != fmt:
-        raise UsageError(f"--format {fmt} does not match the file name {dest.name!r}",
+        raise UsageError(f"fmt {fmt} does not match the file name {dest.name!r}", param="fmt",
                          hint=f"name it *.{'safetensors' if fmt == 'safetensors' else 'pt'}")
     return fmt
 
@@ -167,11 +167,11 @@ def check_dtypes(tensors: Sequence[OutTensor], fmt: str) -> None:
     bad = [t for t in tensors if t.dtype in _UNWRITABLE[fmt]]
     if bad:
         other = "pt" if fmt == "safetensors" else "safetensors"
-        hint = (f"--format {other} can hold {bad[0].dtype}"
+        hint = (f"fmt {other} can hold {bad[0].dtype}"
                 if bad[0].dtype not in _UNWRITABLE[other] else None)
         raise UnsupportedError(f"{fmt} cannot hold {bad[0].dtype} ({bad[0].name}"
                                + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + ")",
-                               hint=hint)
+                               hint=hint, param="fmt" if hint else None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -299,7 +299,7 @@ def _check_remote_dest(dest: Path, overwrite: bool, as_file: bool) -> None:
                                          "is a single object; not replacing it", path=dest)
         if dest.exists() and not overwrite:
             raise DestinationExistsError("exists", path=dest,
-                                         hint="use --force to replace it")
+                                         hint="use force to replace it", param="force")
         return
     if dest.is_file():
         raise DestinationExistsError("is an object, and this output is a prefix of objects; "
@@ -307,7 +307,7 @@ def _check_remote_dest(dest: Path, overwrite: bool, as_file: bool) -> None:
     if dest.is_dir():
         if not overwrite:
             raise DestinationExistsError("exists (objects lie below this prefix)", path=dest,
-                                         hint="use --force to replace it")
+                                         hint="use force to replace it", param="force")
         check_replaceable(dest)
 
 

@@ -283,5 +283,6 @@ def test_overflow_refusal_unchanged() -> None:
         cast.check_overflow(stats, clamp=False)
     assert e.value.message == ("2 value(s) exceed FP16's range (±65504) and would become inf: "
                                "w (2); nothing written")
-    assert e.value.hint == "use --to bf16, --keep-fp32 GLOB for those tensors, or --clamp"
+    assert e.value.hint == "use to bf16, keep_fp32 GLOB for those tensors, or clamp"
+    assert e.value.params == ("to", "keep_fp32", "clamp")  # the CLI words them as flags
     cast.check_overflow(stats, clamp=True)  # clamped: no refusal

@@ -166,9 +166,9 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
     """
     opts = options or DiffOptions()
     budget = memory_budget(max_memory)
-    for label, val in (("--rtol", opts.rtol), ("--atol", opts.atol)):
+    for name, val in (("rtol", opts.rtol), ("atol", opts.atol)):
         if val is not None and not (val >= 0 and math.isfinite(val)):
-            raise UsageError(f"{label} must be a finite number >= 0, not {val}")
+            raise UsageError(f"{name} must be a finite number >= 0, not {val}", param=name)
     for label, ix in (("A", index_a), ("B", index_b)):
         _refuse_zero3(ix, label)
     scope_a, scope_b, scope, note = choose_scope(index_a, index_b, opts.everything)

@@ -61,7 +61,8 @@ def match(result: DiffResult, names_a: dict[str, str], names_b: dict[str, str],
     if glob:
         in_scope = {n for n in in_scope if fnmatch.fnmatchcase(n, glob)}
         if not in_scope:
-            raise UsageError(f"--filter {glob!r} matches no tensor on either side")
+            raise UsageError(f"filter_glob {glob!r} matches no tensor on either side",
+                             param="filter_glob")
     for ix, names, excluded in ((ia, names_a, result.excluded_a),
                                 (ib, names_b, result.excluded_b)):
         for orig, norm in names.items():

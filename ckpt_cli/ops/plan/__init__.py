@@ -91,30 +91,35 @@ def plan(options: PlanOptions | None = None, *,
     opts = options_of(PlanOptions, options, fields)
     size = _size(opts.params, opts.precision, opts.optimizer, opts.from_path, opts.input_format)
     if opts.bandwidth is not None and opts.measure_dir is not None:
-        raise UsageError("give --bandwidth or --measure, not both")
+        raise UsageError("give bandwidth or measure_dir, not both",
+                         param=("bandwidth", "measure_dir"))
     if opts.measure_dir is None and (opts.measure_size is not None
                                      or opts.measure_streams is not None):
-        raise UsageError("--measure-size and --measure-streams need --measure DIR")
+        raise UsageError("measure_size and measure_streams need measure_dir DIR",
+                         param=("measure_size", "measure_streams", "measure_dir"))
     if opts.mtbf is not None and (opts.gpus is not None or opts.gpu_mtbf is not None):
-        raise UsageError("give --mtbf or --gpus with --gpu-mtbf, not both")
+        raise UsageError("give mtbf or gpus with gpu_mtbf, not both",
+                         param=("mtbf", "gpus", "gpu_mtbf"))
     if (opts.gpus is None) != (opts.gpu_mtbf is None):
-        raise UsageError("--gpus and --gpu-mtbf go together (job MTBF = --gpu-mtbf / --gpus)")
+        raise UsageError("gpus and gpu_mtbf go together (job MTBF = gpu_mtbf / gpus)",
+                         param=("gpus", "gpu_mtbf"))
     if opts.snapshot_bandwidth is not None and not opts.async_save:
-        raise UsageError("--snapshot-bandwidth only matters with --async")
-    for value, what in ((opts.bandwidth, "--bandwidth"), (opts.mtbf, "--mtbf"),
-                        (opts.ranks, "--ranks"), (opts.keep, "--keep"),
-                        (opts.snapshot_bandwidth, "--snapshot-bandwidth"),
-                        (opts.interval, "--interval")):
+        raise UsageError("snapshot_bandwidth only matters with async_save",
+                         param=("snapshot_bandwidth", "async_save"))
+    for value, what in ((opts.bandwidth, "bandwidth"), (opts.mtbf, "mtbf"),
+                        (opts.ranks, "ranks"), (opts.keep, "keep"),
+                        (opts.snapshot_bandwidth, "snapshot_bandwidth"),
+                        (opts.interval, "interval")):
         if value is not None:
-            require_positive(value, what)
+            require_positive(value, what, param=True)
     if opts.thin_to is not None and opts.thin_to != "bf16":
-        raise UsageError(f"--thin-to must be bf16, not {opts.thin_to!r}")
+        raise UsageError(f"thin_to must be bf16, not {opts.thin_to!r}", param="thin_to")
     if opts.thin_to is not None and opts.thin_after is None:
-        raise UsageError("--thin-to is used only with --thin-after N")
+        raise UsageError("thin_to is used only with thin_after N", param=("thin_to", "thin_after"))
     if opts.thin_after is not None:
-        require_positive(opts.thin_after, "--thin-after")
+        require_positive(opts.thin_after, "thin_after", param=True)
     if opts.restart is not None and not (opts.restart >= 0 and math.isfinite(opts.restart)):
-        raise UsageError(f"--restart cannot be negative, not {opts.restart!r}")
+        raise UsageError(f"restart cannot be negative, not {opts.restart!r}", param="restart")
 
     files = opts.ranks if opts.ranks is not None else size.files
     dirs = size.dirs or (1 if files > 1 else 0)
@@ -152,14 +157,17 @@ def plan(options: PlanOptions | None = None, *,
 def _size(params: int | None, precision: str | None, optimizer: str | None,
           from_path: str | Path | None, input_format: str | None) -> CheckpointSize:
     if (params is None) == (from_path is None):
-        raise UsageError("give the model size with --params N or --from PATH (one of them)")
+        raise UsageError("give the model size with params N or from_path PATH (one of them)",
+                         param=("params", "from_path"))
     if from_path is not None:
         if precision is not None or optimizer is not None:
-            raise UsageError("--precision and --optimizer describe --params; --from reads the "
-                             "real sizes from the checkpoint")
+            raise UsageError("precision and optimizer describe params; from_path reads the "
+                             "real sizes from the checkpoint",
+                             param=("precision", "optimizer", "params", "from_path"))
         return size_from_checkpoint(from_path, input_format)
     if input_format is not None:
-        raise UsageError("--input-format applies to --from PATH")
+        raise UsageError("input_format applies to from_path PATH",
+                         param=("input_format", "from_path"))
     assert params is not None
     return size_from_params(params, precision or DEFAULT_PRECISION,
                             optimizer or DEFAULT_OPTIMIZER)
@@ -174,7 +182,8 @@ def _optimum(result: PlanResult) -> None:
         raise UsageError(
             f"the checkpoint {what} ({cost:,.0f} s) is at least twice the MTBF ({mtbf:,.0f} s): "
             "Daly's formula does not apply there and the run would spend most of its time "
-            "saving and redoing work; use faster storage, --async, or a more reliable job")
+            "saving and redoing work; use faster storage, async_save, or a more reliable job",
+            param="async_save")
     young, daly = young_interval(cost, mtbf), daly_interval(cost, mtbf)
     if result.async_save and daly < write:
         # Past the write time the loss grows with the interval, and below it the saves queue

@@ -106,9 +106,11 @@ def bytes_per_parameter(precision: str, optimizer: str) -> BytesPerParameter:
         UsageError: Unknown precision or optimizer.
     """
     if precision not in PRECISIONS:
-        raise UsageError(f"--precision must be {_one_of(PRECISIONS)}, not {precision!r}")
+        raise UsageError(f"precision must be {_one_of(PRECISIONS)}, not {precision!r}",
+                         param="precision")
     if optimizer not in OPTIMIZERS:
-        raise UsageError(f"--optimizer must be {_one_of(OPTIMIZERS)}, not {optimizer!r}")
+        raise UsageError(f"optimizer must be {_one_of(OPTIMIZERS)}, not {optimizer!r}",
+                         param="optimizer")
     return BytesPerParameter(weights=_WEIGHT_BYTES[precision], master=_MASTER_BYTES[precision],
                              optimizer=_STATE_TENSORS[optimizer] * _STATE_BYTES[precision])
 
@@ -167,7 +169,7 @@ def size_from_params(params: int, precision: str = DEFAULT_PRECISION,
     Raises:
         UsageError: Non-positive ``params``, unknown precision or optimizer.
     """
-    require_positive(params, "--params")
+    require_positive(params, "params", param=True)
     bpp = bytes_per_parameter(precision, optimizer)
     return CheckpointSize(training=params * bpp.training, inference=params * bpp.inference,
                           weights=params * bpp.weights, master=params * bpp.master,
@@ -279,8 +281,8 @@ def job_mtbf(device_mtbf: float, devices: int) -> float:
     Raises:
         UsageError: A non-positive argument.
     """
-    require_positive(device_mtbf, "--gpu-mtbf")
-    require_positive(devices, "--gpus")
+    require_positive(device_mtbf, "gpu_mtbf", param=True)
+    require_positive(devices, "gpus", param=True)
     return device_mtbf / devices
 
 

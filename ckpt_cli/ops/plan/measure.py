@@ -78,18 +78,19 @@ def measure_bandwidth(directory: str | Path, size: int = DEFAULT_MEASURE_SIZE,
         CkptError: ``directory`` is missing, not a directory or not writable, or a write fails.
         UsageError: Non-positive size or streams, too many streams, not enough free space.
     """
-    require_positive(size, "--measure-size")
-    require_positive(streams, "--measure-streams")
+    require_positive(size, "measure_size", param=True)
+    require_positive(streams, "measure_streams", param=True)
     if streams > MAX_MEASURE_STREAMS:
-        raise UsageError(f"--measure-streams must be at most {MAX_MEASURE_STREAMS}")
+        raise UsageError(f"measure_streams must be at most {MAX_MEASURE_STREAMS}",
+                         param="measure_streams")
     where = Path(directory)
     if not where.is_dir():
         raise CkptError("not a directory" if where.exists() else "no such directory",
                         path=where)
     free = shutil.disk_usage(where).free
     if size > free:
-        raise UsageError(f"--measure-size is {size:,} bytes but only {free:,} are free",
-                         path=where)
+        raise UsageError(f"measure_size is {size:,} bytes but only {free:,} are free",
+                         path=where, param="measure_size")
     streams = max(1, min(streams, size // _MIN_STREAM_BYTES))
     target = tmp_sibling(where / "ckpt-plan-measure")
     try:

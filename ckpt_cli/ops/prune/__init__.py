@@ -138,7 +138,7 @@ def plan(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
     # save is a quiet success, not an error.
     quiet = problem is not None and problem.startswith("holds no checkpoints")
     if problem and not quiet and not any_dir:
-        raise UsageError(problem, path=given, hint=ANY_DIR_HINT)
+        raise UsageError(problem, path=given, hint=ANY_DIR_HINT, param="any_dir")
     with contextlib.ExitStack() as hold:
         if not dry_run:
             hold.enter_context(site.lock())

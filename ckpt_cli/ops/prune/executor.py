@@ -21,7 +21,7 @@ from ckpt_cli.ops.prune.retention import Decision, PrunePlan
 
 Report = Callable[[PruneEvent], None]
 
-ANY_DIR_HINT = "pass --any-dir if this really is the run directory to prune"
+ANY_DIR_HINT = "pass any_dir if this really is the run directory to prune"
 """The hint of a root a site refuses to prune (``any_dir`` accepts it)."""
 
 

@@ -191,7 +191,8 @@ def _checked_root(path: Path, any_dir: bool) -> Path:
             if root == home else "a parent of your home directory" if root in home.parents
             else None)
     if what and not any_dir:
-        raise UsageError(f"refusing to prune {what}", path=path, hint=ANY_DIR_HINT)
+        raise UsageError(f"refusing to prune {what}", path=path, hint=ANY_DIR_HINT,
+                         param="any_dir")
     return root
 
 class PointerWatch:

@@ -103,8 +103,9 @@ def metric_values(listing: RunListing, metric: str, history: list[dict[str, Any]
             out[e.name] = value
     if not out:
         known = ", ".join(sorted(seen)[:12]) or "none"
-        raise UsageError(f"no checkpoint has a value for --metric {metric} (metrics found: "
-                         f"{known})", hint="check the name, or give --metrics-file")
+        raise UsageError(f"no checkpoint has a value for metric {metric} (metrics found: "
+                         f"{known})", hint="check the name, or give metrics_file",
+                         param=("metric", "metrics_file"))
     return out
 
 

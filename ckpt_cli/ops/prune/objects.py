@@ -63,7 +63,8 @@ class PrefixRun:
         if not path.is_dir():
             raise CkptError("not a prefix with checkpoints below it", path=path)
         if "/" not in self._obj.key and not any_dir:
-            raise UsageError("refusing to prune a whole bucket", path=path, hint=ANY_DIR_HINT)
+            raise UsageError("refusing to prune a whole bucket", path=path, hint=ANY_DIR_HINT,
+                             param="any_dir")
         self.start = self.clock()
         self._plan: PrunePlan | None = None
 

@@ -96,30 +96,34 @@ class PrunePolicy:
                 or a negative ``grace``.
         """
         if not self.rules() and self.thin_after is None:
-            raise UsageError("say what to keep: --keep N, --keep-every STEPS, --keep-best N "
-                             "--metric NAME, --older-than AGE or --max-total-size SIZE (or "
-                             "what to thin: --thin-after N)")
+            raise UsageError("say what to keep: keep N, keep_every STEPS, keep_best N "
+                             "metric NAME, older_than AGE or max_total_size SIZE (or "
+                             "what to thin: thin_after N)",
+                             param=("keep", "keep_every", "keep_best", "metric", "older_than",
+                                    "max_total_size", "thin_after"))
         if self.thin_after is None and (self.thin_to or self.keep_full_every):
-            raise UsageError("--thin-to and --keep-full-every are used only with --thin-after N")
+            raise UsageError("thin_to and keep_full_every are used only with thin_after N",
+                             param=("thin_to", "keep_full_every", "thin_after"))
         if self.thin_to is not None and self.thin_to != "bf16":
-            raise UsageError(f"--thin-to must be bf16, not {self.thin_to!r}")
-        for flag, value in (("--keep", self.keep), ("--keep-every", self.keep_every),
-                            ("--thin-after", self.thin_after),
-                            ("--keep-full-every", self.keep_full_every),
-                            ("--keep-best", self.keep_best),
-                            ("--max-total-size", self.max_total_size)):
+            raise UsageError(f"thin_to must be bf16, not {self.thin_to!r}", param="thin_to")
+        for name, value in (("keep", self.keep), ("keep_every", self.keep_every),
+                            ("thin_after", self.thin_after),
+                            ("keep_full_every", self.keep_full_every),
+                            ("keep_best", self.keep_best),
+                            ("max_total_size", self.max_total_size)):
             if value is not None and value < 1:
-                raise UsageError(f"{flag} must be at least 1, not {value}")
+                raise UsageError(f"{name} must be at least 1, not {value}", param=name)
         if self.older_than is not None and not self.older_than > 0:
-            raise UsageError("--older-than must be positive")
+            raise UsageError("older_than must be positive", param="older_than")
         if self.keep_best is not None and not self.metric:
-            raise UsageError("--keep-best needs --metric NAME (e.g. --metric eval_loss)")
+            raise UsageError("keep_best needs metric NAME (e.g. metric eval_loss)",
+                             param=("keep_best", "metric"))
         if self.metric and self.keep_best is None:
-            raise UsageError("--metric is used only with --keep-best N")
+            raise UsageError("metric is used only with keep_best N", param=("metric", "keep_best"))
         if self.mode not in ("min", "max"):
-            raise UsageError(f"--mode must be min or max, not {self.mode!r}")
+            raise UsageError(f"mode must be min or max, not {self.mode!r}", param="mode")
         if not self.grace >= 0 or math.isinf(self.grace):
-            raise UsageError("--grace must be a duration of 0 or more")
+            raise UsageError("grace must be a duration of 0 or more", param="grace")
 
 
 @dataclass(slots=True)

@@ -60,8 +60,8 @@ def parse_require(spec: str | Iterable[str] | None) -> tuple[str, ...]:
     names = {s.strip().lower() for s in items if s.strip()}
     unknown = sorted(names - set(REQUIREMENTS))
     if unknown:
-        raise UsageError(f"--require: unknown requirement {', '.join(map(repr, unknown))}; "
-                         f"choose from {', '.join(REQUIREMENTS)}")
+        raise UsageError(f"require: unknown requirement {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(REQUIREMENTS)}", param="require")
     return tuple(r for r in REQUIREMENTS if r in names)
 
 
@@ -95,14 +95,15 @@ def validate(path: str | Path, options: ValidateOptions | None = None, *,
     p = storage.locate(path)
     check_exists(p)
     if manifest_algorithm not in ALGORITHMS:
-        raise UsageError(f"--manifest-hash must be one of {', '.join(ALGORITHMS)}, "
-                         f"not {manifest_algorithm!r}")
+        raise UsageError(f"manifest_algorithm must be one of {', '.join(ALGORITHMS)}, "
+                         f"not {manifest_algorithm!r}", param="manifest_algorithm")
     if jobs is not None and jobs < 1:
-        raise UsageError("--jobs must be at least 1")
+        raise UsageError("jobs must be at least 1", param="jobs")
     if quick and write_manifest:
         # A manifest vouches for the bytes; --quick never reads them (no CRC pass), so it
         # could record a corrupt file as good.
-        raise UsageError("--write-manifest needs the full check; drop --quick")
+        raise UsageError("write_manifest needs the full check; drop quick",
+                         param=("write_manifest", "quick"))
     budget = memory_budget(max_memory)
     # CRC-32 and hashing threads each hold one buffer: never more of them than fit the budget.
     threads = min(jobs or default_jobs(), max(1, budget // BUFFER_SIZE))
@@ -116,15 +117,17 @@ def validate(path: str | Path, options: ValidateOptions | None = None, *,
         split = Split(parse_part(part) if isinstance(part, str) else part, finalize,
                       Path(parts_dir) if parts_dir is not None else None)
     elif parts_dir is not None:
-        raise UsageError("--parts-dir goes with --part or --finalize")
+        raise UsageError("parts_dir goes with part or finalize",
+                         param=("parts_dir", "part", "finalize"))
     if fmt is not None:
         get_reader(fmt)  # an unknown --input-format is a usage error, even for a run dir
     run_dir = fmt is None and (holds_final_model(p) or is_run_dir(p))
     if split is not None and run_dir and not latest:
-        raise UsageError("--part and --finalize split the validation of one checkpoint, and "
+        raise UsageError("part and finalize split the validation of one checkpoint, and "
                          "this is a run directory of many", path=p,
+                         param=("part", "finalize", "latest"),
                          hint="give one checkpoint of the run (e.g. RUN/step_1000), or add "
-                              "--latest")
+                              "latest")
     if fmt is None and holds_final_model(p):
         return validate_run(p, opts, latest=latest, pattern=pattern, final_model=True,
                              split=split)
@@ -136,8 +139,8 @@ def validate(path: str | Path, options: ValidateOptions | None = None, *,
         return validate_run(p, opts, latest=True, pattern=pattern, final_model=True,
                              split=split)
     if latest:
-        raise UsageError("--latest needs a run directory (a directory of checkpoints)",
-                         path=p)
+        raise UsageError("latest needs a run directory (a directory of checkpoints)",
+                         path=p, param="latest")
     result = ValidateResult(p, "checkpoint")
     result.checkpoints.append(check_one(p, opts, None, split, result))
     return result

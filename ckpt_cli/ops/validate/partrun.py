@@ -56,7 +56,7 @@ def validate_split(path: Path, opts: Options, split: Split, *,
         if recorded is None:
             raise PartsIncompleteError(f"nothing to finalize: no part of {what} left a "
                                        "receipt here", path=root,
-                                       hint="run the parts with --part K/N first")
+                                       hint="run the parts with part K/N first", param="part")
         count = recorded.get("parts")
         if not isinstance(count, int) or count < 1:
             raise PartsIncompleteError("unreadable part plan (no part count)", path=root)

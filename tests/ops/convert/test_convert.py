@@ -131,8 +131,9 @@ def test_several_containers(tmp_path: Path) -> None:
     convert(tmp_path / "c.pt", tmp_path / "b.safetensors", container="ema")
     got = load_file(tmp_path / "b.safetensors")
     assert torch.equal(got["embed.weight"], ema["embed.weight"])
-    with pytest.raises(UsageError, match="--container 'nope' not found"):
+    with pytest.raises(UsageError, match=r"^container 'nope' not found") as e:
         convert(tmp_path / "c.pt", tmp_path / "c.safetensors", container="nope")
+    assert e.value.param == "container"  # the CLI words it --container
 
 
 def test_dcp_to_sharded_safetensors(sample_run: Path, tmp_path: Path) -> None:

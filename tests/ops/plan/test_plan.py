@@ -339,27 +339,35 @@ def test_plan_refuses_cost_of_two_mtbf() -> None:
     assert r.daly is not None
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    ({}, "--params N or --from PATH"),
-    ({"params": 1, "from_path": "x"}, "--params N or --from PATH"),
-    ({"from_path": "x", "precision": "fp32"}, "--precision and --optimizer"),
-    ({"params": 1, "input_format": "dcp"}, "--input-format applies to --from"),
-    ({"params": 1, "bandwidth": 1.0, "measure_dir": "."}, "not both"),
-    ({"params": 1, "measure_size": 10}, "need --measure"),
-    ({"params": 1, "mtbf": 1.0, "gpus": 2, "gpu_mtbf": 1.0}, "not both"),
-    ({"params": 1, "gpus": 2}, "go together"),
-    ({"params": 1, "gpu_mtbf": 5.0}, "go together"),
-    ({"params": 1, "snapshot_bandwidth": 1e9}, "only matters with --async"),
-    ({"params": 0}, "--params must be positive"),
-    ({"params": 1, "bandwidth": -1.0}, "--bandwidth must be positive"),
-    ({"params": 1, "interval": 0.0}, "--interval must be positive"),
-    ({"params": 1, "keep": 0}, "--keep must be positive"),
-    ({"params": 1, "ranks": -2}, "--ranks must be positive"),
-    ({"params": 1, "restart": -1.0}, "--restart cannot be negative"),
+@pytest.mark.parametrize("kwargs,fragment,params", [
+    ({}, "params N or from_path PATH", ("params", "from_path")),
+    ({"params": 1, "from_path": "x"}, "params N or from_path PATH", ("params", "from_path")),
+    ({"from_path": "x", "precision": "fp32"}, "precision and optimizer",
+     ("precision", "optimizer", "params", "from_path")),
+    ({"params": 1, "input_format": "dcp"}, "input_format applies to from_path",
+     ("input_format", "from_path")),
+    ({"params": 1, "bandwidth": 1.0, "measure_dir": "."}, "not both", ("bandwidth", "measure_dir")),
+    ({"params": 1, "measure_size": 10}, "need measure_dir",
+     ("measure_size", "measure_streams", "measure_dir")),
+    ({"params": 1, "mtbf": 1.0, "gpus": 2, "gpu_mtbf": 1.0}, "not both",
+     ("mtbf", "gpus", "gpu_mtbf")),
+    ({"params": 1, "gpus": 2}, "go together", ("gpus", "gpu_mtbf")),
+    ({"params": 1, "gpu_mtbf": 5.0}, "go together", ("gpus", "gpu_mtbf")),
+    ({"params": 1, "snapshot_bandwidth": 1e9}, "only matters with async_save",
+     ("snapshot_bandwidth", "async_save")),
+    ({"params": 0}, "^params must be positive", ("params",)),
+    ({"params": 1, "bandwidth": -1.0}, "^bandwidth must be positive", ("bandwidth",)),
+    ({"params": 1, "interval": 0.0}, "^interval must be positive", ("interval",)),
+    ({"params": 1, "keep": 0}, "^keep must be positive", ("keep",)),
+    ({"params": 1, "ranks": -2}, "^ranks must be positive", ("ranks",)),
+    ({"params": 1, "restart": -1.0}, "^restart cannot be negative", ("restart",)),
 ])
-def test_plan_bad_combinations(kwargs: dict, fragment: str) -> None:  # type: ignore[type-arg]
-    with pytest.raises(UsageError, match=fragment):
+def test_plan_bad_combinations(kwargs: dict, fragment: str,  # type: ignore[type-arg]
+                               params: tuple[str, ...]) -> None:
+    # The library names its parameters (the CLI words them as flags: test_plan_cli.py).
+    with pytest.raises(UsageError, match=fragment) as e:
         plan(**kwargs)
+    assert e.value.params == params
 
 
 def test_curve_brackets_the_optimum_and_the_interval() -> None:
@@ -484,12 +492,15 @@ def test_measure_needs_a_directory(tmp_path: Path, kind: str) -> None:
         measure_bandwidth(target, size=1 << 20)
 
 
-@pytest.mark.parametrize("size,streams,fragment", [(0, 1, "--measure-size must be positive"),
-                                                   (1 << 20, 0, "--measure-streams must be"),
-                                                   (1 << 20, 1000, "at most 256")])
-def test_measure_bad_arguments(tmp_path: Path, size: int, streams: int, fragment: str) -> None:
-    with pytest.raises(UsageError, match=fragment):
+@pytest.mark.parametrize("size,streams,fragment,param", [
+    (0, 1, "^measure_size must be positive", "measure_size"),
+    (1 << 20, 0, "^measure_streams must be", "measure_streams"),
+    (1 << 20, 1000, "^measure_streams must be at most 256", "measure_streams")])
+def test_measure_bad_arguments(tmp_path: Path, size: int, streams: int, fragment: str,
+                               param: str) -> None:
+    with pytest.raises(UsageError, match=fragment) as e:
         measure_bandwidth(tmp_path, size=size, streams=streams)
+    assert e.value.param == param
 
 
 def test_plan_with_measure(tmp_path: Path) -> None:

@@ -169,17 +169,19 @@ def test_last_copies_are_kept_and_not_ranked() -> None:
     assert all("last-copy" in d.protected_by for d in plan.decisions[2:])
 
 
-@pytest.mark.parametrize("policy,fragment", [
-    (PrunePolicy(), "say what to keep"),
-    (PrunePolicy(keep=0), "--keep must be at least 1"),
-    (PrunePolicy(keep_best=1), "--keep-best needs --metric"),
-    (PrunePolicy(keep=1, metric="x"), "--metric is used only with --keep-best"),
-    (PrunePolicy(keep=1, grace=-1), "--grace must be"),
-    (PrunePolicy(older_than=0), "--older-than must be positive"),
+@pytest.mark.parametrize("policy,fragment,param", [
+    (PrunePolicy(), "say what to keep: keep N", "keep"),
+    (PrunePolicy(keep=0), "^keep must be at least 1", "keep"),
+    (PrunePolicy(keep_best=1), "^keep_best needs metric", "keep_best"),
+    (PrunePolicy(keep=1, metric="x"), "^metric is used only with keep_best", "metric"),
+    (PrunePolicy(keep=1, grace=-1), "^grace must be", "grace"),
+    (PrunePolicy(older_than=0), "^older_than must be positive", "older_than"),
 ])
-def test_policies_that_cannot_be_meant(policy: PrunePolicy, fragment: str) -> None:
-    with pytest.raises(UsageError, match=fragment):
+def test_policies_that_cannot_be_meant(policy: PrunePolicy, fragment: str, param: str) -> None:
+    # The library names the policy's fields; the CLI words them as flags (test_prune.py).
+    with pytest.raises(UsageError, match=fragment) as e:
         plan_prune(_listing(*_steps(1)), policy, NOW)
+    assert e.value.param == param
 
 
 # -- properties ----------------------------------------------------------------------------------

@@ -875,8 +875,9 @@ def test_run_directory_one_report_each(sample_copy: Path) -> None:
 
 
 def test_latest_needs_a_run_directory(pt_file: Path) -> None:
-    with pytest.raises(UsageError, match="--latest needs a run directory"):
+    with pytest.raises(UsageError, match=": latest needs a run directory") as e:
         validate(pt_file, latest=True)
+    assert e.value.param == "latest"
 
 
 def test_unrecognisable_input_is_an_error_not_a_finding(tmp_path: Path) -> None:
