@@ -55,6 +55,14 @@ main()
 """
 
 
+def _f16_kernel() -> str:
+    """The FP32->FP16 kernel ckpt's runs use (the compiled F16C one, or numpy's)."""
+    from ckpt_cli.tensors import cast
+
+    return cast.f16_kernel() + ("  (CKPT_NO_F16C set)" if "CKPT_NO_F16C" in bc.child_env()
+                                else "")
+
+
 def _median(r: bc.Run) -> float:
     return statistics.median(r.all_seconds or (r.seconds,))
 
@@ -109,6 +117,7 @@ def run(src: Path, big: bool) -> None:
               f"({bc.human_bytes(model_bytes)} of model tensors -> {bc.human_bytes(out_bytes)})", [
         ("ckpt convert", f"{ours.spread}, peak RSS {bc.human_bytes(ours.peak_rss)}, "
                          f"CPU {ours.cpu_seconds:.1f} s"),
+        ("ckpt's FP32->FP16 kernel", _f16_kernel()),
         ("peer torch.load+half+save_file", f"{peer.spread}, peak RSS "
                                            f"{bc.human_bytes(peer.peak_rss)}, "
                                            f"CPU {peer.cpu_seconds:.1f} s"),

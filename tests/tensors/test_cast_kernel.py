@@ -20,6 +20,24 @@ from ckpt_cli.tensors import cast
 pytestmark = pytest.mark.requires_torch
 
 
+KERNELS = ["numpy", "f16c"]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each FP32->FP16 kernel in turn: the compiled F16C one and the numpy one."""
+    cast._compiled_f16.cache_clear()
+    if request.param == "numpy":
+        monkeypatch.setenv("CKPT_NO_F16C", "1")
+    else:
+        monkeypatch.delenv("CKPT_NO_F16C", raising=False)
+        if cast.f16_kernel() != "f16c":
+            pytest.skip("the compiled F16C kernel is not built or this CPU lacks F16C")
+    assert cast.f16_kernel() == request.param
+    yield request.param
+    cast._compiled_f16.cache_clear()
+
+
 def _kernel(bits: np.ndarray) -> np.ndarray:
     src = bits.astype(np.uint32).view(np.float32)
     out = np.full(src.size, 12345, np.uint16).view(np.float16)
@@ -46,18 +64,18 @@ def _boundaries() -> np.ndarray:
     return np.concatenate([pos, pos | np.uint32(0x80000000)])
 
 
-def test_every_rounding_boundary_matches_numpy() -> None:
+def test_every_rounding_boundary_matches_numpy(kernel: str) -> None:
     bits = _boundaries()
     assert np.array_equal(_kernel(bits), _numpy(bits))
 
 
-def test_random_bit_patterns_match_numpy() -> None:
+def test_random_bit_patterns_match_numpy(kernel: str) -> None:
     g = np.random.default_rng(7)
     bits = g.integers(0, 2**32, size=3_000_001, dtype=np.uint64)  # not a multiple of a pass
     assert np.array_equal(_kernel(bits), _numpy(bits))
 
 
-def test_matches_torch_except_nan_bits() -> None:
+def test_matches_torch_except_nan_bits(kernel: str) -> None:
     bits = _boundaries()
     src = bits.view(np.float32)
     ours = _kernel(bits)
@@ -70,7 +88,7 @@ def test_matches_torch_except_nan_bits() -> None:
     assert np.array_equal(ours[~finite], want.astype(np.uint16))
 
 
-def test_edges_named() -> None:
+def test_edges_named(kernel: str) -> None:
     vals = np.array([0.0, -0.0, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 2.0**-14,
                      65504.0, 65519.996, 65520.0, -65520.0, 1e30, np.inf, -np.inf],
                     np.float32)
@@ -81,13 +99,13 @@ def test_edges_named() -> None:
         0x7BFF, 0x7BFF, 0x7C00, 0xFC00, 0x7C00, 0x7C00, 0xFC00]
 
 
-def test_empty() -> None:
+def test_empty(kernel: str) -> None:
     out = np.empty(0, np.float16)
     cast.f32_to_f16(np.empty(0, np.float32), out)
     assert out.size == 0
 
 
-def test_cast_array_uses_it_with_overflow_counted() -> None:
+def test_cast_array_uses_it_with_overflow_counted(kernel: str) -> None:
     vals = np.array([1.0, 7e4, -7e4, np.inf, np.nan, 3.0], np.float32)
     stats = cast.CastStats()
     saved = cast._TORCH.torch
@@ -160,3 +178,66 @@ def test_same_bytes_whatever_the_block_size(monkeypatch: pytest.MonkeyPatch) -> 
         cast._TORCH.torch = saved
     assert all(np.array_equal(o, outs[0][0]) and s == outs[0][1] for o, s in outs)
     assert outs[0][1]["w"] > 0
+
+
+def test_every_length_and_offset_matches_numpy(kernel: str) -> None:
+    """Tails (the compiled kernel converts 8 at a time) and unaligned starts, NaNs in both."""
+    g = np.random.default_rng(11)
+    bits = g.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
+    bits[::7] = 0x7F800001  # signalling NaNs (F16C would quiet them)
+    bits[3::11] = 0xFFC00000
+    src = bits.view(np.float32)
+    for start in range(0, 9):
+        for n in (0, 1, 7, 8, 9, 15, 16, 17, 63, 1000):
+            s = src[start:start + n]
+            out = np.full(s.size, 12345, np.uint16).view(np.float16)
+            cast.f32_to_f16(s, out)
+            assert np.array_equal(out.view(np.uint16), _numpy(s.view(np.uint32))), (start, n)
+
+
+def test_the_compiled_kernel_is_built_where_it_can_be() -> None:
+    """On x86-64 Linux with F16C and a C compiler, the install builds the kernel (setup.py's
+    optional extension); elsewhere casts fall back to numpy's kernel."""
+    import platform
+    import shutil
+
+    cpu = Path("/proc/cpuinfo")
+    if not (sys.platform.startswith("linux") and platform.machine() == "x86_64"
+            and cpu.exists() and " f16c" in cpu.read_text() and shutil.which("cc")):
+        pytest.skip("not an x86-64 Linux machine with F16C and a C compiler")
+    cast._compiled_f16.cache_clear()
+    try:
+        import ckpt_cli.tensors._f16c as f16c  # type: ignore[import-not-found]
+
+        assert f16c.available
+        assert os.environ.get("CKPT_NO_F16C") is not None or cast.f16_kernel() == "f16c"
+    finally:
+        cast._compiled_f16.cache_clear()
+
+
+def test_compiled_kernel_refuses_mismatched_buffers() -> None:
+    f16c = pytest.importorskip("ckpt_cli.tensors._f16c")
+    with pytest.raises(ValueError, match="as many 2-byte halves"):
+        f16c.f32_to_f16(np.zeros(4, np.float32), np.zeros(3, np.uint16))
+    with pytest.raises(BufferError):
+        f16c.f32_to_f16(np.zeros(4, np.float32), b"\0" * 8)  # read-only
+
+
+def test_convert_output_is_the_same_with_either_kernel(tmp_path: Path) -> None:
+    """A whole ``ckpt convert --to fp16`` gives the same bytes with the compiled kernel and
+    with numpy's (overflow refused the same way, NaN bits the same)."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(300, 1001, generator=g) * 1000
+    t[0, :5] = torch.tensor([float("nan"), -float("nan"), float("inf"), 65519.0, -1e-8])
+    src = tmp_path / "m.safetensors"
+    save_file({"w": t, "b": torch.randn(7, generator=g)}, str(src))
+    outs = []
+    for env_extra in ({}, {"CKPT_NO_F16C": "1"}):
+        out = tmp_path / f"out{len(outs)}.safetensors"
+        env = {k: v for k, v in os.environ.items() if k != "CKPT_NO_F16C"} | env_extra
+        p = subprocess.run([sys.executable, "-m", "ckpt_cli", "convert", str(src), "--to",
+                            "fp16", "-o", str(out), "--quiet"],
+                           env=env, capture_output=True, text=True, check=False)
+        assert p.returncode == 0, p.stderr
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]

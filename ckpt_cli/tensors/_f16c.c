@@ -1,0 +1,140 @@
+/* FP32 -> FP16 with the x86 F16C instruction (vcvtps2ph), bit for bit numpy's cast.
+ *
+ * numpy casts FP32 to FP16 one element at a time (issue 28753); this converts 8 at a time,
+ * rounding to nearest even like numpy. The instruction quiets a signalling NaN (sets the top
+ * payload bit) where numpy keeps the payload's top 10 bits as they are (an all-zero payload
+ * becomes 1): a vector holding a NaN is redone lane by lane with numpy's rule, so every output
+ * bit is numpy's. Chosen at run time: `available` is false where the CPU lacks F16C/AVX, or the
+ * compiler is not GCC/Clang on x86-64, and ckpt_cli.tensors.cast then uses its numpy kernel.
+ * The GIL is released while converting, so blocks convert on all cores.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define CKPT_F16C 1
+#include <immintrin.h>
+#else
+#define CKPT_F16C 0
+#endif
+
+/* numpy's bits for an FP32 NaN: sign, all-ones exponent, top 10 payload bits (0 -> 1). */
+static uint16_t nan_bits(uint32_t f) {
+    uint16_t payload = (uint16_t)((f >> 13) & 0x3FFu);
+    if (payload == 0) {
+        payload = 1;
+    }
+    return (uint16_t)(((f >> 16) & 0x8000u) | 0x7C00u | payload);
+}
+
+#if CKPT_F16C
+__attribute__((target("avx,f16c")))
+static void convert(const float *src, uint16_t *dst, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(src + i);
+        __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(dst + i), h);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+            for (int j = 0; j < 8; j++) {
+                uint32_t f;
+                memcpy(&f, src + i + j, sizeof f);
+                if ((f & 0x7FFFFFFFu) > 0x7F800000u) {
+                    dst[i + j] = nan_bits(f);
+                }
+            }
+        }
+    }
+    if (i < n) {
+        /* The tail through the same instruction, on a zero-padded vector. */
+        float buf[8] = {0};
+        uint16_t out[8];
+        memcpy(buf, src + i, (size_t)(n - i) * sizeof(float));
+        __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(buf),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)out, h);
+        for (Py_ssize_t j = 0; i + j < n; j++) {
+            uint32_t f;
+            memcpy(&f, buf + j, sizeof f);
+            dst[i + j] = (f & 0x7FFFFFFFu) > 0x7F800000u ? nan_bits(f) : out[j];
+        }
+    }
+}
+
+static int cpu_has_f16c(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+}
+#endif
+
+static PyObject *f32_to_f16(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *src_obj, *dst_obj;
+    if (!PyArg_ParseTuple(args, "OO", &src_obj, &dst_obj)) {
+        return NULL;
+    }
+#if CKPT_F16C
+    if (!cpu_has_f16c()) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has no F16C instructions");
+        return NULL;
+    }
+    Py_buffer src, dst;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (src.len % 4 != 0 || dst.len % 2 != 0 || src.len / 4 != dst.len / 2) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError,
+                        "src must hold 4-byte floats and dst as many 2-byte halves");
+        return NULL;
+    }
+    Py_ssize_t n = src.len / 4;
+    Py_BEGIN_ALLOW_THREADS
+    convert((const float *)src.buf, (uint16_t *)dst.buf, n);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    Py_RETURN_NONE;
+#else
+    (void)src_obj;
+    (void)dst_obj;
+    PyErr_SetString(PyExc_RuntimeError, "built without F16C support");
+    return NULL;
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"f32_to_f16", f32_to_f16, METH_VARARGS,
+     "f32_to_f16(src, dst): FP32 values of the contiguous buffer src into dst as FP16 bits, "
+     "rounded to nearest even, NaN bits as numpy gives them."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_f16c", "FP32 -> FP16 with the F16C instruction.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__f16c(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+#if CKPT_F16C
+    int ok = cpu_has_f16c();
+#else
+    int ok = 0;
+#endif
+    if (PyModule_AddObject(m, "available", PyBool_FromLong(ok)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
