@@ -1,6 +1,7 @@
 """The ``ckpt`` application: wires each command module to a subcommand."""
 
 
+import functools
 import inspect
 import re
 from typing import Annotated, Any
@@ -235,15 +236,15 @@ def build(only: str | None = None) -> typer.Typer:
     return app
 
 
-_FULL: list[typer.Typer] = []
+@functools.cache
+def _whole_app() -> typer.Typer:
+    return build()
 
 
 def __getattr__(name: str) -> Any:
     # ``app``: the whole application (tests, docs, completions), built at first use.
     if name == "app":
-        if not _FULL:
-            _FULL.append(build())
-        return _FULL[0]
+        return _whole_app()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -254,7 +255,7 @@ def named_command(argv: list[str]) -> str | None:
 
     if not argv or any(k.startswith("_CKPT_COMPLETE") for k in os.environ):
         return None
-    return argv[0] if any(argv[0] == name for name, _, _ in COMMANDS) else None
+    return argv[0] if argv[0] in {name for name, _, _ in COMMANDS} else None
 
 
 def main() -> None:
@@ -268,4 +269,4 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, _term)
     only = named_command(sys.argv[1:])
-    (build(only) if only else __getattr__("app"))(prog_name="ckpt")
+    (build(only) if only else _whole_app())(prog_name="ckpt")

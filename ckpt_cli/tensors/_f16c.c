@@ -69,6 +69,9 @@ static int cpu_has_f16c(void) {
 }
 #endif
 
+/* Whether this CPU runs `convert`: asked once, when the module loads. */
+static int have_f16c = 0;
+
 static PyObject *f32_to_f16(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *src_obj, *dst_obj;
@@ -76,7 +79,7 @@ static PyObject *f32_to_f16(PyObject *self, PyObject *args) {
         return NULL;
     }
 #if CKPT_F16C
-    if (!cpu_has_f16c()) {
+    if (!have_f16c) {
         PyErr_SetString(PyExc_RuntimeError, "this CPU has no F16C instructions");
         return NULL;
     }
@@ -128,11 +131,9 @@ PyMODINIT_FUNC PyInit__f16c(void) {
         return NULL;
     }
 #if CKPT_F16C
-    int ok = cpu_has_f16c();
-#else
-    int ok = 0;
+    have_f16c = cpu_has_f16c();
 #endif
-    if (PyModule_AddObject(m, "available", PyBool_FromLong(ok)) < 0) {
+    if (PyModule_AddObject(m, "available", PyBool_FromLong(have_f16c)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -162,12 +162,12 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
     torch = _TORCH.torch
     # Only the narrowing casts that matter for speed (FP32/FP16/BF16 to FP16/BF16); not from
     # FP64, which torch rounds to FP16/BF16 through FP32 (twice) where numpy rounds once.
-    use_torch = torch is not None and dst in ("F16", "BF16") and (
-        arr.dtype.name in ("float32", "float16", "bfloat16"))
-
+    # FP32 to FP16 goes through f32_to_f16 unless torch is loaded and no compiled kernel is
+    # (the compiled one casts at torch's rate).
     fast_f16 = dst == "F16" and arr.dtype == np.float32
-    if fast_f16 and _compiled_f16() is not None:
-        use_torch = False  # the compiled kernel casts at torch's rate, without importing it
+    use_torch = torch is not None and dst in ("F16", "BF16") and (
+        arr.dtype.name in ("float32", "float16", "bfloat16")) and not (
+        fast_f16 and _compiled_f16() is not None)
     step = _block_size(src_flat.size, _pool_threads())
 
     def block(start: int) -> int:
