@@ -4,6 +4,7 @@ exactly as the whole one does."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,11 +62,13 @@ def _command_modules_after(argv: list[str]) -> list[str]:
             "from ckpt_cli.cli.app import main\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\n"
             "names = {'errors', 'options', 'app'}\n"
-            "print(sorted(m for m in sys.modules if m.startswith('ckpt_cli.cli.')"
-            " and m.split('.')[2] not in names), file=sys.stderr)\n")
+            "import json\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('ckpt_cli.cli.')"
+            " and m.split('.')[2] not in names)), file=sys.stderr)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        check=True, timeout=120)
-    return eval(r.stderr.strip().splitlines()[-1])  # a printed list of names
+    names: list[str] = json.loads(r.stderr.strip().splitlines()[-1])
+    return names
 
 
 def test_a_named_command_imports_its_module_only() -> None:
