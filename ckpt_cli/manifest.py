@@ -15,7 +15,9 @@ Where it lives: ``ckpt-manifest.json`` inside a checkpoint directory, or
 ``path`` is relative to the checkpoint directory, with ``/`` separators, sorted. The default
 algorithm is xxh3_128 (xxhash: detects accidental change at memory speed, same digest as
 ``xxh128sum``); ``blake3`` and ``sha256`` are there when tampering, not just rot, is the
-concern. Files are hashed in parallel threads, each streaming its file through a small buffer.
+concern. Files are hashed in parallel threads, each streaming its file through a small buffer;
+a large file with threads to spare has its bytes copied ahead of its (sequential) digest by
+several threads (:func:`ckpt_cli.storage.reads.read_ahead`).
 
 Writers (``ckpt validate --write-manifest`` now, ``ckpt consolidate`` later) either hash an
 existing checkpoint with :func:`write_manifest`, or feed :func:`new_hasher` while writing
@@ -40,11 +42,11 @@ from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.model import Finding
 from ckpt_cli.storage import open_regular, stages
 from ckpt_cli.storage.reads import (
-    BUFFER_SIZE,
+    READ_AHEAD_MIN,
     Meter,
     ProgressFn,
     default_jobs,
-    read_range,
+    read_ahead,
     run_parallel,
 )
 
@@ -312,7 +314,9 @@ def checkpoint_files(checkpoint: Path) -> list[str]:
 def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITHM,
                jobs: int | None = None, on_progress: ProgressFn | None = None,
                ) -> tuple[dict[str, FileDigest], HashStats]:
-    """Hash files in parallel threads (one file per task, largest first).
+    """Hash files in parallel threads (one file per task, largest first; a file of
+    :data:`~ckpt_cli.storage.reads.READ_AHEAD_MIN` or more read ahead by the threads the
+    other files leave over).
 
     Args:
         base: The directory ``rels`` are relative to.
@@ -331,19 +335,24 @@ def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITH
     new_hasher(algorithm)  # fail on a bad name before starting threads
     sizes = {rel: _size(base / rel) for rel in rels}
     order = sorted(rels, key=lambda r: -sizes[r])
+    threads = jobs or default_jobs()
+    # A digest is sequential: one thread per file. Where there are fewer large files than
+    # threads, each large file gets the spare threads to copy its bytes ahead of its hasher.
+    large = sum(1 for r in rels if sizes[r] >= READ_AHEAD_MIN)
+    readers = threads // min(threads, large) if large else 1
 
     def job(rel: str) -> Callable[[Meter], FileDigest]:
         def run(meter: Meter) -> FileDigest:
             path = base / rel
             h = new_hasher(algorithm)
-            buf = bytearray(BUFFER_SIZE)
             try:
                 fd = open_regular(path)
             except OSError as e:
                 raise CkptError(f"cannot read: {e.strerror}", path=path) from None
             try:
                 size = storage.size_of(fd)
-                for view in read_range(fd, 0, size, buf, meter, path=path):
+                ahead = readers if size >= READ_AHEAD_MIN else 1
+                for view in read_ahead(fd, 0, size, readers=ahead, meter=meter, path=path):
                     with stages.stage("hash", len(view)):
                         h.update(view)
             finally:
@@ -351,7 +360,6 @@ def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITH
             return FileDigest(rel, size, h.hexdigest())
         return run
 
-    threads = jobs or default_jobs()
     t0 = time.perf_counter()
     results = run_parallel([job(r) for r in order], threads=threads,
                            total=sum(sizes.values()), label="hashing", on_progress=on_progress)

@@ -162,3 +162,51 @@ def test_a_directory_deleted_while_hashed_gets_no_sibling_manifest(
     with pytest.raises(CkptError, match="does not exist"):
         m.write_manifest(ckpt)
     assert list(tmp_path.iterdir()) == []
+
+
+
+def test_a_large_file_read_ahead_by_spare_threads(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file of READ_AHEAD_MIN or more, with threads to spare, is copied ahead of its digest by
+    several threads: same digests, and a byte changed in its last chunk is still found."""
+    import random
+    import threading
+
+    from ckpt_cli import manifest as manifest_mod
+    from ckpt_cli.storage import reads
+
+    d = tmp_path / "export"
+    d.mkdir()
+    big = d / "model.safetensors"
+    big.write_bytes(random.Random(7).randbytes(
+        reads.READ_AHEAD_MIN + 3 * reads.READ_AHEAD_CHUNK + 5))
+    (d / "config.json").write_text("{}")
+    data = big.read_bytes()
+    seen: set[str] = set()
+    real = reads.read_ahead
+
+    def spy(*a, **k):  # type: ignore[no-untyped-def]
+        seen.add(f"readers={k['readers']}")
+        for v in real(*a, **k):
+            seen.update(t.name for t in threading.enumerate())
+            yield v
+
+    monkeypatch.setattr(manifest_mod, "read_ahead", spy)
+    got, _ = manifest_mod.hash_files(d, ["model.safetensors", "config.json"], jobs=3)
+    monkeypatch.undo()
+    assert got["model.safetensors"].digest == xxhash.xxh3_128(data).hexdigest()
+    assert got["model.safetensors"].size == len(data)
+    assert {"readers=3", "readers=1"} <= seen  # the big file: 3 readers; config.json: 1
+    assert any(n.startswith("ckpt-readahead") for n in seen)
+    m, _ = compute_manifest(d, algorithm="sha256", jobs=2)
+    assert m.files["model.safetensors"].digest == hashlib.sha256(data).hexdigest()
+    write_manifest(d, jobs=2)
+    with big.open("r+b") as f:
+        f.seek(len(data) - 3)
+        f.write(bytes([data[-3] ^ 1]))
+    v = verify_manifest(d, jobs=2)
+    assert v is not None and not v.ok and v.findings("model.safetensors")
+    with big.open("r+b") as f:
+        f.truncate(len(data) - reads.READ_AHEAD_CHUNK)
+    v = verify_manifest(d, jobs=2)
+    assert v is not None and not v.ok and v.findings("model.safetensors")

@@ -265,10 +265,14 @@ def _torch_copy(torch: Any, s: np.ndarray, o: np.ndarray, dst: str) -> None:
     as_tensor(o).copy_(src_t)
 
 
+CAST_THREAD = "ckpt-cast"
+"""The names of the cast threads start with this."""
+
+
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
     """The cast threads: :func:`_pool_threads` of them."""
-    return ThreadPoolExecutor(max_workers=_pool_threads(), thread_name_prefix="ckpt-cast")
+    return ThreadPoolExecutor(max_workers=_pool_threads(), thread_name_prefix=CAST_THREAD)
 
 
 def cast_pool() -> ThreadPoolExecutor:

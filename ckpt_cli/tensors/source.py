@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import mmap
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -23,7 +24,7 @@ from ckpt_cli.formats import dcp
 from ckpt_cli.formats.base import read_full
 from ckpt_cli.model import CheckpointIndex, Chunk, TensorInfo
 from ckpt_cli.storage import Handle, open_regular
-from ckpt_cli.storage.reads import crc32, crc32_range
+from ckpt_cli.storage.reads import crc32_parallel, crc32_range
 
 if TYPE_CHECKING:
     import numpy as np
@@ -218,7 +219,7 @@ class TensorSource:
                 arr = np.empty(count, dtype=dt)
                 self.read_into(t.file, off, arr.view(np.uint8).data)
             if whole_entry:
-                running = crc32(arr.view(np.uint8).data, running)
+                running = _crc32(arr.view(np.uint8).data, running)
             if start + count >= numel:  # checked before the last piece leaves
                 if whole_entry:
                     assert s is not None
@@ -247,7 +248,7 @@ class TensorSource:
         got = self._crc_got.get(key)  # many views of one storage: read it once
         if got is None:
             if arr is not None and t.offset == s.start and arr.nbytes == s.crc_len:
-                got = crc32(arr.reshape(-1).view(np.uint8).data)
+                got = _crc32(arr.reshape(-1).view(np.uint8).data)
             else:
                 got = self._crc_of(s.file, s.start, s.crc_len)
             self._crc_got[key] = got
@@ -349,6 +350,17 @@ class TensorSource:
             UnsupportedError: For compressed chunks.
         """
         return self.read(self._locate(t, c))
+
+
+def _crc32(data: memoryview, value: int = 0) -> int:
+    """CRC-32 of a piece being read, on the cast threads at once (it is a stage of its own
+    beside the cast: on many cores one thread's checksum would pace the reading); on one
+    thread when called from a cast thread (which must not wait on its own pool)."""
+    from ckpt_cli.tensors.cast import CAST_THREAD, cast_pool, cast_threads
+
+    if threading.current_thread().name.startswith(CAST_THREAD):
+        return crc32_parallel(data, value, None, 1)
+    return crc32_parallel(data, value, cast_pool(), cast_threads())
 
 
 def split_pieces(arr: np.ndarray, piece_bytes: int | None = None) -> Iterator[np.ndarray]:

@@ -12,11 +12,15 @@ import pytest
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError
 from ckpt_cli.storage.reads import (
+    BUFFER_SIZE,
     Cancelled,
     Meter,
     OpenFiles,
+    crc32,
     crc32_combine,
+    crc32_parallel,
     crc32_range,
+    read_ahead,
     read_range,
     run_parallel,
 )
@@ -106,6 +110,144 @@ def test_read_range_on_a_closed_descriptor_is_a_ckpt_error(tmp_path: Path) -> No
     os.close(fd)
     with pytest.raises(CkptError, match="cannot read at byte 0"):
         next(read_range(fd, 0, 10, bytearray(4), path=p))
+
+
+# --- read_ahead --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("readers", [1, 2, 3, 5])
+@pytest.mark.parametrize(("start", "length"), [(0, 50_000), (7, 49_993), (1000, 4096),
+                                               (0, 1), (333, 0), (4095, 4097)])
+def test_read_ahead_yields_the_range_in_order(tmp_path: Path, readers: int, start: int,
+                                              length: int) -> None:
+    data = os.urandom(50_000)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    meter = Meter()
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        got = bytearray()
+        sizes = []
+        for v in read_ahead(fd, start, length, readers=readers, meter=meter, chunk=4096):
+            sizes.append(len(v))
+            got += v
+        assert bytes(got) == data[start:start + length]
+        assert meter.done == length
+        assert all(n <= (4096 if readers > 1 else BUFFER_SIZE) for n in sizes)
+    finally:
+        os.close(fd)
+
+
+def test_read_ahead_reads_on_several_threads_into_few_buffers(tmp_path: Path) -> None:
+    data = os.urandom(64 * 1024)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        buffers, names = set(), set()
+        real = os.preadv
+
+        def spy(fd_: int, bufs: list[memoryview], off: int) -> int:
+            names.add(threading.current_thread().name)
+            return real(fd_, bufs, off)
+
+        import ckpt_cli.storage.access as access
+
+        orig = access.os.preadv
+        access.os.preadv = spy  # type: ignore[assignment]
+        try:
+            for v in read_ahead(fd, 0, len(data), readers=3, chunk=1024):
+                buffers.add(id(v.obj))
+                time.sleep(0.001)  # a slow consumer: the readers run ahead
+        finally:
+            access.os.preadv = orig  # type: ignore[assignment]
+        assert len(buffers) <= 4  # readers + 1 buffers, reused
+        assert names and all(n.startswith("ckpt-readahead") for n in names)
+        assert len(names) >= 2  # the reads ran on more than one thread
+    finally:
+        os.close(fd)
+
+
+def test_read_ahead_names_a_file_that_ends_early(tmp_path: Path) -> None:
+    p = tmp_path / "f"
+    p.write_bytes(os.urandom(10_000))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(CorruptCheckpointError, match="file ends at byte 10,000") as e:
+            for _ in read_ahead(fd, 0, 20_000, readers=2, chunk=1024, path=p):
+                pass
+        assert str(p) in str(e.value)
+    finally:
+        os.close(fd)
+
+
+def test_read_ahead_cancels_with_the_meter_and_stops_its_threads(tmp_path: Path) -> None:
+    p = tmp_path / "f"
+    p.write_bytes(os.urandom(100_000))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        meter = Meter()
+        gen = read_ahead(fd, 0, 100_000, readers=2, meter=meter, chunk=1024)
+        next(gen)
+        meter.stop.set()
+        with pytest.raises(Cancelled):
+            for _ in gen:
+                pass
+        # A consumer that stops early: the generator's close waits for its readers.
+        gen = read_ahead(fd, 0, 100_000, readers=2, chunk=1024)
+        next(gen)
+        gen.close()
+        time.sleep(0.05)
+        assert not [t for t in threading.enumerate() if t.name.startswith("ckpt-readahead")]
+    finally:
+        os.close(fd)
+
+
+def test_read_ahead_on_a_closed_descriptor_is_a_ckpt_error(tmp_path: Path) -> None:
+    p = tmp_path / "f"
+    p.write_bytes(b"x" * 10_000)
+    fd = os.open(p, os.O_RDONLY)
+    os.close(fd)
+    with pytest.raises(CkptError, match="cannot read at byte 0"):
+        next(read_ahead(fd, 0, 10_000, readers=2, chunk=1024, path=p))
+
+
+# --- crc32_parallel ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("size", [0, 1, (4 << 20) - 1, 8 << 20, (13 << 20) + 7])
+def test_crc32_parallel_equals_one_pass(threads: int, size: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = memoryview(os.urandom(size))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for start in (0, 0x1234ABCD):
+            assert crc32_parallel(data, start, pool, threads) == zlib.crc32(data, start)
+            assert crc32_parallel(data, start, None, threads) == crc32(data, start)
+    # Continued over pieces, as a tensor's running CRC is.
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        value = 0
+        for i in range(0, size, 5 << 20):
+            value = crc32_parallel(data[i:i + (5 << 20)], value, pool, threads)
+        assert value == zlib.crc32(data)
+
+
+def test_crc32_parallel_splits_large_data_over_the_pool() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    seen: list[int] = []
+
+    class Spy(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+            seen.append(len(args[0]))
+            return super().submit(fn, *args, **kwargs)
+
+    data = memoryview(os.urandom(16 << 20))
+    with Spy(max_workers=4) as pool:
+        assert crc32_parallel(data, 0, pool, 4) == zlib.crc32(data)
+    if crc32_combine(1, 2, 3) is None:  # pragma: no cover - zlib without ISA-L: one pass
+        assert seen == []
+    else:
+        assert seen == [4 << 20] * 4
 
 
 # --- run_parallel ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,46 @@ def test_torch_zip_in_pieces_round_trip_and_crc(tmp_path: Path,
     raw = w.numpy().tobytes()
     at = bytes(data).index(raw[:64]) + len(raw) // 2
     data[at] ^= 0x40
+    src.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        convert(src, tmp_path / "bad.safetensors", to="fp16")
+    assert not (tmp_path / "bad.safetensors").exists()
+
+
+@pytest.mark.requires_torch
+@pytest.mark.parametrize("where", [0.01, 0.5, 0.99])
+def test_a_pieces_crc_runs_on_the_cast_threads_and_finds_a_flipped_byte(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: float) -> None:
+    """A piece's CRC-32 is split over the cast threads and recombined (crc32_combine): the
+    output is the same, and a byte flipped in any block still fails the check."""
+    import torch
+
+    from ckpt_cli.tensors import cast
+
+    if reads.crc32_combine(1, 2, 3) is None:  # pragma: no cover - zlib without ISA-L
+        pytest.skip("no crc32_combine: CRCs run on one thread")
+    monkeypatch.setattr(reads, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(reads, "CRC_BLOCK", 4096)
+    monkeypatch.setattr(cast, "cast_threads", lambda: 4)
+    blocks: list[int] = []
+    real = reads.crc32
+
+    def spy(data: memoryview, value: int = 0) -> int:
+        if threading.current_thread().name.startswith(cast.CAST_THREAD):
+            blocks.append(len(data))
+        return real(data, value)
+
+    monkeypatch.setattr(reads, "crc32", spy)
+    w = torch.from_numpy(_values(100_000).reshape(1000, 100))  # 400 KB: 7 pieces
+    src = tmp_path / "m.pt"
+    torch.save({"w": w}, src)
+    convert(src, tmp_path / "o.safetensors", to="fp16")
+    assert _get(tmp_path / "o.safetensors", "w").tobytes() == w.half().numpy().tobytes()
+    # The six whole pieces each in four blocks of 16 KiB; the short last one on one thread.
+    assert blocks == [16 << 10] * 24
+    data = bytearray(src.read_bytes())
+    raw = w.numpy().tobytes()
+    data[bytes(data).index(raw[:64]) + int(len(raw) * where)] ^= 0x01
     src.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match="CRC-32"):
         convert(src, tmp_path / "bad.safetensors", to="fp16")
