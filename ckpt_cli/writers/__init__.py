@@ -24,7 +24,7 @@ from ckpt_cli.parts import PartOutcome, fingerprint
 from ckpt_cli.storage.reads import memory_budget
 from ckpt_cli.writers import files
 from ckpt_cli.writers.parts import PartJob, PartSink
-from ckpt_cli.writers.pipeline import Prefetch
+from ckpt_cli.writers.pipeline import Prefetch, Syncer
 from ckpt_cli.writers.plan import (
     FILE_SUFFIXES,
     FORMATS,
@@ -193,6 +193,7 @@ def _write_shards(sink: Sink, plan: ShardPlan, fmt: str, own: list[OutTensor],
     # short writes (Linux caps one write at ~2 GiB), so it gets a buffered file, whose write()
     # loops until everything is written. An object is an upload, whose writes are never short.
     buffering = 0 if fmt == "safetensors" else -1
+    syncer = Syncer()  # each shard syncs in the background while the next one is written
     with Prefetch(own, budget) as source:
         for i in sink.shards or ():
             fname = plan.files[i]
@@ -200,7 +201,8 @@ def _write_shards(sink: Sink, plan: ShardPlan, fmt: str, own: list[OutTensor],
             with sink.open(fname, expected=sum(own[k].nbytes for k in members),
                            buffering=buffering) as f:
                 files.write_shard(f, fmt, own, members, meta, aliases, source, on_progress,
-                                  ids[fname])
+                                  syncer, ids[fname])
+    syncer.wait()  # every shard durable (or the write fails) before the commit
 
 
 def _content_id(fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan, meta: dict[str, str],

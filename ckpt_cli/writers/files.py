@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from ckpt_cli.storage import stages
-from ckpt_cli.writers.pipeline import Flusher, Prefetch, tensor_bytes
+from ckpt_cli.writers.pipeline import Flusher, Prefetch, Syncer, tensor_bytes
 from ckpt_cli.writers.plan import OutTensor, ShardPlan
 from ckpt_cli.writers.safetensors import header_bytes, write_all
 from ckpt_cli.writers.torchzip import TorchZipWriter
@@ -24,9 +24,11 @@ from ckpt_cli.writers.torchzip import TorchZipWriter
 
 def write_shard(f: Any, fmt: str, tensors: Sequence[OutTensor], members: tuple[int, ...],
                 meta: dict[str, str], aliases: dict[str, str] | None, source: Prefetch,
-                on_progress: Callable[[int], None] | None, sid: str | None = None) -> None:
-    """Write one shard's bytes into ``f``, and wait for the flushes in progress (the handle is
-    still open when this returns; its owner closes or completes it).
+                on_progress: Callable[[int], None] | None, syncer: Syncer,
+                sid: str | None = None) -> None:
+    """Write one shard's bytes into ``f``, and start syncing its rest in the background (the
+    handle is still open when this returns; its owner closes or completes it; ``syncer.wait``
+    makes it durable).
 
     Args:
         f: The open handle (:meth:`ckpt_cli.writers.sink.Sink.open`).
@@ -37,10 +39,11 @@ def write_shard(f: Any, fmt: str, tensors: Sequence[OutTensor], members: tuple[i
         aliases: ``{alias: name}`` of tied tensors (a torch zip writes the ones it holds).
         source: Produces the tensors' values.
         on_progress: Called with the number of bytes just written.
+        syncer: Syncs the write's files in the background.
         sid: A torch zip's serialization id.
     """
     entries = [(tensors[i].name, tensors[i].dtype, tensors[i].shape) for i in members]
-    flusher = Flusher(f)
+    flusher = Flusher(f, syncer)
     if fmt == "safetensors":
         head, _ = header_bytes(entries, meta)
         write_all(f, memoryview(head))
@@ -70,9 +73,9 @@ def write_shard(f: Any, fmt: str, tensors: Sequence[OutTensor], members: tuple[i
         except BaseException:
             zw.abandon()
             raise
-    # Before the file closes. (On an error, closing while a flush runs is harmless: the
+    # Before the file closes. (On an error, closing while a sync runs is harmless: the
     # kernel holds the file until fdatasync returns, and the error raised says more.)
-    flusher.wait()
+    flusher.finish()
 
 
 def index_bytes(root: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardPlan,

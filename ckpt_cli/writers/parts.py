@@ -131,8 +131,9 @@ class PartSink(Sink):
 
     def wrote(self, name: str, path: Path, size: int) -> None:
         # Durable before its receipt vouches for it (a power loss must not leave a receipt
-        # for a shard of the right size and the wrong bytes).
-        fsync_path(path)
+        # for a shard of the right size and the wrong bytes): the write's Syncer is syncing
+        # it in the background while the next shard is written, and the writer waits for
+        # every sync before commit() writes the receipt (and fsyncs this directory).
         final = self.root / name
         os.replace(path, final)
         i = self.plan.files.index(name)

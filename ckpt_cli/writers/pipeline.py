@@ -1,6 +1,6 @@
 """The write pipeline's stages around the writer: read and cast ahead within a memory budget
 (:class:`Prefetch`), each tensor's bytes checked against its dtype and shape
-(:func:`tensor_bytes`), and write-behind flushing (:class:`Flusher`).
+(:func:`tensor_bytes`), and write-behind syncing (:class:`Flusher`, :class:`Syncer`).
 
 Reading and casting run on a background thread up to
 :data:`ckpt_cli.storage.reads.MEMORY_BUDGET` bytes (or ``--max-memory``) ahead of the writer; a
@@ -28,47 +28,85 @@ if TYPE_CHECKING:
     from ckpt_cli.writers.plan import OutTensor
 
 
-class Flusher:
-    """Flushes written data to disk every few hundred MB while writing continues.
+class Syncer:
+    """The background ``fdatasync`` of one write's files, one at a time.
 
-    The atomic rename needs everything durable (fsync) first; flushing as we go overlaps that
-    disk work with reading, casting and writing the next tensors instead of paying it all at
-    the end. Each ``fdatasync`` runs on a thread of its own (write-behind), at most one at a
-    time, so dirty data stays within about two intervals; :meth:`wait` collects the last one.
+    The atomic rename needs everything durable (fsync) first; syncing as we go overlaps that
+    disk work with reading, casting and writing what comes next instead of paying it all at
+    the end: every few hundred MB of a file (:class:`Flusher`), and each file once its bytes
+    are all written, while the next one is written. At most one sync runs at a time, so dirty
+    data stays within about two intervals; :meth:`wait` collects the last one and raises the
+    first error any of them met (the write then fails: nothing unsynced becomes an output).
     """
 
-    EVERY = 256 << 20
-
-    def __init__(self, f: Any):
-        self.f, self.pending = f, 0
-        self._sync: threading.Thread | None = None
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
         self._error: OSError | None = None
 
-    def wrote(self, n: int) -> None:
-        self.pending += n
-        if self.pending >= self.EVERY and not isinstance(self.f, storage.Upload):
-            self.f.flush()
+    def start(self, fd: int, *, owned: bool) -> None:
+        """Wait for the sync in progress (raising its error), then sync ``fd`` in the
+        background; ``owned``: close ``fd`` when done (a duplicate, so the file itself can
+        close meanwhile)."""
+        try:
             self.wait()
-            self._sync = threading.Thread(target=self._fdatasync, args=(self.f.fileno(),),
-                                          name="ckpt-fdatasync", daemon=True)
-            self._sync.start()
-            self.pending = 0
+        except BaseException:
+            if owned:
+                os.close(fd)
+            raise
+        self._thread = threading.Thread(target=self._fdatasync, args=(fd, owned),
+                                        name="ckpt-fdatasync", daemon=True)
+        self._thread.start()
 
-    def _fdatasync(self, fd: int) -> None:
+    def _fdatasync(self, fd: int, owned: bool) -> None:
         try:
             with stages.stage("fsync"):
                 os.fdatasync(fd)
         except OSError as e:  # raised in the writer's thread by wait()
             self._error = e
+        finally:
+            if owned:
+                os.close(fd)
 
     def wait(self) -> None:
-        """Wait for the flush in progress; raise its error, if any."""
-        if self._sync is not None:
-            self._sync.join()
-            self._sync = None
+        """Wait for the sync in progress; raise the error of any sync, if one failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+
+
+class Flusher:
+    """Syncs a file being written every :attr:`EVERY` bytes, and its rest once it is complete,
+    in the background (:class:`Syncer`). A handle without a descriptor (an upload to a store)
+    is left alone: an object is durable when its upload completes.
+
+    Args:
+        f: The open handle.
+        syncer: The write's syncer (shared by its files).
+    """
+
+    EVERY = 256 << 20
+
+    def __init__(self, f: Any, syncer: Syncer):
+        self.f, self.syncer, self.pending = f, syncer, 0
+        self._local = not isinstance(f, storage.Upload)
+
+    def wrote(self, n: int) -> None:
+        self.pending += n
+        if self.pending >= self.EVERY and self._local:
+            self.f.flush()
+            self.syncer.start(self.f.fileno(), owned=False)
+            self.pending = 0
+
+    def finish(self) -> None:
+        """The file's bytes are all written: sync its rest in the background, on a duplicate
+        descriptor, while its handle closes and the next file is written."""
+        self.syncer.wait()  # a sync of this file's own descriptor must end before it closes
+        if self._local:
+            self.f.flush()
+            self.syncer.start(os.dup(self.f.fileno()), owned=True)
 
 
 def tensor_bytes(source: Prefetch, i: int, t: OutTensor) -> Iterator[memoryview]:
