@@ -97,6 +97,8 @@ def main() -> None:
                                  f"{'OK' if memory <= 1 / 3 else 'MISSED'}"),
         ("changed tensors (ckpt / peer)", f"{ours_changed} / {peer_changed}"),
         ("largest |a-b| (ckpt / peer)", f"{ours_max:.6g} / {float(peer_max):.6g}"),
+        ("where ckpt's time goes", ""),
+        *bc.stage_rows(ours),
     ])
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes
 from ckpt_cli.model import TensorInfo
+from ckpt_cli.storage import stages
 
 if TYPE_CHECKING:
     import numpy as np
@@ -336,10 +337,11 @@ def compare_values(src_a: TensorSource, ta: TensorInfo, src_b: TensorSource, tb:
         for i in range(0, n, block):
             j = min(n, i + block)
             x, y = fa.get(i, j), fb.get(i, j)
-            if bufs is None:
-                _exact_block(x, y, acc)
-            else:
-                _float_block(x, y, bufs, tol, acc)
+            with stages.stage("compare", x.nbytes + y.nbytes):
+                if bufs is None:
+                    _exact_block(x, y, acc)
+                else:
+                    _float_block(x, y, bufs, tol, acc)
             if on_block is not None:
                 done = j * nbytes // n  # integer arithmetic: the last call reaches nbytes
                 on_block(done - reported)
