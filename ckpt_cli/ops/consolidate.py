@@ -54,6 +54,7 @@ from ckpt_cli.tensors.cast import (
     choice,
     piece_caster,
     prefer_torch,
+    torch_speeds_up,
 )
 from ckpt_cli.tensors.gather import cast_loader, zero_metadata, zero_outputs
 from ckpt_cli.tensors.select import Selection, hostile_warning, hostile_warnings, select_tensors
@@ -407,7 +408,7 @@ def _index_job(kind: str, index: CheckpointIndex, target: str | None, with_optim
         t = index.tensors[src_name]
         model_side = t.group in ("model", "buffer")
         dst = plan.dtype(t.name, t.dtype) if model_side else t.dtype
-        casting += t.numel if dst != t.dtype else 0
+        casting += t.numel if torch_speeds_up(t.dtype, dst) else 0
         load = cast_loader(src.read, t, dst, stats, clamp)
         outs.append(OutTensor(out_name, dst, t.shape, load,
                               piece_caster(src.iter_pieces, t, dst, t.name, clamp, stats)))
@@ -469,7 +470,7 @@ def _rank_files_job(src: Path, target: str | None, with_optimizer: bool, fmt: st
             owner[out_name] = f
             t = index.tensors[src_name]
             dst = plan.dtype(t.name, t.dtype) if t.group in ("model", "buffer") else t.dtype
-            casting += t.numel if dst != t.dtype else 0
+            casting += t.numel if torch_speeds_up(t.dtype, dst) else 0
             load = cast_loader(reader.read, t, dst, stats, clamp)
             outs.append(OutTensor(out_name, dst, t.shape, load,
                                   piece_caster(reader.iter_pieces, t, dst, t.name, clamp, stats)))

@@ -45,6 +45,7 @@ from ckpt_cli.tensors.cast import (
     check_overflow,
     piece_caster,
     prefer_torch,
+    torch_speeds_up,
 )
 from ckpt_cli.tensors.gather import zero_metadata, zero_outputs
 from ckpt_cli.tensors.select import Selection, hostile_warning, hostile_warnings, select_tensors
@@ -312,7 +313,7 @@ def _from_index(index: CheckpointIndex, src: Path, to: str, target: str | None, 
         dst = _target_dtype(t, out_name, plan, keep_fp32, keep_optimizer)
         if dst != t.dtype:
             casts[f"{t.dtype}->{dst}"] += 1
-            cast_elements += t.numel
+            cast_elements += t.numel if torch_speeds_up(t.dtype, dst) else 0
         # A cast reads every value once: map the file rather than copy it (as _loader does).
         pieces_of = partial(source_reader.iter_pieces, mapped=dst != t.dtype)
         outs.append(OutTensor(out_name, dst, t.shape,

@@ -122,11 +122,31 @@ class _TorchLoader:
 _TORCH = _TorchLoader()
 
 
+def torch_speeds_up(src: str, dst: str) -> bool:
+    """Whether torch's kernels cast ``src`` to ``dst`` faster than ckpt's own: the narrowing
+    casts from FP32/FP16/BF16 to FP16/BF16, except FP32 to FP16 where the compiled F16C kernel
+    is built (it casts at torch's rate). Not from FP64, which torch rounds to FP16/BF16 through
+    FP32 (twice) where numpy rounds once. What :func:`prefer_torch`'s callers count, and what
+    :func:`cast_array` uses torch for once it is loaded.
+
+    Args:
+        src: Source dtype code (``F32``...).
+        dst: Target dtype code.
+    """
+    if dst not in ("F16", "BF16") or src not in ("F32", "F16", "BF16"):
+        return False
+    return not (src == "F32" and dst == "F16" and _compiled_f16() is not None)
+
+
+_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
 def prefer_torch(elements: int) -> bool:
     """Start importing torch for casts if ``elements`` to cast make it worth it.
 
     Args:
-        elements: How many elements the caller is about to cast.
+        elements: How many elements the caller is about to cast that torch's kernels speed
+            up (:func:`torch_speeds_up`).
 
     Returns:
         Whether the background import was started.
@@ -160,14 +180,9 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
     out = np.empty(arr.shape, dtype=dtypes.numpy_dtype(dst))
     src_flat, out_flat = arr.reshape(-1), out.reshape(-1)
     torch = _TORCH.torch
-    # Only the narrowing casts that matter for speed (FP32/FP16/BF16 to FP16/BF16); not from
-    # FP64, which torch rounds to FP16/BF16 through FP32 (twice) where numpy rounds once.
-    # FP32 to FP16 goes through f32_to_f16 unless torch is loaded and no compiled kernel is
-    # (the compiled one casts at torch's rate).
+    # FP32 to FP16 goes through f32_to_f16 unless torch is loaded and no compiled kernel is.
     fast_f16 = dst == "F16" and arr.dtype == np.float32
-    use_torch = torch is not None and dst in ("F16", "BF16") and (
-        arr.dtype.name in ("float32", "float16", "bfloat16")) and not (
-        fast_f16 and _compiled_f16() is not None)
+    use_torch = torch is not None and torch_speeds_up(_CODES.get(arr.dtype.name, ""), dst)
     step = _block_size(src_flat.size, _pool_threads())
 
     def block(start: int) -> int:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import ParamPlan, PieceReader, ZeroPlan, plan_zero
-from ckpt_cli.tensors.cast import CastStats, cast_array, piece_caster
+from ckpt_cli.tensors.cast import CastStats, cast_array, piece_caster, torch_speeds_up
 from ckpt_cli.tensors.source import split_pieces
 from ckpt_cli.writers import OutTensor
 
@@ -31,7 +31,7 @@ class ZeroOutputs:
         plan: The reconstruction plan (stage, world size, step, aliases, notes, unsafe files).
         outs: One :class:`OutTensor` per planned tensor, in zero_to_fp32's order.
         loads: Each output's loader by name (``consolidate --verify`` re-reads through it).
-        cast_elements: Elements that are cast.
+        cast_elements: Elements whose cast torch's kernels speed up (``torch_speeds_up``).
         reader: The open rank files; close it when the write is done.
     """
 
@@ -67,7 +67,7 @@ def zero_outputs(src: Path, dtype_for: Callable[[ParamPlan, str], str], stats: C
     for t in res.plan.tensors:
         base = "F32" if t.kind == "buffer" and t.dtype in ("F16", "BF16") else t.dtype
         dst = dtype_for(t, base)
-        res.cast_elements += t.numel if dst != t.dtype else 0
+        res.cast_elements += t.numel if torch_speeds_up(t.dtype, dst) else 0
         load = cast_loader(read, t, dst, stats, clamp)
         res.outs.append(OutTensor(t.name, dst, t.shape, load, piece_caster(
             lambda p: split_pieces(read(p)), t, dst, t.name, clamp, stats)))

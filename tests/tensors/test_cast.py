@@ -4,6 +4,7 @@ backend does it; FP16 overflow counted."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -103,6 +104,45 @@ def test_prefer_torch_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cast.prefer_torch(cast.TORCH_WORTH_IT) is True and started == [True]
     monkeypatch.setenv("CKPT_NO_TORCH_CAST", "1")
     assert cast.prefer_torch(10 * cast.TORCH_WORTH_IT) is False
+
+
+def test_torch_speeds_up_only_where_its_kernels_are_faster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cast.torch_speeds_up("F32", "BF16") and cast.torch_speeds_up("F16", "BF16")
+    assert cast.torch_speeds_up("BF16", "F16")
+    for src, dst in (("F64", "F16"), ("F64", "BF16"), ("F32", "F32"), ("F16", "F32"),
+                     ("I64", "F16"), ("F8_E4M3", "BF16")):
+        assert not cast.torch_speeds_up(src, dst), (src, dst)
+    monkeypatch.setattr(cast, "_compiled_f16", lambda: None)  # numpy's FP16 kernel
+    assert cast.torch_speeds_up("F32", "F16")
+    monkeypatch.setattr(cast, "_compiled_f16", lambda: lambda a, b: None)  # F16C
+    assert not cast.torch_speeds_up("F32", "F16")
+
+
+@pytest.mark.parametrize(("to", "kernel", "imports"), [
+    ("fp16", "f16c", False), ("fp16", "numpy", True), ("bf16", "f16c", True)])
+def test_convert_imports_torch_only_for_casts_it_speeds_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str, kernel: str,
+        imports: bool) -> None:
+    """Above TORCH_WORTH_IT elements, convert starts importing torch for its kernels, but not
+    for an FP32 -> FP16 cast that the compiled F16C kernel does as fast."""
+    from safetensors.numpy import save_file
+
+    from ckpt_cli.ops.convert import convert
+
+    if kernel == "numpy":
+        monkeypatch.setattr(cast, "_compiled_f16", lambda: None)
+    else:
+        monkeypatch.setattr(cast, "_compiled_f16", lambda: lambda a, b: None)
+        monkeypatch.setattr(cast, "f16_kernel", lambda: "numpy")  # no real F16C needed
+        monkeypatch.setattr(cast, "f32_to_f16", cast.f32_to_f16_numpy)
+    started: list[bool] = []
+    monkeypatch.setattr(cast._TORCH, "start", lambda: started.append(True))
+    monkeypatch.setattr(cast, "TORCH_WORTH_IT", 1000)
+    w = np.arange(4000, dtype=np.float32)
+    save_file({"w": w}, str(tmp_path / "m.safetensors"))
+    convert(tmp_path / "m.safetensors", tmp_path / "o.safetensors", to=to)
+    assert started == ([True] if imports else [])
 
 
 # --- edge values -------------------------------------------------------------------------------
