@@ -23,11 +23,16 @@ stage report. Target: fp8 within 1.5x of bf16's time, peak RSS as for every conv
 ``--fp8-memory``: peak RSS of ``convert --max-memory 64MiB`` of one 8192x8192 FP32 Linear
 (256 MiB) to bf16 and to fp8 in each layout (quantized tensors stream in pieces, as casts do).
 
-Run: python -m bench.bench_convert [--quick | --big] [--fp8 | --fp8-memory] [--rounds N]
+``--kernels``: FP32 -> FP16 per core, one thread each, ckpt's compiled and numpy kernels
+against torch's, in cache and from memory. Target: the compiled kernel at least torch's rate.
+
+Run: python -m bench.bench_convert [--quick | --big] [--fp8 | --fp8-memory | --kernels]
+     [--rounds N]
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 import sys
@@ -67,7 +72,56 @@ def _median(r: bc.Run) -> float:
     return statistics.median(r.all_seconds or (r.seconds,))
 
 
+KERNELS = """
+import json, sys, time
+import numpy as np, torch
+from ckpt_cli.tensors import cast
+torch.set_num_threads(1)
+n, reps = int(sys.argv[1]), int(sys.argv[2])
+a = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+o = np.empty(n, np.float16)
+ta, to = torch.from_numpy(a), torch.from_numpy(o)
+kernels = {"torch": lambda: to.copy_(ta), "numpy": lambda: cast.f32_to_f16_numpy(a, o)}
+if cast.f16_kernel() == "f16c":
+    kernels["f16c"] = lambda: cast.f32_to_f16(a, o)
+rates = {}
+for name, f in kernels.items():
+    r = max(1, reps // 10) if name == "numpy" else reps
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(r):
+            f()
+        best = min(best, time.perf_counter() - t)
+    rates[name] = n * r / best / 1e9
+print(json.dumps(rates))
+"""
+
+
+def kernels() -> None:
+    """``--kernels``: FP32 -> FP16 per core, one thread each: ckpt's kernels against torch's,
+    on a block that stays in cache, one of the size casts use (``cast._BLOCK``) and one
+    streamed from memory (issue 27: at least as fast per core as torch)."""
+    rows = []
+    for label, n, reps in (("256K elements (in cache) x 1000", 1 << 18, 1000),
+                           ("2M elements (a cast block) x 100", 1 << 21, 100),
+                           ("100M elements (from memory) x 2", 100_000_000, 2)):
+        best: dict[str, float] = {}
+        for _ in range(3):  # interleaved rounds: the fastest of each
+            rates = json.loads(bc.timed("kernels", [bc.PY, "-c", KERNELS, str(n),
+                                                    str(reps)]).stdout)
+            best = {k: max(v, best.get(k, 0.0)) for k, v in rates.items()}
+        text = ", ".join(f"{k} {v:.2f}" for k, v in best.items())
+        ratio = (f"; f16c / torch {best['f16c'] / best['torch']:.2f}x (target >= 1x)"
+                 if "f16c" in best else "; no F16C kernel on this machine")
+        rows.append((label, f"G elements/s: {text}{ratio}"))
+    bc.report("FP32 -> FP16 per core (one thread each)", rows)
+
+
 def main() -> None:
+    if "--kernels" in sys.argv:
+        kernels()
+        return
     quick, big = "--quick" in sys.argv, "--big" in sys.argv
     src = bc.big_train_checkpoint() if big else bc.train_checkpoint(
         **({"n_layers": 2, "dim": 512} if quick else {}))
