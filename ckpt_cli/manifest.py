@@ -16,8 +16,8 @@ Where it lives: ``ckpt-manifest.json`` inside a checkpoint directory, or
 algorithm is xxh3_128 (xxhash: detects accidental change at memory speed, same digest as
 ``xxh128sum``); ``blake3`` and ``sha256`` are there when tampering, not just rot, is the
 concern. Files are hashed in parallel threads, each streaming its file through a small buffer;
-a large file with threads to spare has its bytes copied ahead of its (sequential) digest by
-several threads (:func:`ckpt_cli.storage.reads.read_ahead`).
+where there are fewer large files than threads, each has its bytes copied ahead of its
+(sequential) digest by several more threads (:func:`ckpt_cli.storage.reads.read_ahead`).
 
 Writers (``ckpt validate --write-manifest`` now, ``ckpt consolidate`` later) either hash an
 existing checkpoint with :func:`write_manifest`, or feed :func:`new_hasher` while writing
@@ -26,6 +26,7 @@ and save a :class:`Manifest` they fill themselves.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import stat
@@ -63,6 +64,7 @@ _DIGEST_HEX = {"xxh3_128": 32, "blake3": 64, "sha256": 64}
 # Temporary names of ckpt's own atomic writes; never part of a checkpoint.
 _OWN_TEMP = (".ckpt-tmp-", ".ckpt-trash-", ".ckpt-old-")
 _MAX_MANIFEST = 64 << 20
+_MAX_READERS = 8  # threads copying one file ahead of its hasher (64-72 MiB of buffers)
 
 
 class Hasher(Protocol):
@@ -315,8 +317,8 @@ def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITH
                jobs: int | None = None, on_progress: ProgressFn | None = None,
                ) -> tuple[dict[str, FileDigest], HashStats]:
     """Hash files in parallel threads (one file per task, largest first; a file of
-    :data:`~ckpt_cli.storage.reads.READ_AHEAD_MIN` or more read ahead by the threads the
-    other files leave over).
+    :data:`~ckpt_cli.storage.reads.READ_AHEAD_MIN` or more, where there are fewer such files
+    than threads, is read ahead of its hasher by several more threads).
 
     Args:
         base: The directory ``rels`` are relative to.
@@ -337,9 +339,10 @@ def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITH
     order = sorted(rels, key=lambda r: -sizes[r])
     threads = jobs or default_jobs()
     # A digest is sequential: one thread per file. Where there are fewer large files than
-    # threads, each large file gets the spare threads to copy its bytes ahead of its hasher.
+    # threads, each large file gets threads // large (at most 8) readers copying its bytes
+    # ahead of its hasher, with (readers + 1) x 8 MiB of buffers.
     large = sum(1 for r in rels if sizes[r] >= READ_AHEAD_MIN)
-    readers = threads // min(threads, large) if large else 1
+    readers = min(_MAX_READERS, threads // min(threads, large)) if large else 1
 
     def job(rel: str) -> Callable[[Meter], FileDigest]:
         def run(meter: Meter) -> FileDigest:
@@ -352,9 +355,12 @@ def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITH
             try:
                 size = storage.size_of(fd)
                 ahead = readers if size >= READ_AHEAD_MIN else 1
-                for view in read_ahead(fd, 0, size, readers=ahead, meter=meter, path=path):
-                    with stages.stage("hash", len(view)):
-                        h.update(view)
+                # Closed before the descriptor is: its reader threads stop first.
+                with contextlib.closing(read_ahead(fd, 0, size, readers=ahead, meter=meter,
+                                                   path=path)) as views:
+                    for view in views:
+                        with stages.stage("hash", len(view)):
+                            h.update(view)
             finally:
                 storage.close(fd)
             return FileDigest(rel, size, h.hexdigest())

@@ -175,11 +175,13 @@ def test_a_large_file_read_ahead_by_spare_threads(tmp_path: Path,
     from ckpt_cli import manifest as manifest_mod
     from ckpt_cli.storage import reads
 
+    # Sizes scaled down (64 MiB -> 1 MiB, 8 MiB chunks -> 256 KiB): the same code paths.
+    monkeypatch.setattr(manifest_mod, "READ_AHEAD_MIN", 1 << 20)
+    monkeypatch.setattr(reads, "READ_AHEAD_CHUNK", 256 << 10)
     d = tmp_path / "export"
     d.mkdir()
     big = d / "model.safetensors"
-    big.write_bytes(random.Random(7).randbytes(
-        reads.READ_AHEAD_MIN + 3 * reads.READ_AHEAD_CHUNK + 5))
+    big.write_bytes(random.Random(7).randbytes((1 << 20) + 3 * (256 << 10) + 5))
     (d / "config.json").write_text("{}")
     data = big.read_bytes()
     seen: set[str] = set()
@@ -193,7 +195,7 @@ def test_a_large_file_read_ahead_by_spare_threads(tmp_path: Path,
 
     monkeypatch.setattr(manifest_mod, "read_ahead", spy)
     got, _ = manifest_mod.hash_files(d, ["model.safetensors", "config.json"], jobs=3)
-    monkeypatch.undo()
+    monkeypatch.setattr(manifest_mod, "read_ahead", real)
     assert got["model.safetensors"].digest == xxhash.xxh3_128(data).hexdigest()
     assert got["model.safetensors"].size == len(data)
     assert {"readers=3", "readers=1"} <= seen  # the big file: 3 readers; config.json: 1
@@ -207,6 +209,6 @@ def test_a_large_file_read_ahead_by_spare_threads(tmp_path: Path,
     v = verify_manifest(d, jobs=2)
     assert v is not None and not v.ok and v.findings("model.safetensors")
     with big.open("r+b") as f:
-        f.truncate(len(data) - reads.READ_AHEAD_CHUNK)
+        f.truncate(len(data) - (256 << 10))
     v = verify_manifest(d, jobs=2)
     assert v is not None and not v.ok and v.findings("model.safetensors")

@@ -1,12 +1,13 @@
 /* FP32 -> FP16 with the x86 F16C instruction (vcvtps2ph), bit for bit numpy's cast.
  *
- * numpy casts FP32 to FP16 one element at a time (issue 28753); this converts 8 at a time
- * (four vectors per loop iteration), rounding to nearest even like numpy. The instruction quiets a signalling NaN (sets the top
- * payload bit) where numpy keeps the payload's top 10 bits as they are (an all-zero payload
- * becomes 1): a vector holding a NaN is redone lane by lane with numpy's rule, so every output
- * bit is numpy's. Chosen at run time: `available` is false where the CPU lacks F16C/AVX, or the
- * compiler is not GCC/Clang on x86-64, and ckpt_cli.tensors.cast then uses its numpy kernel.
- * The GIL is released while converting, so blocks convert on all cores.
+ * numpy casts FP32 to FP16 one element at a time (issue 28753); this converts a vector of 8
+ * per instruction, 32 per loop iteration, rounding to nearest even like numpy. The
+ * instruction quiets a signalling NaN (sets the top payload bit) where numpy keeps the
+ * payload's top 10 bits as they are (an all-zero payload becomes 1): a group of vectors
+ * holding a NaN is redone lane by lane with numpy's rule, so every output bit is numpy's.
+ * Chosen at run time: `available` is false where the CPU lacks F16C/AVX, or the compiler is
+ * not GCC/Clang on x86-64, and ckpt_cli.tensors.cast then uses its numpy kernel. The GIL is
+ * released while converting, so blocks convert on all cores.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

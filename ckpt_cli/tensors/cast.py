@@ -123,8 +123,8 @@ _TORCH = _TorchLoader()
 
 
 def torch_speeds_up(src: str, dst: str) -> bool:
-    """Whether torch's kernels cast ``src`` to ``dst`` faster than ckpt's own: the narrowing
-    casts from FP32/FP16/BF16 to FP16/BF16, except FP32 to FP16 where the compiled F16C kernel
+    """Whether torch's kernels cast ``src`` to ``dst`` faster than ckpt's own: the casts
+    from FP32/FP16/BF16 to another of FP16/BF16, except FP32 to FP16 where the compiled F16C kernel
     is built (it casts at torch's rate). Not from FP64, which torch rounds to FP16/BF16 through
     FP32 (twice) where numpy rounds once. What :func:`prefer_torch`'s callers count, and what
     :func:`cast_array` uses torch for once it is loaded.
@@ -133,7 +133,7 @@ def torch_speeds_up(src: str, dst: str) -> bool:
         src: Source dtype code (``F32``...).
         dst: Target dtype code.
     """
-    if dst not in ("F16", "BF16") or src not in ("F32", "F16", "BF16"):
+    if src == dst or dst not in ("F16", "BF16") or src not in ("F32", "F16", "BF16"):
         return False
     return not (src == "F32" and dst == "F16" and _compiled_f16() is not None)
 

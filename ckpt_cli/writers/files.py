@@ -73,8 +73,8 @@ def write_shard(f: Any, fmt: str, tensors: Sequence[OutTensor], members: tuple[i
         except BaseException:
             zw.abandon()
             raise
-    # Before the file closes. (On an error, closing while a sync runs is harmless: the
-    # kernel holds the file until fdatasync returns, and the error raised says more.)
+    # Before the file closes. (On an error the file closes with a sync under way: it runs on
+    # a duplicate descriptor, and the error raised says more than its result would.)
     flusher.finish()
 
 

@@ -130,10 +130,10 @@ class PartSink(Sink):
             raise
 
     def wrote(self, name: str, path: Path, size: int) -> None:
-        # Durable before its receipt vouches for it (a power loss must not leave a receipt
-        # for a shard of the right size and the wrong bytes): the write's Syncer is syncing
-        # it in the background while the next shard is written, and the writer waits for
-        # every sync before commit() writes the receipt (and fsyncs this directory).
+        # Durable before it takes its final name (a power loss must not leave a shard of the
+        # right size and the wrong bytes that an earlier run's receipt vouches for): the
+        # write's background sync of it is under way; this waits for it.
+        fsync_path(path)
         final = self.root / name
         os.replace(path, final)
         i = self.plan.files.index(name)

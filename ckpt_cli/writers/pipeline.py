@@ -43,29 +43,29 @@ class Syncer:
         self._thread: threading.Thread | None = None
         self._error: OSError | None = None
 
-    def start(self, fd: int, *, owned: bool) -> None:
-        """Wait for the sync in progress (raising its error), then sync ``fd`` in the
-        background; ``owned``: close ``fd`` when done (a duplicate, so the file itself can
-        close meanwhile)."""
+    def start(self, fd: int) -> None:
+        """Wait for the sync in progress (raising its error), then sync the file open as
+        ``fd`` in the background, through a duplicate descriptor that the sync closes (so
+        the file itself may close meanwhile, and its number be reused, safely)."""
+        self.wait()
+        dup = os.dup(fd)
         try:
-            self.wait()
+            self._thread = threading.Thread(target=self._fdatasync, args=(dup,),
+                                            name="ckpt-fdatasync", daemon=True)
+            self._thread.start()
         except BaseException:
-            if owned:
-                os.close(fd)
+            self._thread = None
+            os.close(dup)
             raise
-        self._thread = threading.Thread(target=self._fdatasync, args=(fd, owned),
-                                        name="ckpt-fdatasync", daemon=True)
-        self._thread.start()
 
-    def _fdatasync(self, fd: int, owned: bool) -> None:
+    def _fdatasync(self, fd: int) -> None:
         try:
             with stages.stage("fsync"):
                 os.fdatasync(fd)
         except OSError as e:  # raised in the writer's thread by wait()
             self._error = e
         finally:
-            if owned:
-                os.close(fd)
+            os.close(fd)
 
     def wait(self) -> None:
         """Wait for the sync in progress; raise the error of any sync, if one failed."""
@@ -97,16 +97,15 @@ class Flusher:
         self.pending += n
         if self.pending >= self.EVERY and self._local:
             self.f.flush()
-            self.syncer.start(self.f.fileno(), owned=False)
+            self.syncer.start(self.f.fileno())
             self.pending = 0
 
     def finish(self) -> None:
-        """The file's bytes are all written: sync its rest in the background, on a duplicate
-        descriptor, while its handle closes and the next file is written."""
-        self.syncer.wait()  # a sync of this file's own descriptor must end before it closes
+        """The file's bytes are all written: sync its rest in the background while its handle
+        closes and the next file is written."""
         if self._local:
             self.f.flush()
-            self.syncer.start(os.dup(self.f.fileno()), owned=True)
+            self.syncer.start(self.f.fileno())
 
 
 def tensor_bytes(source: Prefetch, i: int, t: OutTensor) -> Iterator[memoryview]:

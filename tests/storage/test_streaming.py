@@ -137,30 +137,31 @@ def test_read_ahead_yields_the_range_in_order(tmp_path: Path, readers: int, star
         os.close(fd)
 
 
-def test_read_ahead_reads_on_several_threads_into_few_buffers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("readers", [2, 3])
+def test_read_ahead_reads_on_several_threads_into_few_buffers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, readers: int) -> None:
     data = os.urandom(64 * 1024)
     p = tmp_path / "f"
     p.write_bytes(data)
+    import ckpt_cli.storage.access as access
+
+    names: set[str] = set()
+    real = os.preadv
+
+    def spy(fd_: int, bufs: list[memoryview], off: int) -> int:
+        names.add(threading.current_thread().name)
+        return real(fd_, bufs, off)
+
+    monkeypatch.setattr(access.os, "preadv", spy)
     fd = os.open(p, os.O_RDONLY)
     try:
-        buffers, names = set(), set()
-        real = os.preadv
-
-        def spy(fd_: int, bufs: list[memoryview], off: int) -> int:
-            names.add(threading.current_thread().name)
-            return real(fd_, bufs, off)
-
-        import ckpt_cli.storage.access as access
-
-        orig = access.os.preadv
-        access.os.preadv = spy  # type: ignore[assignment]
-        try:
-            for v in read_ahead(fd, 0, len(data), readers=3, chunk=1024):
-                buffers.add(id(v.obj))
-                time.sleep(0.001)  # a slow consumer: the readers run ahead
-        finally:
-            access.os.preadv = orig  # type: ignore[assignment]
-        assert len(buffers) <= 4  # readers + 1 buffers, reused
+        buffers: list[bytearray] = []  # kept alive: their ids stay distinct
+        for v in read_ahead(fd, 0, len(data), readers=readers, chunk=1024):
+            if not any(v.obj is b for b in buffers):
+                buffers.append(v.obj)
+            time.sleep(0.002)  # a slow consumer: the readers run ahead
+        # readers + 1 buffers, reused: as many reads in flight as readers while one is held.
+        assert len(buffers) == readers + 1
         assert names and all(n.startswith("ckpt-readahead") for n in names)
         assert len(names) >= 2  # the reads ran on more than one thread
     finally:
@@ -195,8 +196,7 @@ def test_read_ahead_cancels_with_the_meter_and_stops_its_threads(tmp_path: Path)
         # A consumer that stops early: the generator's close waits for its readers.
         gen = read_ahead(fd, 0, 100_000, readers=2, chunk=1024)
         next(gen)
-        gen.close()
-        time.sleep(0.05)
+        gen.close()  # shuts its pool down, joining the reader threads
         assert not [t for t in threading.enumerate() if t.name.startswith("ckpt-readahead")]
     finally:
         os.close(fd)

@@ -111,7 +111,7 @@ def test_torch_speeds_up_only_where_its_kernels_are_faster(
     assert cast.torch_speeds_up("F32", "BF16") and cast.torch_speeds_up("F16", "BF16")
     assert cast.torch_speeds_up("BF16", "F16")
     for src, dst in (("F64", "F16"), ("F64", "BF16"), ("F32", "F32"), ("F16", "F32"),
-                     ("I64", "F16"), ("F8_E4M3", "BF16")):
+                     ("I64", "F16"), ("F8_E4M3", "BF16"), ("BF16", "BF16"), ("F16", "F16")):
         assert not cast.torch_speeds_up(src, dst), (src, dst)
     monkeypatch.setattr(cast, "_compiled_f16", lambda: None)  # numpy's FP16 kernel
     assert cast.torch_speeds_up("F32", "F16")

@@ -145,32 +145,39 @@ def _safe_link(fd: str) -> str:
         return ""
 
 
-def test_a_parts_shards_are_synced_before_its_receipt(tmp_path: Path,
-                                                      synced: list[tuple[str, str]],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A part (``--part K/N``) no longer fsyncs each shard before writing the next: the
-    background syncs have covered every one of its shards when its receipt is written."""
-    from ckpt_cli.parts import Part, PartStore
+def test_a_parts_shard_is_durable_before_it_takes_its_final_name(
+        tmp_path: Path, synced: list[tuple[str, str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part (``--part K/N``) renames a shard into ``out/`` only once it is fsynced: a rerun
+    part's shard could otherwise meet an earlier run's receipt vouching for it."""
+    from ckpt_cli.parts import Part
     from ckpt_cli.writers import PartJob
+    from ckpt_cli.writers import parts as parts_mod
 
-    at_receipt: list[set[str]] = []
-    real = PartStore.write_receipt
+    fsynced: list[str] = []
+    renamed: list[tuple[str, bool]] = []
+    real_fsync, real_replace = parts_mod.fsync_path, parts_mod.os.replace
 
-    def write_receipt(self: PartStore, index: int, payload: dict) -> Path:  # type: ignore[type-arg]
-        at_receipt.append({name.split(".ckpt-tmp")[0].lstrip(".") for name, _ in synced})
-        return real(self, index, payload)
+    def fsync_path(path: Path) -> None:
+        real_fsync(path)
+        fsynced.append(Path(path).name)
 
-    monkeypatch.setattr(PartStore, "write_receipt", write_receipt)
+    def replace(src: str | Path, dst: str | Path) -> None:
+        renamed.append((Path(dst).name, Path(src).name in fsynced))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(parts_mod, "fsync_path", fsync_path)
+    monkeypatch.setattr(parts_mod.os, "replace", replace)
     values = _tensors(6)
     dest = tmp_path / "out"
-    mine: list[str] = []
     for k in (1, 2):
         res = write_checkpoint(dest, _out(values), max_shard_size=20_000,
                                part=PartJob(Part(k, 2), source_id="test"))
-        assert res.part is not None
-        mine.append(",".join(sorted(res.part.files)))
-        assert set(res.part.files) <= at_receipt[-1], (res.part.files, at_receipt[-1])
-    assert len(at_receipt) == 2 and all(mine)
+        assert res.part is not None and res.part.files
+    shards = [(name, ok) for name, ok in renamed if name.startswith("model-")]
+    assert len(shards) == 6 and all(ok for _, ok in shards), renamed
+    # ...and the background syncs ran for them too.
+    assert {name.split(".ckpt-tmp")[0].lstrip(".") for name, _ in synced} >= {
+        name for name, _ in shards}
     got: dict[str, np.ndarray] = {}
     for p in dest.glob("model-*.safetensors"):
         got.update(load_file(p))
