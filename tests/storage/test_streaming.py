@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -103,13 +105,16 @@ def test_read_range_reuses_a_small_buffer(tmp_path: Path) -> None:
         os.close(fd)
 
 
-def test_read_range_on_a_closed_descriptor_is_a_ckpt_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reader", ["read_range", "read_ahead"])
+def test_reading_a_closed_descriptor_is_a_ckpt_error(tmp_path: Path, reader: str) -> None:
     p = tmp_path / "f"
-    p.write_bytes(b"x" * 10)
+    p.write_bytes(b"x" * 10_000)
     fd = os.open(p, os.O_RDONLY)
     os.close(fd)
+    views = (read_range(fd, 0, 10_000, bytearray(4), path=p) if reader == "read_range" else
+             read_ahead(fd, 0, 10_000, readers=2, chunk=1024, path=p))
     with pytest.raises(CkptError, match="cannot read at byte 0"):
-        next(read_range(fd, 0, 10, bytearray(4), path=p))
+        next(views)
 
 
 # --- read_ahead --------------------------------------------------------------------------------
@@ -168,24 +173,28 @@ def test_read_ahead_reads_on_several_threads_into_few_buffers(
         os.close(fd)
 
 
-def test_read_ahead_names_a_file_that_ends_early(tmp_path: Path) -> None:
-    p = tmp_path / "f"
-    p.write_bytes(os.urandom(10_000))
-    fd = os.open(p, os.O_RDONLY)
+@contextlib.contextmanager
+def _opened(path: Path, size: int) -> Iterator[int]:
+    """A descriptor of a new file of ``size`` random bytes at ``path``."""
+    path.write_bytes(os.urandom(size))
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with pytest.raises(CorruptCheckpointError, match="file ends at byte 10,000") as e:
-            for _ in read_ahead(fd, 0, 20_000, readers=2, chunk=1024, path=p):
-                pass
-        assert str(p) in str(e.value)
+        yield fd
     finally:
         os.close(fd)
 
 
-def test_read_ahead_cancels_with_the_meter_and_stops_its_threads(tmp_path: Path) -> None:
+def test_read_ahead_names_a_file_that_ends_early(tmp_path: Path) -> None:
     p = tmp_path / "f"
-    p.write_bytes(os.urandom(100_000))
-    fd = os.open(p, os.O_RDONLY)
-    try:
+    with _opened(p, 10_000) as fd:
+        with pytest.raises(CorruptCheckpointError, match="file ends at byte 10,000") as e:
+            for _ in read_ahead(fd, 0, 20_000, readers=2, chunk=1024, path=p):
+                pass
+        assert str(p) in str(e.value)
+
+
+def test_read_ahead_cancels_with_the_meter_and_stops_its_threads(tmp_path: Path) -> None:
+    with _opened(tmp_path / "f", 100_000) as fd:
         meter = Meter()
         gen = read_ahead(fd, 0, 100_000, readers=2, meter=meter, chunk=1024)
         next(gen)
@@ -198,17 +207,6 @@ def test_read_ahead_cancels_with_the_meter_and_stops_its_threads(tmp_path: Path)
         next(gen)
         gen.close()  # shuts its pool down, joining the reader threads
         assert not [t for t in threading.enumerate() if t.name.startswith("ckpt-readahead")]
-    finally:
-        os.close(fd)
-
-
-def test_read_ahead_on_a_closed_descriptor_is_a_ckpt_error(tmp_path: Path) -> None:
-    p = tmp_path / "f"
-    p.write_bytes(b"x" * 10_000)
-    fd = os.open(p, os.O_RDONLY)
-    os.close(fd)
-    with pytest.raises(CkptError, match="cannot read at byte 0"):
-        next(read_ahead(fd, 0, 10_000, readers=2, chunk=1024, path=p))
 
 
 # --- crc32_parallel ----------------------------------------------------------------------------
