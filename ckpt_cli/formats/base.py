@@ -7,14 +7,11 @@ import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ckpt_cli.model import CheckpointIndex, Finding
-
-if TYPE_CHECKING:
-    from ckpt_cli.storage import Handle
 
 
 @runtime_checkable
@@ -164,35 +161,6 @@ def file_size(path: Path) -> int:
     if kind is not None:
         raise CorruptCheckpointError(f"not a regular file ({kind})", path=path)
     return st.st_size
-
-
-_READ_CHUNK = 1 << 30
-
-
-def read_full(fd: Handle, offset: int, out: memoryview) -> int:
-    """Fill ``out`` with bytes of an open file from ``offset``, with positioned reads.
-
-    Args:
-        fd: An open file descriptor or object handle (positioned reads need no seek, so it
-            may be shared).
-        offset: Absolute byte offset.
-        out: A writable byte buffer.
-
-    Returns:
-        How many bytes were read: fewer than ``len(out)`` only if the file ended first.
-
-    Raises:
-        OSError: If reading fails.
-    """
-    if not isinstance(fd, int):
-        return fd.readinto(out, offset)
-    done, total = 0, len(out)
-    while done < total:
-        n = os.preadv(fd, [out[done:done + _READ_CHUNK]], offset + done)
-        if n <= 0:
-            break
-        done += n
-    return done
 
 
 def read_head(path: Path, n: int) -> bytes:

@@ -27,10 +27,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckpt_cli.errors import CkptError
-from ckpt_cli.formats.base import read_full
 from ckpt_cli.formats.dcp import locate_chunk
 from ckpt_cli.model import CheckpointIndex, TensorInfo
-from ckpt_cli.storage import Handle
+from ckpt_cli.storage import Handle, read_full
 
 if TYPE_CHECKING:
     import hashlib

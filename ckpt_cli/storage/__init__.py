@@ -3,9 +3,9 @@ store. Everything above it asks the capability predicates (:func:`can_rename_ato
 :func:`has_file_system`...) and uses the operations here, never "is it remote?".
 
 - ``access``: :func:`locate`, the predicates, :func:`open_regular` and the handles
-  (:func:`pread`, :func:`readinto`), listings (:func:`scandir`, :func:`walk`), and the
-  operations whose local and object forms differ (:func:`create`, :func:`write_whole`,
-  :func:`remove`).
+  (:func:`pread`, :func:`readinto`, :func:`read_full`), listings (:func:`scandir`,
+  :func:`walk`), and the operations whose local and object forms differ (:func:`create`,
+  :func:`write_whole`, :func:`remove`).
 - ``local``: regular files told from FIFOs, sockets and devices; non-blocking opens.
 - ``objects``: :class:`ObjectStore` (fsspec, listings, block cache, S3 calls) and
   :class:`Upload`; ``objectpath``: :class:`ObjectPath`, :class:`ObjectFile`.
@@ -73,6 +73,9 @@ if TYPE_CHECKING:
     )
     from ckpt_cli.storage.access import (
         pread as pread,
+    )
+    from ckpt_cli.storage.access import (
+        read_full as read_full,
     )
     from ckpt_cli.storage.access import (
         readinto as readinto,
@@ -187,7 +190,7 @@ _WHERE = {
     **dict.fromkeys(("Handle", "Window", "can_rename_atomically", "close", "create",
                     "has_file_system", "has_multipart_uploads", "is_remote", "key_url",
                     "lexists", "locate", "lstat", "names_local_path", "open_regular", "pread",
-                    "reads_are_cheap", "readinto", "remove", "scandir", "size_of",
+                    "read_full", "reads_are_cheap", "readinto", "remove", "scandir", "size_of",
                     "tree_paths", "walk", "write_whole"), "access"),
     **dict.fromkeys(("CLIENTS", "CONCURRENCY", "EXTRA_HINT", "OBJECT_STORES", "_describe",
                     "concurrency", "configure", "install_hint", "is_url", "parse_options",

@@ -155,6 +155,35 @@ def readinto(h: Handle, out: memoryview, offset: int) -> int:
     return h.readinto(out, offset)
 
 
+_READ_CHUNK = 1 << 30  # Linux caps one read at ~2 GiB
+
+
+def read_full(h: Handle, offset: int, out: memoryview) -> int:
+    """Fill ``out`` with bytes of an open file from ``offset``, with positioned reads.
+
+    Args:
+        h: An open file descriptor or object handle (positioned reads need no seek, so it
+            may be shared).
+        offset: Absolute byte offset.
+        out: A writable byte buffer.
+
+    Returns:
+        How many bytes were read: fewer than ``len(out)`` only if the file ended first.
+
+    Raises:
+        OSError: If reading fails.
+    """
+    if not isinstance(h, int):
+        return h.readinto(out, offset)
+    done, total = 0, len(out)
+    while done < total:
+        n = os.preadv(h, [out[done:done + _READ_CHUNK]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
 def size_of(h: Handle) -> int:
     """The size of the file or object behind a handle."""
     if isinstance(h, int):

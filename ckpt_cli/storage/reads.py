@@ -236,15 +236,23 @@ def read_range(fd: Handle, start: int, length: int, buf: bytearray, meter: Meter
             with stages.stage("read"):
                 n = access.readinto(fd, mv[:min(len(mv), end - off)], off)
         except OSError as e:
-            raise CkptError(f"cannot read at byte {off:,}: {e.strerror}", path=path) from None
+            raise _cannot_read(e, off, path) from None
         if n <= 0:
-            raise CorruptCheckpointError(
-                f"file ends at byte {off:,} but {end - off:,} more bytes were expected (it "
-                "shrank while being read, or is truncated)", path=path)
+            raise _ends_early(off, end, path)
         if meter is not None:
             meter.add(n)
         yield mv[:n]
         off += n
+
+
+def _cannot_read(e: OSError, offset: int, path: str | Path) -> CkptError:
+    return CkptError(f"cannot read at byte {offset:,}: {e.strerror}", path=path)
+
+
+def _ends_early(at: int, end: int, path: str | Path) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"file ends at byte {at:,} but {end - at:,} more bytes were expected (it shrank while "
+        "being read, or is truncated)", path=path)
 
 
 READ_AHEAD_MIN = 64 << 20
@@ -294,20 +302,13 @@ def read_ahead(fd: Handle, start: int, length: int, *, readers: int,
 
     def fill(buf: bytearray, off: int, n: int) -> int:
         """Read ``n`` bytes at ``off`` into ``buf``; fewer only where the file ends."""
-        mv, done = memoryview(buf), 0
-        while done < n:
-            if done_with.is_set() or (meter is not None and meter.stop.is_set()):
-                raise Cancelled
-            try:
-                with stages.stage("read"):
-                    got = access.readinto(fd, mv[done:n], off + done)
-            except OSError as e:
-                raise CkptError(f"cannot read at byte {off + done:,}: {e.strerror}",
-                                path=path) from None
-            if got <= 0:
-                break
-            done += got
-        return done
+        if done_with.is_set() or (meter is not None and meter.stop.is_set()):
+            raise Cancelled
+        try:
+            with stages.stage("read"):
+                return access.read_full(fd, off, memoryview(buf)[:n])
+        except OSError as e:
+            raise _cannot_read(e, off, path) from None
 
     end, nxt = start + length, start
     free: deque[bytearray] = deque()
@@ -331,9 +332,7 @@ def read_ahead(fd: Handle, start: int, length: int, *, readers: int,
             top_up()  # the next read starts before this one is waited for
             got = future.result()
             if got < n:
-                raise CorruptCheckpointError(
-                    f"file ends at byte {off + got:,} but {end - off - got:,} more bytes were "
-                    "expected (it shrank while being read, or is truncated)", path=path)
+                raise _ends_early(off + got, end, path)
             if meter is not None:
                 meter.add(n)
             yield memoryview(buf)[:n]

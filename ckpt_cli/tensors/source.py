@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import dcp
-from ckpt_cli.formats.base import read_full
 from ckpt_cli.model import CheckpointIndex, Chunk, TensorInfo
-from ckpt_cli.storage import Handle, open_regular
+from ckpt_cli.storage import Handle, open_regular, read_full
 from ckpt_cli.storage.reads import crc32_parallel, crc32_range
 
 if TYPE_CHECKING:

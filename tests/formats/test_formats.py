@@ -439,8 +439,7 @@ def test_tied_weights_count_once_everywhere(tmp_path: Path) -> None:
 
 
 def test_read_full_says_how_much_a_short_file_gave(tmp_path: Path) -> None:
-    from ckpt_cli.formats.base import read_full
-    from ckpt_cli.storage import open_regular
+    from ckpt_cli.storage import open_regular, read_full
 
     p = tmp_path / "f.bin"
     p.write_bytes(bytes(range(10)))

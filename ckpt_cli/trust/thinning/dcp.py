@@ -117,12 +117,11 @@ def _dcp_thinned_state(path: Path, to: str | None
     import torch
 
     from ckpt_cli.formats import read_index
-    from ckpt_cli.formats.base import read_full
     from ckpt_cli.formats.dcp import metadata_file, parse_metadata, storage_map
     from ckpt_cli.manifest import MANIFEST_NAME
     from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
-    from ckpt_cli.storage import open_regular
+    from ckpt_cli.storage import open_regular, read_full
     from ckpt_cli.tensors.cast import cast_array
     from ckpt_cli.tensors.source import TensorSource
 
