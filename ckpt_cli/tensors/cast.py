@@ -34,8 +34,9 @@ from 2.25-2.61 s (CPU 2.9-3.6 s) to 1.81-2.03 s (CPU 2.3-2.5 s). Blocks are size
 
 Where the install could compile it (x86-64 with a C compiler; ``setup.py``'s optional
 extension), :func:`f32_to_f16` runs ``ckpt_cli/tensors/_f16c.c`` instead: the F16C
-instruction, 8 elements at a time, ~3.3 G elements/s per core here (torch's kernel: ~3.6 G/s
-in the same run), NaNs given numpy's bits, so the bytes are the same with either kernel
+instruction, 8 elements at a time, 32 per loop iteration, 1.06-1.07x torch's per-core rate at
+the cast block size and from memory, 0.92x in cache (``bench_convert --kernels``), NaNs given
+numpy's bits, so the bytes are the same with either kernel
 (``CKPT_NO_F16C=1`` forces the numpy one). ``convert --to fp16`` of the 4.7 GB checkpoint:
 1.36-1.38 s best of 5 (CPU 1.3 s) instead of 1.89 s (CPU 2.4 s); the cast stage's busy time
 1.80 -> 0.37 s, and the writer is now the slowest stage.
@@ -335,8 +336,8 @@ def f16_kernel() -> str:
 def f32_to_f16(src: np.ndarray, out: np.ndarray) -> None:
     """``out[...] = src`` from FP32 to FP16, bit for bit numpy's cast.
 
-    With the compiled kernel (:func:`f16_kernel`), 8 elements per instruction (~3.3 G
-    elements/s per core here, about torch's rate); else :func:`f32_to_f16_numpy`.
+    With the compiled kernel (:func:`f16_kernel`), 8 elements per instruction (about torch's
+    per-core rate); else :func:`f32_to_f16_numpy`.
 
     Args:
         src: 1-D FP32 values.

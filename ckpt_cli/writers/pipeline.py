@@ -95,17 +95,17 @@ class Flusher:
 
     def wrote(self, n: int) -> None:
         self.pending += n
-        if self.pending >= self.EVERY and self._local:
-            self.f.flush()
-            self.syncer.start(self.f.fileno())
-            self.pending = 0
+        if self.pending >= self.EVERY:
+            self.finish()
 
     def finish(self) -> None:
-        """The file's bytes are all written: sync its rest in the background while its handle
-        closes and the next file is written."""
+        """Sync what was written so far in the background; called by :meth:`wrote` every
+        :attr:`EVERY` bytes and once the file's bytes are all written (while its handle
+        closes and the next file is written)."""
         if self._local:
             self.f.flush()
             self.syncer.start(self.f.fileno())
+        self.pending = 0
 
 
 def tensor_bytes(source: Prefetch, i: int, t: OutTensor) -> Iterator[memoryview]:
