@@ -151,15 +151,24 @@ class Finding:
                 "file": self.file, "location": self.location}
 
 
+QUANT_SCALES = ("weight_scale_inv", "weight_scale", "scale_weight", "input_scale",
+                "activation_scale", "output_scale")
+"""Last name parts of quantization scales (FP8 weights' and activations'): metadata of a
+quantized weight, not parameters of the model."""
+
+
 def parameters_of(t: TensorInfo) -> int:
     """The parameters ``t`` adds to a count of the model: its elements when it is a model
-    weight, else 0 (buffers, optimizer state and the rest are not parameters).
+    weight, else 0 (buffers, optimizer state, quantization scales (:data:`QUANT_SCALES`) and
+    the rest are not parameters).
 
     The one rule behind :attr:`CheckpointIndex.num_parameters`, the module tree and the
     ``total_parameters`` ckpt writes into an index (each over tensors counted once, see
     :meth:`CheckpointIndex.distinct_tensors`).
     """
-    return t.numel if t.group == "model" else 0
+    if t.group != "model" or t.name.rpartition(".")[2] in QUANT_SCALES:
+        return 0
+    return t.numel
 
 
 @dataclass(slots=True)
@@ -270,10 +279,11 @@ class CheckpointIndex:
 
     @property
     def params_by_dtype(self) -> dict[str, int]:
-        """Elements of model and buffer tensors per dtype code (tied tensors once)."""
+        """Elements of model and buffer tensors per dtype code (tied tensors once;
+        quantization scales, :data:`QUANT_SCALES`, are not counted)."""
         c: Counter[str] = Counter()
         for t in self.distinct_tensors():
-            if t.group in ("model", "buffer"):
+            if t.group in ("model", "buffer") and t.name.rpartition(".")[2] not in QUANT_SCALES:
                 c[t.dtype] += t.numel
         return dict(c)
 

@@ -26,6 +26,14 @@ def _targets(incomplete: str) -> list[str]:
     return [t for t in ("fp16", "bf16", "fp32", "fp8", "keep") if t.startswith(incomplete)]
 
 
+def _layouts(incomplete: str) -> list[str]:
+    return [t for t in ("block", "channel", "tensor") if t.startswith(incomplete)]
+
+
+def _activations(incomplete: str) -> list[str]:
+    return [t for t in ("dynamic", "none") if t.startswith(incomplete)]
+
+
 @common_options(*STREAMING)
 def convert_cmd(
     source: Annotated[Location, path_argument("Checkpoint to convert (file or directory).")],
@@ -42,7 +50,12 @@ def convert_cmd(
         "--fp8-layout", metavar="block|channel|tensor",
         help="With --to fp8: 128x128 blocks (weight_scale_inv, transformers/DeepSeek 'fp8') "
              "or one scale per output channel or per tensor (weight_scale, "
-             "compressed-tensors).")] = "block",
+             "compressed-tensors).", autocompletion=_layouts)] = "block",
+    fp8_activations: Annotated[str, typer.Option(
+        "--fp8-activations", metavar="dynamic|none",
+        help="With --to fp8 --fp8-layout channel|tensor: dynamic per-token FP8 activations "
+             "(W8A8, the engines' FP8 matmuls) or none (weight-only W8A16, for GPUs without "
+             "FP8 matmuls).", autocompletion=_activations)] = "dynamic",
     dequantize: Annotated[bool, typer.Option(
         "--dequantize", help="With --to bf16|fp16|fp32: turn FP8 weights with a scale "
                              "(weight_scale_inv, weight_scale, scale_weight) into weight * "
@@ -96,7 +109,7 @@ def convert_cmd(
                 keep_prefix=keep_prefix, keep_fp32=tuple(keep_fp32 or ()), clamp=clamp,
                 overwrite=force, container=container, input_format=input_format, part=part,
                 finalize=finalize, max_memory=common.max_memory, fp8_layout=fp8_layout,
-                dequantize=dequantize)
+                fp8_activations=fp8_activations, dequantize=dequantize)
             result = convert(source, output, options, on_progress=bar.advance,
                              on_start=bar.start)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary

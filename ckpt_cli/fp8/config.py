@@ -7,48 +7,85 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import UsageError
 from ckpt_cli.fp8.scheme import BLOCK, SCALE_NAMES, scale_kind
 
+ACTIVATIONS = ("dynamic", "none")
+"""``--fp8-activations`` choices for the channel/tensor layouts."""
 
-def quantization_config(layout: str, ignore: list[str]) -> dict[str, Any]:
+DYNAMIC_TOKEN = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                 "dynamic": True, "group_size": None, "block_structure": None, "actorder": None,
+                 "observer": None, "observer_kwargs": {}}
+"""Input activations quantized to FP8 per token at run time (llm-compressor's FP8_DYNAMIC):
+what sends vLLM and SGLang to their FP8 GEMMs (``CompressedTensorsW8A8Fp8``) rather than
+weight-only FP8 (``CompressedTensorsW8A16Fp8``, BF16 matmuls)."""
+
+
+def quantization_config(layout: str, ignore: list[str],
+                        activations: str = "dynamic") -> dict[str, Any]:
     """The ``quantization_config`` for ``config.json``.
 
     Args:
         layout: ``block``, ``channel`` or ``tensor``.
-        ignore: Module names of Linear-like weights left unquantized.
+        ignore: Module names of Linear-like weights left unquantized. Written under every key
+            the current loaders read: ``modules_to_not_convert`` (transformers) and
+            ``ignored_layers`` (vLLM, SGLang) for the ``fp8`` method, ``ignore`` for
+            compressed-tensors.
+        activations: ``dynamic`` (per-token FP8 activations at run time: W8A8) or ``none``
+            (weight-only, W8A16, for GPUs without FP8 matmuls). The block layout's activations
+            are always dynamic (per token, per 128 along K).
     """
+    if activations not in ACTIVATIONS:
+        raise UsageError(f"fp8_activations must be dynamic or none, not {activations!r}",
+                         param="fp8_activations")
     if layout == "block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": ignore}
+                "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": list(ignore),
+                "ignored_layers": list(ignore)}
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": layout,
                "dynamic": False, "group_size": None, "block_structure": None,
                "actorder": None, "observer": "minmax", "observer_kwargs": {}}
     return {"quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None,
-                                          "output_activations": None}},
-            "ignore": ignore, "kv_cache_scheme": None, "global_compression_ratio": None}
+            "config_groups": {"group_0": {
+                "targets": ["Linear"], "weights": weights,
+                "input_activations": dict(DYNAMIC_TOKEN) if activations == "dynamic" else None,
+                "output_activations": None}},
+            "ignore": list(ignore), "kv_cache_scheme": None, "global_compression_ratio": None}
 
 
 def check_quantized(index: Any) -> tuple[list[Any], str] | None:
-    """validate's ``quantization`` check: every FP8 weight has one scale of a legal shape and
-    dtype, with finite positive values, and ``config.json``'s ``quantization_config`` agrees
-    with the tensors (block size, ignored modules unquantized). None: no FP8 tensor.
+    """validate's ``quantization`` check. None: no FP8 tensor.
+
+    - Every FP8 weight that the checkpoint says is quantized with a scale (a
+      ``quantization_config``, or scale-named tensors: :func:`ckpt_cli.fp8.scheme.
+      scales_expected`) has one scale of a legal shape and dtype, with finite positive values;
+      an FP8 tensor nothing claims a scale for is raw FP8 values (a note).
+    - ``config.json``'s ``quantization_config`` agrees with the tensors (block size, ignored
+      modules unquantized), and where it is there (it addresses vLLM and SGLang as much as
+      transformers) what those engines refuse is an error: a fused layer some but not all of
+      whose parts are quantized, a quantized embedding or output head, a block-wise weight
+      whose input dim is not a multiple of 128 (:mod:`ckpt_cli.fp8.groups`).
 
     Args:
         index: The :class:`~ckpt_cli.model.CheckpointIndex`.
     """
-    import json
-
     import numpy as np
 
+    from ckpt_cli.fp8 import groups
+    from ckpt_cli.fp8.scheme import (
+        FP8_DTYPES,
+        is_block_scale,
+        no_scale,
+        read_quantization_config,
+        scales_expected,
+        skip_reason,
+    )
     from ckpt_cli.model import Finding
     from ckpt_cli.tensors.source import TensorSource
 
     tensors = index.tensors
-    weights = [t for t in tensors.values() if t.dtype in ("F8_E4M3", "F8_E5M2")]
+    weights = [t for t in tensors.values() if t.dtype in FP8_DTYPES]
     if not weights:
         return None
     found: list[Finding] = []
@@ -56,7 +93,10 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
     def bad(code: str, msg: str, where: str | None) -> None:
         found.append(Finding("error", code, msg, None, where))
 
+    qc, _source = read_quantization_config(index)
+    expected = scales_expected(tensors, qc)
     kinds: dict[str, int] = {}
+    raw = 0
     reader = TensorSource(index)
     try:
         for w in weights:
@@ -64,15 +104,19 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
             scales = [tensors[f"{module}.{n}"] for n in SCALE_NAMES
                       if f"{module}.{n}" in tensors]
             if last != "weight" or not scales:
-                bad("fp8-no-scale", f"{w.name} ({w.dtype} {list(w.shape)}) has no scale "
-                    f"({', '.join(SCALE_NAMES)}): a loader ignoring that reads garbage", w.name)
+                f = no_scale(w, expected)
+                if expected:
+                    bad(f.code, f.message, w.name)
+                else:
+                    raw += 1
+                    found.append(f)
                 continue
             if len(scales) > 1:
                 bad("fp8-scale-ambiguous", f"{w.name} has several scales: "
                     f"{', '.join(s.name for s in scales)}", w.name)
                 continue
             s = scales[0]
-            kind = scale_kind(tuple(w.shape), tuple(s.shape))
+            kind = scale_kind(tuple(w.shape), tuple(s.shape), is_block_scale(s.name, qc))
             if kind is None or s.dtype not in ("F32", "BF16", "F16"):
                 bad("fp8-scale-shape", f"{s.name} ({s.dtype} {list(s.shape)}) fits no scale "
                     f"convention for {w.name} {list(w.shape)}", s.name)
@@ -84,30 +128,55 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
                     "scales", s.name)
     finally:
         reader.close()
-    qc = None
-    try:
-        config = index.base / "config.json"
-        if index.base.is_dir() and config.is_file():
-            qc = json.loads(config.read_bytes()).get("quantization_config")
-    except (ValueError, AttributeError, OSError, CkptError):
-        qc = None
     if isinstance(qc, dict):
-        ignore = qc.get("modules_to_not_convert") or qc.get("ignore") or []
-        fp8_modules = {w.name.rpartition(".")[0] for w in weights}
-        for m in ignore if isinstance(ignore, list) else []:
-            if isinstance(m, str) and m in fp8_modules:
-                bad("fp8-config-ignored", f"config.json's quantization_config ignores {m}, "
-                    "but its weight is FP8", f"{m}.weight")
-        size = qc.get("weight_block_size")
-        if qc.get("quant_method") == "fp8" and size not in (None, [BLOCK, BLOCK]):
-            found.append(Finding("warning", "fp8-config-block",
-                                 f"weight_block_size {size}: ckpt checks 128x128 blocks only",
-                                 "config.json", None))
-        elif qc.get("quant_method") == "fp8" and set(kinds) - {"block"}:
-            bad("fp8-config-block", "config.json says block-wise FP8, but some scales are "
-                f"per {' / '.join(sorted(set(kinds) - {'block'}))}", "config.json")
+        _check_config(qc, weights, tensors, kinds, bad, found)
+        fp8_names = {w.name for w in weights}
+        two_d = {t.name: tuple(t.shape) for t in tensors.values()
+                 if t.name.endswith(".weight") and len(t.shape) == 2}
+        for fused, q, rest in groups.half_quantized(fp8_names, two_d):
+            bad("fp8-fused-partial", f"fused layer {fused}: {', '.join(q)} quantized but "
+                f"{', '.join(rest)} not; vLLM and SGLang load them as one layer and refuse "
+                "some but not all parts quantized", rest[0])
+        for w in weights:
+            module = w.name.rpartition(".")[0]
+            reason = skip_reason(module) if w.name.endswith(".weight") else None
+            if reason in ("embedding", "output head (lm_head)"):
+                bad("fp8-not-linear", f"{w.name} is FP8, but it is an {reason}: inference "
+                    "engines quantize Linear layers only, so its scale has nowhere to load",
+                    w.name)
     summary = (f"{len(weights)} FP8 weight(s), scales: "
                + (", ".join(f"{n} per {k}" for k, n in sorted(kinds.items())) or "none")
+               + (f"; {raw} raw FP8 tensor(s) without a scale" if raw else "")
                + ("; quantization_config " + str(qc.get("quant_method")) if isinstance(qc, dict)
                   else "; no quantization_config"))
     return found, summary
+
+
+def _check_config(qc: dict[str, Any], weights: list[Any], tensors: dict[str, Any],
+                  kinds: dict[str, int], bad: Any, found: list[Any]) -> None:
+    """The ``quantization_config`` against the tensors: ignored modules unquantized, the
+    block size, and block-wise weights the engines can load."""
+    from ckpt_cli.model import Finding
+
+    ignore = qc.get("modules_to_not_convert") or qc.get("ignore") or []
+    fp8_modules = {w.name.rpartition(".")[0] for w in weights}
+    for m in ignore if isinstance(ignore, list) else []:
+        if isinstance(m, str) and m in fp8_modules:
+            bad("fp8-config-ignored", f"config.json's quantization_config ignores {m}, "
+                "but its weight is FP8", f"{m}.weight")
+    size = qc.get("weight_block_size")
+    if qc.get("quant_method") != "fp8":
+        return
+    if size not in (None, [BLOCK, BLOCK]):
+        found.append(Finding("warning", "fp8-config-block",
+                             f"weight_block_size {size}: ckpt checks 128x128 blocks only",
+                             "config.json", None))
+        return
+    if set(kinds) - {"block"}:
+        bad("fp8-config-block", "config.json says block-wise FP8, but some scales are "
+            f"per {' / '.join(sorted(set(kinds) - {'block'}))}", "config.json")
+    for w in weights:
+        if len(w.shape) == 2 and w.shape[1] % BLOCK:
+            bad("fp8-block-input", f"{w.name} {list(w.shape)}: block-wise FP8 with an input "
+                f"dim not a multiple of {BLOCK}; vLLM and SGLang quantize its activations in "
+                "groups of 128 along it and refuse the layer", w.name)

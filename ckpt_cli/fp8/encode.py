@@ -9,13 +9,14 @@ Layouts (what inference engines load from an HF directory):
 * ``channel`` / ``tensor``: compressed-tensors ``float-quantized``. ``weight`` FP8,
   ``weight_scale`` FP32 ``[out, 1]`` (channel) or ``[1]`` (tensor); ``w = q * weight_scale``.
 
-Scales are ``amax / 448`` (448: E4M3's largest finite value) over the block, row or tensor
-(an all-zero group gets scale 1.0); values are divided by their scale, clamped to ±448
-(saturating) and rounded to nearest even: bit for bit torch's ``.to(float8_e4m3fn)``, computed
-with numpy integer passes over row blocks on the cast threads, streamed piece by piece
-(:func:`quantize_pieces`, :class:`Quantized`). Dequantizing, in :mod:`ckpt_cli.fp8.decode`,
-streams the same way; which tensors are quantized, and the scales' names and shapes, are
-:mod:`ckpt_cli.fp8.scheme`'s rules.
+Scales are ``amax / 448`` (448: E4M3's largest finite value) over the block, row or tensor,
+never below FP32's smallest normal value 2**-126 (an all-zero or subnormal group); values are
+divided by their scale, clamped to ±448 (saturating) and rounded to nearest even: bit for bit
+torch's ``.to(float8_e4m3fn)``, computed with numpy integer passes over row blocks on the cast
+threads, streamed piece by piece (:func:`quantize_pieces`, :class:`Quantized`). Dequantizing,
+in :mod:`ckpt_cli.fp8.decode`, streams the same way; which tensors are quantized, and the
+scales' names and shapes, are :mod:`ckpt_cli.fp8.scheme`'s and :mod:`ckpt_cli.fp8.groups`'
+rules.
 """
 
 from __future__ import annotations
@@ -90,14 +91,22 @@ def _non_finite() -> CkptError:
 
 
 def _scales(amax_bits: np.ndarray) -> np.ndarray:
-    """``amax / 448`` in FP32 (1.0 where the amax is 0), from the amax's FP32 bits."""
+    """``amax / 448`` in FP32, at least FP32's smallest normal value (2**-126), from the
+    amax's FP32 bits.
+
+    The floor: an all-zero group, or one whose largest magnitude is below about 5.3e-36
+    (``448 * 2**-126``), would otherwise get a zero or subnormal scale, which loaders and
+    ``ckpt validate`` refuse (a zero scale dequantizes everything to 0 and cannot be
+    inverted). With the floor every code stays within ±448 and the group dequantizes to
+    its values rounded to E4M3 steps of 2**-126 (to 0 for the tiny or zero values).
+    """
     import numpy as np
 
     if amax_bits.size and int(amax_bits.max()) >= 0x7F800000:
         raise _non_finite()
     amax = amax_bits.view(np.float32)
     s = amax / np.float32(FP8_MAX)
-    s[amax_bits == 0] = np.float32(1.0)
+    np.maximum(s, np.float32(_TINY), out=s)
     return s
 
 
@@ -280,10 +289,10 @@ def quantize(arr: np.ndarray, layout: str) -> tuple[np.ndarray, np.ndarray]:
     """Quantize a 2-D array to E4M3 in ``layout``.
 
     Scales are ``amax / 448`` over each 128x128 block (a partial block at the edge has its
-    own), row or the whole tensor, 1.0 where the amax is 0; values are divided by their scale,
-    clamped to ±448 and rounded to nearest even: bit for bit what torch gives for
-    ``(w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``, computed with numpy in row
-    blocks on the cast threads (see :func:`quantize_pieces`).
+    own), row or the whole tensor, at least 2**-126 (an all-zero or subnormal group); values
+    are divided by their scale, clamped to ±448 and rounded to nearest even: bit for bit
+    what torch gives for ``(w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``, computed
+    with numpy in row blocks on the cast threads (see :func:`quantize_pieces`).
 
     Returns:
         ``(weight, scale)``: the FP8 values (numpy ``float8_e4m3fn``) and the FP32 scales.
@@ -305,8 +314,8 @@ def quantize(arr: np.ndarray, layout: str) -> tuple[np.ndarray, np.ndarray]:
         for piece in quantize_pieces(lambda: iter((flat,)), shape, layout, scale):
             out[pos:pos + piece.size] = piece.view(np.uint8)
             pos += piece.size
-    elif layout == "tensor":
-        scale[...] = 1.0
+    else:
+        scale[...] = np.float32(_TINY)
     return out.view(ml_dtypes.float8_e4m3fn).reshape(shape), scale
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
-from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
+from ckpt_cli.model import QUANT_SCALES, CheckpointIndex, Finding, TensorInfo
 
 FP8_MAX = 448.0
 BLOCK = 128
@@ -37,15 +37,16 @@ CHANNEL_MULTIPLE = 16
 """channel/tensor layouts: both dims must be multiples of 16 (the FP8 GEMM kernels' rule)."""
 
 SKIP_PATTERNS: tuple[tuple[str, str], ...] = (
-    (r"(^|\.)(embed_tokens|embeddings?|wte|wpe|word_embeddings|tok_embeddings)(\.|$)",
-     "embedding"),
+    (r"(^|\.)(embed_tokens|embed_in|embeddings?|wte|wpe|word_embeddings|tok_embeddings)"
+     r"(\.|$)", "embedding"),
     (r"(^|\.)(lm_head|output|embed_out)$", "output head (lm_head)"),
     (r"norm|(^|\.)ln_", "norm"),
     (r"(^|\.)(router|gate)$", "MoE router"),
 )
 """``(regex on the module name, reason)``: modules never quantized."""
 
-SCALE_NAMES = ("weight_scale_inv", "weight_scale", "scale_weight")
+SCALE_NAMES = QUANT_SCALES[:3]
+"""Weight scales' last name parts."""
 
 
 def skip_reason(module: str) -> str | None:
@@ -56,36 +57,52 @@ def skip_reason(module: str) -> str | None:
     return None
 
 
-def layout_fits(shape: tuple[int, ...], layout: str) -> bool:
-    """Whether a 2-D weight of ``shape`` can be stored in ``layout``."""
-    if len(shape) != 2:
-        return False
+FLOATS = ("F64", "F32", "F16", "BF16")
+"""Source dtypes a weight is quantized from."""
+
+
+def fit_reason(shape: tuple[int, ...], layout: str) -> str | None:
+    """Why one weight of ``shape`` cannot be held by ``layout`` on its own (None: it can).
+
+    ``block``: the input dim (K) a multiple of 128, the output dim any (a partial trailing
+    block has its own scale row, ``ceil(N/128)``), as vLLM and SGLang load it (see
+    :mod:`ckpt_cli.fp8.groups` for the sources and the rules of fused layers).
+    ``channel``/``tensor``: both dims multiples of 16 (the FP8 GEMM kernels' rule).
+    """
+    if len(shape) != 2 or not all(d > 0 for d in shape):
+        return f"shape {list(shape)}: not a non-empty 2-D weight"
     if layout == "block":
-        return all(d % BLOCK == 0 and d > 0 for d in shape)
-    return all(d % CHANNEL_MULTIPLE == 0 and d > 0 for d in shape)
+        if shape[1] % BLOCK:
+            return (f"shape {list(shape)}: input dim {shape[1]} not a multiple of {BLOCK} "
+                    "(activations are quantized in groups of 128 along it)")
+        return None
+    if any(d % CHANNEL_MULTIPLE for d in shape):
+        return f"shape {list(shape)}: a dim not a multiple of {CHANNEL_MULTIPLE}"
+    return None
+
+
+def layout_fits(shape: tuple[int, ...], layout: str) -> bool:
+    """Whether a 2-D weight of ``shape`` can be stored in ``layout`` on its own."""
+    return fit_reason(shape, layout) is None
 
 
 def qualifies(name: str, dtype: str, shape: tuple[int, ...],
               layout: str) -> tuple[bool, str | None]:
-    """Whether tensor ``name`` is quantized, and if not while being a Linear-like weight,
-    why (for the ignore list and the notes).
+    """Whether tensor ``name`` may be quantized on its own, and if not while being a
+    Linear-like weight, why. ``convert`` decides fused layers together on top of this
+    (:func:`ckpt_cli.fp8.groups.choose`).
 
     Returns:
         ``(True, None)``: quantize. ``(False, reason)``: a 2-D ``*.weight`` left unquantized
         (its module goes in the ignore list). ``(False, None)``: not a candidate at all.
     """
-    if dtype not in ("F64", "F32", "F16", "BF16") or not name.endswith(".weight"):
+    if dtype not in FLOATS or not name.endswith(".weight"):
         return False, None
     if len(shape) != 2:
         return False, None
     module = name[: -len(".weight")]
-    reason = skip_reason(module)
-    if reason is not None:
-        return False, reason
-    if not layout_fits(shape, layout):
-        rule = f"a dim not a multiple of {BLOCK if layout == 'block' else CHANNEL_MULTIPLE}"
-        return False, f"shape {list(shape)}: {rule}"
-    return True, None
+    reason = skip_reason(module) or fit_reason(shape, layout)
+    return reason is None, reason
 
 
 def scale_name(layout: str) -> str:
@@ -102,23 +119,50 @@ def scale_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
     return (1,)
 
 
-def scale_kind(weight: tuple[int, ...], scale: tuple[int, ...]) -> str | None:
-    """Which convention a scale of shape ``scale`` follows for ``weight`` (None: none)."""
+def scale_kind(weight: tuple[int, ...], scale: tuple[int, ...],
+               block: bool = False) -> str | None:
+    """Which convention a scale of shape ``scale`` follows for ``weight`` (None: none).
+
+    Args:
+        weight: The weight's shape.
+        scale: The scale's shape.
+        block: The scale is block-wise by name or config (``weight_scale_inv``, a
+            ``weight_block_size``): a weight of one block row and column then has a block scale
+            ``[1, 1]``, not a per-tensor one (the same numbers, told apart for the layout).
+    """
     if len(weight) != 2:
         return None
+    block_shape = (math.ceil(weight[0] / BLOCK), math.ceil(weight[1] / BLOCK))
+    if block and scale == block_shape:
+        return "block"
     if scale in ((), (1,), (1, 1)):
         return "tensor"
     if scale in ((weight[0], 1), (weight[0],)):
         return "channel"
-    if scale == (math.ceil(weight[0] / BLOCK), math.ceil(weight[1] / BLOCK)):
+    if scale == block_shape:
         return "block"
     return None
+
+
+def is_block_scale(scale_name: str, config: dict[str, Any] | None = None) -> bool:
+    """Whether a scale is block-wise by its name (``weight_scale_inv``) or by the config
+    (``weight_block_size`` of the ``fp8`` method, a ``block`` strategy in compressed-tensors)."""
+    if scale_name.rpartition(".")[2] == "weight_scale_inv":
+        return True
+    if not isinstance(config, dict):
+        return False
+    if isinstance(config.get("weight_block_size"), list):
+        return True
+    groups = config.get("config_groups")
+    return isinstance(groups, dict) and any(
+        isinstance(g, dict) and isinstance(g.get("weights"), dict)
+        and g["weights"].get("strategy") == "block" for g in groups.values())
 
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 """Storage dtypes of FP8 weights."""
 
-ACTIVATION_SCALES = ("input_scale", "activation_scale", "output_scale")
+ACTIVATION_SCALES = QUANT_SCALES[3:]
 """Per-module scales of activations (static FP8 schemes): paired with the module, not a weight."""
 
 CONVENTIONS = {
@@ -165,11 +209,34 @@ def is_scale_name(name: str) -> bool:
     return name.rpartition(".")[2] in SCALE_NAMES + ACTIVATION_SCALES
 
 
-def pair_scales(tensors: dict[str, TensorInfo]) -> Pairing:
+def scales_expected(tensors: dict[str, TensorInfo], config: dict[str, Any] | None) -> bool:
+    """Whether the checkpoint says its FP8 weights carry scales: a ``quantization_config``,
+    or a scale-named tensor anywhere in it (the naming convention of the file). Without
+    either, an FP8 tensor is raw FP8 values, read as they are (a CUDA run's ``float8_e5m2``
+    state, say)."""
+    return config is not None or any(n.rpartition(".")[2] in SCALE_NAMES for n in tensors)
+
+
+def no_scale(t: TensorInfo, expected: bool) -> Finding:
+    """The finding for FP8 tensor ``t`` without a scale: a warning where scales are expected
+    (:func:`scales_expected`; validate makes it an error), else a note."""
+    if expected:
+        return Finding("warning", "fp8-no-scale", f"{t.name} ({t.dtype} {list(t.shape)}) has "
+                       f"no scale ({', '.join(SCALE_NAMES)}): a loader ignoring that reads "
+                       "garbage", None, t.name)
+    return Finding("info", "fp8-raw", f"{t.name} ({t.dtype} {list(t.shape)}) has no scale and "
+                   "nothing says it is quantized with one: raw FP8 values, read as they are",
+                   None, t.name)
+
+
+def pair_scales(tensors: dict[str, TensorInfo],
+                config: dict[str, Any] | None = None) -> Pairing:
     """Pair each FP8 ``X.weight`` of ``tensors`` with its scale, by name and shape.
 
     Args:
         tensors: A checkpoint's tensors by name (metadata only).
+        config: The ``quantization_config``, if any (block-wise scales of one block, and
+            whether FP8 tensors without a scale are a problem: :func:`scales_expected`).
 
     Returns:
         The :class:`Pairing`; nothing is raised for what does not pair, it is a finding.
@@ -179,6 +246,7 @@ def pair_scales(tensors: dict[str, TensorInfo]) -> Pairing:
     def warn(code: str, msg: str, where: str) -> None:
         out.findings.append(Finding("warning", code, msg, None, where))
 
+    expected = scales_expected(tensors, config)
     used: set[str] = set()
     fp8_modules: set[str] = set()
     for t in tensors.values():
@@ -189,15 +257,14 @@ def pair_scales(tensors: dict[str, TensorInfo]) -> Pairing:
         scales = [tensors[f"{module}.{n}"] for n in SCALE_NAMES if f"{module}.{n}" in tensors]
         used.update(s.name for s in scales)
         if last != "weight" or not scales:
-            warn("fp8-no-scale", f"{t.name} ({t.dtype} {list(t.shape)}) has no scale "
-                 f"({', '.join(SCALE_NAMES)}): a loader ignoring that reads garbage", t.name)
+            out.findings.append(no_scale(t, expected))
             continue
         if len(scales) > 1:
             warn("fp8-scale-ambiguous",
                  f"{t.name} has several scales: {', '.join(s.name for s in scales)}", t.name)
             continue
         s = scales[0]
-        kind = scale_kind(tuple(t.shape), tuple(s.shape))
+        kind = scale_kind(tuple(t.shape), tuple(s.shape), is_block_scale(s.name, config))
         if kind is None or s.dtype not in _SCALE_DTYPES:
             warn("fp8-scale-shape", f"{s.name} ({s.dtype} {list(s.shape)}) fits no scale "
                  f"convention for {t.name} {list(t.shape)}", s.name)
@@ -310,7 +377,7 @@ def describe(index: CheckpointIndex) -> dict[str, Any] | None:
         None, None)
     if not has_fp8 and qc is None and not scale_named:
         return None
-    pairing = pair_scales(tensors)
+    pairing = pair_scales(tensors, qc)
     kinds: dict[str, int] = {}
     names: dict[str, int] = {}
     scale_dtypes: dict[str, int] = {}

@@ -141,6 +141,9 @@ class ConvertOptions:
             (default 256 MiB; the largest tensor may add to it).
         fp8_layout: With ``to="fp8"``: ``block``, ``channel`` or ``tensor`` (see
             :mod:`ckpt_cli.fp8`); the tensors not quantized are cast to BF16.
+        fp8_activations: With ``to="fp8"`` in the channel/tensor layouts: ``dynamic``
+            (per-token FP8 activations at run time, W8A8: the engines' FP8 matmuls) or
+            ``none`` (weight-only, W8A16, for GPUs without FP8 matmuls).
         dequantize: With ``to`` ``bf16``/``fp16``/``fp32``: FP8 weights with a recognised
             scale (``weight_scale_inv``, ``weight_scale``, ``scale_weight``) become
             ``weight * scale`` in the target dtype; the scales and ``quantization_config``
@@ -164,6 +167,7 @@ class ConvertOptions:
     finalize: bool = False
     max_memory: int | None = None
     fp8_layout: str = "block"
+    fp8_activations: str = "dynamic"
     dequantize: bool = False
 
 
@@ -197,7 +201,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
     src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
     budget = memory_budget(opts.max_memory)  # a bad budget is a usage error before any work
-    quant = convert_fp8.wanted(to, opts.fp8_layout)
+    quant = convert_fp8.wanted(to, opts.fp8_layout, opts.fp8_activations)
     if quant:
         to = "bf16"  # what is not quantized
     elif to not in TARGETS:
@@ -225,16 +229,19 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
                            opts.keep_prefix, opts.container, opts.clamp, stats)
 
     convert_fp8.check_usage(quant, opts.dequantize, target, fmt)
+    side_notes: list[str] = []
+    side = _side_files(index, storage.locate(source), out, side_notes)
     built = build(opts.keep_fp32)
     quant_config = None
     if quant:
-        built, quant_config = convert_fp8.quantized(built, build, opts.keep_fp32,
-                                                    opts.fp8_layout, src)
+        built, quant_config = convert_fp8.quantized(
+            built, build, opts.keep_fp32, opts.fp8_layout, src,
+            activations=opts.fp8_activations, config=_json_object(side.get("config.json")))
     elif opts.dequantize:
         assert target is not None
-        convert_fp8.dequantized(built, target, src)
+        convert_fp8.dequantized(built, target, src, stats, opts.clamp)
     notes = built.notes
-    side = _side_files(index, storage.locate(source), out, notes)
+    notes.extend(side_notes)
     config_dtype = None
     if target is not None and "config.json" in side:
         side["config.json"], config_dtype = retype_config(side["config.json"], target)
@@ -452,6 +459,17 @@ def _side_files(index: CheckpointIndex, given: Path, out: Path,
     if found:
         notes.append(f"copied {', '.join(sorted(found))}")
     return found
+
+
+def _json_object(data: bytes | None) -> dict[str, Any] | None:
+    """A side file's JSON object (None: absent, not JSON, or not an object)."""
+    if data is None:
+        return None
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 _DTYPE_KEYS = ("dtype", "torch_dtype")  # transformers 4.56+ writes "dtype", older "torch_dtype"

@@ -22,7 +22,7 @@ from ckpt_cli.writers import OutTensor
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckpt_cli.tensors.cast import CastPlan
+    from ckpt_cli.tensors.cast import CastPlan, CastStats
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 
@@ -45,13 +45,21 @@ class _Built(Protocol):
 B = TypeVar("B", bound=_Built)
 
 
-def wanted(to: str, layout: str) -> bool:
-    """Whether ``--to`` asks for FP8 (then ``layout`` must be one of :data:`fp8.LAYOUTS`)."""
+def wanted(to: str, layout: str, activations: str = "dynamic") -> bool:
+    """Whether ``--to`` asks for FP8 (then ``layout`` must be one of :data:`fp8.LAYOUTS`, and
+    ``activations`` ``dynamic`` or ``none``, ``none`` with channel/tensor only)."""
     if to != "fp8":
         return False
     if layout not in fp8.LAYOUTS:
         raise UsageError(f"fp8_layout must be block, channel or tensor, not {layout!r}",
                          param="fp8_layout")
+    if activations not in ("dynamic", "none"):
+        raise UsageError(f"fp8_activations must be dynamic or none, not {activations!r}",
+                         param="fp8_activations")
+    if activations == "none" and layout == "block":
+        raise UsageError("fp8_activations none (weight-only FP8) is for the channel and tensor "
+                         "layouts; the block layout's activations are always dynamic",
+                         param=("fp8_activations", "fp8_layout"))
     return True
 
 
@@ -65,11 +73,13 @@ def check_usage(quant: bool, dequantize: bool, target: str | None, fmt: str) -> 
 
 
 def quantized(built: B, build: Callable[[tuple[str, ...]], B], keep_fp32: tuple[str, ...],
-              layout: str, src: Path) -> tuple[B, dict[str, Any]]:
-    """The conversion's outputs with the qualifying weights quantized, and the
+              layout: str, src: Path, *, activations: str = "dynamic",
+              config: dict[str, Any] | None = None) -> tuple[B, dict[str, Any]]:
+    """The conversion's outputs with the chosen weights quantized, and the
     ``quantization_config``.
 
-    The weights to quantize are read in FP32 (not rounded to BF16 first): the outputs are
+    Which weights: :func:`ckpt_cli.fp8.groups.choose` (Linear weights whose fused layer the
+    layout can hold whole). They are read in FP32 (not rounded to BF16 first): the outputs are
     built again (``build``) with them kept, then each becomes an FP8 weight and its scale.
     ``built`` is closed when replaced (and on error).
 
@@ -79,16 +89,27 @@ def quantized(built: B, build: Callable[[tuple[str, ...]], B], keep_fp32: tuple[
         keep_fp32: The user's ``--keep-fp32`` globs.
         layout: ``block``, ``channel`` or ``tensor``.
         src: The source, for messages.
+        activations: ``dynamic`` or ``none`` (see :func:`ckpt_cli.fp8.quantization_config`).
+        config: The source's ``config.json`` (the parts of already-fused weights).
 
     Raises:
         UsageError: The source already holds FP8 tensors.
     """
+    from ckpt_cli.fp8 import groups
+
     held = [o.name for o in built.outs if o.dtype in FP8_DTYPES]
     if held:
         built.close()
         raise UsageError(f"{src} already holds {len(held)} FP8 tensor(s) (e.g. {held[0]})",
                          hint="dequantize first: ckpt convert SRC --to bf16 --dequantize")
-    picked, ignore, fp8_notes = _pick(built, layout)
+    tied = {kept: alias for alias, kept in built.aliases.items()}
+    choice = groups.choose(((o.name, o.dtype, o.shape) for o in built.outs), layout,
+                           tied=tied, config=config)
+    # an output head tied to the embedding is written once (as the embedding), and listed
+    choice.ignore = sorted(set(choice.ignore) | {
+        a[: -len(".weight")] for a in built.aliases if a.endswith(".weight")
+        and fp8.skip_reason(a[: -len(".weight")]) == "output head (lm_head)"})
+    picked = choice.picked
     if picked:
         before = built.casts
         built.close()
@@ -97,19 +118,40 @@ def quantized(built: B, build: Callable[[tuple[str, ...]], B], keep_fp32: tuple[
             # read in FP32 only to be quantized: count the casts --keep-fp32 made
             built.casts[key] = before.get(key, 0)
         built.casts += Counter()  # drops the zero counts
-    built.notes.extend(fp8_notes)
-    quant_config = _outs(built, picked, ignore, layout)
+    if choice.left:
+        shown = "; ".join(f"{n} ({why})" for n, why in choice.left[:3]) + (
+            f"; and {len(choice.left) - 3} more" if len(choice.left) > 3 else "")
+        built.notes.append(f"{len(choice.left)} Linear weight(s) left unquantized, listed in "
+                           f"the quantization_config's ignore list: {shown}")
+    partial = [n for n in picked if layout == "block"
+               and next(o.shape for o in built.outs if o.name == n)[0] % fp8.BLOCK]
+    if partial:
+        built.notes.append(
+            f"{len(partial)} weight(s) end in a partial 128-row block (e.g. {partial[0]}), "
+            "scaled per ceil(rows/128) as vLLM, SGLang and DeepSeek-V3's own checkpoints do; "
+            "transformers' CPU dequantizing loader derives the block from the scale grid and "
+            "refuses or misreads them: load on an FP8 GPU, or dequantize with ckpt convert "
+            "--dequantize, or use --fp8-layout channel")
+    quant_config = _outs(built, picked, choice.ignore, layout, activations)
     built.meta["ckpt.conversion"] = built.meta.get("ckpt.conversion", "").replace(
         "to=bf16", f"to=fp8 ({layout})", 1)
     built.meta["ckpt.quantization_config"] = json.dumps(quant_config, sort_keys=True)
     return built, quant_config
 
 
-def dequantized(built: _Built, target: str, src: Path) -> None:
-    """Replace each FP8 weight and its scale by the dequantized weight, in place (``built``
-    is closed on error: a weight without a scale, a scale that fits no convention)."""
+def dequantized(built: _Built, target: str, src: Path, stats: CastStats,
+                clamp: bool = False) -> None:
+    """Replace each FP8 weight and its scale by the dequantized weight, in place.
+
+    Refused before anything is written (``built`` closed, :class:`CkptError` naming the
+    tensors): an FP8 weight without a scale, several scales or one that fits no convention;
+    a scale holding non-finite, zero or negative values; a scale without an FP8 weight (its
+    weight missing, or not FP8). To FP16, values beyond its range are counted into ``stats``
+    (the conversion then refuses them before committing, as a plain ``--to fp16`` does) or,
+    with ``clamp``, clamped to ±65504.
+    """
     try:
-        _dequantized_outs(built, target, src)
+        _dequantized_outs(built, target, src, stats, clamp)
     except CkptError:
         built.close()
         raise
@@ -134,34 +176,8 @@ def config_files(side: dict[str, bytes], quant_config: dict[str, Any] | None,
                      "(ckpt.quantization_config)")
 
 
-def _pick(built: _Built, layout: str) -> tuple[list[str], list[str], list[str]]:
-    """The output names to quantize, the ignore list (modules of Linear-like weights left
-    unquantized; ``lm_head`` always, tied or not), and notes naming what was left."""
-    picked: list[str] = []
-    notes: list[str] = []
-    ignore: list[str] = []
-    for o in built.outs:
-        ok, reason = fp8.qualifies(o.name, o.dtype, o.shape, layout)
-        if ok:
-            picked.append(o.name)
-        elif reason is not None and reason not in ("embedding", "norm"):
-            ignore.append(o.name[: -len(".weight")])
-            if not reason.startswith("output head"):
-                notes.append(f"{o.name} ({reason})")
-    ignore.extend(a[: -len(".weight")] for a in built.aliases if a.endswith(".weight")
-                  and fp8.skip_reason(a[: -len(".weight")]) == "output head (lm_head)")
-    if not any(m.rpartition(".")[2] == "lm_head" for m in ignore):
-        ignore.append("lm_head")
-    if notes:
-        shown = "; ".join(notes[:3]) + (f"; and {len(notes) - 3} more" if len(notes) > 3
-                                         else "")
-        notes = [f"{len(notes)} Linear weight(s) left unquantized, listed in the "
-                 f"quantization_config's ignore list: {shown}"]
-    return picked, sorted(set(ignore)), notes
-
-
-def _outs(built: _Built, picked: list[str], ignore: list[str],
-              layout: str) -> dict[str, Any]:
+def _outs(built: _Built, picked: list[str], ignore: list[str], layout: str,
+          activations: str) -> dict[str, Any]:
     """Replace each picked output (read in FP32) by its FP8 weight and scale, in place."""
     chosen = set(picked)
     outs: list[OutTensor] = []
@@ -179,9 +195,11 @@ def _outs(built: _Built, picked: list[str], ignore: list[str],
         built.casts["->F8_E4M3"] = len(picked)
     listed = ", ".join(ignore[:5]) + (f" and {len(ignore) - 5} more" if len(ignore) > 5
                                       else "")
-    built.notes.append(f"quantized {len(picked)} weight(s) to FP8 E4M3 ({layout} layout), "
-                       f"the rest cast to BF16; ignore list: {listed}")
-    return fp8.quantization_config(layout, ignore)
+    acts = ("weight-only (W8A16)" if activations == "none" else
+            "dynamic per-token FP8 activations (W8A8)")
+    built.notes.append(f"quantized {len(picked)} weight(s) to FP8 E4M3 ({layout} layout, "
+                       f"{acts}), the rest cast to BF16; ignore list: {listed}")
+    return fp8.quantization_config(layout, ignore, activations)
 
 
 def with_quantization_config(data: bytes, qc: dict[str, Any] | None) -> bytes:
@@ -202,9 +220,14 @@ def with_quantization_config(data: bytes, qc: dict[str, Any] | None) -> bytes:
     return (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
 
 
-def _dequantized_outs(built: _Built, target: str, src: Path) -> None:
+def _dequantized_outs(built: _Built, target: str, src: Path, stats: CastStats,
+                      clamp: bool) -> None:
     """Replace each FP8 weight and its scale by the dequantized weight, in place; refuse
-    (nothing written) a weight without a scale or a scale that fits no convention."""
+    (nothing written) what would write a wrong model (see :func:`dequantized`)."""
+    import numpy as np
+
+    from ckpt_cli.fp8.decode import Overflow
+
     by_name = {o.name: o for o in built.outs}
     drop: set[str] = set()
     new: dict[str, OutTensor] = {}
@@ -222,27 +245,42 @@ def _dequantized_outs(built: _Built, target: str, src: Path) -> None:
             problems.append(f"{o.name} has several scales: {', '.join(found)}")
             continue
         sc = by_name[found[0]]
+        drop.add(sc.name)
         if sc.dtype not in ("F32", "BF16", "F16") or fp8.scale_kind(o.shape, sc.shape) is None:
             problems.append(f"{sc.name} ({sc.dtype} {list(sc.shape)}) fits no scale convention "
                             f"for {o.name} {list(o.shape)}")
             continue
-        drop.add(sc.name)
+        values = np.asarray(sc.load(), dtype=np.float32)  # small: one per block, row or tensor
+        if not (np.isfinite(values).all() and (values > 0).all()):
+            problems.append(f"{sc.name} holds non-finite, zero or negative scales "
+                            f"({_bad_values(values)})")
+            continue
         for extra in ("input_scale", "activation_scale"):
             if f"{module}.{extra}" in by_name:
                 drop.add(f"{module}.{extra}")
+        over = Overflow(o.name, stats, clamp) if target == "F16" else None
 
-        def load(w: OutTensor = o, s: OutTensor = sc) -> np.ndarray:
-            return fp8.dequantize(w.load(), s.load(), target)
+        def load(w: OutTensor = o, s: np.ndarray = values,
+                 ov: Overflow | None = over) -> np.ndarray:
+            return fp8.dequantize(w.load(), s, target, ov)
 
-        def pieces(w: OutTensor = o, s: OutTensor = sc) -> Iterator[np.ndarray]:
+        def pieces(w: OutTensor = o, s: np.ndarray = values,
+                   ov: Overflow | None = over) -> Iterator[np.ndarray]:
             codes = w.pieces() if w.pieces is not None else iter((w.load(),))
-            return fp8.dequantize_pieces(codes, s.load(), w.shape, target)
+            return fp8.dequantize_pieces(codes, s, w.shape, target, ov)
 
         new[o.name] = OutTensor(o.name, target, o.shape, load, pieces)
+    for o in built.outs:
+        module, _, last = o.name.rpartition(".")
+        if last in fp8.SCALE_NAMES and o.name not in drop:
+            weight = by_name.get(f"{module}.weight")
+            problems.append(f"{o.name} is a scale, but " + (
+                f"its weight {weight.name} is {weight.dtype}, not FP8" if weight is not None
+                else f"there is no {module}.weight"))
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
                                            if len(problems) > 5 else "")
-        raise CkptError(f"{src}: cannot dequantize: {shown}")
+        raise CkptError(f"{src}: cannot dequantize: {shown}; nothing written")
     built.outs[:] = [new.get(o.name, o) for o in built.outs if o.name not in drop]
     if new:
         built.casts[f"F8->{target} (dequantized)"] = len(new)
@@ -250,3 +288,13 @@ def _dequantized_outs(built: _Built, target: str, src: Path) -> None:
         built.plan.kept_scales.clear()
         built.notes.append(f"dequantized {len(new)} FP8 weight(s); dropped {len(drop)} "
                            "scale tensor(s) and the config's quantization_config")
+
+
+def _bad_values(values: np.ndarray) -> str:
+    """``2 zero, 1 NaN``: what is wrong in a scale, counted."""
+    import numpy as np
+
+    with np.errstate(invalid="ignore"):
+        counts = {"NaN": int(np.isnan(values).sum()), "inf": int(np.isinf(values).sum()),
+                  "zero": int((values == 0).sum()), "negative": int((values < 0).sum())}
+    return ", ".join(f"{n} {k}" for k, n in counts.items() if n)

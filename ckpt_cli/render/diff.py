@@ -70,7 +70,8 @@ def tensor_json(t: TensorDiff) -> dict[str, Any]:
 
 
 def _meta(m: MetaDiff) -> dict[str, Any]:
-    return {"key": m.key, "a": m.a, "b": m.b, "status": m.status, "provenance": m.provenance}
+    return {"key": m.key, "a": m.a, "b": m.b, "status": m.status, "provenance": m.provenance,
+            "follows": m.follows}
 
 
 def _module(m: ModuleDiff) -> dict[str, Any]:
@@ -371,12 +372,14 @@ def _meta_line(r: DiffResult) -> str:
     if changed:
         parts.append(f"{len(changed)} changed (" + _names(
             [f"{m.key} {_short(m.a, 16)} → {_short(m.b, 16)}" for m in changed]) + ")")
-    else:
+    elif not r.metadata_notes:
         parts.append("values both sides have are equal")
     for side, keys in (("A", only_a), ("B", only_b)):
         if keys:
             parts.append(f"{len(keys)} only in {side}" + (f" ({keys[0]})" if len(keys) == 1
                                                           else ""))
+    parts.extend(f"{m.key} {_short(m.a, 16)} → {_short(m.b, 16)} as the tensors' dtypes "
+                 f"({m.follows}; not a difference)" for m in r.metadata_notes)
     keys = r.provenance_differences
     if keys:
         verb = "differs" if len(keys) == 1 else "differ"
@@ -450,11 +453,15 @@ def meta_table(items: list[MetaDiff], top: int | None) -> Table:
     """Non-tensor values that differ (changed first, then one-sided)."""
     table = human.table(_Col("Key", kind="name"), _Col("A", kind="text"),
                         _Col("B", kind="text"))
-    order = sorted(items, key=lambda m: (m.provenance, m.status != "changed"))
+    def quiet(m: MetaDiff) -> bool:
+        return m.provenance or m.follows is not None
+
+    order = sorted(items, key=lambda m: (quiet(m), m.status != "changed"))
     for m in order[:top] if top else order:
-        style = None if m.status == "changed" and not m.provenance else "dim"
-        _add(table, m.key + (" (provenance)" if m.provenance else ""), _short(m.a),
-             _short(m.b), style=style)
+        style = None if m.status == "changed" and not quiet(m) else "dim"
+        tag = (" (provenance)" if m.provenance else
+               " (as the tensors' dtypes)" if m.follows is not None else "")
+        _add(table, m.key + tag, _short(m.a), _short(m.b), style=style)
     return table
 
 

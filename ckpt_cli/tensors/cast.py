@@ -229,6 +229,23 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
     return out
 
 
+def f16_overflow(wide: np.ndarray, half: np.ndarray, clamp: bool) -> int:
+    """Values of ``half`` (FP16, just cast from the finite FP32 ``wide`` of the same shape)
+    that overflowed to inf; with ``clamp`` they are set to ±65504 instead. Costs one integer
+    pass over ``half`` when nothing overflowed (the FP8 dequantizer's check, as
+    :func:`cast_array` checks its own casts)."""
+    import numpy as np
+
+    if not _any_inf_or_nan(half):
+        return 0
+    with np.errstate(invalid="ignore"):
+        over = np.isinf(half) & ~np.isinf(wide)
+    n = int(np.count_nonzero(over))
+    if n and clamp:
+        half[over] = np.where(wide[over] > 0, np.float16(FP16_MAX), np.float16(-FP16_MAX))
+    return n
+
+
 def _any_inf_or_nan(half: np.ndarray) -> bool:
     """Whether an FP16 block holds an inf or a NaN: its magnitude bits reach 0x7C00.
 

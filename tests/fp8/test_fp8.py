@@ -89,12 +89,15 @@ def test_fp8_output_tensors_and_config(llama: Path, quantized: dict[str, Path],
         assert "ckpt.conversion" in (f.metadata() or {})
         assert f"to=fp8 ({layout})" in f.metadata()["ckpt.conversion"]
     if layout == "block":
+        ignore = sorted(["lm_head", *mlp])
         assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                      "weight_block_size": [128, 128],
-                      "modules_to_not_convert": sorted(["lm_head", *mlp])}
+                      "weight_block_size": [128, 128], "modules_to_not_convert": ignore,
+                      "ignored_layers": ignore}
     else:
         assert qc["quant_method"] == "compressed-tensors"
         assert qc["format"] == "float-quantized" and qc["ignore"] == ["lm_head"]
+        acts = qc["config_groups"]["group_0"]["input_activations"]
+        assert acts["strategy"] == "token" and acts["dynamic"] is True
 
 
 def test_block_scale_matches_amax_over_448(llama: Path, quantized: dict[str, Path]) -> None:
@@ -254,13 +257,14 @@ def test_fp8_from_dcp(tmp_path: Path) -> None:
             sd["model"]["enc.proj.weight"].norm()
         assert err < BOUND[layout]
         assert got["enc.proj.bias"].dtype == torch.bfloat16
-        # 48 rows: below a 128-block, a multiple of 16
-        assert got["head.weight"].dtype == (torch.bfloat16 if layout == "block"
-                                            else torch.float8_e4m3fn)
+        # 48 rows: one partial 128-row block (the engines' ceil scale rows), a multiple of 16
+        assert got["head.weight"].dtype == torch.float8_e4m3fn
+        said = " ".join(r.output.split())
         if layout == "block":
-            said = " ".join(r.output.split())
-            assert "1 Linear weight(s) left unquantized" in said
-            assert "head.weight (shape [48, 256]: a dim not a multiple of 128)" in said
+            assert tuple(got["head.weight_scale_inv"].shape) == (1, 2)
+            assert "1 weight(s) end in a partial 128-row block (e.g. head.weight)" in said
+        else:
+            assert "partial 128-row block" not in said
 
 
 @pytest.fixture(scope="module")
@@ -287,8 +291,8 @@ def test_fp8_from_zero(zero_wide: Path, tmp_path: Path, layout: str) -> None:
     assert tuple(s.shape) == fp8.scale_shape((128, 256), layout)
     err = (_ref_dequant(w, s).float() - ref["0.weight"]).norm() / ref["0.weight"].norm()
     assert err < BOUND[layout]
-    # 32x128: no whole 128-block; channel/tensor hold it
-    assert (got["2.weight"].dtype == torch.float8_e4m3fn) == (layout != "block")
+    # 32x128: one partial 128-row block (K = 128 whole): every layout holds it
+    assert got["2.weight"].dtype == torch.float8_e4m3fn
     assert got["1.weight"].dtype == torch.bfloat16  # LayerNorm
 
 

@@ -200,9 +200,13 @@ def test_diff_source_against_quantized_compares_dequantized(
         assert by_name[name]["tolerance"] == "fp8:F8_E4M3"
     assert q["above_bound"] == []
     assert q["rel_l2_max"] == max(r["rel_l2"] for r in q["tensors"])
-    # no tensor value differs beyond tolerance: only the config's dtype (F32 -> BF16)
+    # no tensor value differs beyond tolerance, and the config's dtype (F32 -> BF16) changed
+    # as the unquantized tensors did: a note, not a difference (issue 36)
     assert doc["summary"]["changed"] == 0
-    assert doc["differences"] == ["1 metadata value changed"]
+    assert doc["differences"] == [] and doc["equal"] is True
+    notes = [m for m in doc["metadata"] if m["follows"] is not None]
+    assert [(m["key"], m["a"], m["b"], m["follows"]) for m in notes] == [
+        ("config.dtype", "float32", "bfloat16", "F32 -> BF16")]
 
 
 def test_diff_works_both_directions_and_both_quantized(llama: Path,

@@ -26,9 +26,10 @@ LAYOUTS = ("block", "channel", "tensor")
 
 
 def reference(w: np.ndarray, layout: str) -> tuple[np.ndarray, np.ndarray]:
-    """Scales ``amax / 448`` (1 where the amax is 0) per 128x128 block (padded with zeros at
-    the edges), row or tensor; ``(w / scale).clamp(-448, 448).to(float8_e4m3fn)`` with torch.
-    Returns the codes as uint8 and the scales."""
+    """Scales ``amax / 448`` (at least 2**-126, FP32's smallest normal) per 128x128 block
+    (padded with zeros at the edges), row or tensor;
+    ``(w / scale).clamp(-448, 448).to(float8_e4m3fn)`` with torch. Returns the codes as
+    uint8 and the scales."""
     t = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
     rows, cols = t.shape
     if layout == "block":
@@ -37,13 +38,13 @@ def reference(w: np.ndarray, layout: str) -> tuple[np.ndarray, np.ndarray]:
         padded[:rows, :cols] = t
         blocks = padded.view(r, 128, c, 128)
         amax = blocks.abs().amax(dim=(1, 3))
-        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        scale = torch.clamp(amax / 448.0, min=2.0 ** -126)
         q = (blocks / scale[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         q = q.view(r * 128, c * 128)[:rows, :cols]
     else:
         amax = (t.abs().amax(dim=1, keepdim=True) if layout == "channel"
                 else t.abs().amax().reshape(1))
-        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        scale = torch.clamp(amax / 448.0, min=2.0 ** -126)
         q = (t / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.contiguous().view(torch.uint8).numpy(), scale.contiguous().numpy()
 

@@ -76,6 +76,35 @@ def tiny_llama(out: Path, intermediate_size: int = 400) -> Path:
     return out
 
 
+def tiny_llama_shaped(out: Path, hidden: int, intermediate: int, heads: int,
+                      kv_heads: int) -> Path:
+    """A tiny 2-layer Llama saved by transformers in FP32 with the given widths (head dim
+    ``hidden // heads``; k/v projections ``kv_heads * head_dim`` rows), untied 320-token
+    vocabulary. Returns ``out``."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=hidden,
+                                   intermediate_size=intermediate, num_hidden_layers=2,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def tiny_neox(out: Path) -> Path:
+    """A tiny 2-layer GPT-NeoX saved by transformers in FP32: embeddings ``gpt_neox.embed_in``,
+    output head ``embed_out``, fused ``query_key_value``. Returns ``out``."""
+    import transformers
+
+    cfg = transformers.GPTNeoXConfig(vocab_size=320, hidden_size=256, intermediate_size=512,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
 def tiny_lm_data() -> Any:
     """32 token sequences of length 16 over a 64-token vocabulary (inputs are labels): what the
     tiny GPT-2 Trainer runs of the tests train on."""

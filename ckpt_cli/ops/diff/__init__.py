@@ -40,7 +40,7 @@ from ckpt_cli.formats.base import refuse_damaged, refuse_incomplete
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.diff.match import choose_scope, match, pair_quantized
 from ckpt_cli.ops.diff.match import renamed as renamed  # re-exported
-from ckpt_cli.ops.diff.metadata import diff_metadata
+from ckpt_cli.ops.diff.metadata import diff_metadata, mark_dtype_follows
 from ckpt_cli.ops.diff.names import normalise
 from ckpt_cli.ops.diff.result import DiffOptions as DiffOptions  # re-exported: the public name
 from ckpt_cli.ops.diff.result import DiffResult
@@ -204,7 +204,8 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
             if t.status != "shape_changed":
                 t.status = "not_compared"
     if opts.metadata:
-        result.metadata = diff_metadata(index_a, index_b, everything=scope == "all")
+        result.metadata = mark_dtype_follows(
+            diff_metadata(index_a, index_b, everything=scope == "all"), result.tensors)
     return result
 
 

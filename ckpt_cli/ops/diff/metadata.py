@@ -16,7 +16,7 @@ from ckpt_cli.ops.diff.result import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from ckpt_cli.ops.diff.result import TensorDiff
 
 _CANONICAL = {"step": "step", "global_step": "step", "epoch": "epoch",
               provenance.STEP: "step", provenance.EPOCH: "epoch"}
@@ -98,4 +98,43 @@ def diff_metadata(index_a: CheckpointIndex, index_b: CheckpointIndex, *,
             out.append(MetaDiff(k, va, fb[k], "changed", is_provenance(k)))
     out.extend(MetaDiff(k, None, vb, "only_in_b", is_provenance(k))
                for k, vb in fb.items() if k not in fa)
+    return out
+
+
+_DTYPE_NAMES = {"float64": "F64", "double": "F64", "float32": "F32", "float": "F32",
+                "float16": "F16", "half": "F16", "bfloat16": "BF16"}
+"""A config's ``dtype``/``torch_dtype`` values, as dtype codes."""
+
+
+def mark_dtype_follows(metadata: list[MetaDiff], tensors: list[TensorDiff]) -> list[MetaDiff]:
+    """Mark a config's changed ``dtype``/``torch_dtype`` that changed exactly as the tensors'
+    dtypes did (most tensors whose dtype changed, FP8 ones aside, went from the config's A
+    dtype to its B dtype: what ``convert --to`` writes). Such a value is a note, not a
+    difference; any other config change still is one.
+
+    Args:
+        metadata: The non-tensor differences (:func:`diff_metadata`).
+        tensors: The compared tensors.
+
+    Returns:
+        ``metadata`` with those entries' ``follows`` set.
+    """
+    import dataclasses
+    from collections import Counter
+
+    # FP8 weights are quantized, not cast: the config's dtype names what the rest became
+    pairs = Counter((t.dtype_a, t.dtype_b) for t in tensors if t.dtype_changed
+                    and not t.dtype_a.startswith("F8_") and not t.dtype_b.startswith("F8_"))
+    if not pairs:
+        return metadata
+    (common, _n), = pairs.most_common(1)
+    out: list[MetaDiff] = []
+    for m in metadata:
+        last = m.key.rpartition(".")[2]
+        if (m.status == "changed" and last in ("dtype", "torch_dtype")
+                and m.key.split(".", 1)[0] == "config"
+                and isinstance(m.a, str) and isinstance(m.b, str)
+                and (_DTYPE_NAMES.get(m.a), _DTYPE_NAMES.get(m.b)) == common):
+            m = dataclasses.replace(m, follows=f"{common[0]} -> {common[1]}")
+        out.append(m)
     return out

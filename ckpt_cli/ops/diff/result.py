@@ -173,6 +173,9 @@ class MetaDiff:
         provenance: Whether the key records how ckpt made the file (``ckpt.source``,
             ``ckpt.source_format``, ``ckpt.conversion``) rather than what it holds: shown,
             never a difference.
+        follows: Why a changed value follows from the tensors (a config's ``dtype`` or
+            ``torch_dtype`` that changed exactly as the tensors' dtypes did: ``F32 -> F16``):
+            shown as a note, never a difference. None for every other value.
     """
 
     key: str
@@ -180,6 +183,7 @@ class MetaDiff:
     b: Any
     status: str
     provenance: bool = False
+    follows: str | None = None
 
 
 @dataclass(slots=True)
@@ -288,7 +292,14 @@ class DiffResult:
     def metadata_changes(self) -> list[MetaDiff]:
         """Non-tensor values present on both sides with different values (provenance keys,
         which say how each file was made, excepted)."""
-        return [m for m in self.metadata if m.status == "changed" and not m.provenance]
+        return [m for m in self.metadata if m.status == "changed" and not m.provenance
+                and m.follows is None]
+
+    @property
+    def metadata_notes(self) -> list[MetaDiff]:
+        """Changed values that follow from the tensors (``follows``): noted, not a
+        difference."""
+        return [m for m in self.metadata if m.follows is not None]
 
     @property
     def provenance_differences(self) -> list[str]:
