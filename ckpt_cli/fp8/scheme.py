@@ -41,7 +41,7 @@ SKIP_PATTERNS: tuple[tuple[str, str], ...] = (
      r"(\.|$)", "embedding"),
     (r"(^|\.)(lm_head|output|embed_out)$", "output head (lm_head)"),
     (r"norm|(^|\.)ln_", "norm"),
-    (r"(^|\.)(router|gate)$", "MoE router"),
+    (r"(^|\.)(router|gate|shared_expert_gate)$", "MoE router"),
 )
 """``(regex on the module name, reason)``: modules never quantized."""
 

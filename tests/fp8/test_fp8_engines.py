@@ -101,6 +101,23 @@ def _fused(tensors: dict[str, Any]) -> dict[str, list[str]]:
     return out
 
 
+def test_moe_routers_and_experts() -> None:
+    """Routers (vLLM builds them unquantized: ``ReplicatedLinear(..., quant_config=None)`` for
+    Qwen2-MoE's ``shared_expert_gate``, the ``gate`` of Mixtral/DeepSeek) stay BF16 and are
+    listed; an expert's gate/up are decided together."""
+    c = groups.choose([("m.mlp.shared_expert_gate.weight", "F32", (1, 256)),
+                       ("m.mlp.gate.weight", "F32", (8, 256)),
+                       ("m.mlp.experts.0.gate_proj.weight", "F32", (128, 256)),
+                       ("m.mlp.experts.0.up_proj.weight", "F32", (128, 256)),
+                       ("m.moe.experts.1.w1.weight", "F32", (96, 256)),
+                       ("m.moe.experts.1.w3.weight", "F32", (96, 256))], "block")
+    assert c.picked == ["m.mlp.experts.0.gate_proj.weight", "m.mlp.experts.0.up_proj.weight"]
+    assert c.ignore == ["lm_head", "m.mlp.gate", "m.mlp.shared_expert_gate",
+                        "m.moe.experts.1.w1", "m.moe.experts.1.w3"]
+    assert [why.split(":")[0] for _, why in c.left] == ["fused m.moe.experts.1.w13 (MoE expert "
+                                                        "gate/up)"] * 2
+
+
 def test_engine_rules_encoded_by_the_groups() -> None:
     """The planner's rule equals the engines' on the shapes the issue names."""
     cases = [
