@@ -518,19 +518,21 @@ class Verification:
             Errors for changed, resized and missing files; warnings for extra files.
         """
         algo = self.manifest.algorithm
+        # The manifest is named in the message, not as a location: a location is a place
+        # inside the file, and "shard.safetensors:ckpt-manifest.json" read like one.
         out = [Finding("error", "manifest-changed",
-                       f"content differs from the manifest ({algo} checksum changed; same size): "
-                       "bit rot, or the file was rewritten", rel, name)
+                       f"content differs from {name} ({algo} checksum changed; same size): "
+                       "bit rot, or the file was rewritten", rel, None)
                for rel in self.changed]
         out += [Finding("error", "manifest-size",
-                        f"is {actual:,} bytes but the manifest recorded {want:,} "
+                        f"is {actual:,} bytes but {name} recorded {want:,} "
                         f"({'truncated or a partial copy' if actual < want else 'grew'})",
-                        rel, name)
+                        rel, None)
                 for rel, want, actual in self.resized]
         out += [Finding("error", "manifest-missing",
-                        "listed in the manifest but missing", rel, name) for rel in self.missing]
+                        f"listed in {name} but missing", rel, None) for rel in self.missing]
         out += [Finding("warning", "manifest-extra",
-                        "not in the manifest (added after it was written)", rel, name)
+                        f"not in {name} (added after it was written)", rel, None)
                 for rel in self.extra]
         return out
 

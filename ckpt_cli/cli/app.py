@@ -265,8 +265,34 @@ def main() -> None:
 
     # SIGTERM (from cron, a scheduler or `kill`) unwinds like Ctrl-C, so writers clean up.
     def _term(signum: int, frame: object) -> None:
+        from ckpt_cli.cli.errors import note_terminated
+
+        note_terminated()  # exit 143, not Ctrl-C's 130
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
     only = named_command(sys.argv[1:])
-    (build(only) if only else _whole_app())(prog_name="ckpt")
+    helping = not sys.argv[1:] or bool({"--help", "-h"} & set(sys.argv[1:]))
+    piped_to_null = _stdout_is_devnull()
+    try:
+        (build(only) if only else _whole_app())(prog_name="ckpt")
+    except SystemExit as e:
+        # typer prints help with rich, whose closed-pipe handler (`ckpt --help | head -1`)
+        # points stdout at /dev/null and exits 1, the findings code; the help was asked for
+        # and printed as far as the reader wanted it: exit 0. (Commands handle their own
+        # closed pipes, cli/errors.py.)
+        if e.code == 1 and helping and not piped_to_null and _stdout_is_devnull():
+            raise SystemExit(0) from None
+        raise
+
+
+def _stdout_is_devnull() -> bool:
+    """Whether stdout was pointed at /dev/null (what a closed pipe's handler does)."""
+    import os
+    import sys
+
+    try:
+        st, null = os.fstat(sys.__stdout__.fileno()), os.stat(os.devnull)  # type: ignore[union-attr]
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (st.st_rdev, st.st_ino) == (null.st_rdev, null.st_ino)

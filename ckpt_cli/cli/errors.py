@@ -25,6 +25,20 @@ EXIT_USAGE = 2
 EXIT_REFUSED = 3
 EXIT_INTERNAL = 101
 EXIT_INTERRUPTED = 130
+# 128 + SIGTERM: stopped by a scheduler, a job's end or `kill` (SIGINT, Ctrl-C, is 130).
+EXIT_TERMINATED = 143
+_terminated = False
+
+
+def note_terminated() -> None:
+    """Record that SIGTERM arrived (main's handler, which then unwinds like Ctrl-C)."""
+    global _terminated
+    _terminated = True
+
+
+def interrupted_code() -> int:
+    """The exit code of a command a signal stopped: 143 after SIGTERM, 130 after Ctrl-C."""
+    return EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED
 # 128 + SIGPIPE, what a shell reports for a program a closed pipe stopped: the output was cut
 # short before the command knew its result.
 EXIT_BROKEN_PIPE = 141
@@ -270,8 +284,8 @@ def handled() -> Iterator[Outcome]:
         _report(e, doc)
     except KeyboardInterrupt:
         _say("ckpt: interrupted")
-        doc.emit("interrupted", "interrupted", EXIT_INTERRUPTED)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        doc.emit("interrupted", "interrupted", interrupted_code())
+        raise typer.Exit(interrupted_code()) from None
     except BrokenPipeError:
         # Output piped into `head` and the like: not an error of ours. Whatever is still
         # buffered (on stdout, or on stderr when it shares the pipe: `2>&1 | head`) goes

@@ -150,7 +150,8 @@ ThinToOpt = Annotated[str | None, typer.Option(
     show_default=False)]
 KeepFullEveryOpt = Annotated[int | None, typer.Option(
     "--keep-full-every", metavar="STEPS", help="Never thin checkpoints whose step is a "
-    "multiple of STEPS.", show_default=False)]
+    "multiple of STEPS (e.g. 10K, as --keep-every).", show_default=False,
+    parser=whole_parser("--keep-full-every"))]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n",
                                          help="Show what would be done and stop.")]

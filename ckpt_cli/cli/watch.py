@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK
+from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, interrupted_code
 from ckpt_cli.cli.options import (
     Common,
     KeepFullEveryOpt,
@@ -140,7 +140,10 @@ def watch_cmd(
             if once:
                 raise
             # SIGTERM (a sidecar stopped with its job) or Ctrl-C: the normal way to stop a
-            # watcher; the ledger is already durable, so it simply ends.
+            # watcher; the ledger is already durable, so it ends quietly, with the signal's
+            # conventional code (143 or 130) as every command a signal stops.
+            outcome.exit_code = interrupted_code()
+            raise typer.Exit(outcome.exit_code) from None
         outcome.exit_code = EXIT_FINDINGS if bad else EXIT_OK
     raise typer.Exit(outcome.exit_code)
 

@@ -14,6 +14,7 @@ Output goes through the shared streaming writer (safetensors or torch zip, HF-st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -54,6 +55,7 @@ from ckpt_cli.tensors.cast import (
     choice,
     piece_caster,
     prefer_torch,
+    target_name,
     torch_speeds_up,
 )
 from ckpt_cli.tensors.gather import cast_loader, zero_metadata, zero_outputs
@@ -261,6 +263,7 @@ def consolidate(source: str | Path, output: str | Path,
             world sizes), existing output, values outside FP16's range.
     """
     opts = options_of(ConsolidateOptions, options, fields)
+    opts = dataclasses.replace(opts, to=target_name(opts.to))
     fmt = opts.fmt
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)

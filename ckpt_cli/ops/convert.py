@@ -45,6 +45,7 @@ from ckpt_cli.tensors.cast import (
     check_overflow,
     piece_caster,
     prefer_torch,
+    target_name,
     torch_speeds_up,
 )
 from ckpt_cli.tensors.gather import zero_metadata, zero_outputs
@@ -95,6 +96,8 @@ class ConvertResult:
         kept_scales: Their scales, left as they are too, by dtype.
         config_dtype: How the copied ``config.json``'s dtype was rewritten to the output's
             (``{file, keys, from, to}``), or None.
+        kept_fp32: Each ``--keep-fp32`` glob and the output tensors it kept in FP32 (an empty
+            list: it matched none).
     """
 
     source: Path
@@ -116,6 +119,7 @@ class ConvertResult:
     kept: dict[str, int] = field(default_factory=dict)
     kept_scales: dict[str, int] = field(default_factory=dict)
     config_dtype: dict[str, Any] | None = None
+    kept_fp32: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +200,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
         CkptError: Bad input, unsupported layouts, existing output, values out of FP16 range.
     """
     opts = options_of(ConvertOptions, options, fields)
-    to, fmt = opts.to, opts.fmt
+    to, fmt = target_name(opts.to), opts.fmt
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
@@ -255,6 +259,10 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
                          "too, unless the model keeps them (keep_in_fp32_modules) or is loaded "
                          "with dtype=torch.float32")
     convert_fp8.config_files(side, quant_config, opts.dequantize, target, notes)
+    kept_fp32 = _kept_fp32(built.outs, opts.keep_fp32, notes)
+    if kept_fp32:
+        built.meta["ckpt.conversion"] += "; keep_fp32: " + ", ".join(
+            f"{g} ({len(n)})" for g, n in kept_fp32.items())
     prefer_torch(built.cast_elements)
     job = None
     if opts.part is not None or opts.finalize:
@@ -277,7 +285,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
                          built.dropped, dict(built.casts), built.aliases, dict(stats.overflow),
                          opts.clamp, built.meta, notes, time.perf_counter() - t0, built.warnings,
                          followed, dict(built.plan.kept), dict(built.plan.kept_scales),
-                         config_dtype)
+                         config_dtype, kept_fp32)
 
 
 @dataclass(slots=True)
@@ -357,6 +365,18 @@ def _from_zero(src: Path, to: str, target: str | None, keep_fp32: tuple[str, ...
     return _Built(zero.outs, zero.plan.aliases, casts, plan, [], {},
                   zero_metadata(zero.plan, src, to), notes, warnings, zero.reader.close,
                   zero.cast_elements)
+
+
+def _kept_fp32(outs: list[OutTensor], globs: tuple[str, ...],
+               notes: list[str]) -> dict[str, list[str]]:
+    """Each ``--keep-fp32`` glob and the FP32 output tensors it matched (a glob that matched
+    none gets a note: a typo would otherwise go unnoticed)."""
+    out: dict[str, list[str]] = {}
+    for g in globs:
+        out[g] = [o.name for o in outs if o.dtype == "F32" and fnmatch.fnmatchcase(o.name, g)]
+        if not out[g]:
+            notes.append(f"keep_fp32 {g!r} matched no tensor of the output")
+    return out
 
 
 def _check_supported(index: CheckpointIndex, src: Path) -> None:

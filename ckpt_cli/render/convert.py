@@ -27,6 +27,7 @@ def _emit_json(r: ConvertResult) -> None:
         "renamed": r.renamed, "dropped": r.dropped, "casts": r.casts, "aliases": r.aliases,
         "overflow": r.overflow, "clamped": r.clamped,
         "kept": r.kept, "kept_scales": r.kept_scales, "config_dtype": r.config_dtype,
+        "kept_fp32": r.kept_fp32,
         "metadata": r.metadata, "notes": r.notes, "seconds": round(r.seconds, 3),
         "warnings": [w.to_dict() for w in r.warnings],
         "followed": r.followed.to_dict() if r.followed else None,
@@ -45,6 +46,12 @@ def _render(r: ConvertResult, quiet: bool) -> None:
         out.print("Cast: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.casts.items())))
     if r.kept or r.kept_scales:
         out.print("Kept: " + kept_summary(r.kept, r.kept_scales))
+    if any(r.kept_fp32.values()):
+        out.print("Kept in FP32: " + "; ".join(
+            f"{len(names)} matching {g!r}" + (f" ({', '.join(names[:3])}"
+                                              f"{', ...' if len(names) > 3 else ''})"
+                                              if names else "")
+            for g, names in r.kept_fp32.items()))
     if r.config_dtype:
         c = r.config_dtype
         out.print(f"Config: {c['file']} {', '.join(c['keys'])} {c['from']} -> {c['to']}")

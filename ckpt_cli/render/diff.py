@@ -490,6 +490,23 @@ def module_table(mods: list[ModuleDiff]) -> Table:
     return table
 
 
+def _meta_title(r: DiffResult) -> str:
+    """``Metadata (16: 1 difference, 15 not: ...)``: only changed values both sides have make a
+    difference; one-sided values, provenance and a dtype that follows the tensors are listed
+    but are not one (issue 39: the heading called them all differences)."""
+    n = len(r.metadata)
+    real = len(r.metadata_changes)
+    one_sided = sum(1 for m in r.metadata if m.status != "changed" and not m.provenance)
+    prov = sum(1 for m in r.metadata if m.provenance)
+    follows = len(r.metadata_notes)
+    kinds = [f"{k} {what}" for k, what in ((one_sided, "on one side only"),
+                                           (prov, "provenance"),
+                                           (follows, "following the tensors' dtypes")) if k]
+    head = f"{real} difference{'s' if real != 1 else ''}"
+    return f"Metadata ({n:,}: {head}" + (f"; not differences: {', '.join(kinds)}" if kinds
+                                         else "") + ")"
+
+
 def _section(out: Console, title: str, total: int, shown: int, body: Table) -> None:
     out.print()
     out.print(Text(title, style="bold"))
@@ -535,8 +552,8 @@ def render(r: DiffResult, path_a: str, path_b: str, *, top: int | None = 20,
             _section(out, f"Only in {side} ({len(items):,})", len(items), shown(len(items)),
                      only_table(items, top))
     if r.metadata:
-        _section(out, f"Metadata differences ({len(r.metadata):,})", len(r.metadata),
-                 shown(len(r.metadata)), meta_table(r.metadata, top))
+        _section(out, _meta_title(r), len(r.metadata), shown(len(r.metadata)),
+                 meta_table(r.metadata, top))
     if by_module:
         mods = r.by_module(depth)
         n = shown(len(mods))

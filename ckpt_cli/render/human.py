@@ -189,9 +189,14 @@ class FitTable(Table):
                     break
                 n = max(shrinkable, key=lambda n: widths[n])
                 widths[n] -= min(excess, widths[n] - floor[n])
-        for column, w in zip(out.columns, widths, strict=True):
+        for n, (column, w) in enumerate(zip(out.columns, widths, strict=True)):
             # Values are never narrower than their cells: only a long header wraps.
             column.width, column.no_wrap, column.overflow = w, False, "fold"
+            if cols[keep[n]].kind == "name":
+                # Names break where a reader expects, after a "." or "/" (module paths, file
+                # paths), not mid-word: "layers.0.self_attn." / "out_proj.weight".
+                out.columns[n] = dataclasses.replace(
+                    column, _cells=[fold_name(c, w) for c in column._cells])
         return out
 
     def _measure(self, console: Console, options: ConsoleOptions,
@@ -216,7 +221,47 @@ class FitTable(Table):
         return max(header_word, cells)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        yield self._fitted(console, options)
+        fitted = self._fitted(console, options)
+        yield fitted
+        kept = {c.header for c in fitted.columns}
+        gone = [str(c.header) for c in self.columns if c.header and c.header not in kept]
+        if gone:
+            # Said, so that a narrow terminal does not silently hide a column.
+            yield Text(f"({', '.join(gone)} left out at {options.max_width} columns: widen "
+                       "the terminal or use --json)", style="dim")
+
+
+_BREAKS = frozenset("./ ")
+"""Characters a name may break after when it is folded (module and file paths, words)."""
+
+
+def fold_name(cell: Any, width: int) -> Any:
+    """A name cell wider than ``width`` broken into lines after ``.``, ``/`` or a space
+    (greedily, as many parts per line as fit); a part longer than a line is cut where the
+    line ends (every character kept). Other cells come back as they are."""
+    if width < 1 or not isinstance(cell, (str, Text)):
+        return cell
+    text = cell if isinstance(cell, Text) else Text(cell)
+    plain = text.plain
+    if len(plain) <= width or "\n" in plain:
+        return cell
+    cuts: list[int] = []
+    start = last = 0
+    for i, ch in enumerate(plain):
+        if i - start >= width:
+            # this line is full: break after the last break character, else right here
+            start = last if last > start else i
+            cuts.append(start)
+        if ch in _BREAKS:
+            last = i + 1
+    lines = text.divide(cuts)
+    out = Text(style=text.style, justify=text.justify)
+    for k, line in enumerate(lines):
+        if k:
+            out.append("\n")
+        line.rstrip()
+        out.append_text(line)
+    return out
 
 
 def _shown(cell: Any) -> Any:

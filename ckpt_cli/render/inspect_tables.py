@@ -26,8 +26,19 @@ def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
     n = index.num_parameters
     g.add_row("Parameters", f"{n:,}" + (f" ({count(n)})" if n >= 1000 else ""))
     tied = index.tied_tensors()
-    if tied:
-        g.add_row("Tied", tied_text(tied))
+    # Ties matter to the parameter count where a weight is involved; ties among optimizer or
+    # callback state (a Lightning checkpoint's scores and paths) are counted, not listed.
+    weights = [t for t in tied if any(
+        n in index.tensors and index.tensors[n].group == "model"
+        for n in (t["name"], t["tied_to"]))]
+    others = len(tied) - len(weights)
+    if weights or others:
+        text = tied_text(weights) if weights else ""
+        if others:
+            text += ("; " if text else "") + (
+                f"{others} among tensors that are not weights (optimizer, callbacks): "
+                "no effect on the parameter count")
+        g.add_row("Tied", text)
     meta = index.metadata
     step, source = index.step
     facts = [f"step {step:,}" + (" (from the name; none recorded)" if source == "name" else "")

@@ -48,7 +48,16 @@ def _suite(parent: ET.Element, name: str, classname: str, checks: list[CheckResu
             ET.SubElement(case, "skipped", {"message": c.summary})
         rest = [f for f in c.findings if f.severity != "error"]
         out = ET.SubElement(case, "system-out")
-        out.text = "\n".join([f"{c.title}: {c.summary}", *(_line(f) for f in rest)])
+        # The title states what passing means ("CRC-32 of every zip record matches its
+        # bytes"): said as the check, with its outcome, so a failing case does not read as a
+        # pass.
+        out.text = "\n".join([f"{_OUTCOME[c.status]}: {c.title} ({c.summary})",
+                              *(_line(f) for f in rest)])
+
+
+_OUTCOME = {"pass": "passed", "warn": "passed with warnings", "fail": "FAILED",
+            "skip": "skipped"}
+"""What each check status says before the check's title in a case's ``system-out``."""
 
 
 def _serialise(root: ET.Element) -> bytes:

@@ -436,6 +436,20 @@ TARGETS: dict[str, str | None] = {"fp16": "F16", "bf16": "BF16", "fp32": "F32", 
 
 
 
+_TO_ALIASES = {"float16": "fp16", "half": "fp16", "f16": "fp16", "bfloat16": "bf16",
+               "float32": "fp32", "float": "fp32", "f32": "fp32", "float8": "fp8",
+               "float8_e4m3fn": "fp8", "f8_e4m3": "fp8", "e4m3": "fp8"}
+"""Other spellings ``--to`` takes (torch's and safetensors' dtype names), any case."""
+
+
+def target_name(to: str) -> str:
+    """``--to``'s value as its canonical choice: case-insensitive, torch's and safetensors'
+    names as aliases (``FP16``, ``float16``, ``half`` -> ``fp16``; ``bfloat16`` -> ``bf16``).
+    Anything else comes back lowercased, for the caller to refuse."""
+    low = to.strip().lower()
+    return _TO_ALIASES.get(low, low)
+
+
 def choice(target: str | None) -> str:
     """The ``--to`` choice that casts to ``target`` (``F16`` -> ``fp16``; None -> ``keep``),
     as ``ckpt.conversion`` spells it whichever command wrote the file."""

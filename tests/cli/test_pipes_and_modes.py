@@ -112,3 +112,41 @@ def test_a_closed_pipe_exits_with_the_decided_status(decided: int | None, code: 
     p = subprocess.run([sys.executable, "-c", prog], capture_output=True, timeout=60)
     assert p.returncode == code, p.stderr
     assert p.stderr == b""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["inspect", "--help"], ["convert", "-h"], []])
+def test_help_exits_0_when_stdout_closes(args: list[str]) -> None:
+    """``ckpt --help | head -1``: the help was printed as far as it was read (issue 39;
+    rich's own handler exited 1, the findings code)."""
+    p = _closed_stdout(*args)
+    assert p.returncode == 0, p.stderr
+    assert b"Traceback" not in p.stderr
+    cmd = f"set -o pipefail; {sys.executable} -m ckpt_cli --help | head -1"
+    assert subprocess.run(["bash", "-c", cmd], capture_output=True, env=ENV,
+                          timeout=120).returncode == 0
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_watch_stopped_by_a_signal_exits_with_its_code(tmp_path: Path, sig: str,
+                                                       code: int) -> None:
+    """A watcher stopped by its job (SIGTERM) exits 143, by Ctrl-C 130: the conventional
+    codes, as every other command (issue 39; it exited 0)."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save(training_checkpoint(), run / "step_100.pt")
+    p = subprocess.Popen([sys.executable, "-m", "ckpt_cli", "watch", str(run), "--interval",
+                          "0.2s"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "ckpt-ledger.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # its first pass is done
+        p.send_signal(getattr(signal, sig))
+        assert p.wait(60) == code
+    finally:
+        if p.poll() is None:
+            p.kill()
+        _, err = p.communicate()
+    assert b"Traceback" not in err

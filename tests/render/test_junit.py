@@ -56,7 +56,9 @@ def _check_against(result: ValidateResult, root: ET.Element) -> None:
             out = case.find("system-out")
             assert out is not None and out.text is not None
             lines = out.text.splitlines()
-            assert lines[0] == f"{check.title}: {check.summary}"
+            outcome = {"pass": "passed", "warn": "passed with warnings", "fail": "FAILED",
+                       "skip": "skipped"}[check.status]
+            assert lines[0] == f"{outcome}: {check.title} ({check.summary})"
             assert len(lines) == 1 + sum(f.severity != "error" for f in check.findings)
     for key in ("tests", "failures", "skipped"):
         assert root.get(key) == str(sum(int(s.get(key, "0")) for s in suites))

@@ -148,6 +148,27 @@ def test_fit_table_folds_a_name_longer_than_half_the_width() -> None:
     assert "".join(line.split("  ")[0] for line in lines[1:]) == name  # folded, all there
 
 
+def test_fit_table_folds_names_after_dots_and_says_what_it_left_out() -> None:
+    """At 60 columns a name breaks after a "." (never mid-word: issue 39's "out_proj.weigh" /
+    "t"), and the columns dropped are named below the table."""
+    t = human.table(human.Col("Name", kind="name"), human.Col("Dtype", drop=2),
+                    human.Col("Shape", drop=1), human.Col("Params", "right", drop=0))
+    name = "model.decoder.layers.11.self_attn.out_proj.weight"
+    t.add_row(name, "F32", "[1024, 1024]", "1,048,576")
+    lines = _render(t, 40)
+    at = lines.index(next(x for x in lines if x.startswith("(")))
+    rows, note = lines[1:at], " ".join(lines[at:])
+    parts = [line.split("  ")[0] for line in rows]
+    assert "".join(parts) == name
+    assert all(p.endswith(".") for p in parts[:-1]), parts  # each line ends at a dot
+    assert "left out at 40 columns" in note
+    gone = [c for c in ("Dtype", "Shape", "Params") if c not in lines[0].split()]
+    assert gone and all(c in note for c in gone)
+    assert not any(line.startswith("(") for line in _render(t, 120))  # nothing left out
+    assert human.fold_name("a.b", 10) == "a.b"
+    assert human.fold_name("x" * 25, 10).plain.split("\n") == ["x" * 10, "x" * 10, "x" * 5]
+
+
 def test_stdout_strips_trailing_spaces_and_keeps_styles() -> None:
     t = human.table(human.Col("A", kind="name"), human.Col("Status", kind="text"))
     t.add_row("x", "complete, latest")

@@ -614,3 +614,16 @@ def test_diff_of_zero12_against_its_consolidation_is_equal(ds_dir: Path, tmp_pat
     doc = json.loads(r.stdout)
     assert r.exit_code == 0 and doc["equal"], r.output
     assert doc["summary"]["common"] == 7 and not doc["only_in_a"] and not doc["only_in_b"]
+
+
+def test_metadata_heading_counts_only_differences(tmp_path: Path) -> None:
+    """One-sided values are listed under Metadata but the heading does not call them
+    differences (issue 39: "Metadata differences (16)" for 16 values that were not)."""
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    w = {"w": torch.ones(2, 2)}
+    torch.save({"model": w, "step": 5, "note": "x"}, a)
+    torch.save({"model": w, "step": 6, "extra": 1, "more": 2}, b)
+    r = run_cli("diff", a, b)
+    assert r.exit_code == 1, r.output
+    heading = next(line for line in r.output.splitlines() if line.startswith("Metadata ("))
+    assert heading == "Metadata (4: 1 difference; not differences: 3 on one side only)"

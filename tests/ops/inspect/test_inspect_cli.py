@@ -285,3 +285,23 @@ def test_an_empty_file_in_a_checkpoint_directory_is_called_empty(hf_trainer_dir:
     r = run_cli("inspect", ckpt)
     assert words in r.stdout + r.stderr
     assert "not a format ckpt reads" not in r.stdout + r.stderr
+
+
+def test_ties_among_callback_state_are_counted_not_listed(tmp_path: Path) -> None:
+    """A Lightning checkpoint's callback scores share one tensor under long keys: the Tied row
+    counts them in a phrase instead of listing ~900 characters of paths (issue 39), and still
+    lists a tie that involves a weight."""
+    score = torch.tensor(0.5)
+    w = torch.randn(4, 4)
+    key = "/very/long/path/to/some/checkpoint/epoch=0-step=100.ckpt"
+    torch.save({"state_dict": {"layer.weight": w, "head.weight": w},
+                "callbacks": {"ModelCheckpoint{monitor=val_loss}": {
+                    "best_model_score": score, "current_score": score, "kth_value": score,
+                    "best_k_models": {key: score}}},
+                "epoch": 1, "global_step": 100}, tmp_path / "last.ckpt")
+    r = run_cli("inspect", tmp_path / "last.ckpt")
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "state_dict.head.weight = state_dict.layer.weight (one storage): counted once" in said
+    assert "3 among tensors that are not weights" in said
+    assert key not in r.output and "best_model_score" not in r.output
