@@ -9,7 +9,6 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperArgument, TyperCommand
 
-from ckpt_cli import __version__
 from ckpt_cli.cli.errors import json_errors, refused, worded
 from ckpt_cli.cli.options import Refused
 
@@ -196,6 +195,8 @@ def _print_parameters(ctx: typer.Context, params: list[Any]) -> None:
 
 def _version(value: bool) -> None:
     if value:
+        from ckpt_cli import __version__
+
         typer.echo(f"ckpt {__version__}")
         raise typer.Exit()
 
