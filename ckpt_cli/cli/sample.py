@@ -28,8 +28,8 @@ def sample_cmd(
     Trains a tiny GPT for 400 steps and saves torch.save checkpoints (model + AdamW state +
     step/epoch/lr) at steps 100-300, a checkpoint written by torch.distributed.checkpoint from
     4 processes at step 400, an HF-style sharded safetensors export and a `latest` pointer.
-    Takes 20-50 seconds, depending on the CPU cores (measured: 20-25 s on 16 cores, 29 s on
-    2, 47 s on 1).
+    Takes 20-90 seconds, depending on the CPU cores and what else runs (measured: 20-25 s on
+    16 cores, 27-29 s on 2 idle cores, 47 s on 1, 67-87 s on 2 busy ones).
 
     Examples:
       ckpt sample demo-run
