@@ -217,7 +217,7 @@ def resolve_tag(path: Path) -> Path:
         tag = deepspeed.latest_tag(path)
         if tag is not None and (path / tag).is_dir() and deepspeed.has_model_states(path / tag):
             return path / tag
-        named = latest.read_text(errors="replace").strip()
+        named = (storage.read_side(latest, "pointer") or b"").decode(errors="replace").strip()
         raise CorruptCheckpointError(f"'latest' names {named!r}, which is not a checkpoint "
                                      "directory here", path=latest)
     raise CkptError("not a DeepSpeed checkpoint (no *_model_states.pt, no latest)", path=path)

@@ -40,10 +40,9 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
     Args:
         index: The :class:`~ckpt_cli.model.CheckpointIndex`.
     """
-    import json
-
     import numpy as np
 
+    from ckpt_cli import storage
     from ckpt_cli.model import Finding
     from ckpt_cli.tensors.source import TensorSource
 
@@ -88,7 +87,7 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
     try:
         config = index.base / "config.json"
         if index.base.is_dir() and config.is_file():
-            qc = json.loads(config.read_bytes()).get("quantization_config")
+            qc = storage.load_side_json(config, "config").get("quantization_config")
     except (ValueError, AttributeError, OSError, CkptError):
         qc = None
     if isinstance(qc, dict):

@@ -447,8 +447,10 @@ def _side_files(index: CheckpointIndex, given: Path, out: Path,
         for d in dirs:
             p = d / name
             if p.is_file() and p.stat().st_size < 64 << 20:
-                found[name] = p.read_bytes()
-                break
+                data = storage.read_side(p, "json-state")
+                if data is not None:
+                    found[name] = data
+                    break
     if found:
         notes.append(f"copied {', '.join(sorted(found))}")
     return found
