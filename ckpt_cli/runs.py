@@ -43,6 +43,7 @@ from ckpt_cli.model import (
     RunListing,
 )
 from ckpt_cli.storage import special_kind
+from ckpt_cli.units import strict_int
 
 _METRIC = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_/]*)=(?P<val>[-+]?(?:\d+\.?\d*|\.\d+)"
                      r"(?:[eE][-+]?\d+)?)")
@@ -324,7 +325,7 @@ def _recognise(entry: os.DirEntry[str], rx: re.Pattern[str] | None,
     if not m:
         return False, None
     group = m.groupdict().get("step") or (m.group(1) if m.groups() else None)
-    return True, int(group) if group and str(group).isdigit() else None
+    return True, strict_int(str(group)) if group else None
 
 
 def run_dir_problem(path: Path, pattern: str | None = None) -> str | None:

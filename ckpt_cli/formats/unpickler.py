@@ -41,6 +41,7 @@ from ckpt_cli.formats.standins import (
 from ckpt_cli.formats.standins import DTypeRef as DTypeRef
 from ckpt_cli.formats.standins import TensorRecord as TensorRecord
 from ckpt_cli.formats.standins import _rebuild_meta as _rebuild_meta
+from ckpt_cli.units import strict_int
 
 if TYPE_CHECKING:
     from ckpt_cli.storage import Handle
@@ -304,9 +305,9 @@ def check_lengths(buf: bytes | mmap.mmap | _PreadView, start: int = 0) -> int:
                 pos = end
                 break
             if op == _PUT:
-                text = bytes(buf[pos:nl]).strip()
-                if text.isdigit():
-                    _check_memo(int(text), at, ops)
+                memo = strict_int(bytes(buf[pos:nl]).strip())
+                if memo is not None:
+                    _check_memo(memo, at, ops)
             pos = nl + 1
     raise PickleLengthError(f"pickle data was truncated (no STOP after byte {start:,})", end)
 
