@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ckpt_cli import storage
+from ckpt_cli.dtypes import strict_int
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron
 from ckpt_cli.formats.names import (
@@ -43,7 +44,6 @@ from ckpt_cli.model import (
     RunListing,
 )
 from ckpt_cli.storage import special_kind
-from ckpt_cli.units import strict_int
 
 _METRIC = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_/]*)=(?P<val>[-+]?(?:\d+\.?\d*|\.\d+)"
                      r"(?:[eE][-+]?\d+)?)")

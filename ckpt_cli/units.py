@@ -251,39 +251,6 @@ _DIGIT_RUNS = re.compile(r"([0-9]+)")
 _ASCII_DIGITS = frozenset("0123456789")
 _MAX_DIGITS_SORTED = 1000
 
-MAX_CHECKPOINT_INT = 2**63 - 1
-"""The largest number :func:`strict_int` accepts: what a signed 64-bit field holds."""
-
-
-def strict_int(text: str | bytes, *, signed: bool = False, limit: int = MAX_CHECKPOINT_INT
-               ) -> int | None:
-    """The one parser of numbers read from a checkpoint (a step in metadata, a pointer's
-    iteration, a memo index): ASCII digits only, at most 19 of them, at most ``limit``.
-
-    ``str.isdigit`` accepts ``"²"`` and other digits ``int`` refuses, and ``int`` refuses
-    more than 4,300 digits: a checkpoint's text must never reach it unchecked.
-
-    Args:
-        text: The text (surrounding whitespace is not allowed).
-        signed: Whether one leading ``-`` is allowed.
-        limit: The largest magnitude accepted.
-
-    Returns:
-        The number, or None when ``text`` is not one within those bounds.
-    """
-    if isinstance(text, bytes):
-        try:
-            text = text.decode("ascii")
-        except UnicodeDecodeError:
-            return None
-    digits = text[1:] if signed and text.startswith("-") else text
-    if not 0 < len(digits) <= 19 or not all(c in _ASCII_DIGITS for c in digits):
-        return None
-    value = int(digits)
-    if value > limit:
-        return None
-    return -value if digits is not text else value
-
 
 def require_positive(value: float, what: str, *, param: bool = False) -> None:
     """Refuse a quantity that is not a positive finite number.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from ckpt_cli.units import strict_int
+from ckpt_cli.dtypes import strict_int
 
 FILE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
 _NAME_PATTERNS = (

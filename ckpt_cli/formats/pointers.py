@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 
 from ckpt_cli import storage
+from ckpt_cli.dtypes import strict_int
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import POINTER_UNREADABLE, Finding
-from ckpt_cli.units import strict_int
 
 POINTER_FILES = ("latest", "latest_checkpointed_iteration.txt", "latest_universal")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli import storage
-from ckpt_cli.units import strict_int
+from ckpt_cli.dtypes import strict_int
 
 PREFIX = "ckpt."
 """Every key ckpt writes into an output's metadata starts with this."""

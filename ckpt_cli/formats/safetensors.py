@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import dtypes, storage
+from ckpt_cli.dtypes import strict_int
 from ckpt_cli.errors import CorruptCheckpointError
 from ckpt_cli.formats import provenance
 from ckpt_cli.formats.base import read_head, rel_to, wrong_kind
 from ckpt_cli.formats.containers import group_of
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
-from ckpt_cli.units import strict_int
 
 if TYPE_CHECKING:
     from ckpt_cli.storage import Handle

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
 from ckpt_cli import storage
+from ckpt_cli.dtypes import strict_int
 from ckpt_cli.formats.standins import (
     _ACTIVE,
     _ALLOWED,
@@ -41,7 +42,6 @@ from ckpt_cli.formats.standins import (
 from ckpt_cli.formats.standins import DTypeRef as DTypeRef
 from ckpt_cli.formats.standins import TensorRecord as TensorRecord
 from ckpt_cli.formats.standins import _rebuild_meta as _rebuild_meta
-from ckpt_cli.units import strict_int
 
 if TYPE_CHECKING:
     from ckpt_cli.storage import Handle

@@ -13,7 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from ckpt_cli.units import natural_key, strict_int
+from ckpt_cli.dtypes import strict_int
+from ckpt_cli.units import natural_key
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers.damage import edit_dcp_metadata, edit_safetensors_header
 

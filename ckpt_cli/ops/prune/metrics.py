@@ -14,9 +14,9 @@ from typing import Any
 import orjson
 
 from ckpt_cli import storage
+from ckpt_cli.dtypes import strict_int
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.model import RunListing
-from ckpt_cli.units import strict_int
 
 
 def trainer_state(listing: RunListing) -> tuple[list[dict[str, Any]], tuple[str, str] | None]:
