@@ -61,3 +61,41 @@ def test_the_unmutated_seeds_pass(seeds: dict[str, Seed], work: Path) -> None:
     for seed in seeds.values():
         for command in commands_for(seed):
             _check(seed, Mutation(0, "insert", 1.0, 0, b""), command, False, work)
+
+
+def test_safetensors_headers_read_as_the_library_reads_them(seeds: dict[str, Seed],
+                                                            work: Path) -> None:
+    """Differential: a mutated safetensors file the safetensors library loads has no error
+    in ckpt's reading, and one it refuses has one; where they differ on purpose (a dimension
+    torch cannot hold), ckpt's message names the library."""
+    from safetensors import safe_open
+
+    from ckpt_cli.errors import CkptError
+    from ckpt_cli.formats import read_index
+
+    seed = seeds["safetensors"]
+    original = (seed.root / seed.arg).read_bytes()
+    path = work / "differential.safetensors"
+
+    @settings(max_examples=300, derandomize=True, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(mutation=mutations().filter(lambda m: m.op != "special"))
+    def case(mutation: Mutation) -> None:
+        path.write_bytes(mutation.apply(original))
+        try:
+            with safe_open(str(path), "pt") as f:
+                for k in f.keys():
+                    f.get_tensor(k)
+            library_ok = True
+        except Exception:
+            library_ok = False
+        try:
+            errors = [f.message for f in read_index(path).findings if f.severity == "error"]
+        except CkptError as e:
+            errors = [e.message]
+        if library_ok:
+            assert all("safetensors library" in m for m in errors), (mutation, errors)
+        else:
+            assert errors, mutation
+
+    case()

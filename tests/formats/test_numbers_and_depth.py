@@ -129,3 +129,21 @@ def test_a_dcp_tensor_of_a_huge_size(tmp_path: Path, size: tuple[int, ...],
     _answers({"validate": ["validate", d], "convert": ["convert", d, "-o", out],
               "consolidate": ["consolidate", d, "-o", out]}[command],
              (1,) if command == "validate" else (2,))
+
+
+@pytest.mark.parametrize("shape", ["list", "dict"])
+@pytest.mark.parametrize("command", ["validate", "inspect", "diff", "convert"])
+def test_a_pickle_nested_100000_deep(tmp_path: Path, shape: str, command: str) -> None:
+    import zipfile
+
+    path = tmp_path / "deep.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    with zipfile.ZipFile(path) as zf:
+        records = [(i.filename, zf.read(i.filename)) for i in zf.infolist()]
+    n = 100_000
+    payload = (b"\x80\x02" + b"]" * n + b"a" * (n - 1) + b"." if shape == "list" else
+               b"\x80\x02" + b"}X\x01\x00\x00\x00k" * n + b"}" + b"s" * n + b".")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in records:
+            zf.writestr(name, payload if name.endswith("data.pkl") else data)
+    _answers([*_commands(path, tmp_path / "out.safetensors")[command], "--json"])
