@@ -190,9 +190,13 @@ def _items(obj: Any) -> dict[str, Any]:
 
 
 def _shape(v: Any) -> tuple[int, ...]:
-    if isinstance(v, (list, tuple)) and all(isinstance(d, int) for d in v):
-        return tuple(v)
-    raise CorruptCheckpointError(f"malformed parameter shape {v!r}")
+    if isinstance(v, (list, tuple)) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v):
+        if (why := dtypes.shape_problem(v)) is None:
+            return tuple(v)
+        raise CorruptCheckpointError(f"parameter shape declares {why}")
+    # never the repr of what a pickle held: it may nest deeper than repr can recurse
+    raise CorruptCheckpointError(f"malformed parameter shape (a {type(v).__name__})")
 
 
 def _stage(opt: dict[str, Any]) -> int | None:

@@ -147,3 +147,18 @@ def test_a_pickle_nested_100000_deep(tmp_path: Path, shape: str, command: str) -
         for name, data in records:
             zf.writestr(name, payload if name.endswith("data.pkl") else data)
     _answers([*_commands(path, tmp_path / "out.safetensors")[command], "--json"])
+
+
+def test_zero_parameter_shapes_are_bounded() -> None:
+    from ckpt_cli.errors import CorruptCheckpointError
+    from ckpt_cli.formats.zero import _shape
+
+    assert _shape([2, 3]) == (2, 3)
+    for bad in ([2**64], [-1, 4], [2**40, 2**40], [1] * 65, "x", [[[]]]):
+        with pytest.raises(CorruptCheckpointError):
+            _shape(bad)
+    deep: list[object] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(CorruptCheckpointError, match="malformed parameter shape"):
+        _shape(deep)
