@@ -185,3 +185,62 @@ def torch_dtype(code: str) -> Any:
     if name is None or not hasattr(torch, name):
         raise KeyError(code)
     return getattr(torch, name)
+
+
+MAX_ELEMENTS = 2**63 - 1
+"""The most elements (and the largest dimension, and the most bytes) a tensor may declare:
+what torch's signed 64-bit sizes hold."""
+MAX_DIMS = 64
+"""The most dimensions a tensor may declare (torch refuses more)."""
+
+
+def shape_problem(shape: tuple[int, ...] | list[int]) -> str | None:
+    """Why a declared shape cannot be a tensor's, checked before any arithmetic on it: more
+    than :data:`MAX_DIMS` dimensions, a dimension or an element count past 2^63-1.
+
+    Args:
+        shape: Non-negative integer sizes (checked by the caller).
+
+    Returns:
+        The reason, or None when the shape is one torch can hold.
+    """
+    if len(shape) > MAX_DIMS:
+        return f"{len(shape)} dimensions, more than {MAX_DIMS}"
+    numel = 1
+    for d in shape:
+        if d > MAX_ELEMENTS:
+            return f"a dimension of {d}, past 2^63-1"
+        numel *= d
+    if numel > MAX_ELEMENTS:
+        return f"{numel:,} elements, past 2^63-1"
+    return None
+
+
+def strict_int(text: str | bytes, *, signed: bool = False, limit: int = MAX_ELEMENTS
+               ) -> int | None:
+    """The one parser of numbers read from a checkpoint (a step in metadata, a pointer's
+    iteration, a memo index): ASCII digits only, at most 19 of them, at most ``limit``.
+
+    ``str.isdigit`` accepts ``"²"`` and other digits ``int`` refuses, and ``int`` refuses
+    more than 4,300 digits: a checkpoint's text must never reach it unchecked.
+
+    Args:
+        text: The text (surrounding whitespace is not allowed).
+        signed: Whether one leading ``-`` is allowed.
+        limit: The largest magnitude accepted.
+
+    Returns:
+        The number, or None when ``text`` is not one within those bounds.
+    """
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    digits = text[1:] if signed and text.startswith("-") else text
+    if not 0 < len(digits) <= 19 or not all(c in "0123456789" for c in digits):
+        return None
+    value = int(digits)
+    if value > limit:
+        return None
+    return -value if digits is not text else value

@@ -19,15 +19,20 @@ def _escape(ch: str) -> str:
 
 
 _INVISIBLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
+_INVISIBLE_OR_BREAK = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff"
+                                 "\ufffe\uffff]")
 
 
-def visible(text: str) -> str:
-    """``text`` with control characters written out (``\\x1b``), tabs and newlines kept.
+def visible(text: str, *, lines: bool = True) -> str:
+    """``text`` with control characters written out (``\\x1b``), tabs kept, and newlines
+    kept unless ``lines`` is False.
 
     A file name may hold escape sequences (``\\x1b[31m``) or bytes that XML 1.0 cannot carry;
     printed raw they would drive the terminal, and in a JUnit report they make it unreadable.
+    A name holding a newline would forge a line of its own in a log: every one-line message
+    (an error, a decision, a table cell) is written with ``lines=False``.
     """
-    return _INVISIBLE.sub(lambda m: _escape(m.group()), text)
+    return (_INVISIBLE if lines else _INVISIBLE_OR_BREAK).sub(lambda m: _escape(m.group()), text)
 
 
 class CkptError(Exception):

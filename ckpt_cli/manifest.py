@@ -63,7 +63,6 @@ DEFAULT_ALGORITHM = "xxh3_128"
 _DIGEST_HEX = {"xxh3_128": 32, "blake3": 64, "sha256": 64}
 # Temporary names of ckpt's own atomic writes; never part of a checkpoint.
 _OWN_TEMP = (".ckpt-tmp-", ".ckpt-trash-", ".ckpt-old-")
-_MAX_MANIFEST = 64 << 20
 _MAX_READERS = 8  # threads copying one file ahead of its hasher (64-72 MiB of buffers)
 
 
@@ -464,19 +463,8 @@ def read_manifest(checkpoint: Path) -> Manifest | None:
         CkptError: It cannot be read.
     """
     path = manifest_path(storage.locate(checkpoint))
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise CkptError(f"cannot read: {e.strerror}", path=path) from None
-    if size > _MAX_MANIFEST:
-        raise CorruptCheckpointError(f"manifest is {size:,} bytes; refusing to parse", path=path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CkptError(f"cannot read: {e.strerror}", path=path) from None
-    return Manifest.from_json(data, source=path)
+    data = storage.read_side(path, "manifest")  # regular files only, at most 64 MiB
+    return None if data is None else Manifest.from_json(data, source=path)
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.storage.atomic import fsync_path
 
@@ -243,10 +244,11 @@ class PartStore:
     def recorded_plan(self) -> dict[str, Any] | None:
         """``plan.json``, or None when there is none yet."""
         try:
-            data = orjson.loads((self.root / PLAN_FILE).read_bytes())
-        except FileNotFoundError:
-            return None
-        except (OSError, orjson.JSONDecodeError) as e:
+            raw = storage.read_side(self.root / PLAN_FILE, "plan")
+            if raw is None:
+                return None
+            data = orjson.loads(raw)
+        except (OSError, CkptError, orjson.JSONDecodeError) as e:
             raise PartsIncompleteError(f"unreadable part plan: {e}",
                                        path=self.root / PLAN_FILE) from None
         return data if isinstance(data, dict) else {}
@@ -293,9 +295,9 @@ class PartStore:
         found: dict[int, dict[str, Any]] = {}
         for k in range(1, self.count + 1):
             try:
-                data = orjson.loads((self.receipts_dir / receipt_name(k, self.count))
-                                    .read_bytes())
-            except (OSError, orjson.JSONDecodeError):
+                raw = storage.read_side(self.receipts_dir / receipt_name(k, self.count), "plan")
+                data = orjson.loads(raw) if raw is not None else None
+            except (OSError, CkptError, orjson.JSONDecodeError):
                 continue
             if isinstance(data, dict) and data.get("plan") == self.plan_id \
                     and data.get("part") == k:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ckpt_cli import storage
+from ckpt_cli.dtypes import strict_int
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron
 from ckpt_cli.formats.names import (
@@ -324,7 +325,7 @@ def _recognise(entry: os.DirEntry[str], rx: re.Pattern[str] | None,
     if not m:
         return False, None
     group = m.groupdict().get("step") or (m.group(1) if m.groups() else None)
-    return True, int(group) if group and str(group).isdigit() else None
+    return True, strict_int(str(group)) if group else None
 
 
 def run_dir_problem(path: Path, pattern: str | None = None) -> str | None:

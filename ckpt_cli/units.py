@@ -241,7 +241,15 @@ def natural_key(name: str) -> list[tuple[int, int | str]]:
     Returns:
         The key: runs of digits compare as numbers, the text between them as text.
     """
-    return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p]
+    # ASCII digits only (``int("²")`` fails although ``"²".isdigit()``), and a run too long to
+    # convert (a crafted name) sorts as text.
+    return [(0, int(p)) if p[0] in _ASCII_DIGITS and len(p) <= _MAX_DIGITS_SORTED else (1, p)
+            for p in _DIGIT_RUNS.split(name) if p]
+
+
+_DIGIT_RUNS = re.compile(r"([0-9]+)")
+_ASCII_DIGITS = frozenset("0123456789")
+_MAX_DIGITS_SORTED = 1000
 
 
 def require_positive(value: float, what: str, *, param: bool = False) -> None:

@@ -51,7 +51,7 @@ _ENVIRONMENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT,
 def _say(text: str) -> None:
     # A credential must never reach a terminal or a CI log; a file name's escape sequences
     # are shown, not obeyed.
-    text = visible(storage.redact(text))
+    text = visible(storage.redact(text), lines=False)  # one line, whatever a name holds
     try:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()

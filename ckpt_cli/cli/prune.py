@@ -196,12 +196,13 @@ class _View:
         """Show one progress event."""
         if self.quiet:
             return
+        from ckpt_cli.errors import visible
         from ckpt_cli.render.prune import event_line
 
         line = event_line(event)
         if self.tty:
             if event.kind in ("skipped", "failed") and line:
-                self.err.print(line, soft_wrap=True, markup=False)
+                self.err.print(visible(line, lines=False), soft_wrap=True, markup=False)
             if event.kind in ("deleted", "skipped", "failed"):
                 self._advance(event)
         elif line:
@@ -211,15 +212,16 @@ class _View:
         """Show the plan: a table on a terminal, else one line per decision kept."""
         if self.quiet:
             return
+        from ckpt_cli.errors import visible
         from ckpt_cli.render import human
         from ckpt_cli.render.prune import decisions_table, headline, leftover_lines, plan_line
 
         if self.tty:
-            self.out.print(headline(plan), style="bold", markup=False)
+            self.out.print(visible(headline(plan), lines=False), style="bold", markup=False)
             if plan.decisions:
                 self.out.print(decisions_table(plan))
             for line in leftover_lines(plan, dry_run=self.dry_run):
-                self.out.print(line, style="yellow", markup=False)
+                self.out.print(visible(line, lines=False), style="yellow", markup=False)
         else:
             _plain(headline(plan))
             # Deletions get their line when they happen (or fail), except in a dry run.
@@ -271,6 +273,10 @@ class _View:
 
 
 def _plain(line: str, *, err: bool = False) -> None:
+    from ckpt_cli.errors import visible
+
     stream = sys.stderr if err else sys.stdout
-    stream.write(line + "\n")
+    # One line per decision, whatever a checkpoint's name holds (a newline would forge a
+    # line of a cron log, an escape sequence drive the terminal).
+    stream.write(visible(line, lines=False) + "\n")
     stream.flush()

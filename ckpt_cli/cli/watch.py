@@ -149,6 +149,7 @@ def watch_cmd(
 
 
 def _emit(ev: "WatchEvent", json: bool) -> None:
+    from ckpt_cli.errors import visible
     from ckpt_cli.storage import redact
 
     if json:
@@ -159,23 +160,25 @@ def _emit(ev: "WatchEvent", json: bool) -> None:
         if not ev.bad:
             return  # a bad one also gets its stderr line, below
 
-    where = redact(f"{ev.run}/{ev.path}" if ev.path else ev.run)
+    # One line per event, whatever a checkpoint's name holds (--json keeps names exact).
+    where = visible(redact(f"{ev.run}/{ev.path}" if ev.path else ev.run), lines=False)
     if ev.event == "pruned" and not json:
         line = f"ckpt watch: {where}: retention deleted {', '.join(ev.deleted) or 'nothing'}"
         if ev.thinned:
             line += f", thinned {', '.join(ev.thinned)}"
         if ev.problems:
             line += f" ({ev.problems[0]})"
-        print(line, flush=True)
+        print(visible(line, lines=False), flush=True)
     elif ev.event == "pending" and not json:
         pending = ev.pending or {}
-        print(f"ckpt watch: pending: {where}: {pending.get('state', 'pending')} "
-              f"({pending.get('detail', '')}); not checked in this pass", flush=True)
+        print(visible(f"ckpt watch: pending: {where}: {pending.get('state', 'pending')} "
+                      f"({pending.get('detail', '')}); not checked in this pass", lines=False),
+              flush=True)
     elif ev.bad:
         why = ev.problems[0] if ev.problems else "bad"
         label = "abandoned" if ev.event == "abandoned" else ("error" if ev.event == "error"
                                                             else "BAD")
-        sys.stderr.write(f"ckpt watch: {label}: {where}: {why}\n")
+        sys.stderr.write(visible(f"ckpt watch: {label}: {where}: {why}", lines=False) + "\n")
         sys.stderr.flush()
     elif not json:
         step = f" (step {ev.step})" if ev.step is not None else ""
@@ -215,12 +218,15 @@ def resume_path_cmd(
                    "rejected": [{"path": p, "problem": why}
                                 for p, why in (choice.rejected if choice else ())]}
             sys.stdout.buffer.write(orjson.dumps(doc) + b"\n")
+        from ckpt_cli.errors import visible
+
         if choice is None:
-            sys.stderr.write(f"ckpt: {run_dir}: no verified checkpoint to resume from (none "
-                             "in the ledger is good and unchanged; run ckpt watch --once)\n")
+            sys.stderr.write(visible(f"ckpt: {run_dir}: no verified checkpoint to resume from "
+                                     "(none in the ledger is good and unchanged; run ckpt watch "
+                                     "--once)", lines=False) + "\n")
         else:
             for p, why in choice.rejected:
-                sys.stderr.write(f"ckpt: skipped {p}: {why}\n")
+                sys.stderr.write(visible(f"ckpt: skipped {p}: {why}", lines=False) + "\n")
             if not common.json:
-                print(choice.path)
+                print(visible(str(choice.path), lines=False))
     raise typer.Exit(outcome.exit_code)

@@ -217,13 +217,18 @@ def storage_map(raw: Any, base: Path,
             raise CorruptCheckpointError("malformed storage_data entry", path=meta_path)
         k, v = key.fields(), val.fields()
         rel, off, length = v.get("relative_path"), v.get("offset"), v.get("length")
-        if not isinstance(rel, str) or not isinstance(off, int) or not isinstance(length, int):
-            raise CorruptCheckpointError(f"malformed storage info for {k.get('fqn')!r}",
+        if (not isinstance(rel, str) or not isinstance(off, int) or not isinstance(length, int)
+                or not -dtypes.MAX_ELEMENTS <= off <= dtypes.MAX_ELEMENTS
+                or not -dtypes.MAX_ELEMENTS <= length <= dtypes.MAX_ELEMENTS):
+            raise CorruptCheckpointError(f"malformed storage info for {str(k.get('fqn'))[:80]!r}",
                                          path=meta_path)
         if rel not in checked:
             contained_path(base, rel, what="storage", source=meta_path)
             checked.add(rel)
         offs = k.get("offset")
+        if offs is not None and _counts(offs) is None:
+            raise CorruptCheckpointError(f"malformed chunk offsets for {str(k.get('fqn'))[:80]!r}",
+                                         path=meta_path)
         transforms = _transforms(v.get("transform_descriptors"))
         out[(str(k.get("fqn")), tuple(offs) if offs is not None else None)] = (
             rel, off, length, transforms)
@@ -251,8 +256,10 @@ def _tensor(name: str, f: dict[str, Any], storage: dict[Any, Any], index: Checkp
         raise CorruptCheckpointError(f"tensor {name!r} has no known dtype", path=meta_rel)
     size = _counts(f.get("size") or ())
     if size is None:
-        raise CorruptCheckpointError(f"tensor {name!r} has a malformed size {f.get('size')!r}",
-                                     path=meta_rel)
+        raise CorruptCheckpointError(f"tensor {name!r} has a malformed size "
+                                     f"{str(f.get('size'))[:80]}", path=meta_rel)
+    if (why := dtypes.shape_problem(size)) is not None:
+        raise CorruptCheckpointError(f"tensor {name!r} declares {why}", path=meta_rel)
     raw_chunks = f.get("chunks") or []
     if not isinstance(raw_chunks, list):
         raise CorruptCheckpointError(f"tensor {name!r} has malformed chunks", path=meta_rel)
@@ -286,8 +293,9 @@ def _tensor(name: str, f: dict[str, Any], storage: dict[Any, Any], index: Checkp
 
 def _counts(raw: Any) -> tuple[int, ...] | None:
     """A tuple of non-negative ints (offsets, sizes) from a pickle, or None if it is not one."""
-    if not isinstance(raw, (tuple, list)) or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in raw):
+    if not isinstance(raw, (tuple, list)) or len(raw) > dtypes.MAX_DIMS or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= dtypes.MAX_ELEMENTS
+            for x in raw):
         return None
     return tuple(raw)
 

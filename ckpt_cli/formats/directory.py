@@ -13,8 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-import orjson
-
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 from ckpt_cli.formats import dcp, deepspeed, hf_index, safetensors, torchfile
 from ckpt_cli.formats.base import DirectoryLayout, file_size, present, read_head, rel_to
@@ -216,12 +215,15 @@ def _read_json_state(index: CheckpointIndex, p: Path) -> None:
     rel = rel_to(p, index.base)
     size = file_size(p)
     index.files.append(FileInfo(rel, size, "metadata", "json"))
-    if size > 64 << 20:
+    cap = storage.CAPS["json-state"]
+    if size > cap:
+        index.add(Finding("warning", "bad-json", f"{size:,} bytes, over the {cap >> 20} MiB cap "
+                          "for a JSON state file: not read", rel))
         return
     try:
-        data = orjson.loads(p.read_bytes())
-    except (orjson.JSONDecodeError, OSError) as e:
-        index.add(Finding("error", "bad-json", f"not valid JSON ({e})", rel))
+        data = storage.load_side_json(p, "json-state", what="JSON state")
+    except CkptError as e:
+        index.add(Finding("error", "bad-json", e.message, rel))
         return
     if not isinstance(data, dict):
         return

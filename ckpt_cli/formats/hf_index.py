@@ -10,12 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnknownFormatError
 from ckpt_cli.formats import provenance, safetensors, torchfile
-from ckpt_cli.formats.base import contained_path, file_size, present, read_head, read_small, rel_to
+from ckpt_cli.formats.base import contained_path, file_size, present, read_head, rel_to
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json", ".pt.index.json")
@@ -85,16 +83,10 @@ def load_index_json(index_file: Path) -> tuple[dict[str, str], dict[str, Any]]:
     Raises:
         CorruptCheckpointError: Bad JSON or a missing/ill-typed ``weight_map``.
     """
-    size = file_size(index_file)
-    if size > 256 << 20:
-        raise CorruptCheckpointError(f"index file is {size:,} bytes; refusing to parse",
-                                     path=index_file)
-    try:
-        data = orjson.loads(read_small(index_file, size + 1))
-    except orjson.JSONDecodeError as e:
-        raise CorruptCheckpointError(f"index is not valid JSON ({e})", path=index_file) from None
-    except OSError as e:
-        raise CkptError(f"cannot read: {e.strerror}", path=index_file) from None
+    raw = storage.read_side(index_file, "index")  # regular files only, at most 256 MiB
+    if raw is None:
+        raise CkptError("no such file", path=index_file)
+    data = storage.parse_json(raw, what="index", path=index_file)
     if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
         raise CorruptCheckpointError("index has no weight_map object", path=index_file)
     wm = data["weight_map"]

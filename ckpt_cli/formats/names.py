@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from ckpt_cli.dtypes import strict_int
+
 FILE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
 _NAME_PATTERNS = (
     re.compile(r"^checkpoint-(?P<step>\d+)$"),
@@ -61,7 +63,7 @@ def step_from_name(name: str, *, strict: bool = False) -> int | None:
     for pat in _NAME_PATTERNS if strict else (*_NAME_PATTERNS, _LOOSE_FILE_PATTERN):
         m = pat.search(name)
         if m:
-            return int(m.group("step"))
+            return strict_int(m.group("step"))
     return None
 
 

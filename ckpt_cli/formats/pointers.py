@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ckpt_cli import storage
+from ckpt_cli.dtypes import strict_int
+from ckpt_cli.errors import CkptError
 from ckpt_cli.model import POINTER_UNREADABLE, Finding
 
 POINTER_FILES = ("latest", "latest_checkpointed_iteration.txt", "latest_universal")
@@ -36,20 +39,24 @@ def read_pointer(root: Path, name: str) -> str | None:
             return None
         if not p.is_file():
             raise PointerError("not a regular file")
-        if p.stat().st_size > 4096:
-            raise PointerError("larger than 4 KB")
-        text = p.read_text(errors="replace").strip()
+        data = storage.read_side(p, "pointer")  # regular files only, at most 4 KiB
     except OSError as e:
         raise PointerError(e.strerror or str(e)) from None
+    except CkptError as e:
+        raise PointerError(e.message) from None
+    if data is None:
+        return None
+    text = data.decode(errors="replace").strip()
     if not text or not text.replace("\n", "").replace("\r", "").isprintable():
         # Empty, or zero-filled after a crash, or binary: what it named is unknown.
         raise PointerError("empty or unreadable (being rewritten, or damaged?)")
     if name == "latest_checkpointed_iteration.txt":
         if text == "release":
             return "release"
-        if not text.isdigit():
+        iteration = strict_int(text)
+        if iteration is None:
             raise PointerError(f"{text[:40]!r} is not an iteration number")
-        return f"iter_{int(text):07d}"
+        return f"iter_{iteration:07d}"
     target = _pointer_target(root, text.splitlines()[0].strip())
     if not target:
         raise PointerError(f"{text[:40]!r} names no checkpoint")

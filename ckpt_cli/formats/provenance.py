@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli import storage
+from ckpt_cli.dtypes import strict_int
 
 PREFIX = "ckpt."
 """Every key ckpt writes into an output's metadata starts with this."""
@@ -82,13 +83,13 @@ def read_back(meta: Mapping[str, Any]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     step = meta.get(STEP)
-    if isinstance(step, str) and step.lstrip("-").isdigit():
-        out["step"] = int(step)
+    if isinstance(step, str) and (n := strict_int(step, signed=True)) is not None:
+        out["step"] = n
     epoch = meta.get(EPOCH)
     if isinstance(epoch, str):
-        if epoch.lstrip("-").isdigit():
-            out["epoch"] = int(epoch)
-        else:
+        if (n := strict_int(epoch, signed=True)) is not None:
+            out["epoch"] = n
+        elif len(epoch) <= 64:
             try:
                 value = float(epoch)
             except ValueError:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import dtypes, storage
+from ckpt_cli.dtypes import strict_int
 from ckpt_cli.errors import CorruptCheckpointError
 from ckpt_cli.formats import provenance
 from ckpt_cli.formats.base import read_head, rel_to, wrong_kind
@@ -110,16 +111,33 @@ def parse_header(path: Path, *, fd: Handle | None = None,
     try:
         header = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
+        if "recursion" in str(e).lower() or "depth limit" in str(e):
+            raise CorruptCheckpointError(_TOO_DEEP, path=path) from None
         raise CorruptCheckpointError(f"header is not valid UTF-8 JSON ({e})"
                                      + _pickle_note(fd, size), path=path) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError("header is not a JSON object", path=path)
+    if storage.json_depth_over(header, MAX_HEADER_DEPTH):
+        raise CorruptCheckpointError(_TOO_DEEP, path=path)
     findings: list[Finding] = []
     entries = len(header) - (1 if "__metadata__" in header else 0)
-    if raw.count(b'"data_offsets"') != entries:
-        findings.extend(Finding("error", "duplicate-key", f"header names {dup!r} more than once",
-                                path.name) for dup in _duplicate_keys(raw))
+    # Keys are compared decoded, as every JSON reader sees them: ``"data\u005foffsets"`` is
+    # ``data_offsets``. The quick count of the plain spelling is trusted only when the header
+    # holds no escape at all.
+    if b"\\" in raw or raw.count(b'"data_offsets"') != entries:
+        findings.extend(Finding("error", "duplicate-key",
+                                f"header names {_short(dup)} more than once (the safetensors "
+                                "library refuses a repeated field and keeps the last of a "
+                                "repeated tensor: readers disagree)", path.name)
+                        for dup in _duplicate_keys(raw))
     return n, header, size, findings
+
+
+MAX_HEADER_DEPTH = 128
+"""The deepest nesting a header may have: serde_json's own recursion limit, so the safetensors
+library refuses a deeper header too."""
+_TOO_DEEP = (f"header nests deeper than {MAX_HEADER_DEPTH} levels (the safetensors library "
+             "refuses it too)")
 
 
 def _duplicate_keys(raw: bytes) -> list[str]:
@@ -135,7 +153,7 @@ def _duplicate_keys(raw: bytes) -> list[str]:
 
     try:
         json.loads(raw, object_pairs_hook=hook)
-    except ValueError:
+    except (ValueError, RecursionError):  # orjson parsed it, and its depth is bounded
         return []
     return dups
 
@@ -189,9 +207,9 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, default_group: s
 
 def _metadata_facts(index: CheckpointIndex, meta: dict[str, str]) -> None:
     for key in ("step", "global_step", "epoch"):
-        value = meta.get(key)
-        if value is not None and value.lstrip("-").isdigit():
-            index.metadata.setdefault("step" if key != "epoch" else "epoch", int(value))
+        value = strict_int(meta.get(key) or "", signed=True)
+        if value is not None:
+            index.metadata.setdefault("step" if key != "epoch" else "epoch", value)
     # What ckpt itself wrote (convert, consolidate): ckpt.step, ckpt.epoch.
     for key, value in provenance.read_back(meta).items():
         index.metadata.setdefault(key, value)
@@ -204,17 +222,22 @@ def _tensor_info(name: str, entry: Any, rel: str, data_start: int, index: Checkp
         return None
     dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in dtypes.DTYPES:
-        index.add(Finding("error", "unknown-dtype", f"unknown dtype {dtype!r}", rel, name))
+        index.add(Finding("error", "unknown-dtype", f"unknown dtype {_short(dtype)}", rel, name))
         return None
     if (not isinstance(shape, list)
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        index.add(Finding("error", "bad-shape", f"shape {shape!r} is not a list of sizes",
+        index.add(Finding("error", "bad-shape", f"shape {_short(shape)} is not a list of sizes",
                           rel, name))
+        return None
+    if (why := dtypes.shape_problem(shape)) is not None:
+        # The safetensors library takes any usize; torch and every writer stop at 2^63-1.
+        index.add(Finding("error", "bad-shape", f"shape declares {why} (the safetensors "
+                          "library accepts it, torch cannot hold it)", rel, name))
         return None
     if (not isinstance(offs, list) or len(offs) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)):
-        index.add(Finding("error", "bad-offsets", f"data_offsets {offs!r} is not [begin, end]",
-                          rel, name))
+        index.add(Finding("error", "bad-offsets", f"data_offsets {_short(offs)} is not "
+                          "[begin, end]", rel, name))
         return None
     begin, end = offs
     bits = dtypes.DTYPES[dtype].bits
@@ -235,6 +258,13 @@ def _tensor_info(name: str, entry: Any, rel: str, data_start: int, index: Checkp
     if group == "model" and dtypes.DTYPES[dtype].kind in ("int", "uint", "bool"):
         group = "buffer"
     return TensorInfo(full, dtype, tuple(shape), expected, group, rel, data_start + begin)
+
+
+def _short(value: Any) -> str:
+    """A header value for a message: at most 80 characters, never a deep ``repr`` (the
+    header's nesting is bounded, and its lists can still be long)."""
+    text = orjson.dumps(value).decode() if isinstance(value, (list, dict)) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_spans(index: CheckpointIndex, rel: str, spans: list[tuple[int, int, str]],

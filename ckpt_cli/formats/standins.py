@@ -44,9 +44,20 @@ def classify_global(qualname: str, *, dotted: bool = False) -> str:
         return "benign"
     if qualname.startswith("__torch__."):
         # TorchScript class types: torch.jit.load resolves them from the archive's code/
-        # (reported as a TorchScript archive); a Python unpickler cannot import them.
-        return "torchscript"
+        # (reported as a TorchScript archive); a Python unpickler cannot import them. Only
+        # the shape TorchScript gives torch's own classes (``__torch__.torch.nn...``,
+        # ``__torch__.torch.classes...``) is a stand-in; ``__torch__.os.system`` and every
+        # other name is judged by what follows the prefix, and refused.
+        rest = qualname.removeprefix("__torch__.")
+        if allowlist.is_dangerous(rest):
+            return "dangerous"
+        return "torchscript" if rest.startswith(_TORCHSCRIPT_STANDINS) else "unknown"
     return "dangerous" if allowlist.is_dangerous(qualname, dotted=dotted) else "unknown"
+
+
+_TORCHSCRIPT_STANDINS = ("torch.nn.", "torch.classes.", "torch.ao.", "torch.jit.")
+"""What a TorchScript class name may say after ``__torch__.`` to stand for a class of torch
+itself (a scripted ``torch.nn.Linear`` is ``__torch__.torch.nn.modules.linear.Linear``)."""
 
 
 @dataclass(slots=True)

@@ -297,19 +297,22 @@ def _flavor(tree: Any) -> str | None:
 
 
 def _is_count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= dtypes.MAX_ELEMENTS
 
 
 def _malformed(rec: TensorRecord) -> str | None:
     """Why a pickled tensor's geometry cannot be trusted, if it cannot (crafted or damaged)."""
     if not isinstance(rec.shape, tuple) or not all(_is_count(d) for d in rec.shape):
-        return f"shape {rec.shape!r} is not a tuple of sizes"
+        return f"shape {str(rec.shape)[:80]} is not a tuple of sizes below 2^63"
+    if (why := dtypes.shape_problem(rec.shape)) is not None:
+        return f"shape declares {why}"
     if rec.kind in ("dense",) and rec.storage is not None:
         if not isinstance(rec.stride, tuple) or len(rec.stride) != len(rec.shape) or not all(
                 _is_count(s) for s in rec.stride):
-            return f"strides {rec.stride!r} do not fit shape {list(rec.shape)}"
+            return f"strides {str(rec.stride)[:80]} do not fit shape {list(rec.shape)}"
         if not _is_count(rec.storage_offset):
-            return f"storage offset {rec.storage_offset!r} is not a non-negative count"
+            return (f"storage offset {str(rec.storage_offset)[:80]} is not a count below "
+                    "2^63")
     if rec.dtype not in dtypes.DTYPES:
         return f"unknown dtype {rec.dtype!r}"
     return None

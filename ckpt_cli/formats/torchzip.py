@@ -388,6 +388,18 @@ def parse_zip(fd: Handle, start: int, length: int, where: str) -> TorchZip:
     return tz
 
 
+def _archive_classes(tz: TorchZip) -> None:
+    """Count a ``__torch__.<module>.<Class>`` global as a TorchScript class (reported with the
+    archive, not on its own) only where the archive's ``code/__torch__/<module>.py`` defines
+    it; anywhere else it is a name no loader can resolve from the file: refused as unknown."""
+    for qual, cls in tz.pickle.globals.items():
+        if cls != "unknown" or not qual.startswith("__torch__."):
+            continue
+        module = qual.rpartition(".")[0].replace(".", "/")
+        if any(n.startswith(tz.prefix) and n.endswith(f"code/{module}.py") for n in tz.entries):
+            tz.pickle.globals[qual] = "torchscript"
+
+
 # Small records torch writes beside the pickle and the storages: never unpickled.
 _PLAIN_RECORDS = ("version", ".format_version", "byteorder", ".storage_alignment",
                   ".data/version", ".data/serialization_id", "serialization_id")
@@ -405,10 +417,13 @@ def scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
     main_name = f"{tz.prefix}data.pkl".lower()
     for e in tz.entries.values():
         short = e.name.removeprefix(tz.prefix)
-        if e.name.lower() == main_name or short.startswith("data/") or (
-                short in _PLAIN_RECORDS or short.startswith("code/")):
-            continue
         named_pkl = short.lower().endswith(".pkl")
+        # Every ``.pkl`` record is scanned, whatever its directory or prefix (a loader that
+        # takes another prefix than torch's first record would unpickle it); storages and
+        # TorchScript code are not pickles.
+        if e.name.lower() == main_name or (not named_pkl and (
+                short.startswith(("data/", "code/")) or short in _PLAIN_RECORDS)):
+            continue
         if e.compressed or e.data_offset + e.size > length:
             if named_pkl:
                 tz.unscanned[short] = ("compressed" if e.compressed
@@ -427,6 +442,7 @@ def scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
         main.calls |= found.calls
         main.inits |= found.inits
         main.builds |= found.builds
+    _archive_classes(tz)
 
 
 def is_torchscript(tz: TorchZip) -> bool:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
 from ckpt_cli import storage
+from ckpt_cli.dtypes import strict_int
 from ckpt_cli.formats.standins import (
     _ACTIVE,
     _ALLOWED,
@@ -304,9 +305,9 @@ def check_lengths(buf: bytes | mmap.mmap | _PreadView, start: int = 0) -> int:
                 pos = end
                 break
             if op == _PUT:
-                text = bytes(buf[pos:nl]).strip()
-                if text.isdigit():
-                    _check_memo(int(text), at, ops)
+                memo = strict_int(bytes(buf[pos:nl]).strip())
+                if memo is not None:
+                    _check_memo(memo, at, ops)
             pos = nl + 1
     raise PickleLengthError(f"pickle data was truncated (no STOP after byte {start:,})", end)
 

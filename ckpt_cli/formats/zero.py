@@ -190,9 +190,13 @@ def _items(obj: Any) -> dict[str, Any]:
 
 
 def _shape(v: Any) -> tuple[int, ...]:
-    if isinstance(v, (list, tuple)) and all(isinstance(d, int) for d in v):
-        return tuple(v)
-    raise CorruptCheckpointError(f"malformed parameter shape {v!r}")
+    if isinstance(v, (list, tuple)) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v):
+        if (why := dtypes.shape_problem(v)) is None:
+            return tuple(v)
+        raise CorruptCheckpointError(f"parameter shape declares {why}")
+    # never the repr of what a pickle held: it may nest deeper than repr can recurse
+    raise CorruptCheckpointError(f"malformed parameter shape (a {type(v).__name__})")
 
 
 def _stage(opt: dict[str, Any]) -> int | None:
@@ -217,7 +221,7 @@ def resolve_tag(path: Path) -> Path:
         tag = deepspeed.latest_tag(path)
         if tag is not None and (path / tag).is_dir() and deepspeed.has_model_states(path / tag):
             return path / tag
-        named = latest.read_text(errors="replace").strip()
+        named = (storage.read_side(latest, "pointer") or b"").decode(errors="replace").strip()
         raise CorruptCheckpointError(f"'latest' names {named!r}, which is not a checkpoint "
                                      "directory here", path=latest)
     raise CkptError("not a DeepSpeed checkpoint (no *_model_states.pt, no latest)", path=path)

@@ -20,7 +20,6 @@ that dequantizes, ``w = q * scale`` (see :mod:`ckpt_cli.fp8`). Activation scales
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -292,7 +291,7 @@ def read_quantization_config(index: CheckpointIndex) -> tuple[dict[str, Any] | N
     try:
         config = index.base / "config.json"
         if index.base.is_dir() and config.is_file():
-            qc = json.loads(config.read_bytes()).get("quantization_config")
+            qc = storage.load_side_json(config, "config").get("quantization_config")
             if isinstance(qc, dict):
                 return qc, "config.json"
     except (ValueError, AttributeError, OSError, CkptError):
@@ -301,8 +300,8 @@ def read_quantization_config(index: CheckpointIndex) -> tuple[dict[str, Any] | N
     raw = meta.get("ckpt.quantization_config") if isinstance(meta, dict) else None
     if isinstance(raw, str):
         try:
-            qc = json.loads(raw)
-        except ValueError:
+            qc = storage.parse_json(raw, what="ckpt.quantization_config", path=None)
+        except CkptError:
             return None, None
         if isinstance(qc, dict):
             return qc, "metadata (ckpt.quantization_config)"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import dtypes, storage
-from ckpt_cli.errors import UnsupportedError, UsageError
+from ckpt_cli.errors import CkptError, UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.provenance import source_label
@@ -474,8 +474,14 @@ def _side_files(index: CheckpointIndex, given: Path, out: Path,
         for d in dirs:
             p = d / name
             if p.is_file() and p.stat().st_size < 64 << 20:
-                found[name] = p.read_bytes()
-                break
+                data = storage.read_side(p, "json-state")
+                if data is not None:
+                    if name == "config.json":
+                        # rewritten below (dtype, quantization_config): its nesting must be
+                        # bounded before anything walks it
+                        storage.parse_json(data, what="the JSON", path=p)
+                    found[name] = data
+                    break
     if found:
         notes.append(f"copied {', '.join(sorted(found))}")
     return found
@@ -519,8 +525,8 @@ def retype_config(data: bytes, target: str) -> tuple[bytes, dict[str, Any] | Non
     name = dtypes.get(target).torch_name
     assert name is not None
     try:
-        doc = json.loads(data)
-    except ValueError:
+        doc = storage.parse_json(data, what="config.json", path=None)  # nesting bounded
+    except CkptError:
         return data, None
     if not isinstance(doc, dict):
         return data, None

@@ -268,8 +268,8 @@ def _shown(cell: Any) -> Any:
     """``cell`` with its control characters written out (strings and plain ``Text``); a string
     becomes ``Text`` so that brackets in a name (``x[red]``) are printed, not read as markup."""
     if isinstance(cell, str):
-        return Text(visible(cell))
-    if isinstance(cell, Text) and (plain := visible(cell.plain)) != cell.plain:
+        return Text(visible(cell, lines=False))
+    if isinstance(cell, Text) and (plain := visible(cell.plain, lines=False)) != cell.plain:
         return Text(plain, style=cell.style, justify=cell.justify)
     return cell
 
@@ -393,8 +393,8 @@ def print_findings(findings: Iterable[Finding], *, console: Console | None = Non
             continue
         where = ":".join(x for x in (f.file, f.location) if x)
         line = Text(f"{f.severity}: ", style=_SEVERITY_STYLE[f.severity])
-        line.append(visible(f"{where}: ") if where else "")
-        line.append(visible(f.message))  # a file name's escape sequences shown, not obeyed
+        line.append(visible(f"{where}: ", lines=False) if where else "")
+        line.append(visible(f.message, lines=False))  # escapes shown, not obeyed; one line
         con.print(line, soft_wrap=True)
 
 
@@ -404,7 +404,7 @@ def print_messages(findings: Iterable[Finding]) -> None:
     con = stderr()
     for f in findings:
         line = Text(f"{f.severity}: ", style=_SEVERITY_STYLE[f.severity])
-        line.append(visible(f.message))
+        line.append(visible(f.message, lines=False))
         con.print(line, soft_wrap=True)
 
 

@@ -7,6 +7,9 @@ store. Everything above it asks the capability predicates (:func:`can_rename_ato
   :func:`walk`), and the operations whose local and object forms differ (:func:`create`,
   :func:`write_whole`, :func:`remove`).
 - ``local``: regular files told from FIFOs, sockets and devices; non-blocking opens.
+- ``sidefiles``: :func:`read_side`, the one guarded read of a side file (manifest, ledger,
+  config, trainer state, index, pointer): regular files only, a size cap per kind
+  (:data:`CAPS`); :func:`parse_json`, JSON with its nesting bounded.
 - ``objects``: :class:`ObjectStore` (fsspec, listings, block cache, S3 calls) and
   :class:`Upload`; ``objectpath``: :class:`ObjectPath`, :class:`ObjectFile`.
 - ``config``: URL syntax, ``--storage-option``, :func:`redact`, failures in one line.
@@ -185,6 +188,24 @@ if TYPE_CHECKING:
     from ckpt_cli.storage.objects import (
         store_for as store_for,
     )
+    from ckpt_cli.storage.sidefiles import (
+        CAPS as CAPS,
+    )
+    from ckpt_cli.storage.sidefiles import (
+        MAX_JSON_DEPTH as MAX_JSON_DEPTH,
+    )
+    from ckpt_cli.storage.sidefiles import (
+        json_depth_over as json_depth_over,
+    )
+    from ckpt_cli.storage.sidefiles import (
+        load_side_json as load_side_json,
+    )
+    from ckpt_cli.storage.sidefiles import (
+        parse_json as parse_json,
+    )
+    from ckpt_cli.storage.sidefiles import (
+        read_side as read_side,
+    )
 
 _WHERE = {
     **dict.fromkeys(("Handle", "Window", "can_rename_atomically", "close", "create",
@@ -196,6 +217,9 @@ _WHERE = {
                     "concurrency", "configure", "install_hint", "is_url", "parse_options",
                     "redact"), "config"),
     **dict.fromkeys(("not_regular", "special_kind"), "local"),
+    **dict.fromkeys(("CAPS", "MAX_JSON_DEPTH", "json_depth_over", "load_side_json", "parse_json",
+                     "read_side"),
+                    "sidefiles"),
     **dict.fromkeys(("ObjectEntry", "ObjectFile", "ObjectPath"), "objectpath"),
     **dict.fromkeys(("BLOCK", "CACHE_BLOCKS", "LARGE_READ", "RANGE_BYTES", "STREAM_AFTER",
                     "UPLOAD_IDLE", "UPLOAD_IN_FLIGHT", "UPLOAD_PART", "Entry", "ObjectStore",

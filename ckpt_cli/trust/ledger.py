@@ -177,23 +177,9 @@ def read_ledger(run_dir: str | os.PathLike[str]) -> Ledger | None:
         CkptError: If the ledger exists but cannot be read (not a regular file, permissions).
     """
     path = ledger_path(run_dir)
-    try:
-        if not storage.has_file_system(path):
-            if not path.is_file():
-                return None
-            return parse(path.read_bytes())
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise CkptError(f"cannot read the run ledger: {e.strerror or e}", path=path) from e
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if not _is_regular(f.fileno()):
-                raise CkptError("the run ledger is not a regular file", path=path)
-            return parse(f.read())
-    except OSError as e:
-        raise CkptError(f"cannot read the run ledger: {e.strerror or e}", path=path) from e
+    # Regular files only (a FIFO would block), no symbolic link, at most 64 MiB.
+    data = storage.read_side(path, "ledger", follow_symlinks=False)
+    return None if data is None else parse(data)
 
 
 def _is_regular(fd: int) -> bool:
@@ -251,7 +237,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def _append_object(path: Path, data: bytes) -> None:
     try:
-        old = path.read_bytes() if path.is_file() else b""
+        old = storage.read_side(path, "ledger") or b""
         if old and not old.endswith(b"\n"):
             old += b"\n"
         path.write_bytes(old + data)
@@ -273,13 +259,8 @@ def manifest_digest(checkpoint: str | os.PathLike[str]) -> str | None:
     from ckpt_cli.manifest import manifest_path
 
     path = manifest_path(storage.locate(checkpoint))
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise CkptError(f"cannot read the manifest: {e}", path=path) from e
-    return hashlib.sha256(data).hexdigest()
+    data = storage.read_side(path, "manifest")
+    return None if data is None else hashlib.sha256(data).hexdigest()
 
 
 def recheck_good(path: Path, line: LedgerEntry, *, full: bool) -> list[str]:

@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from ckpt_cli import storage
+from ckpt_cli.dtypes import strict_int
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.model import RunListing
 
@@ -37,9 +39,12 @@ def trainer_state(listing: RunListing) -> tuple[list[dict[str, Any]], tuple[str,
                  default=None)
     if newest is None:
         return [], None
+    # Not a regular file or over its cap: an error (a state that cannot be read could hide
+    # the best checkpoint); malformed JSON counts as no state, as before.
+    raw = storage.read_side(newest, "trainer-state")
     try:
-        data = orjson.loads(newest.read_bytes())
-    except (OSError, orjson.JSONDecodeError):
+        data = orjson.loads(raw or b"")
+    except orjson.JSONDecodeError:
         return [], None
     if not isinstance(data, dict):
         return [], None
@@ -128,10 +133,9 @@ def read_metrics_file(path: Path, keys: tuple[str, ...],
     Raises:
         CkptError: The file cannot be read or parsed.
     """
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise CkptError(f"cannot read the metrics file: {e.strerror}", path=path) from None
+    raw = storage.read_side(path, "metrics")
+    if raw is None:
+        raise CkptError("cannot read the metrics file: no such file", path=path)
     rows: list[Any]
     try:
         if path.suffix == ".csv":
@@ -156,8 +160,8 @@ def read_metrics_file(path: Path, keys: tuple[str, ...],
                 value = _as_float(v)
             if value is None:
                 continue
-            if str(name).isdigit():
-                by_step[int(name)] = value
+            if (step := strict_int(str(name))) is not None:
+                by_step[step] = value
             else:
                 by_name[str(name)] = value
         return by_step, by_name, seen

@@ -239,6 +239,11 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
             f for f in allowlist.pickle_findings(tz.pickle, file=rel,
                                                  what=f"pickle of item {it.name}")
             if f.severity != "info")
+        # Fail closed: a pickle record of the item ckpt could not scan may run anything.
+        report.pickles.extend(
+            Finding("error", "unscanned-pickle", f"item {it.name}: pickle record {name} could "
+                    f"not be scanned for globals: {why}", rel, it.name)
+            for name, why in sorted(tz.unscanned.items()))
         if it.offsets is not None:
             pair = chunks.get((it.name, it.offsets))
             problem = _chunk_problem(tz, pair, it.length) if pair else None

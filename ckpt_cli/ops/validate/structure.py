@@ -70,6 +70,10 @@ def deep_checks(b: Builder, index: CheckpointIndex, path: Path, files: OpenFiles
             continue  # check_dcp decodes every item (the reader only the small ones)
         cid = _FORMAT_CODE_CHECK.get((index.format, f.code)) or _CODE_CHECK.get(f.code,
                                                                                 "readable")
+        if f.code == "unscanned-pickle" and f.severity != "error":
+            # Fail closed: what ckpt cannot scan may run anything under a full unpickler
+            # (inspect and the rest warn; validate refuses).
+            f = dataclasses.replace(f, severity="error")
         b.add(cid, [f])
     fmts = {f.format for f in index.files}
     b.add("readable", [], f"{index.format}"

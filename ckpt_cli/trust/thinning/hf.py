@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.storage.atomic import fsync_path
 from ckpt_cli.trust.thinning import base
@@ -80,7 +81,7 @@ def _hf_to_bf16(path: Path, victims: list[str], on_start: OnStart,
                 sizes[c.name] = _safetensors_to_bf16(c, tmp / c.name)
                 shutil.copystat(c, tmp / c.name)
             elif c.name == "config.json":
-                cfg = json.loads(c.read_text())
+                cfg = storage.load_side_json(c, "config")
                 keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]
                 for k in keys:
                     cfg[k] = "bfloat16"
@@ -95,7 +96,7 @@ def _hf_to_bf16(path: Path, victims: list[str], on_start: OnStart,
                     shutil.copy2(c, tmp / c.name)
         for c in children:
             if c.name.endswith(".safetensors.index.json") and c.name.startswith("model"):
-                doc = json.loads(c.read_text())
+                doc = storage.load_side_json(c, "index")
                 if isinstance(doc.get("metadata"), dict) and "total_size" in doc["metadata"]:
                     doc["metadata"]["total_size"] = sum(sizes.values())
                 (tmp / c.name).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")

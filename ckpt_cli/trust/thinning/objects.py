@@ -154,7 +154,6 @@ def _dcp_writer(directory: Path, prefix: str) -> Any:
 def _referenced(path: Path) -> set[str] | None:
     """The files a remote checkpoint's commit record names: a DCP ``.metadata``'s data files,
     or an HF index's shards (None: neither can be read)."""
-    import json
 
     from ckpt_cli.formats.dcp import metadata_file, parse_metadata, storage_map
 
@@ -166,7 +165,7 @@ def _referenced(path: Path) -> set[str] | None:
         idx = [c for c in path.iterdir() if c.name.startswith("model")
                and c.name.endswith(".safetensors.index.json")]
         if len(idx) == 1:
-            wm = json.loads(idx[0].read_text()).get("weight_map")
+            wm = storage.load_side_json(idx[0], "index").get("weight_map")
             return {str(v) for v in wm.values()} if isinstance(wm, dict) else None
         if (path / "model.safetensors").is_file():
             return {"model.safetensors"}
@@ -376,14 +375,14 @@ def _hf_prefix_to_bf16(path: Path, victims: list[str], on_start: OnStart,
                 total += sum(t.nbytes for t in infos[w.name].tensors.values())
         config: bytes | None = None
         if (path / "config.json").is_file():
-            cfg = json.loads((path / "config.json").read_text())
+            cfg = storage.load_side_json(path / "config.json", "config")
             if isinstance(cfg, dict):
                 for k in [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]:
                     cfg[k] = "bfloat16"
                 config = (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
         index: bytes | None = None
         if idxs:
-            doc = json.loads(idxs[0].read_text())
+            doc = storage.load_side_json(idxs[0], "index")
             doc["weight_map"] = {k: renamed.get(v, v) for k, v in doc["weight_map"].items()}
             if isinstance(doc.get("metadata"), dict) and "total_size" in doc["metadata"]:
                 doc["metadata"]["total_size"] = total
