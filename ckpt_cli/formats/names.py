@@ -26,6 +26,21 @@ TRASH_PREFIX = ".ckpt-trash-"
 """Prefix of an entry ``ckpt prune`` renamed out of the checkpoint namespace before removing it."""
 
 
+_NAME_MAX = 255
+
+
+def fit_name(name: str, suffix: str = "") -> str:
+    """Shorten a name so that with ``suffix`` it fits the 255-byte limit of file names."""
+    import os
+
+    # fsencode keeps undecodable bytes of odd names (surrogateescape) instead of failing.
+    raw = os.fsencode(name)
+    room = _NAME_MAX - len(os.fsencode(suffix))
+    if len(raw) > room:
+        name = os.fsdecode(raw[:room])
+    return name + suffix
+
+
 def is_leftover(name: str) -> bool:
     """Whether a name is a temporary (being written) or trash entry, never a checkpoint."""
     return name.startswith(TRASH_PREFIX) or any(m in name for m in TEMP_MARKERS) or (

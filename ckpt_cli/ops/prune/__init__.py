@@ -36,8 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.formats import read_index
+from ckpt_cli.errors import UsageError
+from ckpt_cli.formats import finding_sentence, first_error
 from ckpt_cli.model import RunListing
 from ckpt_cli.ops.prune.deletion import mounts_inside
 from ckpt_cli.ops.prune.executor import ANY_DIR_HINT, PlannedPrune, RunSite, execute
@@ -209,7 +209,8 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
 
 
 def quick_validate(path: Path) -> str | None:
-    """Read a checkpoint's index (headers and pickles only) and report the first error.
+    """Read a checkpoint's index (headers and pickles only) and report the first error
+    (:func:`ckpt_cli.formats.first_error`), plus validate's rank-file check.
 
     Args:
         path: A checkpoint file or directory.
@@ -217,19 +218,11 @@ def quick_validate(path: Path) -> str | None:
     Returns:
         None if it reads without error findings, else why it is not valid.
     """
-    try:
-        index = read_index(path)
-    except CkptError as e:
-        return e.message
-    except Exception as e:  # a reader failing on odd input must not stop the prune: keep more
-        return f"could not be read: {type(e).__name__}: {e}"
-    errors = [f for f in index.findings if f.severity == "error"]
+    index, why = first_error(path)
+    if index is None or why is not None:
+        return why
     # Rank files against the world sizes the checkpoint records (a directory listing): a
     # ZeRO-3 tag missing one rank's model states reads fine but cannot be loaded.
     ranks = rank_findings(index, path) if path.is_dir() else None
-    if ranks is not None:
-        errors += [f for f in ranks[0] if f.severity == "error"]
-    if errors:
-        where = ":".join(x for x in (errors[0].file, errors[0].location) if x)
-        return f"{where}: {errors[0].message}" if where else errors[0].message
-    return None
+    errors = [f for f in ranks[0] if f.severity == "error"] if ranks is not None else []
+    return finding_sentence(errors[0]) if errors else None
