@@ -414,11 +414,21 @@ class RunWatcher:
 
 
 def run_dirs(root: Path) -> list[Path]:
-    """The run directories to watch under ``root``: itself, or the runs it holds."""
-    from ckpt_cli.runs import is_run_dir
+    """The run directories to watch under ``root``: itself, or the runs it holds.
+
+    Raises:
+        UsageError: ``root`` is itself a checkpoint (its ledger and manifests would be
+            written inside it); the message names its run directory.
+    """
+    from ckpt_cli.errors import UsageError
+    from ckpt_cli.runs import ITSELF, is_run_dir, run_dir_problem
 
     if is_run_dir(root):
         return [root]
+    problem = run_dir_problem(root)
+    if problem is not None and problem.startswith(ITSELF):
+        raise UsageError(problem, path=root, hint=f"watch the directory that holds it: "
+                                                  f"{root.parent}")
     out = []
     with contextlib.suppress(OSError), storage.scandir(root) as it:
         for child in sorted(it, key=lambda c: c.name):

@@ -3,8 +3,9 @@
 :func:`plan` decides and :func:`execute` carries the decisions out (``ckpt prune`` shows the
 plan and asks in between); :func:`prune` is both in one call. The order of work, and why:
 
-1. Refuse roots that cannot be meant (``/``, ``$HOME``, a whole bucket, a checkpoint, a
-   directory without checkpoints) unless ``any_dir`` says otherwise.
+1. Refuse roots that cannot be meant (``/``, ``$HOME``, a whole bucket, a directory without
+   checkpoints) unless ``any_dir`` says otherwise, and a checkpoint (of any format) always,
+   naming its run directory: nothing is ever created inside a checkpoint.
 2. Take ``.ckpt-prune.lock`` with ``flock`` (not for ``dry_run``), so two prunes never race;
    the lock is held until :func:`execute` has finished.
 3. List the run directory, gather facts by reading files (lock files, quick validation of the
@@ -55,7 +56,7 @@ from ckpt_cli.ops.prune.retention import (
     ranked_entries,
 )
 from ckpt_cli.ops.validate.layoutcheck import rank_findings
-from ckpt_cli.runs import list_run, run_dir_problem, writer_lock
+from ckpt_cli.runs import ITSELF, list_run, run_dir_problem, writer_lock
 from ckpt_cli.trust.ledger import read_ledger
 
 __all__ = ["LOCK_NAME", "NO_CHECKPOINTS_YET", "Outcome", "PlannedPrune", "PruneEvent",
@@ -137,6 +138,10 @@ def plan(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
     # Only "no checkpoint is there (yet)": a cron job that starts before training's first
     # save is a quiet success, not an error.
     quiet = problem is not None and problem.startswith("holds no checkpoints")
+    if problem is not None and problem.startswith(ITSELF):
+        # Never, not even with any_dir: the lock (and thinning's work) would land inside it.
+        raise UsageError(problem, path=given,
+                         hint=f"prune the directory that holds it: {site.root.parent}")
     if problem and not quiet and not any_dir:
         raise UsageError(problem, path=given, hint=ANY_DIR_HINT, param="any_dir")
     with contextlib.ExitStack() as hold:

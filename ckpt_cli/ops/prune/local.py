@@ -39,6 +39,7 @@ from ckpt_cli.ops.prune.retention import (
 from ckpt_cli.runs import (
     LOCK_SUFFIX,
     POINTER_FILES,
+    PRUNE_LOCK,
     read_pointers,
     tree_scan,
 )
@@ -59,7 +60,7 @@ def _finish_trash(root: HeldDir, listing: RunListing, result: PruneResult,
             report(PruneEvent("trash", name))
 
 
-LOCK_NAME = ".ckpt-prune.lock"
+LOCK_NAME = PRUNE_LOCK
 """The file ``prune`` locks in the run directory (left in place: removing a lock file races)."""
 
 
