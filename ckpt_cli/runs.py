@@ -210,6 +210,51 @@ def tree_stats(path: Path) -> tuple[int, int, float]:
     return scan.bytes, scan.files, scan.mtime
 
 
+STALE_TEMP_AGE = 3600.0
+"""Seconds a temporary whose writer cannot be told (another host's, or a name without one)
+must be unchanged before the sweeper removes it."""
+
+
+def stale_temporaries(root: Path, now: float) -> list[Path]:
+    """ckpt's own temporaries a killed write left in a run, at its top and at the top of each
+    directory there, a checkpoint's (``formats.names.is_own_temporary``: ``.ckpt-tmp-``,
+    ``.ckpt-old-`` and trash names): the one list the sweeper (prune, watch's passes) removes.
+
+    Trash (made only by a prune, under its lock) is stale whenever the caller holds that lock;
+    a temporary whose writer of this host is gone (``storage.atomic.temp_writer_gone``) is
+    stale at once; any other once nothing in it changed for :data:`STALE_TEMP_AGE` seconds.
+
+    Args:
+        root: The run directory (local), its prune lock held by the caller.
+        now: The current time.
+
+    Returns:
+        The paths to remove.
+    """
+    from ckpt_cli.formats.names import TRASH_PREFIX, is_own_temporary
+    from ckpt_cli.storage.atomic import temp_writer_gone
+
+    out: list[Path] = []
+    try:
+        with storage.scandir(root) as it:
+            dirs = [root, *sorted(Path(e.path) for e in it if not e.name.startswith(".")
+                                  and e.is_dir(follow_symlinks=False))]
+    except OSError:
+        return out
+    for d in dirs:
+        try:
+            with storage.scandir(d) as it:
+                names = sorted(e.name for e in it if is_own_temporary(e.name))
+        except OSError:
+            continue
+        for name in names:
+            path = Path(d) / name
+            if (name.startswith(TRASH_PREFIX) or temp_writer_gone(name)
+                    or now - tree_scan(path).changed >= STALE_TEMP_AGE):
+                out.append(path)
+    return out
+
+
 PRUNE_LOCK = ".ckpt-prune.lock"
 """The file ``ckpt prune`` locks (``flock``) in a run directory while it works."""
 

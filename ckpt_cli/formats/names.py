@@ -27,6 +27,18 @@ TRASH_PREFIX = ".ckpt-trash-"
 
 
 _NAME_MAX = 255
+OWN_TEMP_MARKERS = (".ckpt-tmp-", ".ckpt-old-")
+"""What ckpt's own temporary names hold (``storage.atomic.tmp_sibling``, swaps)."""
+_PARTS_STAGING = ".ckpt-tmp-parts"  # a --part job's staging: its own lifecycle and lock
+
+
+def is_own_temporary(name: str) -> bool:
+    """Whether a name is one of ckpt's own temporaries or trash (what a write or a prune
+    killed midway leaves): the one pattern the sweeper removes. A split job's staging
+    directory (``.ckpt-tmp-parts``) is not: the parts finish or clean it."""
+    if _PARTS_STAGING in name:
+        return False
+    return name.startswith(TRASH_PREFIX) or any(m in name for m in OWN_TEMP_MARKERS)
 
 
 def fit_name(name: str, suffix: str = "") -> str:

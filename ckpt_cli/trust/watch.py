@@ -31,7 +31,7 @@ from typing import Any
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
-from ckpt_cli.formats.names import is_last_copy
+from ckpt_cli.formats.names import is_last_copy, is_own_temporary
 from ckpt_cli.model import RunEntry
 from ckpt_cli.ops.prune.retention import PrunePolicy
 from ckpt_cli.trust import ledger
@@ -230,20 +230,28 @@ class RunWatcher:
         listing = list_run(self.root, self.opts.pattern)
         now = self.clock()
         self.next_due = None
-        verified_any = False
+        verified_any = examined = False
         for e in listing.entries:
             sig = _signature(e)
             cached = self.seen.get(e.name)
             if cached is not None and cached[0] == sig:
                 continue
             ev = self._examine(e, sig, now, cached)
+            examined = True
             if ev is not None:
                 self._say(ev, out)  # at once, not at the end of the pass
                 verified_any = verified_any or ev.verdict == ledger.GOOD
         if verified_any and self.opts.policy is not None:
-            ev = self._retain()
+            ev = self._retain()  # its prune sweeps too
             if ev is not None:
                 self._say(ev, out)
+        elif (examined or any(is_own_temporary(n) for n in listing.leftovers)) and (
+                storage.has_file_system(self.root)):
+            # What a killed write left (a thinning's or a manifest's temporary): removed by
+            # the sweep every prune starts with, under its lock.
+            from ckpt_cli.ops.prune import sweep
+
+            sweep(self.root)
         return out
 
     def _refresh_known(self) -> None:

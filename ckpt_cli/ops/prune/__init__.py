@@ -44,6 +44,7 @@ from ckpt_cli.ops.prune.deletion import mounts_inside
 from ckpt_cli.ops.prune.executor import ANY_DIR_HINT, PlannedPrune, RunSite, execute
 from ckpt_cli.ops.prune.local import LOCK_NAME as LOCK_NAME
 from ckpt_cli.ops.prune.local import LocalRun
+from ckpt_cli.ops.prune.local import sweep as sweep
 from ckpt_cli.ops.prune.metrics import metric_values, trainer_state
 from ckpt_cli.ops.prune.objects import PrefixRun
 from ckpt_cli.ops.prune.result import Outcome as Outcome
@@ -60,7 +61,7 @@ from ckpt_cli.runs import ITSELF, list_run, run_dir_problem, writer_lock
 from ckpt_cli.trust.ledger import read_ledger
 
 __all__ = ["LOCK_NAME", "NO_CHECKPOINTS_YET", "Outcome", "PlannedPrune", "PruneEvent",
-           "PruneResult", "execute", "gather_facts", "plan", "prune", "quick_validate"]
+           "PruneResult", "execute", "gather_facts", "plan", "prune", "quick_validate", "sweep"]
 
 
 def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
@@ -144,15 +145,21 @@ def plan(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
                          hint=f"prune the directory that holds it: {site.root.parent}")
     if problem and not quiet and not any_dir:
         raise UsageError(problem, path=given, hint=ANY_DIR_HINT, param="any_dir")
+    swept: tuple[list[str], dict[str, str]] = ([], {})
     with contextlib.ExitStack() as hold:
         if not dry_run:
             hold.enter_context(site.lock())
+            if isinstance(site, LocalRun):
+                # Before listing: what a killed write left goes first, so the plan (and the
+                # re-checks against it) see the run without it.
+                swept = site.sweep()
         listing = list_run(site.root, pattern, strict=True)
         facts = gather_facts(listing, policy, metrics_file)
         result = PruneResult(given, plan_prune(listing, policy, site.start, facts), dry_run,
                              pattern=pattern,
                              metrics_file=Path(metrics_file) if metrics_file else None)
         result.note = NO_CHECKPOINTS_YET if quiet else None
+        result.trash_removed, result.trash_failed = swept
         site.planned(result)
         return PlannedPrune(site, result, hold.pop_all())
 
