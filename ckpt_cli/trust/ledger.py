@@ -493,6 +493,19 @@ def abandoned(book: Ledger) -> dict[str, LedgerEntry]:
     return out
 
 
+def thinned_on_purpose(path: Path) -> bool:
+    """Whether the run ledger beside a checkpoint records that ``prune --thin-after`` thinned
+    it (a confirmed ``thinned`` line): its optimizer state was dropped on purpose."""
+    from ckpt_cli.trust.thinning.base import pending
+
+    try:
+        book = read_ledger(storage.locate(path).parent)
+    except CkptError:
+        return False
+    return book is not None and any(e.path == path.name and e.event == THINNED
+                                    and not pending(e) for e in book.entries)
+
+
 def links_in(path: Path) -> list[str]:
     """The symbolic links a checkpoint is (or holds), by name; local paths only."""
     if not storage.has_file_system(path):

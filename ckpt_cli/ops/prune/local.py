@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.errors import BusyError, CkptError, UsageError
 from ckpt_cli.formats import check_exists
 from ckpt_cli.model import POINTER_UNREADABLE, RunEntry
 from ckpt_cli.ops.prune.deletion import (
@@ -389,7 +389,7 @@ def _locked(root: Path) -> Iterator[None]:
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise CkptError(f"cannot lock {LOCK_NAME}: {e.strerror}", path=root) from None
-            raise CkptError("another ckpt prune is running on this directory", path=root,
+            raise BusyError("another ckpt prune is running on this directory", path=root,
                             hint=f"it holds {root / LOCK_NAME}; try again when it has "
                                  "finished") from None
         yield

@@ -503,8 +503,10 @@ def test_a_second_prune_waits_for_the_lock(sample_copy: Path) -> None:
     with open(sample_copy / ".ckpt-prune.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes")
-    assert r.exit_code == 2
+        busy = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes", "--json")
+    assert r.exit_code == 75  # EX_TEMPFAIL: try later, not a usage error (2)
     assert "another ckpt prune is running" in r.stderr
+    assert busy.exit_code == 75 and json.loads(busy.stdout)["error"]["kind"] == "busy"
     assert "step_000100" in _names(sample_copy)
     r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes")  # lock released
     assert r.exit_code == 0 and "step_000100" not in _names(sample_copy)

@@ -105,3 +105,28 @@ def test_a_stale_prune_lock_inside_a_checkpoint_is_removed_not_obeyed(tmp_path: 
     status = {c["name"]: c["action"] for c in doc["checkpoints"]}
     assert status == {"step_000600": "delete", "step_000700": "delete", "step_000800": "keep"}
     assert not stray.exists()
+
+
+def test_a_dry_run_says_would_thin_and_every_line_has_its_reason(sample_copy: Path) -> None:
+    for args in (["--thin-after", "2"], ["--keep", "3", "--thin-after", "1"]):
+        r = run_cli("prune", sample_copy, *args, "--grace", "0", "--dry-run")
+        assert r.exit_code == 0, r.output
+        lines = [s for s in r.stdout.splitlines()
+                 if s.startswith(("keep ", "would ", "thin ", "delete "))]
+        assert len(lines) == 4, r.stdout
+        assert all(s.split("): ", 1)[1].strip() for s in lines), lines
+        assert any(s.startswith("would thin step_000") for s in lines), lines
+        assert not any("thinned" in s for s in lines), lines
+
+
+def test_plan_counts_thinned_checkpoints_at_their_thinned_size() -> None:
+    r = run_cli("plan", "--params", "7e9", "--keep", "5", "--thin-after", "3", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    ret, size = doc["retention"], doc["sizes"]
+    assert ret["kept_whole"] == 3
+    thinned = doc["thinning"]["thinned_bytes"] if doc.get("thinning") else None
+    assert thinned is not None and 0 < thinned < size["training"]
+    assert ret["steady_bytes"] == 3 * size["training"] + 2 * thinned
+    human = run_cli("plan", "--params", "7e9", "--keep", "5", "--thin-after", "3")
+    assert "(3 whole, 2 thinned)" in human.stdout
