@@ -391,14 +391,18 @@ def saved_again(path: Path, line: LedgerEntry, now: Mapping[str, Stamp]) -> bool
     name, as a run resumed from an earlier step writes): its commit marker is not the file
     verified (its stat differs from the record, or where none was recorded it was modified
     after the verdict) and its bytes are not the ones the manifest recorded. Damage to a data
-    file leaves the marker alone, and a copy keeps its bytes; a layout without a marker never
-    counts as saved again.
+    file leaves the marker alone, and a copy keeps its bytes; a layout without a marker, and a
+    single file without checksums of its own (safetensors), never count as saved again.
     """
     from ckpt_cli.manifest import hash_files, read_manifest
 
     marker = commit_marker(path)
     cur = now.get(marker) if marker is not None else None
     if marker is None or cur is None:
+        return False
+    if not path.is_dir() and not _checksummed(path):
+        # A single file is its own marker: without checksums of its own (safetensors, a
+        # legacy pickle) a new save cannot be told from damage, so it counts as damage.
         return False
     if (line.files.get(marker) == cur) if line.files else cur[1] <= int(line.time * 1e9):
         return False
@@ -412,6 +416,21 @@ def saved_again(path: Path, line: LedgerEntry, now: Mapping[str, Stamp]) -> bool
         return False
     got = digests.get(marker)
     return got is None or got.digest != m.files[marker].digest
+
+
+def _checksummed(path: Path) -> bool:
+    """Whether a single-file checkpoint carries checksums of its own (a torch zip: CRC-32 per
+    record), which a fresh verification with CRC checks."""
+    try:
+        h = storage.open_regular(path)  # never blocks on a FIFO swapped in
+    except (OSError, CkptError):
+        return False
+    try:
+        return storage.pread(h, 4, 0) == b"PK\x03\x04"
+    except (OSError, CkptError):
+        return False
+    finally:
+        storage.close(h)
 
 
 def recheck_good(path: Path, line: LedgerEntry, *, full: bool,

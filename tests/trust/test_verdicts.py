@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 import pytest
+import torch
 
 from ckpt_cli.resume import choose
 from ckpt_cli.trust import ledger
@@ -184,3 +185,23 @@ def test_ledger_lines_name_only_direct_children_and_never_a_hostile_pickle(
     assert os.path.isdir(outside / "checkpoint-9")  # untouched
     book = ledger.read_ledger(run)
     assert book is not None and book.ignored == ("sub/checkpoint-9", ".", "..")
+
+
+def test_a_changed_single_file_without_checksums_is_damage_not_a_new_save(
+        tmp_path: Path) -> None:
+    """A safetensors file is its own commit marker and has no CRC: a flipped byte in it cannot
+    be told from a new save, so it is reported bad (fail closed), never verified afresh."""
+    from safetensors.torch import save_file
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (100, 200):
+        save_file({"w": torch.full((64, 64), float(step))}, run / f"model_{step}.safetensors")
+    assert watch_once(run)[0] == 0
+    newest = run / "model_200.safetensors"
+    _flip_middle(newest)
+    choice = choose(run)
+    assert choice is not None and choice.path == run / "model_100.safetensors"
+    code, events, err = watch_once(run)
+    assert code == 1, (events, err)
+    assert [(e["path"], e["verdict"]) for e in events] == [("model_200.safetensors", "bad")]
