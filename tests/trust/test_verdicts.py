@@ -136,6 +136,14 @@ def test_a_rollback_leaves_the_resaved_checkpoints_good_and_resume_on_the_new_ti
     # A restarted watcher finds nothing to say.
     code, events, err = watch_once(run)
     assert code == 0 and events == [], (events, err)
+    # Retention never deletes (nor thins) the resume point, though higher steps of the
+    # abandoned timeline are newer by step.
+    r = run_cli("prune", run, "--keep", "1", "--thin-after", "1", "--grace", "0", "--yes",
+                "--json")
+    assert r.exit_code == 0, r.output
+    step8 = next(c for c in json.loads(r.stdout)["checkpoints"] if c["name"] == "step_8")
+    assert step8["action"] == "keep" and "pinned" in step8["protected_by"]
+    assert (run / "step_8").is_dir() and choose(run).path == run / "step_8"  # type: ignore[union-attr]
 
 
 def _forge(run: Path, name: str, step: int, **fields: Any) -> None:

@@ -199,6 +199,15 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
     if ledger is not None:
         facts.ledger = True
         names = {e.name for e in listing.entries}
+        # What training resumes from is never deleted nor thinned, also when it is not the
+        # newest by step (a run resumed from an earlier step: the higher steps left behind
+        # are another timeline).
+        from ckpt_cli.resume import choose
+
+        choice = choose(listing.root)
+        if choice is not None and choice.path.name in names:
+            facts.pinned[choice.path.name] = ("resume-path answers it: the newest verified "
+                                              "checkpoint of the run's current timeline")
         for path, line in ledger.latest().items():
             if path in names:
                 facts.verdicts[path] = line.good
