@@ -142,3 +142,12 @@ class OutOfMemoryError(CkptError):
     """An allocation failed: the data did not fit the memory there is (or ``ulimit -v``)."""
 
     kind = "memory"
+
+
+class BusyError(CkptError):
+    """Another process holds what the command needs (another ``ckpt prune`` holds the run's
+    lock): nothing was done; try again later. Exit 75 (``EX_TEMPFAIL``), so that cron and
+    schedulers can tell "try later" from a wrong command (2)."""
+
+    kind = "busy"
+    exit_code = 75

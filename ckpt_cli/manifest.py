@@ -40,6 +40,7 @@ import orjson
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
+from ckpt_cli.formats.names import OWN_TEMP_MARKERS, TRASH_PREFIX
 from ckpt_cli.model import Finding
 from ckpt_cli.storage import open_regular, stages
 from ckpt_cli.storage.reads import (
@@ -61,8 +62,6 @@ ALGORITHMS = ("xxh3_128", "blake3", "sha256")
 """Checksums a manifest may use."""
 DEFAULT_ALGORITHM = "xxh3_128"
 _DIGEST_HEX = {"xxh3_128": 32, "blake3": 64, "sha256": 64}
-# Temporary names of ckpt's own atomic writes; never part of a checkpoint.
-_OWN_TEMP = (".ckpt-tmp-", ".ckpt-trash-", ".ckpt-old-")
 _MAX_READERS = 8  # threads copying one file ahead of its hasher (64-72 MiB of buffers)
 
 
@@ -274,12 +273,12 @@ def _base_and_files(checkpoint: Path) -> tuple[Path, list[str]]:
         return checkpoint.parent, [checkpoint.name]
     out: list[str] = []
     for dirpath, dirnames, filenames in storage.walk(checkpoint, onerror=_walk_error):
-        dirnames[:] = sorted(d for d in dirnames if not any(m in d for m in _OWN_TEMP))
+        dirnames[:] = sorted(d for d in dirnames if not _own_temp(d))
         rel_dir = Path(dirpath.relative_to(checkpoint).as_posix())
         for name in filenames:
             if name == MANIFEST_NAME and rel_dir == Path("."):
                 continue
-            if any(m in name for m in _OWN_TEMP):
+            if _own_temp(name):
                 continue
             try:
                 if not stat.S_ISREG((dirpath / name).stat().st_mode):
@@ -288,6 +287,11 @@ def _base_and_files(checkpoint: Path) -> tuple[Path, list[str]]:
                 continue
             out.append((rel_dir / name).as_posix())
     return checkpoint, sorted(out)
+
+
+def _own_temp(name: str) -> bool:
+    """ckpt's own temporary and trash names (a split job's staging too): never checkpoint data."""
+    return name.startswith(TRASH_PREFIX) or any(m in name for m in OWN_TEMP_MARKERS)
 
 
 def _walk_error(e: OSError) -> None:

@@ -3,9 +3,11 @@
 :func:`latest_verified` reads the run ledger (:mod:`ckpt_cli.trust.ledger`) and returns the newest
 checkpoint whose newest line says ``good`` and which is still what was verified: its manifest is
 the one recorded (same SHA-256), every file the manifest lists is there with its recorded size
-and nothing was added, and with ``verify="full"`` every file's checksum matches too. A
-checkpoint that fails is skipped (the next older one is tried), so a shard truncated or
-rewritten after its save is never resumed from.
+and nothing was added, every file whose size, modification time or inode is not what the
+verdict recorded hashes as the manifest says (with ``verify="full"``, every file is hashed),
+and its index reads cleanly. A checkpoint that fails is skipped (the next older one is tried),
+so a shard truncated or rewritten after its save is never resumed from; nor is one of a
+timeline that a resume from an earlier step abandoned.
 
 Pass the result as ``resume_from_checkpoint=`` (HF Trainer) or ``ckpt_path=`` (Lightning);
 ``ckpt resume-path RUN_DIR`` prints it for shell scripts.
@@ -32,12 +34,15 @@ class ResumeChoice:
         path: The checkpoint.
         entry: Its ledger line.
         rejected: ``(path, why)`` of newer checkpoints the ledger trusted that failed the
-            re-check.
+            re-check (or belong to a timeline a resume abandoned).
+        ignored: Paths of ledger lines that name no direct child of the run (nested, ``.``,
+            ``..``): never resumed from, worth a warning.
     """
 
     path: Path
     entry: ledger.LedgerEntry
     rejected: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    ignored: tuple[str, ...] = field(default_factory=tuple)
 
 
 def _order(e: ledger.LedgerEntry) -> tuple[int, float]:
@@ -45,12 +50,21 @@ def _order(e: ledger.LedgerEntry) -> tuple[int, float]:
 
 
 def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> ResumeChoice | None:
-    """The newest verified checkpoint of ``run_dir`` that still matches its manifest.
+    """The newest verified checkpoint of ``run_dir`` that is still what was verified.
+
+    The ledger's good checkpoints are tried newest step first. One is passed over when it
+    belongs to an abandoned timeline (:func:`ckpt_cli.trust.ledger.abandoned`: a checkpoint of
+    a lower step was committed after it, so training was resumed from before it), holds a
+    symbolic link, its manifest is not the one recorded, a file the manifest lists is missing
+    or resized or one was added, a file whose size, modification time or inode differs from
+    the verdict's record hashes otherwise than the manifest says (``full``: any file does), or
+    its index does not read cleanly through the allowlist (a forged line cannot send training
+    into a hostile pickle).
 
     Args:
         run_dir: The run directory (local or object-store URL).
-        verify: ``sizes`` (files present with their recorded sizes; cheap) or ``full``
-            (every file hashed against the manifest).
+        verify: ``sizes`` (stat every file; hash only those changed since the verdict) or
+            ``full`` (every file hashed against the manifest).
 
     Returns:
         The :class:`ResumeChoice`, or None when no checkpoint qualifies (no ledger, none good,
@@ -77,43 +91,42 @@ def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
     for e in book.entries:
         if e.event == ledger.THINNED:
             (interrupted.add if pending(e) else interrupted.discard)(e.path)
-    good = sorted((e for e in book.latest().values() if e.good and e.event != ledger.THINNED
+    latest = book.latest()
+    left_behind = ledger.abandoned(book)
+    good = sorted((e for e in latest.values() if e.good and e.event != ledger.THINNED
                    and e.path not in interrupted), key=_order, reverse=True)
     rejected: list[tuple[str, str]] = []
     for e in good:
+        path = root / e.path
+        later = left_behind.get(e.path)
+        if later is not None:
+            rejected.append((e.path, f"an abandoned timeline: {later.path} (step {later.step}, "
+                                     "an earlier step) was saved after it"))
+            continue
         # Never resume through a symbolic link: one swapped in after the save can point at any
         # file of the same size, outside the run (a size check would not tell).
-        links = links_in(root / e.path)
+        links = links_in(path)
         if links:
             rejected.append((e.path, f"{links[0]} is a symbolic link"))
             continue
-        if _rewritten_since(root / e.path, e):
-            rejected.append((e.path, "written again after it was verified (a newer save "
-                                     "not verified yet)"))
-            continue
-        problems = recheck_good(root / e.path, e, full=verify == "full")
+        now = ledger.stamp(path)
+        problems = recheck_good(path, e, full=verify == "full", now=now)
         if not problems:
-            return ResumeChoice(root / e.path, e, tuple(rejected))
+            problems = [p for p in [_unsafe(path)] if p]
+        elif now and ledger.saved_again(path, e, now):
+            problems = ["written again after it was verified (a newer save not verified yet)"]
+        if not problems:
+            return ResumeChoice(path, e, tuple(rejected), book.ignored)
         rejected.append((e.path, problems[0]))
     return None
 
 
-def _rewritten_since(path: Path, line: ledger.LedgerEntry) -> bool:
-    """Whether a ``last.ckpt``-style copy was written again after its verdict.
+def _unsafe(path: Path) -> str | None:
+    """The cheap structural and pickle-safety check of what is about to be offered."""
+    from ckpt_cli.formats import first_error
 
-    Lightning overwrites ``last.ckpt`` in place at every save (``save_last=True``): a newer
-    save of the same size passes a size check against the old manifest, so its modification
-    time is compared with the verdict's. (Other checkpoints are never written again under
-    their name; local files only.)
-    """
-    from ckpt_cli.formats.names import is_last_copy
-
-    if not is_last_copy(path.name) or not storage.has_file_system(path):
-        return False
-    try:
-        return os.stat(path).st_mtime > line.time
-    except OSError:
-        return False  # gone: the re-check says so
+    why = first_error(path)[1]
+    return f"does not read cleanly: {why}" if why else None
 
 
 def latest_verified(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Path | None:

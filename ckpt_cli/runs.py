@@ -211,12 +211,89 @@ def tree_stats(path: Path) -> tuple[int, int, float]:
     return scan.bytes, scan.files, scan.mtime
 
 
+STALE_TEMP_AGE = 3600.0
+"""Seconds a temporary whose writer cannot be told (another host's, or a name without one)
+must be unchanged before the sweeper removes it."""
+
+
+def stale_temporaries(root: Path, now: float) -> list[Path]:
+    """ckpt's own temporaries a killed write left in a run, at its top and at the top of each
+    directory there, a checkpoint's (``formats.names.is_own_temporary``: ``.ckpt-tmp-``,
+    ``.ckpt-old-`` and trash names): the one list the sweeper (prune, watch's passes) removes.
+
+    Trash (made only by a prune, under its lock) is stale whenever the caller holds that lock;
+    a temporary whose writer of this host is gone (``storage.atomic.temp_writer_gone``) is
+    stale at once; any other once nothing in it changed for :data:`STALE_TEMP_AGE` seconds.
+
+    Args:
+        root: The run directory (local), its prune lock held by the caller.
+        now: The current time.
+
+    Returns:
+        The paths to remove.
+    """
+    from ckpt_cli.formats.names import TRASH_PREFIX, is_own_temporary
+    from ckpt_cli.storage.atomic import temp_writer_gone
+
+    out: list[Path] = []
+    try:
+        with storage.scandir(root) as it:
+            dirs = [root, *sorted(Path(e.path) for e in it if not e.name.startswith(".")
+                                  and e.is_dir(follow_symlinks=False))]
+    except OSError:
+        return out
+    for d in dirs:
+        try:
+            with storage.scandir(d) as it:
+                names = sorted(e.name for e in it if is_own_temporary(e.name))
+        except OSError:
+            continue
+        for name in names:
+            path = Path(d) / name
+            if (name.startswith(TRASH_PREFIX) or temp_writer_gone(name)
+                    or now - tree_scan(path).changed >= STALE_TEMP_AGE):
+                out.append(path)
+    return out
+
+
+PRUNE_LOCK = ".ckpt-prune.lock"
+"""The file ``ckpt prune`` locks (``flock``) in a run directory while it works."""
+
+
+def _stale_prune_lock(path: Path) -> bool:
+    """Whether ``path`` is a ``.ckpt-prune.lock`` nobody holds: then it is removed (a prune
+    once aimed inside a checkpoint left it; it is no writer's). Held, or not ours to tell: kept.
+    """
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a prune holds it
+        try:
+            os.unlink(path)
+        except OSError:
+            return True  # unheld all the same: not a writer's lock
+        return True
+    finally:
+        os.close(fd)
+
+
 def writer_lock(path: Path) -> str | None:
     """A lock file a writer may hold on a checkpoint, if there is one.
 
     Looks for ``<name>.lock`` and ``.<name>.lock`` beside it and for ``*.lock`` files (``.lock``
     too) at the top of a checkpoint directory. Presence is enough: some writers lock by creating
     the file rather than with ``flock``, and a stale lock is cheaper than a lost checkpoint.
+    The one exception is prune's own ``.ckpt-prune.lock`` inside a checkpoint (left by a prune
+    aimed one level too deep): when no process holds its ``flock`` it is removed, not obeyed.
 
     Args:
         path: The checkpoint file or directory.
@@ -232,6 +309,9 @@ def writer_lock(path: Path) -> str | None:
             with storage.scandir(path) as it:
                 for e in it:
                     if e.name.endswith(LOCK_SUFFIX):
+                        if (e.name == PRUNE_LOCK and storage.has_file_system(path)
+                                and _stale_prune_lock(Path(e.path))):
+                            continue
                         return f"{path.name}/{e.name}"
     except OSError:
         return None
@@ -351,7 +431,7 @@ def run_dir_problem(path: Path, pattern: str | None = None) -> str | None:
             or megatron.MegatronReader().sniff(path) is None
             or ((path / "trainer_state.json").is_file()
                 and step_from_name(path.name, strict=True) is not None)):
-        return "is itself a checkpoint, not a run directory of checkpoints"
+        return itself_a_checkpoint(path)
     try:
         with storage.scandir(path) as it:
             for e in it:
@@ -360,7 +440,35 @@ def run_dir_problem(path: Path, pattern: str | None = None) -> str | None:
                     return None
     except OSError as e:
         return f"cannot be listed: {e.strerror}"
-    return "holds no checkpoints ckpt recognises (not a run directory)"
+    if one_checkpoint(path):
+        return itself_a_checkpoint(path)
+    return NO_CHECKPOINTS
+
+
+NO_CHECKPOINTS = "holds no checkpoints ckpt recognises (not a run directory)"
+"""What :func:`run_dir_problem` says of a directory without checkpoints (yet)."""
+ITSELF = "is itself a checkpoint, not a run directory of checkpoints"
+"""How :func:`run_dir_problem` begins when the directory is one checkpoint."""
+
+
+def itself_a_checkpoint(path: Path) -> str:
+    """The refusal of a checkpoint given where a run directory was meant, naming the run."""
+    return f"{ITSELF}; its run directory is {path.parent}"
+
+
+def one_checkpoint(path: Path) -> bool:
+    """Whether a directory that holds no checkpoints is itself one (any format a reader
+    recognises: a step directory holding one torch file, an HF final model, DCP...). A
+    directory holding only logs, configs or nothing is not."""
+    from ckpt_cli.formats import detect
+
+    if not path.is_dir():
+        return False
+    try:
+        detect(path)
+    except (CkptError, OSError):
+        return False
+    return True
 
 
 def holds_final_model(path: Path) -> bool:

@@ -189,15 +189,18 @@ def _emit(ev: "WatchEvent", json: bool) -> None:
 def resume_path_cmd(
     run_dir: Annotated[Location, path_argument("The run directory.")],
     full: Annotated[bool, typer.Option(
-        "--full", help="Hash every file against the manifest (default: sizes only).")] = False,
+        "--full", help="Hash every file against the manifest (default: only files changed "
+        "since the verdict).")] = False,
     *,
     common: Common,
 ) -> None:
     """Print the newest verified checkpoint of a run: the one to resume from.
 
-    Verified means its ledger verdict (ckpt watch, the training callbacks) is good and it still
-    matches its manifest: every file present with its recorded size (and checksum, with
-    --full). Exit 1 with a message when there is none.
+    Verified means its ledger verdict (ckpt watch, the training callbacks) is good and it is
+    still what was verified: every file present with its recorded size, any file whose size,
+    modification time or inode changed since hashed against the manifest (--full: every
+    file), its index read cleanly. Checkpoints of a timeline abandoned by a resume from an
+    earlier step are passed over. Exit 1 with a message when there is none.
 
     Examples:
       ckpt resume-path runs/gpt
@@ -216,7 +219,8 @@ def resume_path_cmd(
                    "step": choice.entry.step if choice else None,
                    "verify": "full" if full else "sizes",
                    "rejected": [{"path": p, "problem": why}
-                                for p, why in (choice.rejected if choice else ())]}
+                                for p, why in (choice.rejected if choice else ())],
+                   "ignored": list(choice.ignored if choice else ())}
             sys.stdout.buffer.write(orjson.dumps(doc) + b"\n")
         from ckpt_cli.errors import visible
 
@@ -225,6 +229,9 @@ def resume_path_cmd(
                                      "(none in the ledger is good and unchanged; run ckpt watch "
                                      "--once)", lines=False) + "\n")
         else:
+            for p in choice.ignored:
+                sys.stderr.write(f"ckpt: warning: the ledger names {p!r}, which is not a "
+                                 "checkpoint directly in the run: ignored\n")
             for p, why in choice.rejected:
                 sys.stderr.write(visible(f"ckpt: skipped {p}: {why}", lines=False) + "\n")
             if not common.json:

@@ -20,7 +20,7 @@ from ckpt_cli.formats.megatron import MegatronReader
 from ckpt_cli.formats.names import step_from_name
 from ckpt_cli.formats.safetensors import SafetensorsReader
 from ckpt_cli.formats.torchfile import TorchReader
-from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.model import CheckpointIndex, Finding
 
 _READERS: dict[str, Reader] = {}
 _FALLBACK_DIR = "dir"
@@ -155,6 +155,33 @@ def read_index(path: str | Path, fmt: str | None = None) -> CheckpointIndex:
         raise CkptError(f"cannot read: {e.strerror or e}", path=e.filename or p) from None
     _complete(index)
     return index
+
+
+def first_error(path: str | Path) -> tuple[CheckpointIndex | None, str | None]:
+    """Read a checkpoint's index (headers and pickles only, through the allowlist) and report
+    its first error: the quick structural and pickle-safety check of prune, thinning and
+    ``resume-path``.
+
+    Args:
+        path: A checkpoint file or directory.
+
+    Returns:
+        ``(index or None when it could not be read, None or the first error as a sentence)``.
+    """
+    try:
+        index = read_index(path)
+    except CkptError as e:
+        return None, e.message
+    except Exception as e:  # a reader failing on odd input: not valid, never a crash
+        return None, f"could not be read: {type(e).__name__}: {e}"
+    errors = [f for f in index.findings if f.severity == "error"]
+    return index, finding_sentence(errors[0]) if errors else None
+
+
+def finding_sentence(f: Finding) -> str:
+    """A finding as one sentence: ``file:location: message``."""
+    where = ":".join(x for x in (f.file, f.location) if x)
+    return f"{where}: {f.message}" if where else f.message
 
 
 def _complete(index: CheckpointIndex) -> None:

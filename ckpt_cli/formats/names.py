@@ -28,6 +28,33 @@ TRASH_PREFIX = ".ckpt-trash-"
 """Prefix of an entry ``ckpt prune`` renamed out of the checkpoint namespace before removing it."""
 
 
+_NAME_MAX = 255
+OWN_TEMP_MARKERS = (".ckpt-tmp-", ".ckpt-old-")
+"""What ckpt's own temporary names hold (``storage.atomic.tmp_sibling``, swaps)."""
+_PARTS_STAGING = ".ckpt-tmp-parts"  # a --part job's staging: its own lifecycle and lock
+
+
+def is_own_temporary(name: str) -> bool:
+    """Whether a name is one of ckpt's own temporaries or trash (what a write or a prune
+    killed midway leaves): the one pattern the sweeper removes. A split job's staging
+    directory (``.ckpt-tmp-parts``) is not: the parts finish or clean it."""
+    if _PARTS_STAGING in name:
+        return False
+    return name.startswith(TRASH_PREFIX) or any(m in name for m in OWN_TEMP_MARKERS)
+
+
+def fit_name(name: str, suffix: str = "") -> str:
+    """Shorten a name so that with ``suffix`` it fits the 255-byte limit of file names."""
+    import os
+
+    # fsencode keeps undecodable bytes of odd names (surrogateescape) instead of failing.
+    raw = os.fsencode(name)
+    room = _NAME_MAX - len(os.fsencode(suffix))
+    if len(raw) > room:
+        name = os.fsdecode(raw[:room])
+    return name + suffix
+
+
 def is_leftover(name: str) -> bool:
     """Whether a name is a temporary (being written) or trash entry, never a checkpoint."""
     return name.startswith(TRASH_PREFIX) or any(m in name for m in TEMP_MARKERS) or (

@@ -32,7 +32,10 @@ gets its own ledger and manifest, and its rotation keeps that node's last verifi
 ``metric_for_best_model``, this callback sets ``state.best_model_checkpoint`` to the newest
 *verified* checkpoint, so the next rotation keeps it even when the save after it turns out bad
 (with ``save_total_limit=1``, Trainer then keeps two: the newest and the last verified; at
-the end of training it keeps the last verified one). With ``metric_for_best_model`` and a
+the end of training it keeps the last verified one). When training begins (a resumed run
+included) it reads the run ledger, so the newest verified checkpoint, normally the resume
+point, is protected before the first save: a failing save right after a resume never rotates
+the resume point away. With ``metric_for_best_model`` and a
 ``save_total_limit`` Trainer protects only its best checkpoint, so the callback refuses that
 combination at ``on_train_begin`` (ValueError) rather than let rotation delete the last
 verified checkpoint. A bad checkpoint is reported on the logger and, with
@@ -82,6 +85,16 @@ class CkptVerifyCallback(TrainerCallback):
                 "rotation protects only the best checkpoint and could delete the last verified "
                 "one; drop save_total_limit (use ckpt watch --keep N, which counts only "
                 "verified checkpoints) or pass protect=False")
+        if self.protect and args.metric_for_best_model is None:
+            # A resumed run: the trainer_state.json it loaded was written before its own save
+            # was verified, so it names an older checkpoint. The ledger knows the newest
+            # verified one (the resume point, normally): rotation must keep that.
+            from ckpt_cli.resume import latest_verified
+
+            newest = latest_verified(args.output_dir) if os.path.isdir(args.output_dir) else None
+            if newest is not None and newest.name.startswith("checkpoint-"):
+                self.last_verified = os.fspath(Path(args.output_dir) / newest.name)
+                state.best_model_checkpoint = self.last_verified
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

@@ -18,7 +18,13 @@ strategy's barrier, so none goes on before the verdict is recorded.
 refuses to remove the last verified checkpoint (it is left in place and logged), so rotation
 never deletes it, even when the newer saves are bad. ``last.ckpt`` (``save_last=True``) is
 verified at each save too, and so can be resumed from, but it does not count as that
-protected checkpoint: the next save overwrites it in place.
+protected checkpoint: the next save overwrites it in place. At ``setup`` the run ledger is read,
+so a resumed run protects its newest verified checkpoint (the resume point) from the start.
+
+**Thinned checkpoints.** One that ``ckpt prune --thin-after`` rewrote has no optimizer state,
+which Lightning refuses to resume from (``KeyError``). When the run ledger records the thinning,
+this callback lets ``fit(ckpt_path=thinned)`` resume with fresh optimizers (weights, step,
+loops and schedulers restored), with a warning.
 """
 
 from __future__ import annotations
@@ -54,6 +60,39 @@ class VerifiedModelCheckpoint(ModelCheckpoint):
         self.values = values
         self.last_verified: str | None = None
         self.entries: list[ledger.LedgerEntry] = []
+        self._thinned_resume: dict[str, Any] | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Also read the run ledger: the newest verified checkpoint (the resume point of a
+        resumed run) is the one rotation must keep until a newer save is verified."""
+        super().setup(trainer, pl_module, stage)
+        if self.last_verified is None and self.dirpath and os.path.isdir(self.dirpath):
+            from ckpt_cli.resume import choose
+
+            choice = choose(self.dirpath)
+            if choice is not None and not is_last_copy(choice.path.name):
+                self.last_verified = os.path.abspath(choice.path)
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any,
+                           checkpoint: dict[str, Any]) -> None:
+        """Resuming from a checkpoint ``prune --thin-after`` thinned (the run ledger says so):
+        it has no ``optimizer_states``, which Lightning refuses (``KeyError``); the optimizers
+        start afresh instead (filled in at ``on_fit_start``, once they exist)."""
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        path = getattr(trainer, "ckpt_path", None)
+        if "optimizer_states" not in checkpoint and path and ledger.thinned_on_purpose(
+                Path(path)):
+            self._thinned_resume = checkpoint
+            log.warning("ckpt: %s was thinned (no optimizer state): resuming with a fresh "
+                        "optimizer", path)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_fit_start(trainer, pl_module)
+        thinned = self._thinned_resume
+        if thinned is not None:
+            # Fresh optimizers' own state: what Lightning restores is then a new optimizer.
+            thinned["optimizer_states"] = [o.state_dict() for o in trainer.optimizers]
+            self._thinned_resume = None
 
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)

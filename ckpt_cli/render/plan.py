@@ -92,8 +92,10 @@ def _render(r: PlanResult) -> None:
     if r.restart:
         grid.add_row("Restart", human.duration(r.restart))
     if r.keep is not None:
+        thinned = r.keep - (r.kept_whole if r.kept_whole is not None else r.keep)
+        held = f" ({r.kept_whole} whole, {thinned} thinned)" if thinned else ""
         grid.add_row(f"Retention (--keep {r.keep})",
-                     f"{human.size(r.steady_bytes)}, {r.steady_files:,} files "
+                     f"{human.size(r.steady_bytes)}{held}, {r.steady_files:,} files "
                      f"({human.size(r.peak_bytes)} while the next one is written)")
     day = r.thinning_day()
     if r.thin_after is not None:
@@ -214,7 +216,8 @@ def plan_dict(result: PlanResult) -> dict[str, Any]:
         "intervals": {name: None if f is None else f.to_dict() for name, f in
                       (("young", result.young), ("daly", result.daly),
                        ("current", result.current))},
-        "retention": {"keep": result.keep, "steady_bytes": result.steady_bytes,
+        "retention": {"keep": result.keep, "kept_whole": result.kept_whole,
+                      "steady_bytes": result.steady_bytes,
                       "peak_bytes": result.peak_bytes, "steady_files": result.steady_files},
         "thinning": None if result.thin_after is None else {
             "thin_after": result.thin_after, "thin_to": result.thin_to,

@@ -99,15 +99,19 @@ def decisions_table(plan: PrunePlan) -> Table:
     for d in plan.decisions:
         e = d.entry
         when = _dt.datetime.fromtimestamp(e.mtime).strftime("%Y-%m-%d %H:%M") if e.mtime else "-"
-        action = Text("delete", style="red") if d.delete else Text("keep", style="green")
+        action = (Text("delete", style="red") if d.delete else Text("thin", style="yellow")
+                  if d.thin else Text("keep", style="green"))
         table.add_row(e.name, "-" if e.step is None else f"{e.step:,}", when, size(e.bytes),
                       action, "; ".join(d.reasons))
     return table
 
 
 def plan_line(d: Decision, *, dry_run: bool) -> str:
-    """A decision as one plain log line: ``keep NAME (SIZE): why``."""
-    verb = "keep" if not d.delete else "would delete" if dry_run else "delete"
+    """A decision as one plain log line: ``keep NAME (SIZE): why`` (``thin``, ``delete``; in
+    a dry run ``would thin``, ``would delete``)."""
+    verb = ("delete" if d.delete else "thin" if d.thin else "keep")
+    if dry_run and verb != "keep":
+        verb = f"would {verb}"
     return f"{verb} {d.entry.name} ({size(d.entry.bytes)}): {'; '.join(d.reasons)}"
 
 

@@ -19,9 +19,39 @@ from ckpt_cli.errors import CkptError, DestinationExistsError, UsageError
 TMP_MARK = ".ckpt-tmp-"
 
 
+def _host_tag() -> str:
+    import hashlib
+    import socket
+
+    return hashlib.blake2s(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
 def tmp_sibling(dest: Path) -> Path:
-    """A fresh temporary name next to ``dest``."""
-    return dest.parent / f".{dest.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+    """A fresh temporary name next to ``dest``: ``.<name>.ckpt-tmp-<host>-<pid>-<random>``,
+    so that a sweeper on the same host can tell that its writer is gone
+    (:func:`temp_writer_gone`)."""
+    return dest.parent / (f".{dest.name}{TMP_MARK}{_host_tag()}-{os.getpid()}-"
+                          f"{uuid.uuid4().hex[:8]}")
+
+
+def temp_writer_gone(name: str) -> bool:
+    """Whether a temporary name made by :func:`tmp_sibling` names a writer of this host that
+    is no longer running (False when it is running, of another host, or not told)."""
+    import re
+
+    m = re.search(r"\.ckpt-tmp-([0-9a-f]{8})-(\d+)-[0-9a-f]{8}$", name)
+    if m is None or m.group(1) != _host_tag():
+        return False
+    pid = int(m.group(2))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive, someone else's
+    return False
 
 
 def fsync_path(path: Path) -> None:

@@ -56,6 +56,14 @@ class LedgerEntry:
             with this verdict, or None when no manifest was written.
         problems: For a bad verdict, the first findings, one line each.
         detail: Event-specific facts (thinning: ``dropped``, ``dtype``, ``bytes_before``).
+        files: What its files were when verified: ``{name: (size, mtime_ns, inode)}``, names
+            relative to the checkpoint (the manifest and ckpt's temporaries left out); empty
+            where not recorded (object storage, older ledgers, bad and thinned lines). A file
+            whose stat differs is hashed against the manifest again before the verdict holds.
+        committed: When the verified save was committed (Unix seconds: the newest
+            modification time of its files then), or None. A file only touched since keeps
+            it; a new save under the same name gets a new one. :func:`abandoned` orders saves
+            by it.
     """
 
     path: str
@@ -67,14 +75,16 @@ class LedgerEntry:
     manifest_digest: str | None = None
     problems: tuple[str, ...] = ()
     detail: Mapping[str, Any] = field(default_factory=dict)
+    files: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
+    committed: float | None = None
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, not {self.verdict!r}")
         if self.event not in EVENTS:
             raise ValueError(f"event must be one of {EVENTS}, not {self.event!r}")
-        if not self.path or self.path.startswith("/") or ".." in self.path.split("/"):
-            raise ValueError(f"path must be relative to the run root: {self.path!r}")
+        if not self.path:
+            raise ValueError("path must name a checkpoint of the run")
 
     @property
     def good(self) -> bool:
@@ -94,6 +104,8 @@ class LedgerEntry:
             "manifest_digest": self.manifest_digest,
             "problems": list(self.problems),
             "detail": dict(self.detail),
+            "files": {k: list(v) for k, v in sorted(self.files.items())},
+            "committed": self.committed,
         }
 
     @classmethod
@@ -109,6 +121,8 @@ class LedgerEntry:
         digest = doc.get("manifest_digest")
         problems = doc.get("problems", [])
         detail = doc.get("detail", {})
+        files = doc.get("files") or {}
+        committed = doc.get("committed")
         ok = (
             isinstance(doc.get("path"), str)
             and (step is None or (isinstance(step, int) and not isinstance(step, bool)))
@@ -119,12 +133,30 @@ class LedgerEntry:
             and (digest is None or isinstance(digest, str))
             and isinstance(problems, list) and all(isinstance(p, str) for p in problems)
             and isinstance(detail, dict)
+            and isinstance(files, dict) and all(_is_stamp(v) for v in files.values())
+            and (committed is None or (isinstance(committed, int | float)
+                                       and not isinstance(committed, bool)))
         )
         if not ok:
             raise ValueError("a field is missing or has the wrong type")
         return cls(path=doc["path"], step=step, time=float(doc["time"]), event=doc["event"],
                    verdict=doc["verdict"], bytes=doc["bytes"], manifest_digest=digest,
-                   problems=tuple(problems), detail=detail)
+                   problems=tuple(problems), detail=detail,
+                   files={str(k): (v[0], v[1], v[2]) for k, v in files.items()},
+                   committed=float(committed) if committed is not None else None)
+
+
+def _is_stamp(v: Any) -> bool:
+    return (isinstance(v, list) and len(v) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in v))
+
+
+def is_child_name(path: str) -> bool:
+    """Whether a ledger line's ``path`` names a direct child of the run (no ``/``, not ``.``
+    or ``..``): the only paths a ledger line may name. Anything else (a nested path, which can
+    go through a symbolic link out of the run, or the run itself) is ignored when read."""
+    return bool(path) and "/" not in path and "\\" not in path and "\x00" not in path and (
+        path not in (".", ".."))
 
 
 @dataclass(frozen=True)
@@ -134,10 +166,13 @@ class Ledger:
     Args:
         entries: Every readable line, in file order.
         skipped: How many lines could not be read (torn by a crash, or edited by hand).
+        ignored: The paths of lines ignored because they name no direct child of the run
+            (see :func:`is_child_name`), each once, in file order.
     """
 
     entries: tuple[LedgerEntry, ...]
     skipped: int = 0
+    ignored: tuple[str, ...] = ()
 
     def latest(self) -> dict[str, LedgerEntry]:
         """The newest line per checkpoint path (later lines win)."""
@@ -160,14 +195,20 @@ def parse(data: bytes) -> Ledger:
     """Parse a ledger's bytes; unreadable lines are counted, not trusted."""
     entries: list[LedgerEntry] = []
     skipped = 0
+    ignored: dict[str, None] = {}
     for raw in data.split(b"\n"):
         if not raw.strip():
             continue
         try:
-            entries.append(LedgerEntry.from_json(orjson.loads(raw)))
+            entry = LedgerEntry.from_json(orjson.loads(raw))
         except (orjson.JSONDecodeError, ValueError):
             skipped += 1
-    return Ledger(tuple(entries), skipped)
+            continue
+        if is_child_name(entry.path):
+            entries.append(entry)
+        else:
+            ignored[entry.path] = None
+    return Ledger(tuple(entries), skipped, tuple(ignored))
 
 
 def read_ledger(run_dir: str | os.PathLike[str]) -> Ledger | None:
@@ -197,6 +238,10 @@ def append(run_dir: str | os.PathLike[str], entries: LedgerEntry | Iterable[Ledg
     batch = [entries] if isinstance(entries, LedgerEntry) else list(entries)
     if not batch:
         return
+    for e in batch:
+        if not is_child_name(e.path):
+            raise ValueError(f"a ledger line names a checkpoint directly in the run, not "
+                             f"{e.path!r}")
     data = b"".join(orjson.dumps(e.to_json(), option=orjson.OPT_SORT_KEYS) + b"\n"
                     for e in batch)
     path = ledger_path(run_dir)
@@ -263,13 +308,127 @@ def manifest_digest(checkpoint: str | os.PathLike[str]) -> str | None:
     return None if data is None else hashlib.sha256(data).hexdigest()
 
 
-def recheck_good(path: Path, line: LedgerEntry, *, full: bool) -> list[str]:
+Stamp = tuple[int, int, int]
+"""A file as verified: ``(size, mtime_ns, inode)``."""
+
+
+def stamp(checkpoint: Path) -> dict[str, Stamp]:
+    """The stat of each file of a checkpoint (the files its manifest covers), by name relative
+    to the checkpoint; empty on object storage, where no inode tells a file replaced.
+
+    Raises:
+        CkptError: If the checkpoint cannot be listed.
+    """
+    from ckpt_cli.manifest import checkpoint_files
+
+    if not storage.has_file_system(checkpoint) or not checkpoint.exists():
+        return {}
+    base = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    out: dict[str, Stamp] = {}
+    for rel in checkpoint_files(checkpoint):
+        try:
+            st = os.stat(base / rel)
+        except OSError:
+            continue
+        out[rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return out
+
+
+def committed_at(stamps: Mapping[str, Stamp]) -> float | None:
+    """When a save was committed: the newest modification time of its files (None: none)."""
+    return max(v[1] for v in stamps.values()) / 1e9 if stamps else None
+
+
+def changed_files(line: LedgerEntry, now: Mapping[str, Stamp]) -> set[str]:
+    """The files whose stat is not what ``line`` recorded (added ones included); for a line
+    that recorded none, the files modified after it was written."""
+    if line.files:
+        return {rel for rel, st in now.items() if line.files.get(rel) != st}
+    after = int(line.time * 1e9)
+    return {rel for rel, st in now.items() if st[1] > after}
+
+
+def commit_marker(path: Path) -> str | None:
+    """The file a save of this checkpoint writes last, relative to it: a single file itself,
+    DCP's ``.metadata``, HF Trainer's ``trainer_state.json``, a step directory's one torch
+    file; None when the layout has none."""
+    if not path.is_dir():
+        return path.name
+    from ckpt_cli.formats.dcp import metadata_file
+
+    meta = metadata_file(path)
+    if meta is not None:
+        return meta.name
+    if (path / "trainer_state.json").is_file():
+        return "trainer_state.json"
+    from ckpt_cli.trust.thinning.base import lone_torch_file
+
+    lone = lone_torch_file(path)
+    return lone.name if lone is not None else None
+
+
+def saved_again(path: Path, line: LedgerEntry, now: Mapping[str, Stamp]) -> bool:
+    """Whether the checkpoint was committed again after ``line`` (a new save under the same
+    name, as a run resumed from an earlier step writes): its commit marker is not the file
+    verified (its stat differs from the record, or where none was recorded it was modified
+    after the verdict) and its bytes are not the ones the manifest recorded. Damage to a data
+    file leaves the marker alone, and a copy keeps its bytes; a layout without a marker, and a
+    single file without checksums of its own (safetensors), never count as saved again.
+    """
+    from ckpt_cli.manifest import hash_files, read_manifest
+
+    marker = commit_marker(path)
+    cur = now.get(marker) if marker is not None else None
+    if marker is None or cur is None:
+        return False
+    if not path.is_dir() and not _checksummed(path):
+        # A single file is its own marker: without checksums of its own (safetensors, a
+        # legacy pickle) a new save cannot be told from damage, so it counts as damage.
+        return False
+    if (line.files.get(marker) == cur) if line.files else cur[1] <= int(line.time * 1e9):
+        return False
+    try:
+        m = read_manifest(path)
+        if m is None or marker not in m.files:
+            return True
+        base = path if path.is_dir() else path.parent
+        digests, _ = hash_files(base, [marker], algorithm=m.algorithm)
+    except CkptError:
+        return False
+    got = digests.get(marker)
+    return got is None or got.digest != m.files[marker].digest
+
+
+def _checksummed(path: Path) -> bool:
+    """Whether a single-file checkpoint carries checksums of its own (a torch zip: CRC-32 per
+    record), which a fresh verification with CRC checks."""
+    try:
+        h = storage.open_regular(path)  # never blocks on a FIFO swapped in
+    except (OSError, CkptError):
+        return False
+    try:
+        return storage.pread(h, 4, 0) == b"PK\x03\x04"
+    except (OSError, CkptError):
+        return False
+    finally:
+        storage.close(h)
+
+
+def recheck_good(path: Path, line: LedgerEntry, *, full: bool,
+                 now: Mapping[str, Stamp] | None = None) -> list[str]:
     """Why a checkpoint the ledger trusts is no longer what was verified ([] when it still is).
 
-    Sizes (and, with ``full``, hashes) are compared with its manifest, and the manifest with
-    the digest the ledger recorded.
+    Its manifest must be the one recorded (SHA-256), every file it lists there with its size,
+    nothing added. Files whose stat (size, modification time, inode) differs from what the
+    verdict recorded are hashed against the manifest (with ``full``, every file is).
+
+    Args:
+        path: The checkpoint.
+        line: Its newest (good) ledger line.
+        full: Hash every file.
+        now: Its files' stats as :func:`stamp` gives them, when the caller has them.
     """
-    from ckpt_cli.manifest import HashStats, verify_manifest
+    from ckpt_cli.manifest import HashStats, hash_files, read_manifest, verify_manifest
 
     if not path.exists():
         return ["gone"]
@@ -279,13 +438,72 @@ def recheck_good(path: Path, line: LedgerEntry, *, full: bool) -> list[str]:
         if full:
             v = verify_manifest(path)
         else:
-            v = verify_manifest(path, hasher=lambda base, rels: ({}, HashStats(0, 0, 0.0, 1)))
+            m = read_manifest(path)
+            if m is None:
+                return ["its manifest is missing"]
+            changed = changed_files(line, stamp(path) if now is None else now)
+
+            def hasher(base: Path, rels: list[str]) -> tuple[dict[str, Any], HashStats]:
+                pick = [r for r in rels if r in changed]
+                if not pick:
+                    return {}, HashStats(0, 0, 0.0, 1)
+                return hash_files(base, pick, algorithm=m.algorithm)
+
+            v = verify_manifest(path, manifest=m, hasher=hasher)
     except CkptError as e:
         return [str(e)]
     if v is None:
         return ["its manifest is missing"]
     return [f"{f.file}: {f.message}" for f in v.findings("manifest")
             if f.severity == "error"][:5]
+
+
+def abandoned(book: Ledger) -> dict[str, LedgerEntry]:
+    """The checkpoints of an abandoned timeline, each with the later save that abandoned it.
+
+    A run resumed from an earlier step saves its steps again: a checkpoint of a lower step
+    committed after one of a higher step means training went back to before the latter, so the
+    higher one belongs to the timeline that was left. Told from the ``committed`` times the
+    verdicts recorded; lines without one, ``last.ckpt``-style copies and checkpoints ever
+    thinned (a rewrite, not a save) take no part.
+    """
+    from ckpt_cli.formats.names import is_last_copy
+
+    thinned = {e.path for e in book.entries if e.event == THINNED}
+    known = sorted((e for e in book.latest().values() if e.event == VERIFIED
+                    and e.step is not None and e.committed is not None
+                    and not is_last_copy(e.path) and e.path not in thinned),
+                   key=lambda e: e.step or 0)
+    out: dict[str, LedgerEntry] = {}
+    newest: LedgerEntry | None = None  # the latest commit among lower steps
+    i = 0
+    while i < len(known):
+        j = i
+        while j < len(known) and known[j].step == known[i].step:
+            j += 1
+        group = known[i:j]
+        if newest is not None:
+            for e in group:
+                if (e.committed or 0.0) < (newest.committed or 0.0):
+                    out[e.path] = newest
+        for e in group:
+            if newest is None or (e.committed or 0.0) > (newest.committed or 0.0):
+                newest = e
+        i = j
+    return out
+
+
+def thinned_on_purpose(path: Path) -> bool:
+    """Whether the run ledger beside a checkpoint records that ``prune --thin-after`` thinned
+    it (a confirmed ``thinned`` line): its optimizer state was dropped on purpose."""
+    from ckpt_cli.trust.thinning.base import pending
+
+    try:
+        book = read_ledger(storage.locate(path).parent)
+    except CkptError:
+        return False
+    return book is not None and any(e.path == path.name and e.event == THINNED
+                                    and not pending(e) for e in book.entries)
 
 
 def links_in(path: Path) -> list[str]:

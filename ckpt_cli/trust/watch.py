@@ -7,12 +7,16 @@ own commit marker is there: DCP ``.metadata``, an HF index or model file with
 for ``settle`` seconds. It is then validated (structure, or CRC / values), its manifest is
 written when it is good, and one line goes to the run ledger (:mod:`ckpt_cli.trust.ledger`).
 
-The ledger is the watcher's only state: after a restart, a checkpoint whose newest ledger line
-matches its size (and, for a good one, whose manifest is the one recorded) is not validated
-again. Between passes the watcher keeps each entry's signature (bytes, files, newest change);
-a good checkpoint whose signature changes is checked against its manifest, so a shard
-corrupted after its save turns the verdict bad. A checkpoint that stays incomplete for
-``abandon_after`` seconds (a job killed mid-save) is recorded bad as abandoned, never good.
+The ledger is the watcher's only state: a verdict records each file's size, modification time
+and inode. After a restart, and whenever a checkpoint's signature (bytes, files, newest change)
+differs from the last pass, a good checkpoint's files are stat-ed and those that differ from
+the verdict's record are hashed against its manifest: a shard corrupted after its save (the
+watcher down or not) turns the verdict bad. A checkpoint committed again after its verdict
+(its commit marker rewritten: DCP ``.metadata``, ``trainer_state.json``, a torch file itself; a
+run resumed from an earlier step saves those steps again) is a new save: verified afresh (a
+single file with ``crc``, so a flipped byte in a torch zip is not taken for one), its new line
+superseding the old. A checkpoint that stays incomplete for ``abandon_after`` seconds (a job
+killed mid-save) is recorded bad as abandoned, never good.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
-from ckpt_cli.formats.names import is_last_copy
+from ckpt_cli.formats.names import is_last_copy, is_own_temporary
 from ckpt_cli.model import RunEntry
 from ckpt_cli.ops.prune.retention import PrunePolicy
 from ckpt_cli.trust import ledger
@@ -153,11 +157,14 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
     rel = _rel(run_dir, path)
     problems: list[str] = []
     digest = None
+    stamps: dict[str, ledger.Stamp] = {}
     try:
         if fresh:
             from ckpt_cli.manifest import manifest_path
 
             manifest_path(path).unlink(missing_ok=True)
+        # Before validating: a file written while it is validated then differs from its record.
+        stamps = ledger.stamp(path)
         report = validate_checkpoint(path, Options(quick=not crc, values=values))
         problems = [f"{f.file + ': ' if f.file else ''}{f.message}"
                     for f in report.findings if f.severity == "error"][:5]
@@ -170,7 +177,8 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
     size = tree_scan(path).bytes if not problems or path.exists() else 0
     entry = ledger.LedgerEntry(path=rel, step=step, time=time.time(), event=ledger.VERIFIED,
                                verdict=ledger.BAD if problems else ledger.GOOD, bytes=size,
-                               manifest_digest=digest, problems=tuple(problems))
+                               manifest_digest=digest, problems=tuple(problems),
+                               files=stamps, committed=ledger.committed_at(stamps))
     if write:
         ledger.append(run_dir, entry)
     return entry
@@ -222,20 +230,28 @@ class RunWatcher:
         listing = list_run(self.root, self.opts.pattern)
         now = self.clock()
         self.next_due = None
-        verified_any = False
+        verified_any = examined = False
         for e in listing.entries:
             sig = _signature(e)
             cached = self.seen.get(e.name)
             if cached is not None and cached[0] == sig:
                 continue
             ev = self._examine(e, sig, now, cached)
+            examined = True
             if ev is not None:
                 self._say(ev, out)  # at once, not at the end of the pass
                 verified_any = verified_any or ev.verdict == ledger.GOOD
         if verified_any and self.opts.policy is not None:
-            ev = self._retain()
+            ev = self._retain()  # its prune sweeps too
             if ev is not None:
                 self._say(ev, out)
+        elif (examined or any(is_own_temporary(n) for n in listing.leftovers)) and (
+                storage.has_file_system(self.root)):
+            # What a killed write left (a thinning's or a manifest's temporary): removed by
+            # the sweep every prune starts with, under its lock.
+            from ckpt_cli.ops.prune import sweep
+
+            sweep(self.root)
         return out
 
     def _refresh_known(self) -> None:
@@ -314,26 +330,43 @@ class RunWatcher:
             # save_last="link"): modified after its verdict, it is a new save, verified afresh
             # (its old manifest describes the previous save), not damage to the old one.
             return self._verify(e, rel, fresh=True)
-        if line is not None and line.bytes == e.bytes:
+        if line is not None:
+            now_files = ledger.stamp(e.path)
             if line.good:
-                problems = recheck_good(e.path, line, full=cached is not None)
+                # Files whose stat differs from the verdict's record are hashed again; all of
+                # them when this watcher saw it change (its inode-change time included, which
+                # a write that sets the modification time back cannot restore).
+                problems = recheck_good(e.path, line, full=cached is not None, now=now_files)
                 if not problems:
+                    if now_files and now_files != dict(line.files):
+                        self._restamp(line, now_files)  # touched or copied, same bytes
                     self.seen[e.name] = (sig, ledger.GOOD)
                     return None
-                return self._record_bad(e, sig, rel, problems)
-            self.seen[e.name] = (sig, ledger.BAD)
-            return None  # reported already (before a restart)
-        if line is not None and line.good:
-            # A verified checkpoint changed size: judge it by the manifest written then.
-            problems = recheck_good(e.path, line, full=False)
-            if problems:
-                return self._record_bad(e, sig, rel, problems)
+                if not ledger.saved_again(e.path, line, now_files):
+                    return self._record_bad(e, sig, rel, problems)
+                # committed again since (a run resumed from an earlier step): a new save
+                return self._verify(e, rel, fresh=True, crc=not e.path.is_dir())
+            again = ledger.saved_again(e.path, line, now_files)
+            if line.bytes == e.bytes and not again:
+                self.seen[e.name] = (sig, ledger.BAD)
+                return None  # reported already (before a restart)
+            return self._verify(e, rel, sig=sig, fresh=again, crc=again and not e.path.is_dir())
         return self._verify(e, rel, sig=sig)
 
+    def _restamp(self, line: ledger.LedgerEntry, files: dict[str, ledger.Stamp]) -> None:
+        """Record a good checkpoint's new stats once its changed files hashed as verified (a
+        copy, a ``touch``): the verdict and the commit time stay."""
+        import dataclasses
+
+        entry = dataclasses.replace(line, time=self.clock(), files=files)
+        ledger.append(self.root, entry)
+        self.known[line.path] = entry
+
     def _verify(self, e: RunEntry, rel: str, *, sig: Signature | None = None,
-                fresh: bool = False) -> WatchEvent | None:
-        entry = verify_checkpoint(self.root, e.path, crc=self.opts.crc, values=self.opts.values,
-                                  step=e.step, write=False, fresh=fresh)
+                fresh: bool = False, crc: bool = False) -> WatchEvent | None:
+        entry = verify_checkpoint(self.root, e.path, crc=self.opts.crc or crc,
+                                  values=self.opts.values, step=e.step, write=False,
+                                  fresh=fresh)
         if not entry.good and not e.path.exists():
             return None  # deleted meanwhile (a cron prune): nothing to judge
         ledger.append(self.root, entry)
@@ -389,11 +422,21 @@ class RunWatcher:
 
 
 def run_dirs(root: Path) -> list[Path]:
-    """The run directories to watch under ``root``: itself, or the runs it holds."""
-    from ckpt_cli.runs import is_run_dir
+    """The run directories to watch under ``root``: itself, or the runs it holds.
+
+    Raises:
+        UsageError: ``root`` is itself a checkpoint (its ledger and manifests would be
+            written inside it); the message names its run directory.
+    """
+    from ckpt_cli.errors import UsageError
+    from ckpt_cli.runs import ITSELF, is_run_dir, run_dir_problem
 
     if is_run_dir(root):
         return [root]
+    problem = run_dir_problem(root)
+    if problem is not None and problem.startswith(ITSELF):
+        raise UsageError(problem, path=root, hint=f"watch the directory that holds it: "
+                                                  f"{root.parent}")
     out = []
     with contextlib.suppress(OSError), storage.scandir(root) as it:
         for child in sorted(it, key=lambda c: c.name):

@@ -183,14 +183,27 @@ class PlanResult:
         return lo, hi
 
     @property
+    def kept_whole(self) -> int | None:
+        """How many of the ``--keep`` checkpoints stay whole: all, or with ``--thin-after N``
+        the newest N (the others are held at :attr:`thinned_bytes`)."""
+        if self.keep is None:
+            return None
+        return self.keep if self.thin_after is None else min(self.keep, self.thin_after)
+
+    @property
     def steady_bytes(self) -> int | None:
-        """Storage held by ``--keep`` training checkpoints."""
-        return None if self.keep is None else self.keep * self.size.training
+        """Storage held by ``--keep`` training checkpoints (thinned ones at their thinned
+        size)."""
+        whole = self.kept_whole
+        if self.keep is None or whole is None:
+            return None
+        return whole * self.size.training + (self.keep - whole) * (self.thinned_bytes or 0)
 
     @property
     def peak_bytes(self) -> int | None:
         """Storage while a new checkpoint is written and the oldest not yet deleted."""
-        return None if self.keep is None else (self.keep + 1) * self.size.training
+        steady = self.steady_bytes
+        return None if steady is None else steady + self.size.training
 
     @property
     def thinned_bytes(self) -> int | None:

@@ -3,8 +3,9 @@
 :func:`plan` decides and :func:`execute` carries the decisions out (``ckpt prune`` shows the
 plan and asks in between); :func:`prune` is both in one call. The order of work, and why:
 
-1. Refuse roots that cannot be meant (``/``, ``$HOME``, a whole bucket, a checkpoint, a
-   directory without checkpoints) unless ``any_dir`` says otherwise.
+1. Refuse roots that cannot be meant (``/``, ``$HOME``, a whole bucket, a directory without
+   checkpoints) unless ``any_dir`` says otherwise, and a checkpoint (of any format) always,
+   naming its run directory: nothing is ever created inside a checkpoint.
 2. Take ``.ckpt-prune.lock`` with ``flock`` (not for ``dry_run``), so two prunes never race;
    the lock is held until :func:`execute` has finished.
 3. List the run directory, gather facts by reading files (lock files, quick validation of the
@@ -36,13 +37,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.formats import read_index
+from ckpt_cli.errors import UsageError
+from ckpt_cli.formats import finding_sentence, first_error
 from ckpt_cli.model import RunListing
 from ckpt_cli.ops.prune.deletion import mounts_inside
 from ckpt_cli.ops.prune.executor import ANY_DIR_HINT, PlannedPrune, RunSite, execute
 from ckpt_cli.ops.prune.local import LOCK_NAME as LOCK_NAME
 from ckpt_cli.ops.prune.local import LocalRun
+from ckpt_cli.ops.prune.local import sweep as sweep
 from ckpt_cli.ops.prune.metrics import metric_values, trainer_state
 from ckpt_cli.ops.prune.objects import PrefixRun
 from ckpt_cli.ops.prune.result import Outcome as Outcome
@@ -55,11 +57,11 @@ from ckpt_cli.ops.prune.retention import (
     ranked_entries,
 )
 from ckpt_cli.ops.validate.layoutcheck import rank_findings
-from ckpt_cli.runs import list_run, run_dir_problem, writer_lock
+from ckpt_cli.runs import ITSELF, list_run, run_dir_problem, writer_lock
 from ckpt_cli.trust.ledger import read_ledger
 
 __all__ = ["LOCK_NAME", "NO_CHECKPOINTS_YET", "Outcome", "PlannedPrune", "PruneEvent",
-           "PruneResult", "execute", "gather_facts", "plan", "prune", "quick_validate"]
+           "PruneResult", "execute", "gather_facts", "plan", "prune", "quick_validate", "sweep"]
 
 
 def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
@@ -137,17 +139,27 @@ def plan(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
     # Only "no checkpoint is there (yet)": a cron job that starts before training's first
     # save is a quiet success, not an error.
     quiet = problem is not None and problem.startswith("holds no checkpoints")
+    if problem is not None and problem.startswith(ITSELF):
+        # Never, not even with any_dir: the lock (and thinning's work) would land inside it.
+        raise UsageError(problem, path=given,
+                         hint=f"prune the directory that holds it: {site.root.parent}")
     if problem and not quiet and not any_dir:
         raise UsageError(problem, path=given, hint=ANY_DIR_HINT, param="any_dir")
+    swept: tuple[list[str], dict[str, str]] = ([], {})
     with contextlib.ExitStack() as hold:
         if not dry_run:
             hold.enter_context(site.lock())
+            if isinstance(site, LocalRun):
+                # Before listing: what a killed write left goes first, so the plan (and the
+                # re-checks against it) see the run without it.
+                swept = site.sweep()
         listing = list_run(site.root, pattern, strict=True)
         facts = gather_facts(listing, policy, metrics_file)
         result = PruneResult(given, plan_prune(listing, policy, site.start, facts), dry_run,
                              pattern=pattern,
                              metrics_file=Path(metrics_file) if metrics_file else None)
         result.note = NO_CHECKPOINTS_YET if quiet else None
+        result.trash_removed, result.trash_failed = swept
         site.planned(result)
         return PlannedPrune(site, result, hold.pop_all())
 
@@ -187,6 +199,15 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
     if ledger is not None:
         facts.ledger = True
         names = {e.name for e in listing.entries}
+        # What training resumes from is never deleted nor thinned, also when it is not the
+        # newest by step (a run resumed from an earlier step: the higher steps left behind
+        # are another timeline).
+        from ckpt_cli.resume import choose
+
+        choice = choose(listing.root)
+        if choice is not None and choice.path.name in names:
+            facts.pinned[choice.path.name] = ("resume-path answers it: the newest verified "
+                                              "checkpoint of the run's current timeline")
         for path, line in ledger.latest().items():
             if path in names:
                 facts.verdicts[path] = line.good
@@ -209,7 +230,8 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
 
 
 def quick_validate(path: Path) -> str | None:
-    """Read a checkpoint's index (headers and pickles only) and report the first error.
+    """Read a checkpoint's index (headers and pickles only) and report the first error
+    (:func:`ckpt_cli.formats.first_error`), plus validate's rank-file check.
 
     Args:
         path: A checkpoint file or directory.
@@ -217,19 +239,11 @@ def quick_validate(path: Path) -> str | None:
     Returns:
         None if it reads without error findings, else why it is not valid.
     """
-    try:
-        index = read_index(path)
-    except CkptError as e:
-        return e.message
-    except Exception as e:  # a reader failing on odd input must not stop the prune: keep more
-        return f"could not be read: {type(e).__name__}: {e}"
-    errors = [f for f in index.findings if f.severity == "error"]
+    index, why = first_error(path)
+    if index is None or why is not None:
+        return why
     # Rank files against the world sizes the checkpoint records (a directory listing): a
     # ZeRO-3 tag missing one rank's model states reads fine but cannot be loaded.
     ranks = rank_findings(index, path) if path.is_dir() else None
-    if ranks is not None:
-        errors += [f for f in ranks[0] if f.severity == "error"]
-    if errors:
-        where = ":".join(x for x in (errors[0].file, errors[0].location) if x)
-        return f"{where}: {errors[0].message}" if where else errors[0].message
-    return None
+    errors = [f for f in ranks[0] if f.severity == "error"] if ranks is not None else []
+    return finding_sentence(errors[0]) if errors else None

@@ -17,11 +17,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_cli.formats.names import TRASH_PREFIX
+from ckpt_cli.formats.names import TRASH_PREFIX, fit_name
 
 RESCUE_PREFIX = ".ckpt-rescued-"
 """Where a checkpoint goes when it changed while being moved aside and its name was taken."""
-_NAME_MAX = 255
 
 
 class HeldDir:
@@ -83,16 +82,6 @@ def trash_name(root: HeldDir, name: str) -> str:
     if not root.exists(plain):
         return plain
     return fit_name(f"{TRASH_PREFIX}{name}", f".{uuid.uuid4().hex[:8]}")
-
-
-def fit_name(name: str, suffix: str = "") -> str:
-    """Shorten a name so that with ``suffix`` it fits the 255-byte limit of file names."""
-    # fsencode keeps undecodable bytes of odd names (surrogateescape) instead of failing.
-    raw = os.fsencode(name)
-    room = _NAME_MAX - len(os.fsencode(suffix))
-    if len(raw) > room:
-        name = os.fsdecode(raw[:room])
-    return name + suffix
 
 
 def remove_child(root: HeldDir, name: str) -> str | None:

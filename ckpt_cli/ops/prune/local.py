@@ -18,10 +18,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.errors import BusyError, CkptError, UsageError
 from ckpt_cli.formats import check_exists
-from ckpt_cli.formats.names import TRASH_PREFIX
-from ckpt_cli.model import POINTER_UNREADABLE, RunEntry, RunListing
+from ckpt_cli.model import POINTER_UNREADABLE, RunEntry
 from ckpt_cli.ops.prune.deletion import (
     HeldDir,
     mounts_inside,
@@ -39,27 +38,65 @@ from ckpt_cli.ops.prune.retention import (
 from ckpt_cli.runs import (
     LOCK_SUFFIX,
     POINTER_FILES,
+    PRUNE_LOCK,
     read_pointers,
+    stale_temporaries,
     tree_scan,
 )
 
 
-def _finish_trash(root: HeldDir, listing: RunListing, result: PruneResult,
-                  report: Callable[[PruneEvent], None]) -> None:
-    """Remove what an interrupted prune renamed aside but did not get to remove."""
-    for name in listing.leftovers:
-        if not name.startswith(TRASH_PREFIX):
-            continue  # other leftovers (writers' temporary names) may still be in use
-        err = remove_child(root, name)
+def _sweep(root: HeldDir, now: float) -> tuple[list[str], dict[str, str]]:
+    """Remove what interrupted writes left: an interrupted prune's trash, a killed thinning's
+    or manifest write's temporaries, at the run's top and inside its checkpoints
+    (:func:`ckpt_cli.runs.stale_temporaries` decides; a writer still running keeps its own).
+    The caller holds the prune lock. Returns what was removed and what could not be, with why.
+    """
+    removed: list[str] = []
+    failed: dict[str, str] = {}
+    for path in stale_temporaries(root.path, now):
+        rel = path.relative_to(root.path).as_posix()
+        held = root if path.parent == root.path else None
+        try:
+            if held is None:
+                held = HeldDir(path.parent)
+            err = remove_child(held, path.name)
+        except OSError as e:
+            err = f"cannot open its directory: {e.strerror}"
+        finally:
+            if held is not None and held is not root:
+                held.close()
         if err:
-            result.trash_failed[name] = err
-            report(PruneEvent("failed", name, err))
+            failed[rel] = err
         else:
-            result.trash_removed.append(name)
-            report(PruneEvent("trash", name))
+            removed.append(rel)
+    return removed, failed
 
 
-LOCK_NAME = ".ckpt-prune.lock"
+def sweep(path: Path) -> list[str]:
+    """The sweep every prune starts with, alone: for ``ckpt watch``'s passes.
+
+    Args:
+        path: A local run directory.
+
+    Returns:
+        What was removed (relative to the run); nothing when there was nothing to remove or
+        another prune holds the lock (that prune sweeps itself).
+    """
+    if not stale_temporaries(path, time.time()):
+        return []  # the usual case: no lock file created, no directory held
+    try:
+        root = _checked_root(path, any_dir=True)
+        with _locked(root):
+            held = HeldDir(root)
+            try:
+                return _sweep(held, time.time())[0]
+            finally:
+                held.close()
+    except (CkptError, OSError):
+        return []
+
+
+LOCK_NAME = PRUNE_LOCK
 """The file ``prune`` locks in the run directory (left in place: removing a lock file races)."""
 
 
@@ -95,6 +132,15 @@ class LocalRun:
         """Hold ``.ckpt-prune.lock`` (see :func:`_locked`)."""
         return _locked(self.root)
 
+    def sweep(self) -> tuple[list[str], dict[str, str]]:
+        """Under the lock, before listing: remove what interrupted writes left (see
+        :func:`_sweep`): removed, and failed with why."""
+        held = HeldDir(self.root)
+        try:
+            return _sweep(held, self.clock())
+        finally:
+            held.close()
+
     def planned(self, result: PruneResult) -> None:
         """Take note of the plan (its pointers are the ones re-checks compare with)."""
         self._plan = result.plan
@@ -109,10 +155,9 @@ class LocalRun:
         return self._held
 
     def begin(self, result: PruneResult, report: Callable[[PruneEvent], None]) -> None:
-        """Hold the directory open and remove an interrupted prune's trash."""
-        plan, _ = self._state()
+        """Hold the directory open (what interrupted writes left was swept before planning)."""
+        self._state()
         self._held = HeldDir(self.root)
-        _finish_trash(self._held, plan.listing, result, report)
         self._points = mounts_inside(str(self.root))
 
     def recheck(self, entry: RunEntry) -> str | None:
@@ -344,7 +389,7 @@ def _locked(root: Path) -> Iterator[None]:
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise CkptError(f"cannot lock {LOCK_NAME}: {e.strerror}", path=root) from None
-            raise CkptError("another ckpt prune is running on this directory", path=root,
+            raise BusyError("another ckpt prune is running on this directory", path=root,
                             hint=f"it holds {root / LOCK_NAME}; try again when it has "
                                  "finished") from None
         yield

@@ -288,6 +288,10 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
 
     if policy.thin_after is not None:
         _mark_thinning(ranked, policy, decisions, uncounted)
+    for d in decisions.values():
+        if not d.reasons:  # every line says why; kept without a rule only when none deletes
+            d.reasons.append("no retention rule deletes it" if not policy.rules() else
+                             "kept: no rule let it go")
     plan = PrunePlan(listing, policy, now, [decisions[e.name] for e in entries],
                      newest_valid.name if newest_valid else None, findings)
     if policy.max_total_size is not None:
@@ -391,6 +395,9 @@ def _mark_thinning(ranked: list[RunEntry], policy: PrunePolicy,
         d = decisions[e.name]
         if counted < k:
             counted += e.name not in uncounted
+            if not d.reasons:  # thinning alone: no retention rule said anything
+                d.reasons.append(f"among the newest {k} complete: kept whole "
+                                 f"(--thin-after {k})")
             continue
         if d.delete or e.name in uncounted or any(p in _NO_THIN for p in d.protected_by):
             continue
@@ -399,7 +406,8 @@ def _mark_thinning(ranked: list[RunEntry], policy: PrunePolicy,
                              "(--keep-full-every)")
             continue
         d.thin = True
-        d.reasons.append(f"older than the newest {k} complete: thinned (--thin-after {k}"
+        d.reasons.append(f"older than the newest {k} complete: its optimizer state goes "
+                         f"(--thin-after {k}"
                          + (f", --thin-to {policy.thin_to})" if policy.thin_to else ")"))
 
 

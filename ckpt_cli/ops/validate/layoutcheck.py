@@ -192,16 +192,25 @@ def _has_optimizer(index: CheckpointIndex) -> bool:
     return False
 
 
-def resumable_findings(index: CheckpointIndex,
-                       require: tuple[str, ...]) -> tuple[list[Finding], str]:
+def _thinned(path: Path) -> bool:
+    from ckpt_cli.trust.ledger import thinned_on_purpose
+
+    return thinned_on_purpose(path)
+
+
+def resumable_findings(index: CheckpointIndex, require: tuple[str, ...],
+                       path: Path | None = None) -> tuple[list[Finding], str]:
     """Whether the checkpoint holds what resuming training needs.
 
-    A checkpoint that records a step but no optimizer state is flagged (a warning);
-    ``require`` (``optimizer``, ``step``) turns absences into errors.
+    A checkpoint that records a step but no optimizer state is flagged (a warning), unless it
+    was thinned on purpose (a note); ``require`` (``optimizer``, ``step``) turns absences
+    into errors.
 
     Args:
         index: The checkpoint's index.
         require: What must be present.
+        path: The checkpoint, to ask its run ledger whether ``prune --thin-after`` thinned
+            it (:func:`ckpt_cli.trust.ledger.thinned_on_purpose`).
 
     Returns:
         ``(findings, summary)``.
@@ -222,6 +231,11 @@ def resumable_findings(index: CheckpointIndex,
             "info", "no-optimizer",
             f"step {step} was carried over by ckpt from the checkpoint it converted; the "
             "optimizer state was left out (--keep-optimizer / --with-optimizer keep it)"))
+    elif has_step and not has_opt and path is not None and _thinned(path):
+        findings.append(Finding(
+            "info", "no-optimizer",
+            f"step {step}: thinned by ckpt prune --thin-after (the run ledger says so), its "
+            "optimizer state dropped on purpose; resuming from it restarts the optimizer"))
     elif has_step and not has_opt:
         findings.append(Finding(
             "warning", "no-optimizer",

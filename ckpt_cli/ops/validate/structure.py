@@ -132,7 +132,7 @@ def deep_checks(b: Builder, index: CheckpointIndex, path: Path, files: OpenFiles
                      ("latest-pointer", pointer_findings(index, path))):
         if got is not None:
             b.add(cid, *got)
-    b.add("resumable", *resumable_findings(index, opts.require))
+    b.add("resumable", *resumable_findings(index, opts.require, path))
     quant = check_quantized(index)
     if quant is not None:
         b.add("quantization", *quant)

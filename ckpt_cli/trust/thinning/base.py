@@ -125,6 +125,15 @@ def lone_torch_file(path: Path) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
+def quick_check(path: Path) -> str | None:
+    """Why a (thinned) checkpoint does not read cleanly, or None: its index read through the
+    allowlist (:func:`ckpt_cli.formats.first_error`). Thinning rewrites no layout with rank
+    files, so this is prune's quick validation for what it writes."""
+    from ckpt_cli.formats import first_error
+
+    return first_error(path)[1]
+
+
 def _set_manifest_aside(path: Path) -> str | None:
     """Remove the checkpoint's manifest before its files change; return its algorithm.
 
@@ -216,8 +225,7 @@ def _work_name(path: Path) -> Path:
     name of prune's trash (``.ckpt-trash-NAME.thin-*``), which no reader takes for a checkpoint
     and which the next prune removes when a kill left it behind. Only prune thins, under its
     lock, so no other prune removes it while it is being written."""
-    from ckpt_cli.formats.names import TRASH_PREFIX
-    from ckpt_cli.ops.prune.deletion import fit_name
+    from ckpt_cli.formats.names import TRASH_PREFIX, fit_name
 
     return path.parent / fit_name(f"{TRASH_PREFIX}{path.name}", f".thin-{uuid.uuid4().hex[:8]}")
 
@@ -253,11 +261,10 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
     kill interrupts this).
     """
     from ckpt_cli.manifest import DEFAULT_ALGORITHM, manifest_path, read_manifest
-    from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
     from ckpt_cli.storage.atomic import exchange
 
-    problem = quick_validate(tmp)
+    problem = quick_check(tmp)
     if problem:
         raise CkptError(f"the thinned copy does not validate ({problem}); left whole",
                         path=path)

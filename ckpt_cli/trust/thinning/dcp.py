@@ -17,6 +17,7 @@ from ckpt_cli.trust.thinning.base import (
     Thinned,
     _newest_ns,
     _work_name,
+    quick_check,
 )
 
 # loops): their floating tensors are never cast by --thin-to.
@@ -119,7 +120,6 @@ def _dcp_thinned_state(path: Path, to: str | None
     from ckpt_cli.formats import read_index
     from ckpt_cli.formats.dcp import metadata_file, parse_metadata, storage_map
     from ckpt_cli.manifest import MANIFEST_NAME
-    from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
     from ckpt_cli.storage import open_regular, read_full
     from ckpt_cli.tensors.cast import cast_array
@@ -128,7 +128,7 @@ def _dcp_thinned_state(path: Path, to: str | None
     meta = metadata_file(path)
     if meta is None:
         raise CkptError("its .metadata is gone; left as it is", path=path)
-    problem = quick_validate(path)
+    problem = quick_check(path)
     if problem:
         raise CkptError(f"does not validate ({problem}); left whole", path=path)
     bytes_before = tree_scan(path).bytes

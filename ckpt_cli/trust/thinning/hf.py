@@ -17,6 +17,7 @@ from ckpt_cli.trust.thinning.base import (
     Thinned,
     _newest_ns,
     _work_name,
+    quick_check,
 )
 
 
@@ -30,7 +31,6 @@ def _thin_hf_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | Non
     :mod:`ckpt_cli.tensors.cast`, ``config.json``'s dtype and the index's ``total_size`` updated, no
     optimizer file) and swapped in with one atomic exchange.
     """
-    from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
 
     victims = [n for n in HF_OPTIMIZER_FILES
@@ -38,7 +38,7 @@ def _thin_hf_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | Non
     if not victims:
         return None
     bytes_before = tree_scan(path).bytes
-    problem = quick_validate(path)
+    problem = quick_check(path)
     if problem:
         raise CkptError(f"does not validate ({problem}); left whole", path=path)
     if to == "bf16":

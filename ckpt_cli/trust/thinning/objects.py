@@ -20,6 +20,7 @@ from ckpt_cli.trust.thinning.base import (
     _drop_optimizer,
     _is_dcp,
     lone_torch_file,
+    quick_check,
 )
 from ckpt_cli.trust.thinning.dcp import _dcp_thinned_state
 from ckpt_cli.trust.thinning.hf import _safetensors_to_bf16
@@ -50,7 +51,6 @@ def _thin_object(obj: Path, to: str | None, on_start: OnStart, checkpoint: Path
 
     import torch
 
-    from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
 
     before = obj.stat()
@@ -74,7 +74,7 @@ def _thin_object(obj: Path, to: str | None, on_start: OnStart, checkpoint: Path
     with tempfile.TemporaryDirectory(prefix="ckpt-thin-") as td:
         local = Path(td) / obj.name
         local.write_bytes(data)
-        problem = quick_validate(local)
+        problem = quick_check(local)
     if problem:
         raise CkptError(f"the thinned copy does not validate ({problem}); left whole",
                         path=checkpoint)
@@ -93,14 +93,13 @@ def _thin_object(obj: Path, to: str | None, on_start: OnStart, checkpoint: Path
 def _thin_hf_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned | None:
     """An HF Trainer ``checkpoint-N`` prefix: its optimizer object deleted (one DELETE); with
     ``to="bf16"`` its weights cast too (see :func:`_hf_prefix_to_bf16`)."""
-    from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
 
     tidy(path, ours_only=True)  # a killed --thin-to's uploads, never named by the index
     victims = [n for n in HF_OPTIMIZER_FILES if (path / n).is_file()]
     if not victims:
         return None
-    problem = quick_validate(path)
+    problem = quick_check(path)
     if problem:
         raise CkptError(f"does not validate ({problem}); left whole", path=path)
     bytes_before = tree_scan(path).bytes
@@ -270,7 +269,6 @@ def _thin_dcp_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned |
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     from ckpt_cli.formats.dcp import METADATA
-    from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
 
     tidy(path, ours_only=True)  # a killed thinning's uploads, never named by .metadata
@@ -294,7 +292,7 @@ def _thin_dcp_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned |
                             for n in files) or any(n in before for n in files):
             raise CkptError("DCP's writer did not name its files as asked; left whole",
                             path=path)
-        problem = quick_validate(local)
+        problem = quick_check(local)
         if problem:
             raise CkptError(f"the thinned copy does not validate ({problem}); left whole",
                             path=path)
@@ -328,7 +326,6 @@ def _hf_prefix_to_bf16(path: Path, victims: list[str], on_start: OnStart,
     import tempfile
 
     from ckpt_cli.formats import read_index
-    from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
 
     children = list(path.iterdir())
@@ -367,7 +364,7 @@ def _hf_prefix_to_bf16(path: Path, victims: list[str], on_start: OnStart,
             if w.name in renamed:
                 out = local / renamed[w.name]
                 total += _safetensors_to_bf16(w, out)
-                problem = quick_validate(out)
+                problem = quick_check(out)
                 if problem:
                     raise CkptError(f"the cast copy of {w.name} does not validate ({problem}); "
                                     "left whole", path=path)

@@ -17,6 +17,7 @@ from ckpt_cli.trust.thinning.base import (
     _load,
     _newest_ns,
     _work_name,
+    quick_check,
 )
 
 
@@ -27,7 +28,6 @@ def _thin_torch(path: Path, to: str | None, on_start: OnStart,
     ``rename``."""
     import torch
 
-    from ckpt_cli.ops.prune import quick_validate
     from ckpt_cli.runs import tree_scan
 
     before = path.stat()
@@ -50,7 +50,7 @@ def _thin_torch(path: Path, to: str | None, on_start: OnStart,
             os.chown(tmp, before.st_uid, before.st_gid)
         os.utime(tmp, ns=(before.st_atime_ns, before.st_mtime_ns))
         fsync_path(tmp)
-        problem = quick_validate(tmp)
+        problem = quick_check(tmp)
         if problem:
             raise CkptError(f"the thinned copy does not validate ({problem}); left whole",
                             path=checkpoint)

@@ -82,7 +82,8 @@ def test_worked_example_json() -> None:
                          "checkpoints_per_day", "bytes_per_day", "files_per_day",
                          "inodes_per_day"}
     assert doc["retention"] == {"keep": 3, "steady_bytes": 6_300_000_000_000,
-                                "peak_bytes": 8_400_000_000_000, "steady_files": 3}
+                                "peak_bytes": 8_400_000_000_000, "steady_files": 3,
+                                "kept_whole": 3}
     assert len(doc["curve"]) == 49
     assert doc["async"] is False and doc["snapshot"] is None
     assert doc["notes"] == []

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats import read_index as formats_read_index
 from ckpt_cli.ops import prune as prune_ops
 from ckpt_cli.ops.prune import PruneEvent, prune
 from ckpt_cli.ops.prune import local as prune_local
@@ -474,7 +475,9 @@ def test_refuses_roots_that_cannot_be_meant(sample_copy: Path, tmp_path: Path,
     r = run_cli("prune", path, "--keep", "1", "--grace", "0", "--yes")
     assert r.exit_code == 2, r.stdout
     lines = r.stderr.strip().splitlines()
-    assert lines[0].startswith("ckpt: error:") and "--any-dir" in lines[-1]
+    # A checkpoint is refused even with --any-dir: the hint names its run directory.
+    hint = str(sample_copy) if target == "checkpoint" else "--any-dir"
+    assert lines[0].startswith("ckpt: error:") and hint in lines[-1]
     assert "Traceback" not in r.stderr
     assert sorted(str(p) for p in home.rglob("*")) == before
     if target == "home":
@@ -500,8 +503,10 @@ def test_a_second_prune_waits_for_the_lock(sample_copy: Path) -> None:
     with open(sample_copy / ".ckpt-prune.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes")
-    assert r.exit_code == 2
+        busy = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes", "--json")
+    assert r.exit_code == 75  # EX_TEMPFAIL: try later, not a usage error (2)
     assert "another ckpt prune is running" in r.stderr
+    assert busy.exit_code == 75 and json.loads(busy.stdout)["error"]["kind"] == "busy"
     assert "step_000100" in _names(sample_copy)
     r = run_cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--yes")  # lock released
     assert r.exit_code == 0 and "step_000100" not in _names(sample_copy)
@@ -892,7 +897,7 @@ def test_hf_shards_with_a_gap_and_no_index(tmp_path: Path) -> None:
     assert len(shards) >= 3
     (d / "model.safetensors.index.json").unlink()
     shards[1].unlink()
-    found = {(f.code, f.file) for f in prune_ops.read_index(d).findings}
+    found = {(f.code, f.file) for f in formats_read_index(d).findings}
     assert ("missing-shard", shards[1].name) in found
     assert prune_ops.quick_validate(d) is not None
 
@@ -982,7 +987,7 @@ def test_weights_in_a_subdirectory_count(hf_trainer_dir: Path, tmp_path: Path) -
     tag = ckpt / "global_step4"
     torch.save({"module": {"w": torch.ones(2)}}, tag / "mp_rank_00_model_states.pt")
     (ckpt / "latest").write_text("global_step4")
-    codes = {f.code for f in prune_ops.read_index(ckpt).findings}
+    codes = {f.code for f in formats_read_index(ckpt).findings}
     assert "missing-weights" not in codes
     assert prune_ops.quick_validate(ckpt) is None
 

@@ -1,0 +1,137 @@
+"""Resumed runs with ckpt's training callbacks (issue 37 items 3, 4 and 8): an HF Trainer run
+resumed from its newest checkpoint keeps it through a failing save; a Lightning checkpoint that
+``prune --thin-after`` thinned resumes in Lightning itself; the README's Lightning example runs
+as written."""
+
+from __future__ import annotations
+
+import os
+import types
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_cli.resume import latest_verified
+from ckpt_cli.trust import ledger
+from tests.conftest import run_cli, third_party_quiet
+from tests.helpers.lightning_parts import fit_tiny, tiny_module, truncate_half
+from tests.helpers.makers import tiny_lm_data
+
+pytestmark = pytest.mark.requires_torch
+
+
+def _hf_train(out: Path, steps: int, callbacks: list[Any], resume: str | None = None) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
+                                       n_head=2))
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=3,
+                             save_total_limit=2, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="steps", disable_tqdm=True)
+    with third_party_quiet():
+        Trainer(model=model, args=args, train_dataset=tiny_lm_data(),
+                callbacks=callbacks).train(resume_from_checkpoint=resume)
+
+
+def test_hf_resume_with_a_failing_next_save_keeps_the_resume_point(tmp_path: Path) -> None:
+    from transformers import TrainerCallback
+
+    from ckpt_cli.integrations.hf import CkptVerifyCallback
+
+    out = tmp_path / "out"
+    _hf_train(out, 12, [CkptVerifyCallback()])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-9"]
+    resume = latest_verified(out)
+    assert resume == out / "checkpoint-12"
+
+    class BreakSave15(TrainerCallback):  # type: ignore[misc]
+        """Damages checkpoint-15 right after Trainer wrote it (before the verification)."""
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            if state.global_step == 15:
+                truncate_half(out / "checkpoint-15" / "model.safetensors")
+            return control
+
+    _hf_train(out, 15, [BreakSave15(), CkptVerifyCallback()], resume=str(resume))
+    book = ledger.read_ledger(out)
+    assert book is not None and book.latest()["checkpoint-15"].verdict == "bad"
+    # Rotation (save_total_limit=2) kept the resume point, not the older checkpoint-9.
+    assert (out / "checkpoint-12").is_dir()
+    assert latest_verified(out, verify="full") == out / "checkpoint-12"
+
+
+def test_a_thinned_lightning_checkpoint_resumes_with_a_fresh_optimizer(tmp_path: Path) -> None:
+    from ckpt_cli.integrations.lightning import VerifiedModelCheckpoint
+
+    out = tmp_path / "ckpts"
+    ck = VerifiedModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1,
+                                 filename="{step}")
+    with third_party_quiet():
+        fit_tiny([ck], steps=6, samples=64, devices=1)
+    r = run_cli("prune", out, "--thin-after", "1", "--grace", "0", "--yes")
+    assert r.exit_code == 0, r.output
+    thinned = out / "step=4.ckpt"
+    state = torch.load(thinned, weights_only=True)
+    assert "optimizer_states" not in state and "state_dict" in state
+    # validate: a note, not a warning, since the ledger says it was thinned on purpose.
+    v = run_cli("validate", thinned, "--strict")
+    assert v.exit_code == 0, v.output
+    assert "0 warnings" in v.stdout
+    v = run_cli("validate", thinned, "--json")
+    assert "thinned by ckpt prune --thin-after" in v.stdout
+
+    import lightning as L
+
+    ck2 = VerifiedModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1,
+                                  filename="{step}")
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=4)
+    trainer = L.Trainer(max_steps=8, accelerator="cpu", callbacks=[ck2], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, devices=1)
+    with third_party_quiet():
+        trainer.fit(tiny_module(), loader, ckpt_path=thinned)
+    assert trainer.global_step == 8  # resumed at step 4, not from scratch
+    book = ledger.read_ledger(out)
+    assert book is not None and book.latest()["step=8.ckpt"].verdict == "good"
+    assert "optimizer_states" in torch.load(out / "step=8.ckpt", weights_only=True)
+
+
+# The README's Lightning example, corrected (save_top_k=2 needs a monitor: "step" keeps the
+# newest two). The lead copies it into the README; the test runs it exactly as written.
+README_LIGHTNING = '''\
+from ckpt_cli.integrations.lightning import VerifiedModelCheckpoint  # Lightning
+from ckpt_cli.resume import latest_verified
+
+ck = VerifiedModelCheckpoint(dirpath="ckpts", every_n_train_steps=500, save_top_k=2,
+                             monitor="step", mode="max")
+L.Trainer(callbacks=[ck]).fit(model, ckpt_path=latest_verified("ckpts"))
+'''
+
+
+def test_the_readme_lightning_example_runs_as_written(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_module()
+    model.train_dataloader = lambda: torch.utils.data.DataLoader(  # type: ignore[method-assign]
+        torch.utils.data.TensorDataset(torch.randn(4000, 4)), batch_size=4)
+    # L as the user's `import lightning as L`, its Trainer kept short and quiet (one epoch
+    # of 1,000 steps: two saves at every_n_train_steps=500).
+    fake_l = types.SimpleNamespace(Trainer=partial(
+        lightning.Trainer, max_epochs=1, accelerator="cpu", logger=False,
+        enable_progress_bar=False, enable_model_summary=False, devices=1))
+    for _ in range(2):  # the second run resumes from what the first verified
+        with third_party_quiet():
+            exec(README_LIGHTNING, {"L": fake_l, "model": model})
+    ckpts = tmp_path / "ckpts"
+    book = ledger.read_ledger(ckpts)
+    assert book is not None
+    assert {p: e.verdict for p, e in book.latest().items()} == {
+        "epoch=0-step=500.ckpt": "good", "epoch=0-step=1000.ckpt": "good"}
+    assert latest_verified(ckpts) == ckpts / "epoch=0-step=1000.ckpt"
