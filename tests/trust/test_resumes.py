@@ -6,8 +6,6 @@ as written."""
 from __future__ import annotations
 
 import os
-import types
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -101,37 +99,37 @@ def test_a_thinned_lightning_checkpoint_resumes_with_a_fresh_optimizer(tmp_path:
     assert "optimizer_states" in torch.load(out / "step=8.ckpt", weights_only=True)
 
 
-# The README's Lightning example, corrected (save_top_k=2 needs a monitor: "step" keeps the
-# newest two). The lead copies it into the README; the test runs it exactly as written.
-README_LIGHTNING = '''\
-from ckpt_cli.integrations.lightning import VerifiedModelCheckpoint  # Lightning
-from ckpt_cli.resume import latest_verified
+def _docs_block(page: str, needle: str) -> str:
+    """The ``python`` block of ``docs/PAGE`` that holds ``needle``, exactly as written."""
+    import re
 
-ck = VerifiedModelCheckpoint(dirpath="ckpts", every_n_train_steps=500, save_top_k=2,
-                             monitor="step", mode="max")
-L.Trainer(callbacks=[ck]).fit(model, ckpt_path=latest_verified("ckpts"))
-'''
+    text = (Path(__file__).resolve().parents[2] / "docs" / page).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    (found,) = [b for b in blocks if needle in b]
+    return found
 
 
-def test_the_readme_lightning_example_runs_as_written(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning
-
+def test_the_docs_lightning_example_resumes_from_what_it_verified(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/trust.md's Lightning example, run twice as written: the first run's saves are all
+    verified good, and the second resumes from the newest of them (issue 37: the README's
+    example raised MisconfigurationException, save_top_k=2 without a monitor)."""
+    source = _docs_block("trust.md", "VerifiedModelCheckpoint")
     monkeypatch.chdir(tmp_path)
-    model = tiny_module()
-    model.train_dataloader = lambda: torch.utils.data.DataLoader(  # type: ignore[method-assign]
-        torch.utils.data.TensorDataset(torch.randn(4000, 4)), batch_size=4)
-    # L as the user's `import lightning as L`, its Trainer kept short and quiet (one epoch
-    # of 1,000 steps: two saves at every_n_train_steps=500).
-    fake_l = types.SimpleNamespace(Trainer=partial(
-        lightning.Trainer, max_epochs=1, accelerator="cpu", logger=False,
-        enable_progress_bar=False, enable_model_summary=False, devices=1))
-    for _ in range(2):  # the second run resumes from what the first verified
-        with third_party_quiet():
-            exec(README_LIGHTNING, {"L": fake_l, "model": model})
+    first: dict[str, object] = {}
+    with third_party_quiet():
+        exec(source, first)
     ckpts = tmp_path / "ckpts"
     book = ledger.read_ledger(ckpts)
-    assert book is not None
-    assert {p: e.verdict for p, e in book.latest().items()} == {
-        "epoch=0-step=500.ckpt": "good", "epoch=0-step=1000.ckpt": "good"}
-    assert latest_verified(ckpts) == ckpts / "epoch=0-step=1000.ckpt"
+    assert book is not None and book.latest()
+    assert all(e.verdict == "good" for e in book.latest().values())
+    resume = latest_verified(ckpts)
+    assert resume is not None and resume.exists()
+    second: dict[str, object] = {}
+    with third_party_quiet():
+        exec(source, second)
+    trainer = second["trainer"]
+    # The second fit loaded the checkpoint the first verified (Lightning records the path it
+    # restored from), and ended where the first did.
+    assert Path(trainer.ckpt_path).resolve() == resume.resolve()  # type: ignore[attr-defined]
+    assert trainer.global_step == first["trainer"].global_step  # type: ignore[attr-defined]
