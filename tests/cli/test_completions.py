@@ -48,3 +48,16 @@ def test_completion_offers_the_cast_targets(command: str) -> None:
     every = ["fp16", "bf16", "fp32", "fp8", "keep"] if command == "convert" else [
         "fp16", "bf16", "fp32", "keep"]
     assert answers == [every, ["bf16"]]
+
+
+@pytest.mark.parametrize(("option", "typed", "want"), [
+    ("--fp8-layout", "", ["block", "channel", "tensor"]), ("--fp8-layout", "c", ["channel"]),
+    ("--fp8-activations", "", ["dynamic", "none"])])
+def test_completion_offers_the_fp8_choices(option: str, typed: str, want: list[str]) -> None:
+    """``--fp8-layout <TAB>`` and ``--fp8-activations <TAB>`` offer their values (issue 39)."""
+    code = "from ckpt_cli.cli.app import main; main()"
+    env = {**os.environ, "_CKPT_COMPLETE": "complete_bash",
+           "COMP_WORDS": f"ckpt convert x {option} {typed}", "COMP_CWORD": "4"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout.split() == want
