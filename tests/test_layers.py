@@ -22,7 +22,7 @@ FORMATS_MAY_IMPORT = ("ckpt_cli.formats", "ckpt_cli.model", "ckpt_cli.errors",
 # The bottom layer: plain data, exceptions, dtype table, units, and storage (where bytes live,
 # positioned reads, atomic outputs, stage timing). It imports only itself, at any level.
 BOTTOM = ("ckpt_cli.storage", "ckpt_cli.model", "ckpt_cli.errors", "ckpt_cli.dtypes",
-          "ckpt_cli.units")
+          "ckpt_cli.units", "ckpt_cli.documents")
 # Known exceptions, (module, imported): none left.
 KNOWN: set[tuple[str, str]] = set()
 # Lazy (function-level) imports from formats/ that reach up: none left (the tie finder,
@@ -271,7 +271,7 @@ def test_trust_module_sizes() -> None:
 # What render/ may import: ops' result types (a package op's ``result`` module, or a one-module
 # op, which holds its result types itself), and the plain bottom modules.
 RENDER_MAY_IMPORT = ("ckpt_cli.render", "ckpt_cli.model", "ckpt_cli.errors", "ckpt_cli.units",
-                     "ckpt_cli.dtypes")
+                     "ckpt_cli.dtypes", "ckpt_cli.documents")
 # The rest, known and each for one job: render/prune words remote paths (storage) and names
 # trash (formats.names) and shows the plan (retention's Decision/PrunePlan); junit writes its
 # report atomically and redacts URLs; convert/consolidate summarise kept dtypes (cast, lazily);
