@@ -1,6 +1,15 @@
 """ckpt: a toolkit for the checkpoints of large-scale deep-learning training.
 
-The library API mirrors the commands; nothing here imports torch.
+The library API mirrors the commands, one function per command (``docs/python.md``)::
+
+    import ckpt_cli
+
+    result = ckpt_cli.validate("demo-run")
+    result.ok                   # what exit status 0 means
+    result.to_dict()            # the document `ckpt validate demo-run --json` prints
+
+Importing it loads no torch, typer or rich: each function loads its command's code when first
+used.
 """
 
 from __future__ import annotations
@@ -9,21 +18,77 @@ __version__ = "0.1.0"
 
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    DestinationExistsError,
+    UnknownFormatError,
+    UnsafeCheckpointError,
+    UnsupportedError,
+    UsageError,
+)
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
 
 if TYPE_CHECKING:
+    from ckpt_cli.api.commands import (
+        PathLike,
+        ProgressCallback,
+        consolidate,
+        convert,
+        diff,
+        inspect,
+        plan,
+        prune,
+        resume_path,
+        validate,
+        watch_once,
+    )
     from ckpt_cli.formats import detect, read_index
+
+#: The commands' functions (``ckpt_cli.api.commands``), loaded on first use.
+COMMANDS = ("consolidate", "convert", "diff", "inspect", "plan", "prune", "resume_path",
+            "validate", "watch_once")
 
 
 def __getattr__(name: str) -> Any:
-    """``detect`` and ``read_index`` load the format readers on first use, so that
-    ``ckpt --help`` (which imports this package) does not import every reader."""
+    """The command functions and ``detect``/``read_index`` load their code on first use, so
+    that ``import ckpt_cli`` (and ``ckpt --help``, which imports this package) stays cheap."""
     if name in ("detect", "read_index"):
         from ckpt_cli import formats
 
         return getattr(formats, name)
+    if name in COMMANDS or name in ("PathLike", "ProgressCallback"):
+        from ckpt_cli.api import commands
+
+        return getattr(commands, name)
     raise AttributeError(f"module 'ckpt_cli' has no attribute {name!r}")
 
-__all__ = ["CheckpointIndex", "CkptError", "FileInfo", "Finding", "TensorInfo", "__version__",
-           "detect", "read_index"]
+
+__all__ = [
+    "COMMANDS",
+    "CheckpointIndex",
+    "CkptError",
+    "CorruptCheckpointError",
+    "DestinationExistsError",
+    "FileInfo",
+    "Finding",
+    "PathLike",
+    "ProgressCallback",
+    "TensorInfo",
+    "UnknownFormatError",
+    "UnsafeCheckpointError",
+    "UnsupportedError",
+    "UsageError",
+    "__version__",
+    "consolidate",
+    "convert",
+    "detect",
+    "diff",
+    "inspect",
+    "plan",
+    "prune",
+    "read_index",
+    "resume_path",
+    "validate",
+    "watch_once",
+]
