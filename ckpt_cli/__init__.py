@@ -22,6 +22,7 @@ from ckpt_cli.errors import (
     CkptError,
     CorruptCheckpointError,
     DestinationExistsError,
+    StorageError,
     UnknownFormatError,
     UnsafeCheckpointError,
     UnsupportedError,
