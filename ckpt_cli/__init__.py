@@ -75,6 +75,7 @@ __all__ = [
     "Finding",
     "PathLike",
     "ProgressCallback",
+    "StorageError",
     "TensorInfo",
     "UnknownFormatError",
     "UnsafeCheckpointError",

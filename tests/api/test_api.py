@@ -178,7 +178,7 @@ def test_watch_once_and_resume_path(sample_run: Path, tmp_path: Path,
     assert resume.to_dict() == cli_doc
 
 
-# -- errors: CkptError subclasses, the CLI's message with keywords for flags ------------------------
+# -- errors: CkptError subclasses, the CLI's message with keywords for flags ---------------------
 
 def test_errors_name_the_keywords(sample_run: Path, cli: Callable[..., Result]) -> None:
     with pytest.raises(UsageError) as e:
@@ -188,19 +188,19 @@ def test_errors_name_the_keywords(sample_run: Path, cli: Callable[..., Result]) 
     assert f"ckpt: error: {e.value}".replace("manifest_hash", "--manifest-hash") in printed.stderr
     assert e.value.params == ("manifest_hash",) and "--" not in str(e.value)
 
-    with pytest.raises(UsageError, match="^sort must be name or size, not 'bogus'$"):
+    with pytest.raises(UsageError, match=r"^sort must be name or size, not 'bogus'$"):
         ckpt_cli.inspect(sample_run, sort="bogus")
     with pytest.raises(UsageError, match="keep_every"):
         ckpt_cli.prune(sample_run, keep_every="ten")
-    with pytest.raises(UsageError, match="^max_shard_size must be positive"):
+    with pytest.raises(UsageError, match=r"^max_shard_size must be positive"):
         ckpt_cli.convert(sample_run, sample_run / "never", max_shard_size=-1)
-    with pytest.raises(CkptError, match="does not exist|no such"):
+    with pytest.raises(CkptError, match=r"does not exist|no such"):
         ckpt_cli.inspect(sample_run / "missing")
     with pytest.raises(UsageError, match="depth must be at least 1"):
         ckpt_cli.diff(sample_run / "step_000100", sample_run / "step_000100", depth=0)
 
 
-# -- progress: a callback; tqdm is one ----------------------------------------------------------------
+# -- progress: a callback; tqdm is one ---------------------------------------------------------
 
 def test_progress_drives_tqdm(sample_run: Path, tmp_path: Path) -> None:
     from tqdm import tqdm

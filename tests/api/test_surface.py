@@ -88,10 +88,9 @@ def test_the_surface_is_recorded(request: pytest.FixtureRequest) -> None:
                 problems.append(f"parameter {key} removed without a deprecation")
             elif got is not None and got != how:
                 problems.append(f"parameter {key} changed: {how} -> {got}")
-    for cls, members in recorded["results"].items():
-        for m in members:
-            if m not in now["results"].get(cls, []) and f"{cls}.{m}" not in DEPRECATED:
-                problems.append(f"result field {cls}.{m} removed without a deprecation")
+    problems += [f"result field {cls}.{m} removed without a deprecation"
+                 for cls, members in recorded["results"].items() for m in members
+                 if m not in now["results"].get(cls, []) and f"{cls}.{m}" not in DEPRECATED]
     added = [f"{fn}.{p}" for fn, params in now["functions"].items() for p in params
              if p not in recorded["functions"].get(fn, {})]
     added += [f"{cls}.{m}" for cls, members in now["results"].items() for m in members
