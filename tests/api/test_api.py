@@ -17,6 +17,9 @@ from typer.testing import Result
 import ckpt_cli
 from ckpt_cli.errors import CkptError, DestinationExistsError, UsageError
 
+# The fixtures write real checkpoints with torch (``ckpt sample``).
+pytestmark = pytest.mark.requires_torch
+
 # What differs between two runs of one command: wall times and throughputs.
 _VOLATILE = {"seconds", "bytes_per_second"}
 

@@ -131,6 +131,7 @@ def test_every_function_and_parameter_is_documented() -> None:
         assert f"`{cls}`" in docs, f"docs/python.md does not name {cls}"
 
 
+@pytest.mark.requires_torch  # the sample run is written with torch
 def test_import_is_cheap_and_calls_load_no_torch_typer_or_rich(sample_run: Path) -> None:
     """``import ckpt_cli`` loads no command code; ``ckpt_cli.validate(run).ok`` (the README's
     quick start) works and loads neither torch nor typer nor rich, nor do the other read-only
