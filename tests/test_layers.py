@@ -224,11 +224,16 @@ TRUST_KNOWN = {("ckpt_cli.trust.thinning.base", "ckpt_cli.ops.prune"),
                ("ckpt_cli.trust.thinning.objects", "ckpt_cli.ops.prune")}
 
 
+# Who may import the watcher: its commands (the CLI, the Python API) and the callbacks.
+WATCHER_USERS = ("ckpt_cli.cli", "ckpt_cli.api", "ckpt_cli.integrations")
+
+
 def test_trust_sits_between_writers_and_ops() -> None:
     """trust/ (ledger, thinning) imports storage, formats, tensors and writers but no op, no
     render/, no cli/ (known exceptions aside), even lazily; only the watcher, ``ckpt watch``'s
-    engine, drives ops (validate, prune), and only the CLI and the training callbacks import
-    it. Nothing below trust/ (bottom, formats/, tensors/, writers/) nor render/ imports trust/."""
+    engine, drives ops (validate, prune), and only the CLI, the Python API (``watch_once``)
+    and the training callbacks import it. Nothing below trust/ (bottom, formats/, tensors/,
+    writers/) nor render/ imports trust/."""
     names = {n for n, _ in MODULES}
     assert {"ckpt_cli.trust.ledger", "ckpt_cli.trust.watch", "ckpt_cli.trust.thinning"} <= names
     bad = []
@@ -246,8 +251,7 @@ def test_trust_sits_between_writers_and_ops() -> None:
                     "ckpt_cli.render")):
                 bad.append(f"{name} imports {mod}")  # below trust/
             elif (any(_under(mod, w) for w in TRUST_ABOVE_OPS)
-                  and not any(_under(name, x) for x in ("ckpt_cli.cli",
-                                                        "ckpt_cli.integrations"))):
+                  and not any(_under(name, x) for x in WATCHER_USERS)):
                 bad.append(f"{name} imports {mod}")  # the watcher: only its callers
     assert not bad, bad
 
@@ -264,6 +268,21 @@ def test_trust_module_sizes() -> None:
             if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
     assert all(isinstance(n, ast.ImportFrom | ast.Assign) for n in body), body
     assert not [m for m in ("ledger.py", "watch.py", "thinning.py") if (ROOT / m).exists()]
+
+
+def test_the_api_sits_above_ops() -> None:
+    """api/ (the Python API) drives ops/ and trust/ but never imports render/ or cli/ (no rich,
+    no typer), even lazily; only cli/ imports it (the package root re-exports it lazily)."""
+    bad = []
+    for name, path in MODULES:
+        for mod, _ in _imports(name, path):
+            if _under(name, "ckpt_cli.api") and any(_under(mod, x) for x in (
+                    "ckpt_cli.render", "ckpt_cli.cli", "ckpt_cli.integrations")):
+                bad.append(f"{name} imports {mod}")
+            elif (_under(mod, "ckpt_cli.api") and name != "ckpt_cli"
+                  and not any(_under(name, x) for x in ("ckpt_cli.api", "ckpt_cli.cli"))):
+                bad.append(f"{name} imports {mod}")
+    assert not bad, bad
 
 
 # -- render imports results, and no import cycle --------------------------------------------------

@@ -113,6 +113,19 @@ def names(value: str | Any | None) -> tuple[str, ...]:
     return tuple(value)
 
 
+def local_only(path: Any, what: str, param: str) -> None:
+    """Refuse a URL where only local paths work so far (as the CLI does).
+
+    Raises:
+        UsageError: If ``path`` is on an object store.
+    """
+    from ckpt_cli import storage
+
+    if path is not None and not storage.has_file_system(path):
+        raise UsageError(f"{what} must be a local path, not a URL ({path} is on object "
+                         "storage)", param=param)
+
+
 def use_storage(storage_options: Mapping[str, Any] | None, concurrency: int | None) -> None:
     """Open stores with these fsspec options (and ranged GETs in flight), when given.
 

@@ -142,7 +142,11 @@ def validate(path: PathLike, *, latest: bool = False, values: bool = False,
             parts_dir=_located(parts_dir) if parts_dir is not None else None,
             max_memory=_args.size(max_memory, "max_memory"),
             allow_globals=_args.names(allow_global))
-        result = run(_located(path), options, on_progress=on_progress)
+        where = _located(path)
+        _args.local_only(where if write_manifest else None, "write_manifest's checkpoint",
+                         "write_manifest")
+        _args.local_only(options.parts_dir, "parts_dir", "parts_dir")
+        result = run(where, options, on_progress=on_progress)
     result.strict = strict
     return result
 
@@ -416,8 +420,9 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
             if cb is not None and event.kind in ("deleted", "skipped", "failed"):
                 cb("deleting", event.done, event.total)
 
-        return run(_located(run_dir), policy, pattern=pattern,
-                   metrics_file=(_located(metrics_file) if metrics_file is not None else None),
+        metrics = _located(metrics_file) if metrics_file is not None else None
+        _args.local_only(metrics, "metrics_file", "metrics_file")
+        return run(_located(run_dir), policy, pattern=pattern, metrics_file=metrics,
                    dry_run=dry_run, any_dir=any_dir, on_progress=progress)
 
 
@@ -474,6 +479,8 @@ def plan(*, params: int | str | None = None, precision: str | None = None,
     from ckpt_cli.ops.plan.options import PlanOptions
 
     with _args.api_names():
+        _args.local_only(_located(measure) if measure is not None else None, "measure",
+                         "measure")
         options = PlanOptions(
             params=_args.count(params, "params"), precision=precision, optimizer=optimizer,
             from_path=_located(from_path) if from_path is not None else None,

@@ -106,7 +106,9 @@ def test_the_check_sees_a_removal(monkeypatch: pytest.MonkeyPatch) -> None:
     def validate(path: str) -> None:
         """Stand-in without validate's options."""
 
-    monkeypatch.setattr(ckpt_cli.api.commands, "validate", validate)
+    from ckpt_cli.api import commands
+
+    monkeypatch.setattr(commands, "validate", validate)
     assert surface()["functions"]["validate"].keys() == {"path"}
     assert "strict" in json.loads(SNAPSHOT.read_text())["functions"]["validate"]
 
