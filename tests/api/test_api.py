@@ -24,12 +24,12 @@ pytestmark = pytest.mark.requires_torch
 _VOLATILE = {"seconds", "bytes_per_second"}
 
 
-def _stable(doc: Any) -> Any:
+def stable(doc: Any) -> Any:
     """``doc`` without the figures that vary from run to run."""
     if isinstance(doc, dict):
-        return {k: _stable(v) for k, v in doc.items() if k not in _VOLATILE}
+        return {k: stable(v) for k, v in doc.items() if k not in _VOLATILE}
     if isinstance(doc, list):
-        return [_stable(v) for v in doc]
+        return [stable(v) for v in doc]
     return doc
 
 
@@ -59,7 +59,7 @@ def test_validate_is_the_cli_document(sample_run: Path, cli: Callable[..., Resul
     r = ckpt_cli.validate(sample_run, strict=True, on_progress=lambda *a: seen.append(a))
     assert r.ok and r.valid and r.strict
     doc = r.to_dict()
-    assert _stable(doc) == _stable(_json(cli("validate", sample_run, "--strict", "--json")))
+    assert stable(doc) == stable(_json(cli("validate", sample_run, "--strict", "--json")))
     assert doc["strict"] is True and doc["summary"]["checkpoints"] == len(r.checkpoints) > 1
     # Progress: (phase, bytes done, bytes total), done never beyond total.
     assert seen and all(isinstance(p, str) and 0 <= d <= t for p, d, t in seen if t)
@@ -74,7 +74,7 @@ def test_validate_finds_what_the_cli_finds(sample_copy: Path,
     r = ckpt_cli.validate(sample_copy / "export")
     assert not r.ok and not r.valid
     assert any(f.severity == "error" for f in r.findings)
-    assert _stable(r.to_dict()) == _stable(_json(cli("validate", sample_copy / "export",
+    assert stable(r.to_dict()) == stable(_json(cli("validate", sample_copy / "export",
                                                      "--json"), code=1))
 
 
@@ -99,7 +99,7 @@ def test_convert_is_the_cli_document(sample_run: Path, tmp_path: Path,
                          on_progress=lambda *a: seen.append(a))
     doc = r.to_dict()
     shutil.rmtree(out)
-    assert _stable(doc) == _stable(_json(cli("convert", src, "-o", str(out) + "/", "--to",
+    assert stable(doc) == stable(_json(cli("convert", src, "-o", str(out) + "/", "--to",
                                              "bf16", "--keep-fp32", "*norm*", "--json")))
     assert doc["casts"] and (out / "model.safetensors").is_file()
     # Bytes written, counted up to the total announced first.
@@ -114,7 +114,7 @@ def test_consolidate_is_the_cli_document(sample_run: Path, tmp_path: Path,
     r = ckpt_cli.consolidate(src, out, max_shard_size=0, verify=True)
     doc = r.to_dict()
     shutil.rmtree(out)
-    assert _stable(doc) == _stable(_json(cli("consolidate", src, "-o", out,
+    assert stable(doc) == stable(_json(cli("consolidate", src, "-o", out,
                                              "--max-shard-size", "0", "--verify", "--json")))
     assert r.lost_elements == 0 and doc["verified"] == r.tensors > 0
 
