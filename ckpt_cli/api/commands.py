@@ -191,7 +191,7 @@ def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all: bool = 
         UsageError: Contradictory options.
 
     Example:
-        >>> r = ckpt_cli.diff("run/step_100/checkpoint.pt", "run/step_200/checkpoint.pt")
+        >>> r = ckpt_cli.diff("demo-run/step_000100", "demo-run/step_000200")
         >>> r.equal, r.to_dict()["summary"]["changed"]
     """
     from ckpt_cli.ops.diff import diff as run
@@ -473,7 +473,7 @@ def plan(*, params: int | str | None = None, precision: str | None = None,
 
     Example:
         >>> r = ckpt_cli.plan(params="7B", bandwidth="2GB/s", mtbf="12h")
-        >>> r.daly.interval
+        >>> r.daly.seconds if r.daly else None
     """
     from ckpt_cli.ops.plan import plan as run
     from ckpt_cli.ops.plan.options import PlanOptions
@@ -519,7 +519,7 @@ def resume_path(run_dir: PathLike, *, full: bool = False,
         CkptError: An unreadable run directory or ledger.
 
     Example:
-        >>> ckpt_cli.resume_path("runs/gpt").path
+        >>> ckpt_cli.resume_path("demo-run").path
     """
     from ckpt_cli.api.results import ResumePathResult
     from ckpt_cli.resume import choose

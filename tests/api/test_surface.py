@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -113,14 +114,25 @@ def test_the_check_sees_a_removal(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "strict" in json.loads(SNAPSHOT.read_text())["functions"]["validate"]
 
 
-def test_every_function_and_parameter_is_documented() -> None:
-    """docs/python.md has a section per function naming each of its parameters, and each
-    docstring has the one style: summary, Args (every parameter), Returns, Raises, Example."""
+def test_every_function_and_parameter_is_documented(request: pytest.FixtureRequest) -> None:
+    """docs/python.md has a section per function naming each of its parameters, generated from
+    the docstrings (``--update-golden`` writes it), and each docstring has the one style:
+    summary, Args (every parameter), Returns, Raises, Example."""
+    from tests.api.python_md import MARKER, functions
+
     docs = DOCS.read_text()
+    page, _, section = docs.partition(MARKER)
+    if request.config.getoption("--update-golden"):
+        DOCS.write_text(page + functions())
+        docs = DOCS.read_text()
+    else:
+        assert MARKER + section == functions(), (
+            "docs/python.md's Functions section is not what the docstrings say: run pytest "
+            "tests/api --update-golden and review the change")
     sections = {s.split("\n", 1)[0].strip(): s for s in docs.split("\n### ")[1:]}
     for name in ckpt_cli.COMMANDS:
         fn = getattr(ckpt_cli, name)
-        head = f"`ckpt_cli.{name}(`"
+        head = f"`ckpt_cli.{name}("
         section = next((s for h, s in sections.items() if h.startswith(head)), None)
         assert section is not None, f"docs/python.md has no '### {head}...' section"
         doc = inspect.getdoc(fn) or ""
@@ -153,3 +165,34 @@ def test_import_is_cheap_and_calls_load_no_torch_typer_or_rich(sample_run: Path)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=sample_run.parent).stdout
     assert out.split("\n")[:2] == ["True", "[]"], out
+
+
+def _python_blocks(text: str) -> list[str]:
+    import re
+    import textwrap
+
+    return [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", text, re.S)]
+
+
+@pytest.mark.requires_torch  # the sample run is written with torch
+@pytest.mark.parametrize("page", ["docs/python.md", "README.md"])
+def test_the_examples_run(page: str, sample_run: Path, tmp_path: Path,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Python example of docs/python.md (the docstrings' examples among them) and of the
+    README's Python API section runs, in order, on a copy of the quick start's demo-run."""
+    import shutil
+
+    text = (DOCS.parents[1] / page).read_text()
+    if page == "README.md":
+        text = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    blocks = [b for b in _python_blocks(text) if "ckpt_cli." in b]
+    assert blocks
+    shutil.copytree(sample_run, tmp_path / "demo-run", symlinks=True)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {}
+    for block in blocks:
+        exec(compile(block, page, "exec"), namespace)
+    # What the examples write is there.
+    wrote = {"README.md": ["model"],
+             "docs/python.md": ["model", "model-fp16", "model-bf16", "step400-full"]}[page]
+    assert all((tmp_path / name).is_dir() for name in wrote), sorted(os.listdir(tmp_path))
