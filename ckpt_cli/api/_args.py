@@ -4,6 +4,7 @@ does in errors, the progress adapters, and the store settings."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,20 @@ def api_names(fmt: str = "input_format") -> Iterator[None]:
     except CkptError as e:
         e.rename_params({**_COMMON, "fmt": fmt})
         raise
+
+
+def located(path: str | os.PathLike[str]) -> Any:
+    """A path or URL as the ops take it: a ``Path`` or an ``ObjectPath``."""
+    from ckpt_cli import storage
+
+    return storage.locate(os.fspath(path))
+
+
+def output(path: str | os.PathLike[str]) -> Any:
+    """An output: located, keeping a trailing slash (a directory whatever its suffix), as
+    the CLI's ``-o`` does."""
+    text = os.fspath(path)
+    return text if text.endswith(("/", os.sep)) and len(text) > 1 else located(text)
 
 
 def size(value: int | str | None, name: str, *, allow_zero: bool = False) -> int | None:

@@ -37,12 +37,6 @@ __all__ = ["PathLike", "ProgressCallback", "consolidate", "convert", "diff", "in
            "prune", "resume_path", "validate", "watch_once"]
 
 
-def _located(path: PathLike) -> Any:
-    from ckpt_cli import storage
-
-    return storage.locate(os.fspath(path))
-
-
 def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
             sort: str = "name", tree: bool = False, depth: int = 3, pattern: str | None = None,
             input_format: str | None = None, allow_global: str | Iterable[str] | None = None,
@@ -78,7 +72,7 @@ def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
 
     _args.use_storage(storage_options, None)
     with _args.api_names():
-        return run(_located(path), fmt=input_format, tensors=tensors, filter_glob=filter,
+        return run(_args.located(path), fmt=input_format, tensors=tensors, filter_glob=filter,
                    sort=sort, tree=tree, depth=depth, pattern=pattern,
                    allow_globals=_args.names(allow_global))
 
@@ -139,10 +133,10 @@ def validate(path: PathLike, *, latest: bool = False, values: bool = False,
             fmt=input_format, latest=latest, quick=quick, values=values, require=require,
             write_manifest=write_manifest, manifest_algorithm=manifest_hash, jobs=jobs,
             pattern=pattern, part=part, finalize=finalize,
-            parts_dir=_located(parts_dir) if parts_dir is not None else None,
+            parts_dir=_args.located(parts_dir) if parts_dir is not None else None,
             max_memory=_args.size(max_memory, "max_memory"),
             allow_globals=_args.names(allow_global))
-        where = _located(path)
+        where = _args.located(path)
         _args.local_only(where if write_manifest else None, "write_manifest's checkpoint",
                          "write_manifest")
         _args.local_only(options.parts_dir, "parts_dir", "parts_dir")
@@ -203,7 +197,7 @@ def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all: bool = 
                               strip_prefixes=_args.names(strip_prefix),
                               auto_names=not exact_names, metadata=metadata, filter_glob=filter,
                               by_module=by_module, depth=depth)
-        return run(_located(a), _located(b), options, fmt_a=input_format_a,
+        return run(_args.located(a), _args.located(b), options, fmt_a=input_format_a,
                    fmt_b=input_format_b, on_progress=_args.phased(on_progress, "comparing"),
                    max_memory=_args.size(max_memory, "max_memory"))
 
@@ -274,16 +268,9 @@ def convert(source: PathLike, output: PathLike, *, to: str = "keep",
             finalize=finalize, max_memory=_args.size(max_memory, "max_memory"),
             fp8_layout=fp8_layout, fp8_activations=fp8_activations, dequantize=dequantize)
         bar = _args.Written(on_progress, "writing") if on_progress is not None else None
-        return run(_located(source), _output(output), options,
+        return run(_args.located(source), _args.output(output), options,
                    on_progress=bar.advance if bar else None,
                    on_start=bar.start if bar else None)
-
-
-def _output(path: PathLike) -> Any:
-    """An output: located, keeping a trailing slash (a directory whatever its suffix), as
-    the CLI's ``-o`` does."""
-    text = os.fspath(path)
-    return text if text.endswith(("/", os.sep)) and len(text) > 1 else _located(text)
 
 
 def consolidate(source: PathLike, output: PathLike, *, format: str | None = None,
@@ -340,7 +327,7 @@ def consolidate(source: PathLike, output: PathLike, *, format: str | None = None
             manifest=manifest, part=_args.part(part), finalize=finalize,
             max_memory=_args.size(max_memory, "max_memory"))
         bar = _args.Written(on_progress, "writing") if on_progress is not None else None
-        return run(_located(source), _output(output), options,
+        return run(_args.located(source), _args.output(output), options,
                    on_progress=bar.advance if bar else None,
                    on_start=bar.start if bar else None)
 
@@ -420,9 +407,9 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
             if cb is not None and event.kind in ("deleted", "skipped", "failed"):
                 cb("deleting", event.done, event.total)
 
-        metrics = _located(metrics_file) if metrics_file is not None else None
+        metrics = _args.located(metrics_file) if metrics_file is not None else None
         _args.local_only(metrics, "metrics_file", "metrics_file")
-        return run(_located(run_dir), policy, pattern=pattern, metrics_file=metrics,
+        return run(_args.located(run_dir), policy, pattern=pattern, metrics_file=metrics,
                    dry_run=dry_run, any_dir=any_dir, on_progress=progress)
 
 
@@ -479,13 +466,13 @@ def plan(*, params: int | str | None = None, precision: str | None = None,
     from ckpt_cli.ops.plan.options import PlanOptions
 
     with _args.api_names():
-        _args.local_only(_located(measure) if measure is not None else None, "measure",
+        _args.local_only(_args.located(measure) if measure is not None else None, "measure",
                          "measure")
         options = PlanOptions(
             params=_args.count(params, "params"), precision=precision, optimizer=optimizer,
-            from_path=_located(from_path) if from_path is not None else None,
+            from_path=_args.located(from_path) if from_path is not None else None,
             input_format=input_format, bandwidth=_args.rate(bandwidth, "bandwidth"),
-            measure_dir=_located(measure) if measure is not None else None,
+            measure_dir=_args.located(measure) if measure is not None else None,
             measure_size=_args.size(measure_size, "measure_size"),
             measure_streams=_args.count(measure_streams, "measure_streams"),
             mtbf=_args.duration(mtbf, "mtbf"), gpus=_args.count(gpus, "gpus"),
@@ -526,7 +513,7 @@ def resume_path(run_dir: PathLike, *, full: bool = False,
 
     with _args.api_names():
         _args.use_storage(storage_options, None)
-        run = _located(run_dir)
+        run = _args.located(run_dir)
         choice = choose(run, verify="full" if full else "sizes")
         return ResumePathResult(run, choice, "full" if full else "sizes")
 
@@ -574,8 +561,6 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
         >>> r = ckpt_cli.watch_once("demo-run")
         >>> r.ok, r.verified
     """
-    import dataclasses
-
     from ckpt_cli.api.results import WatchResult
     from ckpt_cli.errors import CkptError, UsageError
     from ckpt_cli.ops.prune.retention import PrunePolicy
@@ -588,9 +573,9 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
             if pattern is not None and not pattern.strip():
                 raise UsageError(f"pattern {pattern!r} is empty", param="pattern")
             policy = PrunePolicy(keep=keep, keep_every=_args.count(keep_every, "keep_every"),
-                                 grace=_args.duration(grace, "grace", allow_zero=True) or 0.0)
-            policy = dataclasses.replace(policy, thin_after=thin_after, thin_to=thin_to,
-                                         keep_full_every=keep_full_every)
+                                 grace=_args.duration(grace, "grace", allow_zero=True) or 0.0,
+                                 thin_after=thin_after, thin_to=thin_to,
+                                 keep_full_every=keep_full_every)
             policy.check()
         options = WatchOptions(
             crc=crc, values=values,
@@ -599,7 +584,7 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
             policy=policy, pattern=pattern, on_bad=on_bad,
             on_bad_timeout=_args.duration(on_bad_timeout, "on_bad_timeout") or 0.0,
             report_pending=True)
-        root = _located(run_dir)
+        root = _args.located(run_dir)
         if not root.is_dir():
             raise CkptError("not a directory", path=root)
         result = WatchResult(root)

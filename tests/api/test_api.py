@@ -180,6 +180,14 @@ def test_watch_once_and_resume_path(sample_run: Path, tmp_path: Path,
     cli_doc = _json(cli("resume-path", mine, "--full", "--json"))
     assert resume.to_dict() == cli_doc
 
+    # Retention after the pass, as `ckpt watch --keep 1`: the verified older ones go.
+    third = tmp_path / "c"
+    shutil.copytree(sample_run, third, symlinks=True)
+    kept = ckpt_cli.watch_once(third, settle=0, keep=1, grace=0)
+    assert [(e.event, e.deleted) for e in kept.events][-1] == (
+        "pruned", ["step_000100", "step_000200", "step_000300"])
+    assert ckpt_cli.resume_path(third).path == third / "step_000400"
+
 
 # -- errors: CkptError subclasses, the CLI's message with keywords for flags ---------------------
 
