@@ -5,8 +5,7 @@ documents for the same URL."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,25 +16,12 @@ from ckpt_cli.errors import UsageError
 from tests.api.test_api import stable
 from tests.helpers import s3
 
+# moto's S3 server and the sample run uploaded to it: test_s3.py's session fixtures.
+from tests.storage.test_s3 import bucket_run, endpoint  # noqa: F401
+
 pytestmark = [pytest.mark.requires_torch,  # the sample run is written with torch
               # botocore and moto call datetime.utcnow() and friends; not ckpt's code.
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[tuple[str, s3.Proxy]]:
-    """moto's S3 server and the proxy in front of it."""
-    with s3.moto_endpoint() as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def bucket_run(endpoint: tuple[str, s3.Proxy], sample_run: Path) -> str:
-    """The sample run uploaded to ``s3://<bucket>/run``; returns the bucket."""
-    moto, _ = endpoint
-    name = s3.new_bucket(moto)
-    s3.upload(moto, sample_run, name, "run")
-    return name
 
 
 def _doc(result: Result, code: int = 0) -> Any:
@@ -43,7 +29,7 @@ def _doc(result: Result, code: int = 0) -> Any:
     return json.loads(result.stdout)
 
 
-def test_functions_take_urls(s3env: s3.Proxy, bucket_run: str,
+def test_functions_take_urls(s3env: s3.Proxy, bucket_run: str,  # noqa: F811 (the fixture)
                              cli: Callable[..., Result]) -> None:
     run = f"s3://{bucket_run}/run"
     r = ckpt_cli.inspect(run)
