@@ -1,19 +1,55 @@
 """ckpt: a toolkit for the checkpoints of large-scale deep-learning training.
 
-The library API mirrors the commands; nothing here imports torch.
+The library API mirrors the commands, one function per command (``docs/python.md``)::
+
+    import ckpt_cli
+
+    result = ckpt_cli.validate("demo-run")
+    result.ok                   # what exit status 0 means
+    result.to_dict()            # the document `ckpt validate demo-run --json` prints
+
+Importing it loads no torch, typer or rich: each function loads its command's code when first
+used.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import (
+    CkptError,
+    CorruptCheckpointError,
+    DestinationExistsError,
+    StorageError,
+    UnknownFormatError,
+    UnsafeCheckpointError,
+    UnsupportedError,
+    UsageError,
+)
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
 
 if TYPE_CHECKING:
+    from ckpt_cli.api.commands import (
+        PathLike,
+        ProgressCallback,
+        consolidate,
+        convert,
+        diff,
+        inspect,
+        plan,
+        prune,
+        resume_path,
+        validate,
+        watch_once,
+    )
     from ckpt_cli.formats import detect, read_index
 
     __version__: str
+
+
+#: The commands' functions (``ckpt_cli.api.commands``), loaded on first use.
+COMMANDS = ("consolidate", "convert", "diff", "inspect", "plan", "prune", "resume_path",
+            "validate", "watch_once")
 
 
 def _version() -> str:
@@ -28,9 +64,9 @@ def _version() -> str:
 
 
 def __getattr__(name: str) -> Any:
-    """``detect`` and ``read_index`` load the format readers on first use, so that
-    ``ckpt --help`` (which imports this package) does not import every reader; ``__version__``
-    reads the package metadata on first use."""
+    """The command functions and ``detect``/``read_index`` load their code on first use, so
+    that ``import ckpt_cli`` (and ``ckpt --help``, which imports this package) stays cheap;
+    ``__version__`` reads the package metadata on first use."""
     if name in ("detect", "read_index"):
         from ckpt_cli import formats
 
@@ -38,7 +74,39 @@ def __getattr__(name: str) -> Any:
     if name == "__version__":
         globals()["__version__"] = v = _version()
         return v
+    if name in COMMANDS or name in ("PathLike", "ProgressCallback"):
+        from ckpt_cli.api import commands
+
+        return getattr(commands, name)
     raise AttributeError(f"module 'ckpt_cli' has no attribute {name!r}")
 
-__all__ = ["CheckpointIndex", "CkptError", "FileInfo", "Finding", "TensorInfo", "__version__",
-           "detect", "read_index"]
+
+__all__ = [
+    "COMMANDS",
+    "CheckpointIndex",
+    "CkptError",
+    "CorruptCheckpointError",
+    "DestinationExistsError",
+    "FileInfo",
+    "Finding",
+    "PathLike",
+    "ProgressCallback",
+    "StorageError",
+    "TensorInfo",
+    "UnknownFormatError",
+    "UnsafeCheckpointError",
+    "UnsupportedError",
+    "UsageError",
+    "__version__",
+    "consolidate",
+    "convert",
+    "detect",
+    "diff",
+    "inspect",
+    "plan",
+    "prune",
+    "read_index",
+    "resume_path",
+    "validate",
+    "watch_once",
+]

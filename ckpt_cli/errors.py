@@ -8,6 +8,7 @@ destination) is a :class:`CkptError`. The CLI turns it into one line on stderr a
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -33,6 +34,34 @@ def visible(text: str, *, lines: bool = True) -> str:
     (an error, a decision, a table cell) is written with ``lines=False``.
     """
     return (_INVISIBLE if lines else _INVISIBLE_OR_BREAK).sub(lambda m: _escape(m.group()), text)
+
+
+_NOT_AFTER_DETERMINER = "".join(rf"(?<!\b{w} )" for w in ("a", "an", "the", "no", "each", "every",
+                                                         "what to"))
+
+
+def reworded(text: str | None, names: Mapping[str, str]) -> str | None:
+    """``text`` with each whole-word parameter name in ``names`` replaced by its other name
+    (a flag on the command line, the Python API's keyword).
+
+    Kept as they are: a name inside a quoted value or a longer name (``'to'``, ``to_dtype``,
+    ``--to``), and one read as an English word: after a determiner or "what to" (``not a
+    part``, ``no part of``, ``say what to keep``).
+
+    Args:
+        text: A message or hint, or None.
+        names: Parameter name -> the name to write instead, in the order to replace them.
+
+    Returns:
+        The text reworded (None for None).
+    """
+    if text is None:
+        return None
+    for name, other in names.items():
+        # (A replacement holds no backslash: it is a plain replacement.)
+        text = re.sub(rf"(?<![\w'\"./=-]){_NOT_AFTER_DETERMINER}"
+                      rf"{re.escape(name)}(?![\w'\"=-])", other, text)
+    return text
 
 
 class CkptError(Exception):
@@ -68,6 +97,23 @@ class CkptError(Exception):
     def __str__(self) -> str:
         where = ": ".join(p for p in (self.side, self.path) if p)
         return f"{where}: {self.message}" if where else self.message
+
+    def rename_params(self, names: Mapping[str, str]) -> None:
+        """Name the parameters as a caller knows them, in place: each of :attr:`params` found
+        in ``names`` (library name -> the caller's) is renamed in the message, the hint and
+        :attr:`params` (the Python API's keywords: ``fmt`` -> ``input_format``).
+
+        Args:
+            names: The renames; parameters not in it keep their names.
+        """
+        renames = {p: names[p] for p in self.params if p in names and names[p] != p}
+        if not renames:
+            return
+        self.message = reworded(self.message, renames) or ""
+        self.hint = reworded(self.hint, renames)
+        self.params = tuple(renames.get(p, p) for p in self.params)
+        self.param = self.params[0]
+        self.args = (self.__str__(),)
 
 
 class UsageError(CkptError):

@@ -8,7 +8,7 @@ save (``megatron_save/``). Commands of one block run in order in the same direct
 example may use what the one before it wrote. A command must exit 0, or 1 where its comment
 starts with ``exit N:`` (``# exit 1: training moved``, a diff that finds differences).
 
-A ``python`` block runs as a script (``python -``) in an empty directory, and must exit 0.
+A ``python`` block runs as a script (``python -``) in the same workspace, and must exit 0.
 
 An HTML comment on the line before a block says how it runs instead:
 
@@ -96,8 +96,7 @@ def blocks() -> list[Block]:
                     body.append(lines[i])
                     i += 1
                 m = MARKER.search(lines[start - 1]) if start else None
-                how, reason = (m[1], m[2] or "") if m else (
-                    ("fresh", "") if lang == "python" else ("run", ""))
+                how, reason = (m[1], m[2] or "") if m else ("run", "")
                 commands = (_commands(body) if lang == "bash" else
                             (("\n".join(body), 0),))
                 found.append(Block(page, start + 1, commands, how, reason, lang))

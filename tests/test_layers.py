@@ -22,7 +22,7 @@ FORMATS_MAY_IMPORT = ("ckpt_cli.formats", "ckpt_cli.model", "ckpt_cli.errors",
 # The bottom layer: plain data, exceptions, dtype table, units, and storage (where bytes live,
 # positioned reads, atomic outputs, stage timing). It imports only itself, at any level.
 BOTTOM = ("ckpt_cli.storage", "ckpt_cli.model", "ckpt_cli.errors", "ckpt_cli.dtypes",
-          "ckpt_cli.units")
+          "ckpt_cli.units", "ckpt_cli.documents")
 # Known exceptions, (module, imported): none left.
 KNOWN: set[tuple[str, str]] = set()
 # Lazy (function-level) imports from formats/ that reach up: none left (the tie finder,
@@ -220,11 +220,16 @@ TRUST_ABOVE_OPS = ("ckpt_cli.trust.watch",)
 TRUST_KNOWN: set[tuple[str, str]] = set()
 
 
+# Who may import the watcher: its commands (the CLI, the Python API) and the callbacks.
+WATCHER_USERS = ("ckpt_cli.cli", "ckpt_cli.api", "ckpt_cli.integrations")
+
+
 def test_trust_sits_between_writers_and_ops() -> None:
     """trust/ (ledger, thinning) imports storage, formats, tensors and writers but no op, no
     render/, no cli/ (known exceptions aside), even lazily; only the watcher, ``ckpt watch``'s
-    engine, drives ops (validate, prune), and only the CLI and the training callbacks import
-    it. Nothing below trust/ (bottom, formats/, tensors/, writers/) nor render/ imports trust/."""
+    engine, drives ops (validate, prune), and only the CLI, the Python API (``watch_once``)
+    and the training callbacks import it. Nothing below trust/ (bottom, formats/, tensors/,
+    writers/) nor render/ imports trust/."""
     names = {n for n, _ in MODULES}
     assert {"ckpt_cli.trust.ledger", "ckpt_cli.trust.watch", "ckpt_cli.trust.thinning"} <= names
     bad = []
@@ -242,8 +247,7 @@ def test_trust_sits_between_writers_and_ops() -> None:
                     "ckpt_cli.render")):
                 bad.append(f"{name} imports {mod}")  # below trust/
             elif (any(_under(mod, w) for w in TRUST_ABOVE_OPS)
-                  and not any(_under(name, x) for x in ("ckpt_cli.cli",
-                                                        "ckpt_cli.integrations"))):
+                  and not any(_under(name, x) for x in WATCHER_USERS)):
                 bad.append(f"{name} imports {mod}")  # the watcher: only its callers
     assert not bad, bad
 
@@ -262,12 +266,27 @@ def test_trust_module_sizes() -> None:
     assert not [m for m in ("ledger.py", "watch.py", "thinning.py") if (ROOT / m).exists()]
 
 
+def test_the_api_sits_above_ops() -> None:
+    """api/ (the Python API) drives ops/ and trust/ but never imports render/ or cli/ (no rich,
+    no typer), even lazily; only cli/ imports it (the package root re-exports it lazily)."""
+    bad = []
+    for name, path in MODULES:
+        for mod, _ in _imports(name, path):
+            if _under(name, "ckpt_cli.api") and any(_under(mod, x) for x in (
+                    "ckpt_cli.render", "ckpt_cli.cli", "ckpt_cli.integrations")):
+                bad.append(f"{name} imports {mod}")
+            elif (_under(mod, "ckpt_cli.api") and name != "ckpt_cli"
+                  and not any(_under(name, x) for x in ("ckpt_cli.api", "ckpt_cli.cli"))):
+                bad.append(f"{name} imports {mod}")
+    assert not bad, bad
+
+
 # -- render imports results, and no import cycle --------------------------------------------------
 
 # What render/ may import: ops' result types (a package op's ``result`` module, or a one-module
 # op, which holds its result types itself), and the plain bottom modules.
 RENDER_MAY_IMPORT = ("ckpt_cli.render", "ckpt_cli.model", "ckpt_cli.errors", "ckpt_cli.units",
-                     "ckpt_cli.dtypes")
+                     "ckpt_cli.dtypes", "ckpt_cli.documents")
 # The rest, known and each for one job: render/prune words remote paths (storage) and names
 # trash (formats.names) and shows the plan (retention's Decision/PrunePlan); junit writes its
 # report atomically and redacts URLs; convert/consolidate summarise kept dtypes (cast, lazily);

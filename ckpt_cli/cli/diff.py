@@ -82,7 +82,7 @@ def diff_cmd(
         options = DiffOptions(everything=everything, values=not structure_only, rtol=rtol,
                               atol=atol, strip_prefixes=tuple(strip_prefix or ()),
                               auto_names=not exact_names, metadata=metadata,
-                              filter_glob=filter_glob)
+                              filter_glob=filter_glob, by_module=by_module, depth=depth)
         with common.progress("comparing") as bar:
             result = diff(a, b, options, fmt_a=input_format_a, fmt_b=input_format_b,
                           on_progress=bar.update, max_memory=common.max_memory)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -15,7 +14,7 @@ from typing import Any, NoReturn
 import typer
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError, visible
+from ckpt_cli.errors import CkptError, reworded, visible
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -159,25 +158,10 @@ def _flags(command: Any, names: Iterable[str]) -> dict[str, str]:
     return flags
 
 
-_NOT_AFTER_DETERMINER = "".join(rf"(?<!\b{w} )" for w in ("a", "an", "the", "no", "each", "every",
-                                                         "what to"))
-
-
 def _worded(text: str | None, names: Iterable[str], flags: dict[str, str]) -> str | None:
-    """``text`` with each whole-word parameter name in ``names`` replaced by its flag.
-
-    Kept as they are: a name inside a quoted value or a longer name (``'to'``, ``to_dtype``,
-    ``--to``), and one read as an English word: after a determiner or "what to" (``not a
-    part``, ``no part of``, ``say what to keep``).
-    """
-    if text is None:
-        return None
-    for name in names:
-        if name in flags:
-            # (A flag holds no backslash: it is a plain replacement.)
-            text = re.sub(rf"(?<![\w'\"./=-]){_NOT_AFTER_DETERMINER}"
-                          rf"{re.escape(name)}(?![\w'\"=-])", flags[name], text)
-    return text
+    """``text`` with each whole-word parameter name in ``names`` replaced by its flag (see
+    :func:`ckpt_cli.errors.reworded`)."""
+    return reworded(text, {n: flags[n] for n in names if n in flags})
 
 
 def _current_context() -> Any:

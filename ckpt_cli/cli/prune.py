@@ -132,9 +132,8 @@ def prune_cmd(
             sys.stderr.write(f"ckpt: note: {result.path}: {result.note}\n")
         if common.json:
             from ckpt_cli.render import json as rj
-            from ckpt_cli.render.prune import prune_doc
 
-            rj.emit("prune", prune_doc(result))
+            rj.emit_result(result)
         else:
             view.finish(result)
         raise typer.Exit(code)

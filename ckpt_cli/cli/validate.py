@@ -101,6 +101,7 @@ def validate_cmd(
             if junit is not None:
                 _junit_of_error(junit, path, e)
             raise
+        result.strict = strict
         outcome.exit_code = code = result.exit_code(strict=strict)
         if junit is not None:
             from ckpt_cli.render.junit import write_junit
@@ -108,7 +109,7 @@ def validate_cmd(
             write_junit(result, junit)
         from ckpt_cli.render.validate import show
 
-        show(result, json=common.json, strict=strict, verbose=verbose)
+        show(result, json=common.json, verbose=verbose)
     raise typer.Exit(code)
 
 

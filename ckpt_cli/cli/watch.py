@@ -214,13 +214,9 @@ def resume_path_cmd(
         if common.json:
             import orjson
 
-            doc = {"schema_version": 1, "command": "resume-path", "run": str(run_dir),
-                   "path": str(choice.path) if choice else None,
-                   "step": choice.entry.step if choice else None,
-                   "verify": "full" if full else "sizes",
-                   "rejected": [{"path": p, "problem": why}
-                                for p, why in (choice.rejected if choice else ())],
-                   "ignored": list(choice.ignored if choice else ())}
+            from ckpt_cli.api.results import ResumePathResult
+
+            doc = ResumePathResult(run_dir, choice, "full" if full else "sizes").document()
             sys.stdout.buffer.write(orjson.dumps(doc) + b"\n")
         from ckpt_cli.errors import visible
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import storage
+from ckpt_cli.documents import Documented
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, dcp, deepspeed, hf_index, read_index
 from ckpt_cli.formats.base import refuse_damaged
@@ -80,7 +81,7 @@ if TYPE_CHECKING:
 # -- the result ------------------------------------------------------------------------------------
 
 @dataclass(slots=True)
-class ConsolidateResult:
+class ConsolidateResult(Documented):
     """What ``consolidate`` did.
 
     Attributes:
@@ -126,10 +127,28 @@ class ConsolidateResult:
     kept: dict[str, int] = field(default_factory=dict)
     kept_scales: dict[str, int] = field(default_factory=dict)
 
+    command = "consolidate"
+
     @property
     def lost_elements(self) -> int:
         """Selected source elements that did not reach the output (0 when all is well)."""
         return self.elements_in - self.elements_out
+
+    def json_body(self) -> dict[str, Any]:
+        """The ``consolidate --json`` document without ``schema_version`` and ``command``."""
+        return {
+            "source": str(self.source), "kind": self.kind, "output": str(self.output),
+            "files_before": self.files_before, "bytes_before": self.bytes_before,
+            "files_after": len(self.write.files),
+            "bytes_after": sum(b for _, b in self.write.files),
+            "num_tensors": self.tensors, "elements_in": self.elements_in,
+            "elements_out": self.elements_out, "lost_elements": self.lost_elements,
+            "aliases": self.aliases, "dropped": self.dropped, "details": self.details,
+            "verified": self.verified, "kept": self.kept, "kept_scales": self.kept_scales,
+            "notes": self.notes, "seconds": round(self.seconds, 3),
+            "warnings": [w.to_dict() for w in self.warnings],
+            "followed": self.followed.to_dict() if self.followed else None,
+            **self.write.document()}
 
 
 # -- the op ----------------------------------------------------------------------------------------

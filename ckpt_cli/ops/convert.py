@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ckpt_cli import dtypes, storage
+from ckpt_cli.documents import Documented
 from ckpt_cli.errors import CkptError, UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged
@@ -70,7 +71,7 @@ if TYPE_CHECKING:
 # -- the result ------------------------------------------------------------------------------------
 
 @dataclass(slots=True)
-class ConvertResult:
+class ConvertResult(Documented):
     """What ``convert`` did.
 
     Attributes:
@@ -120,6 +121,24 @@ class ConvertResult:
     kept_scales: dict[str, int] = field(default_factory=dict)
     config_dtype: dict[str, Any] | None = None
     kept_fp32: dict[str, list[str]] = field(default_factory=dict)
+
+    command = "convert"
+
+    def json_body(self) -> dict[str, Any]:
+        """The ``convert --json`` document without ``schema_version`` and ``command``."""
+        return {
+            "source": str(self.source), "source_format": self.source_format,
+            "output": str(self.output), "num_tensors": len(self.tensors),
+            "tensors": [{"name": n, "dtype": d, "shape": list(s)}
+                        for n, (d, s) in self.tensors.items()],
+            "renamed": self.renamed, "dropped": self.dropped, "casts": self.casts,
+            "aliases": self.aliases, "overflow": self.overflow, "clamped": self.clamped,
+            "kept": self.kept, "kept_scales": self.kept_scales, "kept_fp32": self.kept_fp32,
+            "config_dtype": self.config_dtype, "metadata": self.metadata, "notes": self.notes,
+            "seconds": round(self.seconds, 3),
+            "warnings": [w.to_dict() for w in self.warnings],
+            "followed": self.followed.to_dict() if self.followed else None,
+            **self.write.document()}
 
 
 @dataclass(frozen=True, slots=True)

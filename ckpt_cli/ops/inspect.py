@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli import storage
+from ckpt_cli import documents, storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import allowlist, check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
@@ -55,7 +55,7 @@ class TreeNode:
 
 
 @dataclass(slots=True)
-class InspectResult:
+class InspectResult(documents.Documented):
     """What ``inspect`` found.
 
     Attributes:
@@ -83,6 +83,32 @@ class InspectResult:
     describe_error: str | None = None
     final_model: bool = False
     quantization: dict[str, Any] | None = None
+
+    command = "inspect"
+
+    def json_body(self) -> dict[str, Any]:
+        """The ``inspect --json`` document without ``schema_version`` and ``command``."""
+        doc: dict[str, Any] = {"path": str(self.path), "kind": self.kind}
+        if self.index is not None:
+            doc.update(documents.index_summary(self.index))
+        else:
+            doc.update({"format": None, "flavor": None, "files": [], "num_files": 0,
+                        "file_bytes": 0, "num_tensors": 0, "num_parameters": 0,
+                        "tied_tensors": [], "total_bytes": 0, "bytes_by_group": {},
+                        "params_by_dtype": {}, "bytes_by_dtype": {}, "metadata": {},
+                        "step": None, "step_source": None, "layout": {}, "warnings": []})
+        if self.run is not None:
+            doc.update(documents.run_dict(self.run))
+            doc["described"] = self.described
+            doc["describe_error"] = self.describe_error
+            doc["final_model"] = self.final_model
+        if self.tensors is not None:
+            doc["tensors"] = [documents.tensor_dict(t) for t in self.tensors]
+        if self.tree is not None:
+            doc["tree"] = self.tree.to_dict()
+        if self.quantization is not None:
+            doc["quantization"] = self.quantization
+        return doc
 
 
 # -- the op ----------------------------------------------------------------------------------------

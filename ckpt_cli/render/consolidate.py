@@ -18,21 +18,7 @@ def show(r: ConsolidateResult, *, json: bool, quiet: bool) -> None:
 def _emit_json(r: ConsolidateResult) -> None:
     from ckpt_cli.render import json as rj
 
-    rj.emit("consolidate", {
-        "source": str(r.source), "kind": r.kind, "output": str(r.output),
-        "files_before": r.files_before, "bytes_before": r.bytes_before,
-        "files_after": len(r.write.files),
-        "bytes_after": sum(b for _, b in r.write.files),
-        "files": [{"path": n, "bytes": b} for n, b in r.write.files],
-        "index_file": r.write.index_file, "num_tensors": r.tensors,
-        "tensor_bytes": r.write.tensor_bytes, "elements_in": r.elements_in,
-        "elements_out": r.elements_out, "lost_elements": r.lost_elements,
-        "aliases": r.aliases, "dropped": r.dropped, "details": r.details,
-        "verified": r.verified, "kept": r.kept, "kept_scales": r.kept_scales,
-        "notes": r.notes, "seconds": round(r.seconds, 3),
-        "warnings": [w.to_dict() for w in r.warnings],
-        "followed": r.followed.to_dict() if r.followed else None,
-        **({"part": r.write.part.to_dict()} if r.write.part else {})})
+    rj.emit_result(r)
 
 
 def _render(r: ConsolidateResult, quiet: bool) -> None:

@@ -18,20 +18,7 @@ def show(r: ConvertResult, *, json: bool, quiet: bool) -> None:
 def _emit_json(r: ConvertResult) -> None:
     from ckpt_cli.render import json as rj
 
-    rj.emit("convert", {
-        "source": str(r.source), "source_format": r.source_format, "output": str(r.output),
-        "files": [{"path": n, "bytes": b} for n, b in r.write.files],
-        "index_file": r.write.index_file,
-        "num_tensors": len(r.tensors), "tensor_bytes": r.write.tensor_bytes,
-        "tensors": [{"name": n, "dtype": d, "shape": list(s)} for n, (d, s) in r.tensors.items()],
-        "renamed": r.renamed, "dropped": r.dropped, "casts": r.casts, "aliases": r.aliases,
-        "overflow": r.overflow, "clamped": r.clamped,
-        "kept": r.kept, "kept_scales": r.kept_scales, "config_dtype": r.config_dtype,
-        "kept_fp32": r.kept_fp32,
-        "metadata": r.metadata, "notes": r.notes, "seconds": round(r.seconds, 3),
-        "warnings": [w.to_dict() for w in r.warnings],
-        "followed": r.followed.to_dict() if r.followed else None,
-        **({"part": r.write.part.to_dict()} if r.write.part else {})})
+    rj.emit_result(r)
 
 
 def _render(r: ConvertResult, quiet: bool) -> None:

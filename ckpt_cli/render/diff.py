@@ -11,183 +11,19 @@ from rich.table import Table
 from rich.text import Text
 
 from ckpt_cli.fp8.scheme import expected_error, fraction
-from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.diff.result import (
-    Dequantized,
     DiffResult,
     MetaDiff,
     ModuleDiff,
     OnlyIn,
     TensorDiff,
+    error_bound,
+    quantized_side,
+    rel_l2_of,
 )
 from ckpt_cli.render import human
 
 _STATUS_STYLE = {"equal": "bold green", "different": "bold red"}
-
-
-# --- JSON ------------------------------------------------------------------------------------
-
-def _num(x: float) -> float | None:
-    """A statistic for JSON: non-finite values (a change from zero, NaN mismatches) are null."""
-    return x if math.isfinite(x) else None
-
-
-def _side(index: CheckpointIndex, path: str, compared: int,
-          excluded: dict[str, int]) -> dict[str, Any]:
-    return {"path": path, "format": index.format, "flavor": index.flavor,
-            "num_files": len(index.files), "file_bytes": index.file_bytes,
-            "num_tensors": len(index.tensors), "num_parameters": index.num_parameters,
-            "compared": compared, "excluded": excluded,
-            "warnings": [f.to_dict() for f in index.findings]}
-
-
-def _only(o: OnlyIn) -> dict[str, Any]:
-    return {"name": o.name, "original_name": o.original, "dtype": o.dtype,
-            "shape": list(o.shape), "group": o.group, "tied_to": o.tied_to, "tie": o.tie}
-
-
-def tensor_json(t: TensorDiff) -> dict[str, Any]:
-    """One common tensor's JSON form (statistics null when values were not compared)."""
-    s, tol = t.stats, t.tolerance
-    return {
-        "name": t.name, "name_a": t.name_a, "name_b": t.name_b, "group": t.group,
-        "dtype_a": t.dtype_a, "dtype_b": t.dtype_b, "shape_a": list(t.shape_a),
-        "shape_b": list(t.shape_b), "status": t.status, "reason": t.reason,
-        "elements": s.elements if s else None,
-        "elements_changed": s.changed if s else None,
-        "elements_outside_tolerance": s.outside if s else None,
-        "nonfinite_mismatches": s.nonfinite_mismatches if s else None,
-        "nonfinite_matched": s.nonfinite_matched if s else None,
-        "max_abs": _num(s.max_abs) if s and not s.raw_only else None,
-        "mean_abs": _num(s.mean_abs) if s and not s.raw_only else None,
-        "rel_l2": _num(s.rel_l2) if s and not s.raw_only else None,
-        "norm_a": _num(s.norm_a) if s and not s.raw_only else None,
-        "norm_b": _num(s.norm_b) if s and not s.raw_only else None,
-        "norm_diff": _num(s.norm_diff) if s and not s.raw_only else None,
-        "rtol": tol.rtol if tol else None, "atol": tol.atol if tol else None,
-        "tolerance": tol.source if tol else None,
-    }
-
-
-def _meta(m: MetaDiff) -> dict[str, Any]:
-    return {"key": m.key, "a": m.a, "b": m.b, "status": m.status, "provenance": m.provenance,
-            "follows": m.follows}
-
-
-def _module(m: ModuleDiff) -> dict[str, Any]:
-    return {"name": m.name, "tensors": m.tensors, "changed": m.changed,
-            "only_in_a": m.only_in_a, "only_in_b": m.only_in_b, "parameters": m.parameters,
-            "norm_a": _num(m.norm_a), "norm_b": _num(m.norm_b),
-            "norm_diff": _num(m.norm_diff), "rel_l2": _num(m.rel_l2)}
-
-
-def summary_counts(r: DiffResult) -> dict[str, int]:
-    """The ``summary`` object: how many tensors and values fall in each outcome."""
-    counts = {s: len(r.with_status(s)) for s in ("identical", "within_tolerance", "changed",
-                                                 "shape_changed", "skipped", "not_compared")}
-    compared = [t.stats for t in r.tensors if t.stats is not None]
-    return {
-        "common": len(r.tensors), **counts,
-        "only_in_a": len(r.only_a), "only_in_b": len(r.only_b),
-        "tied_only_in_a": sum(o.tied_to is not None for o in r.only_a),
-        "tied_only_in_b": sum(o.tied_to is not None for o in r.only_b),
-        "dtype_changes": len(r.dtype_changes),
-        "metadata_changed": len(r.metadata_changes),
-        "metadata_only_in_a": sum(m.status == "only_in_a" for m in r.metadata),
-        "metadata_only_in_b": sum(m.status == "only_in_b" for m in r.metadata),
-        "elements_compared": sum(s.elements for s in compared),
-        "elements_changed": sum(s.changed for s in compared),
-    }
-
-
-def to_json(r: DiffResult, path_a: str, path_b: str, *, by_module: bool = False,
-            depth: int | None = None) -> dict[str, Any]:
-    """The ``diff`` JSON document (without ``schema_version``/``command``; see json.emit).
-
-    Args:
-        r: The result.
-        path_a: A's path as given.
-        path_b: B's path as given.
-        by_module: Include the per-module roll-up.
-        depth: Module depth of the roll-up.
-
-    Returns:
-        The document (layout in docs/json-schema.md).
-    """
-    o = r.options
-    doc: dict[str, Any] = {
-        "a": _side(r.index_a, path_a, len(r.tensors) + len(r.only_a), r.excluded_a),
-        "b": _side(r.index_b, path_b, len(r.tensors) + len(r.only_b), r.excluded_b),
-        "equal": r.equal,
-        "differences": r.differences(),
-        "scope": r.scope,
-        "scope_note": r.scope_note,
-        "values_compared": o.values,
-        "metadata_compared": o.metadata,
-        "same_checkpoint": r.same_checkpoint,
-        "options": {"rtol": o.rtol, "atol": o.atol, "strip_prefixes": list(o.strip_prefixes),
-                    "auto_names": o.auto_names, "filter": o.filter_glob},
-        "renames": [dataclasses.asdict(x) for x in r.renames],
-        "summary": summary_counts(r),
-        "only_in_a": [_only(x) for x in r.only_a],
-        "only_in_b": [_only(x) for x in r.only_b],
-        "tensors": [tensor_json(t) for t in r.tensors],
-        "followed": {"a": r.followed_a.to_dict() if r.followed_a else None,
-                     "b": r.followed_b.to_dict() if r.followed_b else None},
-        "metadata": [_meta(m) for m in r.metadata],
-        "provenance_differences": r.provenance_differences,
-    }
-    if by_module:
-        doc["modules"] = [_module(m) for m in r.by_module(depth)]
-    if r.dequantized or r.fp8_unpaired:
-        doc["quantization"] = quantization_json(r)
-    return doc
-
-
-def _bound(dq: Dequantized) -> float:
-    """The README's error bound for one E4M3 rounding in the pair's (coarser) layout; two
-    independent roundings (both sides quantized) add in quadrature: sqrt(2) times it."""
-    return expected_error(dq.layout) * (math.sqrt(2) if dq.scale_a and dq.scale_b else 1.0)
-
-
-def _rel(t: TensorDiff) -> float | None:
-    return _num(t.rel_l2) if t.stats is not None and not t.stats.raw_only else None
-
-
-def quantization_json(r: DiffResult) -> dict[str, Any]:
-    """The ``quantization`` object: the FP8 weights compared dequantized and their errors."""
-    rows = [t for t in r.tensors if t.name in r.dequantized]
-    errors = sorted(x for t in rows if (x := _rel(t)) is not None)
-    tensors = []
-    above = []
-    for t in rows:
-        dq = r.dequantized[t.name]
-        bound = _bound(dq)
-        rel = _rel(t)
-        if rel is not None and rel > bound:
-            above.append(t.name)
-        tensors.append({"name": t.name,
-                        "a": {"scale": dq.scale_a, "layout": dq.layout_a} if dq.scale_a
-                        else None,
-                        "b": {"scale": dq.scale_b, "layout": dq.layout_b} if dq.scale_b
-                        else None,
-                        "status": t.status, "rel_l2": rel,
-                        "max_abs": _num(t.stats.max_abs) if t.stats else None,
-                        "bound": bound})
-    return {"dequantized": len(rows),
-            "quantized_side": _quantized_side(r),
-            "rel_l2_median": errors[len(errors) // 2] if errors else None,
-            "rel_l2_max": errors[-1] if errors else None,
-            "above_bound": above,
-            "scales_a": r.scales_a, "scales_b": r.scales_b,
-            "unpaired": r.fp8_unpaired,
-            "tensors": tensors}
-
-
-def _quantized_side(r: DiffResult) -> str:
-    a = any(d.scale_a for d in r.dequantized.values())
-    b = any(d.scale_b for d in r.dequantized.values())
-    return "both" if a and b else "a" if a else "b" if b else "none"
 
 
 # --- people ----------------------------------------------------------------------------------
@@ -275,11 +111,11 @@ def _quant_line(r: DiffResult) -> str:
                 if r.fp8_unpaired else "")
     if not rows:
         return unpaired
-    side = {"a": "A", "b": "B", "both": "A and B"}[_quantized_side(r)]
+    side = {"a": "A", "b": "B", "both": "A and B"}[quantized_side(r)]
     layouts = sorted({d.layout or "" for d in r.dequantized.values()} - {""})
     line = (f"{_plural(len(rows), 'FP8 weight')} compared dequantized (weight x scale in "
             f"FP32; quantized in {side}, {', '.join(layouts)} layout)")
-    errors = sorted(x for t in rows if (x := _rel(t)) is not None)
+    errors = sorted(x for t in rows if (x := rel_l2_of(t)) is not None)
     if errors:
         line += (f"; relative L2 error median {fraction(errors[len(errors) // 2])}, max "
                  f"{fraction(errors[-1])}")
@@ -288,8 +124,8 @@ def _quant_line(r: DiffResult) -> str:
              f"bound is {bounds}")
     if side == "A and B":
         line += " (x sqrt(2) where both sides are quantized: two roundings)"
-    above = [t.name for t in rows if (x := _rel(t)) is not None
-             and x > _bound(r.dequantized[t.name])]
+    above = [t.name for t in rows if (x := rel_l2_of(t)) is not None
+             and x > error_bound(r.dequantized[t.name])]
     if above:
         line += f"; above it: {_names(above)}"
     scales = len(r.scales_a) + len(r.scales_b)
@@ -301,15 +137,15 @@ def _quant_line(r: DiffResult) -> str:
 def quant_table(r: DiffResult, top: int | None) -> Table:
     """The dequantized FP8 weights, largest relative L2 error first."""
     rows = sorted((t for t in r.tensors if t.name in r.dequantized),
-                  key=lambda t: (-(x if (x := _rel(t)) is not None else math.inf), t.name))
+                  key=lambda t: (-(x if (x := rel_l2_of(t)) is not None else math.inf), t.name))
     table = human.table(_Col("Tensor", kind="name"), _Col("Layout", drop=3),
                         _Col("Dtype", drop=2), _Col("Max abs", "right", drop=1),
                         _Col("Rel L2", "right", drop=4), _Col("Status", kind="text", drop=0))
     for t in rows[:top] if top else rows:
         dq = r.dequantized[t.name]
         lay = " / ".join(f"{s}: {x}" for s, x in (("A", dq.layout_a), ("B", dq.layout_b)) if x)
-        rel = _rel(t)
-        bad = rel is not None and rel > _bound(dq)
+        rel = rel_l2_of(t)
+        bad = rel is not None and rel > error_bound(dq)
         _add(table, t.name, lay, f"{t.dtype_a}→{t.dtype_b}" if t.dtype_changed else t.dtype_a,
              _g(t.stats.max_abs) if t.stats else "-",
              fraction(rel) if rel is not None else "-",
@@ -580,8 +416,8 @@ def show(r: DiffResult, a: str, b: str, *, json: bool, quiet: bool, top: int, by
         note_followed(r.followed_b, "B")
         print_warnings(r)
     if json:
-        from ckpt_cli.render.json import emit
+        from ckpt_cli.render.json import emit_result
 
-        emit("diff", to_json(r, a, b, by_module=by_module, depth=depth))
+        emit_result(r)
     else:
         render(r, a, b, top=top, by_module=by_module, depth=depth)

@@ -21,28 +21,7 @@ def show(result: InspectResult, *, json: bool, all_rows: bool = False) -> None:
 def _emit_json(result: InspectResult) -> None:
     from ckpt_cli.render import json as rj
 
-    doc: dict[str, Any] = {"path": str(result.path), "kind": result.kind}
-    if result.index is not None:
-        doc.update(rj.index_summary(result.index))
-    else:
-        doc.update({"format": None, "flavor": None, "files": [], "num_files": 0,
-                    "file_bytes": 0, "num_tensors": 0, "num_parameters": 0, "tied_tensors": [],
-                    "total_bytes": 0,
-                    "bytes_by_group": {}, "params_by_dtype": {}, "bytes_by_dtype": {},
-                    "metadata": {}, "step": None, "step_source": None, "layout": {},
-                    "warnings": []})
-    if result.run is not None:
-        doc.update(rj.run_dict(result.run))
-        doc["described"] = result.described
-        doc["describe_error"] = result.describe_error
-        doc["final_model"] = result.final_model
-    if result.tensors is not None:
-        doc["tensors"] = [rj.tensor_dict(t) for t in result.tensors]
-    if result.tree is not None:
-        doc["tree"] = result.tree.to_dict()
-    if result.quantization is not None:
-        doc["quantization"] = result.quantization
-    rj.emit("inspect", doc)
+    rj.emit_result(result)
 
 
 def _render(result: InspectResult, all_rows: bool = False) -> None:

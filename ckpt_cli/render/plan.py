@@ -18,7 +18,7 @@ def show(result: PlanResult, *, json: bool, quiet: bool, err: Console | None = N
     if json:
         from ckpt_cli.render import json as rj
 
-        rj.emit("plan", plan_dict(result))
+        rj.emit_result(result)
     else:
         _render(result)
         if not quiet:
@@ -183,45 +183,5 @@ def _plot(r: PlanResult, optimum: IntervalFigures, best: float, columns: int) ->
 
 
 def plan_dict(result: PlanResult) -> dict[str, Any]:
-    """The ``plan --json`` document body (see docs/json-schema.md)."""
-    s = result.size
-    m = result.measurement
-    return {
-        "source": "params" if s.path is None else "checkpoint",
-        "path": None if s.path is None else str(s.path),
-        "format": s.format,
-        "parameters": s.parameters,
-        "precision": s.precision,
-        "optimizer": s.optimizer_name,
-        "bytes_per_parameter": s.per_parameter.to_dict() if s.per_parameter else None,
-        "sizes": {"training": s.training, "inference": s.inference, "weights": s.weights,
-                  "master": s.master, "optimizer": s.optimizer, "other": s.other},
-        "files_per_checkpoint": result.files_per_checkpoint,
-        "inodes_per_checkpoint": result.inodes_per_checkpoint,
-        "bandwidth": None if result.bandwidth is None else {
-            "bytes_per_second": result.bandwidth,
-            "source": "measured" if m else "given",
-            "measured": m.to_dict() if m else None},
-        "write_seconds": result.write_seconds,
-        "async": result.async_save,
-        "snapshot": None if not result.async_save else {
-            "bytes_per_second_per_rank": result.snapshot_bandwidth,
-            "ranks": result.files_per_checkpoint,
-            "seconds": result.snapshot_seconds},
-        "cost_seconds": result.cost,
-        "mtbf": None if result.mtbf is None else {
-            "seconds": result.mtbf, "source": "job" if result.gpus is None else "gpus",
-            "gpus": result.gpus, "gpu_mtbf_seconds": result.gpu_mtbf},
-        "restart_seconds": result.restart,
-        "intervals": {name: None if f is None else f.to_dict() for name, f in
-                      (("young", result.young), ("daly", result.daly),
-                       ("current", result.current))},
-        "retention": {"keep": result.keep, "kept_whole": result.kept_whole,
-                      "steady_bytes": result.steady_bytes,
-                      "peak_bytes": result.peak_bytes, "steady_files": result.steady_files},
-        "thinning": None if result.thin_after is None else {
-            "thin_after": result.thin_after, "thin_to": result.thin_to,
-            "thinned_bytes": result.thinned_bytes, "per_day": result.thinning_day()},
-        "curve": [{"interval_seconds": t, "overhead": o} for t, o in result.curve()],
-        "notes": result.notes,
-    }
+    """The ``plan --json`` document body (see docs/json-schema.md): ``result.json_body()``."""
+    return result.json_body()

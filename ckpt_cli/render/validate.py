@@ -7,8 +7,7 @@ checkpoint, the run's own checks, and the problems grouped by checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -17,12 +16,10 @@ from rich.text import Text
 from ckpt_cli.render import human
 
 if TYPE_CHECKING:
-    from ckpt_cli.model import Finding
     from ckpt_cli.ops.validate.result import (
         CheckpointReport,
         CheckResult,
         LatestChoice,
-        ManifestResult,
         PartStatus,
         ValidateResult,
     )
@@ -117,12 +114,6 @@ def latest_line(c: LatestChoice) -> str:
     return f"--latest: {c.name} ({step}{why}{skipped})"
 
 
-def latest_dict(c: LatestChoice) -> dict[str, Any]:
-    """JSON-ready form of ``--latest``'s choice."""
-    return {"checkpoint": c.name, "path": str(c.path), "step": c.step, "pointer": c.pointer,
-            "final_model": c.final_model}
-
-
 def _shown(severity: str, min_sev: str) -> bool:
     order = {"info": 0, "warning": 1, "error": 2}
     return order[severity] >= order[min_sev]
@@ -175,77 +166,12 @@ def _render_run(result: ValidateResult, console: Console, *, verbose: bool,
     console.print(_verdict(errors, warnings, what))
 
 
-def check_dict(c: CheckResult) -> dict[str, Any]:
-    """JSON-ready form of one check (findings are listed once, at the checkpoint level)."""
-    return {"id": c.id, "title": c.title, "status": c.status, "summary": c.summary,
-            "errors": _count(c.findings, "error"), "warnings": _count(c.findings, "warning")}
-
-
-def manifest_dict(m: ManifestResult) -> dict[str, Any]:
-    """JSON-ready form of what was done with the integrity manifest."""
-    return {"path": str(m.path), "action": m.action, "algorithm": m.algorithm,
-            "files": m.files, "bytes": m.bytes, "seconds": round(m.seconds, 6),
-            "threads": m.threads, "bytes_per_second": round(m.throughput),
-            "changed": m.changed, "extra": m.extra}
-
-
-def report_dict(r: CheckpointReport) -> dict[str, Any]:
-    """JSON-ready form of one checkpoint's report."""
-    owner = {id(f): c.id for c in r.checks for f in c.findings}
-    return {"name": r.name, "path": str(r.path), "format": r.format,
-            "flavor": r.flavor, "step": r.step, "valid": r.valid,
-            "errors": r.errors, "warnings": r.warnings,
-            "bytes_read": r.bytes_read, "seconds": round(r.seconds, 6),
-            "checks": [check_dict(c) for c in r.checks],
-            "findings": [{**f.to_dict(), "check": owner[id(f)]} for f in r.findings],
-            "manifest": manifest_dict(r.manifest) if r.manifest else None}
-
-
-def result_dict(result: ValidateResult) -> dict[str, Any]:
-    """JSON-ready form (without ``schema_version``/``command``, which ``emit`` adds)."""
-    from ckpt_cli.render import json as rj
-
-    owner = {id(f): c.id for c in result.run_checks for f in c.findings}
-    findings = result.findings
-    extra: dict[str, Any] = {"part": part_dict(result.part)} if result.part is not None else {}
-    if result.latest is not None:
-        extra["latest"] = latest_dict(result.latest)
-    return {**extra,
-        "path": str(result.path), "kind": result.kind, "valid": result.valid,
-        "summary": {"checkpoints": len(result.checkpoints),
-                    "valid": sum(r.valid for r in result.checkpoints),
-                    "invalid": sum(not r.valid for r in result.checkpoints),
-                    "errors": _count(findings, "error"),
-                    "warnings": _count(findings, "warning"),
-                    "bytes_read": sum(r.bytes_read for r in result.checkpoints),
-                    "seconds": round(sum(r.seconds for r in result.checkpoints), 6)},
-        "checkpoints": [report_dict(r) for r in result.checkpoints],
-        "run": rj.run_dict(result.run) if result.run is not None else None,
-        "run_checks": [check_dict(c) for c in result.run_checks],
-        "final_model": result.final_model,
-        "run_findings": [{**f.to_dict(), "check": owner[id(f)]}
-                         for c in result.run_checks for f in c.findings],
-    }
-
-
-def part_dict(p: PartStatus) -> dict[str, Any]:
-    """JSON-ready form of where a split validation stands (``--part``, ``--finalize``)."""
-    return {"index": p.index, "count": p.count, "origin": p.origin, "files": p.files,
-            "bytes": p.bytes, "total_files": p.total_files, "plan": p.plan,
-            "staging": str(p.staging) if p.staging is not None else None,
-            "finalized": p.finalized, "finalized_elsewhere": p.finalized_elsewhere,
-            "waiting_for": p.waiting_for}
-
-
-def _count(findings: Iterable[Finding], severity: str) -> int:
-    return sum(1 for f in findings if f.severity == severity)
-
-
-def show(result: ValidateResult, *, json: bool, strict: bool, verbose: bool) -> None:
-    """The command's output: the JSON document, or the human report on stdout."""
+def show(result: ValidateResult, *, json: bool, verbose: bool) -> None:
+    """The command's output: the JSON document (``result.to_dict()``'s, ``strict`` as the
+    result says), or the human report on stdout."""
     if json:
         from ckpt_cli.render import json as rj
 
-        rj.emit("validate", {**result_dict(result), "strict": strict})
+        rj.emit_result(result)
     else:
         render(result, human.stdout(), verbose=verbose)

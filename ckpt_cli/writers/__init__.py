@@ -17,6 +17,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
@@ -71,6 +72,13 @@ class WriteResult:
     tensor_bytes: int = 0
     tensors: int = 0
     part: PartOutcome | None = None
+
+    def document(self) -> dict[str, Any]:
+        """What the writing commands' ``--json`` documents say of it: ``files``,
+        ``index_file``, ``tensor_bytes`` and, for a split write, ``part``."""
+        return {"files": [{"path": n, "bytes": b} for n, b in self.files],
+                "index_file": self.index_file, "tensor_bytes": self.tensor_bytes,
+                **({"part": self.part.to_dict()} if self.part else {})}
 
 
 def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "safetensors",

@@ -75,12 +75,15 @@ def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
         CkptError: For unreadable input; the message starts with ``A:`` or ``B:``.
         UsageError: For contradictory options.
     """
+    if options is not None and options.depth is not None and options.depth < 1:
+        raise UsageError(f"depth must be at least 1, not {options.depth}", param="depth")
     index_a, followed_a = _read_side(a, fmt_a, "A")
     index_b, followed_b = _read_side(b, fmt_b, "B")
     same = same_checkpoint(index_a, index_b)
     result = diff_indexes(index_a, index_b, options, on_progress=on_progress, same=same,
                           max_memory=max_memory)
     result.followed_a, result.followed_b = followed_a, followed_b
+    result.path_a, result.path_b = str(a), str(b)
     return result
 
 

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ckpt_cli.documents import Documented
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.diff.compare import BLOCK_ELEMENTS, relative_l2
 from ckpt_cli.units import natural_key
@@ -31,6 +32,8 @@ class DiffOptions:
         metadata: Compare non-tensor values (step, epoch, lr, hyper-parameters...).
         filter_glob: Only tensors whose (normalised) name matches this shell pattern.
         block: Elements per block when comparing values.
+        by_module: Add the per-module roll-up to the document (``modules``).
+        depth: Name components per module of that roll-up (None: the tensor's own module).
     """
 
     everything: bool = False
@@ -42,6 +45,8 @@ class DiffOptions:
     metadata: bool = True
     filter_glob: str | None = None
     block: int = BLOCK_ELEMENTS
+    by_module: bool = False
+    depth: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +224,7 @@ class ModuleDiff:
 
 
 @dataclass(slots=True)
-class DiffResult:
+class DiffResult(Documented):
     """What ``diff`` found.
 
     Attributes:
@@ -247,6 +252,8 @@ class DiffResult:
         scales_b: The same for B.
         fp8_unpaired: Common FP8 tensors without a usable scale, compared as stored (a
             line each, ``A: ...``/``B: ...``, saying why).
+        path_a: A as given (the document's ``a.path``; empty: the checkpoint's root).
+        path_b: B as given.
     """
 
     index_a: CheckpointIndex
@@ -268,6 +275,16 @@ class DiffResult:
     scales_a: list[str] = field(default_factory=list)
     scales_b: list[str] = field(default_factory=list)
     fp8_unpaired: list[str] = field(default_factory=list)
+    path_a: str = ""
+    path_b: str = ""
+
+    command = "diff"
+
+    def json_body(self) -> dict[str, Any]:
+        """The ``diff --json`` document without ``schema_version`` and ``command``."""
+        from ckpt_cli.ops.diff.document import document
+
+        return document(self)
 
     def with_status(self, *statuses: str) -> list[TensorDiff]:
         """Common tensors whose status is one of ``statuses``, in A's order."""
@@ -368,3 +385,28 @@ class DiffResult:
         for o in self.only_b:
             mod(o.name).only_in_b += 1
         return sorted(mods.values(), key=lambda m: natural_key(m.name))
+
+
+def rel_l2_of(t: TensorDiff) -> float | None:
+    """A compared tensor's relative L2 error, or None (not compared, raw bytes only, or not
+    finite)."""
+    if t.stats is None or t.stats.raw_only:
+        return None
+    x = t.rel_l2
+    return x if math.isfinite(x) else None
+
+
+def error_bound(dq: Dequantized) -> float:
+    """The README's error bound for one E4M3 rounding in the pair's (coarser) layout; two
+    independent roundings (both sides quantized) add in quadrature: sqrt(2) times it."""
+    from ckpt_cli.fp8.scheme import expected_error
+
+    return expected_error(dq.layout) * (math.sqrt(2) if dq.scale_a and dq.scale_b else 1.0)
+
+
+def quantized_side(r: DiffResult) -> str:
+    """Which sides hold the FP8 weights compared dequantized: ``a``, ``b``, ``both`` or
+    ``none``."""
+    a = any(d.scale_a for d in r.dequantized.values())
+    b = any(d.scale_b for d in r.dequantized.values())
+    return "both" if a and b else "a" if a else "b" if b else "none"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ckpt_cli.documents import Documented
 from ckpt_cli.ops.plan.cadence import DAY, expected_overhead
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class IntervalFigures:
 
 
 @dataclass(slots=True)
-class PlanResult:
+class PlanResult(Documented):
     """What ``plan`` worked out. Figures that need an input not given are None.
 
     Attributes:
@@ -95,6 +96,8 @@ class PlanResult:
     daly: IntervalFigures | None = None
     current: IntervalFigures | None = None
     notes: list[str] = field(default_factory=list)
+
+    command = "plan"
 
     @property
     def write_seconds(self) -> float | None:
@@ -235,3 +238,47 @@ class PlanResult:
     def steady_files(self) -> int | None:
         """Files held by ``--keep`` checkpoints."""
         return None if self.keep is None else self.keep * self.files_per_checkpoint
+
+    def json_body(self) -> dict[str, Any]:
+        """The ``plan --json`` document without ``schema_version`` and ``command``."""
+        s = self.size
+        m = self.measurement
+        return {
+            "source": "params" if s.path is None else "checkpoint",
+            "path": None if s.path is None else str(s.path),
+            "format": s.format,
+            "parameters": s.parameters,
+            "precision": s.precision,
+            "optimizer": s.optimizer_name,
+            "bytes_per_parameter": s.per_parameter.to_dict() if s.per_parameter else None,
+            "sizes": {"training": s.training, "inference": s.inference, "weights": s.weights,
+                      "master": s.master, "optimizer": s.optimizer, "other": s.other},
+            "files_per_checkpoint": self.files_per_checkpoint,
+            "inodes_per_checkpoint": self.inodes_per_checkpoint,
+            "bandwidth": None if self.bandwidth is None else {
+                "bytes_per_second": self.bandwidth,
+                "source": "measured" if m else "given",
+                "measured": m.to_dict() if m else None},
+            "write_seconds": self.write_seconds,
+            "async": self.async_save,
+            "snapshot": None if not self.async_save else {
+                "bytes_per_second_per_rank": self.snapshot_bandwidth,
+                "ranks": self.files_per_checkpoint,
+                "seconds": self.snapshot_seconds},
+            "cost_seconds": self.cost,
+            "mtbf": None if self.mtbf is None else {
+                "seconds": self.mtbf, "source": "job" if self.gpus is None else "gpus",
+                "gpus": self.gpus, "gpu_mtbf_seconds": self.gpu_mtbf},
+            "restart_seconds": self.restart,
+            "intervals": {name: None if f is None else f.to_dict() for name, f in
+                          (("young", self.young), ("daly", self.daly),
+                           ("current", self.current))},
+            "retention": {"keep": self.keep, "kept_whole": self.kept_whole,
+                          "steady_bytes": self.steady_bytes,
+                          "peak_bytes": self.peak_bytes, "steady_files": self.steady_files},
+            "thinning": None if self.thin_after is None else {
+                "thin_after": self.thin_after, "thin_to": self.thin_to,
+                "thinned_bytes": self.thinned_bytes, "per_day": self.thinning_day()},
+            "curve": [{"interval_seconds": t, "overhead": o} for t, o in self.curve()],
+            "notes": self.notes,
+        }

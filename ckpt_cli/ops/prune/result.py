@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpt_cli.documents import Documented
+
 if TYPE_CHECKING:
     from ckpt_cli.ops.prune.retention import Decision, PrunePlan
 
@@ -51,7 +53,7 @@ class Outcome:
 
 
 @dataclass(slots=True)
-class PruneResult:
+class PruneResult(Documented):
     """What a prune planned and did.
 
     Attributes:
@@ -132,3 +134,16 @@ class PruneResult:
         """Whether every deletion attempted (and every leftover trash removal) succeeded, and
         nothing made the plan stop (a stop is a finding cron should report)."""
         return not self.named("failed") and not self.trash_failed and not self.halted
+
+    command = "prune"
+
+    @property
+    def deleted(self) -> list[str]:
+        """The names of the checkpoints deleted (none in a dry run)."""
+        return [d.entry.name for d in self.named("deleted")]
+
+    def json_body(self) -> dict[str, Any]:
+        """The ``prune --json`` document without ``schema_version`` and ``command``."""
+        from ckpt_cli.ops.prune.document import prune_doc
+
+        return prune_doc(self)

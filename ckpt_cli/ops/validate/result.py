@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from ckpt_cli.documents import Documented
 from ckpt_cli.model import CheckpointIndex, Finding, RunListing
 
 if TYPE_CHECKING:
@@ -226,7 +227,7 @@ class PartStatus:
 
 
 @dataclass(slots=True)
-class ValidateResult:
+class ValidateResult(Documented):
     """The result of ``validate`` on a checkpoint or a run directory.
 
     Attributes:
@@ -239,6 +240,8 @@ class ValidateResult:
             ``output_dir``): then the last report is that model's.
         part: With ``--part`` or ``--finalize``: where the split validation stands.
         latest: With ``--latest``: which checkpoint of the run was chosen, and why.
+        strict: Whether warnings fail too (``--strict``): what :attr:`ok` and the
+            document's ``strict`` say.
     """
 
     path: Path
@@ -249,6 +252,9 @@ class ValidateResult:
     final_model: bool = False
     part: PartStatus | None = None
     latest: LatestChoice | None = None
+    strict: bool = False
+
+    command = "validate"
 
     @property
     def findings(self) -> list[Finding]:
@@ -266,3 +272,14 @@ class ValidateResult:
         bad = _count(self.findings, "error") + (_count(self.findings, "warning")
                                                  if strict else 0)
         return 1 if bad else 0
+
+    @property
+    def ok(self) -> bool:
+        """Valid, and with :attr:`strict` free of warnings too: what exit status 0 means."""
+        return self.exit_code(strict=self.strict) == 0
+
+    def json_body(self) -> dict[str, Any]:
+        """The ``validate --json`` document without ``schema_version`` and ``command``."""
+        from ckpt_cli.ops.validate.document import result_dict
+
+        return {**result_dict(self), "strict": self.strict}

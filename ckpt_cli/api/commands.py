@@ -1,0 +1,599 @@
+"""One function per command: ``ckpt_cli.inspect(path)`` is ``ckpt inspect PATH``.
+
+Keywords are named like the command's options (``--input-format`` -> ``input_format``); sizes
+and durations take numbers (bytes, seconds) or the CLI's text (``"5GB"``, ``"10m"``); paths take
+``str``, :class:`os.PathLike` or URLs (``s3://bucket/run``). Each function returns the result the
+CLI renders; its ``to_dict()`` is the command's ``--json`` document. Errors are
+:class:`~ckpt_cli.errors.CkptError` subclasses whose message is the CLI's, naming these keywords
+where the CLI names flags. Nothing here prints, prompts or exits, and importing it loads no
+torch, typer or rich: each function imports its command's code when called.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ckpt_cli.api import _args
+from ckpt_cli.api._args import ProgressCallback
+
+if TYPE_CHECKING:
+    from ckpt_cli.api.results import ResumePathResult, WatchResult
+    from ckpt_cli.ops.consolidate import ConsolidateResult
+    from ckpt_cli.ops.convert import ConvertResult
+    from ckpt_cli.ops.diff.result import DiffResult
+    from ckpt_cli.ops.inspect import InspectResult
+    from ckpt_cli.ops.plan.result import PlanResult
+    from ckpt_cli.ops.prune.result import PruneResult
+    from ckpt_cli.ops.validate.result import ValidateResult
+    from ckpt_cli.parts import Part
+    from ckpt_cli.trust.watch import WatchEvent
+
+PathLike = str | os.PathLike[str]
+"""A local path (``str`` or :class:`os.PathLike`) or a URL (``s3://bucket/key``)."""
+
+__all__ = ["PathLike", "ProgressCallback", "consolidate", "convert", "diff", "inspect", "plan",
+           "prune", "resume_path", "validate", "watch_once"]
+
+
+def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
+            sort: str = "name", tree: bool = False, depth: int = 3, pattern: str | None = None,
+            input_format: str | None = None, allow_global: str | Iterable[str] | None = None,
+            storage_options: Mapping[str, Any] | None = None) -> InspectResult:
+    """Describe a checkpoint or a run directory, reading metadata only (``ckpt inspect``).
+
+    Args:
+        path: A checkpoint file or directory, a run directory, or a URL.
+        tensors: List every tensor (``result.tensors``).
+        filter: Only tensors whose name matches this glob (``"*.attn.*"``); implies ``tensors``.
+        sort: Order of the tensors: ``name`` (file order), ``size`` (largest first).
+        tree: Group parameters by module prefix (``result.tree``).
+        depth: Levels of the tree.
+        pattern: Run directories: a regex saying which entries are checkpoints.
+        input_format: Skip detection: ``safetensors``, ``hf-index``, ``torch``, ``dcp``,
+            ``deepspeed``, ``megatron`` or ``dir``.
+        allow_global: Pickle globals to trust (``"module.name"``, one or several).
+        storage_options: fsspec options for URLs (``{"endpoint_url": ...}``).
+
+    Returns:
+        The :class:`~ckpt_cli.ops.inspect.InspectResult` (``index``, ``run``, ``tensors``...);
+        ``to_dict()`` is ``ckpt inspect --json``'s document.
+
+    Raises:
+        CkptError: A missing path, an unknown format, a corrupt checkpoint.
+        UsageError: A bad ``sort`` or ``depth``.
+
+    Example:
+        >>> r = ckpt_cli.inspect("demo-run/step_000300/checkpoint.pt")
+        >>> r.index.num_parameters, r.to_dict()["format"]
+    """
+    from ckpt_cli.ops.inspect import inspect as run
+
+    _args.use_storage(storage_options, None)
+    with _args.api_names():
+        return run(_args.located(path), fmt=input_format, tensors=tensors, filter_glob=filter,
+                   sort=sort, tree=tree, depth=depth, pattern=pattern,
+                   allow_globals=_args.names(allow_global))
+
+
+def validate(path: PathLike, *, latest: bool = False, values: bool = False,
+             require: str | Iterable[str] | None = None, quick: bool = False,
+             write_manifest: bool = False, manifest_hash: str = "xxh3_128", strict: bool = False,
+             jobs: int | None = None, pattern: str | None = None,
+             part: Part | str | None = None, finalize: bool = False,
+             parts_dir: PathLike | None = None, input_format: str | None = None,
+             allow_global: str | Iterable[str] | None = None,
+             max_memory: int | str | None = None,
+             storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
+             on_progress: ProgressCallback | None = None) -> ValidateResult:
+    """Check that a checkpoint (or every checkpoint of a run) is complete, consistent and
+    uncorrupted (``ckpt validate``).
+
+    Args:
+        path: A checkpoint file or directory, a run directory, or a URL.
+        latest: Run directory: validate only the checkpoint training resumes from.
+        values: Also read every floating tensor: NaN, Inf, all-zero.
+        require: Missing training state that is an error: ``"optimizer,step"`` or a list.
+        quick: Structure only: no CRC-32 pass or chunk decoding.
+        write_manifest: Record size and checksum of every file of a valid checkpoint.
+        manifest_hash: Checksum of ``write_manifest``: ``xxh3_128``, ``blake3`` or ``sha256``.
+        strict: Warnings fail too (``result.ok`` False, as exit status 1).
+        jobs: Threads for checksums (default: CPUs, at most 8).
+        pattern: Run directories: a regex saying which entries are checkpoints.
+        part: Do only part ``"K/N"`` (or ``"auto"``) of the work; the last part merges.
+        finalize: Complete a job split with ``part`` from every part's receipt.
+        parts_dir: Where the parts keep their receipts (default: beside the checkpoint).
+        input_format: Skip detection and read the input as this format.
+        allow_global: Pickle globals to trust (``"module.name"``, one or several).
+        max_memory: Budget for data read ahead, in bytes or as text (``"512MB"``).
+        storage_options: fsspec options for URLs.
+        concurrency: URLs: ranged GETs in flight per object streamed.
+        on_progress: Called as ``(phase, bytes_done, bytes_total)``.
+
+    Returns:
+        The :class:`~ckpt_cli.ops.validate.result.ValidateResult`: ``valid`` (no error),
+        ``ok`` (what exit status 0 means, ``strict`` included), ``findings``,
+        ``checkpoints``; ``to_dict()`` is ``ckpt validate --json``'s document.
+
+    Raises:
+        CkptError: The path does not exist or cannot be read; its format is unknown.
+        UsageError: Contradictory or bad options.
+
+    Example:
+        >>> r = ckpt_cli.validate("demo-run")
+        >>> r.ok, [f.message for f in r.findings if f.severity == "error"]
+    """
+    from ckpt_cli.ops.validate import validate as run
+    from ckpt_cli.ops.validate.options import ValidateOptions
+
+    with _args.api_names():
+        _args.use_storage(storage_options, concurrency)
+        options = ValidateOptions(
+            fmt=input_format, latest=latest, quick=quick, values=values, require=require,
+            write_manifest=write_manifest, manifest_algorithm=manifest_hash, jobs=jobs,
+            pattern=pattern, part=part, finalize=finalize,
+            parts_dir=_args.located(parts_dir) if parts_dir is not None else None,
+            max_memory=_args.size(max_memory, "max_memory"),
+            allow_globals=_args.names(allow_global))
+        where = _args.located(path)
+        _args.local_only(where if write_manifest else None, "write_manifest's checkpoint",
+                         "write_manifest")
+        _args.local_only(options.parts_dir, "parts_dir", "parts_dir")
+        result = run(where, options, on_progress=on_progress)
+    result.strict = strict
+    return result
+
+
+def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all: bool = False,
+         strip_prefix: str | Iterable[str] | None = None, exact_names: bool = False,
+         rtol: float | None = None, atol: float | None = None, filter: str | None = None,
+         by_module: bool = False, depth: int | None = None, metadata: bool = True,
+         input_format_a: str | None = None, input_format_b: str | None = None,
+         max_memory: int | str | None = None,
+         storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
+         on_progress: ProgressCallback | None = None) -> DiffResult:
+    """Compare two checkpoints: tensors, shapes, dtypes, values, metadata (``ckpt diff``).
+
+    Args:
+        a: Checkpoint A (file, shard set or directory, any format), or a URL.
+        b: Checkpoint B.
+        structure_only: Compare names, shapes and dtypes only; read no tensor data.
+        all: Compare every tensor (optimizer state...), not only model weights and buffers.
+        strip_prefix: Prefixes removed from names on both sides before matching.
+        exact_names: Do not strip wrapper prefixes (``module.``, ``_orig_mod.``...).
+        rtol: Relative tolerance for floats (default: exact for one dtype, else the coarser
+            dtype's epsilon).
+        atol: Absolute tolerance for floats.
+        filter: Only tensors whose name (after prefix stripping) matches this glob.
+        by_module: Add a roll-up of changes per module (``to_dict()["modules"]``).
+        depth: Name components per module of that roll-up.
+        metadata: Compare non-tensor values (step, epoch, lr, hyper-parameters).
+        input_format_a: Read A as this format instead of detecting it.
+        input_format_b: Read B as this format.
+        max_memory: Budget for the tensors compared at once, in bytes or as text.
+        storage_options: fsspec options for URLs.
+        concurrency: URLs: ranged GETs in flight per object streamed.
+        on_progress: Called as ``("comparing", bytes_done, bytes_total)``.
+
+    Returns:
+        The :class:`~ckpt_cli.ops.diff.result.DiffResult`: ``equal``, ``differences()``,
+        ``tensors``, ``only_a``/``only_b``; ``to_dict()`` is ``ckpt diff --json``'s document.
+
+    Raises:
+        CkptError: Unreadable input (the message starts with ``A:`` or ``B:``).
+        UsageError: Contradictory options.
+
+    Example:
+        >>> r = ckpt_cli.diff("demo-run/step_000100", "demo-run/step_000200")
+        >>> r.equal, r.to_dict()["summary"]["changed"]
+    """
+    from ckpt_cli.ops.diff import diff as run
+    from ckpt_cli.ops.diff.result import DiffOptions
+
+    with _args.api_names():
+        _args.use_storage(storage_options, concurrency)
+        options = DiffOptions(everything=all, values=not structure_only, rtol=rtol, atol=atol,
+                              strip_prefixes=_args.names(strip_prefix),
+                              auto_names=not exact_names, metadata=metadata, filter_glob=filter,
+                              by_module=by_module, depth=depth)
+        return run(_args.located(a), _args.located(b), options, fmt_a=input_format_a,
+                   fmt_b=input_format_b, on_progress=_args.phased(on_progress, "comparing"),
+                   max_memory=_args.size(max_memory, "max_memory"))
+
+
+def convert(source: PathLike, output: PathLike, *, to: str = "keep",
+            fp8_layout: str = "block", fp8_activations: str = "dynamic",
+            dequantize: bool = False, format: str | None = None,
+            max_shard_size: int | str | None = None, keep_optimizer: bool = False,
+            keep_prefix: bool = False, keep_fp32: str | Iterable[str] | None = None,
+            clamp: bool = False, container: str | None = None, force: bool = False,
+            part: Part | str | None = None, finalize: bool = False,
+            input_format: str | None = None, max_memory: int | str | None = None,
+            storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
+            on_progress: ProgressCallback | None = None) -> ConvertResult:
+    """Convert a checkpoint: training -> inference, FP32 -> FP16/BF16/FP8, torch ->
+    safetensors (``ckpt convert``).
+
+    Args:
+        source: The checkpoint to convert (file or directory), or a URL.
+        output: A ``.safetensors``/``.pt``/``.bin`` file, or a directory (a trailing ``/``
+            says a directory whatever the name).
+        to: Cast floating-point model tensors: ``fp16``, ``bf16``, ``fp32``, ``fp8`` or
+            ``keep``.
+        fp8_layout: With ``to="fp8"``: ``block``, ``channel`` or ``tensor`` scales.
+        fp8_activations: With ``to="fp8"`` and a channel/tensor layout: ``dynamic`` or
+            ``none``.
+        dequantize: With ``to`` bf16/fp16/fp32: turn FP8 weights with a scale into
+            weight x scale.
+        format: Output file format, ``safetensors`` or ``pt`` (default: from the suffix).
+        max_shard_size: Split into HF-style shards of at most this size (bytes or ``"5GB"``).
+        keep_optimizer: Keep every tensor, optimizer state included (a pure format change).
+        keep_prefix: Keep wrapper prefixes (``module.``, ``_orig_mod.``).
+        keep_fp32: Keep tensors matching these globs in FP32 (``"*norm*"``).
+        clamp: Clamp values beyond FP16's range instead of refusing.
+        container: Which top-level container holds the weights (``model``, ``ema``...).
+        force: Replace an existing output.
+        part: Do only part ``"K/N"`` (or ``"auto"``) of the work; the last part completes it.
+        finalize: Complete a job split with ``part``.
+        input_format: Skip detection and read the input as this format.
+        max_memory: Budget for data read ahead and written behind (bytes or ``"512MB"``).
+        storage_options: fsspec options for URLs.
+        concurrency: URLs: ranged GETs in flight per object streamed.
+        on_progress: Called as ``("writing", bytes_done, bytes_total)``.
+
+    Returns:
+        The :class:`~ckpt_cli.ops.convert.ConvertResult` (``output``, ``write.files``,
+        ``casts``, ``dropped``...); ``to_dict()`` is ``ckpt convert --json``'s document.
+
+    Raises:
+        DestinationExistsError: ``output`` exists and ``force`` is False.
+        CkptError: Bad input, unsupported layouts, values out of FP16 range.
+        UsageError: Contradictory options.
+
+    Example:
+        >>> r = ckpt_cli.convert("demo-run", "model-bf16/", to="bf16")
+        >>> [f["path"] for f in r.to_dict()["files"]]
+    """
+    from ckpt_cli.ops.convert import ConvertOptions
+    from ckpt_cli.ops.convert import convert as run
+
+    with _args.api_names("format"):
+        _args.use_storage(storage_options, concurrency)
+        options = ConvertOptions(
+            to=to, fmt=format, max_shard_size=_args.size(max_shard_size, "max_shard_size"),
+            keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
+            keep_fp32=_args.names(keep_fp32), clamp=clamp, overwrite=force,
+            container=container, input_format=input_format, part=_args.part(part),
+            finalize=finalize, max_memory=_args.size(max_memory, "max_memory"),
+            fp8_layout=fp8_layout, fp8_activations=fp8_activations, dequantize=dequantize)
+        bar = _args.Written(on_progress, "writing") if on_progress is not None else None
+        return run(_args.located(source), _args.output(output), options,
+                   on_progress=bar.advance if bar else None,
+                   on_start=bar.start if bar else None)
+
+
+def consolidate(source: PathLike, output: PathLike, *, format: str | None = None,
+                max_shard_size: int | str | None = "5GB", with_optimizer: bool = False,
+                to: str = "keep", clamp: bool = False, verify: bool = False,
+                manifest: bool = True, force: bool = False, part: Part | str | None = None,
+                finalize: bool = False, max_memory: int | str | None = None,
+                storage_options: Mapping[str, Any] | None = None,
+                concurrency: int | None = None,
+                on_progress: ProgressCallback | None = None) -> ConsolidateResult:
+    """Merge a rank-sharded checkpoint (DCP, DeepSpeed ZeRO, per-rank files) into few files
+    (``ckpt consolidate``).
+
+    Args:
+        source: A DCP directory, a DeepSpeed checkpoint (``global_stepN/`` or its save
+            directory), HF-style shards, or a directory of per-rank files; or a URL.
+        output: The output directory (or a single ``.safetensors``/``.pt`` file).
+        format: Output file format, ``safetensors`` or ``pt``.
+        max_shard_size: Largest output file (bytes or ``"5GB"``); 0 or None for one file.
+        with_optimizer: Keep the optimizer state too (to resume on another world size).
+        to: Cast floating-point model tensors: ``fp16``, ``bf16``, ``fp32`` or ``keep``.
+        clamp: With ``to="fp16"``: clamp values beyond FP16's range instead of refusing.
+        verify: Re-read every output tensor and compare it with its source chunks.
+        manifest: Write an integrity manifest that :func:`validate` checks.
+        force: Replace an existing output.
+        part: Do only part ``"K/N"`` (or ``"auto"``) of the work.
+        finalize: Complete a job split with ``part``.
+        max_memory: Budget for data read ahead and written behind (bytes or ``"512MB"``).
+        storage_options: fsspec options for URLs.
+        concurrency: URLs: ranged GETs in flight per object streamed.
+        on_progress: Called as ``("writing", bytes_done, bytes_total)``.
+
+    Returns:
+        The :class:`~ckpt_cli.ops.consolidate.ConsolidateResult`; ``to_dict()`` is
+        ``ckpt consolidate --json``'s document.
+
+    Raises:
+        DestinationExistsError: ``output`` exists and ``force`` is False.
+        CkptError: Bad or incomplete input (missing rank files, truncated chunks...).
+
+    Example:
+        >>> r = ckpt_cli.consolidate("demo-run/step_000400", "step400-full/")
+        >>> r.tensors, r.lost_elements
+    """
+    from ckpt_cli.ops.consolidate import ConsolidateOptions
+    from ckpt_cli.ops.consolidate import consolidate as run
+
+    with _args.api_names("format"):
+        _args.use_storage(storage_options, concurrency)
+        options = ConsolidateOptions(
+            fmt=format,
+            max_shard_size=_args.size(max_shard_size, "max_shard_size", allow_zero=True),
+            with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force, verify=verify,
+            manifest=manifest, part=_args.part(part), finalize=finalize,
+            max_memory=_args.size(max_memory, "max_memory"))
+        bar = _args.Written(on_progress, "writing") if on_progress is not None else None
+        return run(_args.located(source), _args.output(output), options,
+                   on_progress=bar.advance if bar else None,
+                   on_start=bar.start if bar else None)
+
+
+def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str | None = None,
+          keep_best: int | None = None, metric: str | None = None, mode: str = "min",
+          metrics_file: PathLike | None = None, older_than: float | str | None = None,
+          max_total_size: int | str | None = None, grace: float | str = "10m",
+          thin_after: int | None = None, thin_to: str | None = None,
+          keep_full_every: int | None = None, pattern: str | None = None,
+          any_dir: bool = False, dry_run: bool = True,
+          storage_options: Mapping[str, Any] | None = None,
+          on_progress: ProgressCallback | None = None) -> PruneResult:
+    """Delete old checkpoints of a run directory by retention rules (``ckpt prune --yes``).
+
+    A checkpoint is kept if any rule keeps it. Never deleted: what a resume pointer names,
+    anything that may still be being written, and the newest valid checkpoint. Nothing is
+    deleted unless ``dry_run=False``; no question is asked.
+
+    Args:
+        run_dir: The run directory (or an object-store prefix).
+        keep: Keep the newest N complete (and, with a run ledger, verified) checkpoints.
+        keep_every: Keep checkpoints whose step is a multiple of this (``10000`` or ``"10K"``).
+        keep_best: Keep the N best checkpoints by ``metric``.
+        metric: The metric of ``keep_best`` (``eval_loss``...).
+        mode: ``min`` (lower is better) or ``max``.
+        metrics_file: Metrics by step (CSV, JSON lines or JSON) for ``keep_best``.
+        older_than: Keep checkpoints modified within this age (seconds or ``"7d"``).
+        max_total_size: Keep the newest checkpoints that fit in this size (bytes or ``"2TB"``).
+        grace: Never delete anything changed within this age (seconds or ``"10m"``; 0: off).
+        thin_after: Rewrite checkpoints older than the newest N without optimizer state.
+        thin_to: ``bf16``: also cast thinned checkpoints' weights to BF16.
+        keep_full_every: Never thin checkpoints whose step is a multiple of this.
+        pattern: A regex saying which entries are checkpoints.
+        any_dir: Prune even ``/``, ``$HOME`` or a directory that does not look like a run.
+        dry_run: Only plan (the default); False deletes.
+        storage_options: fsspec options for URLs.
+        on_progress: Called as ``("deleting", checkpoints_done, checkpoints_to_delete)``.
+
+    Returns:
+        The :class:`~ckpt_cli.ops.prune.result.PruneResult`: ``deleted``, ``ok``,
+        ``plan.decisions``; ``to_dict()`` is ``ckpt prune --json``'s document.
+
+    Raises:
+        UsageError: A policy that cannot be meant, a root refused without ``any_dir``.
+        CkptError: The directory is missing or unreadable, or another prune holds the lock.
+
+    Example:
+        >>> r = ckpt_cli.prune("demo-run", keep=2)  # a dry run
+        >>> [c["name"] for c in r.to_dict()["checkpoints"] if c["action"] == "delete"]
+    """
+    from ckpt_cli.errors import UsageError
+    from ckpt_cli.ops.prune import prune as run
+    from ckpt_cli.ops.prune.result import PruneEvent
+    from ckpt_cli.ops.prune.retention import PrunePolicy
+
+    with _args.api_names():
+        _args.use_storage(storage_options, None)
+        if metrics_file is not None and keep_best is None:
+            raise UsageError("metrics_file only feeds keep_best; give keep_best and metric too",
+                             param=("metrics_file", "keep_best", "metric"))
+        for value, what in ((metric, "metric"), (pattern, "pattern")):
+            if value is not None and not value.strip():
+                raise UsageError(f"{what} {value!r} is empty", param=what)
+        if mode not in ("min", "max"):
+            raise UsageError(f"mode must be min or max, not {mode!r}", param="mode")
+        policy = PrunePolicy(
+            keep=keep, keep_every=_args.count(keep_every, "keep_every"), keep_best=keep_best,
+            metric=metric, mode="max" if mode == "max" else "min",
+            older_than=_args.duration(older_than, "older_than"),
+            max_total_size=_args.size(max_total_size, "max_total_size"),
+            grace=_args.duration(grace, "grace", allow_zero=True) or 0.0,
+            thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every)
+        cb = on_progress
+
+        def progress(event: PruneEvent) -> None:
+            if cb is not None and event.kind in ("deleted", "skipped", "failed"):
+                cb("deleting", event.done, event.total)
+
+        metrics = _args.located(metrics_file) if metrics_file is not None else None
+        _args.local_only(metrics, "metrics_file", "metrics_file")
+        return run(_args.located(run_dir), policy, pattern=pattern, metrics_file=metrics,
+                   dry_run=dry_run, any_dir=any_dir, on_progress=progress)
+
+
+def plan(*, params: int | str | None = None, precision: str | None = None,
+         optimizer: str | None = None, from_path: PathLike | None = None,
+         input_format: str | None = None, bandwidth: float | str | None = None,
+         measure: PathLike | None = None, measure_size: int | str | None = None,
+         measure_streams: int | None = None, mtbf: float | str | None = None,
+         gpus: int | None = None, gpu_mtbf: float | str | None = None,
+         ranks: int | None = None, keep: int | None = None, thin_after: int | None = None,
+         thin_to: str | None = None, async_save: bool = False,
+         snapshot_bandwidth: float | str | None = None, interval: float | str | None = None,
+         restart: float | str | None = None,
+         on_progress: ProgressCallback | None = None) -> PlanResult:
+    """Plan checkpointing: checkpoint size, write time, optimal interval, storage and files
+    (``ckpt plan``; ``--from`` is ``from_path``, ``--async`` is ``async_save``).
+
+    Args:
+        params: Model parameters (``175_000_000_000`` or ``"175B"``).
+        precision: With ``params``: ``fp32``, ``bf16`` or ``mixed`` (default).
+        optimizer: With ``params``: ``adam``, ``adamw`` (default), ``sgd`` or ``adafactor``.
+        from_path: Take the sizes from an existing checkpoint (a run: its latest one).
+        input_format: Read ``from_path`` as this format.
+        bandwidth: Aggregate storage write bandwidth (bytes/s or ``"10GB/s"``).
+        measure: Measure the write bandwidth by writing and fsyncing a file in this directory.
+        measure_size: Bytes ``measure`` writes (default 1GB).
+        measure_streams: Parallel writers of ``measure`` (default 4).
+        mtbf: The job's mean time between failures (seconds or ``"4h"``).
+        gpus: Devices in the job; with ``gpu_mtbf``, job MTBF = gpu_mtbf / gpus.
+        gpu_mtbf: One device's mean time between failures (seconds or ``"5y"``).
+        ranks: Ranks writing in parallel, one file each.
+        keep: Checkpoints retained: steady-state storage and files.
+        thin_after: Storage per day when all but the newest N checkpoints are thinned.
+        thin_to: ``bf16``: thinned checkpoints keep BF16 weights.
+        async_save: Asynchronous saves: only the copy to host memory blocks training.
+        snapshot_bandwidth: With ``async_save``: device-to-host copy rate of each rank.
+        interval: Your current interval, to compare (seconds or ``"30m"``).
+        restart: Time to restart after a failure, counted as lost (seconds or ``"5m"``).
+        on_progress: Called as ``("measuring", bytes_written, bytes_total)``.
+
+    Returns:
+        The :class:`~ckpt_cli.ops.plan.result.PlanResult` (``young``, ``daly``,
+        ``overhead_at()``...); ``to_dict()`` is ``ckpt plan --json``'s document.
+
+    Raises:
+        UsageError: Missing or contradictory inputs.
+        CkptError: An unreadable ``from_path``.
+
+    Example:
+        >>> r = ckpt_cli.plan(params="7B", bandwidth="2GB/s", mtbf="12h")
+        >>> r.daly.seconds if r.daly else None
+    """
+    from ckpt_cli.ops.plan import plan as run
+    from ckpt_cli.ops.plan.options import PlanOptions
+
+    with _args.api_names():
+        _args.local_only(_args.located(measure) if measure is not None else None, "measure",
+                         "measure")
+        options = PlanOptions(
+            params=_args.count(params, "params"), precision=precision, optimizer=optimizer,
+            from_path=_args.located(from_path) if from_path is not None else None,
+            input_format=input_format, bandwidth=_args.rate(bandwidth, "bandwidth"),
+            measure_dir=_args.located(measure) if measure is not None else None,
+            measure_size=_args.size(measure_size, "measure_size"),
+            measure_streams=_args.count(measure_streams, "measure_streams"),
+            mtbf=_args.duration(mtbf, "mtbf"), gpus=_args.count(gpus, "gpus"),
+            gpu_mtbf=_args.duration(gpu_mtbf, "gpu_mtbf"), ranks=_args.count(ranks, "ranks"),
+            keep=_args.count(keep, "keep"), async_save=async_save,
+            thin_after=_args.count(thin_after, "thin_after"), thin_to=thin_to,
+            snapshot_bandwidth=_args.rate(snapshot_bandwidth, "snapshot_bandwidth"),
+            interval=_args.duration(interval, "interval"),
+            restart=_args.duration(restart, "restart", allow_zero=True))
+        return run(options, on_progress=_args.phased(on_progress, "measuring"))
+
+
+def resume_path(run_dir: PathLike, *, full: bool = False,
+                storage_options: Mapping[str, Any] | None = None) -> ResumePathResult:
+    """The newest verified checkpoint of a run: the one to resume from (``ckpt resume-path``).
+
+    Verified means its run-ledger verdict (``watch_once``, ``ckpt watch``, the training
+    callbacks) is good and it still matches its manifest.
+
+    Args:
+        run_dir: The run directory, or a URL.
+        full: Hash every file against the manifest (default: sizes only).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        The :class:`~ckpt_cli.api.results.ResumePathResult`: ``path`` (None when there is
+        none: ``ok`` False), ``step``, ``rejected``; ``to_dict()`` is
+        ``ckpt resume-path --json``'s document.
+
+    Raises:
+        CkptError: An unreadable run directory or ledger.
+
+    Example:
+        >>> ckpt_cli.resume_path("demo-run").path
+    """
+    from ckpt_cli.api.results import ResumePathResult
+    from ckpt_cli.resume import choose
+
+    with _args.api_names():
+        _args.use_storage(storage_options, None)
+        run = _args.located(run_dir)
+        choice = choose(run, verify="full" if full else "sizes")
+        return ResumePathResult(run, choice, "full" if full else "sizes")
+
+
+def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
+               settle: float | str = "1s", abandon_after: float | str = "10m",
+               keep: int | None = None, keep_every: int | str | None = None,
+               grace: float | str = "10m", thin_after: int | None = None,
+               thin_to: str | None = None, keep_full_every: int | None = None,
+               pattern: str | None = None, on_bad: str | None = None,
+               on_bad_timeout: float | str = "5m",
+               storage_options: Mapping[str, Any] | None = None,
+               on_event: Callable[[WatchEvent], None] | None = None) -> WatchResult:
+    """One pass of ``ckpt watch --once``: verify each committed checkpoint of a run, record
+    the verdicts in its ledger, apply retention.
+
+    Args:
+        run_dir: The run directory (or a directory of runs, or an object-store prefix).
+        crc: Read every byte (CRC-32, DCP items), not just the structure.
+        values: Also scan tensors for NaN, Inf and all-zero.
+        settle: A committed checkpoint must be unchanged this long before it is validated.
+        abandon_after: An incomplete checkpoint unchanged this long is reported abandoned.
+        keep: Retention after each verified checkpoint: keep the newest N (as :func:`prune`).
+        keep_every: Retention: also keep milestones.
+        grace: Retention never deletes anything changed within this age.
+        thin_after: Retention: thin checkpoints older than the newest N.
+        thin_to: ``bf16``: also cast thinned weights to BF16.
+        keep_full_every: Never thin checkpoints whose step is a multiple of this.
+        pattern: A regex saying which entries are checkpoints.
+        on_bad: A command run for each bad checkpoint (split like a shell would, never run
+            by one) with its path in ``$CKPT_BAD_PATH``.
+        on_bad_timeout: Kill an ``on_bad`` command still running after this long.
+        storage_options: fsspec options for URLs.
+        on_event: Called with each :class:`~ckpt_cli.trust.watch.WatchEvent` as it happens.
+
+    Returns:
+        The :class:`~ckpt_cli.api.results.WatchResult`: ``events``, ``bad``, ``ok``;
+        ``to_dict()["events"]`` holds the lines ``ckpt watch --once --json`` prints.
+
+    Raises:
+        CkptError: ``run_dir`` is not a directory.
+        UsageError: Bad retention options.
+
+    Example:
+        >>> r = ckpt_cli.watch_once("demo-run")
+        >>> r.ok, r.verified
+    """
+    from ckpt_cli.api.results import WatchResult
+    from ckpt_cli.errors import CkptError, UsageError
+    from ckpt_cli.ops.prune.retention import PrunePolicy
+    from ckpt_cli.trust.watch import Watcher, WatchOptions
+
+    with _args.api_names():
+        _args.use_storage(storage_options, None)
+        policy = None
+        if (keep, keep_every, thin_after, thin_to, keep_full_every) != (None,) * 5:
+            if pattern is not None and not pattern.strip():
+                raise UsageError(f"pattern {pattern!r} is empty", param="pattern")
+            policy = PrunePolicy(keep=keep, keep_every=_args.count(keep_every, "keep_every"),
+                                 grace=_args.duration(grace, "grace", allow_zero=True) or 0.0,
+                                 thin_after=thin_after, thin_to=thin_to,
+                                 keep_full_every=keep_full_every)
+            policy.check()
+        options = WatchOptions(
+            crc=crc, values=values,
+            settle=_args.duration(settle, "settle", allow_zero=True) or 0.0,
+            abandon_after=_args.duration(abandon_after, "abandon_after") or 0.0,
+            policy=policy, pattern=pattern, on_bad=on_bad,
+            on_bad_timeout=_args.duration(on_bad_timeout, "on_bad_timeout") or 0.0,
+            report_pending=True)
+        root = _args.located(run_dir)
+        if not root.is_dir():
+            raise CkptError("not a directory", path=root)
+        result = WatchResult(root)
+
+        def emit(event: WatchEvent) -> None:
+            result.events.append(event)
+            if on_event is not None:
+                on_event(event)
+
+        Watcher(root, options, emit).run_pass()
+        return result
+

@@ -1,0 +1,49 @@
+"""The Python API on URLs: ``ckpt_cli.inspect("s3://...")`` and the rest read through a real
+S3 endpoint (moto's server on 127.0.0.1, as in tests/storage/test_s3.py) and return the CLI's
+documents for the same URL."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from typer.testing import Result
+
+import ckpt_cli
+from ckpt_cli.errors import UsageError
+from tests.api.test_api import stable
+from tests.helpers import s3
+
+# moto's S3 server and the sample run uploaded to it: test_s3.py's session fixtures.
+from tests.storage.test_s3 import bucket_run, endpoint  # noqa: F401
+
+pytestmark = [pytest.mark.requires_torch,  # the sample run is written with torch
+              # botocore and moto call datetime.utcnow() and friends; not ckpt's code.
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+def _doc(result: Result, code: int = 0) -> Any:
+    assert result.exit_code == code, result.output
+    return json.loads(result.stdout)
+
+
+def test_functions_take_urls(s3env: s3.Proxy, bucket_run: str,  # noqa: F811 (the fixture)
+                             cli: Callable[..., Result]) -> None:
+    run = f"s3://{bucket_run}/run"
+    r = ckpt_cli.inspect(run)
+    assert r.to_dict() == _doc(cli("inspect", run, "--json"))
+    assert r.to_dict()["path"] == run and s3env.traffic.requests > 0
+    v = ckpt_cli.validate(f"{run}/step_000100", quick=True)
+    assert v.ok
+    cli_doc = _doc(cli("validate", f"{run}/step_000100", "--quick", "--json"))
+    assert stable(v.to_dict()) == stable(cli_doc)
+    d = ckpt_cli.diff(f"{run}/step_000100", f"{run}/step_000100", structure_only=True)
+    assert d.equal
+    p = ckpt_cli.prune(run, keep=1, grace=0)
+    assert p.to_dict() == _doc(cli("prune", run, "--keep", "1", "--grace", "0", "--dry-run",
+                                   "--json"))
+    assert p.to_dict()["object_store"] is not None
+    with pytest.raises(UsageError, match=r"^write_manifest's checkpoint must be a local path"):
+        ckpt_cli.validate(f"{run}/step_000100", write_manifest=True)
