@@ -190,8 +190,29 @@ def lightning_run(out: Path, steps: int = 4, every: int = 2, *, filename: str = 
     return out
 
 
+def _clear_stale_extension_locks(age: float = 600.0) -> None:
+    """Remove torch's C++-extension build locks older than ``age`` seconds.
+
+    DeepSpeed builds its CPU communication op through ``torch.utils.cpp_extension``, whose
+    lock file (``FileBaton``) a killed build leaves behind; every later start then waits on it
+    forever (a test run interrupted mid-build hung the next one for its whole timeout). A build
+    takes about a minute, so a lock ten minutes old is stale.
+    """
+    import time
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
+                or Path.home() / ".cache" / "torch_extensions")
+    for lock in root.glob("*/*/lock"):
+        try:
+            if time.time() - lock.stat().st_mtime > age:
+                lock.unlink()
+        except OSError:
+            pass
+
+
 def deepspeed_checkpoints(out: Path, configs: list[str]) -> Path:
     """Run DeepSpeed ZeRO on CPU (2 processes) for each config, e.g. ``z2-fp32``."""
+    _clear_stale_extension_locks()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(HELPERS / "ds_train.py"), str(out), *configs]
     # One retry: DeepSpeed builds its CPU communication op on first use, and a gloo
