@@ -198,16 +198,15 @@ def _clear_stale_extension_locks(age: float = 600.0) -> None:
     forever (a test run interrupted mid-build hung the next one for its whole timeout). A build
     takes about a minute, so a lock ten minutes old is stale.
     """
+    import contextlib
     import time
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
                 or Path.home() / ".cache" / "torch_extensions")
     for lock in root.glob("*/*/lock"):
-        try:
+        with contextlib.suppress(OSError):
             if time.time() - lock.stat().st_mtime > age:
                 lock.unlink()
-        except OSError:
-            pass
 
 
 def deepspeed_checkpoints(out: Path, configs: list[str]) -> Path:
