@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_cli.errors import DestinationExistsError
+from ckpt_cli.errors import CkptError, DestinationExistsError
 from ckpt_cli.storage.atomic import atomic_dir, honour_umask
 
 VOCAB, DIM, LAYERS, HEADS, CONTEXT = 512, 64, 2, 4, 32
@@ -215,9 +215,23 @@ def _save_dcp(model: TinyGPT, opt: torch.optim.Optimizer, out: Path,
     with tempfile.TemporaryDirectory(prefix="ckpt-sample-") as td:
         full = Path(td) / "full.pt"
         torch.save({"model": msd, "optim": osd}, full)
-        args = (RANKS, str(full), str(out), _free_port(), extra)
-        mp.spawn(_dcp_worker, args=args, nprocs=RANKS,  # type: ignore[attr-defined,no-untyped-call]
-                 join=True)
+        # The 4 processes meet on a free port found a moment before (another program can
+        # take it in between), and gloo on a busy machine has aborted a worker now and then
+        # ("terminate called without an active exception"): one more try, on a new port,
+        # into an emptied directory, before the failure is reported.
+        for attempt in (1, 2):
+            args = (RANKS, str(full), str(out), _free_port(), extra)
+            try:
+                mp.spawn(_dcp_worker, args=args,  # type: ignore[attr-defined,no-untyped-call]
+                         nprocs=RANKS, join=True)
+                return
+            except mp.ProcessExitedException as e:  # type: ignore[attr-defined]
+                if attempt == 2:
+                    raise CkptError(f"the 4-process torch.distributed.checkpoint save failed "
+                                    f"twice ({e}); nothing was written",
+                                    hint="run ckpt sample again") from None
+                for f in out.iterdir() if out.is_dir() else ():
+                    f.unlink()
 
 
 def _dcp_worker(rank: int, world: int, full_path: str, out: str, port: int,

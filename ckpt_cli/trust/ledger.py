@@ -454,7 +454,7 @@ def recheck_good(path: Path, line: LedgerEntry, *, full: bool,
         return [str(e)]
     if v is None:
         return ["its manifest is missing"]
-    return [f"{f.file}: {f.message}" for f in v.findings("manifest")
+    return [f"{f.file}: {f.message}" for f in v.findings("the manifest")
             if f.severity == "error"][:5]
 
 
