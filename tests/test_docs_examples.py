@@ -8,7 +8,9 @@ save (``megatron_save/``). Commands of one block run in order in the same direct
 example may use what the one before it wrote. A command must exit 0, or 1 where its comment
 starts with ``exit N:`` (``# exit 1: training moved``, a diff that finds differences).
 
-A ``python`` block runs as a script (``python -``) in the same workspace, and must exit 0.
+A ``python`` block runs as a script (``python -``) in the same workspace, and must exit 0;
+those of docs/python.md build on each other and are run in order, in one namespace, by
+``tests/api`` instead.
 
 An HTML comment on the line before a block says how it runs instead:
 
@@ -27,6 +29,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,8 +101,11 @@ def blocks() -> list[Block]:
                 m = MARKER.search(lines[start - 1]) if start else None
                 how, reason = (m[1], m[2] or "") if m else ("run", "")
                 commands = (_commands(body) if lang == "bash" else
-                            (("\n".join(body), 0),))
-                found.append(Block(page, start + 1, commands, how, reason, lang))
+                            ((textwrap.dedent("\n".join(body)), 0),))
+                # docs/python.md's examples build on each other (one namespace, in page
+                # order): tests/api/test_surface.py runs them so, and they are not run here.
+                if not (lang == "python" and page.name == "python.md"):
+                    found.append(Block(page, start + 1, commands, how, reason, lang))
             elif lines[i].strip().startswith("```"):
                 i += 1  # another language's block: skip to its end
                 while lines[i].strip() != "```":
