@@ -274,7 +274,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _term)
     only = named_command(sys.argv[1:])
     helping = not sys.argv[1:] or bool({"--help", "-h"} & set(sys.argv[1:]))
-    piped_to_null = _stdout_is_devnull()
+    piped_to_null = helping and _stdout_is_devnull()  # a stat only when help is asked for
     try:
         (build(only) if only else _whole_app())(prog_name="ckpt")
     except SystemExit as e:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckpt_cli.errors import UsageError
-from ckpt_cli.fp8.scheme import BLOCK, SCALE_NAMES, scale_kind
+from ckpt_cli.fp8.scheme import BLOCK
 
 ACTIVATIONS = ("dynamic", "none")
 """``--fp8-activations`` choices for the channel/tensor layouts."""
@@ -75,10 +75,8 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
     from ckpt_cli.fp8 import groups
     from ckpt_cli.fp8.scheme import (
         FP8_DTYPES,
-        is_block_scale,
-        no_scale,
+        pair_scales,
         read_quantization_config,
-        scales_expected,
         skip_reason,
     )
     from ckpt_cli.model import Finding
@@ -94,42 +92,31 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
         found.append(Finding("error", code, msg, None, where))
 
     qc, _source = read_quantization_config(index)
-    expected = scales_expected(tensors, qc)
-    kinds: dict[str, int] = {}
+    # The pairing inspect and diff use (one scale of a known shape and dtype per weight); here
+    # what it warns of is an error, and the scales' values are read too.
+    pairing = pair_scales(tensors, qc)
     raw = 0
+    for f in pairing.findings:
+        if f.code == "fp8-scale-without-weight":
+            continue  # a spare scale misleads no loader of the weights (dequantize refuses it)
+        if f.severity == "info":  # raw FP8 values, which nothing claims are quantized
+            raw += 1
+            found.append(f)
+        else:
+            bad(f.code, f.message, f.location)
+    kinds: dict[str, int] = {}
     reader = TensorSource(index)
     try:
-        for w in weights:
-            module, _, last = w.name.rpartition(".")
-            scales = [tensors[f"{module}.{n}"] for n in SCALE_NAMES
-                      if f"{module}.{n}" in tensors]
-            if last != "weight" or not scales:
-                f = no_scale(w, expected)
-                if expected:
-                    bad(f.code, f.message, w.name)
-                else:
-                    raw += 1
-                    found.append(f)
-                continue
-            if len(scales) > 1:
-                bad("fp8-scale-ambiguous", f"{w.name} has several scales: "
-                    f"{', '.join(s.name for s in scales)}", w.name)
-                continue
-            s = scales[0]
-            kind = scale_kind(tuple(w.shape), tuple(s.shape), is_block_scale(s.name, qc))
-            if kind is None or s.dtype not in ("F32", "BF16", "F16"):
-                bad("fp8-scale-shape", f"{s.name} ({s.dtype} {list(s.shape)}) fits no scale "
-                    f"convention for {w.name} {list(w.shape)}", s.name)
-                continue
-            kinds[kind] = kinds.get(kind, 0) + 1
-            vals = np.asarray(reader.read(s), dtype=np.float32)
+        for p in pairing.pairs.values():
+            kinds[p.kind] = kinds.get(p.kind, 0) + 1
+            vals = np.asarray(reader.read(p.scale), dtype=np.float32)
             if not (np.isfinite(vals).all() and (vals > 0).all()):
-                bad("fp8-scale-values", f"{s.name} holds non-finite, zero or negative "
-                    "scales", s.name)
+                bad("fp8-scale-values", f"{p.scale.name} holds non-finite, zero or negative "
+                    "scales", p.scale.name)
     finally:
         reader.close()
     if isinstance(qc, dict):
-        _check_config(qc, weights, tensors, kinds, bad, found)
+        _check_config(qc, weights, kinds, bad, found)
         fp8_names = {w.name for w in weights}
         two_d = {t.name: tuple(t.shape) for t in tensors.values()
                  if t.name.endswith(".weight") and len(t.shape) == 2}
@@ -152,8 +139,8 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
     return found, summary
 
 
-def _check_config(qc: dict[str, Any], weights: list[Any], tensors: dict[str, Any],
-                  kinds: dict[str, int], bad: Any, found: list[Any]) -> None:
+def _check_config(qc: dict[str, Any], weights: list[Any], kinds: dict[str, int], bad: Any,
+                  found: list[Any]) -> None:
     """The ``quantization_config`` against the tensors: ignored modules unquantized, the
     block size, and block-wise weights the engines can load."""
     from ckpt_cli.model import Finding

@@ -507,12 +507,13 @@ def _side_files(index: CheckpointIndex, given: Path, out: Path,
 
 
 def _json_object(data: bytes | None) -> dict[str, Any] | None:
-    """A side file's JSON object (None: absent, not JSON, or not an object)."""
+    """A side file's JSON object (None: absent, not JSON, or not an object), through the one
+    bounded JSON parser."""
     if data is None:
         return None
     try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
+        doc = storage.parse_json(data, what="config.json", path=None)
+    except CkptError:
         return None
     return doc if isinstance(doc, dict) else None
 

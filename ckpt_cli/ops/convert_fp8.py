@@ -123,8 +123,8 @@ def quantized(built: B, build: Callable[[tuple[str, ...]], B], keep_fp32: tuple[
             f"; and {len(choice.left) - 3} more" if len(choice.left) > 3 else "")
         built.notes.append(f"{len(choice.left)} Linear weight(s) left unquantized, listed in "
                            f"the quantization_config's ignore list: {shown}")
-    partial = [n for n in picked if layout == "block"
-               and next(o.shape for o in built.outs if o.name == n)[0] % fp8.BLOCK]
+    shapes = {o.name: o.shape for o in built.outs}
+    partial = [n for n in picked if layout == "block" and shapes[n][0] % fp8.BLOCK]
     if partial:
         built.notes.append(
             f"{len(partial)} weight(s) end in a partial 128-row block (e.g. {partial[0]}), "

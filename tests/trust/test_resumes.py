@@ -100,12 +100,12 @@ def test_a_thinned_lightning_checkpoint_resumes_with_a_fresh_optimizer(tmp_path:
 
 
 def _docs_block(page: str, needle: str) -> str:
-    """The ``python`` block of ``docs/PAGE`` that holds ``needle``, exactly as written."""
-    import re
+    """The ``python`` block of ``docs/PAGE`` that holds ``needle``, exactly as written (read
+    by the parser the docs examples test uses)."""
+    from tests.test_docs_examples import blocks
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / page).read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    (found,) = [b for b in blocks if needle in b]
+    (found,) = [b.commands[0][0] for b in blocks()
+                if b.lang == "python" and b.page.name == page and needle in b.commands[0][0]]
     return found
 
 
