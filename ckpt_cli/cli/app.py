@@ -15,7 +15,8 @@ from ckpt_cli.cli.options import Refused
 # Each subcommand, in --help's order: its name, and the module and function that implement it.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("inspect", "inspect", "inspect_cmd"), ("validate", "validate", "validate_cmd"),
-    ("diff", "diff", "diff_cmd"), ("convert", "convert", "convert_cmd"),
+    ("diff", "diff", "diff_cmd"), ("stats", "stats", "stats_cmd"),
+    ("convert", "convert", "convert_cmd"),
     ("consolidate", "consolidate", "consolidate_cmd"), ("prune", "prune", "prune_cmd"),
     ("plan", "plan", "plan_cmd"), ("sample", "sample", "sample_cmd"),
     ("watch", "watch", "watch_cmd"), ("resume-path", "watch", "resume_path_cmd"))

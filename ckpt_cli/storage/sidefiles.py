@@ -39,6 +39,7 @@ CAPS: dict[str, int] = {
     "metrics": 256 * _MiB,
     "plan": 64 * _MiB,
     "pointer": 4096,
+    "stats-cache": 256 * _MiB,
 }
 """The most bytes read of each kind of side file. ``index`` (an HF ``*.index.json``) names
 every tensor of a model; a ``pointer`` (``latest``, ``latest_checkpointed_iteration.txt``)
@@ -47,7 +48,8 @@ names one checkpoint; ``metrics`` is a ``--metrics-file`` a user names."""
 _WHAT = {"manifest": "manifest", "ledger": "run ledger", "index": "index file",
          "config": "config file", "trainer-state": "trainer state",
          "json-state": "JSON state file", "metrics": "metrics file",
-         "plan": "plan file", "pointer": "pointer file"}
+         "plan": "plan file", "pointer": "pointer file",
+         "stats-cache": "stats cache entry"}
 
 MAX_JSON_DEPTH = 64
 """The deepest nesting accepted in a side file's JSON (and in JSON held in metadata): far more

@@ -125,7 +125,7 @@ class Moments:
     @property
     def absmax(self) -> float | None:
         """Largest ``|x|`` of the finite values; None when there is none."""
-        return max(-self.min, self.max) if self.count else None
+        return max(abs(self.min), abs(self.max)) if self.count else None
 
     @property
     def inf(self) -> int:

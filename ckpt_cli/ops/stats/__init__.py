@@ -1,0 +1,280 @@
+"""``stats``: the health of the weights, in one checkpoint and across a run.
+
+For one checkpoint (a file, a checkpoint directory, a URL): per tensor and per module, count,
+mean, std, min, max, absmax, L2 norm, zeros, NaN and Inf, and a histogram of ``|x|`` by binade
+(:mod:`ckpt_cli.tensors.moments` says how they are accumulated, and how accurately). For a run
+directory: the same per checkpoint, plus each module's update against the previous checkpoint
+(``||W_t - W_{t-1}|| / ||W_{t-1}||``), and the anomalies :mod:`.anomalies` flags.
+
+Values are read once (:mod:`.engine`), on the worker threads, within the memory budget. What is
+computed is kept in the user's cache directory (:mod:`.cache`), so that asking again, or asking
+after one more checkpoint was saved, reads only what is new. ``part`` splits the tensors over
+several processes (or machines sharing the cache directory): each computes its share into the
+cache, and the one that finds every figure there reports the whole.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ckpt_cli import storage
+from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.formats import read_index
+from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.ops.stats.anomalies import detect, detect_one
+from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, key_of
+from ckpt_cli.ops.stats.engine import Work, compute
+from ckpt_cli.ops.stats.options import StatsOptions
+from ckpt_cli.ops.stats.result import (
+    Anomaly,
+    CheckpointStats,
+    ModuleStats,
+    StatsResult,
+    TensorStats,
+    module_of,
+)
+from ckpt_cli.ops.stats.scope import Scope, scope_of
+from ckpt_cli.runs import follow_pointer, is_run_dir, list_run
+from ckpt_cli.storage.reads import ProgressFn, default_jobs, memory_budget
+from ckpt_cli.tensors.moments import moments_kernel
+
+__all__ = ["Anomaly", "CheckpointStats", "ModuleStats", "StatsOptions", "StatsResult",
+           "TensorStats", "stats"]
+
+
+def _check(opts: StatsOptions) -> None:
+    for name in ("depth", "every", "last", "jobs"):
+        v = getattr(opts, name)
+        if v is not None and v < 1:
+            raise UsageError(f"{name} must be at least 1, not {v}", param=name)
+    if not (math.isfinite(opts.jump) and opts.jump > 1):
+        raise UsageError(f"jump must be a number above 1, not {opts.jump}", param="jump")
+    if opts.part is not None and not opts.cache:
+        raise UsageError("part needs the cache: the parts meet there (drop cache=False, and "
+                         "give every part the same cache_dir)", param="part")
+
+
+class _Checkpoint:
+    """One checkpoint being worked on."""
+
+    def __init__(self, name: str, path: Path, step: int | None, index: CheckpointIndex,
+                 scope: Scope, entry: Entry):
+        self.name, self.path, self.step, self.index = name, path, step, index
+        self.scope, self.entry = scope, entry
+
+
+def stats(path: str | Path, options: StatsOptions | None = None, *,
+          on_progress: ProgressFn | None = None) -> StatsResult:
+    """Figures of the values of one checkpoint, or of every checkpoint of a run directory.
+
+    Args:
+        path: A checkpoint (file, directory, URL) or a run directory.
+        options: What to compute (default :class:`StatsOptions`).
+        on_progress: Progress callback ``(label, done, total)`` in bytes read.
+
+    Returns:
+        The :class:`StatsResult`; its ``exit_code`` is 1 when an anomaly was found.
+
+    Raises:
+        CkptError: For unreadable input.
+        UsageError: For contradictory options, or a run with no complete checkpoint.
+    """
+    t0 = time.perf_counter()
+    opts = options or StatsOptions()
+    _check(opts)
+    where = storage.locate(path)
+    run = opts.fmt is None and is_run_dir(where)
+    skipped: dict[str, str] = {}
+    cache = FigureCache(cache_root(opts.cache_dir) if opts.cache else None, enabled=opts.cache)
+    ckpts = _run_checkpoints(where, opts, skipped, cache) if run else [
+        _one_checkpoint(where, opts, cache)]
+    works = _plan(ckpts, run)
+    select = _part_select(ckpts, works, opts)
+    budget = memory_budget(opts.max_memory)
+    read = compute(works, budget=budget, threads=opts.jobs or default_jobs(),
+                   on_progress=on_progress, select=select)
+    for c, w in zip(ckpts, works, strict=True):
+        _remember(c, w, cache, ckpts)
+    part = None
+    if opts.part is not None:
+        complete = all(not w.stats and not w.updates for w in _plan(
+            [_reloaded(c, cache) for c in ckpts], run))
+        part = {"part": opts.part.index, "parts": opts.part.count, "complete": complete,
+                "tensors": sum(len(w.got) for w in works)}
+        if complete:
+            ckpts = [_reloaded(c, cache) for c in ckpts]
+            works = _plan(ckpts, run)
+    shown = _assemble(ckpts, works, opts, run)
+    if part is not None and not part["complete"]:
+        for cs in shown:  # this part's share: the others' figures are not known yet
+            cs.tensors = [t for t in cs.tensors if t.moments is not None or t.error]
+        anomalies: list[Anomaly] = []
+    elif run:
+        anomalies = detect(shown, jump=opts.jump)
+    else:
+        anomalies = detect_one(shown[0])
+    any_scope = ckpts[0].scope if ckpts else None
+    return StatsResult(
+        path=where, run=run, checkpoints=shown, anomalies=anomalies,
+        scope="all" if opts.everything or (any_scope is not None and any_scope.widened)
+        else "weights", depth=opts.depth, hist=opts.hist, jump=opts.jump, skipped=skipped,
+        bytes_read=read, seconds=time.perf_counter() - t0, kernel=moments_kernel(),
+        cache_dir=cache.dir if cache.enabled else None, part=part)
+
+
+def _open(path: Path, opts: StatsOptions, cache: FigureCache) -> tuple[CheckpointIndex,
+                                                                       Scope, Entry]:
+    index = read_index(path, opts.fmt)
+    scope = scope_of(index, everything=opts.everything, filter_glob=opts.filter_glob)
+    entry = cache.load(key_of(identity(index))) if cache.enabled else Entry("")
+    return index, scope, entry
+
+
+def _one_checkpoint(where: Path, opts: StatsOptions, cache: FigureCache) -> _Checkpoint:
+    followed = follow_pointer(where) if opts.fmt is None else None
+    path = followed.path if followed is not None else where
+    index, scope, entry = _open(path, opts, cache)
+    if opts.filter_glob is not None and not scope.targets and not scope.skipped \
+            and not scope.aliases:
+        raise UsageError(f"filter_glob {opts.filter_glob!r} matches no tensor in scope",
+                         param="filter_glob", path=path)
+    step = index.metadata.get("step")
+    return _Checkpoint(path.name, path, step if isinstance(step, int) else index.name_step,
+                       index, scope, entry)
+
+
+def _run_checkpoints(where: Path, opts: StatsOptions, skipped: dict[str, str],
+                     cache: FigureCache) -> list[_Checkpoint]:
+    listing = list_run(where, opts.pattern)
+    entries = []
+    for e in listing.entries:
+        if e.complete:
+            entries.append(e)
+        else:
+            skipped[e.name] = e.reason or "incomplete"
+    if opts.every is not None:
+        entries = entries[::-1][::opts.every][::-1]
+    if opts.last is not None:
+        entries = entries[-opts.last:]
+    out = []
+    for e in entries:
+        try:
+            index, scope, entry = _open(e.path, opts, cache)
+        except CkptError as err:
+            skipped[e.name] = err.message
+            continue
+        out.append(_Checkpoint(e.name, e.path, e.step, index, scope, entry))
+    if not out:
+        raise UsageError("a run directory with no complete checkpoint to read", path=where)
+    if opts.filter_glob is not None and not any(c.scope.targets for c in out):
+        raise UsageError(f"filter_glob {opts.filter_glob!r} matches no tensor in scope",
+                         param="filter_glob", path=where)
+    return out
+
+
+def _plan(ckpts: list[_Checkpoint], run: bool) -> list[Work]:
+    """What to read of each checkpoint: figures not cached, and (in a run) updates against
+    the previous checkpoint not cached, of tensors both hold with as many values."""
+    works = []
+    for i, c in enumerate(ckpts):
+        w = Work(c.index, c.scope.targets)
+        w.stats = {n for n in c.scope.targets if n not in c.entry.tensors}
+        if run and i:
+            prev = ckpts[i - 1]
+            have = c.entry.updates.get(prev.entry.key, {})
+            w.updates = {n for n, t in c.scope.targets.items()
+                         if n in prev.scope.targets and n not in have
+                         and prev.scope.targets[n].numel == t.numel}
+        works.append(w)
+    return works
+
+
+def _part_select(ckpts: list[_Checkpoint], works: list[Work],
+                 opts: StatsOptions) -> Callable[[str], bool] | None:
+    if opts.part is None:
+        return None
+    from ckpt_cli.parts import assign
+
+    sizes: dict[str, int] = {}
+    for c in ckpts:
+        for n, t in c.scope.targets.items():
+            sizes[n] = sizes.get(n, 0) + t.nbytes
+    names = sorted(sizes)
+    owners = dict(zip(names, assign([sizes[n] for n in names], opts.part.count), strict=True))
+    mine = opts.part.index
+    return lambda n: owners.get(n) == mine
+
+
+def _remember(c: _Checkpoint, w: Work, cache: FigureCache, ckpts: list[_Checkpoint]) -> None:
+    """Keep what was computed: in the checkpoint's entry (this run's view) and the cache."""
+    c.entry.tensors.update(w.got)
+    new = Entry(c.entry.key, tensors=dict(w.got))
+    if w.got_updates:
+        i = ckpts.index(c)
+        prev = ckpts[i - 1].entry.key
+        c.entry.updates.setdefault(prev, {}).update(w.got_updates)
+        new.updates[prev] = dict(w.got_updates)
+    c.entry.errors.update(w.errors)
+    if cache.enabled and (new.tensors or new.updates):
+        cache.save(new)
+
+
+def _reloaded(c: _Checkpoint, cache: FigureCache) -> _Checkpoint:
+    entry = cache.load(c.entry.key)
+    entry.errors = c.entry.errors
+    return _Checkpoint(c.name, c.path, c.step, c.index, c.scope, entry)
+
+
+def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
+              run: bool) -> list[CheckpointStats]:
+    out: list[CheckpointStats] = []
+    prev_c: _Checkpoint | None = None
+    for c, w in zip(ckpts, works, strict=True):
+        cs = CheckpointStats(c.name, c.path, c.step, c.index.format)
+        mods: dict[str, ModuleStats] = {}
+        updates = c.entry.updates.get(prev_c.entry.key, {}) if (run and prev_c) else {}
+        mod_sq: dict[str, float | None] = {}
+        mod_prev: dict[str, float] = {}
+        for name in sorted(set(c.scope.targets) | set(c.scope.aliases) | set(c.scope.skipped)):
+            t = c.index.tensors[name]
+            mod = module_of(name, opts.depth)
+            alias = c.scope.aliases.get(name)
+            target = c.scope.targets.get(alias or name)
+            m = c.entry.tensors.get(alias or name)
+            err = c.entry.errors.get(alias or name) or c.scope.skipped.get(name)
+            scale = target.scale.name if target is not None and target.scale is not None \
+                else None
+            cs.tensors.append(TensorStats(name, t.dtype, tuple(t.shape), t.group,
+                                          m if err is None else None, scale, err, alias, mod))
+            if alias is not None or m is None or err is not None:
+                continue
+            ms = mods.setdefault(mod, ModuleStats(mod))
+            ms.tensors += 1
+            ms.moments.merge(m)
+            if prev_c is not None and name in updates:
+                sq = updates[name]
+                before = prev_c.entry.tensors.get(name)
+                old = mod_sq.get(mod, 0.0)
+                mod_sq[mod] = None if sq is None or old is None else old + sq
+                mod_prev[mod] = mod_prev.get(mod, 0.0) + (before.sumsq if before else 0.0)
+        for mod, ms in mods.items():
+            if mod in mod_sq:
+                sq = mod_sq[mod]
+                ms.update = math.sqrt(sq) if sq is not None else None
+                ms.previous_l2 = math.sqrt(mod_prev[mod])
+        cs.modules = [mods[k] for k in sorted(mods, key=_natural)]
+        cs.tensors.sort(key=lambda t: _natural(t.name))
+        cs.cached = sum(1 for n in c.scope.targets if n not in w.got and n in c.entry.tensors)
+        cs.computed = len(w.got)
+        out.append(cs)
+        prev_c = c
+    return out
+
+
+def _natural(name: str) -> list[tuple[int, int | str]]:
+    """Sort key putting ``layers.2`` before ``layers.10``."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]
+

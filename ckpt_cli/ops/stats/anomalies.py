@@ -1,0 +1,93 @@
+"""What ``ckpt stats`` flags in a run's figures, module by module, checkpoint by checkpoint.
+
+* ``nan`` / ``inf``: a module holds NaN or infinite values where the previous checkpoint
+  listed held none (or in the first one listed): flagged where it appears, not again while
+  it stays.
+* ``norm-jump``: a module's L2 norm grew more than ``jump`` times since the previous checkpoint
+  (its norm there not zero: a zero-initialized bias grows from nothing legitimately).
+* ``frozen``: a module's weights are bit for bit those of the previous checkpoint while they
+  had changed between the two before: training stopped updating it (a lost ``requires_grad``,
+  an optimizer that lost its parameter group). A module that never changed (frozen on
+  purpose, a constant buffer) is not flagged.
+* ``dead``: a tensor became all zeros (it was not in the previous checkpoint): a wiped or
+  never-restored tensor. One all zeros from the start (a LoRA ``B``, a zero-initialized
+  projection) is not flagged.
+
+A single checkpoint is judged on NaN and Inf only (there is nothing to compare it with).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ckpt_cli.ops.stats.result import Anomaly, CheckpointStats
+
+
+def _nonfinite(kind: str, c: CheckpointStats, name: str, count: int, numel: int) -> Anomaly:
+    what = "NaN" if kind == "nan" else "infinite"
+    return Anomaly(c.step, c.name, name, kind, f"{count:,} of {numel:,} values are {what}",
+                   {kind: count, "numel": numel})
+
+
+def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
+    """The anomalies of a list of checkpoints in step order.
+
+    Args:
+        checkpoints: Their figures (modules with ``update`` filled between neighbours).
+        jump: The norm growth factor flagged.
+
+    Returns:
+        The anomalies, in step order then module order.
+    """
+    out: list[Anomaly] = []
+    prev: CheckpointStats | None = None
+    before: CheckpointStats | None = None
+    for c in checkpoints:
+        pm = {m.name: m for m in prev.modules} if prev is not None else {}
+        bm = {m.name: m for m in before.modules} if before is not None else {}
+        pt = {t.name: t for t in prev.tensors} if prev is not None else {}
+        for m in c.modules:
+            old = pm.get(m.name)
+            mo = m.moments
+            if mo.nan and (old is None or not old.moments.nan):
+                out.append(_nonfinite("nan", c, m.name, mo.nan, mo.numel))
+            if mo.inf and (old is None or not old.moments.inf):
+                out.append(_nonfinite("inf", c, m.name, mo.inf, mo.numel))
+            if old is None:
+                continue
+            was, now = old.moments.l2, mo.l2
+            if was > 0 and math.isfinite(was) and math.isfinite(now) and now > jump * was:
+                out.append(Anomaly(c.step, c.name, m.name, "norm-jump",
+                                   f"L2 norm grew {now / was:,.3g}x ({was:.4g} -> {now:.4g})",
+                                   {"l2": now, "previous_l2": was, "ratio": now / was}))
+            older = bm.get(m.name)
+            if (m.update == 0.0 and old.update is not None and old.update > 0
+                    and older is not None):
+                out.append(Anomaly(c.step, c.name, m.name, "frozen",
+                                   "weights unchanged since the previous checkpoint, after "
+                                   f"changing before it (update ratio {old.update_ratio or 0:.3g})",
+                                   {"update_ratio": 0.0,
+                                    "previous_update_ratio": old.update_ratio}))
+        for t in c.tensors:
+            tm = t.moments
+            if tm is None or t.same_as is not None or not tm.numel or tm.zeros != tm.numel:
+                continue
+            was_t = pt.get(t.name)
+            if was_t is not None and was_t.moments is not None and \
+                    was_t.moments.zeros < was_t.moments.numel:
+                out.append(Anomaly(c.step, c.name, t.module, "dead",
+                                   f"{t.name}: all {tm.numel:,} values became zero",
+                                   {"tensor": t.name, "numel": tm.numel}))
+        before, prev = prev, c
+    return out
+
+
+def detect_one(c: CheckpointStats) -> list[Anomaly]:
+    """A single checkpoint's anomalies: modules holding NaN or infinite values."""
+    out: list[Anomaly] = []
+    for m in c.modules:
+        if m.moments.nan:
+            out.append(_nonfinite("nan", c, m.name, m.moments.nan, m.moments.numel))
+        if m.moments.inf:
+            out.append(_nonfinite("inf", c, m.name, m.moments.inf, m.moments.numel))
+    return out

@@ -1,0 +1,272 @@
+"""``ckpt stats``' reading: every tensor asked for, in every checkpoint asked for, read once.
+
+Work is one job per tensor name. A job walks the checkpoints that hold that tensor in step
+order *in lockstep*: window by window of the tensor's elements (row-major), it takes the
+window from each checkpoint in turn, adds it to that checkpoint's figures
+(:func:`~ckpt_cli.tensors.moments.piece_moments`) and, when the previous checkpoint's window is
+at hand, to the squared norm of the update between them
+(:func:`~ckpt_cli.tensors.moments.diff_sumsq`). So each byte of a run is read once, whatever
+the number of checkpoints, and a job holds one window per checkpoint: windows are sized so that
+the jobs running at once stay within the memory budget (a tensor whose layout is read whole,
+a strided view, may add its size, as everywhere in ckpt). Jobs run on the worker threads
+(:func:`~ckpt_cli.storage.reads.run_bounded`); the kernels release the GIL.
+
+FP8 weights that carry a scale are read dequantized (``weight * scale`` in FP32, as torch and
+the engines compute it), a piece at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ckpt_cli.errors import CkptError
+from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.storage.reads import PIECE_BYTES, Meter, ProgressFn, run_bounded
+from ckpt_cli.tensors.moments import Moments, diff_sumsq, piece_moments
+from ckpt_cli.tensors.source import TensorSource
+
+if TYPE_CHECKING:
+    import numpy as np
+
+_MIN_WINDOW = 1 << 20  # bytes: below this, per-window overhead outweighs the memory saved
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One tensor to read in one checkpoint.
+
+    Attributes:
+        tensor: The tensor (for an FP8 weight with a scale, the FP8 weight).
+        scale: Its scale when it is read dequantized, else None.
+    """
+
+    tensor: TensorInfo
+    scale: TensorInfo | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.tensor.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes + (self.scale.nbytes if self.scale is not None else 0)
+
+    @property
+    def read_whole(self) -> bool:
+        """Whether its layout is read whole (a strided view; chunks not in row order are
+        too, but that is known only once their files are opened)."""
+        t = self.tensor
+        return t.stride is not None or (t.file is None and not t.chunks)
+
+
+@dataclass(slots=True)
+class Work:
+    """One checkpoint's share of the work.
+
+    Attributes:
+        index: The checkpoint.
+        targets: What can be read of it, by tensor name.
+        stats: Names whose figures are wanted.
+        updates: Names whose update since the previous checkpoint (of the list given to
+            :func:`compute`) is wanted; both must hold them with the same number of values.
+        got: Figures computed, by name.
+        got_updates: Squared update norms computed, by name (None: a value was not finite).
+        errors: Names that could not be read, with why.
+    """
+
+    index: CheckpointIndex
+    targets: dict[str, Target]
+    stats: set[str] = field(default_factory=set)
+    updates: set[str] = field(default_factory=set)
+    got: dict[str, Moments] = field(default_factory=dict)
+    got_updates: dict[str, float | None] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class _Sources:
+    """One :class:`TensorSource` per checkpoint per worker thread (open files are not shared
+    between threads)."""
+
+    def __init__(self, works: list[Work]):
+        self.works = works
+        self._local = threading.local()
+        self._all: list[TensorSource] = []
+        self._lock = threading.Lock()
+
+    def get(self, i: int) -> TensorSource:
+        mine: dict[int, TensorSource] | None = getattr(self._local, "src", None)
+        if mine is None:
+            mine = self._local.src = {}
+        src = mine.get(i)
+        if src is None:
+            src = mine[i] = TensorSource(self.works[i].index)
+            with self._lock:
+                self._all.append(src)
+        return src
+
+    def close(self) -> None:
+        with self._lock:
+            for src in self._all:
+                src.close()
+            self._all.clear()
+
+
+class _Window:
+    """Takes a tensor's values ``n`` at a time from its stream of pieces."""
+
+    def __init__(self, pieces: Iterator[np.ndarray]):
+        self.pieces = pieces
+        self.rest: np.ndarray | None = None
+
+    def take(self, n: int) -> np.ndarray:
+        import numpy as np
+
+        parts: list[np.ndarray] = []
+        have = 0
+        while have < n:
+            if self.rest is None or self.rest.size == 0:
+                nxt = next(self.pieces, None)
+                if nxt is None:
+                    raise CkptError(f"values end after {have:,} of {n:,} expected")
+                self.rest = nxt.reshape(-1)
+            piece = self.rest[:n - have]
+            self.rest = self.rest[n - have:]
+            parts.append(piece)
+            have += piece.size
+        if len(parts) == 1:
+            return parts[0]
+        if len({p.dtype for p in parts}) > 1:
+            parts = [p.astype(np.float64) for p in parts]
+        return np.concatenate(parts)
+
+
+def _pieces(src: TensorSource, target: Target, piece_bytes: int) -> Iterator[np.ndarray]:
+    t = target.tensor
+    if target.scale is None:
+        yield from src.iter_pieces(t, piece_bytes=piece_bytes, mapped=True)
+        return
+    from ckpt_cli import fp8
+
+    scale = src.read(target.scale)
+    yield from fp8.dequantize_pieces(src.iter_pieces(t, piece_bytes=piece_bytes, mapped=True),
+                                     scale, t.shape, "F32")
+
+
+def _window_elems(window_bytes: int) -> int:
+    return max(1, window_bytes // 4)
+
+
+def compute(works: list[Work], *, budget: int, threads: int,
+            on_progress: ProgressFn | None = None,
+            select: Callable[[str], bool] | None = None) -> int:
+    """Compute what each :class:`Work` asks for, filling its ``got``/``got_updates``/``errors``.
+
+    Args:
+        works: The checkpoints in step order (updates are between neighbours of this list).
+        budget: Memory budget in bytes for the windows of the jobs running at once.
+        threads: Jobs at once (at most; the budget may allow fewer).
+        on_progress: Progress callback (label ``values``), in bytes read.
+        select: Compute only the names it accepts (``--part``).
+
+    Returns:
+        Bytes of tensor data read.
+    """
+    names: dict[str, list[int]] = {}
+    for i, w in enumerate(works):
+        wanted = set(w.stats) | set(w.updates)
+        if i + 1 < len(works):
+            wanted |= works[i + 1].updates & set(w.targets)
+        for n in wanted:
+            names.setdefault(n, []).append(i)
+    if select is not None:
+        names = {n: c for n, c in names.items() if select(n)}
+    order = sorted(names)
+    chains = [sorted(set(names[n])) for n in order]
+    sizes = [sum(works[i].targets[n].nbytes for i in chain) for n, chain in
+             zip(order, chains, strict=True)]
+    threads = max(1, min(threads, len(order) or 1))
+    costs: list[int] = []
+    windows: list[int] = []
+    for n, chain in zip(order, chains, strict=True):
+        per = max(_MIN_WINDOW, min(PIECE_BYTES, budget // (threads * 2 * len(chain))))
+        windows.append(per)
+        cost = 0
+        for i in chain:
+            t = works[i].targets[n]
+            cost += t.nbytes * 2 if t.read_whole else min(t.nbytes, per) * 3
+        costs.append(cost)
+    sources = _Sources(works)
+
+    def job(k: int) -> Callable[[Meter], None]:
+        return lambda meter: _run(works, order[k], chains[k], windows[k], sources, meter)
+
+    try:
+        run_bounded([job(k) for k in range(len(order))], costs, budget=budget,
+                    threads=threads, total=sum(sizes), label="values", on_progress=on_progress)
+    finally:
+        sources.close()
+    return sum(sizes)
+
+
+def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sources: _Sources,
+         meter: Meter) -> None:
+    """One tensor through the checkpoints of ``chain``, in lockstep (see the module notes)."""
+    streams: dict[int, _Window] = {}
+    figures: dict[int, Moments] = {}
+    sq: dict[int, float | None] = {}
+    for i in chain:
+        target = works[i].targets[name]
+        try:
+            streams[i] = _Window(_pieces(sources.get(i), target, window_bytes))
+        except CkptError as e:
+            works[i].errors[name] = e.message
+        figures[i] = Moments()
+        sq[i] = 0.0
+    step = _window_elems(window_bytes)
+    longest = max(works[i].targets[name].numel for i in chain)
+    for start in range(0, longest, step):
+        prev: tuple[int, np.ndarray] | None = None
+        for i in chain:
+            w = works[i]
+            n = min(step, w.targets[name].numel - start)
+            if n <= 0 or i not in streams:
+                prev = None
+                continue
+            try:
+                arr = streams[i].take(n)
+            except CkptError as e:
+                w.errors[name] = e.message
+                del streams[i]
+                prev = None
+                continue
+            except ValueError as e:  # a dequantization that cannot be (scale shape)
+                w.errors[name] = str(e)
+                del streams[i]
+                prev = None
+                continue
+            meter.add(arr.nbytes if w.targets[name].scale is None else n)
+            if name in w.stats:
+                figures[i].merge(piece_moments(arr))
+            if name in w.updates and prev is not None and prev[0] == i - 1:
+                got = sq[i]
+                if got is not None:
+                    d = diff_sumsq(prev[1], arr)
+                    sq[i] = None if d != d else got + d  # NaN: a value was not finite
+            prev = (i, arr)
+        if meter.stop.is_set():
+            return
+    for i in chain:
+        w = works[i]
+        if name in w.errors:
+            continue
+        if name in w.stats:
+            w.got[name] = figures[i]
+        if name in w.updates and (i - 1) in streams and i - 1 in chain:
+            w.got_updates[name] = sq[i]
+    for s in streams.values():
+        close = getattr(s.pieces, "close", None)
+        if close is not None:
+            close()  # a generator stopped early releases its file mapping now

@@ -1,0 +1,231 @@
+"""``ckpt stats``' result: figures per tensor and module, per checkpoint, and the anomalies."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ckpt_cli.documents import Documented
+from ckpt_cli.tensors.moments import HIST_LO, Moments
+
+
+def module_of(name: str, depth: int | None) -> str:
+    """The module a tensor rolls up into: its first ``depth`` name components, or all but the
+    last (the module that owns it) when ``depth`` is None."""
+    parts = name.split(".")[:-1]
+    return ".".join(parts[:depth] if depth is not None else parts) or "(top level)"
+
+
+def _num(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
+
+
+def figures(m: Moments, *, hist: bool = False) -> dict[str, Any]:
+    """The JSON figures of a :class:`Moments` (``--json``'s per tensor and module fields)."""
+    doc: dict[str, Any] = {
+        "numel": m.numel, "mean": m.mean if m.count else None, "std": _num(m.std),
+        "min": m.min if m.count else None, "max": m.max if m.count else None,
+        "absmax": m.absmax, "l2": _num(m.l2), "zeros": m.zeros, "nan": m.nan, "inf": m.inf,
+        "tiny": m.tiny}
+    if hist:
+        used = [i for i, c in enumerate(m.hist) if c]
+        lo, hi = (used[0], used[-1] + 1) if used else (0, 0)
+        doc["hist"] = {"first_binade": HIST_LO + lo if used else None,
+                       "counts": m.hist[lo:hi]}
+    return doc
+
+
+@dataclass(slots=True)
+class TensorStats:
+    """One tensor's figures in one checkpoint.
+
+    Attributes:
+        name: Its name.
+        dtype: Its stored dtype.
+        shape: Its shape.
+        group: ``model``, ``buffer``, ``optimizer`` or ``other``.
+        moments: Its figures (None when its values could not be read).
+        dequantized: The scale its FP8 values were multiplied by, if any.
+        error: Why its values could not be read.
+        same_as: The tensor whose bytes it views (tied weights): figures are that one's.
+        module: The module it rolls up into.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    group: str
+    moments: Moments | None
+    dequantized: str | None = None
+    error: str | None = None
+    same_as: str | None = None
+    module: str = ""
+
+    def to_json(self, hist: bool) -> dict[str, Any]:
+        doc: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                               "group": self.group}
+        doc.update(figures(self.moments, hist=hist) if self.moments is not None else {
+            "numel": math.prod(self.shape)})
+        doc["dequantized_with"] = self.dequantized
+        doc["same_as"] = self.same_as
+        doc["error"] = self.error
+        return doc
+
+
+@dataclass(slots=True)
+class ModuleStats:
+    """A module's figures: its tensors' values together.
+
+    Attributes:
+        name: The module (a name prefix).
+        tensors: Tensors rolled into it (tied copies once).
+        moments: Their figures together.
+        update: ``||W_t - W_{t-1}||`` over its tensors, against the previous checkpoint of the
+            run (None: first checkpoint, or not comparable).
+        previous_l2: The previous checkpoint's L2 norm of the same tensors.
+    """
+
+    name: str
+    tensors: int = 0
+    moments: Moments = field(default_factory=Moments)
+    update: float | None = None
+    previous_l2: float | None = None
+
+    @property
+    def update_ratio(self) -> float | None:
+        """``||W_t - W_{t-1}|| / ||W_{t-1}||`` (None when unknown or the previous norm is 0)."""
+        if self.update is None or not self.previous_l2:
+            return None
+        return self.update / self.previous_l2
+
+    def to_json(self, hist: bool) -> dict[str, Any]:
+        return {"name": self.name, "tensors": self.tensors,
+                **figures(self.moments, hist=hist),
+                "update_l2": _num(self.update), "update_ratio": _num(self.update_ratio)}
+
+
+@dataclass(slots=True)
+class CheckpointStats:
+    """One checkpoint's figures.
+
+    Attributes:
+        name: Its name (in the run directory, or the path given).
+        path: Where it is.
+        step: Its training step, if known.
+        format: Its format.
+        tensors: Per tensor, in name order.
+        modules: Per module, in name order.
+        cached: Tensors whose figures came from the cache.
+        computed: Tensors whose figures were computed now.
+    """
+
+    name: str
+    path: Path
+    step: int | None
+    format: str
+    tensors: list[TensorStats] = field(default_factory=list)
+    modules: list[ModuleStats] = field(default_factory=list)
+    cached: int = 0
+    computed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Anomaly:
+    """Something in the figures a healthy run does not do.
+
+    Attributes:
+        step: The checkpoint's step (None when unknown).
+        checkpoint: The checkpoint's name.
+        module: The module.
+        kind: ``nan`` or ``inf`` (appeared), ``norm-jump``, ``frozen`` (stopped changing) or
+            ``dead`` (a tensor became all zeros).
+        message: One line in plain words.
+        figures: The figures that triggered it.
+    """
+
+    step: int | None
+    checkpoint: str
+    module: str
+    kind: str
+    message: str
+    figures: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "checkpoint": self.checkpoint, "module": self.module,
+                "kind": self.kind, "message": self.message, **self.figures}
+
+
+ANOMALY_KINDS = ("nan", "inf", "norm-jump", "frozen", "dead")
+
+
+@dataclass(slots=True)
+class StatsResult(Documented):
+    """What ``ckpt stats`` found.
+
+    Attributes:
+        path: The path given.
+        run: Whether it is a run directory (figures per checkpoint) or one checkpoint.
+        checkpoints: The checkpoints, oldest first.
+        anomalies: What was flagged, in step order.
+        scope: ``weights`` (model weights and buffers) or ``all``.
+        depth: The module roll-up's depth (None: each tensor's own module).
+        hist: Whether histograms are part of the document.
+        jump: The norm jump flagged (run directories).
+        skipped: Run entries not read (incomplete), with why.
+        bytes_read: Bytes of tensor data read now.
+        seconds: Wall time.
+        kernel: Which kernel computed the figures (``compiled`` or ``numpy``).
+        cache_dir: The cache directory (None with the cache off).
+        part: ``--part``: ``{"part", "parts", "tensors", "complete"}``, else None.
+    """
+
+    command: ClassVar[str] = "stats"
+    path: Path
+    run: bool
+    checkpoints: list[CheckpointStats]
+    anomalies: list[Anomaly]
+    scope: str
+    depth: int | None
+    hist: bool
+    jump: float
+    skipped: dict[str, str] = field(default_factory=dict)
+    bytes_read: int = 0
+    seconds: float = 0.0
+    kernel: str = "numpy"
+    cache_dir: Path | None = None
+    part: dict[str, Any] | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """1 when an anomaly was found, else 0."""
+        return 1 if self.anomalies else 0
+
+    def json_body(self) -> dict[str, Any]:
+        """The ``stats --json`` document (layout in docs/json-schema.md)."""
+        doc: dict[str, Any] = {
+            "path": str(self.path), "mode": "run" if self.run else "checkpoint",
+            "scope": self.scope, "depth": self.depth,
+            "read": {"bytes": self.bytes_read, "seconds": round(self.seconds, 3),
+                     "kernel": self.kernel,
+                     "cached_tensors": sum(c.cached for c in self.checkpoints),
+                     "computed_tensors": sum(c.computed for c in self.checkpoints),
+                     "cache_dir": str(self.cache_dir) if self.cache_dir is not None else None},
+            "part": self.part,
+        }
+        if self.run:
+            doc["jump"] = self.jump
+            doc["checkpoints"] = [
+                {"name": c.name, "path": str(c.path), "step": c.step, "format": c.format,
+                 "modules": [m.to_json(self.hist) for m in c.modules]}
+                for c in self.checkpoints]
+            doc["skipped"] = [{"name": k, "reason": v} for k, v in self.skipped.items()]
+        else:
+            c = self.checkpoints[0]
+            doc["format"] = c.format
+            doc["step"] = c.step
+            doc["tensors"] = [t.to_json(self.hist) for t in c.tensors]
+            doc["modules"] = [m.to_json(self.hist) for m in c.modules]
+        doc["anomalies"] = [a.to_json() for a in self.anomalies]
+        return doc
