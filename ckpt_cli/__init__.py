@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         plan,
         prune,
         resume_path,
+        stats,
         validate,
         watch_once,
     )
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 
 #: The commands' functions (``ckpt_cli.api.commands``), loaded on first use.
 COMMANDS = ("consolidate", "convert", "diff", "inspect", "plan", "prune", "resume_path",
-            "validate", "watch_once")
+            "stats", "validate", "watch_once")
 
 
 def _version() -> str:
@@ -107,6 +108,7 @@ __all__ = [
     "prune",
     "read_index",
     "resume_path",
+    "stats",
     "validate",
     "watch_once",
 ]

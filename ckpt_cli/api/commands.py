@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ckpt_cli.ops.inspect import InspectResult
     from ckpt_cli.ops.plan.result import PlanResult
     from ckpt_cli.ops.prune.result import PruneResult
+    from ckpt_cli.ops.stats import StatsResult
     from ckpt_cli.ops.validate.result import ValidateResult
     from ckpt_cli.parts import Part
     from ckpt_cli.trust.watch import WatchEvent
@@ -34,7 +35,7 @@ PathLike = str | os.PathLike[str]
 """A local path (``str`` or :class:`os.PathLike`) or a URL (``s3://bucket/key``)."""
 
 __all__ = ["PathLike", "ProgressCallback", "consolidate", "convert", "diff", "inspect", "plan",
-           "prune", "resume_path", "validate", "watch_once"]
+           "prune", "resume_path", "stats", "validate", "watch_once"]
 
 
 def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
@@ -200,6 +201,66 @@ def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all: bool = 
         return run(_args.located(a), _args.located(b), options, fmt_a=input_format_a,
                    fmt_b=input_format_b, on_progress=_args.phased(on_progress, "comparing"),
                    max_memory=_args.size(max_memory, "max_memory"))
+
+
+def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
+          depth: int | None = None, hist: bool = False, every: int | None = None,
+          last: int | None = None, jump: float = 2.0, no_cache: bool = False,
+          cache_dir: PathLike | None = None, jobs: int | None = None,
+          part: Part | str | None = None, pattern: str | None = None,
+          input_format: str | None = None, max_memory: int | str | None = None,
+          storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
+          on_progress: ProgressCallback | None = None) -> StatsResult:
+    """Figures of the weights of a checkpoint, or of every checkpoint of a run (``ckpt stats``).
+
+    Args:
+        path: A checkpoint (file, directory) or a run directory, or a URL.
+        all: Every tensor (optimizer state...), not only model weights and buffers.
+        filter: Only tensors whose name matches this glob.
+        depth: Name components per module of the roll-up (default: the tensor's own module).
+        hist: Put the histogram of ``|x|`` by binade into ``to_dict()``.
+        every: Run directory: every Nth checkpoint, counted back from the newest.
+        last: Run directory: only the newest N checkpoints.
+        jump: Run directory: flag a module whose norm grows more than this factor from one
+            checkpoint to the next.
+        no_cache: Read every value again; keep nothing in the cache.
+        cache_dir: Where figures are kept (default ``$CKPT_CACHE_DIR``, else
+            ``~/.cache/ckpt``).
+        jobs: Tensors read at once (default: the usable CPUs).
+        part: Compute only part ``"K/N"`` (or ``"auto"``) of the figures into the cache.
+        pattern: Run directory: a regex choosing which entries are checkpoints.
+        input_format: Read the input as this format instead of detecting it.
+        max_memory: Budget for the values being read, in bytes or as text.
+        storage_options: fsspec options for URLs.
+        concurrency: URLs: ranged GETs in flight per object streamed.
+        on_progress: Called as ``("values", bytes_done, bytes_total)``.
+
+    Returns:
+        The :class:`~ckpt_cli.ops.stats.StatsResult`: ``checkpoints`` (each with ``tensors``
+        and ``modules``), ``anomalies``, ``exit_code``; ``to_dict()`` is ``ckpt stats
+        --json``'s document.
+
+    Raises:
+        CkptError: Unreadable input.
+        UsageError: Contradictory or bad options.
+
+    Example:
+        >>> r = ckpt_cli.stats("demo-run")
+        >>> [(a.step, a.module, a.kind) for a in r.anomalies]
+    """
+    from ckpt_cli.ops.stats import StatsOptions
+    from ckpt_cli.ops.stats import stats as run
+
+    with _args.api_names():
+        _args.use_storage(storage_options, concurrency)
+        where = _args.located(cache_dir) if cache_dir is not None else None
+        _args.local_only(where, "cache_dir", "cache_dir")
+        options = StatsOptions(everything=all, filter_glob=filter, depth=depth, hist=hist,
+                               every=every, last=last, jump=jump, cache=not no_cache,
+                               cache_dir=where, fmt=input_format, pattern=pattern, jobs=jobs,
+                               max_memory=_args.size(max_memory, "max_memory"),
+                               part=_args.part(part))
+        return run(_args.located(path), options, on_progress=on_progress)
 
 
 def convert(source: PathLike, output: PathLike, *, to: str = "keep",

@@ -53,8 +53,9 @@ def _check(opts: StatsOptions) -> None:
     if not (math.isfinite(opts.jump) and opts.jump > 1):
         raise UsageError(f"jump must be a number above 1, not {opts.jump}", param="jump")
     if opts.part is not None and not opts.cache:
-        raise UsageError("part needs the cache: the parts meet there (drop cache=False, and "
-                         "give every part the same cache_dir)", param="part")
+        raise UsageError("part cannot run without the cache: the parts meet in the cache "
+                         "directory (give them all the same cache_dir)",
+                         param=("part", "cache_dir"))
 
 
 class _Checkpoint:
@@ -129,6 +130,10 @@ def _open(path: Path, opts: StatsOptions, cache: FigureCache) -> tuple[Checkpoin
                                                                        Scope, Entry]:
     index = read_index(path, opts.fmt)
     scope = scope_of(index, everything=opts.everything, filter_glob=opts.filter_glob)
+    for name, same in index.aliases.items():  # tied copies found by value (DCP): read once
+        if name in scope.targets and same in scope.targets:
+            del scope.targets[name]
+            scope.aliases[name] = same
     entry = cache.load(key_of(identity(index))) if cache.enabled else Entry("")
     return index, scope, entry
 
@@ -254,6 +259,8 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
             ms = mods.setdefault(mod, ModuleStats(mod))
             ms.tensors += 1
             ms.moments.merge(m)
+            if t.group == "buffer":
+                ms.masks += m.neginf
             if prev_c is not None and name in updates:
                 sq = updates[name]
                 before = prev_c.entry.tensors.get(name)

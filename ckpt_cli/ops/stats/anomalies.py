@@ -2,7 +2,7 @@
 
 * ``nan`` / ``inf``: a module holds NaN or infinite values where the previous checkpoint
   listed held none (or in the first one listed): flagged where it appears, not again while
-  it stays.
+  it stays. -Inf in a buffer is an attention mask's, on purpose: never flagged.
 * ``norm-jump``: a module's L2 norm grew more than ``jump`` times since the previous checkpoint
   (its norm there not zero: a zero-initialized bias grows from nothing legitimately).
 * ``frozen``: a module's weights are bit for bit those of the previous checkpoint while they
@@ -51,8 +51,8 @@ def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
             mo = m.moments
             if mo.nan and (old is None or not old.moments.nan):
                 out.append(_nonfinite("nan", c, m.name, mo.nan, mo.numel))
-            if mo.inf and (old is None or not old.moments.inf):
-                out.append(_nonfinite("inf", c, m.name, mo.inf, mo.numel))
+            if m.suspect_inf and (old is None or not old.suspect_inf):
+                out.append(_nonfinite("inf", c, m.name, m.suspect_inf, mo.numel))
             if old is None:
                 continue
             was, now = old.moments.l2, mo.l2
@@ -88,6 +88,6 @@ def detect_one(c: CheckpointStats) -> list[Anomaly]:
     for m in c.modules:
         if m.moments.nan:
             out.append(_nonfinite("nan", c, m.name, m.moments.nan, m.moments.numel))
-        if m.moments.inf:
-            out.append(_nonfinite("inf", c, m.name, m.moments.inf, m.moments.numel))
+        if m.suspect_inf:
+            out.append(_nonfinite("inf", c, m.name, m.suspect_inf, m.moments.numel))
     return out

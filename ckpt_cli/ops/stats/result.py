@@ -85,6 +85,8 @@ class ModuleStats:
         update: ``||W_t - W_{t-1}||`` over its tensors, against the previous checkpoint of the
             run (None: first checkpoint, or not comparable).
         previous_l2: The previous checkpoint's L2 norm of the same tensors.
+        masks: -Inf values of its buffers (attention masks hold them on purpose: counted in
+            ``inf``, never flagged).
     """
 
     name: str
@@ -92,6 +94,12 @@ class ModuleStats:
     moments: Moments = field(default_factory=Moments)
     update: float | None = None
     previous_l2: float | None = None
+    masks: int = 0
+
+    @property
+    def suspect_inf(self) -> int:
+        """Infinite values other than buffers' -Inf."""
+        return self.moments.inf - self.masks
 
     @property
     def update_ratio(self) -> float | None:
