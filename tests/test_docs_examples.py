@@ -20,6 +20,11 @@ An HTML comment on the line before a block says how it runs instead:
 - ``<!-- docs-test: s3 -->``: against a real S3 endpoint (moto's server, started here) holding
   ``demo-run`` under ``s3://ml-ckpts/demo-run/``.
 - ``<!-- docs-test: skip REASON -->``: not run, for one of :data:`SKIP_REASONS` only.
+- ``<!-- docs-test: then -->``: after the block before it, in its directory (a ``bash`` block
+  using what a ``python`` block just wrote: that block then runs as ``python -`` first).
+
+``ckpt stats`` keeps its cache in a directory of the test's own (``CKPT_CACHE_DIR``), never in
+the user's.
 """
 
 from __future__ import annotations
@@ -104,7 +109,14 @@ def blocks() -> list[Block]:
                             ((textwrap.dedent("\n".join(body)), 0),))
                 # docs/python.md's examples build on each other (one namespace, in page
                 # order): tests/api/test_surface.py runs them so, and they are not run here.
-                if not (lang == "python" and page.name == "python.md"):
+                if how == "then":
+                    before = found.pop()
+                    assert before.page == page and before.how == "run", (page, start)
+                    first = tuple((f"python - <<'PYTHON_BLOCK'\n{src}\nPYTHON_BLOCK", want)
+                                  for src, want in before.commands) \
+                        if before.lang == "python" else before.commands
+                    found.append(Block(page, before.line, first + commands, "run", "", lang))
+                elif not (lang == "python" and page.name == "python.md"):
                     found.append(Block(page, start + 1, commands, how, reason, lang))
             elif lines[i].strip().startswith("```"):
                 i += 1  # another language's block: skip to its end
@@ -159,7 +171,8 @@ def _env(cwd: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
         shim.chmod(0o755)
     return {**os.environ, "PATH": f"{bindir}{os.pathsep}{Path(sys.executable).parent}"
             f"{os.pathsep}{os.environ.get('PATH', '')}", "NO_COLOR": "1", "COLUMNS": "100",
-            "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(extra or {})}
+            "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+            "CKPT_CACHE_DIR": str(cwd.parent / "ckpt-cache"), **(extra or {})}
 
 
 def _run(block: Block, cwd: Path, extra: dict[str, str] | None = None) -> None:

@@ -254,6 +254,15 @@ def render(r: StatsResult, *, top: int | None = 20, sort: str = "name", hist: bo
                  Text(a.kind, style="bold red"), a.message)
         out.print(Text(f"Anomalies ({len(r.anomalies):,})", style="bold red"))
         out.print(table)
+        if r.run:
+            good = r.last_good
+            first = r.anomalies[0]
+            at = f"step {first.step:,}" if first.step is not None else first.checkpoint
+            out.print()
+            out.print(Text(f"Last good: {good.path} (the newest checkpoint before {at})"
+                           if good is not None else
+                           f"Last good: none (the first checkpoint read, {at}, has an anomaly)",
+                           style="bold"))
     elif r.part is None or r.part["complete"]:
         out.print(Text("No anomaly found.", style="green"))
 

@@ -206,6 +206,20 @@ class StatsResult(Documented):
     part: dict[str, Any] | None = None
 
     @property
+    def last_good(self) -> CheckpointStats | None:
+        """Run directories: the newest checkpoint before the first one with an anomaly (the
+        one to roll back to); None without anomalies, or when the first one has one."""
+        if not self.run or not self.anomalies:
+            return None
+        bad = {a.checkpoint for a in self.anomalies}
+        good = None
+        for c in self.checkpoints:
+            if c.name in bad:
+                return good
+            good = c
+        return good
+
+    @property
     def exit_code(self) -> int:
         """1 when an anomaly was found, else 0."""
         return 1 if self.anomalies else 0
@@ -229,6 +243,9 @@ class StatsResult(Documented):
                  "modules": [m.to_json(self.hist) for m in c.modules]}
                 for c in self.checkpoints]
             doc["skipped"] = [{"name": k, "reason": v} for k, v in self.skipped.items()]
+            good = self.last_good
+            doc["last_good"] = None if good is None else {
+                "name": good.name, "path": str(good.path), "step": good.step}
         else:
             c = self.checkpoints[0]
             doc["format"] = c.format
