@@ -148,6 +148,15 @@ def golden(request: pytest.FixtureRequest) -> Golden:
     return check
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """``ckpt stats`` keeps figures in the user's cache directory: every test (and every
+    process a test starts) gets one of its own, never the user's ``~/.cache/ckpt``."""
+    import os
+    import tempfile
+
+    os.environ["CKPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="ckpt-test-cache-")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     """``--update-golden`` rewrites tests/golden/*.json from the current output."""
     parser.addoption("--update-golden", action="store_true", default=False,

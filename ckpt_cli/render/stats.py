@@ -11,8 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckpt_cli.ops.stats import StatsResult
-from ckpt_cli.ops.stats.result import CheckpointStats, ModuleStats, TensorStats
+from ckpt_cli.ops.stats.result import CheckpointStats, ModuleStats, StatsResult, TensorStats
 from ckpt_cli.render import human
 
 _Col = human.Col

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ckpt_cli.errors import UsageError
-from ckpt_cli.ops.stats import StatsResult
+from ckpt_cli.ops.stats.result import StatsResult
 
 FORMATS = (".png", ".svg", ".pdf")
 _LEGEND_MAX = 12  # more modules than this: a legend would hide the curves

@@ -10,7 +10,7 @@ import re
 import ckpt_cli
 
 # The order of the page: as a user meets the commands.
-ORDER = ("inspect", "validate", "diff", "convert", "consolidate", "prune", "plan",
+ORDER = ("inspect", "validate", "diff", "stats", "convert", "consolidate", "prune", "plan",
          "resume_path", "watch_once")
 # Keywords whose option is not ``--`` and the keyword with dashes.
 FLAGS = {"from_path": "--from", "async_save": "--async",

@@ -91,6 +91,27 @@ def test_diff_is_the_cli_document(sample_run: Path, cli: Callable[..., Result]) 
     assert same.to_dict() == _json(cli("diff", a, a, "--structure-only", "--all", "--json"))
 
 
+def test_stats_is_the_cli_document(sample_run: Path, cli: Callable[..., Result],
+                                   tmp_path: Path) -> None:
+    def same(doc: dict[str, Any]) -> dict[str, Any]:
+        return {**doc, "read": {k: v for k, v in doc["read"].items() if k != "seconds"}}
+
+    r = ckpt_cli.stats(sample_run, depth=2, cache_dir=tmp_path)
+    assert r.run and r.exit_code == 0 and r.last_good is None
+    doc = r.to_dict()
+    again = _json(cli("stats", sample_run, "--depth", "2", "--cache-dir", tmp_path, "--json"))
+    assert same(doc) == same({**again, "read": {**again["read"], "bytes": doc["read"]["bytes"],
+                                                "cached_tensors": 0, "computed_tensors":
+                                                doc["read"]["computed_tensors"]}})
+    assert again["read"]["bytes"] == 0  # the API's call filled the cache
+    one = ckpt_cli.stats(sample_run / "step_000300", all=True, filter="*exp_avg_sq",
+                         no_cache=True)
+    assert one.to_dict() | {"read": None} == _json(cli(
+        "stats", sample_run / "step_000300", "--all", "--filter", "*exp_avg_sq", "--no-cache",
+        "--json")) | {"read": None}
+    assert all(t.name.endswith("exp_avg_sq") for t in one.checkpoints[0].tensors)
+
+
 def test_convert_is_the_cli_document(sample_run: Path, tmp_path: Path,
                                      cli: Callable[..., Result]) -> None:
     src, out = sample_run / "step_000300", tmp_path / "model"

@@ -30,6 +30,7 @@ RESULTS = {"inspect": "ckpt_cli.ops.inspect:InspectResult",
            "consolidate": "ckpt_cli.ops.consolidate:ConsolidateResult",
            "prune": "ckpt_cli.ops.prune.result:PruneResult",
            "plan": "ckpt_cli.ops.plan.result:PlanResult",
+           "stats": "ckpt_cli.ops.stats.result:StatsResult",
            "resume_path": "ckpt_cli.api.results:ResumePathResult",
            "watch_once": "ckpt_cli.api.results:WatchResult"}
 
