@@ -38,7 +38,7 @@ from ckpt_cli.ops.stats.result import (
 )
 from ckpt_cli.ops.stats.scope import Scope, scope_of
 from ckpt_cli.runs import follow_pointer, is_run_dir, list_run
-from ckpt_cli.storage.reads import ProgressFn, default_jobs, memory_budget
+from ckpt_cli.storage.reads import ProgressFn, memory_budget, worker_threads
 from ckpt_cli.tensors.moments import moments_kernel
 
 __all__ = ["Anomaly", "CheckpointStats", "ModuleStats", "StatsOptions", "StatsResult",
@@ -95,14 +95,16 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
     works = _plan(ckpts, run)
     select = _part_select(ckpts, works, opts)
     budget = memory_budget(opts.max_memory)
-    read = compute(works, budget=budget, threads=opts.jobs or default_jobs(),
+    read = compute(works, budget=budget, threads=opts.jobs or worker_threads(),
                    on_progress=on_progress, select=select)
     for c, w in zip(ckpts, works, strict=True):
         _remember(c, w, cache, ckpts)
     part = None
     if opts.part is not None:
-        complete = all(not w.stats and not w.updates for w in _plan(
-            [_reloaded(c, cache) for c in ckpts], run))
+        # Tensors that could not be read here are not waited for: no part will cache them.
+        complete = all(not (w.stats | w.updates) - c.entry.errors.keys()
+                       for c, w in zip(ckpts, _plan([_reloaded(c, cache) for c in ckpts], run),
+                                       strict=True))
         part = {"part": opts.part.index, "parts": opts.part.count, "complete": complete,
                 "tensors": sum(len(w.got) for w in works)}
         if complete:

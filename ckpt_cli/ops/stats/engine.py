@@ -198,6 +198,7 @@ def compute(works: list[Work], *, budget: int, threads: int,
             t = works[i].targets[n]
             cost += t.nbytes * 2 if t.read_whole else min(t.nbytes, per) * 3
         costs.append(cost)
+    _enough_files(threads * sum(min(64, len(w.index.files) or 1) for w in works))
     sources = _Sources(works)
 
     def job(k: int) -> Callable[[Meter], None]:
@@ -270,3 +271,18 @@ def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sour
         close = getattr(s.pieces, "close", None)
         if close is not None:
             close()  # a generator stopped early releases its file mapping now
+
+
+def _enough_files(needed: int) -> None:
+    """Raise the soft limit on open files to what the jobs may hold (each thread keeps each
+    checkpoint's files open while it reads them in lockstep), as far as the hard limit allows."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = needed + 256
+        if soft != resource.RLIM_INFINITY and soft < want:
+            top = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+    except (ImportError, ValueError, OSError):
+        return  # the open files of the jobs then fail one by one, each a named error
