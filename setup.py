@@ -6,7 +6,8 @@ architecture) the install goes on and casts use the pure-numpy kernel, bit for b
 
 ``ckpt_cli.tensors._moments`` computes ``ckpt stats``' figures of a piece of values in one
 pass (plain C99, built wherever a C compiler is found; no -ffast-math, which would break its
-NaN checks and the order of its sums). Also optional: without it the numpy kernel in
+NaN checks and the order of its sums, and no fused multiply-adds, so that every CPU gives
+the same bits). Also optional: without it the numpy kernel in
 ``ckpt_cli/tensors/moments.py`` gives the same figures, several times slower.
 """
 
@@ -21,7 +22,8 @@ if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") and sys.pla
                                 extra_compile_args=["-O2"], optional=True))
 
 extensions.append(Extension("ckpt_cli.tensors._moments", ["ckpt_cli/tensors/_moments.c"],
-                            extra_compile_args=[] if sys.platform == "win32" else ["-O3"],
+                            extra_compile_args=[] if sys.platform == "win32"
+                            else ["-O3", "-ffp-contract=off"],
                             optional=True))
 
 setup(ext_modules=extensions)

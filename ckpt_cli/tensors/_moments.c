@@ -7,18 +7,25 @@
  * as moments.numpy_piece_moments, within rounding; plain C99, no intrinsics, no fast-math
  * (NaN checks and the order of the sums must stay as written).
  *
- * Accuracy: the values are taken in blocks of BLOCK elements (they stay in the L1/L2 cache).
- * A first pass over a block gives its float64 sum (LANES partial sums, which the compiler
- * can vectorise without reordering anything), count, extremes, zeros; the block's mean is
- * sum / count, and a second pass over the cached block gives M2 about that mean and the sum
- * of squares. Blocks are merged with Chan et al.'s pairwise update through a binary counter
- * (a partial is merged with one of the same size, as in pairwise summation), so rounding
- * grows with log2(blocks), not with the number of values. The histogram counts the raw
- * exponent fields in four interleaved copies (no store-to-load stall when neighbours share
- * a binade), folded into binades at the end; subnormals get their true binade from the
- * leading zeros of the mantissa. A block holding a NaN or Inf (seen in its exponent counts
- * before the first pass) takes a slower path that skips them. FP16 and BF16 blocks are
- * widened exactly to FP32 first. The GIL is released while computing.
+ * Accuracy: the values are taken in blocks of BLOCK elements (they stay in the L1 cache). A
+ * first pass over a block gives its float64 sum (LANES partial sums, written as loops over
+ * the lanes so the compiler vectorises them without reordering a sum) and extremes; the
+ * block's provisional mean c is sum / count, and a second pass over the cached block gives
+ * the sums of (x - c) and (x - c)**2: the block's mean is c + sum(x - c) / count, kept as two
+ * doubles, its M2 sum((x - c)**2) - sum(x - c)**2 / count, and its sum of squares
+ * sum((x - c)**2) + 2c sum(x - c) + count c**2 (non-negative terms but a tiny one: no
+ * cancellation). Blocks are merged with Chan et al.'s update through a binary counter (a
+ * partial is merged with one of the same size, as in pairwise summation), so rounding grows
+ * with log2(blocks), not with the number of values; the two-double means keep the update
+ * exact for values close together (a LayerNorm weight, 1 +- 1e-7 in FP64).
+ *
+ * The histogram counts the raw exponent fields in four interleaved copies (no store-to-load
+ * stall when neighbours share a binade), folded into binades at the end; zeros and
+ * subnormals share the field 0, and a block that has any is scanned for them (subnormals get
+ * their true binade from the leading zeros of the mantissa). A block holding a NaN or Inf
+ * (seen in its exponent counts before the first pass) takes a slower path that skips them.
+ * FP16 and BF16 blocks are widened exactly to FP32 first. The loop counting exponents also
+ * prefetches the next block. The GIL is released while computing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,7 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BLOCK 4096
+#define BLOCK 2048
 #define LANES 32
 #define HIST_LO (-150)
 #define HIST_HI 128
@@ -38,8 +45,22 @@
 #define STACK 64
 
 enum kind { K_F32, K_F64, K_F16, K_BF16 };
+static const char *const KIND_NAMES[] = {"float32", "float64", "float16", "bfloat16"};
+static const Py_ssize_t KIND_SIZES[] = {4, 8, 2, 2};
 
-#if defined(__GNUC__) || defined(__clang__)
+/* The vector loops are compiled twice on x86-64 Linux with GCC, for AVX2 and the baseline
+ * (SSE2), and picked when the module loads. Each lane adds the same values in the same order
+ * in both (no FMA: setup.py turns contraction off), so the figures are the same bits on every CPU. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    !defined(CKPT_NO_CLONES)
+#define VECTOR __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR
+#endif
+
+#ifdef PREFETCH
+/* given by the build */
+#elif defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch(p)
 #else
 #define PREFETCH(p) ((void)(p))
@@ -107,16 +128,20 @@ static void two_sum(double a, double b, double *s, double *e) {
 static part block_part(int64_t n, double c, double dev, double dev2) {
     part p = empty_part();
     p.n = n;
-    if (!isfinite(dev)) {
-        dev = 0.0; /* deviations beyond DBL_MAX: M2 is infinite, the correction moot */
+    if (!isfinite(dev2)) {
+        /* Squared deviations past DBL_MAX: M2 and the sum of squares are too (the values
+         * reach 1e154; only FP64 ones can). */
+        p.mean = c;
+        p.m2 = p.sumsq = INFINITY;
+        return p;
     }
-    p.lo = dev / (double)n;
-    two_sum(c, p.lo, &p.mean, &p.lo);
-    p.m2 = dev2 - dev * p.lo;  /* about the true mean: dev2 - dev**2 / n */
+    double q = dev / (double)n; /* the true mean is c + q */
+    two_sum(c, q, &p.mean, &p.lo);
+    p.m2 = dev2 - dev * q; /* about the true mean */
     p.m2 = p.m2 < 0.0 ? 0.0 : p.m2;
     p.sumsq = dev2 + 2.0 * c * dev + (double)n * c * c;
     if (isnan(p.sumsq)) {
-        p.sumsq = INFINITY; /* inf - inf: a term passed DBL_MAX, and so does the sum */
+        p.sumsq = INFINITY; /* inf - inf: n * c * c passed DBL_MAX, and so does the sum */
     }
     return p;
 }
@@ -210,7 +235,7 @@ SCALED_MEAN(double)
  * the compiler turns each into vector instructions without reordering a sum: the figures do
  * not depend on the vector width. */
 #define FAST_PASS1(T)                                                                       \
-    static double fast_pass1_##T(const T *x, Py_ssize_t n, double *mn, double *mx) {       \
+    VECTOR static double fast_pass1_##T(const T *x, Py_ssize_t n, double *mn, double *mx) {       \
         double s[LANES];                                                                    \
         T lo[LANES], hi[LANES];                                                             \
         for (int j = 0; j < LANES; j++) {                                                   \
@@ -247,7 +272,7 @@ SCALED_MEAN(double)
 
 /* Pass 2 over a block of finite values: the sums of (x - c) and (x - c)**2. */
 #define FAST_PASS2(T)                                                                       \
-    static double fast_pass2_##T(const T *x, Py_ssize_t n, double c, double *dev) {        \
+    VECTOR static double fast_pass2_##T(const T *x, Py_ssize_t n, double c, double *dev) {        \
         double s[LANES], s2[LANES];                                                         \
         for (int j = 0; j < LANES; j++) {                                                   \
             s[j] = 0.0;                                                                     \
@@ -328,7 +353,8 @@ static void slots_f32(const float *x, Py_ssize_t n, uint64_t (*slots)[SLOTS], Py
     Py_ssize_t i = 0;
     for (; i + COPIES <= n; i += COPIES) {
         if ((i & 15) == 0 && i < ahead) {
-            PREFETCH(x + n + i); /* the next block, a cache line per 16 values */
+            PREFETCH(x + n + i); /* the next block, a cache line per 16 values (the hardware's
+                                  * stream prefetcher alone leaves this loop waiting) */
         }
         for (int j = 0; j < COPIES; j++) {
             slots[j][(f32_bits(x[i + j]) >> 23) & 0xFFu]++;
@@ -349,9 +375,12 @@ static size_t slot_f64(double v) {
 
 /* The slots of FP64 values: the bin (0 also for zeros; subnormals are below HIST_LO), 279
  * for NaN/Inf. */
-static void slots_f64(const double *x, Py_ssize_t n, uint64_t (*slots)[SLOTS]) {
+static void slots_f64(const double *x, Py_ssize_t n, uint64_t (*slots)[SLOTS], Py_ssize_t ahead) {
     Py_ssize_t i = 0;
     for (; i + COPIES <= n; i += COPIES) {
+        if ((i & 7) == 0 && i < ahead) {
+            PREFETCH(x + n + i); /* the next block, a cache line per 8 values */
+        }
         for (int j = 0; j < COPIES; j++) {
             slots[j][slot_f64(x[i + j])]++;
         }
@@ -399,9 +428,9 @@ static void block_f32(const float *x, Py_ssize_t n, figures *f, Py_ssize_t ahead
     }
 }
 
-static void block_f64(const double *x, Py_ssize_t n, figures *f) {
+static void block_f64(const double *x, Py_ssize_t n, figures *f, Py_ssize_t ahead) {
     uint64_t low0 = slot_total(f->slots, 0), bad0 = slot_total(f->slots, HIST_BINS);
-    slots_f64(x, n, f->slots);
+    slots_f64(x, n, f->slots, ahead);
     part p = empty_part();
     if (slot_total(f->slots, HIST_BINS) != bad0) {
         p = slow_block_double(x, n, f);
@@ -427,7 +456,7 @@ static void block_f64(const double *x, Py_ssize_t n, figures *f) {
 }
 
 /* FP16 bits to FP32, exactly (subnormals become normal FP32 values; NaN keeps its payload). */
-static void widen_f16(const uint16_t *h, Py_ssize_t n, float *out) {
+VECTOR static void widen_f16(const uint16_t *h, Py_ssize_t n, float *out) {
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t em = (uint32_t)(h[i] & 0x7FFFu) << 13;
         uint32_t sign = (uint32_t)(h[i] & 0x8000u) << 16;
@@ -439,9 +468,19 @@ static void widen_f16(const uint16_t *h, Py_ssize_t n, float *out) {
     }
 }
 
-static void widen_bf16(const uint16_t *h, Py_ssize_t n, float *out) {
+VECTOR static void widen_bf16(const uint16_t *h, Py_ssize_t n, float *out) {
     for (Py_ssize_t i = 0; i < n; i++) {
         out[i] = bits_f32((uint32_t)h[i] << 16);
+    }
+}
+
+/* Ask for the cache lines of the next block of 16-bit values (or of diff's two arrays) while
+ * this one is worked on; the FP32/FP64 paths do it within their first loop. */
+static void prefetch_next(const char *p, Py_ssize_t i, Py_ssize_t m, Py_ssize_t n,
+                          Py_ssize_t size) {
+    Py_ssize_t end = i + m + BLOCK < n ? i + m + BLOCK : n;
+    for (Py_ssize_t k = (i + m) * size; k < end * size; k += 64) {
+        PREFETCH(p + k);
     }
 }
 
@@ -449,12 +488,15 @@ static void compute(const char *buf, Py_ssize_t n, int kind, figures *f) {
     float wide[BLOCK];
     for (Py_ssize_t i = 0; i < n; i += BLOCK) {
         Py_ssize_t m = n - i < BLOCK ? n - i : BLOCK;
+        if (kind == K_F16 || kind == K_BF16) {
+            prefetch_next(buf, i, m, n, 2);
+        }
         switch (kind) {
         case K_F32:
             block_f32((const float *)buf + i, m, f, n - i - m);
             break;
         case K_F64:
-            block_f64((const double *)buf + i, m, f);
+            block_f64((const double *)buf + i, m, f, n - i - m);
             break;
         case K_F16:
             widen_f16((const uint16_t *)buf + i, m, wide);
@@ -482,7 +524,7 @@ static void compute(const char *buf, Py_ssize_t n, int kind, figures *f) {
 /* ---- diff_sumsq ------------------------------------------------------------------------- */
 
 #define DIFF_BLOCK(T)                                                                       \
-    static double diff_block_##T(const T *a, const T *b, Py_ssize_t n) {                   \
+    VECTOR static double diff_block_##T(const T *a, const T *b, Py_ssize_t n) {                   \
         double s[LANES];                                                                    \
         for (int j = 0; j < LANES; j++) {                                                   \
             s[j] = 0.0;                                                                     \
@@ -516,6 +558,8 @@ static double diff(const char *a, const char *b, Py_ssize_t n, int kind) {
         Py_ssize_t m = n - i < BLOCK ? n - i : BLOCK;
         part p = empty_part();
         p.n = m;
+        prefetch_next(a, i, m, n, KIND_SIZES[kind]);
+        prefetch_next(b, i, m, n, KIND_SIZES[kind]);
         switch (kind) {
         case K_F32:
             p.sumsq = diff_block_float((const float *)a + i, (const float *)b + i, m);
@@ -542,8 +586,6 @@ static double diff(const char *a, const char *b, Py_ssize_t n, int kind) {
 
 /* ---- Python ----------------------------------------------------------------------------- */
 
-static const char *const KIND_NAMES[] = {"float32", "float64", "float16", "bfloat16"};
-static const Py_ssize_t KIND_SIZES[] = {4, 8, 2, 2};
 
 static int parse_kind(const char *name) {
     for (int k = 0; k < 4; k++) {

@@ -26,7 +26,7 @@ values below ``2**HIST_LO`` in bin 0 and at or above ``2**HIST_HI`` in the last.
 
 A compiled kernel (``ckpt_cli/tensors/_moments.c``, ``setup.py``'s optional extension) does a
 piece the same way, in one read of the values and several times faster, with the GIL released;
-its blocks (4096 values) are merged through a binary counter, pairwise, so its rounding grows
+its blocks (2048 values) are merged through a binary counter, pairwise, so its rounding grows
 with ``log2`` of their number. The numpy kernel here gives the same figures (within rounding)
 where it was not built or ``CKPT_NO_COMPILED_MOMENTS`` is set.
 """
