@@ -306,42 +306,99 @@ FAST_PASS1(double)
 FAST_PASS2(float)
 FAST_PASS2(double)
 
-/* A block holding NaN or Inf: the same two passes over its finite values, one at a time. */
+/* A block holding NaN or Inf: the same two passes over its finite values (the others masked
+ * out: x - x is 0 only for a finite x), and the non-finite ones counted. */
 #define SLOW_BLOCK(T)                                                                       \
-    static part slow_block_##T(const T *x, Py_ssize_t n, figures *f) {                     \
-        int64_t count = 0;                                                                  \
-        double s = 0.0;                                                                     \
-        for (Py_ssize_t i = 0; i < n; i++) {                                                \
-            double v = (double)x[i];                                                        \
-            if (isnan(v)) {                                                                 \
-                f->nan++;                                                                   \
-            } else if (isinf(v)) {                                                          \
-                if (v > 0) {                                                                \
-                    f->posinf++;                                                            \
-                } else {                                                                    \
-                    f->neginf++;                                                            \
-                }                                                                           \
-            } else {                                                                        \
-                count++;                                                                    \
-                s += v;                                                                     \
-                f->min = v < f->min ? v : f->min;                                           \
-                f->max = v > f->max ? v : f->max;                                           \
+    VECTOR static double slow_pass1_##T(const T *x, Py_ssize_t n, double *mn, double *mx) { \
+        double s[LANES];                                                                    \
+        T lo[LANES], hi[LANES];                                                             \
+        for (int j = 0; j < LANES; j++) {                                                   \
+            s[j] = 0.0;                                                                     \
+            lo[j] = (T)INFINITY;                                                            \
+            hi[j] = (T)-INFINITY;                                                           \
+        }                                                                                   \
+        Py_ssize_t i = 0;                                                                   \
+        for (; i + LANES <= n; i += LANES) {                                                \
+            const T *y = x + i;                                                             \
+            for (int j = 0; j < LANES; j++) {                                               \
+                double v = (double)y[j];                                                    \
+                s[j] += v - v == 0.0 ? v : 0.0;                                             \
+            }                                                                               \
+            for (int j = 0; j < LANES; j++) {                                               \
+                T v = y[j];                                                                 \
+                lo[j] = (v - v == 0) & (v < lo[j]) ? v : lo[j];                             \
+            }                                                                               \
+            for (int j = 0; j < LANES; j++) {                                               \
+                T v = y[j];                                                                 \
+                hi[j] = (v - v == 0) & (v > hi[j]) ? v : hi[j];                             \
             }                                                                               \
         }                                                                                   \
+        double sum = 0.0;                                                                   \
+        for (; i < n; i++) {                                                                \
+            if (x[i] - x[i] == 0) {                                                         \
+                sum += (double)x[i];                                                        \
+                lo[0] = x[i] < lo[0] ? x[i] : lo[0];                                        \
+                hi[0] = x[i] > hi[0] ? x[i] : hi[0];                                        \
+            }                                                                               \
+        }                                                                                   \
+        for (int j = 0; j < LANES; j++) {                                                   \
+            sum += s[j];                                                                    \
+            *mn = (double)lo[j] < *mn ? (double)lo[j] : *mn;                                \
+            *mx = (double)hi[j] > *mx ? (double)hi[j] : *mx;                                \
+        }                                                                                   \
+        return sum;                                                                         \
+    }                                                                                       \
+                                                                                            \
+    VECTOR static double slow_pass2_##T(const T *x, Py_ssize_t n, double c, double *dev) { \
+        double s[LANES], s2[LANES];                                                         \
+        for (int j = 0; j < LANES; j++) {                                                   \
+            s[j] = 0.0;                                                                     \
+            s2[j] = 0.0;                                                                    \
+        }                                                                                   \
+        Py_ssize_t i = 0;                                                                   \
+        for (; i + LANES <= n; i += LANES) {                                                \
+            const T *y = x + i;                                                             \
+            for (int j = 0; j < LANES; j++) {                                               \
+                double v = (double)y[j];                                                    \
+                double d = v - c;                                                           \
+                d = v - v == 0.0 ? d : 0.0;                                                 \
+                s[j] += d;                                                                  \
+                s2[j] += d * d;                                                             \
+            }                                                                               \
+        }                                                                                   \
+        double d1 = 0.0, d2 = 0.0;                                                          \
+        for (; i < n; i++) {                                                                \
+            double d = x[i] - x[i] == 0 ? (double)x[i] - c : 0.0;                           \
+            d1 += d;                                                                        \
+            d2 += d * d;                                                                    \
+        }                                                                                   \
+        for (int j = 0; j < LANES; j++) {                                                   \
+            d1 += s[j];                                                                     \
+            d2 += s2[j];                                                                    \
+        }                                                                                   \
+        *dev = d1;                                                                          \
+        return d2;                                                                          \
+    }                                                                                       \
+                                                                                            \
+    static part slow_block_##T(const T *x, Py_ssize_t n, figures *f) {                     \
+        int64_t nan = 0, posinf = 0, neginf = 0;                                            \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                \
+            nan += x[i] != x[i];                                                            \
+            posinf += x[i] == (T)INFINITY;                                                  \
+            neginf += x[i] == (T)-INFINITY;                                                 \
+        }                                                                                   \
+        f->nan += nan;                                                                      \
+        f->posinf += posinf;                                                                \
+        f->neginf += neginf;                                                                \
+        int64_t count = n - nan - posinf - neginf;                                          \
         if (count == 0) {                                                                   \
             return empty_part();                                                            \
         }                                                                                   \
-        double c = s / (double)count, dev = 0.0, dev2 = 0.0;                                \
+        double c = slow_pass1_##T(x, n, &f->min, &f->max) / (double)count, dev;             \
         if (!isfinite(c)) {                                                                 \
             c = scaled_mean_##T(x, n, count);                                               \
         }                                                                                   \
-        for (Py_ssize_t i = 0; i < n; i++) {                                                \
-            double v = (double)x[i];                                                        \
-            if (isfinite(v)) {                                                              \
-                dev += v - c;                                                               \
-                dev2 += (v - c) * (v - c);                                                  \
-            }                                                                               \
-        }                                                                                   \
+        double dev2 = slow_pass2_##T(x, n, c, &dev);                                        \
         return block_part(count, c, dev, dev2);                                             \
     }
 
@@ -409,19 +466,23 @@ static void block_f32(const float *x, Py_ssize_t n, figures *f, Py_ssize_t ahead
         double dev2 = fast_pass2_float(x, n, c, &dev);
         p = block_part(n, c, dev, dev2);
     }
-    if (slot_total(f->slots, 0) != low0) {
+    uint64_t low = slot_total(f->slots, 0) - low0;
+    if (low) {
         /* Zeros, and subnormals: value m * 2**-149, binade top_bit(m) - 149. */
         int64_t zeros = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
-            uint32_t u = f32_bits(x[i]);
-            uint32_t m = u & 0x7FFFFFu;
-            int low = (u & 0x7F800000u) == 0;
-            zeros += low & (m == 0);
-            if (low && m != 0) {
-                f->hist[top_bit(m) - 149 - HIST_LO]++;
-            }
+            zeros += (f32_bits(x[i]) << 1) == 0;
         }
         f->zeros += zeros;
+        if ((uint64_t)zeros != low) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint32_t u = f32_bits(x[i]);
+                uint32_t m = u & 0x7FFFFFu;
+                if ((u & 0x7F800000u) == 0 && m != 0) {
+                    f->hist[top_bit(m) - 149 - HIST_LO]++;
+                }
+            }
+        }
     }
     if (p.n) {
         push(&f->parts, p);
@@ -446,7 +507,7 @@ static void block_f64(const double *x, Py_ssize_t n, figures *f, Py_ssize_t ahea
         /* Zeros (slot 0's other values, below 2**HIST_LO, are in bin 0 already). */
         int64_t zeros = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
-            zeros += (f64_bits(x[i]) << 1) == 0;
+            zeros += x[i] == 0.0;
         }
         f->zeros += zeros;
     }
