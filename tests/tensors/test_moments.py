@@ -214,6 +214,8 @@ def test_diff_sumsq_equals_torch(kernel: str, dt: torch.dtype) -> None:
         assert math.isnan(moments.diff_sumsq(_numpy(c), _numpy(a)))
     with pytest.raises(ValueError, match="values against"):
         moments.diff_sumsq(_numpy(a), _numpy(b[:-1]))
+    wide = b.double()  # another dtype on one side: numpy's path, the same sum
+    assert _close(moments.diff_sumsq(_numpy(a), wide.numpy()), want)
 
 
 _F32 = hnp.arrays(np.float32, st.integers(0, 5000),
