@@ -689,11 +689,14 @@ static PyObject *piece(PyObject *self, PyObject *args) {
     if (get_values(values_obj, kind, &values, &n) < 0) {
         return NULL;
     }
-    if (PyObject_GetBuffer(hist_obj, &hist, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+    if (PyObject_GetBuffer(hist_obj, &hist, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) <
+        0) {
         PyBuffer_Release(&values);
         return NULL;
     }
-    if (hist.len != (Py_ssize_t)(HIST_BINS * sizeof(int64_t))) {
+    size_t flen = hist.format == NULL ? 0 : strlen(hist.format);
+    if (hist.len != (Py_ssize_t)(HIST_BINS * sizeof(int64_t)) || hist.itemsize != 8 ||
+        flen == 0 || (hist.format[flen - 1] != 'l' && hist.format[flen - 1] != 'q')) {
         PyBuffer_Release(&values);
         PyBuffer_Release(&hist);
         PyErr_Format(PyExc_ValueError, "hist must hold %d int64 counts", HIST_BINS);

@@ -261,6 +261,8 @@ def test_compiled_rejects_bad_arguments() -> None:
         compiled.piece(x[:3], "float64", hist)
     with pytest.raises(ValueError, match="hist must hold"):
         compiled.piece(x, "float32", hist[:-1])
+    with pytest.raises(ValueError, match="hist must hold"):
+        compiled.piece(x, "float32", np.zeros(HIST_BINS, np.float64))
     with pytest.raises(ValueError, match="values against"):
         compiled.diff_sumsq(x, x[:9], "float32")
     with pytest.raises(BufferError):
