@@ -7,6 +7,11 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -271,6 +276,41 @@ def test_compiled_rejects_bad_arguments() -> None:
     compiled.piece(x, "float32", hist)
     compiled.piece(x, "float32", hist)
     assert hist[-HIST_LO] == 20  # the histogram is added to, not overwritten
+
+
+def test_compiled_releases_the_gil() -> None:
+    """Another thread runs Python while piece() and diff_sumsq() compute (so ckpt stats' threads
+    summarise pieces in parallel). With a long switch interval a kernel that held the GIL would
+    let the main thread in only after it returned: no iteration would be counted."""
+    compiled = moments._compiled()
+    if compiled is None:
+        pytest.skip("the compiled moments kernel is not built")
+    values = np.random.default_rng(1).standard_normal(1 << 23).astype(np.float32)
+    calls = [lambda: compiled.piece(values, "float32", np.zeros(HIST_BINS, np.int64)),
+             lambda: compiled.diff_sumsq(values, values, "float32")]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        for call in calls:
+            started, finished = threading.Event(), threading.Event()
+
+            def work(call: Callable[[], Any], started: threading.Event,
+                     finished: threading.Event) -> None:
+                started.set()
+                call()
+                finished.set()
+
+            worker = threading.Thread(target=work, args=(call, started, finished))
+            worker.start()
+            started.wait()
+            count = 0
+            while not finished.is_set():
+                count += 1
+                time.sleep(0)
+            worker.join()
+            assert count > 0
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_moments_list_round_trip() -> None:
