@@ -138,7 +138,6 @@ def test_piece_equals_torch_float64(kernel: str, name: str) -> None:
     """One piece's figures equal torch's float64 figures of the tensor: counts exact, the
     moments within 1e-12 relative, the binade histogram exact."""
     t = TENSORS[name]
-    assert t.dtype != torch.float16 or name != "special_f16" or bool(torch.isnan(t).any())
     _check(moments.piece_moments(_numpy(t)), t)
 
 
