@@ -24,8 +24,11 @@ apart. ``std`` is torch's default (Bessel-corrected, ``correction=1``). The hist
 the non-zero finite values per binade: bin ``i`` holds ``2**(HIST_LO+i) <= |x| < 2**(HIST_LO+i+1)``,
 values below ``2**HIST_LO`` in bin 0 and at or above ``2**HIST_HI`` in the last.
 
-A compiled kernel (``ckpt_cli/tensors/_moments.c``) does a piece in one pass when it was built;
-the numpy kernel here gives the same figures (within rounding) everywhere else.
+A compiled kernel (``ckpt_cli/tensors/_moments.c``, ``setup.py``'s optional extension) does a
+piece the same way, in one read of the values and several times faster, with the GIL released;
+its blocks (2048 values) are merged through a binary counter, pairwise, so its rounding grows
+with ``log2`` of their number. The numpy kernel here gives the same figures (within rounding)
+where it was not built or ``CKPT_NO_COMPILED_MOMENTS`` is set.
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ class Moments:
         """A compact JSON-able form (the cache's), read back by :meth:`from_list`."""
         lo = next((i for i, c in enumerate(self.hist) if c), 0)
         hi = max((i for i, c in enumerate(self.hist) if c), default=-1) + 1
-        return [self.numel, self.count, self.mean, self.m2, self.sumsq,
+        return [self.numel, self.count, _num(self.mean), _num(self.m2), _num(self.sumsq),
                 _num(self.min), _num(self.max), self.zeros, self.nan, self.posinf,
                 self.neginf, lo, self.hist[lo:hi]]
 
@@ -159,20 +162,23 @@ class Moments:
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
             raise ValueError("counts must be whole numbers")
         if not isinstance(hist, list) or lo + len(hist) > HIST_BINS or not all(
-                isinstance(c, int) and c >= 0 for c in hist):
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in hist):
             raise ValueError("bad histogram")
         full = _empty_hist()
         full[lo:lo + len(hist)] = hist
-        return cls(numel, count, float(mean), float(m2), float(sumsq), _float(mn), _float(mx),
+        return cls(numel, count, _float(mean), _float(m2), _float(sumsq), _float(mn), _float(mx),
                    zeros, nan, posinf, neginf, full)
 
 
 def _num(v: float) -> float | str:
-    return v if math.isfinite(v) else ("inf" if v > 0 else "-inf")
+    """``v`` for JSON: infinities and NaN (a float64 overflow) as strings, not JSON's extension."""
+    if math.isfinite(v):
+        return v
+    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
 
 
 def _float(v: Any) -> float:
-    if isinstance(v, str) and v in ("inf", "-inf"):
+    if isinstance(v, str) and v in ("inf", "-inf", "nan"):
         return float(v)
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return float(v)
@@ -193,9 +199,10 @@ def _compiled() -> Any:
     import importlib
 
     try:
-        return importlib.import_module("ckpt_cli.tensors._moments")
+        module = importlib.import_module("ckpt_cli.tensors._moments")
     except ImportError:
         return None
+    return module if module.available else None
 
 
 def moments_kernel() -> str:
@@ -229,10 +236,19 @@ def piece_moments(arr: np.ndarray) -> Moments:
     compiled = _compiled()
     if compiled is not None:
         hist = _hist_array()
-        count, mean, m2, sumsq, lo, hi, zeros, nan, posinf, neginf = compiled.piece(flat, hist)
+        count, mean, m2, sumsq, lo, hi, zeros, nan, posinf, neginf = compiled.piece(
+            _buffer(flat), flat.dtype.name, hist)
         return Moments(flat.size, count, mean, m2, sumsq, lo, hi, zeros, nan, posinf, neginf,
                        hist.tolist())
     return numpy_piece_moments(flat)
+
+
+def _buffer(flat: np.ndarray) -> np.ndarray:
+    """``flat`` as the compiled kernel reads it: 16-bit floats as their bits (numpy exports no
+    buffer of an ml_dtypes bfloat16 array)."""
+    import numpy as np
+
+    return flat.view(np.uint16) if flat.dtype.itemsize == 2 else flat
 
 
 def _hist_array() -> np.ndarray:
@@ -268,18 +284,21 @@ def numpy_piece_moments(arr: np.ndarray) -> Moments:
     out.zeros = x.size - int(np.count_nonzero(x))
     hist = _hist_array()
     buf = np.empty(min(BLOCK, x.size), dtype=np.float64)
-    for i in range(0, x.size, BLOCK):
-        blk = x[i:i + BLOCK]
-        d = buf[:blk.size]
-        np.copyto(d, blk)
-        block = Moments(numel=blk.size, count=blk.size)
-        block.mean = float(np.add.reduce(d)) / blk.size
-        block.sumsq = float(np.dot(d, d))
-        d -= block.mean
-        block.m2 = float(np.dot(d, d))
-        block.hist = []  # merged below, not per block
-        _add_block(out, block)
-        _binades(blk, hist)
+    with np.errstate(all="ignore"):  # float64 overflow (values past 1e154) gives inf, silently
+        for i in range(0, x.size, BLOCK):
+            blk = x[i:i + BLOCK]
+            d = buf[:blk.size]
+            np.copyto(d, blk)
+            block = Moments(numel=blk.size, count=blk.size)
+            block.mean = float(np.add.reduce(d)) / blk.size
+            # einsum, not np.dot: BLAS's threads, woken for every block, made this kernel
+            # 5-15x slower on a busy machine (and oversubscribe the stats threads).
+            block.sumsq = float(np.einsum("i,i->", d, d))
+            d -= block.mean
+            block.m2 = float(np.einsum("i,i->", d, d))
+            block.hist = []  # merged below, not per block
+            _add_block(out, block)
+            _binades(blk, hist)
     out.hist = hist.tolist()
     return out
 
@@ -341,7 +360,7 @@ def diff_sumsq(a: np.ndarray, b: np.ndarray) -> float:
         raise ValueError(f"{fa.size:,} values against {fb.size:,}")
     compiled = _compiled()
     if compiled is not None and fa.dtype == fb.dtype:
-        return float(compiled.diff_sumsq(fa, fb))
+        return float(compiled.diff_sumsq(_buffer(fa), _buffer(fb), fa.dtype.name))
     total = 0.0
     buf = np.empty(min(BLOCK, fa.size), dtype=np.float64)
     with np.errstate(all="ignore"):
@@ -349,7 +368,7 @@ def diff_sumsq(a: np.ndarray, b: np.ndarray) -> float:
             d = buf[:min(BLOCK, fa.size - i)]
             np.copyto(d, fa[i:i + BLOCK])
             d -= fb[i:i + BLOCK]
-            total += float(np.dot(d, d))
+            total += float(np.einsum("i,i->", d, d))
     return total if math.isfinite(total) else math.nan
 
 
