@@ -4,7 +4,10 @@
   listed held none (or in the first one listed): flagged where it appears, not again while
   it stays. -Inf in a buffer is an attention mask's, on purpose: never flagged.
 * ``norm-jump``: a module's L2 norm grew more than ``jump`` times since the previous checkpoint
-  (its norm there not zero: a zero-initialized bias grows from nothing legitimately).
+  (its norm there not zero: a zero-initialized bias grows from nothing legitimately). The norm
+  is that of its floating-point tensors: an integer buffer (BatchNorm's
+  ``num_batches_tracked``) counts steps, and grows with them, not with the weights' health; a
+  module of integer tensors only is not judged on its norm.
 * ``frozen``: a module's weights are bit for bit those of the previous checkpoint while they
   had changed between the two before: training stopped updating it (a lost ``requires_grad``,
   an optimizer that lost its parameter group). A module that never changed (frozen on
@@ -20,7 +23,24 @@ from __future__ import annotations
 
 import math
 
+from ckpt_cli import dtypes
 from ckpt_cli.ops.stats.result import Anomaly, CheckpointStats
+
+
+def _float_l2(c: CheckpointStats) -> dict[str, float | None]:
+    """Per module, the L2 norm of its floating-point tensors (None: integer tensors only),
+    from the tensors rolled into its figures (tied copies once, unread ones not at all)."""
+    sq: dict[str, float | None] = {}
+    for t in c.tensors:
+        m = t.moments
+        if m is None or t.same_as is not None or t.error is not None:
+            continue
+        info = dtypes.DTYPES.get(t.dtype)
+        if info is not None and info.kind in ("int", "uint", "bool"):
+            sq.setdefault(t.module, None)
+        else:
+            sq[t.module] = (sq.get(t.module) or 0.0) + m.sumsq
+    return {k: None if v is None else math.sqrt(v) for k, v in sq.items()}
 
 
 def _nonfinite(kind: str, c: CheckpointStats, name: str, count: int, numel: int) -> Anomaly:
@@ -42,10 +62,12 @@ def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
     out: list[Anomaly] = []
     prev: CheckpointStats | None = None
     before: CheckpointStats | None = None
+    norms: dict[str, float | None] = {}
     for c in checkpoints:
         pm = {m.name: m for m in prev.modules} if prev is not None else {}
         bm = {m.name: m for m in before.modules} if before is not None else {}
         pt = {t.name: t for t in prev.tensors} if prev is not None else {}
+        old_norms, norms = norms, _float_l2(c)
         for m in c.modules:
             old = pm.get(m.name)
             mo = m.moments
@@ -55,8 +77,9 @@ def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
                 out.append(_nonfinite("inf", c, m.name, m.suspect_inf, mo.numel))
             if old is None:
                 continue
-            was, now = old.moments.l2, mo.l2
-            if was > 0 and math.isfinite(was) and math.isfinite(now) and now > jump * was:
+            was, now = old_norms.get(m.name, old.moments.l2), norms.get(m.name, mo.l2)
+            if was is not None and now is not None and was > 0 and math.isfinite(was) \
+                    and math.isfinite(now) and now > jump * was:
                 out.append(Anomaly(c.step, c.name, m.name, "norm-jump",
                                    f"L2 norm grew {now / was:,.3g}x ({was:.4g} -> {now:.4g})",
                                    {"l2": now, "previous_l2": was, "ratio": now / was}))
