@@ -115,7 +115,9 @@ def _parse(key: str, data: Any) -> Entry | None:
         return None
     try:
         entry.tensors = {str(n): Moments.from_list(v) for n, v in tensors.items()}
-    except ValueError:
+    except (ValueError, TypeError):  # TypeError: a figure of another JSON type (a list)
+        return None
+    if not all(_sane(m) for m in entry.tensors.values()):
         return None
     for prev, per in updates.items():
         if not isinstance(per, dict):
@@ -128,6 +130,16 @@ def _parse(key: str, data: Any) -> Entry | None:
             got[str(n)] = None if v is None else float(v)
         entry.updates[str(prev)] = got
     return entry
+
+
+def _sane(m: Moments) -> bool:
+    """Whether figures read back are ones a computation can give (finite moments, counts
+    that add up): a damaged entry that still parses is not trusted either."""
+    counted = m.count + m.nan + m.posinf + m.neginf
+    return (counted == m.numel and m.zeros <= m.count and sum(m.hist) <= m.count
+            and all(math.isfinite(v) for v in (m.mean, m.m2, m.sumsq))
+            and m.m2 >= 0 and m.sumsq >= 0
+            and (not m.count or (math.isfinite(m.min) and m.min <= m.max)))
 
 
 class FigureCache:
