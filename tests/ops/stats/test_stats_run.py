@@ -156,6 +156,22 @@ def test_the_same_loop_without_injection_is_clean(tmp_path: Path, cache: Path) -
     assert mask["inf"] == 8 * 7 // 2 and mask["group"] == "buffer"
 
 
+def test_a_diverging_run_flags_each_module_once_where_nan_appears(tmp_path: Path,
+                                                                  cache: Path) -> None:
+    loop = Loop(tmp_path / "run")
+    for k in range(6):
+        if k == 3:  # a NaN in the live weights: the next steps spread it everywhere
+            with torch.no_grad():
+                loop.net.layers[1].weight[0, 0] = float("nan")
+        loop.checkpoint()
+    doc = stats_json(tmp_path / "run", code=1)
+    trained = {module_of(n) for n, t in load_model(loop.saved[0]).items()
+               if t.is_floating_point() and n != "causal_mask"}
+    assert found(doc) == {(6, m, "nan") for m in trained}
+    for a in doc["anomalies"]:
+        assert a["nan"] == a["numel"]  # every value: the last good checkpoint is step 4
+
+
 def test_update_ratios_and_norms_equal_torchs_float64(tmp_path: Path, cache: Path) -> None:
     loop = injected_run(tmp_path / "run", checkpoints=5, jump_at=2, nan_at=3, freeze_from=None)
     doc = stats_json(tmp_path / "run", code=1)
@@ -273,6 +289,30 @@ def test_a_checkpoint_rewritten_in_place_is_recomputed(tmp_path: Path, cache: Pa
     assert close(got["model.head"]["update_ratio"], want["model.head"]["update_ratio"])
 
 
+def test_a_checkpoint_behind_a_symlink_is_recomputed_when_its_target_changes(
+        tmp_path: Path, cache: Path) -> None:
+    from safetensors.torch import save_file
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").symlink_to(store / "blob.safetensors")
+    (tmp_path / "link.pt").symlink_to(store / "real.pt")
+
+    def write(value: float) -> None:
+        save_file({"a.weight": torch.full((4, 4), value)}, store / "blob.safetensors")
+        torch.save({"model": {"a.weight": torch.full((4, 4), value)}}, store / "real.pt")
+
+    write(1.0)
+    for path in (tmp_path / "ckpt", tmp_path / "link.pt"):
+        assert stats_json(path)["tensors"][0]["l2"] == 4.0
+        assert stats_json(path)["read"]["bytes"] == 0
+    write(3.0)  # the targets rewritten in place; the links themselves unchanged
+    for path in (tmp_path / "ckpt", tmp_path / "link.pt"):
+        doc = stats_json(path)
+        assert doc["tensors"][0]["l2"] == 12.0 and doc["read"]["bytes"] == 64
+
+
 def _entries(cache: Path) -> list[Path]:
     return sorted((cache / "stats-v1").glob("*/*.json"))
 
@@ -384,6 +424,47 @@ def test_an_unwritable_cache_directory_costs_only_a_reread(tmp_path: Path) -> No
     again = stats_json(tmp_path / "run", "--cache-dir", blocker / "cache")
     assert again["read"]["bytes"] == doc["read"]["bytes"] > 0
     assert blocker.read_text() == "not a directory"
+
+
+def _depth1(path: Path, prev: Path) -> dict[str, float]:
+    """torch's update ratio per first name component under ``model.`` (``--depth 2``)."""
+    now, before = load_model(path), load_model(prev)
+    upd: dict[str, float] = {}
+    base: dict[str, float] = {}
+    for name, t in now.items():
+        if not t.is_floating_point() or not torch.isfinite(t).all():
+            continue
+        mod = "model." + name.split(".")[0]
+        b = before[name].double()
+        upd[mod] = upd.get(mod, 0.0) + float((t.double() - b).pow(2).sum())
+        base[mod] = base.get(mod, 0.0) + float(b.pow(2).sum())
+    return {m: math.sqrt(upd[m]) / math.sqrt(base[m]) for m in upd}
+
+
+def test_other_roll_ups_and_selections_come_from_the_cache(tmp_path: Path,
+                                                           cache: Path) -> None:
+    loop = injected_run(tmp_path / "run", checkpoints=5, jump_at=None, nan_at=None,
+                        freeze_from=None)
+    run = tmp_path / "run"
+    stats_json(run)
+    # another depth: rolled up from the kept per-tensor figures and updates, nothing read
+    deep = stats_json(run, "--depth", "2")
+    assert deep["read"]["bytes"] == 0 and deep["read"]["computed_tensors"] == 0
+    for i in (1, 4):
+        got = {m["name"]: m["update_ratio"] for m in deep["checkpoints"][i]["modules"]}
+        for mod, want in _depth1(loop.saved[i], loop.saved[i - 1]).items():
+            assert close(got[mod], want), (i, mod)
+    assert {m["name"] for m in deep["checkpoints"][0]["modules"]} == {
+        "model.emb", "model.norm", "model.layers", "model.head", "model"}
+    # every other checkpoint: the figures are kept, the updates between those two are new
+    every = stats_json(run, "--every", "2")
+    assert [c["step"] for c in every["checkpoints"]] == [0, 4, 8]
+    assert every["read"]["computed_tensors"] == 0
+    assert every["read"]["bytes"] == sum(model_bytes(p) for p in loop.saved[::2])
+    got = {m["name"]: m["update_ratio"] for m in every["checkpoints"][2]["modules"]}
+    want = torch_modules(loop.saved[2], loop.saved[4])
+    assert all(close(got[m], w["update_ratio"]) for m, w in want.items())
+    assert stats_json(run, "--every", "2")["read"]["bytes"] == 0
 
 
 # --- which checkpoints --------------------------------------------------------------------------
