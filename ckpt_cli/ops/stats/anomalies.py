@@ -11,7 +11,8 @@
 * ``frozen``: a module's weights are bit for bit those of the previous checkpoint while they
   had changed between the two before: training stopped updating it (a lost ``requires_grad``,
   an optimizer that lost its parameter group). A module that never changed (frozen on
-  purpose, a constant buffer) is not flagged.
+  purpose, a constant buffer) is not flagged, nor are two saves of one step (Lightning's
+  ``last.ckpt`` beside the checkpoint it copies).
 * ``dead``: a tensor became all zeros (it was not in the previous checkpoint): a wiped or
   never-restored tensor. One all zeros from the start (a LoRA ``B``, a zero-initialized
   projection) is not flagged.
@@ -41,6 +42,11 @@ def _float_l2(c: CheckpointStats) -> dict[str, float | None]:
         else:
             sq[t.module] = (sq.get(t.module) or 0.0) + m.sumsq
     return {k: None if v is None else math.sqrt(v) for k, v in sq.items()}
+
+
+def _advanced(prev: CheckpointStats | None, c: CheckpointStats) -> bool:
+    """Whether training went on between two checkpoints (not two saves of one step)."""
+    return prev is None or prev.step is None or c.step is None or c.step != prev.step
 
 
 def _nonfinite(kind: str, c: CheckpointStats, name: str, count: int, numel: int) -> Anomaly:
@@ -85,7 +91,7 @@ def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
                                    {"l2": now, "previous_l2": was, "ratio": now / was}))
             older = bm.get(m.name)
             if (m.update == 0.0 and old.update is not None and old.update > 0
-                    and older is not None):
+                    and older is not None and _advanced(prev, c)):
                 out.append(Anomaly(c.step, c.name, m.name, "frozen",
                                    "weights unchanged since the previous checkpoint, after "
                                    f"changing before it (update ratio {old.update_ratio or 0:.3g})",

@@ -227,6 +227,14 @@ def test_an_hf_trainer_run_has_no_anomaly(hf_trainer_dir: Path, cache: Path) -> 
     assert last and all(m["update_ratio"] is not None and m["update_ratio"] > 0 for m in last)
 
 
+def test_a_lightning_run_with_last_ckpt_is_not_frozen(lightning_dir: Path,
+                                                      cache: Path) -> None:
+    # last.ckpt is Lightning's copy of the newest save: the same step, the same weights
+    doc = stats_json(lightning_dir)
+    assert doc["anomalies"] == []
+    assert [c["step"] for c in doc["checkpoints"]][:2] == [2, 4]
+
+
 # --- the cache ----------------------------------------------------------------------------------
 
 def test_fifty_checkpoints_are_read_once_then_only_what_is_new(tmp_path: Path,
