@@ -212,6 +212,55 @@ def test_a_module_of_integer_counters_only_is_not_judged_on_its_norm(
     assert doc["anomalies"] == []
 
 
+class _Lora(torch.nn.Module):
+    """A frozen base Linear with a LoRA adapter: ``B`` zero-initialized, as peft does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(16, 16).requires_grad_(False)
+        self.lora_A = torch.nn.Linear(16, 4, bias=False)
+        self.lora_B = torch.nn.Linear(4, 16, bias=False)
+        torch.nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x))  # type: ignore[no-any-return]
+
+
+def _lora_run(root: Path, jump_at: int | None = None) -> list[int]:
+    root.mkdir()
+    gen = torch.manual_seed(0)
+    net = _Lora()
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+    x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+    steps = []
+    for k in range(6):
+        for _ in range(5 if k else 0):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+        step = 5 * k
+        sd = {n: t.clone() for n, t in net.state_dict().items()}
+        if k == jump_at:
+            sd["lora_B.weight"].mul_(100)
+        torch.save({"model": sd, "step": step}, root / f"step_{step}.pt")
+        steps.append(step)
+    return steps
+
+
+def test_a_lora_adapter_growing_from_zero_is_no_norm_jump(tmp_path: Path,
+                                                          cache: Path) -> None:
+    _lora_run(tmp_path / "run")
+    doc = stats_json(tmp_path / "run")
+    assert doc["anomalies"] == []
+    norms = [{m["name"]: m["l2"] for m in c["modules"]}["model.lora_B"]
+             for c in doc["checkpoints"]]
+    assert norms[0] == 0 and norms[2] > 2 * norms[1]  # Adam: B's norm grows with the steps
+    # still a x100 of the adapter is flagged, where it is
+    steps = _lora_run(tmp_path / "sick", jump_at=3)
+    sick = stats_json(tmp_path / "sick", code=1)
+    assert found(sick) == {(steps[3], "model.lora_B", "norm-jump")}
+
+
 def test_the_sample_run_has_no_anomaly(sample_run: Path, cache: Path) -> None:
     doc = stats_json(sample_run)
     assert doc["anomalies"] == []
