@@ -133,6 +133,20 @@ def test_injected_run_flags_exactly_the_jump_the_nan_and_the_frozen_module(
         assert torch.equal(load_model(a)["layers.2.weight"], load_model(b)["layers.2.weight"])
 
 
+def test_jump_and_filter_choose_what_is_judged(tmp_path: Path, cache: Path) -> None:
+    loop = injected_run(tmp_path / "run", checkpoints=6, jump_at=2, nan_at=3, freeze_from=4)
+    steps = [int(p.stem.split("_")[1]) for p in loop.saved]
+    lax = stats_json(tmp_path / "run", "--jump", "200", code=1)
+    assert lax["jump"] == 200.0
+    assert found(lax) == {(steps[3], "model.layers.0", "nan"),
+                          (steps[4], "model.layers.2", "frozen")}
+    one = stats_json(tmp_path / "run", "--filter", "model.layers.1.*", code=1)
+    assert found(one) == {(steps[2], "model.layers.1", "norm-jump")}
+    assert {m["name"] for c in one["checkpoints"] for m in c["modules"]} == {"model.layers.1"}
+    assert stats_json(tmp_path / "run", "--filter", "*.layers.2.*", "--last", "2")[
+        "anomalies"] == []  # frozen since before the newest two: nothing changed in them
+
+
 def test_a_tensor_zeroed_at_one_step_is_flagged_dead(tmp_path: Path, cache: Path) -> None:
     loop = injected_run(tmp_path / "run", checkpoints=4, jump_at=None, nan_at=None,
                         freeze_from=None, dead_at=3)
