@@ -25,7 +25,7 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 ENVELOPE = {"schema_version", "command"}
 COMMON = ENVELOPE | {"path", "mode", "scope", "depth", "read", "part", "anomalies"}
-RUN_KEYS = COMMON | {"jump", "checkpoints", "skipped"}
+RUN_KEYS = COMMON | {"jump", "checkpoints", "skipped", "last_good"}
 CHECKPOINT_KEYS = COMMON | {"format", "step", "tensors", "modules"}
 READ_KEYS = {"bytes", "seconds", "kernel", "cached_tensors", "computed_tensors", "cache_dir"}
 FIGURES = {"numel", "mean", "std", "min", "max", "absmax", "l2", "zeros", "nan", "inf"}
@@ -123,12 +123,9 @@ def test_a_fifo_in_a_run_is_skipped_not_waited_on(clean: Path, cache: Path) -> N
     assert [c["step"] for c in doc["checkpoints"]] == [0, 2, 4]  # not a checkpoint: not read
 
 
-@pytest.mark.xfail(strict=True, reason="--part with --no-cache says `drop cache=False, and "
-                   "give every part the same cache_dir`: library parameter names on the "
-                   "command line (ops/stats/__init__.py _check words its hint by parameters "
-                   "the CLI does not translate)")
 def test_part_without_the_cache_names_the_flags(clean: Path, cache: Path) -> None:
     line = _one_line_error(run_cli("stats", clean, "--part", "1/2", "--no-cache"))
+    assert "--part" in line and "--cache-dir" in line
     assert "cache=False" not in line and "cache_dir" not in line
 
 
@@ -144,6 +141,9 @@ def test_json_of_a_run(sick: Path, cache: Path) -> None:
     assert doc["command"] == "stats" and doc["mode"] == "run" and doc["scope"] == "weights"
     _keys(doc["read"], READ_KEYS, "read")
     assert doc["part"] is None and doc["jump"] == 2.0 and doc["skipped"] == []
+    first_bad = doc["checkpoints"][2]  # the x100 at the third checkpoint
+    assert doc["last_good"] == {k: doc["checkpoints"][1][k] for k in ("name", "path", "step")}
+    assert first_bad["step"] == min(a["step"] for a in doc["anomalies"])
     assert len(doc["checkpoints"]) == 5
     for c in doc["checkpoints"]:
         _keys(c, {"name", "path", "step", "format", "modules"}, "checkpoint")
