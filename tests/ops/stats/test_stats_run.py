@@ -384,6 +384,27 @@ def test_a_checkpoint_behind_a_symlink_is_recomputed_when_its_target_changes(
         assert doc["tensors"][0]["l2"] == 12.0 and doc["read"]["bytes"] == 64
 
 
+def test_figures_of_every_kind_of_value_are_kept(tmp_path: Path, cache: Path) -> None:
+    # the cache's sanity check must accept whatever a computation gives: NaN, Inf, subnormal
+    # and zero values, integers and booleans, half-precision floats
+    from safetensors.torch import save_file
+
+    run = tmp_path / "run"
+    run.mkdir()
+    gen = torch.manual_seed(0)
+    for step in (1, 2):
+        save_file({"a.weight": torch.randn(64, 64, generator=gen).bfloat16(),
+                   "b.weight": torch.randn(33, generator=gen).half(),
+                   "c.position_ids": torch.arange(10),
+                   "d.mask": torch.ones(5, dtype=torch.bool),
+                   "e.weight": torch.tensor([float("nan"), float("inf"), 0.0, 1e-45, -1e-40]),
+                   "f.weight": torch.zeros(7)}, run / f"step_{step}.safetensors")
+    first = stats_json(run, code=1)  # e.weight's NaN and Inf
+    again = stats_json(run, code=1)
+    assert again["read"]["bytes"] == 0 and again["read"]["cached_tensors"] == 12
+    assert again["checkpoints"] == first["checkpoints"]
+
+
 def _entries(cache: Path) -> list[Path]:
     return sorted((cache / "stats-v1").glob("*/*.json"))
 
