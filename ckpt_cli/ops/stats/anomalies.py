@@ -4,11 +4,19 @@
   listed held none (or in the first one listed): flagged where it appears, not again while
   it stays. -Inf in a buffer is an attention mask's, on purpose: never flagged.
 * ``norm-jump``: a module's L2 norm grew more than ``jump`` times since the previous checkpoint
-  (its norm there not zero: a zero-initialized bias grows from nothing legitimately).
+  (its norm there not zero: a zero-initialized bias grows from nothing legitimately). The norm
+  is that of its floating-point tensors: an integer buffer (BatchNorm's
+  ``num_batches_tracked``) counts steps, and grows with them, not with the weights' health; a
+  module of integer tensors only is not judged on its norm. A module whose norm was zero at
+  an earlier checkpoint listed (a LoRA ``B``, a zero-initialized projection) grows about in
+  proportion to the steps since (each optimizer step moves its values by about the learning
+  rate): from step ``t-1`` to ``t`` it may grow ``jump * (t - t0) / (t-1 - t0)`` times, ``t0``
+  being its last step at zero.
 * ``frozen``: a module's weights are bit for bit those of the previous checkpoint while they
   had changed between the two before: training stopped updating it (a lost ``requires_grad``,
   an optimizer that lost its parameter group). A module that never changed (frozen on
-  purpose, a constant buffer) is not flagged.
+  purpose, a constant buffer) is not flagged, nor are two saves of one step (Lightning's
+  ``last.ckpt`` beside the checkpoint it copies).
 * ``dead``: a tensor became all zeros (it was not in the previous checkpoint): a wiped or
   never-restored tensor. One all zeros from the start (a LoRA ``B``, a zero-initialized
   projection) is not flagged.
@@ -20,7 +28,47 @@ from __future__ import annotations
 
 import math
 
+from ckpt_cli import dtypes
 from ckpt_cli.ops.stats.result import Anomaly, CheckpointStats
+
+
+def _float_l2(c: CheckpointStats) -> dict[str, float | None]:
+    """Per module, the L2 norm of its floating-point tensors (None: integer tensors only),
+    from the tensors rolled into its figures (tied copies once, unread ones not at all)."""
+    sq: dict[str, float | None] = {}
+    for t in c.tensors:
+        m = t.moments
+        if m is None or t.same_as is not None or t.error is not None:
+            continue
+        info = dtypes.DTYPES.get(t.dtype)
+        if info is not None and info.kind in ("int", "uint", "bool"):
+            sq.setdefault(t.module, None)
+        else:
+            sq[t.module] = (sq.get(t.module) or 0.0) + m.sumsq
+    return {k: None if v is None else math.sqrt(v) for k, v in sq.items()}
+
+
+def _advanced(prev: CheckpointStats | None, c: CheckpointStats) -> bool:
+    """Whether training went on between two checkpoints (not two saves of one step)."""
+    return prev is None or prev.step is None or c.step is None or c.step != prev.step
+
+
+def _jump(c: CheckpointStats, prev: CheckpointStats | None, module: str, was: float | None,
+          now: float | None, jump: float, zero_at: int | None) -> Anomaly | None:
+    """A ``norm-jump`` of ``module`` from ``was`` (in ``prev``) to ``now`` (in ``c``), if it
+    is one (see the module notes: growth from zero is judged against the steps since)."""
+    if was is None or now is None or not (was > 0 and math.isfinite(was)
+                                          and math.isfinite(now)):
+        return None
+    limit = jump
+    if zero_at is not None and prev is not None and prev.step is not None \
+            and c.step is not None and prev.step > zero_at:
+        limit = jump * max(1.0, (c.step - zero_at) / (prev.step - zero_at))
+    if now <= limit * was:
+        return None
+    return Anomaly(c.step, c.name, module, "norm-jump",
+                   f"L2 norm grew {now / was:,.3g}x ({was:.4g} -> {now:.4g})",
+                   {"l2": now, "previous_l2": was, "ratio": now / was})
 
 
 def _nonfinite(kind: str, c: CheckpointStats, name: str, count: int, numel: int) -> Anomaly:
@@ -42,10 +90,13 @@ def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
     out: list[Anomaly] = []
     prev: CheckpointStats | None = None
     before: CheckpointStats | None = None
+    norms: dict[str, float | None] = {}
+    zero_at: dict[str, int] = {}  # module -> the last step where its norm was zero
     for c in checkpoints:
         pm = {m.name: m for m in prev.modules} if prev is not None else {}
         bm = {m.name: m for m in before.modules} if before is not None else {}
         pt = {t.name: t for t in prev.tensors} if prev is not None else {}
+        old_norms, norms = norms, _float_l2(c)
         for m in c.modules:
             old = pm.get(m.name)
             mo = m.moments
@@ -53,16 +104,18 @@ def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
                 out.append(_nonfinite("nan", c, m.name, mo.nan, mo.numel))
             if m.suspect_inf and (old is None or not old.suspect_inf):
                 out.append(_nonfinite("inf", c, m.name, m.suspect_inf, mo.numel))
+            now = norms.get(m.name, mo.l2)
+            if now == 0.0 and c.step is not None:
+                zero_at[m.name] = c.step
             if old is None:
                 continue
-            was, now = old.moments.l2, mo.l2
-            if was > 0 and math.isfinite(was) and math.isfinite(now) and now > jump * was:
-                out.append(Anomaly(c.step, c.name, m.name, "norm-jump",
-                                   f"L2 norm grew {now / was:,.3g}x ({was:.4g} -> {now:.4g})",
-                                   {"l2": now, "previous_l2": was, "ratio": now / was}))
+            was = old_norms.get(m.name, old.moments.l2)
+            flagged = _jump(c, prev, m.name, was, now, jump, zero_at.get(m.name))
+            if flagged is not None:
+                out.append(flagged)
             older = bm.get(m.name)
             if (m.update == 0.0 and old.update is not None and old.update > 0
-                    and older is not None):
+                    and older is not None and _advanced(prev, c)):
                 out.append(Anomaly(c.step, c.name, m.name, "frozen",
                                    "weights unchanged since the previous checkpoint, after "
                                    f"changing before it (update ratio {old.update_ratio or 0:.3g})",

@@ -2,7 +2,8 @@
 
 A nightly ``ckpt stats RUN`` must read only the checkpoints saved since the last one. Figures
 are kept per checkpoint, keyed by its identity: where it is, its format, and the name, size and
-modification time (nanoseconds) of every file it is made of. A checkpoint rewritten in place
+modification time (nanoseconds) of every file it is made of, through symbolic links (the file
+a link names, and that file's size and time). A checkpoint rewritten in place
 gets a new key, so stale figures are never used. An entry holds each tensor's
 :class:`~ckpt_cli.tensors.moments.Moments` and, per predecessor key, the squared norm of each
 tensor's update since that checkpoint.
@@ -59,8 +60,8 @@ def cache_root(explicit: Path | None = None) -> Path:
 
 
 def identity(index: CheckpointIndex) -> list[Any]:
-    """What identifies a checkpoint's bytes: location, format and each file's name, size and
-    modification time.
+    """What identifies a checkpoint's bytes: location, format and each file's name, the file
+    it resolves to, its size and modification time.
 
     Raises:
         CkptError: When a file of the checkpoint cannot be examined.
@@ -69,12 +70,17 @@ def identity(index: CheckpointIndex) -> list[Any]:
     where = os.path.realpath(root) if storage.has_file_system(root) else str(root)
     files = []
     for f in sorted(index.files, key=lambda f: f.path):
+        p = index.path_of(f.path)
         try:
-            st = storage.lstat(index.path_of(f.path))
+            if storage.has_file_system(p):
+                # Through symbolic links: the bytes read are the target's (a link's own
+                # time and size stay put while its target is rewritten).
+                st, target = os.stat(p), os.path.realpath(p)
+            else:
+                st, target = storage.lstat(p), str(p)
         except OSError as e:
-            raise CkptError(f"cannot examine: {e.strerror or e}",
-                            path=index.path_of(f.path)) from None
-        files.append([f.path, st.st_size, st.st_mtime_ns])
+            raise CkptError(f"cannot examine: {e.strerror or e}", path=p) from None
+        files.append([f.path, target, st.st_size, st.st_mtime_ns])
     return [VERSION, where, index.format, files]
 
 
@@ -115,7 +121,9 @@ def _parse(key: str, data: Any) -> Entry | None:
         return None
     try:
         entry.tensors = {str(n): Moments.from_list(v) for n, v in tensors.items()}
-    except ValueError:
+    except (ValueError, TypeError):  # TypeError: a figure of another JSON type (a list)
+        return None
+    if not all(_sane(m) for m in entry.tensors.values()):
         return None
     for prev, per in updates.items():
         if not isinstance(per, dict):
@@ -128,6 +136,16 @@ def _parse(key: str, data: Any) -> Entry | None:
             got[str(n)] = None if v is None else float(v)
         entry.updates[str(prev)] = got
     return entry
+
+
+def _sane(m: Moments) -> bool:
+    """Whether figures read back are ones a computation can give (finite moments, counts
+    that add up): a damaged entry that still parses is not trusted either."""
+    counted = m.count + m.nan + m.posinf + m.neginf
+    return (counted == m.numel and m.zeros <= m.count and sum(m.hist) <= m.count
+            and all(math.isfinite(v) for v in (m.mean, m.m2, m.sumsq))
+            and m.m2 >= 0 and m.sumsq >= 0
+            and (not m.count or (math.isfinite(m.min) and m.min <= m.max)))
 
 
 class FigureCache:
