@@ -125,7 +125,7 @@ def tensor_table(tensors: list[TensorStats], *, hist: bool) -> Table:
             continue
         _add(table, t.name, dtype, shape, _g(m.mean if m.count else None), _g(m.std),
              _g(m.min if m.count else None), _g(m.max if m.count else None), _g(m.absmax),
-             _g(m.l2), _zeros(m.numel, m.zeros), _bad(m.nan, m.inf),
+             _g(m.l2 if m.count else None), _zeros(m.numel, m.zeros), _bad(m.nan, m.inf),
              *([_hist(t)] if hist else []))
     return table
 
@@ -145,7 +145,8 @@ def module_table(mods: list[ModuleStats], *, hist: bool) -> Table:
         mo = m.moments
         frac = mo.l2 / scale if scale and math.isfinite(mo.l2) else 0.0
         _add(table, m.name, f"{m.tensors:,}", human.count(mo.numel),
-             _g(mo.mean if mo.count else None), _g(mo.std), _g(mo.absmax), _g(mo.l2),
+             _g(mo.mean if mo.count else None), _g(mo.std), _g(mo.absmax),
+             _g(mo.l2 if mo.count else None),
              human.bar(frac, _BAR), _bad(mo.nan, mo.inf), *([_hist(m)] if hist else []))
     return table
 
@@ -165,13 +166,13 @@ def trend_table(checkpoints: list[CheckpointStats], flagged: dict[str, list[str]
                         _Col("Last", "right", drop=5), _Col("Flags", kind="text", drop=6))
     per = [{m.name: m for m in c.modules} for c in checkpoints]
     for name in names:
-        norms = [p[name].moments.l2 if name in p else None for p in per]
+        norms = [p[name].moments.l2 if name in p and p[name].moments.count else None
+                 for p in per]
         ratios = [p[name].update_ratio if name in p else None for p in per]
         flags = flagged.get(name, [])
-        _add(table, name, sparkline(norms), _g(next((v for v in reversed(norms) if v is not None),
-                                                    None)),
-             sparkline(ratios, log=True),
-             _g(next((v for v in reversed(ratios) if v is not None), None)),
+        # "Last" is the newest checkpoint's figure ("-" when unknown there), never an older one.
+        _add(table, name, sparkline(norms), _g(norms[-1]), sparkline(ratios, log=True),
+             _g(ratios[-1]),
              Text(", ".join(flags), style="bold red") if flags else Text("-", style="dim"))
     return table
 

@@ -177,9 +177,13 @@ def test_json_error_document(clean: Path, cache: Path) -> None:
 
 
 def test_plot_without_matplotlib_fails_before_reading(clean: Path, cache: Path,
-                                                       tmp_path: Path) -> None:
-    if HAS_MATPLOTLIB:
-        pytest.skip("matplotlib is installed")
+                                                       tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # as where the extra is not installed
+                        lambda name, *a: None if name == "matplotlib" else found(name, *a))
     line = _one_line_error(run_cli("stats", clean, "--plot", tmp_path / "trends.png"))
     assert "--plot" in line and "matplotlib" in line
     assert not cache.exists() and not (tmp_path / "trends.png").exists()
@@ -191,6 +195,20 @@ def test_plot_draws_the_trends(sick: Path, cache: Path, tmp_path: Path) -> None:
     r = run_cli("stats", sick, "--plot", out)
     assert r.exit_code == 1, r.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "trends.svg"
+    assert run_cli("stats", sick, "--plot", svg, "--depth", "2").exit_code == 1
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "norm-jump" in text  # the anomaly is marked
+    assert not list(tmp_path.glob(".trends*"))  # no temporary left behind
+
+
+def test_plot_refuses_a_single_checkpoint_and_other_suffixes(clean: Path, cache: Path,
+                                                             tmp_path: Path) -> None:
+    one = sorted(p for p in clean.iterdir() if p.name.startswith("step"))[-1]
+    for args in ((clean, "--plot", tmp_path / "t.jpg"), (one, "--plot", tmp_path / "t.png")):
+        line = _one_line_error(run_cli("stats", *args))
+        assert "--plot" in line
+    assert not (tmp_path / "t.png").exists()
 
 
 def _sgr(out: bytes) -> set[bytes]:

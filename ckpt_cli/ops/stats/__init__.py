@@ -23,6 +23,7 @@ from pathlib import Path
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import read_index
+from ckpt_cli.formats.names import in_progress_reason, is_last_copy
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.stats.anomalies import detect, detect_one
 from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, key_of
@@ -156,12 +157,22 @@ def _one_checkpoint(where: Path, opts: StatsOptions, cache: FigureCache) -> _Che
 def _run_checkpoints(where: Path, opts: StatsOptions, skipped: dict[str, str],
                      cache: FigureCache) -> list[_Checkpoint]:
     listing = list_run(where, opts.pattern)
+    for name in listing.leftovers:
+        skipped[name] = in_progress_reason(name) or "a temporary or trash name, not a checkpoint"
     entries = []
     for e in listing.entries:
         if e.complete:
             entries.append(e)
         else:
             skipped[e.name] = e.reason or "incomplete"
+    for e in list(entries):
+        # Lightning's last.ckpt copies the newest save: the same step read twice would be a
+        # module that "stopped changing".
+        twin = next((o for o in entries if o is not e and o.step == e.step
+                     and not is_last_copy(o.name)), None)
+        if is_last_copy(e.name) and e.step is not None and twin is not None:
+            entries.remove(e)
+            skipped[e.name] = f"a copy of step {e.step:,} ({twin.name}), read once as that"
     if opts.every is not None:
         entries = entries[::-1][::opts.every][::-1]
     if opts.last is not None:

@@ -27,8 +27,8 @@ def figures(m: Moments, *, hist: bool = False) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "numel": m.numel, "mean": m.mean if m.count else None, "std": _num(m.std),
         "min": m.min if m.count else None, "max": m.max if m.count else None,
-        "absmax": m.absmax, "l2": _num(m.l2), "zeros": m.zeros, "nan": m.nan, "inf": m.inf,
-        "tiny": m.tiny}
+        "absmax": m.absmax, "l2": _num(m.l2) if m.count else None, "zeros": m.zeros,
+        "nan": m.nan, "inf": m.inf, "tiny": m.tiny}
     if hist:
         used = [i for i, c in enumerate(m.hist) if c]
         lo, hi = (used[0], used[-1] + 1) if used else (0, 0)

@@ -614,9 +614,6 @@ def test_incomplete_checkpoints_are_skipped_and_named(tmp_path: Path, cache: Pat
     assert "1 not read" in r.stdout or "step_100" in r.stdout + r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="a temporary-named entry (step_200.pt.tmp) is a run "
-                   "leftover: stats neither reads it nor names it in `skipped` (runs.list_run "
-                   "puts it in listing.leftovers, which stats/__init__.py ignores)")
 def test_a_temporary_named_checkpoint_is_named_as_skipped(tmp_path: Path,
                                                           cache: Path) -> None:
     loop = injected_run(tmp_path / "run", checkpoints=2, jump_at=None, nan_at=None,
