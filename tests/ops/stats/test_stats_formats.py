@@ -1,0 +1,349 @@
+"""``ckpt stats``' figures against torch's float64 computations, in every format.
+
+Each checkpoint is written by the real library (torch.save, safetensors, huggingface_hub's
+sharded writer, torch.distributed.checkpoint from a 2-process torchrun world, Lightning's
+Trainer, transformers' Trainer, DeepSpeed ZeRO, ``ckpt convert --to fp8``), and each reference
+is computed by torch, in float64, on the tensor as that library's own loader gives it back.
+Counts (numel, zeros, NaN, Inf) must be exact; mean, std (``correction=1``), min, max, absmax
+and L2 (over the finite values) within 1e-12 relative. The same weights saved in each format
+give the same figures, per tensor and per module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_cli.ops.stats import StatsOptions, stats
+from ckpt_cli.ops.stats.result import module_of
+from tests.conftest import run_cli, third_party_quiet
+
+pytestmark = pytest.mark.requires_torch
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+HELPERS = Path(__file__).parents[2] / "helpers"
+REL = 1e-12
+COUNTS = ("numel", "zeros", "nan", "inf")
+FLOATS = ("mean", "std", "min", "max", "absmax", "l2")
+
+
+# -- references ---------------------------------------------------------------------------
+
+def ref_figures(values: Iterable[torch.Tensor]) -> dict[str, Any]:
+    """torch's float64 figures of the values of ``values`` together (one tensor, or a
+    module's tensors concatenated): counts over all values, moments over the finite ones."""
+    x = torch.cat([v.detach().reshape(-1).to(torch.float64) for v in values])
+    finite = x[torch.isfinite(x)]
+    n = finite.numel()
+    return {
+        "numel": x.numel(),
+        "zeros": int((x == 0).sum()),
+        "nan": int(torch.isnan(x).sum()),
+        "inf": int(torch.isinf(x).sum()),
+        "mean": float(finite.mean()) if n else None,
+        "std": float(finite.std(correction=1)) if n >= 2 else None,
+        "min": float(finite.min()) if n else None,
+        "max": float(finite.max()) if n else None,
+        "absmax": float(finite.abs().max()) if n else None,
+        "l2": float(torch.linalg.vector_norm(finite)),
+        # a mean is defined to rounding of the sum of |x| only: its tolerance scales with it
+        "_mean_scale": float(finite.abs().mean()) if n else 0.0,
+    }
+
+
+def assert_figures(what: str, got: Mapping[str, Any], want: Mapping[str, Any]) -> None:
+    """Counts exact, moments within ``REL`` relative; a failure names ``what`` and the figure."""
+    for k in COUNTS:
+        assert got[k] == want[k], f"{what}: {k} is {got[k]!r}, torch says {want[k]!r}"
+    for k in FLOATS:
+        g, w = got[k], want[k]
+        if w is None:
+            assert g is None, f"{what}: {k} is {g!r}, torch says there is none"
+            continue
+        assert g is not None, f"{what}: {k} is missing, torch says {w!r}"
+        slack = REL * want["_mean_scale"] if k == "mean" else 0.0
+        assert math.isclose(g, w, rel_tol=REL, abs_tol=slack), (
+            f"{what}: {k} is {g!r}, torch says {w!r} (relative error "
+            f"{abs(g - w) / max(abs(w), 1e-300):.3g})")
+
+
+def tensor_docs(doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {t["name"]: t for t in doc["tensors"]}
+
+
+def module_docs(doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["name"]: m for m in doc["modules"]}
+
+
+def stats_doc(path: Path, **opts: Any) -> dict[str, Any]:
+    """``stats()``'s ``--json`` document (no cache)."""
+    res = stats(path, StatsOptions(cache=False, **opts))
+    return res.json_body()
+
+
+def check_tensors(doc: Mapping[str, Any], ref: Mapping[str, torch.Tensor],
+                  rename: Mapping[str, str] | None = None) -> None:
+    """Every tensor of ``ref`` (by its name in the checkpoint: ``rename`` maps ref names to
+    them) is in ``doc`` with torch's figures."""
+    got = tensor_docs(doc)
+    for name, t in ref.items():
+        shown = (rename or {}).get(name, name)
+        assert shown in got, f"{shown} not reported; got {sorted(got)}"
+        assert got[shown].get("error") is None, f"{shown}: {got[shown]['error']}"
+        assert_figures(shown, got[shown], ref_figures([t]))
+
+
+def check_modules(doc: Mapping[str, Any], ref: Mapping[str, torch.Tensor],
+                  depth: int | None) -> None:
+    """The module roll-up equals torch's figures of each module's tensors concatenated (tied
+    tensors once: ``ref`` holds each storage under one name only)."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, t in ref.items():
+        groups.setdefault(module_of(name, depth), []).append(t)
+    got = module_docs(doc)
+    assert set(got) == set(groups), f"modules {sorted(got)}, expected {sorted(groups)}"
+    for mod, ts in groups.items():
+        assert got[mod]["tensors"] == len(ts), f"module {mod}: {got[mod]['tensors']} tensors"
+        assert_figures(f"module {mod} (depth {depth})", got[mod], ref_figures(ts))
+
+
+# -- one model, every format -------------------------------------------------------------------
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.Module()
+        self.attn.q_proj = torch.nn.Linear(16, 16)
+        self.mlp = torch.nn.Module()
+        self.mlp.fc = torch.nn.Linear(16, 24)
+        self.ln = torch.nn.LayerNorm(16)
+
+
+class Tiny(torch.nn.Module):
+    """Embedding 640x512 (1.25 MiB: read in several windows) tied to the head, two blocks, a
+    BatchNorm (FP32 running statistics and an int64 ``num_batches_tracked`` buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(640, 512)
+        self.down = torch.nn.Linear(512, 16)
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.head = torch.nn.Linear(512, 640, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+
+def tiny_model() -> Tiny:
+    """:class:`Tiny` with values that test the arithmetic: a LayerNorm weight within 1e-6 of 1
+    (cancellation in ``sum(x**2) - n*mean**2``), exact zeros of both signs, a huge and a
+    subnormal value, a zero bias, a running variance and a counter."""
+    torch.manual_seed(41)
+    m = Tiny()
+    with torch.no_grad():
+        m.layers[0].ln.weight.copy_(1 + 1e-6 * torch.randn(16))
+        m.down.weight[:3] = 0.0
+        m.down.weight[3, :5] = -0.0
+        m.embed.weight[7, 9] = 3.0e4
+        m.embed.weight[8, 1] = 1.0e-40  # FP32 subnormal
+        m.layers[1].mlp.fc.bias.zero_()
+        m.norm.running_mean.copy_(torch.randn(16))
+        m.norm.running_var.copy_(torch.rand(16) + 0.5)
+        m.norm.num_batches_tracked.fill_(7)
+    return m
+
+
+def untied(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor its own contiguous storage (what safetensors and DCP store)."""
+    return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+
+def unique_storages(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` with a tied tensor under its first name only."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for k, v in sd.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            out[k] = v
+    return out
+
+
+def torchrun(n: int, *argv: str) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[3]))
+    p = subprocess.run([str(TORCHRUN), "--standalone", f"--nproc-per-node={n}", *argv],
+                       capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def lightning_save(model: torch.nn.Module, path: Path) -> None:
+    """A Lightning checkpoint of ``model`` saved by ``Trainer.save_checkpoint`` after a fit of
+    one batch whose ``training_step`` skips the step (the weights stay as they were)."""
+    import lightning as L
+
+    class Wrap(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: Any, _i: int) -> None:
+            return None  # Lightning skips the optimizer step
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2, 1)))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    trainer.fit(Wrap(), data)
+    trainer.save_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same weights in every format: torch zip (tied), torch zip (untied), safetensors,
+    HF-sharded safetensors, DCP from a 2-rank torchrun world, a Lightning checkpoint (tied)."""
+    from safetensors.torch import save_file
+
+    from tests.helpers.makers import hf_sharded
+
+    d = tmp_path_factory.mktemp("same")
+    model = tiny_model()
+    sd = model.state_dict()
+    plain = untied(sd)
+    out = {"pt-tied": d / "tied.pt", "pt": d / "plain.pt", "safetensors": d / "model.safetensors",
+           "hf-sharded": d / "hf", "dcp": d / "dcp", "lightning": d / "model.ckpt"}
+    torch.save(sd, out["pt-tied"])
+    torch.save(plain, out["pt"])
+    save_file(plain, out["safetensors"])
+    out["hf-sharded"].mkdir()
+    hf_sharded(out["hf-sharded"], plain, max_shard_size=300_000)
+    torchrun(2, str(HELPERS / "dcp_save_sd.py"), str(out["pt"]), str(out["dcp"]))
+    with third_party_quiet():
+        lightning_save(model, out["lightning"])
+    return out
+
+
+LIGHTNING = "state_dict.model."
+
+
+def loaded(kind: str, path: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as its own library's loader gives them, under the names
+    ``ckpt`` shows (tied tensors still share storage where the loader keeps them shared)."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.loads import safetensors_dir
+
+    if kind in ("pt", "pt-tied"):
+        return dict(torch.load(path, weights_only=True))
+    if kind == "safetensors":
+        return load_file(path)
+    if kind == "hf-sharded":
+        return safetensors_dir(path)
+    if kind == "dcp":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with third_party_quiet():
+            dcp_to_torch_save(path, tmp / "dcp.pt")
+        return dict(torch.load(tmp / "dcp.pt", weights_only=True))
+    if kind == "lightning":
+        ckpt = torch.load(path, weights_only=False)
+        return {f"state_dict.{k}": v for k, v in ckpt["state_dict"].items()}
+    raise AssertionError(kind)
+
+
+FORMATS = ("pt", "pt-tied", "safetensors", "hf-sharded", "dcp", "lightning")
+TIED = {"pt-tied": "", "lightning": LIGHTNING}
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_figures_equal_torch_float64(formats: dict[str, Path], kind: str,
+                                     tmp_path: Path) -> None:
+    """Per tensor and per module (own module, depth 1 and 2) the figures equal torch's
+    float64 ones on what the format's loader returns; a tied name is reported with its
+    storage's figures (``same_as``) and counted once in its module."""
+    ref = loaded(kind, formats[kind], tmp_path)
+    assert len(ref) == 21
+    prefix = LIGHTNING if kind == "lightning" else ""
+    for depth in (None, 1, 2):
+        shown = None if depth is None else depth + prefix.count(".")
+        doc = stats_doc(formats[kind], depth=shown)
+        assert doc["format"] == {"pt": "torch", "pt-tied": "torch", "lightning": "torch",
+                                 "hf-sharded": "hf-index"}.get(kind, kind)
+        assert doc["anomalies"] == [] and doc["scope"] == "weights"
+        assert len(doc["tensors"]) == 21
+        check_tensors(doc, ref)
+        check_modules(doc, unique_storages(ref), shown)
+    tensors = tensor_docs(doc)
+    if kind in TIED:
+        assert tensors[prefix + "head.weight"]["same_as"] == prefix + "embed.weight"
+        assert "head" not in {m["name"].removeprefix(prefix) for m in doc["modules"]}
+    else:
+        assert all(t["same_as"] is None for t in doc["tensors"])
+    # the embedding is larger than 1 MiB; the int64 counter is a buffer read as its value
+    assert tensors[prefix + "embed.weight"]["numel"] * 4 > 1 << 20
+    counter = tensors[prefix + "norm.num_batches_tracked"]
+    assert (counter["dtype"], counter["group"], counter["mean"]) == ("I64", "buffer", 7.0)
+
+
+def _rms(fig: Mapping[str, Any]) -> float:
+    n = fig["numel"] - fig["nan"] - fig["inf"]
+    return fig["l2"] / math.sqrt(n) if n else 0.0
+
+
+def assert_same(what: str, got: Mapping[str, Any], want: Mapping[str, Any]) -> None:
+    """Two reports' figures agree: counts exactly, moments within ``REL`` (the mean within
+    ``REL`` of the values' RMS, which bounds its rounding)."""
+    assert_figures(what, got, {**want, "_mean_scale": _rms(want)})
+    assert got["tiny"] == want["tiny"], f"{what}: tiny {got['tiny']} != {want['tiny']}"
+
+
+def test_same_weights_same_figures_in_every_format(formats: dict[str, Path]) -> None:
+    """One state dict saved as a torch zip, safetensors, HF shards, DCP (2 ranks), a tied
+    torch zip and a Lightning checkpoint: the same figures per tensor, and per module at
+    depth 1 and 2 (the tied ones among themselves: their head is counted once)."""
+    base = {d: stats_doc(formats["pt"], depth=d) for d in (1, 2)}
+    tied_base = {d: stats_doc(formats["pt-tied"], depth=d) for d in (1, 2)}
+    for kind in FORMATS:
+        prefix = LIGHTNING if kind == "lightning" else ""
+        for d in (1, 2):
+            doc = stats_doc(formats[kind], depth=d + prefix.count("."))
+            want_t = tensor_docs(base[d])
+            got_t = {k.removeprefix(prefix): v for k, v in tensor_docs(doc).items()}
+            assert set(got_t) == set(want_t), kind
+            for name, fig in got_t.items():
+                assert_same(f"{kind}: {name}", fig, want_t[name])
+            mods = module_docs(tied_base[d] if kind in TIED else base[d])
+            got_m = {k.removeprefix(prefix): v for k, v in module_docs(doc).items()}
+            assert set(got_m) == set(mods), (kind, d)
+            for name, fig in got_m.items():
+                assert fig["tensors"] == mods[name]["tensors"], (kind, name)
+                assert_same(f"{kind}: module {name} (depth {d})", fig, mods[name])
+    # the tie matters only to the roll-up: 'head' at depth 1 is missing where it is tied
+    assert "head" in module_docs(base[1]) and "head" not in module_docs(tied_base[1])
+
+
+def test_cli_json_is_the_library_document(formats: dict[str, Path], tmp_path: Path) -> None:
+    """``ckpt stats --json`` prints ``stats()``'s document (figures included), exit 0 on
+    clean weights; the cache goes to the directory given, never elsewhere."""
+    import json
+
+    r = run_cli("stats", formats["dcp"], "--json", "--depth", "2", "--cache-dir",
+                tmp_path / "cache")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    want = stats_doc(formats["dcp"], depth=2)
+    for k in ("tensors", "modules", "anomalies", "format", "scope", "depth"):
+        assert doc[k] == want[k], k
+    assert any((tmp_path / "cache").rglob("*")), "nothing cached in --cache-dir"
