@@ -347,3 +347,156 @@ def test_cli_json_is_the_library_document(formats: dict[str, Path], tmp_path: Pa
     for k in ("tensors", "modules", "anomalies", "format", "scope", "depth"):
         assert doc[k] == want[k], k
     assert any((tmp_path / "cache").rglob("*")), "nothing cached in --cache-dir"
+
+
+# -- windows -------------------------------------------------------------------------------------
+
+def _small_windows(monkeypatch: pytest.MonkeyPatch, window: int) -> list[int]:
+    """Make the engine read in windows of ``window`` bytes (pieces of as many); returns a
+    list that collects the size of every window the kernel is given."""
+    from ckpt_cli.ops.stats import engine
+
+    monkeypatch.setattr(engine, "_MIN_WINDOW", 64)
+    monkeypatch.setattr(engine, "PIECE_BYTES", window)
+    sizes: list[int] = []
+    real = engine.piece_moments
+
+    def counting(arr: Any) -> Any:
+        sizes.append(arr.size)
+        return real(arr)
+
+    monkeypatch.setattr(engine, "piece_moments", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("kind", ["pt", "dcp", "hf-sharded", "lightning"])
+def test_small_windows_change_no_figure(formats: dict[str, Path], kind: str,
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
+    """Read in windows of 12,004 bytes (3,001 values: not a divisor of a row, of DCP's
+    per-rank chunk or of anything else) within the smallest memory budget: the embedding
+    takes 110 windows, each straddling pieces and chunk boundaries, and no figure changes
+    beyond rounding (tensors and modules), still equal to torch's."""
+    from ckpt_cli.storage.reads import MIN_MEMORY
+
+    prefix = LIGHTNING if kind == "lightning" else ""
+    depth = 2 + prefix.count(".")
+    whole = stats_doc(formats[kind], depth=depth)
+    sizes = _small_windows(monkeypatch, 12_004)
+    doc = stats_doc(formats[kind], depth=depth, max_memory=MIN_MEMORY)
+    doc_t = {k.removeprefix(prefix): v for k, v in tensor_docs(doc).items()}
+    for name, fig in tensor_docs(whole).items():
+        assert_same(f"{kind} in small windows: {name}", doc_t[name.removeprefix(prefix)], fig)
+    got_m = {k.removeprefix(prefix): v for k, v in module_docs(doc).items()}
+    for name, fig in module_docs(whole).items():
+        assert_same(f"{kind} in small windows: module {name}", got_m[name.removeprefix(prefix)],
+                    fig)
+    check_tensors(doc, loaded(kind, formats[kind], tmp_path))
+    embed = 640 * 512
+    assert sizes.count(3001) >= embed // 3001, sizes[:20]
+    assert max(sizes) == 3001
+
+
+def test_small_windows_rechunk_16_bit_pieces(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """BF16 values read in pieces of ``window`` bytes hold twice the values a window takes:
+    the windows re-cut the pieces (the ``_Window``), with the same figures as torch's."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+          for k, v in untied(tiny_model().state_dict()).items()}
+    save_file(sd, tmp_path / "bf16.safetensors")
+    torch.save(sd, tmp_path / "bf16.pt")
+    sizes = _small_windows(monkeypatch, 10_006)
+    for f in ("bf16.safetensors", "bf16.pt"):
+        doc = stats_doc(tmp_path / f, depth=1)
+        check_tensors(doc, sd)
+        check_modules(doc, sd, 1)
+    assert max(sizes) == 2501 and sizes.count(2501) >= 2 * (640 * 512 // 2501)
+
+
+# -- dtypes, non-finite values, integers ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_weights(tmp_path: Path, dtype: torch.dtype) -> None:
+    """BF16 and FP16 weights (from ``model.to(dtype)``): figures of the stored values widened
+    exactly, the same from the torch zip and from safetensors, per tensor and module."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model().to(dtype)
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    save_file(untied(model.state_dict()), tmp_path / "m.safetensors")
+    ref = load_file(tmp_path / "m.safetensors")
+    assert ref["embed.weight"].dtype == dtype
+    for f in ("m.pt", "m.safetensors"):
+        doc = stats_doc(tmp_path / f, depth=2)
+        want = "BF16" if dtype == torch.bfloat16 else "F16"
+        assert tensor_docs(doc)["embed.weight"]["dtype"] == want
+        check_tensors(doc, ref)
+        check_modules(doc, unique_storages(torch.load(tmp_path / f, weights_only=True)), 2)
+    # 1e-40 stays a (subnormal) BF16 value but underflows to zero in FP16
+    assert tensor_docs(doc)["embed.weight"]["zeros"] == (1 if dtype == torch.float16 else 0)
+
+
+def _poisoned(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's weights with NaN, +Inf and -Inf put into real tensors, and one tensor
+    entirely NaN (no finite value at all)."""
+    sd = {k: v.to(dtype) if v.is_floating_point() else v
+          for k, v in untied(tiny_model().state_dict()).items()}
+    w = sd["layers.1.mlp.fc.weight"]
+    w[0, 0] = w[5, 3] = w[23, 15] = float("nan")
+    w[1, 1] = w[2, 2] = float("inf")
+    w[3, 3] = float("-inf")
+    sd["embed.weight"][600, 100] = float("-inf")
+    sd["layers.0.attn.q_proj.bias"].fill_(float("nan"))
+    return sd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_values_are_counted_and_left_out(tmp_path: Path,
+                                                    dtype: torch.dtype) -> None:
+    """NaN and ±Inf are counted exactly and kept out of mean/std/min/max/absmax/L2 (torch's
+    figures of the finite values); a tensor with no finite value has no moments; the CLI
+    exits 1 with a ``nan`` and an ``inf`` anomaly naming the modules, and 0 on clean weights."""
+    import json
+
+    from safetensors.torch import save_file
+
+    sd = _poisoned(dtype)
+    save_file(sd, tmp_path / "bad.safetensors")
+    torch.save(sd, tmp_path / "bad.pt")
+    for f in ("bad.safetensors", "bad.pt"):
+        doc = stats_doc(tmp_path / f)
+        check_tensors(doc, sd)
+        check_modules(doc, sd, None)
+    fc = tensor_docs(doc)["layers.1.mlp.fc.weight"]
+    assert (fc["nan"], fc["inf"], fc["numel"]) == (3, 3, 384)
+    gone = tensor_docs(doc)["layers.0.attn.q_proj.bias"]
+    assert gone["nan"] == 16 and gone["mean"] is None and gone["std"] is None
+    r = run_cli("stats", tmp_path / "bad.safetensors", "--json", "--no-cache")
+    assert r.exit_code == 1, r.output
+    flagged = {(a["kind"], a["module"]) for a in json.loads(r.stdout)["anomalies"]}
+    assert flagged == {("nan", "layers.1.mlp.fc"), ("inf", "layers.1.mlp.fc"),
+                       ("nan", "layers.0.attn.q_proj"), ("inf", "embed")}
+    save_file(untied(tiny_model().state_dict()), tmp_path / "good.safetensors")
+    r = run_cli("stats", tmp_path / "good.safetensors", "--json", "--no-cache")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["anomalies"] == []
+
+
+def test_filter_selects_by_glob(formats: dict[str, Path]) -> None:
+    """``--filter`` keeps exactly the names the glob matches (fnmatch, ``*`` across dots),
+    and the modules of those; one matching nothing is an input error (exit 2)."""
+    import fnmatch
+    import json
+
+    names = list(tensor_docs(stats_doc(formats["safetensors"])))
+    for glob in ("layers.*.mlp.*", "*.bias", "layers.1.*", "embed.weight"):
+        r = run_cli("stats", formats["safetensors"], "--filter", glob, "--json", "--no-cache")
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.stdout)
+        want = {n for n in names if fnmatch.fnmatchcase(n, glob)}
+        assert want and set(tensor_docs(doc)) == want, glob
+        assert {m["name"] for m in doc["modules"]} == {module_of(n, None) for n in want}
+    r = run_cli("stats", formats["safetensors"], "--filter", "nothing.*", "--no-cache")
+    assert r.exit_code == 2 and "nothing.*" in r.output
