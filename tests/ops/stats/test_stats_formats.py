@@ -49,7 +49,7 @@ def ref_figures(values: Iterable[torch.Tensor]) -> dict[str, Any]:
         "nan": int(torch.isnan(x).sum()),
         "inf": int(torch.isinf(x).sum()),
         "mean": float(finite.mean()) if n else None,
-        "std": float(finite.std(correction=1)) if n >= 2 else None,
+        "std": _std(finite),
         "min": float(finite.min()) if n else None,
         "max": float(finite.max()) if n else None,
         "absmax": float(finite.abs().max()) if n else None,
@@ -57,6 +57,20 @@ def ref_figures(values: Iterable[torch.Tensor]) -> dict[str, Any]:
         # a mean is defined to rounding of the sum of |x| only: its tolerance scales with it
         "_mean_scale": float(finite.abs().mean()) if n else 0.0,
     }
+
+
+def _std(finite: torch.Tensor) -> float | None:
+    """``std(correction=1)`` in float64, two-pass: ``sqrt(sum((x - mean)**2) / (n - 1))``.
+
+    Not ``torch.std``: on a real Adam ``exp_avg`` (326,144 zeros and 1,536 values near 1e-10)
+    its float64 result is 3.2e-12 relative off the exact value (computed with fractions),
+    while the two-pass sum is within 1e-15 of it (and ckpt's within 3e-14).
+    """
+    n = finite.numel()
+    if n < 2:
+        return None
+    d = finite - finite.mean()
+    return math.sqrt(float((d * d).sum()) / (n - 1))
 
 
 def assert_figures(what: str, got: Mapping[str, Any], want: Mapping[str, Any]) -> None:
@@ -500,3 +514,82 @@ def test_filter_selects_by_glob(formats: dict[str, Path]) -> None:
         assert {m["name"] for m in doc["modules"]} == {module_of(n, None) for n in want}
     r = run_cli("stats", formats["safetensors"], "--filter", "nothing.*", "--no-cache")
     assert r.exit_code == 2 and "nothing.*" in r.output
+
+
+# -- optimizer state and other tensors (--all) ---------------------------------------------------
+
+TINY = 2.0 ** -53
+
+
+def _tiny(t: torch.Tensor) -> int:
+    x = t.detach().reshape(-1).to(torch.float64)
+    return int(((x != 0) & (x.abs() < TINY) & torch.isfinite(x)).sum())
+
+
+def test_all_adds_adam_state_of_a_real_step(tmp_path: Path) -> None:
+    """A training checkpoint after one real Adam step (torch.save of model, optimizer and an
+    int32 counter): by default only the model's tensors and buffers; with ``everything``
+    (``--all``) the optimizer's exp_avg / exp_avg_sq / step too, each equal to torch's figures
+    of the loaded tensor. The embedding's exp_avg_sq holds exact zeros (rows no token used)
+    and ``tiny`` values (a gradient of 1e-9 squared), counted as torch counts them."""
+    import json
+
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ids = torch.tensor([3, 5, 5, 600])
+    x = model.embed(ids)
+    loss = x.sum() * 1e-9 + model.layers[0].mlp.fc(torch.randn(3, 16)).pow(2).sum()
+    loss.backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1,
+                "counter": torch.arange(-5, 1000, dtype=torch.int32)}, tmp_path / "train.pt")
+    ck = torch.load(tmp_path / "train.pt", weights_only=True)
+    weights = {f"model.{k}": v for k, v in ck["model"].items()}
+    state = {f"optimizer.state.{i}.{k}": v for i, s in ck["optimizer"]["state"].items()
+             for k, v in s.items()}
+    assert len(state) == 3 * 3  # the parameters the loss reached: exp_avg, exp_avg_sq, step
+
+    doc = stats_doc(tmp_path / "train.pt")  # the integer counter is grouped as a buffer
+    assert doc["scope"] == "weights" and set(tensor_docs(doc)) == set(weights) | {"counter"}
+    assert tensor_docs(doc)["counter"]["group"] == "buffer"
+    check_tensors(doc, weights)
+
+    r = run_cli("stats", tmp_path / "train.pt", "--all", "--json", "--no-cache")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["scope"] == "all"
+    assert set(tensor_docs(doc)) == set(weights) | set(state) | {"counter"}
+    check_tensors(doc, {**weights, **state, "counter": ck["counter"]})
+    embed = [k for k, v in state.items() if k.endswith("exp_avg_sq") and v.shape == (640, 512)]
+    sq = state[embed[0]]
+    got = tensor_docs(doc)[embed[0]]
+    assert got["zeros"] == int((sq == 0).sum()) == 637 * 512
+    assert got["tiny"] == _tiny(sq) == 3 * 512
+    assert got["max"] == float(sq.max().double())
+    counter = tensor_docs(doc)["counter"]
+    assert (counter["dtype"], counter["min"], counter["max"]) == ("I32", -5.0, 999.0)
+
+
+def test_hf_trainer_checkpoint_with_all(hf_trainer_dir: Path) -> None:
+    """An HF Trainer checkpoint (transformers' own save: model.safetensors, optimizer.pt,
+    rng_state.pth): model weights equal to safetensors' load, and with ``everything`` AdamW's
+    state (per parameter index) and the RNG state's uint8 bytes equal to torch.load's."""
+    from safetensors.torch import load_file
+
+    ck = hf_trainer_dir / "checkpoint-4"
+    model = load_file(ck / "model.safetensors")
+    doc = stats_doc(ck, depth=3)
+    assert set(tensor_docs(doc)) == set(model)
+    check_tensors(doc, model)
+    check_modules(doc, model, 3)
+    opt = torch.load(ck / "optimizer.pt", weights_only=True)
+    state = {f"optimizer.state.{i}.{k}": v for i, s in opt["state"].items()
+             for k, v in s.items()}
+    rng = torch.load(ck / "rng_state.pth", weights_only=False)
+    full = stats_doc(ck, everything=True)
+    assert full["scope"] == "all"
+    check_tensors(full, {**model, **state, "rng_state.cpu": rng["cpu"]})
+    sq = {k: v for k, v in state.items() if k.endswith("exp_avg_sq")}
+    got = tensor_docs(full)
+    assert sum(got[k]["zeros"] for k in sq) == sum(int((v == 0).sum()) for v in sq.values())
+    assert sum(got[k]["tiny"] for k in sq) == sum(_tiny(v) for v in sq.values())
