@@ -593,3 +593,74 @@ def test_hf_trainer_checkpoint_with_all(hf_trainer_dir: Path) -> None:
     got = tensor_docs(full)
     assert sum(got[k]["zeros"] for k in sq) == sum(int((v == 0).sum()) for v in sq.values())
     assert sum(got[k]["tiny"] for k in sq) == sum(_tiny(v) for v in sq.values())
+
+
+# -- FP8 ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fp8_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``ckpt convert --to fp8`` of a tiny Llama (transformers' save) in the block, channel
+    and tensor layouts (block leaves the 400-wide MLP in BF16: not whole 128-blocks)."""
+    from tests.helpers.fp8 import convert_each_layout
+    from tests.helpers.makers import tiny_llama
+
+    with third_party_quiet():
+        src = tiny_llama(tmp_path_factory.mktemp("llama") / "src", 400)
+    return convert_each_layout(src, tmp_path_factory.mktemp("fp8"))
+
+
+def dequantized(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``w.float() * scale`` in FP32, the scale broadcast per 128x128 block (a 2-D scale of
+    more than one column), per row (``[rows, 1]``) or per tensor."""
+    s = scale.float()
+    if s.dim() == 2 and s.shape[1] != 1:
+        s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    return w.float() * s
+
+
+def fp8_reference(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The checkpoint's values as ckpt should read them: FP8 weights dequantized with their
+    scale, scales not on their own; and which scale each FP8 weight was dequantized with."""
+    from tests.helpers.loads import safetensors_dir
+
+    raw = safetensors_dir(out)
+    ref: dict[str, torch.Tensor] = {}
+    scales: dict[str, str] = {}
+    for name, t in raw.items():
+        if name.endswith(("_scale", "_scale_inv")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            key = next(name + s for s in ("_scale_inv", "_scale") if name + s in raw)
+            ref[name] = dequantized(t, raw[key])
+            scales[name] = key
+        else:
+            ref[name] = t
+    return ref, scales
+
+
+@pytest.mark.parametrize("layout", ["block", "channel", "tensor"])
+def test_fp8_figures_are_of_the_dequantized_values(fp8_outputs: dict[str, Path], layout: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 outputs of ``ckpt convert --to fp8``: each FP8 weight's figures are those of
+    ``w.float() * scale`` (broadcast per block, row or tensor; FP32, then float64), the scale
+    named in ``dequantized_with`` and not reported on its own; modules roll up the dequantized
+    values; reading in windows of 1,000 bytes (250 values: across rows, blocks and pieces)
+    changes nothing."""
+    out = fp8_outputs[layout]
+    ref, scales = fp8_reference(out)
+    assert len(scales) == (8 if layout == "block" else 14)
+    doc = stats_doc(out, depth=3)
+    got = tensor_docs(doc)
+    assert set(got) == set(ref)
+    check_tensors(doc, ref)
+    check_modules(doc, ref, 3)
+    for name, t in got.items():
+        assert t["dequantized_with"] == scales.get(name), name
+        assert t["dtype"] == ("F8_E4M3" if name in scales else "BF16"), name
+    sizes = _small_windows(monkeypatch, 1000)
+    small = stats_doc(out, depth=3)
+    assert max(sizes) == 250 and len(sizes) > 4 * 128 * 256 // 250
+    for name, fig in tensor_docs(small).items():
+        assert_same(f"{layout} in small windows: {name}", fig, got[name])
+    for name, fig in module_docs(small).items():
+        assert_same(f"{layout} in small windows: module {name}", fig, module_docs(doc)[name])
