@@ -24,7 +24,7 @@ import torch
 
 from ckpt_cli.ops.stats import StatsOptions, stats
 from ckpt_cli.ops.stats.result import module_of
-from tests.conftest import run_cli, third_party_quiet
+from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
 
 pytestmark = pytest.mark.requires_torch
 
@@ -664,3 +664,78 @@ def test_fp8_figures_are_of_the_dequantized_values(fp8_outputs: dict[str, Path],
         assert_same(f"{layout} in small windows: {name}", fig, got[name])
     for name, fig in module_docs(small).items():
         assert_same(f"{layout} in small windows: module {name}", fig, module_docs(doc)[name])
+
+
+# -- DeepSpeed ZeRO ------------------------------------------------------------------------------
+
+def _zero_to_fp32(save_dir: Path) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own FP32 consolidation (``zero_to_fp32``) of a save directory."""
+    import contextlib
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with third_party_quiet(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(save_dir)))
+
+
+def _ds_states(tag: Path, pattern: str) -> dict[str, Any]:
+    """Each rank file's contents by its stem (torch.load; DeepSpeed's pickles need it)."""
+    with third_party_quiet():
+        return {p.stem: torch.load(p, weights_only=False) for p in sorted(tag.glob(pattern))}
+
+
+@requires_deepspeed
+@pytest.mark.parametrize("cfg", ["z1-fp32", "z2-fp32", "z2-bf16"])
+def test_deepspeed_zero12_weights_and_adam_state(ds_dir: Path, cfg: str) -> None:
+    """DeepSpeed ZeRO-1/2 tag directories (saved by deepspeed on 2 ranks): the model's
+    weights are the model states' ``module`` (torch.load), FP32 ones equal to zero_to_fp32's
+    consolidation; with ``everything`` each rank's Adam exp_avg / exp_avg_sq partition and its
+    FP32 master partition equal torch.load's, zeros and tiny values counted as torch does."""
+    tag = ds_dir / cfg / "global_step3"
+    module = _ds_states(tag, "mp_rank_*_model_states.pt")["mp_rank_00_model_states"]["module"]
+    weights = {f"module.{k}": v for k, v in module.items()}
+    doc = stats_doc(tag, depth=2)
+    assert doc["format"] == "deepspeed" and set(tensor_docs(doc)) == set(weights)
+    check_tensors(doc, weights)
+    check_modules(doc, weights, 2)
+    if cfg.endswith("fp32"):
+        fp32 = {f"module.{k}": v for k, v in _zero_to_fp32(ds_dir / cfg).items()}
+        assert set(fp32) == set(weights)
+        check_tensors(doc, fp32)
+    else:
+        assert tensor_docs(doc)["module.0.weight"]["dtype"] == "BF16"
+    full = stats_doc(tag, everything=True)
+    state: dict[str, torch.Tensor] = {}
+    for stem, ck in _ds_states(tag, "*optim_states.pt").items():
+        osd = ck["optimizer_state_dict"]
+        for k, v in osd["base_optimizer_state"]["state"][0].items():
+            state[f"{stem}.optimizer_state_dict.base_optimizer_state.state.0.{k}"] = v
+        for i, v in enumerate(osd["single_partition_of_fp32_groups"]):
+            state[f"{stem}.optimizer_state_dict.single_partition_of_fp32_groups.{i}"] = v
+    assert len(state) == 2 * 4
+    check_tensors(full, {**weights, **state})
+    got = tensor_docs(full)
+    for name, t in state.items():
+        if name.endswith("exp_avg_sq"):
+            assert got[name]["tiny"] == _tiny(t) and got[name]["zeros"] == int((t == 0).sum())
+
+
+@requires_deepspeed
+@pytest.mark.xfail(strict=True, reason="stats reads ZeRO-3's [0] placeholders and padded flat "
+                   "partitions, not the consolidated parameters")
+@pytest.mark.parametrize("cfg", ["z3-fp32", "z3-bf16"])
+def test_deepspeed_zero3_weights_are_the_consolidated_ones(ds_dir: Path, cfg: str) -> None:
+    """ZeRO-3 keeps the weights only as flat FP32 partitions (the model states hold ``[0]``
+    placeholders; each partition is padded, with whatever the padding's memory held): the
+    weights' figures are those of DeepSpeed's own consolidation (zero_to_fp32), per parameter
+    and module, the padding in none of them."""
+    tag = ds_dir / cfg / "global_step3"
+    fp32 = {f"module.{k}": v for k, v in _zero_to_fp32(ds_dir / cfg).items()}
+    doc = stats_doc(tag, depth=2)
+    assert set(tensor_docs(doc)) == set(fp32)
+    check_tensors(doc, fp32)
+    check_modules(doc, fp32, 2)
+    for name, t in tensor_docs(doc).items():
+        assert t["shape"] == list(fp32[name].shape), name
