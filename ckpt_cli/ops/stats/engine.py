@@ -31,6 +31,8 @@ from ckpt_cli.tensors.source import TensorSource
 if TYPE_CHECKING:
     import numpy as np
 
+    from ckpt_cli.formats.zero import ParamPlan
+
 _MIN_WINDOW = 1 << 20  # bytes: below this, per-window overhead outweighs the memory saved
 
 
@@ -41,10 +43,13 @@ class Target:
     Attributes:
         tensor: The tensor (for an FP8 weight with a scale, the FP8 weight).
         scale: Its scale when it is read dequantized, else None.
+        zero: A ZeRO-3 parameter: how to gather it from the ranks' flat partitions (its
+            ``tensor`` then describes the gathered parameter, stored nowhere as one).
     """
 
     tensor: TensorInfo
     scale: TensorInfo | None = None
+    zero: ParamPlan | None = None
 
     @property
     def numel(self) -> int:
@@ -145,6 +150,9 @@ class _Window:
 
 def _pieces(src: TensorSource, target: Target, piece_bytes: int) -> Iterator[np.ndarray]:
     t = target.tensor
+    if target.zero is not None:
+        yield from _gathered(target.zero, piece_bytes)
+        return
     if target.scale is None:
         yield from src.iter_pieces(t, piece_bytes=piece_bytes, mapped=True)
         return
@@ -153,6 +161,20 @@ def _pieces(src: TensorSource, target: Target, piece_bytes: int) -> Iterator[np.
     scale = src.read(target.scale)
     yield from fp8.dequantize_pieces(src.iter_pieces(t, piece_bytes=piece_bytes, mapped=True),
                                      scale, t.shape, "F32")
+
+
+def _gathered(plan: ParamPlan, piece_bytes: int) -> Iterator[np.ndarray]:
+    """A ZeRO-3 parameter's values, gathered whole from the ranks' partitions (positioned
+    reads of its pieces, padding trimmed: as ``consolidate`` and zero_to_fp32 rebuild it)."""
+    from ckpt_cli.formats.zero import PieceReader
+    from ckpt_cli.tensors.source import split_pieces
+
+    reader = PieceReader()
+    try:
+        arr = reader.read(plan)
+    finally:
+        reader.close()
+    yield from split_pieces(arr, piece_bytes)
 
 
 def _window_elems(window_bytes: int) -> int:
