@@ -346,6 +346,8 @@ def test_same_weights_same_figures_in_every_format(formats: dict[str, Path]) -> 
                 assert_same(f"{kind}: module {name} (depth {d})", fig, mods[name])
     # the tie matters only to the roll-up: 'head' at depth 1 is missing where it is tied
     assert "head" in module_docs(base[1]) and "head" not in module_docs(tied_base[1])
+    # and to what is read: the tied embedding's bytes once
+    assert base[1]["read"]["bytes"] - tied_base[1]["read"]["bytes"] == 640 * 512 * 4
 
 
 def test_cli_json_is_the_library_document(formats: dict[str, Path], tmp_path: Path) -> None:
