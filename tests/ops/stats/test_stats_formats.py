@@ -137,7 +137,7 @@ class Block(torch.nn.Module):
         self.attn = torch.nn.Module()
         self.attn.q_proj = torch.nn.Linear(16, 16)
         self.mlp = torch.nn.Module()
-        self.mlp.fc = torch.nn.Linear(16, 24)
+        self.mlp.fc = torch.nn.Linear(16, 25)  # odd rows: replicated in DCP
         self.ln = torch.nn.LayerNorm(16)
 
 
@@ -486,7 +486,7 @@ def test_non_finite_values_are_counted_and_left_out(tmp_path: Path,
         check_tensors(doc, sd)
         check_modules(doc, sd, None)
     fc = tensor_docs(doc)["layers.1.mlp.fc.weight"]
-    assert (fc["nan"], fc["inf"], fc["numel"]) == (3, 3, 384)
+    assert (fc["nan"], fc["inf"], fc["numel"]) == (3, 3, 400)
     gone = tensor_docs(doc)["layers.0.attn.q_proj.bias"]
     assert gone["nan"] == 16 and gone["mean"] is None and gone["std"] is None
     r = run_cli("stats", tmp_path / "bad.safetensors", "--json", "--no-cache")
@@ -759,3 +759,23 @@ def test_deepspeed_zero3_partitions_that_cannot_be_gathered(ds_dir: Path,
         assert "ZeRO-3 partitions cannot be gathered" in got[n]["error"], n
         assert cut.name in got[n]["error"] and got[n].get("mean") is None
     assert got["module.counter"]["error"] is None and got["module.counter"]["mean"] == 1.0
+
+
+
+def test_views_of_one_storage_in_a_torch_zip(tmp_path: Path) -> None:
+    """torch.save of views of one storage: the whole, its transpose (strided), a row range
+    (an offset into the storage), a column (strided) and the same view twice: each equal to
+    torch's figures of what torch.load gives, only the identical view an alias."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(300, 700, generator=g)
+    base[10, 20] = float("nan")
+    sd = {"m.w": base, "m.wt": base.t(), "m.rows": base[3:7], "m.col": base[:, 2],
+          "m.again": base}
+    torch.save(sd, tmp_path / "views.pt")
+    ref = torch.load(tmp_path / "views.pt", weights_only=True)
+    assert ref["m.wt"].stride() == (1, 700)
+    doc = stats_doc(tmp_path / "views.pt")
+    check_tensors(doc, ref)
+    check_modules(doc, {k: v for k, v in ref.items() if k != "m.again"}, None)
+    assert {t["name"]: t["same_as"] for t in doc["tensors"]} == {
+        "m.w": None, "m.wt": None, "m.rows": None, "m.col": None, "m.again": "m.w"}
