@@ -779,3 +779,24 @@ def test_views_of_one_storage_in_a_torch_zip(tmp_path: Path) -> None:
     check_modules(doc, {k: v for k, v in ref.items() if k != "m.again"}, None)
     assert {t["name"]: t["same_as"] for t in doc["tensors"]} == {
         "m.w": None, "m.wt": None, "m.rows": None, "m.col": None, "m.again": "m.w"}
+
+
+def test_other_dtypes_in_small_windows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP64 (a window spans two pieces), int8, uint8, int64 and bool tensors, saved by
+    safetensors, read with ``everything`` in 4,000-byte windows: torch's figures."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(9)
+    sd = {"a.f64": torch.randn(70, 90, generator=g, dtype=torch.float64) * 1e3,
+          "a.i8": torch.randint(-128, 128, (4001,), generator=g, dtype=torch.int8),
+          "a.u8": torch.randint(0, 256, (3, 1001), generator=g, dtype=torch.uint8),
+          "a.i64": torch.randint(-2**40, 2**40, (999,), generator=g, dtype=torch.int64),
+          "a.mask": torch.rand(5000, generator=g) > 0.3}
+    sd["a.f64"][1, 1] = float("inf")
+    save_file(sd, tmp_path / "d.safetensors")
+    sizes = _small_windows(monkeypatch, 4000)
+    doc = stats_doc(tmp_path / "d.safetensors", everything=True)
+    ref = load_file(tmp_path / "d.safetensors")
+    check_tensors(doc, ref)
+    check_modules(doc, ref, None)
+    assert max(sizes) == 1000 and len(sizes) > 5
