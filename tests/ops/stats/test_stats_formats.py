@@ -11,6 +11,7 @@ give the same figures, per tensor and per module.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -353,7 +354,6 @@ def test_same_weights_same_figures_in_every_format(formats: dict[str, Path]) -> 
 def test_cli_json_is_the_library_document(formats: dict[str, Path], tmp_path: Path) -> None:
     """``ckpt stats --json`` prints ``stats()``'s document (figures included), exit 0 on
     clean weights; the cache goes to the directory given, never elsewhere."""
-    import json
 
     r = run_cli("stats", formats["dcp"], "--json", "--depth", "2", "--cache-dir",
                 tmp_path / "cache")
@@ -474,7 +474,6 @@ def test_non_finite_values_are_counted_and_left_out(tmp_path: Path,
     """NaN and ±Inf are counted exactly and kept out of mean/std/min/max/absmax/L2 (torch's
     figures of the finite values); a tensor with no finite value has no moments; the CLI
     exits 1 with a ``nan`` and an ``inf`` anomaly naming the modules, and 0 on clean weights."""
-    import json
 
     from safetensors.torch import save_file
 
@@ -504,7 +503,6 @@ def test_filter_selects_by_glob(formats: dict[str, Path]) -> None:
     """``--filter`` keeps exactly the names the glob matches (fnmatch, ``*`` across dots),
     and the modules of those; one matching nothing is an input error (exit 2)."""
     import fnmatch
-    import json
 
     names = list(tensor_docs(stats_doc(formats["safetensors"])))
     for glob in ("layers.*.mlp.*", "*.bias", "layers.1.*", "embed.weight"):
@@ -534,7 +532,6 @@ def test_all_adds_adam_state_of_a_real_step(tmp_path: Path) -> None:
     (``--all``) the optimizer's exp_avg / exp_avg_sq / step too, each equal to torch's figures
     of the loaded tensor. The embedding's exp_avg_sq holds exact zeros (rows no token used)
     and ``tiny`` values (a gradient of 1e-9 squared), counted as torch counts them."""
-    import json
 
     model = tiny_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -608,7 +605,8 @@ def fp8_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     with third_party_quiet():
         src = tiny_llama(tmp_path_factory.mktemp("llama") / "src", 400)
-    return convert_each_layout(src, tmp_path_factory.mktemp("fp8"))
+    return convert_each_layout(src, tmp_path_factory.mktemp("fp8"), "--max-shard-size",
+                               "100KB")  # some scales in another shard than their weight
 
 
 def dequantized(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -651,6 +649,9 @@ def test_fp8_figures_are_of_the_dequantized_values(fp8_outputs: dict[str, Path],
     out = fp8_outputs[layout]
     ref, scales = fp8_reference(out)
     assert len(scales) == (8 if layout == "block" else 14)
+    where = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    split = any(where[w] != where[s] for w, s in scales.items())
+    assert split == (layout != "block")  # the block layout's writer keeps the pairs together
     doc = stats_doc(out, depth=3)
     got = tensor_docs(doc)
     assert set(got) == set(ref)
