@@ -36,6 +36,12 @@ COUNTS = ("numel", "zeros", "nan", "inf")
 FLOATS = ("mean", "std", "min", "max", "absmax", "l2")
 
 
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing here writes to the user's cache, even a call that forgets ``--no-cache``."""
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(tmp_path / "ckpt-cache"))
+
+
 # -- references ---------------------------------------------------------------------------
 
 def ref_figures(values: Iterable[torch.Tensor]) -> dict[str, Any]:
