@@ -4,11 +4,12 @@ scales not on their own, tied names (views of the same bytes) read once.
 
 DeepSpeed ZeRO-3 keeps no parameter whole: the model states hold ``[0]`` placeholders and the
 weights are flat FP32 partitions in every rank's optimizer file, each padded (the padding is
-whatever memory held). Each placeholder is read as its parameter gathered from the partitions
-(:mod:`ckpt_cli.formats.zero`, as zero_to_fp32 and ``consolidate`` rebuild it), and its entry in
-the index becomes the gathered parameter's (FP32, its real shape). By default the partitions
-themselves and the other ranks' copies of the model states are left out (they are the same
-weights again, padding included); ``everything`` reads them as stored.
+whatever memory held), frozen parameters fragments in every rank's model states. Each
+placeholder is read as its parameter gathered from them (:mod:`ckpt_cli.formats.zero`, as
+zero_to_fp32 and ``consolidate`` rebuild it), and its entry in the index becomes the gathered
+parameter's (its real shape and dtype). By default the partitions and fragments themselves and
+the other ranks' copies of the model states are left out (they are the same weights again,
+padding included); ``everything`` reads them as stored.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def scope_of(index: CheckpointIndex, *, everything: bool = False,
 
 
 _FLAT_GROUP = re.compile(r"(?:^|\.)fp32_flat_groups\.\d+$")
+_FROZEN = "frozen_param_fragments."  # a rank's share of the frozen parameters
 
 
 @dataclass(slots=True)
@@ -142,7 +144,8 @@ def _zero3(index: CheckpointIndex, everything: bool) -> _Zero3:
         stems = [PurePosixPath(f.path).stem + "." for f in index.files
                  if deepspeed.MODEL_STATES.match(PurePosixPath(f.path).name)]
         out.hidden = {n for n in index.tensors
-                      if _FLAT_GROUP.search(n) or any(n.startswith(s) for s in stems)}
+                      if _FLAT_GROUP.search(n) or n.startswith(_FROZEN)
+                      or any(n.startswith(s) for s in stems)}
     try:
         plan = plan_zero(index.root)
     except CkptError as e:

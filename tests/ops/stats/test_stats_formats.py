@@ -25,7 +25,7 @@ import torch
 
 from ckpt_cli.ops.stats import StatsOptions, stats
 from ckpt_cli.ops.stats.result import module_of
-from tests.conftest import requires_deepspeed, run_cli, third_party_quiet
+from tests.conftest import HAS_DEEPSPEED, requires_deepspeed, run_cli, third_party_quiet
 
 pytestmark = pytest.mark.requires_torch
 
@@ -731,15 +731,28 @@ def test_deepspeed_zero12_weights_and_adam_state(ds_dir: Path, cfg: str) -> None
             assert got[name]["tiny"] == _tiny(t) and got[name]["zeros"] == int((t == 0).sum())
 
 
+@pytest.fixture(scope="module")
+def ds3_frozen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ZeRO-3 with the LayerNorm frozen (its parameters kept as per-rank fragments in the
+    model states), saved by deepspeed itself."""
+    if not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed")
+    from tests.helpers.makers import deepspeed_checkpoints
+
+    return deepspeed_checkpoints(tmp_path_factory.mktemp("ds3"), ["z3-fp32+frozen"])
+
+
 @requires_deepspeed
-@pytest.mark.parametrize("cfg", ["z3-fp32", "z3-bf16"])
-def test_deepspeed_zero3_weights_are_the_consolidated_ones(ds_dir: Path, cfg: str) -> None:
+@pytest.mark.parametrize("cfg", ["z3-fp32", "z3-bf16", "z3-fp32+frozen"])
+def test_deepspeed_zero3_weights_are_the_consolidated_ones(ds_dir: Path, ds3_frozen: Path,
+                                                           cfg: str) -> None:
     """ZeRO-3 keeps the weights only as flat FP32 partitions (the model states hold ``[0]``
-    placeholders; each partition is padded, with whatever the padding's memory held): the
-    weights' figures are those of DeepSpeed's own consolidation (zero_to_fp32), per parameter
-    and module, the padding in none of them."""
-    tag = ds_dir / cfg / "global_step3"
-    fp32 = {f"module.{k}": v for k, v in _zero_to_fp32(ds_dir / cfg).items()}
+    placeholders; each partition is padded, with whatever the padding's memory held) and, for
+    frozen parameters, per-rank fragments: the weights' figures are those of DeepSpeed's own
+    consolidation (zero_to_fp32), per parameter and module, the padding in none of them."""
+    base = ds3_frozen if "frozen" in cfg else ds_dir
+    tag = base / cfg / "global_step3"
+    fp32 = {f"module.{k}": v for k, v in _zero_to_fp32(base / cfg).items()}
     doc = stats_doc(tag, depth=2)
     assert set(tensor_docs(doc)) == set(fp32)
     check_tensors(doc, fp32)
