@@ -677,8 +677,9 @@ def test_fp8_figures_are_of_the_dequantized_values(fp8_outputs: dict[str, Path],
 
 # -- DeepSpeed ZeRO ------------------------------------------------------------------------------
 
-def _zero_to_fp32(save_dir: Path) -> dict[str, torch.Tensor]:
-    """DeepSpeed's own FP32 consolidation (``zero_to_fp32``) of a save directory."""
+def _zero_to_fp32(save_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own FP32 consolidation (``zero_to_fp32``) of a save directory (its
+    ``latest``, or ``tag``)."""
     import contextlib
     import io
 
@@ -686,7 +687,8 @@ def _zero_to_fp32(save_dir: Path) -> dict[str, torch.Tensor]:
 
     with third_party_quiet(), contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(save_dir)))
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag=tag)
+    return {k: v.detach() for k, v in sd.items()}
 
 
 def _ds_states(tag: Path, pattern: str) -> dict[str, Any]:
@@ -733,13 +735,14 @@ def test_deepspeed_zero12_weights_and_adam_state(ds_dir: Path, cfg: str) -> None
 
 @pytest.fixture(scope="module")
 def ds3_frozen(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ZeRO-3 with the LayerNorm frozen (its parameters kept as per-rank fragments in the
-    model states), saved by deepspeed itself."""
+    """ZeRO-3 saved by deepspeed itself: with the LayerNorm frozen (its parameters kept as
+    per-rank fragments in the model states), and saved after each of 3 steps."""
     if not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
     from tests.helpers.makers import deepspeed_checkpoints
 
-    return deepspeed_checkpoints(tmp_path_factory.mktemp("ds3"), ["z3-fp32+frozen"])
+    return deepspeed_checkpoints(tmp_path_factory.mktemp("ds3"),
+                                 ["z3-fp32+frozen", "z3-fp32+each"])
 
 
 @requires_deepspeed
@@ -820,3 +823,30 @@ def test_other_dtypes_in_small_windows(tmp_path: Path, monkeypatch: pytest.Monke
     check_tensors(doc, ref)
     check_modules(doc, ref, None)
     assert max(sizes) == 1000 and len(sizes) > 5
+
+
+
+@requires_deepspeed
+def test_deepspeed_zero3_run_updates(ds3_frozen: Path) -> None:
+    """A ZeRO-3 save directory of 3 steps read as a run: each checkpoint's module figures,
+    and each module's update norm ``||W_t - W_{t-1}||``, equal torch's on zero_to_fp32's
+    consolidation of each tag."""
+    run = ds3_frozen / "z3-fp32+each"
+    doc = stats(run, StatsOptions(cache=False)).json_body()
+    assert doc["mode"] == "run" and doc["anomalies"] == []
+    tags = [c["name"] for c in doc["checkpoints"]]
+    assert tags == ["global_step1", "global_step2", "global_step3"]
+    prev: dict[str, torch.Tensor] | None = None
+    for c in doc["checkpoints"]:
+        now = {f"module.{k}": v for k, v in _zero_to_fp32(run, c["name"]).items()}
+        check_modules(c, now, None)
+        for m in c["modules"]:
+            if prev is None:
+                assert m["update_l2"] is None
+                continue
+            names = [n for n in now if module_of(n, None) == m["name"]]
+            want = float(torch.linalg.vector_norm(torch.cat(
+                [(now[n].double() - prev[n].double()).reshape(-1) for n in names])))
+            assert math.isclose(m["update_l2"], want, rel_tol=REL, abs_tol=1e-300), (
+                f"{c['name']}: module {m['name']}: update {m['update_l2']!r}, torch {want!r}")
+        prev = now
