@@ -850,3 +850,24 @@ def test_deepspeed_zero3_run_updates(ds3_frozen: Path) -> None:
             assert math.isclose(m["update_l2"], want, rel_tol=REL, abs_tol=1e-300), (
                 f"{c['name']}: module {m['name']}: update {m['update_l2']!r}, torch {want!r}")
         prev = now
+
+
+@requires_deepspeed
+def test_deepspeed_zero3_records_are_checked_once(ds_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gathering ZeRO-3 parameters checks the CRC-32 of each zip record holding partitions
+    once per worker thread, not once per parameter (a record holds every parameter's share:
+    once per parameter would read the partitions again for each)."""
+    from ckpt_cli.formats import zero
+
+    calls: list[tuple[int, int]] = []
+    real = zero.crc32_range
+
+    def counting(fd: Any, start: int, length: int) -> Any:
+        calls.append((start, length))
+        return real(fd, start, length)
+
+    monkeypatch.setattr(zero, "crc32_range", counting)
+    doc = stats_doc(ds_dir / "z3-fp32" / "global_step3", jobs=1)
+    assert len([t for t in doc["tensors"] if t["error"] is None]) == 7
+    assert len(calls) == 2, calls  # one flat partition record per rank
