@@ -12,7 +12,8 @@ a strided view, may add its size, as everywhere in ckpt). Jobs run on the worker
 (:func:`~ckpt_cli.storage.reads.run_bounded`); the kernels release the GIL.
 
 FP8 weights that carry a scale are read dequantized (``weight * scale`` in FP32, as torch and
-the engines compute it), a piece at a time.
+the engines compute it), a piece at a time. A ZeRO-3 parameter (:mod:`.scope`) is gathered
+whole from the ranks' partitions, then taken window by window.
 """
 
 from __future__ import annotations

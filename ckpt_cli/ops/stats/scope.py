@@ -4,7 +4,7 @@ scales not on their own, tied names (views of the same bytes) read once.
 
 DeepSpeed ZeRO-3 keeps no parameter whole: the model states hold ``[0]`` placeholders and the
 weights are flat FP32 partitions in every rank's optimizer file, each padded (the padding is
-whatever memory held), frozen parameters fragments in every rank's model states. Each
+whatever memory held), and frozen parameters as fragments in every rank's model states. Each
 placeholder is read as its parameter gathered from them (:mod:`ckpt_cli.formats.zero`, as
 zero_to_fp32 and ``consolidate`` rebuild it), and its entry in the index becomes the gathered
 parameter's (its real shape and dtype). By default the partitions and fragments themselves and
@@ -14,6 +14,7 @@ padding included); ``everything`` reads them as stored.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass, field
@@ -166,6 +167,9 @@ def _zero3(index: CheckpointIndex, everything: bool) -> _Zero3:
         out.plans[name] = p
     out.tied = {f"module.{a}": f"module.{b}" for a, b in plan.aliases.items()
                 if f"module.{a}" in index.tensors and f"module.{b}" in out.plans}
-    for a in out.tied:
+    for a, b in out.tied.items():
         out.plans.pop(a, None)
+        if index.tensors[a].file is not None:
+            index.tensors[a] = dataclasses.replace(index.tensors[b], name=a,
+                                                   group=index.tensors[a].group)
     return out

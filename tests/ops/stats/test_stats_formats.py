@@ -734,34 +734,39 @@ def test_deepspeed_zero12_weights_and_adam_state(ds_dir: Path, cfg: str) -> None
 
 
 @pytest.fixture(scope="module")
-def ds3_frozen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def ds3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ZeRO-3 saved by deepspeed itself: with the LayerNorm frozen (its parameters kept as
-    per-rank fragments in the model states), and saved after each of 3 steps."""
+    per-rank fragments in the model states), with two layers sharing a weight, and saved
+    after each of 3 steps."""
     if not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
     from tests.helpers.makers import deepspeed_checkpoints
 
     return deepspeed_checkpoints(tmp_path_factory.mktemp("ds3"),
-                                 ["z3-fp32+frozen", "z3-fp32+each"])
+                                 ["z3-fp32+frozen", "z3-fp32+tied", "z3-fp32+each"])
 
 
 @requires_deepspeed
-@pytest.mark.parametrize("cfg", ["z3-fp32", "z3-bf16", "z3-fp32+frozen"])
-def test_deepspeed_zero3_weights_are_the_consolidated_ones(ds_dir: Path, ds3_frozen: Path,
+@pytest.mark.parametrize("cfg", ["z3-fp32", "z3-bf16", "z3-fp32+frozen", "z3-fp32+tied"])
+def test_deepspeed_zero3_weights_are_the_consolidated_ones(ds_dir: Path, ds3: Path,
                                                            cfg: str) -> None:
     """ZeRO-3 keeps the weights only as flat FP32 partitions (the model states hold ``[0]``
     placeholders; each partition is padded, with whatever the padding's memory held) and, for
     frozen parameters, per-rank fragments: the weights' figures are those of DeepSpeed's own
-    consolidation (zero_to_fp32), per parameter and module, the padding in none of them."""
-    base = ds3_frozen if "frozen" in cfg else ds_dir
+    consolidation (zero_to_fp32), per parameter and module, the padding in none of them; a
+    shared parameter is its twin's (``same_as``), counted once in the modules."""
+    base = ds3 if "+" in cfg else ds_dir
     tag = base / cfg / "global_step3"
     fp32 = {f"module.{k}": v for k, v in _zero_to_fp32(base / cfg).items()}
     doc = stats_doc(tag, depth=2)
     assert set(tensor_docs(doc)) == set(fp32)
     check_tensors(doc, fp32)
-    check_modules(doc, fp32, 2)
+    check_modules(doc, unique_storages(fp32), 2)
     for name, t in tensor_docs(doc).items():
         assert t["shape"] == list(fp32[name].shape), name
+        assert t["same_as"] == ("module.3.weight" if name == "module.4.weight" else None)
+    if cfg.endswith("tied"):
+        assert fp32["module.4.weight"].data_ptr() == fp32["module.3.weight"].data_ptr()
 
 
 @requires_deepspeed
@@ -827,11 +832,11 @@ def test_other_dtypes_in_small_windows(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 @requires_deepspeed
-def test_deepspeed_zero3_run_updates(ds3_frozen: Path) -> None:
+def test_deepspeed_zero3_run_updates(ds3: Path) -> None:
     """A ZeRO-3 save directory of 3 steps read as a run: each checkpoint's module figures,
     and each module's update norm ``||W_t - W_{t-1}||``, equal torch's on zero_to_fp32's
     consolidation of each tag."""
-    run = ds3_frozen / "z3-fp32+each"
+    run = ds3 / "z3-fp32+each"
     doc = stats(run, StatsOptions(cache=False)).json_body()
     assert doc["mode"] == "run" and doc["anomalies"] == []
     tags = [c["name"] for c in doc["checkpoints"]]
