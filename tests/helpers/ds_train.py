@@ -3,7 +3,8 @@
 Usage: python ds_train.py OUT_DIR CONFIG [CONFIG ...]   where CONFIG is like ``z2-fp32``.
 Each config is saved to OUT_DIR/<config>/ with DeepSpeed's own ``engine.save_checkpoint``, once
 after the last step, or after every step with a ``+each`` suffix (``z1-fp32+each``). A
-``+frozen`` suffix freezes the LayerNorm's parameters (DeepSpeed saves frozen parameters apart).
+``+frozen`` suffix freezes the LayerNorm's parameters (DeepSpeed saves frozen parameters apart);
+``+tied`` appends two layers sharing one weight.
 All configs run inside one pair of processes, so deepspeed is imported only once.
 """
 
@@ -34,6 +35,10 @@ def _worker(rank: int, world: int, port: int, out: str, configs: list[str]) -> N
         model = torch.nn.Sequential(torch.nn.Linear(d_in, d_hid), torch.nn.LayerNorm(d_hid),
                                     torch.nn.Linear(d_hid, d_out))
         model.register_buffer("counter", torch.arange(3, dtype=torch.float32))
+        if "tied" in flags:  # two more layers sharing one weight (DeepSpeed's shared_params)
+            model.append(torch.nn.Linear(d_out, d_out))
+            model.append(torch.nn.Linear(d_out, d_out))
+            model[4].weight = model[3].weight
         if "frozen" in flags:
             for p in model[1].parameters():
                 p.requires_grad_(False)

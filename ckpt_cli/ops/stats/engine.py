@@ -12,7 +12,8 @@ a strided view, may add its size, as everywhere in ckpt). Jobs run on the worker
 (:func:`~ckpt_cli.storage.reads.run_bounded`); the kernels release the GIL.
 
 FP8 weights that carry a scale are read dequantized (``weight * scale`` in FP32, as torch and
-the engines compute it), a piece at a time.
+the engines compute it), a piece at a time. A ZeRO-3 parameter (:mod:`.scope`) is gathered
+whole from the ranks' partitions, then taken window by window.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ckpt_cli.tensors.source import TensorSource
 if TYPE_CHECKING:
     import numpy as np
 
+    from ckpt_cli.formats.zero import ParamPlan, PieceReader
+
 _MIN_WINDOW = 1 << 20  # bytes: below this, per-window overhead outweighs the memory saved
 
 
@@ -41,10 +44,13 @@ class Target:
     Attributes:
         tensor: The tensor (for an FP8 weight with a scale, the FP8 weight).
         scale: Its scale when it is read dequantized, else None.
+        zero: A ZeRO-3 parameter: how to gather it from the ranks' flat partitions (its
+            ``tensor`` then describes the gathered parameter, stored nowhere as one).
     """
 
     tensor: TensorInfo
     scale: TensorInfo | None = None
+    zero: ParamPlan | None = None
 
     @property
     def numel(self) -> int:
@@ -87,13 +93,15 @@ class Work:
 
 
 class _Sources:
-    """One :class:`TensorSource` per checkpoint per worker thread (open files are not shared
-    between threads)."""
+    """One :class:`TensorSource` (and for ZeRO-3 parameters one
+    :class:`~ckpt_cli.formats.zero.PieceReader`) per checkpoint per worker thread: open files
+    are not shared between threads, and a reader checks each zip record's CRC-32 once, not
+    once per parameter whose share it holds."""
 
     def __init__(self, works: list[Work]):
         self.works = works
         self._local = threading.local()
-        self._all: list[TensorSource] = []
+        self._all: list[TensorSource | PieceReader] = []
         self._lock = threading.Lock()
 
     def get(self, i: int) -> TensorSource:
@@ -106,6 +114,19 @@ class _Sources:
             with self._lock:
                 self._all.append(src)
         return src
+
+    def gatherer(self, i: int) -> PieceReader:
+        from ckpt_cli.formats.zero import PieceReader
+
+        mine: dict[int, PieceReader] | None = getattr(self._local, "gather", None)
+        if mine is None:
+            mine = self._local.gather = {}
+        reader = mine.get(i)
+        if reader is None:
+            reader = mine[i] = PieceReader()
+            with self._lock:
+                self._all.append(reader)
+        return reader
 
     def close(self) -> None:
         with self._lock:
@@ -143,8 +164,13 @@ class _Window:
         return np.concatenate(parts)
 
 
-def _pieces(src: TensorSource, target: Target, piece_bytes: int) -> Iterator[np.ndarray]:
+def _pieces(sources: _Sources, i: int, target: Target,
+            piece_bytes: int) -> Iterator[np.ndarray]:
     t = target.tensor
+    if target.zero is not None:
+        yield from _gathered(sources.gatherer(i), target.zero, piece_bytes)
+        return
+    src = sources.get(i)
     if target.scale is None:
         yield from src.iter_pieces(t, piece_bytes=piece_bytes, mapped=True)
         return
@@ -153,6 +179,15 @@ def _pieces(src: TensorSource, target: Target, piece_bytes: int) -> Iterator[np.
     scale = src.read(target.scale)
     yield from fp8.dequantize_pieces(src.iter_pieces(t, piece_bytes=piece_bytes, mapped=True),
                                      scale, t.shape, "F32")
+
+
+def _gathered(reader: PieceReader, plan: ParamPlan,
+              piece_bytes: int) -> Iterator[np.ndarray]:
+    """A ZeRO-3 parameter's values, gathered whole from the ranks' partitions (positioned
+    reads of its pieces, padding trimmed: as ``consolidate`` and zero_to_fp32 rebuild it)."""
+    from ckpt_cli.tensors.source import split_pieces
+
+    yield from split_pieces(reader.read(plan), piece_bytes)
 
 
 def _window_elems(window_bytes: int) -> int:
@@ -221,7 +256,7 @@ def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sour
     for i in chain:
         target = works[i].targets[name]
         try:
-            streams[i] = _Window(_pieces(sources.get(i), target, window_bytes))
+            streams[i] = _Window(_pieces(sources, i, target, window_bytes))
         except CkptError as e:
             works[i].errors[name] = e.message
         figures[i] = Moments()
