@@ -123,9 +123,17 @@ static void two_sum(double a, double b, double *s, double *e) {
     *s = sum;
 }
 
-/* A part from a block's count, provisional mean c, and the sums over its values x of
- * (x - c) and (x - c)**2. */
-static part block_part(int64_t n, double c, double dev, double dev2) {
+/* A part from a block's count n, the sum s of its values, provisional mean c (s / n), and the
+ * sums over its values x of (x - c), |x - c| and (x - c)**2.
+ *
+ * The mean is c plus a correction, taken from whichever of two sources is exact here. Where
+ * the values lie close to c (a LayerNorm weight, 1 +- 1e-7), each x - c is exact (Sterbenz)
+ * and so nearly is their sum: c + dev / n. Where they spread around a mean near zero (Adam's
+ * exp_avg: +-1e-5 around 4e-10), x - c rounds at the scale of x, and that sum's error would
+ * be thousands of times the mean's last digit; there the sum s (FP32 values add exactly in
+ * float64 over a block unless their exponents span ~29 binades) divided exactly by n is:
+ * c + (s - n * c) / n, the remainder computed exactly with an fma. */
+static part block_part(int64_t n, double s, double c, double dev, double absdev, double dev2) {
     part p = empty_part();
     p.n = n;
     if (!isfinite(dev2)) {
@@ -136,7 +144,11 @@ static part block_part(int64_t n, double c, double dev, double dev2) {
         return p;
     }
     double q = dev / (double)n; /* the true mean is c + q */
-    two_sum(c, q, &p.mean, &p.lo);
+    if (absdev <= 0.5 * (double)n * fabs(c) || !isfinite(s)) {
+        two_sum(c, q, &p.mean, &p.lo);
+    } else {
+        two_sum(c, fma(-c, (double)n, s) / (double)n, &p.mean, &p.lo);
+    }
     p.m2 = dev2 - dev * q; /* about the true mean */
     p.m2 = p.m2 < 0.0 ? 0.0 : p.m2;
     p.sumsq = dev2 + 2.0 * c * dev + (double)n * c * c;
@@ -272,11 +284,13 @@ SCALED_MEAN(double)
 
 /* Pass 2 over a block of finite values: the sums of (x - c) and (x - c)**2. */
 #define FAST_PASS2(T)                                                                       \
-    VECTOR static double fast_pass2_##T(const T *x, Py_ssize_t n, double c, double *dev) {        \
-        double s[LANES], s2[LANES];                                                         \
+    VECTOR static double fast_pass2_##T(const T *x, Py_ssize_t n, double c, double *dev,          \
+                                        double *absdev) {                                   \
+        double s[LANES], s2[LANES], a[LANES];                                               \
         for (int j = 0; j < LANES; j++) {                                                   \
             s[j] = 0.0;                                                                     \
             s2[j] = 0.0;                                                                    \
+            a[j] = 0.0;                                                                     \
         }                                                                                   \
         Py_ssize_t i = 0;                                                                   \
         for (; i + LANES <= n; i += LANES) {                                                \
@@ -285,19 +299,23 @@ SCALED_MEAN(double)
                 double d = (double)y[j] - c;                                                \
                 s[j] += d;                                                                  \
                 s2[j] += d * d;                                                             \
+                a[j] += fabs(d);                                                            \
             }                                                                               \
         }                                                                                   \
-        double d1 = 0.0, d2 = 0.0;                                                          \
+        double d1 = 0.0, d2 = 0.0, da = 0.0;                                                \
         for (; i < n; i++) {                                                                \
             double d = (double)x[i] - c;                                                    \
             d1 += d;                                                                        \
             d2 += d * d;                                                                    \
+            da += fabs(d);                                                                  \
         }                                                                                   \
         for (int j = 0; j < LANES; j++) {                                                   \
             d1 += s[j];                                                                     \
             d2 += s2[j];                                                                    \
+            da += a[j];                                                                     \
         }                                                                                   \
         *dev = d1;                                                                          \
+        *absdev = da;                                                                       \
         return d2;                                                                          \
     }
 
@@ -349,11 +367,13 @@ FAST_PASS2(double)
         return sum;                                                                         \
     }                                                                                       \
                                                                                             \
-    VECTOR static double slow_pass2_##T(const T *x, Py_ssize_t n, double c, double *dev) { \
-        double s[LANES], s2[LANES];                                                         \
+    VECTOR static double slow_pass2_##T(const T *x, Py_ssize_t n, double c, double *dev, \
+                                        double *absdev) {                                   \
+        double s[LANES], s2[LANES], a[LANES];                                               \
         for (int j = 0; j < LANES; j++) {                                                   \
             s[j] = 0.0;                                                                     \
             s2[j] = 0.0;                                                                    \
+            a[j] = 0.0;                                                                     \
         }                                                                                   \
         Py_ssize_t i = 0;                                                                   \
         for (; i + LANES <= n; i += LANES) {                                                \
@@ -364,19 +384,23 @@ FAST_PASS2(double)
                 d = v - v == 0.0 ? d : 0.0;                                                 \
                 s[j] += d;                                                                  \
                 s2[j] += d * d;                                                             \
+                a[j] += fabs(d);                                                            \
             }                                                                               \
         }                                                                                   \
-        double d1 = 0.0, d2 = 0.0;                                                          \
+        double d1 = 0.0, d2 = 0.0, da = 0.0;                                                \
         for (; i < n; i++) {                                                                \
             double d = x[i] - x[i] == 0 ? (double)x[i] - c : 0.0;                           \
             d1 += d;                                                                        \
             d2 += d * d;                                                                    \
+            da += fabs(d);                                                                  \
         }                                                                                   \
         for (int j = 0; j < LANES; j++) {                                                   \
             d1 += s[j];                                                                     \
             d2 += s2[j];                                                                    \
+            da += a[j];                                                                     \
         }                                                                                   \
         *dev = d1;                                                                          \
+        *absdev = da;                                                                       \
         return d2;                                                                          \
     }                                                                                       \
                                                                                             \
@@ -394,12 +418,13 @@ FAST_PASS2(double)
         if (count == 0) {                                                                   \
             return empty_part();                                                            \
         }                                                                                   \
-        double c = slow_pass1_##T(x, n, &f->min, &f->max) / (double)count, dev;             \
+        double sum = slow_pass1_##T(x, n, &f->min, &f->max), dev, absdev;                   \
+        double c = sum / (double)count;                                                     \
         if (!isfinite(c)) {                                                                 \
             c = scaled_mean_##T(x, n, count);                                               \
         }                                                                                   \
-        double dev2 = slow_pass2_##T(x, n, c, &dev);                                        \
-        return block_part(count, c, dev, dev2);                                             \
+        double dev2 = slow_pass2_##T(x, n, c, &dev, &absdev);                               \
+        return block_part(count, sum, c, dev, absdev, dev2);                                \
     }
 
 SLOW_BLOCK(float)
@@ -462,9 +487,10 @@ static void block_f32(const float *x, Py_ssize_t n, figures *f, Py_ssize_t ahead
     if (slot_total(f->slots, 255) != bad0) {
         p = slow_block_float(x, n, f);
     } else {
-        double c = fast_pass1_float(x, n, &f->min, &f->max) / (double)n, dev;
-        double dev2 = fast_pass2_float(x, n, c, &dev);
-        p = block_part(n, c, dev, dev2);
+        double sum = fast_pass1_float(x, n, &f->min, &f->max), dev, absdev;
+        double c = sum / (double)n;
+        double dev2 = fast_pass2_float(x, n, c, &dev, &absdev);
+        p = block_part(n, sum, c, dev, absdev, dev2);
     }
     uint64_t low = slot_total(f->slots, 0) - low0;
     if (low) {
@@ -496,12 +522,13 @@ static void block_f64(const double *x, Py_ssize_t n, figures *f, Py_ssize_t ahea
     if (slot_total(f->slots, HIST_BINS) != bad0) {
         p = slow_block_double(x, n, f);
     } else {
-        double c = fast_pass1_double(x, n, &f->min, &f->max) / (double)n, dev;
+        double sum = fast_pass1_double(x, n, &f->min, &f->max), dev, absdev;
+        double c = sum / (double)n;
         if (!isfinite(c)) {
             c = scaled_mean_double(x, n, n);
         }
-        double dev2 = fast_pass2_double(x, n, c, &dev);
-        p = block_part(n, c, dev, dev2);
+        double dev2 = fast_pass2_double(x, n, c, &dev, &absdev);
+        p = block_part(n, sum, c, dev, absdev, dev2);
     }
     if (slot_total(f->slots, 0) != low0) {
         /* Zeros (slot 0's other values, below 2**HIST_LO, are in bin 0 already). */

@@ -160,6 +160,24 @@ def test_pieces_merge_to_the_whole(kernel: str, name: str) -> None:
         assert _close(getattr(merged, f), getattr(whole, f)), f
 
 
+def test_a_mean_near_zero_among_spread_values(kernel: str) -> None:
+    """Adam's exp_avg after a step or two: FP32 values of +-1e-5 whose mean is ~1e-10. Each
+    x - c rounds at the scale of x, which a mean taken from those deviations carries into its
+    last digits (2.3e-12 relative, seen on an HF Trainer run's exp_avg); the sum of FP32
+    values in float64, exact here, gives the mean to the last digit."""
+    g = torch.Generator().manual_seed(11)
+    for n in (768, 2048, 5000):
+        t = torch.randn(n, generator=g) * 2e-6
+        t[::50] *= 500  # a few large values (1e-3), as in a real exp_avg
+        for i in range(1, 5):  # move the sum close to 4e-10 * n, keeping every value FP32
+            t[i] -= (t.double().sum() - 4e-10 * n).float()
+        exact = math.fsum(t.double().tolist()) / n
+        assert abs(exact) < 1e-8
+        got = moments.piece_moments(t.numpy()).mean
+        assert math.isclose(got, exact, rel_tol=1e-12), (kernel, n, got, exact)
+        assert math.isclose(t.double().mean().item(), exact, rel_tol=1e-12)  # torch: too
+
+
 def test_every_16_bit_value(kernel: str) -> None:
     """All 65536 FP16 and BF16 bit patterns (subnormals, both zeros, NaN payloads, Inf), as one
     piece and one value at a time."""

@@ -25,7 +25,7 @@ from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import read_index
 from ckpt_cli.formats.names import in_progress_reason, is_last_copy
 from ckpt_cli.model import CheckpointIndex
-from ckpt_cli.ops.stats.anomalies import detect, detect_one
+from ckpt_cli.ops.stats.anomalies import detect, detect_one, unreadable
 from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, key_of
 from ckpt_cli.ops.stats.engine import Work, compute
 from ckpt_cli.ops.stats.options import StatsOptions
@@ -116,10 +116,12 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
         for cs in shown:  # this part's share: the others' figures are not known yet
             cs.tensors = [t for t in cs.tensors if t.moments is not None or t.error]
         anomalies: list[Anomaly] = []
-    elif run:
-        anomalies = detect(shown, jump=opts.jump)
     else:
-        anomalies = detect_one(shown[0])
+        found = detect(shown, jump=opts.jump) if run else detect_one(shown[0])
+        for cs, ck in zip(shown, ckpts, strict=True):
+            found += unreadable(cs, {**ck.scope.damaged, **ck.entry.errors})
+        order = {cs.name: i for i, cs in enumerate(shown)}
+        anomalies = sorted(found, key=lambda a: order.get(a.checkpoint, 0))  # stable: rules' order
     any_scope = ckpts[0].scope if ckpts else None
     return StatsResult(
         path=where, run=run, checkpoints=shown, anomalies=anomalies,

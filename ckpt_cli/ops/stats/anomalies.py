@@ -21,7 +21,12 @@
   never-restored tensor. One all zeros from the start (a LoRA ``B``, a zero-initialized
   projection) is not flagged.
 
-A single checkpoint is judged on NaN and Inf only (there is nothing to compare it with).
+* ``unreadable``: a tensor whose values could not be read (a truncated or damaged file, a
+  record failing its CRC, ZeRO partitions that cannot be gathered): its figures are unknown,
+  which a gate must not pass.
+
+A single checkpoint is judged on NaN, Inf and unreadable tensors only (there is nothing to
+compare it with).
 """
 
 from __future__ import annotations
@@ -144,3 +149,16 @@ def detect_one(c: CheckpointStats) -> list[Anomaly]:
         if m.suspect_inf:
             out.append(_nonfinite("inf", c, m.name, m.suspect_inf, m.moments.numel))
     return out
+
+
+def unreadable(c: CheckpointStats, errors: dict[str, str]) -> list[Anomaly]:
+    """``unreadable`` anomalies: the tensors of ``c`` whose values could not be read.
+
+    Args:
+        c: The checkpoint's figures (its tensors name their module).
+        errors: Why each tensor could not be read, by name.
+    """
+    modules = {t.name: t.module for t in c.tensors}
+    return [Anomaly(c.step, c.name, modules.get(name, ""), "unreadable",
+                    f"{name}: values not read: {why}", {"tensor": name})
+            for name, why in sorted(errors.items())]

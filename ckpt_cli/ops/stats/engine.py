@@ -228,11 +228,7 @@ def compute(works: list[Work], *, budget: int, threads: int,
     for n, chain in zip(order, chains, strict=True):
         per = max(_MIN_WINDOW, min(PIECE_BYTES, budget // (threads * 2 * len(chain))))
         windows.append(per)
-        cost = 0
-        for i in chain:
-            t = works[i].targets[n]
-            cost += t.nbytes * 2 if t.read_whole else min(t.nbytes, per) * 3
-        costs.append(cost)
+        costs.append(sum(_cost(works[i].targets[n], per) for i in chain))
     _enough_files(threads * sum(min(64, len(w.index.files) or 1) for w in works))
     sources = _Sources(works)
 
@@ -306,6 +302,16 @@ def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sour
         close = getattr(s.pieces, "close", None)
         if close is not None:
             close()  # a generator stopped early releases its file mapping now
+
+
+def _cost(t: Target, window: int) -> int:
+    """Memory one checkpoint's share of a job holds: its piece and the window cut from it (a
+    copy only where a window straddles two pieces), or the whole tensor twice where its layout
+    is read whole; an FP8 weight adds its scale and the FP32 values of a window."""
+    held = t.tensor.nbytes * 2 if t.read_whole else min(t.tensor.nbytes, window) * 2
+    if t.scale is not None:
+        held += t.scale.nbytes + 4 * min(t.numel, window)
+    return held
 
 
 def _enough_files(needed: int) -> None:

@@ -27,7 +27,7 @@ def figures(m: Moments, *, hist: bool = False) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "numel": m.numel, "mean": m.mean if m.count else None, "std": _num(m.std),
         "min": m.min if m.count else None, "max": m.max if m.count else None,
-        "absmax": m.absmax, "l2": _num(m.l2) if m.count else None, "zeros": m.zeros,
+        "absmax": m.absmax, "l2": _num(m.l2), "zeros": m.zeros,
         "nan": m.nan, "inf": m.inf, "tiny": m.tiny}
     if hist:
         used = [i for i, c in enumerate(m.hist) if c]
@@ -147,8 +147,8 @@ class Anomaly:
         step: The checkpoint's step (None when unknown).
         checkpoint: The checkpoint's name.
         module: The module.
-        kind: ``nan`` or ``inf`` (appeared), ``norm-jump``, ``frozen`` (stopped changing) or
-            ``dead`` (a tensor became all zeros).
+        kind: ``nan`` or ``inf`` (appeared), ``norm-jump``, ``frozen`` (stopped changing),
+            ``dead`` (a tensor became all zeros) or ``unreadable`` (values not read).
         message: One line in plain words.
         figures: The figures that triggered it.
     """
@@ -165,7 +165,7 @@ class Anomaly:
                 "kind": self.kind, "message": self.message, **self.figures}
 
 
-ANOMALY_KINDS = ("nan", "inf", "norm-jump", "frozen", "dead")
+ANOMALY_KINDS = ("nan", "inf", "norm-jump", "frozen", "dead", "unreadable")
 
 
 @dataclass(slots=True)

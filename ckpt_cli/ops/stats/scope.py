@@ -41,6 +41,8 @@ class Scope:
         targets: Tensors read, by name.
         aliases: Names that view the same bytes as a name read (tied weights): name -> it.
         skipped: Tensors in scope whose values cannot be read, with why.
+        damaged: Those of them that cannot be read because the checkpoint is damaged (ZeRO-3
+            partitions that cannot be gathered), not because of what they are: anomalies.
         scales: Scales read with their FP8 weight, not on their own.
         widened: The scope is every tensor because the checkpoint holds no model weights.
     """
@@ -48,6 +50,7 @@ class Scope:
     targets: dict[str, Target] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    damaged: dict[str, str] = field(default_factory=dict)
     scales: set[str] = field(default_factory=set)
     widened: bool = False
 
@@ -91,7 +94,7 @@ def scope_of(index: CheckpointIndex, *, everything: bool = False,
             out.aliases[name] = zero.tied[name]
             continue
         if name in zero.unread:
-            out.skipped[name] = zero.unread[name]
+            out.skipped[name] = out.damaged[name] = zero.unread[name]
             continue
         if t.kind != "dense":
             out.skipped[name] = f"a {t.kind} tensor (no dense values to read)"

@@ -771,13 +771,19 @@ def test_deepspeed_zero3_partitions_that_cannot_be_gathered(ds_dir: Path,
     shutil.copytree(ds_dir / "z3-fp32" / "global_step3", tag)
     cut = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
-    got = tensor_docs(stats_doc(tag))
+    doc = stats_doc(tag)
+    got = tensor_docs(doc)
     params = [n for n in got if n != "module.counter"]
     assert len(params) == 6
     for n in params:
         assert "ZeRO-3 partitions cannot be gathered" in got[n]["error"], n
         assert cut.name in got[n]["error"] and got[n].get("mean") is None
     assert got["module.counter"]["error"] is None and got["module.counter"]["mean"] == 1.0
+    # Figures that could not be computed fail the gate: one `unreadable` anomaly per tensor.
+    assert sorted(a["tensor"] for a in doc["anomalies"] if a["kind"] == "unreadable") == \
+        sorted(params)
+    r = run_cli("stats", tag, "--no-cache")
+    assert r.exit_code == 1 and "unreadable" in r.stdout
 
 
 
