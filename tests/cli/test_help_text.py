@@ -139,7 +139,7 @@ def test_usage_names_arguments_by_metavar(name: str) -> None:
                         usage), usage
     want = {"diff": "A B", "inspect": "PATH", "validate": "PATH", "convert": "SOURCE",
             "consolidate": "SOURCE", "prune": "RUN_DIR", "sample": "DEST", "plan": "",
-            "watch": "RUN_DIR", "resume-path": "RUN_DIR"}
+            "watch": "RUN_DIR", "resume-path": "RUN_DIR", "stats": "PATH"}
     assert usage.removeprefix(f"Usage: ckpt {name} [OPTIONS]").strip() == want[name]
 
 
