@@ -108,6 +108,15 @@ class TensorInfo:
         """Whether the dtype is a real floating-point type."""
         return dtypes.DTYPES[self.dtype].is_floating
 
+    @property
+    def view_key(self) -> tuple[object, ...] | None:
+        """What two names of one stored view share (tied weights: the same bytes read the same
+        way), so that readers of values read them once; None for a tensor whose bytes are not
+        in a file of the checkpoint (nothing to share)."""
+        if self.file is None:
+            return None
+        return (self.file, self.offset, self.shape, self.stride, self.dtype, self.chunks)
+
 
 @dataclass(frozen=True, slots=True)
 class FileInfo:

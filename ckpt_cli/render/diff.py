@@ -224,13 +224,10 @@ def _meta_line(r: DiffResult) -> str:
     return "; ".join(parts)
 
 
-def _add(table: Table, *cells: str | Text, style: str | None = None) -> None:
-    """Add a row; plain strings are literal text (tensor names may contain rich markup)."""
-    table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells), style=style)
-
-
 _BAR = 12
 _Col = human.Col
+_add = human.add_row
+_section = human.section
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -341,14 +338,6 @@ def _meta_title(r: DiffResult) -> str:
     head = f"{real} difference{'s' if real != 1 else ''}"
     return f"Metadata ({n:,}: {head}" + (f"; not differences: {', '.join(kinds)}" if kinds
                                          else "") + ")"
-
-
-def _section(out: Console, title: str, total: int, shown: int, body: Table) -> None:
-    out.print()
-    out.print(Text(title, style="bold"))
-    out.print(body)
-    if shown < total:
-        out.print(Text(f"… {total - shown:,} more (--top 0 shows all)", style="dim"))
 
 
 def render(r: DiffResult, path_a: str, path_b: str, *, top: int | None = 20,

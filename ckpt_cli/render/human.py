@@ -297,6 +297,20 @@ def table(*cols: Col, show_header: bool = True) -> FitTable:
     return t
 
 
+def add_row(table: Table, *cells: str | Text, style: str | None = None) -> None:
+    """Add a row; plain strings are literal text (tensor names may contain rich markup)."""
+    table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells), style=style)
+
+
+def section(out: Console, title: str, total: int, shown: int, body: Table) -> None:
+    """A titled table of ``shown`` of ``total`` rows, saying how many more ``--top 0`` shows."""
+    out.print()
+    out.print(Text(title, style="bold"))
+    out.print(body)
+    if shown < total:
+        out.print(Text(f"… {total - shown:,} more (--top 0 shows all)", style="dim"))
+
+
 def grid(label_style: str = "bold") -> FitTable:
     """A two-column grid of labels and facts (a summary): labels whole, facts wrapped.
 

@@ -15,6 +15,8 @@ from ckpt_cli.ops.stats.result import CheckpointStats, ModuleStats, StatsResult,
 from ckpt_cli.render import human
 
 _Col = human.Col
+_add = human.add_row
+_section = human.section
 _BAR = 12
 _SPARKS = "▁▂▃▄▅▆▇█"
 
@@ -52,22 +54,6 @@ def _g(x: float | None) -> str:
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
     return f"{x:.4g}"
-
-
-def _cell(c: str | Text) -> Text:
-    return Text(c) if isinstance(c, str) else c
-
-
-def _add(table: Table, *cells: str | Text, style: str | None = None) -> None:
-    table.add_row(*(_cell(c) for c in cells), style=style)
-
-
-def _section(out: Console, title: str, total: int, shown: int, body: Table) -> None:
-    out.print()
-    out.print(Text(title, style="bold"))
-    out.print(body)
-    if shown < total:
-        out.print(Text(f"… {total - shown:,} more (--top 0 shows all)", style="dim"))
 
 
 def _bad(nan: int, inf: int) -> Text:

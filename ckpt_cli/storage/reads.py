@@ -28,7 +28,7 @@ from concurrent.futures import (
     wait,
 )
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.storage import access, stages
@@ -88,6 +88,8 @@ def memory_budget(max_memory: int | None) -> int:
     return max_memory
 
 T = TypeVar("T")
+K = TypeVar("K")
+C = TypeVar("C")
 
 ProgressFn = Callable[[str, int, int], None]
 """``on_progress(label, bytes_done, bytes_total)``: called from the calling thread only."""
@@ -462,6 +464,41 @@ def run_bounded(jobs: Sequence[Callable[[Meter], T]], costs: Sequence[int], *, b
         raise
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
+
+
+class PerThread(Generic[K, C]):
+    """One object per key per worker thread, made on first use and all closed together: what
+    threads reading at once need of things that must not be shared between them (a tensor
+    source's open files and record checks).
+
+    Args:
+        make: Makes the object of a key (called on the thread that first asks for it).
+    """
+
+    def __init__(self, make: Callable[[K], C]):
+        self._make = make
+        self._local = threading.local()
+        self._all: list[C] = []
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> C:
+        """This thread's object for ``key``."""
+        mine: dict[K, C] | None = getattr(self._local, "objects", None)
+        if mine is None:
+            mine = self._local.objects = {}
+        obj = mine.get(key)
+        if obj is None:
+            obj = mine[key] = self._make(key)
+            with self._lock:
+                self._all.append(obj)
+        return obj
+
+    def close(self) -> None:
+        """Close every object made, on every thread."""
+        with self._lock:
+            for obj in self._all:
+                obj.close()  # type: ignore[attr-defined]
+            self._all.clear()
 
 
 class OpenFiles:

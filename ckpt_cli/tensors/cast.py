@@ -333,16 +333,11 @@ _SUB = 1 << 16  # elements per pass of f32_to_f16: its temporaries stay in the L
 def _compiled_f16() -> Callable[[Any, Any], None] | None:
     """The compiled F16C kernel's function (``ckpt_cli.tensors._f16c``), or None where it was
     not built, the CPU lacks F16C, or ``CKPT_NO_F16C`` is set (numpy's kernel then)."""
-    if os.environ.get("CKPT_NO_F16C") is not None:
-        return None
-    import importlib
+    from ckpt_cli.tensors.extensions import load
 
-    try:
-        f16c = importlib.import_module("ckpt_cli.tensors._f16c")
-    except ImportError:
-        return None
-    kernel: Callable[[Any, Any], None] = f16c.f32_to_f16
-    return kernel if f16c.available else None
+    f16c = load("_f16c", "CKPT_NO_F16C")
+    kernel: Callable[[Any, Any], None] | None = None if f16c is None else f16c.f32_to_f16
+    return kernel
 
 
 def f16_kernel() -> str:

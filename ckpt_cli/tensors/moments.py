@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -94,17 +93,8 @@ class Moments:
 
     def merge(self, other: Moments) -> None:
         """Add ``other``'s values to these figures (Chan et al.'s pairwise update)."""
-        n = self.count + other.count
-        if other.count:
-            delta = other.mean - self.mean
-            if self.count:
-                self.m2 += other.m2 + delta * delta * (self.count * other.count / n)
-                self.mean += delta * (other.count / n)
-            else:
-                self.m2, self.mean = other.m2, other.mean
-        self.count = n
+        self.add_spread(other.count, other.mean, other.m2, other.sumsq)
         self.numel += other.numel
-        self.sumsq += other.sumsq
         self.min = min(self.min, other.min)
         self.max = max(self.max, other.max)
         self.zeros += other.zeros
@@ -112,6 +102,21 @@ class Moments:
         self.posinf += other.posinf
         self.neginf += other.neginf
         self.hist = [a + b for a, b in zip(self.hist, other.hist, strict=True)]
+
+    def add_spread(self, count: int, mean: float, m2: float, sumsq: float) -> None:
+        """Add the count and moments of ``count`` more finite values (Chan et al.'s update):
+        the part of :meth:`merge` the numpy kernel does per block, without extremes, counts
+        of specials or histogram."""
+        n = self.count + count
+        if count:
+            delta = mean - self.mean
+            if self.count:
+                self.m2 += m2 + delta * delta * (self.count * count / n)
+                self.mean += delta * (count / n)
+            else:
+                self.m2, self.mean = m2, mean
+        self.count = n
+        self.sumsq += sumsq
 
     @property
     def std(self) -> float | None:
@@ -194,15 +199,9 @@ _KERNEL_DTYPES = ("float32", "float64", "float16", "bfloat16")
 def _compiled() -> Any:
     """The compiled module (``ckpt_cli.tensors._moments``), or None where it was not built or
     ``CKPT_NO_COMPILED_MOMENTS`` is set."""
-    if os.environ.get("CKPT_NO_COMPILED_MOMENTS") is not None:
-        return None
-    import importlib
+    from ckpt_cli.tensors.extensions import load
 
-    try:
-        module = importlib.import_module("ckpt_cli.tensors._moments")
-    except ImportError:
-        return None
-    return module if module.available else None
+    return load("_moments", "CKPT_NO_COMPILED_MOMENTS")
 
 
 def moments_kernel() -> str:
@@ -289,31 +288,15 @@ def numpy_piece_moments(arr: np.ndarray) -> Moments:
             blk = x[i:i + BLOCK]
             d = buf[:blk.size]
             np.copyto(d, blk)
-            block = Moments(numel=blk.size, count=blk.size)
-            block.mean = float(np.add.reduce(d)) / blk.size
+            mean = float(np.add.reduce(d)) / blk.size
             # einsum, not np.dot: BLAS's threads, woken for every block, made this kernel
             # 5-15x slower on a busy machine (and oversubscribe the stats threads).
-            block.sumsq = float(np.einsum("i,i->", d, d))
-            d -= block.mean
-            block.m2 = float(np.einsum("i,i->", d, d))
-            block.hist = []  # merged below, not per block
-            _add_block(out, block)
+            sumsq = float(np.einsum("i,i->", d, d))
+            d -= mean
+            out.add_spread(blk.size, mean, float(np.einsum("i,i->", d, d)), sumsq)
             _binades(blk, hist)
     out.hist = hist.tolist()
     return out
-
-
-def _add_block(out: Moments, b: Moments) -> None:
-    """:meth:`Moments.merge` of a block's count and moments only (no extremes or hist)."""
-    n = out.count + b.count
-    delta = b.mean - out.mean
-    if out.count:
-        out.m2 += b.m2 + delta * delta * (out.count * b.count / n)
-        out.mean += delta * (b.count / n)
-    else:
-        out.m2, out.mean = b.m2, b.mean
-    out.count = n
-    out.sumsq += b.sumsq
 
 
 def _binades(x: np.ndarray, hist: np.ndarray) -> None:

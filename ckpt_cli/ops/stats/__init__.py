@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ckpt_cli import storage
+from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import read_index
 from ckpt_cli.formats.names import in_progress_reason, is_last_copy
 from ckpt_cli.model import CheckpointIndex
-from ckpt_cli.ops.stats.anomalies import detect, detect_one, unreadable
+from ckpt_cli.ops.stats.anomalies import detect, unreadable
 from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, key_of
 from ckpt_cli.ops.stats.engine import Work, compute
 from ckpt_cli.ops.stats.options import StatsOptions
@@ -94,7 +94,7 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
     ckpts = _run_checkpoints(where, opts, skipped, cache) if run else [
         _one_checkpoint(where, opts, cache)]
     works = _plan(ckpts, run)
-    select = _part_select(ckpts, works, opts)
+    select = _part_select(ckpts, opts)
     budget = memory_budget(opts.max_memory)
     read = compute(works, budget=budget, threads=opts.jobs or worker_threads(),
                    on_progress=on_progress, select=select)
@@ -102,22 +102,23 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
         _remember(c, w, cache, ckpts)
     part = None
     if opts.part is not None:
+        # What every part cached so far, read once: the whole, when nothing is left to read.
         # Tensors that could not be read here are not waited for: no part will cache them.
+        reloaded = [_reloaded(c, cache) for c in ckpts]
+        left = _plan(reloaded, run)
         complete = all(not (w.stats | w.updates) - c.entry.errors.keys()
-                       for c, w in zip(ckpts, _plan([_reloaded(c, cache) for c in ckpts], run),
-                                       strict=True))
+                       for c, w in zip(ckpts, left, strict=True))
         part = {"part": opts.part.index, "parts": opts.part.count, "complete": complete,
                 "tensors": sum(len(w.got) for w in works)}
         if complete:
-            ckpts = [_reloaded(c, cache) for c in ckpts]
-            works = _plan(ckpts, run)
+            ckpts, works = reloaded, left
     shown = _assemble(ckpts, works, opts, run)
     if part is not None and not part["complete"]:
         for cs in shown:  # this part's share: the others' figures are not known yet
             cs.tensors = [t for t in cs.tensors if t.moments is not None or t.error]
         anomalies: list[Anomaly] = []
     else:
-        found = detect(shown, jump=opts.jump) if run else detect_one(shown[0])
+        found = detect(shown, jump=opts.jump)  # one checkpoint: NaN and Inf only
         for cs, ck in zip(shown, ckpts, strict=True):
             found += unreadable(cs, {**ck.scope.damaged, **ck.entry.errors})
         order = {cs.name: i for i, cs in enumerate(shown)}
@@ -135,10 +136,6 @@ def _open(path: Path, opts: StatsOptions, cache: FigureCache) -> tuple[Checkpoin
                                                                        Scope, Entry]:
     index = read_index(path, opts.fmt)
     scope = scope_of(index, everything=opts.everything, filter_glob=opts.filter_glob)
-    for name, same in index.aliases.items():  # tied copies found by value (DCP): read once
-        if name in scope.targets and same in scope.targets:
-            del scope.targets[name]
-            scope.aliases[name] = same
     entry = cache.load(key_of(identity(index))) if cache.enabled else Entry("")
     return index, scope, entry
 
@@ -212,8 +209,7 @@ def _plan(ckpts: list[_Checkpoint], run: bool) -> list[Work]:
     return works
 
 
-def _part_select(ckpts: list[_Checkpoint], works: list[Work],
-                 opts: StatsOptions) -> Callable[[str], bool] | None:
+def _part_select(ckpts: list[_Checkpoint], opts: StatsOptions) -> Callable[[str], bool] | None:
     if opts.part is None:
         return None
     from ckpt_cli.parts import assign
@@ -276,6 +272,9 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
             ms.moments.merge(m)
             if t.group == "buffer":
                 ms.masks += m.neginf
+            info = dtypes.DTYPES.get(t.dtype)
+            if info is None or info.kind not in ("int", "uint", "bool"):
+                ms.float_sumsq = (ms.float_sumsq or 0.0) + m.sumsq
             if prev_c is not None and name in updates:
                 sq = updates[name]
                 before = prev_c.entry.tensors.get(name)

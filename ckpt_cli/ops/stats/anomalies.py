@@ -26,31 +26,14 @@
   which a gate must not pass.
 
 A single checkpoint is judged on NaN, Inf and unreadable tensors only (there is nothing to
-compare it with).
+compare it with): :func:`detect` of a list of one.
 """
 
 from __future__ import annotations
 
 import math
 
-from ckpt_cli import dtypes
 from ckpt_cli.ops.stats.result import Anomaly, CheckpointStats
-
-
-def _float_l2(c: CheckpointStats) -> dict[str, float | None]:
-    """Per module, the L2 norm of its floating-point tensors (None: integer tensors only),
-    from the tensors rolled into its figures (tied copies once, unread ones not at all)."""
-    sq: dict[str, float | None] = {}
-    for t in c.tensors:
-        m = t.moments
-        if m is None or t.same_as is not None or t.error is not None:
-            continue
-        info = dtypes.DTYPES.get(t.dtype)
-        if info is not None and info.kind in ("int", "uint", "bool"):
-            sq.setdefault(t.module, None)
-        else:
-            sq[t.module] = (sq.get(t.module) or 0.0) + m.sumsq
-    return {k: None if v is None else math.sqrt(v) for k, v in sq.items()}
 
 
 def _advanced(prev: CheckpointStats | None, c: CheckpointStats) -> bool:
@@ -94,14 +77,10 @@ def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
     """
     out: list[Anomaly] = []
     prev: CheckpointStats | None = None
-    before: CheckpointStats | None = None
-    norms: dict[str, float | None] = {}
     zero_at: dict[str, int] = {}  # module -> the last step where its norm was zero
     for c in checkpoints:
         pm = {m.name: m for m in prev.modules} if prev is not None else {}
-        bm = {m.name: m for m in before.modules} if before is not None else {}
         pt = {t.name: t for t in prev.tensors} if prev is not None else {}
-        old_norms, norms = norms, _float_l2(c)
         for m in c.modules:
             old = pm.get(m.name)
             mo = m.moments
@@ -109,18 +88,17 @@ def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
                 out.append(_nonfinite("nan", c, m.name, mo.nan, mo.numel))
             if m.suspect_inf and (old is None or not old.suspect_inf):
                 out.append(_nonfinite("inf", c, m.name, m.suspect_inf, mo.numel))
-            now = norms.get(m.name, mo.l2)
+            now = m.float_l2
             if now == 0.0 and c.step is not None:
                 zero_at[m.name] = c.step
             if old is None:
                 continue
-            was = old_norms.get(m.name, old.moments.l2)
-            flagged = _jump(c, prev, m.name, was, now, jump, zero_at.get(m.name))
+            flagged = _jump(c, prev, m.name, old.float_l2, now, jump, zero_at.get(m.name))
             if flagged is not None:
                 out.append(flagged)
-            older = bm.get(m.name)
+            # old.update > 0: it changed between the two checkpoints before this one.
             if (m.update == 0.0 and old.update is not None and old.update > 0
-                    and older is not None and _advanced(prev, c)):
+                    and _advanced(prev, c)):
                 out.append(Anomaly(c.step, c.name, m.name, "frozen",
                                    "weights unchanged since the previous checkpoint, after "
                                    f"changing before it (update ratio {old.update_ratio or 0:.3g})",
@@ -136,18 +114,7 @@ def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
                 out.append(Anomaly(c.step, c.name, t.module, "dead",
                                    f"{t.name}: all {tm.numel:,} values became zero",
                                    {"tensor": t.name, "numel": tm.numel}))
-        before, prev = prev, c
-    return out
-
-
-def detect_one(c: CheckpointStats) -> list[Anomaly]:
-    """A single checkpoint's anomalies: modules holding NaN or infinite values."""
-    out: list[Anomaly] = []
-    for m in c.modules:
-        if m.moments.nan:
-            out.append(_nonfinite("nan", c, m.name, m.moments.nan, m.moments.numel))
-        if m.suspect_inf:
-            out.append(_nonfinite("inf", c, m.name, m.suspect_inf, m.moments.numel))
+        prev = c
     return out
 
 

@@ -18,14 +18,13 @@ whole from the ranks' partitions, then taken window by window.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex, TensorInfo
-from ckpt_cli.storage.reads import PIECE_BYTES, Meter, ProgressFn, run_bounded
+from ckpt_cli.storage.reads import PIECE_BYTES, Meter, PerThread, ProgressFn, run_bounded
 from ckpt_cli.tensors.moments import Moments, diff_sumsq, piece_moments
 from ckpt_cli.tensors.source import TensorSource
 
@@ -99,40 +98,19 @@ class _Sources:
     once per parameter whose share it holds."""
 
     def __init__(self, works: list[Work]):
-        self.works = works
-        self._local = threading.local()
-        self._all: list[TensorSource | PieceReader] = []
-        self._lock = threading.Lock()
-
-    def get(self, i: int) -> TensorSource:
-        mine: dict[int, TensorSource] | None = getattr(self._local, "src", None)
-        if mine is None:
-            mine = self._local.src = {}
-        src = mine.get(i)
-        if src is None:
-            src = mine[i] = TensorSource(self.works[i].index)
-            with self._lock:
-                self._all.append(src)
-        return src
-
-    def gatherer(self, i: int) -> PieceReader:
-        from ckpt_cli.formats.zero import PieceReader
-
-        mine: dict[int, PieceReader] | None = getattr(self._local, "gather", None)
-        if mine is None:
-            mine = self._local.gather = {}
-        reader = mine.get(i)
-        if reader is None:
-            reader = mine[i] = PieceReader()
-            with self._lock:
-                self._all.append(reader)
-        return reader
+        self.sources: PerThread[int, TensorSource] = PerThread(
+            lambda i: TensorSource(works[i].index))
+        self.gatherers: PerThread[int, PieceReader] = PerThread(lambda _: _piece_reader())
 
     def close(self) -> None:
-        with self._lock:
-            for src in self._all:
-                src.close()
-            self._all.clear()
+        self.sources.close()
+        self.gatherers.close()
+
+
+def _piece_reader() -> PieceReader:
+    from ckpt_cli.formats.zero import PieceReader
+
+    return PieceReader()
 
 
 class _Window:
@@ -168,9 +146,9 @@ def _pieces(sources: _Sources, i: int, target: Target,
             piece_bytes: int) -> Iterator[np.ndarray]:
     t = target.tensor
     if target.zero is not None:
-        yield from _gathered(sources.gatherer(i), target.zero, piece_bytes)
+        yield from _gathered(sources.gatherers.get(i), target.zero, piece_bytes)
         return
-    src = sources.get(i)
+    src = sources.sources.get(i)
     if target.scale is None:
         yield from src.iter_pieces(t, piece_bytes=piece_bytes, mapped=True)
         return

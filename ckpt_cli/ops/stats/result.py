@@ -87,6 +87,9 @@ class ModuleStats:
         previous_l2: The previous checkpoint's L2 norm of the same tensors.
         masks: -Inf values of its buffers (attention masks hold them on purpose: counted in
             ``inf``, never flagged).
+        float_sumsq: Sum of squares of its floating-point tensors only (None: it has none);
+            an integer buffer (BatchNorm's ``num_batches_tracked``) counts steps, and its norm
+            grows with them, not with the weights' health.
     """
 
     name: str
@@ -95,6 +98,13 @@ class ModuleStats:
     update: float | None = None
     previous_l2: float | None = None
     masks: int = 0
+    float_sumsq: float | None = None
+
+    @property
+    def float_l2(self) -> float | None:
+        """L2 norm of its floating-point tensors (None: it has none): what norm jumps are
+        judged on."""
+        return None if self.float_sumsq is None else math.sqrt(self.float_sumsq)
 
     @property
     def suspect_inf(self) -> int:

@@ -103,13 +103,18 @@ def scope_of(index: CheckpointIndex, *, everything: bool = False,
         if info is None or info.numpy_name is None:
             out.skipped[name] = f"{t.dtype} values are packed below a byte (not read)"
             continue
-        key = (t.file, t.offset, t.shape, t.stride, t.dtype, t.chunks)
-        if t.file is not None and key in seen:
-            out.aliases[name] = seen[key]
-            continue
-        seen[key] = name
+        key = t.view_key
+        if key is not None:
+            if key in seen:
+                out.aliases[name] = seen[key]
+                continue
+            seen[key] = name
         pair = pairs.get(name)
         out.targets[name] = Target(t, pair.scale if pair is not None else None)
+    for name, same in index.aliases.items():  # tied copies found by value (DCP): read once
+        if name in out.targets and same in out.targets:
+            del out.targets[name]
+            out.aliases[name] = same
     return out
 
 

@@ -12,7 +12,6 @@ once.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -21,7 +20,14 @@ from typing import TYPE_CHECKING
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
-from ckpt_cli.storage.reads import MEMORY_BUDGET, PIECE_BYTES, Meter, ProgressFn, run_bounded
+from ckpt_cli.storage.reads import (
+    MEMORY_BUDGET,
+    PIECE_BYTES,
+    Meter,
+    PerThread,
+    ProgressFn,
+    run_bounded,
+)
 from ckpt_cli.tensors.source import TensorSource
 
 if TYPE_CHECKING:
@@ -97,30 +103,6 @@ def _cost(t: TensorInfo) -> int:
     return held + 3 * _SLICE
 
 
-class _Sources:
-    """One :class:`TensorSource` per worker thread (their open-file caches are not shared)."""
-
-    def __init__(self, index: CheckpointIndex):
-        self.index = index
-        self._local = threading.local()
-        self._all: list[TensorSource] = []
-        self._lock = threading.Lock()
-
-    def get(self) -> TensorSource:
-        src: TensorSource | None = getattr(self._local, "src", None)
-        if src is None:
-            src = self._local.src = TensorSource(self.index)
-            with self._lock:
-                self._all.append(src)
-        return src
-
-    def close(self) -> None:
-        with self._lock:
-            for src in self._all:
-                src.close()
-            self._all.clear()
-
-
 TensorValues = tuple[list[Finding], bool]
 """What examining one tensor found: its findings, and whether it could not be read."""
 
@@ -169,21 +151,22 @@ def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None
         if t.kind != "dense" or dtypes.DTYPES[t.dtype].numpy_name is None:
             skipped += 1
             continue
-        key = (t.file, t.offset, t.shape, t.stride, t.dtype, t.chunks)
-        if t.file is not None and key in seen:
-            continue  # another name for the same bytes (tied weights)
-        seen.add(key)
+        key = t.view_key
+        if key is not None:
+            if key in seen:
+                continue  # another name for the same bytes (tied weights)
+            seen.add(key)
         if select is None or select(t) or t.name in elsewhere:
             todo.append(t)
     total = sum(t.nbytes for t in todo)
     mine = [t for t in todo if select is None or select(t)]
-    sources = _Sources(index)
+    sources: PerThread[int, TensorSource] = PerThread(lambda _: TensorSource(index))
 
     def job(t: TensorInfo) -> Callable[[Meter], _Counts | CkptError]:
         def run(meter: Meter) -> _Counts | CkptError:
             counts = _Counts()
             try:
-                for arr in _pieces(sources.get(), t):
+                for arr in _pieces(sources.get(0), t):
                     counts.add(arr)
                     meter.add(arr.nbytes)
                     del arr  # before the next read: memory holds one piece, not two
