@@ -129,12 +129,18 @@ class Manifest:
         files: Entries by path.
         created: When it was made (ISO 8601, UTC), if recorded.
         tool: What made it (``ckpt 0.1.0``), if recorded.
+        stamps: What each file was when it was hashed for a ledger verdict (``ckpt watch``,
+            the training callbacks): ``{path: [size, mtime_ns, inode, change]}`` as
+            :func:`ckpt_cli.storage.file_stamp` gives them. The ledger line records the same;
+            a line whose record differs from the manifest's it names (a forged or edited line)
+            does not spare a file its hash. Empty in manifests written otherwise.
     """
 
     algorithm: str = DEFAULT_ALGORITHM
     files: dict[str, FileDigest] = field(default_factory=dict)
     created: str | None = None
     tool: str | None = None
+    stamps: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def add(self, path: str, size: int, digest: str) -> None:
         """Record one file (a writer that hashed it while writing calls this)."""
@@ -153,6 +159,8 @@ class Manifest:
                "created": self.created or _now(), "tool": self.tool or f"ckpt {__version__}",
                "files": [{"path": f.path, "size": f.size, "digest": f.digest}
                          for f in sorted(self.files.values(), key=lambda f: f.path)]}
+        if self.stamps:
+            doc["stamps"] = {k: list(v) for k, v in sorted(self.stamps.items())}
         return orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n"
 
     @classmethod
@@ -198,7 +206,21 @@ class Manifest:
             if rel in m.files:
                 raise CorruptCheckpointError(f"manifest lists {rel!r} twice", path=source)
             m.add(rel, size, digest)
+        stamps = doc.get("stamps", {})
+        if not (isinstance(stamps, dict) and all(
+                k in m.files and is_stamp(v) for k, v in stamps.items())):
+            raise CorruptCheckpointError("malformed manifest stamps (each must name a listed "
+                                         "file with 3 or 4 integers)", path=source)
+        m.stamps = {k: tuple(v) for k, v in stamps.items()}
         return m
+
+
+def is_stamp(v: Any) -> bool:
+    """Whether ``v`` is a file stamp as JSON holds it: 3 integers (size, mtime_ns, inode: ledgers
+    written before the inode-change time was recorded) or 4."""
+    return (isinstance(v, list | tuple) and len(v) in (3, 4)
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
+                    for x in v))
 
 
 def _entry(e: Any, width: int, source: Path) -> tuple[str, int, str]:

@@ -3,8 +3,9 @@
 :func:`latest_verified` reads the run ledger (:mod:`ckpt_cli.trust.ledger`) and returns the newest
 checkpoint whose newest line says ``good`` and which is still what was verified: its manifest is
 the one recorded (same SHA-256), every file the manifest lists is there with its recorded size
-and nothing was added, every file whose size, modification time or inode is not what the
-verdict recorded hashes as the manifest says (with ``verify="full"``, every file is hashed),
+and nothing was added, every file whose size, modification time, inode or inode-change
+time (on object storage: version or ETag) is not what the verdict recorded hashes as the
+manifest says (with ``verify="full"``, every file is hashed),
 and its index reads cleanly. A checkpoint that fails is skipped (the next older one is tried),
 so a shard truncated or rewritten after its save is never resumed from; nor is one of a
 timeline that a resume from an earlier step abandoned.
@@ -45,36 +46,52 @@ class ResumeChoice:
     ignored: tuple[str, ...] = field(default_factory=tuple)
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeSurvey:
+    """Everything :func:`survey` looked at: the choice, or why there is none.
+
+    Attributes:
+        choice: The checkpoint to resume from, or None.
+        rejected: ``(path, why)`` of the checkpoints the ledger trusted that were passed over,
+            newest first.
+        ignored: Paths of ledger lines that name no direct child of the run.
+        unreadable: Ledger lines that could not be read (torn by a crash, edited by hand).
+    """
+
+    choice: ResumeChoice | None
+    rejected: tuple[tuple[str, str], ...] = ()
+    ignored: tuple[str, ...] = ()
+    unreadable: int = 0
+
+
 def _order(e: ledger.LedgerEntry) -> tuple[int, float]:
     return (e.step if e.step is not None else -1, e.time)
 
 
-def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> ResumeChoice | None:
-    """The newest verified checkpoint of ``run_dir`` that is still what was verified.
+def survey(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> ResumeSurvey:
+    """The newest verified checkpoint of ``run_dir`` that is still what was verified, and
+    every ledger line passed over on the way, with why.
 
     The ledger's good checkpoints are tried newest step first. One is passed over when it
     belongs to an abandoned timeline (:func:`ckpt_cli.trust.ledger.abandoned`: a checkpoint of
     a lower step was committed after it, so training was resumed from before it), holds a
-    symbolic link, its manifest is not the one recorded, a file the manifest lists is missing
-    or resized or one was added, a file whose size, modification time or inode differs from
-    the verdict's record hashes otherwise than the manifest says (``full``: any file does), or
-    its index does not read cleanly through the allowlist (a forged line cannot send training
-    into a hostile pickle).
+    symbolic link, or fails :func:`ckpt_cli.trust.ledger.trusted_problems`: its manifest is
+    not the one recorded, a file the manifest lists is missing or resized or one was added, a
+    file whose stamp (size, modification time, inode, inode-change time) differs from the
+    verdict's record hashes otherwise than the manifest says (``full``: any file does; so does
+    any file when the line's record is not the one its manifest was written with), or its
+    index does not read cleanly through the allowlist.
 
     Args:
         run_dir: The run directory (local or object-store URL).
         verify: ``sizes`` (stat every file; hash only those changed since the verdict) or
             ``full`` (every file hashed against the manifest).
 
-    Returns:
-        The :class:`ResumeChoice`, or None when no checkpoint qualifies (no ledger, none good,
-        all failed the re-check).
-
     Raises:
         ValueError: An unknown ``verify``.
         CkptError: The ledger cannot be read.
     """
-    from ckpt_cli.trust.ledger import links_in, recheck_good
+    from ckpt_cli.trust.ledger import links_in, trusted_problems
     from ckpt_cli.trust.thinning import pending
 
     if verify not in ("sizes", "full"):
@@ -82,7 +99,7 @@ def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
     root = storage.locate(run_dir)
     book = ledger.read_ledger(root)
     if book is None:
-        return None
+        return ResumeSurvey(None)
     # A thinned checkpoint (prune --thin-after) is good for its weights but lost its optimizer
     # state: resuming from it would restart the optimizer (and HF Trainer its scheduler).
     # A thinning that was interrupted (its intent line never confirmed) may have rewritten the
@@ -110,23 +127,34 @@ def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
             rejected.append((e.path, f"{links[0]} is a symbolic link"))
             continue
         now = ledger.stamp(path)
-        problems = recheck_good(path, e, full=verify == "full", now=now)
-        if not problems:
-            problems = [p for p in [_unsafe(path)] if p]
-        elif now and ledger.saved_again(path, e, now):
+        problems = trusted_problems(path, e, full=verify == "full", now=now).problems
+        if problems and now and ledger.saved_again(path, e, now):
             problems = ["written again after it was verified (a newer save not verified yet)"]
         if not problems:
-            return ResumeChoice(path, e, tuple(rejected), book.ignored)
+            choice = ResumeChoice(path, e, tuple(rejected), book.ignored)
+            return ResumeSurvey(choice, tuple(rejected), book.ignored, book.skipped)
         rejected.append((e.path, problems[0]))
-    return None
+    return ResumeSurvey(None, tuple(rejected), book.ignored, book.skipped)
 
 
-def _unsafe(path: Path) -> str | None:
-    """The cheap structural and pickle-safety check of what is about to be offered."""
-    from ckpt_cli.formats import first_error
+def choose(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> ResumeChoice | None:
+    """The newest verified checkpoint of ``run_dir`` that is still what was verified
+    (:func:`survey`'s choice).
 
-    why = first_error(path)[1]
-    return f"does not read cleanly: {why}" if why else None
+    Args:
+        run_dir: The run directory (local or object-store URL).
+        verify: ``sizes`` (stat every file; hash only those changed since the verdict) or
+            ``full`` (every file hashed against the manifest).
+
+    Returns:
+        The :class:`ResumeChoice`, or None when no checkpoint qualifies (no ledger, none good,
+        all failed the re-check).
+
+    Raises:
+        ValueError: An unknown ``verify``.
+        CkptError: The ledger cannot be read.
+    """
+    return survey(run_dir, verify=verify).choice
 
 
 def latest_verified(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Path | None:

@@ -560,7 +560,8 @@ def resume_path(run_dir: PathLike, *, full: bool = False,
 
     Returns:
         The :class:`~ckpt_cli.api.results.ResumePathResult`: ``path`` (None when there is
-        none: ``ok`` False), ``step``, ``rejected``; ``to_dict()`` is
+        none: ``ok`` False), ``step``, ``rejected`` (with why), ``ignored`` and
+        ``unreadable_lines`` (ledger lines passed over); ``to_dict()`` is
         ``ckpt resume-path --json``'s document.
 
     Raises:
@@ -570,13 +571,13 @@ def resume_path(run_dir: PathLike, *, full: bool = False,
         >>> ckpt_cli.resume_path("demo-run").path
     """
     from ckpt_cli.api.results import ResumePathResult
-    from ckpt_cli.resume import choose
+    from ckpt_cli.resume import survey
 
     with _args.api_names():
         _args.use_storage(storage_options, None)
         run = _args.located(run_dir)
-        choice = choose(run, verify="full" if full else "sizes")
-        return ResumePathResult(run, choice, "full" if full else "sizes")
+        found = survey(run, verify="full" if full else "sizes")
+        return ResumePathResult(run, found, "full" if full else "sizes")
 
 
 def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,

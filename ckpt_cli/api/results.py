@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli.documents import Documented
 
 if TYPE_CHECKING:
-    from ckpt_cli.resume import ResumeChoice
+    from ckpt_cli.resume import ResumeChoice, ResumeSurvey
     from ckpt_cli.trust.watch import WatchEvent
 
 
@@ -20,16 +20,21 @@ class ResumePathResult(Documented):
 
     Attributes:
         run: The run directory.
-        choice: The newest verified checkpoint that still matches its manifest, with the newer
-            ones passed over; None when there is none.
+        survey: What the ledger offered and what was passed over, with why
+            (:class:`~ckpt_cli.resume.ResumeSurvey`).
         verify: ``sizes`` or ``full`` (every file hashed against its manifest).
     """
 
     run: Path
-    choice: ResumeChoice | None
+    survey: ResumeSurvey
     verify: str = "sizes"
 
     command = "resume-path"
+
+    @property
+    def choice(self) -> ResumeChoice | None:
+        """The newest verified checkpoint that still matches its manifest, or None."""
+        return self.survey.choice
 
     @property
     def path(self) -> Path | None:
@@ -43,13 +48,19 @@ class ResumePathResult(Documented):
 
     @property
     def rejected(self) -> list[tuple[str, str]]:
-        """``(path, why)`` of newer checkpoints the ledger trusted that failed the re-check."""
-        return list(self.choice.rejected) if self.choice is not None else []
+        """``(path, why)`` of the checkpoints the ledger trusted that failed the re-check
+        (newer than the choice; all of them when there is none)."""
+        return list(self.survey.rejected)
 
     @property
     def ignored(self) -> list[str]:
         """Ledger paths ignored because they name no checkpoint directly in the run."""
-        return list(self.choice.ignored) if self.choice is not None else []
+        return list(self.survey.ignored)
+
+    @property
+    def unreadable_lines(self) -> int:
+        """Ledger lines that could not be read (torn by a crash, edited by hand): skipped."""
+        return self.survey.unreadable
 
     @property
     def ok(self) -> bool:
@@ -61,7 +72,7 @@ class ResumePathResult(Documented):
         return {"run": str(self.run), "path": str(self.path) if self.path else None,
                 "step": self.step, "verify": self.verify,
                 "rejected": [{"path": p, "problem": why} for p, why in self.rejected],
-                "ignored": self.ignored}
+                "ignored": self.ignored, "unreadable_lines": self.unreadable_lines}
 
 
 @dataclass(slots=True)

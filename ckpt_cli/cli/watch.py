@@ -169,6 +169,10 @@ def _emit(ev: "WatchEvent", json: bool) -> None:
         if ev.problems:
             line += f" ({ev.problems[0]})"
         print(visible(line, lines=False), flush=True)
+    elif ev.event == "ignored" and not json:
+        why = ev.problems[0] if ev.problems else "ignored"
+        sys.stderr.write(visible(f"ckpt watch: warning: {where}: {why}", lines=False) + "\n")
+        sys.stderr.flush()
     elif ev.event == "pending" and not json:
         pending = ev.pending or {}
         print(visible(f"ckpt watch: pending: {where}: {pending.get('state', 'pending')} "
@@ -207,29 +211,41 @@ def resume_path_cmd(
       python train.py --resume "$(ckpt resume-path runs/gpt)"
     """
     with common.handled() as outcome:
-        from ckpt_cli.resume import choose
+        from ckpt_cli.resume import survey
 
-        choice = choose(run_dir, verify="full" if full else "sizes")
+        found = survey(run_dir, verify="full" if full else "sizes")
+        choice = found.choice
         outcome.exit_code = EXIT_OK if choice is not None else EXIT_FINDINGS
         if common.json:
             import orjson
 
             from ckpt_cli.api.results import ResumePathResult
 
-            doc = ResumePathResult(run_dir, choice, "full" if full else "sizes").document()
+            doc = ResumePathResult(run_dir, found, "full" if full else "sizes").document()
             sys.stdout.buffer.write(orjson.dumps(doc) + b"\n")
         from ckpt_cli.errors import visible
 
+        _say_ignored("ckpt", found.ignored, found.unreadable)
+        for p, why in found.rejected:
+            sys.stderr.write(visible(f"ckpt: skipped {p}: {why}", lines=False) + "\n")
         if choice is None:
             sys.stderr.write(visible(f"ckpt: {run_dir}: no verified checkpoint to resume from "
                                      "(none in the ledger is good and unchanged; run ckpt watch "
                                      "--once)", lines=False) + "\n")
-        else:
-            for p in choice.ignored:
-                sys.stderr.write(f"ckpt: warning: the ledger names {p!r}, which is not a "
-                                 "checkpoint directly in the run: ignored\n")
-            for p, why in choice.rejected:
-                sys.stderr.write(visible(f"ckpt: skipped {p}: {why}", lines=False) + "\n")
-            if not common.json:
-                print(visible(str(choice.path), lines=False))
+        elif not common.json:
+            print(visible(str(choice.path), lines=False))
     raise typer.Exit(outcome.exit_code)
+
+
+def _say_ignored(who: str, ignored: "tuple[str, ...] | list[str]", unreadable: int) -> None:
+    """The ledger lines passed over, one warning each on stderr (resume-path and watch say
+    the same)."""
+    from ckpt_cli.errors import visible
+
+    for p in ignored:
+        sys.stderr.write(visible(f"{who}: warning: the ledger names {p!r}, which is not a "
+                                 "checkpoint directly in the run: ignored", lines=False) + "\n")
+    if unreadable:
+        sys.stderr.write(f"{who}: warning: {unreadable} ledger line"
+                         f"{'s' if unreadable != 1 else ''} could not be read (torn by a "
+                         "crash or edited by hand): ignored\n")

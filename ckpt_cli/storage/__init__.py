@@ -36,6 +36,9 @@ if TYPE_CHECKING:
         Handle as Handle,
     )
     from ckpt_cli.storage.access import (
+        Stamp as Stamp,
+    )
+    from ckpt_cli.storage.access import (
         Window as Window,
     )
     from ckpt_cli.storage.access import (
@@ -46,6 +49,9 @@ if TYPE_CHECKING:
     )
     from ckpt_cli.storage.access import (
         create as create,
+    )
+    from ckpt_cli.storage.access import (
+        file_stamp as file_stamp,
     )
     from ckpt_cli.storage.access import (
         has_file_system as has_file_system,
@@ -208,11 +214,11 @@ if TYPE_CHECKING:
     )
 
 _WHERE = {
-    **dict.fromkeys(("Handle", "Window", "can_rename_atomically", "close", "create",
-                    "has_file_system", "has_multipart_uploads", "is_remote", "key_url",
-                    "lexists", "locate", "lstat", "names_local_path", "open_regular", "pread",
-                    "read_full", "reads_are_cheap", "readinto", "remove", "scandir", "size_of",
-                    "tree_paths", "walk", "write_whole"), "access"),
+    **dict.fromkeys(("Handle", "Stamp", "Window", "can_rename_atomically", "close", "create",
+                    "file_stamp", "has_file_system", "has_multipart_uploads", "is_remote",
+                    "key_url", "lexists", "locate", "lstat", "names_local_path", "open_regular",
+                    "pread", "read_full", "reads_are_cheap", "readinto", "remove", "scandir",
+                    "size_of", "tree_paths", "walk", "write_whole"), "access"),
     **dict.fromkeys(("CLIENTS", "CONCURRENCY", "EXTRA_HINT", "OBJECT_STORES", "_describe",
                     "concurrency", "configure", "install_hint", "is_url", "parse_options",
                     "redact"), "config"),

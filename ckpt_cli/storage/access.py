@@ -230,6 +230,35 @@ def lstat(path: str | Path) -> os.stat_result:
     return os.lstat(path)
 
 
+Stamp = tuple[int, int, int, int]
+"""A file as it is now: ``(size, mtime_ns, inode, change)``; see :func:`file_stamp`."""
+
+
+def file_stamp(path: str | Path) -> Stamp:
+    """What tells a file (or object) rewritten: ``(size, mtime_ns, inode, change)``.
+
+    Locally ``change`` is the inode-change time (``st_ctime_ns``), which the kernel sets on
+    every write, rename or ``touch`` and no user call can set back: a byte flipped in place
+    with its modification time restored (``touch -r``) still shows. On object storage the
+    inode is 0 and ``change`` is a 63-bit digest of the object's version id or ETag (which
+    every PUT changes); 0 where the listing gives neither. Symbolic links are followed.
+
+    Raises:
+        OSError: It cannot be stat-ed (gone, permissions).
+    """
+    if isinstance(path, ObjectPath):
+        import hashlib
+
+        e = path._entry()
+        if e is None:
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        tag = int.from_bytes(hashlib.blake2b(e.tag.encode(), digest_size=8).digest(),
+                             "big") >> 1 if e.tag else 0
+        return (e.size, int(e.mtime * 1e9), 0, tag)
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+
 def walk(path: Path, onerror: Callable[[OSError], None] | None = None
          ) -> Iterator[tuple[Path, list[str], list[str]]]:
     """``os.walk`` (top-down, ``dirnames`` prunable) for a local directory or a prefix.

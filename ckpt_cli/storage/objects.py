@@ -84,6 +84,9 @@ class Entry(NamedTuple):
     is_dir: bool
     size: int
     mtime: float
+    tag: str = ""
+    """What the store says changes with every write of the object: its version id where the
+    bucket keeps versions, else its ETag (GCS: generation); empty where the listing has none."""
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
@@ -101,6 +104,14 @@ def _mtime(info: Mapping[str, Any]) -> float:
             except ValueError:
                 continue
     return 0.0
+
+
+def _tag(info: Mapping[str, Any]) -> str:
+    for k in ("VersionId", "version_id", "generation", "ETag", "etag", "md5Hash"):
+        v = info.get(k)
+        if v not in (None, "", "null"):
+            return f"{k}={v}"
+    return ""
 
 
 def _parent(key: str) -> str:
@@ -172,7 +183,7 @@ class ObjectStore:
         if is_dir and key in self._entries and self._entries[key].is_dir:
             return
         self._entries[key] = Entry(is_dir, 0 if is_dir else int(info.get("size") or 0),
-                                   _mtime(info))
+                                   _mtime(info), "" if is_dir else _tag(info))
         child = key
         while "/" in child:
             parent = _parent(child)

@@ -27,6 +27,11 @@ import orjson
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
+from ckpt_cli.manifest import is_stamp
+
+Stamp = tuple[int, ...]
+"""A file as verified: ``(size, mtime_ns, inode, change)`` (:func:`ckpt_cli.storage.file_stamp`);
+lines of older ledgers hold the first three only."""
 
 LEDGER_NAME = "ckpt-ledger.jsonl"
 SCHEMA_VERSION = 1
@@ -56,10 +61,12 @@ class LedgerEntry:
             with this verdict, or None when no manifest was written.
         problems: For a bad verdict, the first findings, one line each.
         detail: Event-specific facts (thinning: ``dropped``, ``dtype``, ``bytes_before``).
-        files: What its files were when verified: ``{name: (size, mtime_ns, inode)}``, names
-            relative to the checkpoint (the manifest and ckpt's temporaries left out); empty
-            where not recorded (object storage, older ledgers, bad and thinned lines). A file
-            whose stat differs is hashed against the manifest again before the verdict holds.
+        files: What its files were when verified: ``{name: (size, mtime_ns, inode, change)}``
+            (:func:`ckpt_cli.storage.file_stamp`: the inode-change time locally, the version
+            id or ETag on object storage), names relative to the checkpoint (the manifest and
+            ckpt's temporaries left out); empty where not recorded (older ledgers, bad and
+            thinned lines). A file whose stamp differs, or a line of an older ledger without
+            the change field, is hashed against the manifest again before the verdict holds.
         committed: When the verified save was committed (Unix seconds: the newest
             modification time of its files then), or None. A file only touched since keeps
             it; a new save under the same name gets a new one. :func:`abandoned` orders saves
@@ -75,7 +82,7 @@ class LedgerEntry:
     manifest_digest: str | None = None
     problems: tuple[str, ...] = ()
     detail: Mapping[str, Any] = field(default_factory=dict)
-    files: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
+    files: Mapping[str, Stamp] = field(default_factory=dict)
     committed: float | None = None
 
     def __post_init__(self) -> None:
@@ -133,7 +140,7 @@ class LedgerEntry:
             and (digest is None or isinstance(digest, str))
             and isinstance(problems, list) and all(isinstance(p, str) for p in problems)
             and isinstance(detail, dict)
-            and isinstance(files, dict) and all(_is_stamp(v) for v in files.values())
+            and isinstance(files, dict) and all(is_stamp(v) for v in files.values())
             and (committed is None or (isinstance(committed, int | float)
                                        and not isinstance(committed, bool)))
         )
@@ -142,13 +149,8 @@ class LedgerEntry:
         return cls(path=doc["path"], step=step, time=float(doc["time"]), event=doc["event"],
                    verdict=doc["verdict"], bytes=doc["bytes"], manifest_digest=digest,
                    problems=tuple(problems), detail=detail,
-                   files={str(k): (v[0], v[1], v[2]) for k, v in files.items()},
+                   files={str(k): tuple(v) for k, v in files.items()},
                    committed=float(committed) if committed is not None else None)
-
-
-def _is_stamp(v: Any) -> bool:
-    return (isinstance(v, list) and len(v) == 3
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in v))
 
 
 def is_child_name(path: str) -> bool:
@@ -308,29 +310,22 @@ def manifest_digest(checkpoint: str | os.PathLike[str]) -> str | None:
     return None if data is None else hashlib.sha256(data).hexdigest()
 
 
-Stamp = tuple[int, int, int]
-"""A file as verified: ``(size, mtime_ns, inode)``."""
-
-
 def stamp(checkpoint: Path) -> dict[str, Stamp]:
-    """The stat of each file of a checkpoint (the files its manifest covers), by name relative
-    to the checkpoint; empty on object storage, where no inode tells a file replaced.
+    """The stamp of each file of a checkpoint (the files its manifest covers), by name
+    relative to the checkpoint (:func:`ckpt_cli.storage.file_stamp`); empty when it is gone.
 
     Raises:
         CkptError: If the checkpoint cannot be listed.
     """
     from ckpt_cli.manifest import checkpoint_files
 
-    if not storage.has_file_system(checkpoint) or not checkpoint.exists():
+    if not checkpoint.exists():
         return {}
     base = checkpoint if checkpoint.is_dir() else checkpoint.parent
     out: dict[str, Stamp] = {}
     for rel in checkpoint_files(checkpoint):
-        try:
-            st = os.stat(base / rel)
-        except OSError:
-            continue
-        out[rel] = (st.st_size, st.st_mtime_ns, st.st_ino)
+        with contextlib.suppress(OSError):  # removed since the listing: not part of it now
+            out[rel] = storage.file_stamp(base / rel)
     return out
 
 
@@ -340,12 +335,15 @@ def committed_at(stamps: Mapping[str, Stamp]) -> float | None:
 
 
 def changed_files(line: LedgerEntry, now: Mapping[str, Stamp]) -> set[str]:
-    """The files whose stat is not what ``line`` recorded (added ones included); for a line
-    that recorded none, the files modified after it was written."""
+    """The files whose stamp is not what ``line`` recorded (added ones included, and every
+    file of a line recorded without the change field); for a line that recorded none, the
+    files modified, or locally whose inode changed, after it was written."""
     if line.files:
         return {rel for rel, st in now.items() if line.files.get(rel) != st}
     after = int(line.time * 1e9)
-    return {rel for rel, st in now.items() if st[1] > after}
+    # The inode-change time (locally: a non-zero inode) catches a modification time set back.
+    return {rel for rel, st in now.items()
+            if st[1] > after or (len(st) > 3 and st[2] != 0 and st[3] > after)}
 
 
 def commit_marker(path: Path) -> str | None:
@@ -414,33 +412,55 @@ def _checksummed(path: Path) -> bool:
         storage.close(h)
 
 
-def recheck_good(path: Path, line: LedgerEntry, *, full: bool,
-                 now: Mapping[str, Stamp] | None = None) -> list[str]:
-    """Why a checkpoint the ledger trusts is no longer what was verified ([] when it still is).
+@dataclass(frozen=True, slots=True)
+class Recheck:
+    """What re-checking a trusted checkpoint found.
+
+    Attributes:
+        problems: Why it is no longer what was verified ([] when it still is).
+        hashed: Files hashed against the manifest (those whose stamp changed, or all).
+        witnessed: Whether the line's file record is the one its manifest was written with
+            (False for a line forged or edited after the verdict, which then spares no file
+            its hash; True where the manifest records none to compare).
+    """
+
+    problems: list[str]
+    hashed: int = 0
+    witnessed: bool = True
+
+
+def recheck(path: Path, line: LedgerEntry, *, full: bool,
+            now: Mapping[str, Stamp] | None = None) -> Recheck:
+    """Re-check a checkpoint the ledger trusts against what was verified.
 
     Its manifest must be the one recorded (SHA-256), every file it lists there with its size,
-    nothing added. Files whose stat (size, modification time, inode) differs from what the
-    verdict recorded are hashed against the manifest (with ``full``, every file is).
+    nothing added. Files whose stamp (size, modification time, inode, and the inode-change
+    time or object version that no user call restores) differs from what the verdict
+    recorded are hashed against the manifest; with ``full``, every file is, and so is every
+    file when the line's record is not the one the manifest was written with (a line forged
+    over a manifest put back: ``touch -r`` restores a modification time, and a forged line
+    can copy the file's new stamp, but not into the manifest its digest names).
 
     Args:
         path: The checkpoint.
         line: Its newest (good) ledger line.
         full: Hash every file.
-        now: Its files' stats as :func:`stamp` gives them, when the caller has them.
+        now: Its files' stamps as :func:`stamp` gives them, when the caller has them.
     """
     from ckpt_cli.manifest import HashStats, hash_files, read_manifest, verify_manifest
 
     if not path.exists():
-        return ["gone"]
+        return Recheck(["gone"])
     try:
         if manifest_digest(path) != line.manifest_digest:
-            return ["its manifest is not the one written when it was verified"]
-        if full:
-            v = verify_manifest(path)
+            return Recheck(["its manifest is not the one written when it was verified"])
+        m = read_manifest(path)
+        if m is None:
+            return Recheck(["its manifest is missing"])
+        witnessed = not (m.stamps and line.files) or m.stamps == dict(line.files)
+        if full or not witnessed:
+            v = verify_manifest(path, manifest=m)
         else:
-            m = read_manifest(path)
-            if m is None:
-                return ["its manifest is missing"]
             changed = changed_files(line, stamp(path) if now is None else now)
 
             def hasher(base: Path, rels: list[str]) -> tuple[dict[str, Any], HashStats]:
@@ -451,11 +471,38 @@ def recheck_good(path: Path, line: LedgerEntry, *, full: bool,
 
             v = verify_manifest(path, manifest=m, hasher=hasher)
     except CkptError as e:
-        return [str(e)]
+        return Recheck([str(e)])
     if v is None:
-        return ["its manifest is missing"]
-    return [f"{f.file}: {f.message}" for f in v.findings("the manifest")
-            if f.severity == "error"][:5]
+        return Recheck(["its manifest is missing"])
+    problems = [f"{f.file}: {f.message}" for f in v.findings("the manifest")
+                if f.severity == "error"][:5]
+    if problems and not witnessed:
+        problems[0] += (" (its ledger line does not record the files its manifest was "
+                        "written with: forged or edited after the verdict)")
+    return Recheck(problems, v.stats.files, witnessed)
+
+
+def recheck_good(path: Path, line: LedgerEntry, *, full: bool,
+                 now: Mapping[str, Stamp] | None = None) -> list[str]:
+    """Why a checkpoint the ledger trusts is no longer what was verified ([] when it still
+    is): :func:`recheck`'s problems."""
+    return recheck(path, line, full=full, now=now).problems
+
+
+def trusted_problems(path: Path, line: LedgerEntry, *, full: bool,
+                     now: Mapping[str, Stamp] | None = None) -> Recheck:
+    """Every check a good ledger line must pass before anything trusts it (``resume-path``
+    and ``ckpt watch`` alike): :func:`recheck`, then the index read through the allowlist
+    (a forged line cannot send training into a hostile pickle, nor keep a watcher quiet
+    about one). Metadata only beyond the hashes :func:`recheck` needs.
+    """
+    from ckpt_cli.formats import first_error
+
+    r = recheck(path, line, full=full, now=now)
+    if r.problems:
+        return r
+    why = first_error(path)[1]
+    return Recheck([f"does not read cleanly: {why}"], r.hashed, r.witnessed) if why else r
 
 
 def abandoned(book: Ledger) -> dict[str, LedgerEntry]:

@@ -36,11 +36,11 @@ from ckpt_cli.model import RunEntry
 from ckpt_cli.ops.prune.retention import PrunePolicy
 from ckpt_cli.trust import ledger
 from ckpt_cli.trust.hooks import HookResult, run_on_bad
-from ckpt_cli.trust.ledger import recheck_good
 from ckpt_cli.trust.thinning import pending
 from ckpt_cli.trust.wake import PollWaker, Waker
 
 ABANDONED = "abandoned"
+IGNORED = "ignored"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,9 @@ class WatchEvent:
     """Something the watcher has to say (one JSON line with ``--json``).
 
     Attributes:
-        event: ``verified``, ``abandoned``, ``pruned``, ``error`` or ``pending``.
+        event: ``verified``, ``abandoned``, ``pruned``, ``error``, ``pending`` or ``ignored``
+            (ledger lines passed over: ``path`` names the line's checkpoint, None for
+            unreadable lines; ``problems`` says why).
         run: The run directory.
         path: The checkpoint, relative to the run (None for run-level events).
         step: Its step.
@@ -150,7 +152,7 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
     Returns:
         The :class:`~ckpt_cli.trust.ledger.LedgerEntry` (appended when ``write``).
     """
-    from ckpt_cli.manifest import write_manifest
+    from ckpt_cli.manifest import compute_manifest, write_manifest
     from ckpt_cli.ops.validate import Options, validate_checkpoint
     from ckpt_cli.runs import tree_scan
 
@@ -170,7 +172,10 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
                     for f in report.findings if f.severity == "error"][:5]
         step = step if step is not None else report.step
         if not problems:
-            write_manifest(path)
+            # The stamps go into the manifest too: the witness a forged line cannot copy.
+            manifest = compute_manifest(path)[0]
+            manifest.stamps = dict(stamps)
+            write_manifest(path, manifest=manifest)
             digest = ledger.manifest_digest(path)
     except CkptError as e:
         problems = [str(e)]
@@ -214,6 +219,8 @@ class RunWatcher:
         self.known: dict[str, ledger.LedgerEntry] = {}  # the ledger's newest line per path
         self.loaded = False
         self._ledger_stamp: tuple[int, int, int] | None = None
+        self._ignored: set[str] = set()  # ledger paths reported as ignored
+        self._unreadable = 0  # unreadable ledger lines reported
         # When a checkpoint this pass left settling is due a look (None: nothing settling).
         self.next_due: float | None = None
 
@@ -225,8 +232,9 @@ class RunWatcher:
         """
         from ckpt_cli.runs import list_run
 
-        self._refresh_known()
         out: list[WatchEvent] = []
+        for note in self._refresh_known():
+            self._say(note, out)
         listing = list_run(self.root, self.opts.pattern)
         now = self.clock()
         self.next_due = None
@@ -254,11 +262,16 @@ class RunWatcher:
             sweep(self.root)
         return out
 
-    def _refresh_known(self) -> None:
+    def _refresh_known(self) -> list[WatchEvent]:
         """Read the ledger again when someone else wrote to it since (a prune that thinned
         checkpoints, a training callback): a line cached from before would make a rewritten
         checkpoint look tampered with. Locally a stat tells; on object storage it is re-read
-        after this watcher's own retention only."""
+        after this watcher's own retention only.
+
+        Returns:
+            An ``ignored`` event for each ledger line passed over that this watcher has not
+            reported yet (naming no checkpoint directly in the run, or unreadable).
+        """
         stamp = None
         path = ledger.ledger_path(self.root)
         if storage.has_file_system(path):
@@ -269,11 +282,25 @@ class RunWatcher:
                 stamp = (0, 0, 0)
             if stamp != self._ledger_stamp:
                 self.loaded = False
-        if not self.loaded:
-            book = ledger.read_ledger(self.root)
-            self.known = book.latest() if book is not None else {}
-            self.loaded = True
-            self._ledger_stamp = stamp
+        if self.loaded:
+            return []
+        book = ledger.read_ledger(self.root)
+        self.known = book.latest() if book is not None else {}
+        self.loaded = True
+        self._ledger_stamp = stamp
+        out: list[WatchEvent] = []
+        for p in book.ignored if book is not None else ():
+            if p not in self._ignored:
+                self._ignored.add(p)
+                out.append(WatchEvent(IGNORED, str(self.root), p, problems=[
+                    "the ledger line names no checkpoint directly in the run: ignored"]))
+        skipped = book.skipped if book is not None else 0
+        if skipped > self._unreadable:
+            out.append(WatchEvent(IGNORED, str(self.root), problems=[
+                f"{skipped} ledger line{'s' if skipped != 1 else ''} could not be read (torn "
+                "by a crash or edited by hand): ignored"]))
+        self._unreadable = skipped
+        return out
 
     def _say(self, ev: WatchEvent, out: list[WatchEvent]) -> None:
         out.append(ev)
@@ -333,13 +360,17 @@ class RunWatcher:
         if line is not None:
             now_files = ledger.stamp(e.path)
             if line.good:
-                # Files whose stat differs from the verdict's record are hashed again; all of
-                # them when this watcher saw it change (its inode-change time included, which
-                # a write that sets the modification time back cannot restore).
-                problems = recheck_good(e.path, line, full=cached is not None, now=now_files)
+                # Files whose stamp differs from the verdict's record are hashed again (its
+                # inode-change time included, which a write that sets the modification time
+                # back cannot restore); all of them when this watcher saw it change, or the
+                # line is not the one its manifest was written with. Then the index, read
+                # through the allowlist: the checks resume-path makes before trusting a line.
+                check = ledger.trusted_problems(e.path, line, full=cached is not None,
+                                                now=now_files)
+                problems = check.problems
                 if not problems:
-                    if now_files and now_files != dict(line.files):
-                        self._restamp(line, now_files)  # touched or copied, same bytes
+                    if now_files and (now_files != dict(line.files) or not check.witnessed):
+                        self._restamp(e.path, line, now_files)  # touched or copied, same bytes
                     self.seen[e.name] = (sig, ledger.GOOD)
                     return None
                 if not ledger.saved_again(e.path, line, now_files):
@@ -353,12 +384,27 @@ class RunWatcher:
             return self._verify(e, rel, sig=sig, fresh=again, crc=again and not e.path.is_dir())
         return self._verify(e, rel, sig=sig)
 
-    def _restamp(self, line: ledger.LedgerEntry, files: dict[str, ledger.Stamp]) -> None:
-        """Record a good checkpoint's new stats once its changed files hashed as verified (a
-        copy, a ``touch``): the verdict and the commit time stay."""
+    def _restamp(self, path: Path, line: ledger.LedgerEntry,
+                 files: dict[str, ledger.Stamp]) -> None:
+        """Record a good checkpoint's new stamps once its changed files hashed as verified (a
+        copy, a ``touch``), in its manifest and a new ledger line: the verdict, the digests
+        and the commit time stay. ``files`` were taken before the hashing, so a write since
+        shows as a change next time."""
         import dataclasses
 
-        entry = dataclasses.replace(line, time=self.clock(), files=files)
+        from ckpt_cli.manifest import read_manifest, write_manifest
+
+        digest = line.manifest_digest
+        try:
+            manifest = read_manifest(path)
+            if manifest is not None:
+                manifest.stamps = dict(files)
+                write_manifest(path, manifest=manifest)
+                digest = ledger.manifest_digest(path)
+        except CkptError:
+            return  # recorded next time: the files are hashed again, nothing is trusted
+        entry = dataclasses.replace(line, time=self.clock(), files=files,
+                                    manifest_digest=digest)
         ledger.append(self.root, entry)
         self.known[line.path] = entry
 

@@ -242,7 +242,7 @@ def test_an_idle_pass_reads_no_checkpoint_again(tmp_path: Path,
         raise AssertionError("an unchanged checkpoint was read again")
 
     monkeypatch.setattr(watch, "verify_checkpoint", never)
-    monkeypatch.setattr(watch, "recheck_good", never)
+    monkeypatch.setattr(watch.ledger, "recheck", never)
     assert w.run_pass() == []
     assert w.run_pass() == []
 
