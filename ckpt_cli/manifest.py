@@ -218,9 +218,12 @@ class Manifest:
 def is_stamp(v: Any) -> bool:
     """Whether ``v`` is a file stamp as JSON holds it: 3 integers (size, mtime_ns, inode: ledgers
     written before the inode-change time was recorded) or 4."""
-    return (isinstance(v, list | tuple) and len(v) in (3, 4)
-            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
-                    for x in v))
+    return isinstance(v, list | tuple) and len(v) in (3, 4) and all(map(is_int64, v))
+
+
+def is_int64(x: Any) -> bool:
+    """Whether ``x`` is an integer (not a bool) that fits 64 signed bits."""
+    return isinstance(x, int) and not isinstance(x, bool) and -(2**63) <= x < 2**63
 
 
 def _entry(e: Any, width: int, source: Path) -> tuple[str, int, str]:

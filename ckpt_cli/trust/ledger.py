@@ -27,7 +27,7 @@ import orjson
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
-from ckpt_cli.manifest import is_stamp
+from ckpt_cli.manifest import is_int64, is_stamp
 
 Stamp = tuple[int, ...]
 """A file as verified: ``(size, mtime_ns, inode, change)`` (:func:`ckpt_cli.storage.file_stamp`);
@@ -63,7 +63,9 @@ class LedgerEntry:
         detail: Event-specific facts (thinning: ``dropped``, ``dtype``, ``bytes_before``).
         files: What its files were when verified: ``{name: (size, mtime_ns, inode, change)}``
             (:func:`ckpt_cli.storage.file_stamp`: the inode-change time locally, the version
-            id or ETag on object storage), names relative to the checkpoint (the manifest and
+            id or ETag on object storage; in JSON the change field is a ``change`` map beside
+            the 3-integer ``files``, which older ckpt versions read), names relative to the
+            checkpoint (the manifest and
             ckpt's temporaries left out); empty where not recorded (older ledgers, bad and
             thinned lines). A file whose stamp differs, or a line of an older ledger without
             the change field, is hashed against the manifest again before the verdict holds.
@@ -111,7 +113,10 @@ class LedgerEntry:
             "manifest_digest": self.manifest_digest,
             "problems": list(self.problems),
             "detail": dict(self.detail),
-            "files": {k: list(v) for k, v in sorted(self.files.items())},
+            # (size, mtime_ns, inode) as every ledger has held them, so an older ckpt still
+            # reads the line; the change field beside them, which an older ckpt ignores.
+            "files": {k: list(v[:3]) for k, v in sorted(self.files.items())},
+            "change": {k: v[3] for k, v in sorted(self.files.items()) if len(v) > 3},
             "committed": self.committed,
         }
 
@@ -129,6 +134,7 @@ class LedgerEntry:
         problems = doc.get("problems", [])
         detail = doc.get("detail", {})
         files = doc.get("files") or {}
+        change = doc.get("change") or {}
         committed = doc.get("committed")
         ok = (
             isinstance(doc.get("path"), str)
@@ -141,6 +147,8 @@ class LedgerEntry:
             and isinstance(problems, list) and all(isinstance(p, str) for p in problems)
             and isinstance(detail, dict)
             and isinstance(files, dict) and all(is_stamp(v) for v in files.values())
+            and isinstance(change, dict) and all(k in files and is_int64(v)
+                                                 for k, v in change.items())
             and (committed is None or (isinstance(committed, int | float)
                                        and not isinstance(committed, bool)))
         )
@@ -149,7 +157,8 @@ class LedgerEntry:
         return cls(path=doc["path"], step=step, time=float(doc["time"]), event=doc["event"],
                    verdict=doc["verdict"], bytes=doc["bytes"], manifest_digest=digest,
                    problems=tuple(problems), detail=detail,
-                   files={str(k): tuple(v) for k, v in files.items()},
+                   files={str(k): (*v[:3], change[k]) if k in change else tuple(v)
+                          for k, v in files.items()},
                    committed=float(committed) if committed is not None else None)
 
 

@@ -16,6 +16,7 @@ say which lines they passed over.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -195,11 +196,9 @@ def test_a_forged_good_line_over_the_old_manifest_put_back_is_caught(
     flip_keeping_mtime(file_of(target), damage)
     write_manifest(target)  # what validate --write-manifest would leave
     mpath.write_bytes(old_manifest)
-    forged = original.to_json() | {
-        "time": time.time(),
-        "files": {k: list(v) for k, v in ledger.stamp(target).items()},
-        "manifest_digest": ledger.manifest_digest(target)}
-    _append_line(run, forged)
+    forged = dataclasses.replace(original, time=time.time(), files=ledger.stamp(target),
+                                 manifest_digest=ledger.manifest_digest(target))
+    _append_line(run, forged.to_json())
     assert ledger.read_ledger(run).latest()[target.name].files == ledger.stamp(target)  # type: ignore[union-attr]
 
     r = run_cli("resume-path", run, "--json")
