@@ -185,6 +185,10 @@ def _has_optimizer(index: CheckpointIndex) -> bool:
     if any(f.role == "optimizer" for f in index.files):
         return True
     for key in index.objects:
+        # An optimizer's hyperparameters (param_groups) are no state: a thinned checkpoint
+        # keeps them so that a resumed run follows its learning-rate schedule.
+        if ".param_groups." in f".{key}.":
+            continue
         parts = key.split(".", 2)
         head = parts[1] if len(parts) > 1 and _RANK_PREFIX.match(parts[0]) else parts[0]
         if head in OPTIMIZER_KEYS:

@@ -2,9 +2,11 @@
 
 ``prune --thin-after K`` keeps the newest K counted checkpoints whole (see
 :mod:`ckpt_cli.ops.prune.retention`); older ones that stay keep their weights and training
-metadata (step,
-epoch, loops, scheduler, RNG) but lose the optimizer state, which is most of a training
-checkpoint's bytes (Adam: two FP32 moments per parameter). ``--thin-to bf16`` also casts the
+metadata (step, epoch, loops, scheduler, RNG) and each optimizer's hyperparameters
+(``param_groups``: the learning rate its schedule reached, betas, weight decay), but lose the
+optimizers' per-parameter state, which is most of a training checkpoint's bytes (Adam: two
+FP32 moments per parameter). A run resumed from one follows its schedule; the optimizer
+re-creates its state at the next step. ``--thin-to bf16`` also casts the
 floating-point weights to BF16. ``--keep-full-every N`` keeps checkpoints whose step is a multiple
 of N whole.
 
@@ -19,10 +21,11 @@ What is thinned, and how each rewrite stays atomic:
 - DCP directories: read with ckpt's own reader, what is kept saved again with DCP's own writer
   (no process group) into a trash-named sibling directory, swapped with the original in one
   ``renameat2(RENAME_EXCHANGE)`` (left whole where the file system cannot).
-- HF Trainer ``checkpoint-N``: the optimizer file unlinked; with ``--thin-to bf16`` a copy with
-  BF16 safetensors and an updated ``config.json`` is built beside it and swapped in.
+- HF Trainer ``checkpoint-N``: the optimizer file rewritten without its state (under a
+  temporary name, renamed over it); with ``--thin-to bf16`` a copy with BF16 safetensors, an
+  updated ``config.json`` and the thinned optimizer file is built beside it and swapped in.
 - Object storage: a torch file object replaced with one upload, an HF prefix's optimizer object
-  deleted (one request each).
+  too (one request each).
 
 The run ledger gets a ``thinned`` line with ``"pending": true`` (see :func:`pending`) before the
 first change, and the confirming line after, so a thinning killed midway is verified afresh

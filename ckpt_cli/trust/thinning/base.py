@@ -26,15 +26,20 @@ from ckpt_cli.storage.atomic import fsync_path, fsync_tree, tmp_sibling
 # Lightning (optimizer_states), plain training loops (optimizer, optimizer_state_dict, optim).
 OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optimizer_state_dict", "optim",
                   "optim_state")
-# Only what is optimizer state by its shape is dropped: torch's Optimizer.state_dict() is a
+# Only what is optimizer state by its shape is thinned: torch's Optimizer.state_dict() is a
 # dict with "state" and "param_groups" (Lightning keeps a list of them). A key of the same name
-# holding anything else (a name, hyperparameters) stays.
+# holding anything else (a name, hyperparameters) stays. Thinning empties "state" (the
+# per-parameter tensors: Adam's moments) and keeps "param_groups" (lr, betas, weight decay,
+# initial_lr...): the frameworks restore an optimizer with Optimizer.load_state_dict, which
+# takes an empty "state" (Adam re-creates its moments at the next step), so a resumed run keeps
+# the learning rate its scheduler reached instead of the fresh optimizer's initial one.
 # Where the weights are: Lightning and most loops (state_dict), others (model...).
 WEIGHT_KEYS = ("state_dict", "model", "model_state_dict", "module")
 THIN_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 THIN_DTYPES = ("bf16",)
-# HF Trainer checkpoint-N: the optimizer's own file goes; weights, trainer_state.json,
-# scheduler.pt, rng_state*.pth and scaler.pt stay.
+# HF Trainer checkpoint-N: the optimizer's own file is rewritten without its state (the Trainer
+# restores scheduler.pt only together with it); weights, trainer_state.json, scheduler.pt,
+# rng_state*.pth and scaler.pt stay.
 HF_OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
 
 
@@ -44,7 +49,8 @@ class Thinned:
 
     Attributes:
         path: The checkpoint.
-        dropped: The top-level keys removed.
+        dropped: The optimizer entries (top-level keys, or HF's optimizer files) whose
+            per-parameter state was dropped; their hyperparameters (``param_groups``) stay.
         dtype: ``bf16`` when the weights were cast, else None.
         bytes_before: Its size before.
         bytes_after: Its size after.
@@ -206,18 +212,62 @@ and its bytes before: ``prune`` records the intent in the run ledger there (see
 :func:`pending`)."""
 
 
+def _has_state(value: Any) -> bool:
+    """Whether an optimizer's ``state_dict()`` (or a list/dict of them) holds any per-parameter
+    state: an empty ``state`` is a fresh or a thinned optimizer, nothing to drop."""
+    if isinstance(value, dict) and "state" in value and "param_groups" in value:
+        return bool(value["state"])
+    if isinstance(value, list | tuple):
+        return any(_has_state(v) for v in value)
+    return isinstance(value, dict) and any(_has_state(v) for v in value.values())
+
+
+def _stateless(value: Any) -> Any:
+    """An optimizer's ``state_dict()`` (or a list/dict of them, as found by
+    :func:`_is_optimizer_state`) with an empty ``state`` and everything else (``param_groups``)
+    as it was."""
+    if isinstance(value, dict) and "state" in value and "param_groups" in value:
+        return {**value, "state": {}}
+    if isinstance(value, list | tuple):
+        return type(value)(_stateless(v) for v in value)
+    return {k: _stateless(v) for k, v in value.items()}
+
+
 def _drop_optimizer(state: dict[str, Any], to: str | None
                     ) -> tuple[dict[str, Any], list[str]] | None:
-    """The state without its optimizer entries (weights cast with ``to="bf16"``) and the keys
-    dropped; None when there is nothing to drop: no training state (weights only, EMA, or
-    thinned already), and --thin-to alone would be a lossy cast nobody asked for."""
-    dropped = [k for k in OPTIMIZER_KEYS if k in state and _is_optimizer_state(state[k])]
+    """The state with its optimizers' per-parameter state emptied (their ``param_groups``
+    kept; weights cast with ``to="bf16"``) and the keys thinned; None when there is nothing to
+    drop: no training state (weights only, EMA, or thinned already), and --thin-to alone would
+    be a lossy cast nobody asked for."""
+    dropped = [k for k in OPTIMIZER_KEYS if k in state and _is_optimizer_state(state[k])
+               and _has_state(state[k])]
     if not dropped:
         return None
-    thin = {k: v for k, v in state.items() if k not in dropped}
+    thin = {k: (_stateless(v) if k in dropped else v) for k, v in state.items()}
     if to == "bf16":
         thin = {k: (_cast(v) if k in WEIGHT_KEYS else v) for k, v in thin.items()}
     return thin, dropped
+
+
+def _optimizer_file_without_state(path: Path, obj: Any = None) -> dict[str, Any] | None:
+    """An optimizer file's ``state_dict()`` (HF Trainer's ``optimizer.pt``) with an empty
+    ``state`` and its ``param_groups`` kept; None when its state is empty already (thinned).
+
+    Args:
+        path: The file, read with ``torch.load(weights_only=True)`` unless ``obj`` is given.
+        obj: What it holds, read already (an object on object storage).
+
+    Returns:
+        The thinned state dict, or None.
+
+    Raises:
+        CkptError: It cannot be read safely, or it is not an optimizer's state dict.
+    """
+    if obj is None:
+        obj = _load(path)
+    if not (isinstance(obj, dict) and "state" in obj and "param_groups" in obj):
+        raise CkptError("not an optimizer's state dict; left whole", path=path)
+    return _stateless(obj) if _has_state(obj) else None
 
 
 def _work_name(path: Path) -> Path:

@@ -61,19 +61,27 @@ def _put(tree: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _dcp_optimizer_tops(paths: list[tuple[Any, ...]]) -> list[str]:
-    """Top-level keys of a DCP checkpoint that hold optimizer state by shape: named like one,
-    with ``state``/``param_groups`` one or two levels below (an optimizer, or a list or dict
-    of them), or flattened into ``state.*``/``param_groups.*`` keys."""
-    tops: list[str] = []
-    for p in paths:
-        k = p[0]
+def _is_state_item(p: tuple[Any, ...]) -> bool:
+    """Whether an item of a DCP checkpoint is an optimizer's per-parameter state: under a
+    top-level key named like an optimizer, ``state`` one or two levels below (an optimizer, or
+    a list or dict of them), or flattened into ``state.*`` keys. Its ``param_groups`` (the
+    hyperparameters: lr, betas, weight decay...) are not."""
+    if not (isinstance(p[0], str) and p[0] in OPTIMIZER_KEYS):
+        return False
+    for x in p[1:3]:
         # torch's get_state_dict(flatten_optimizer_state_dict=True), as torchtitan saves it,
         # keys the optimizer's entries "state.<param>.exp_avg" and "param_groups.<param>.lr".
-        if (isinstance(k, str) and k in OPTIMIZER_KEYS and k not in tops
-                and any(isinstance(x, str) and (x in ("state", "param_groups") or x.startswith(
-                    ("state.", "param_groups."))) for x in p[1:3])):
-            tops.append(k)
+        if isinstance(x, str) and (x == "param_groups" or x.startswith("param_groups.")):
+            return False
+        if isinstance(x, str) and (x == "state" or x.startswith("state.")):
+            return True
+    return False
+
+
+def _dcp_optimizer_tops(paths: list[tuple[Any, ...]]) -> list[str]:
+    """Top-level keys of a DCP checkpoint that hold optimizer state (:func:`_is_state_item`);
+    none when its optimizers hold only their ``param_groups`` (fresh, or thinned already)."""
+    tops = {p[0] for p in paths if _is_state_item(p)}
     return [k for k in OPTIMIZER_KEYS if k in tops]
 
 
@@ -109,7 +117,10 @@ def _dcp_thinned_state(path: Path, to: str | None
                        ) -> tuple[dict[Any, Any], list[str], list[Path], int, Path] | None:
     """What thinning keeps of a DCP checkpoint (local or on object storage), read with ckpt's
     own reader: ``(the state dict to save, top-level keys dropped, files beside DCP's, bytes
-    before, its metadata file)``, or None when it holds no optimizer state.
+    before, its metadata file)``, or None when it holds no optimizer state. The optimizers'
+    ``param_groups`` are kept, as a fresh optimizer saves them (an empty ``state`` saves no
+    item), so ``dcp.load`` into a fresh optimizer's ``state_dict()`` restores its learning
+    rate.
 
     The kept tensors are held in memory (one copy, cast when ``to`` says so): the weights and
     training metadata, about a third of an Adam checkpoint (a sixth with ``bf16``)."""
@@ -146,7 +157,9 @@ def _dcp_thinned_state(path: Path, to: str | None
         raise CkptError("holds more than DCP's files (a link or a directory); left whole",
                         path=path)
     index = read_index(path)
-    tops = {p[0] for fqn, p in paths.items() if p[0] not in dropped}
+    # The optimizers' kept param_groups are never weights, to cast.
+    tops = {p[0] for fqn, p in paths.items() if p[0] not in dropped
+            and p[0] not in OPTIMIZER_KEYS}
     weight_tops = {k for k in tops if k in WEIGHT_KEYS} or {k for k in tops
                                                            if k not in NOT_WEIGHTS}
     where = storage_map(fields.get("storage_data"), path, meta)
@@ -155,7 +168,7 @@ def _dcp_thinned_state(path: Path, to: str | None
         with TensorSource(index) as src:
             for fqn, t in index.tensors.items():
                 p = paths.get(fqn, tuple(fqn.split(".")))
-                if p[0] in dropped:
+                if _is_state_item(p):
                     continue
                 arr, code = src.read(t), t.dtype
                 if (to == "bf16" and p[0] in weight_tops and code in ("F32", "F64", "F16")):
@@ -163,7 +176,7 @@ def _dcp_thinned_state(path: Path, to: str | None
                 _put(state, p, _torch_of(arr, code))
         for fqn, md in items.items():
             p = paths[fqn]
-            if p[0] in dropped or fqn in index.tensors:
+            if _is_state_item(p) or fqn in index.tensors:
                 continue
             if not getattr(md, "qualname", "").endswith("BytesStorageMetadata"):
                 raise CkptError(f"item {fqn!r} is neither a tensor nor bytes; left whole")

@@ -1,21 +1,25 @@
-"""Thinning a local HF Trainer ``checkpoint-N`` directory (its optimizer file removed; with
-``--thin-to bf16`` its safetensors weights cast)."""
+"""Thinning a local HF Trainer ``checkpoint-N`` directory (its optimizer file rewritten without
+its per-parameter state; with ``--thin-to bf16`` its safetensors weights cast)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
-from ckpt_cli.storage.atomic import fsync_path
+from ckpt_cli.storage.atomic import fsync_path, tmp_sibling
 from ckpt_cli.trust.thinning import base
 from ckpt_cli.trust.thinning.base import (
     HF_OPTIMIZER_FILES,
     OnStart,
     Thinned,
+    _keep_age,
     _newest_ns,
+    _optimizer_file_without_state,
     _work_name,
     quick_check,
 )
@@ -24,36 +28,81 @@ from ckpt_cli.trust.thinning.base import (
 def _thin_hf_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | None:
     """An HF Trainer ``checkpoint-N``.
 
-    Without ``to``: its optimizer file is removed (one ``unlink`` each, so a crash leaves it
-    with or without that file, complete either way: the Trainer resumes with a fresh optimizer
-    when the file is absent). With ``to="bf16"``: a copy of the directory is built beside it
-    (unchanged files hard-linked, the ``model*.safetensors`` weights cast to BF16 with
-    :mod:`ckpt_cli.tensors.cast`, ``config.json``'s dtype and the index's ``total_size`` updated, no
-    optimizer file) and swapped in with one atomic exchange.
+    Its optimizer file is rewritten with an empty ``state`` and its ``param_groups`` kept: the
+    Trainer restores ``scheduler.pt`` only when the optimizer file is there too, and the
+    optimizer's ``param_groups`` carry the learning rate the schedule reached, so a resumed run
+    follows its schedule (Adam re-creates its moments at the next step).
+
+    Without ``to``: the thinned optimizer file is written under a temporary name inside the
+    checkpoint and renamed over the original (one ``rename`` each: a kill leaves it whole or
+    thinned, complete either way, and the temporary, which the next prune removes). With
+    ``to="bf16"``: a copy of the directory is built beside it (unchanged files copied, the
+    ``model*.safetensors`` weights cast to BF16 with :mod:`ckpt_cli.tensors.cast`,
+    ``config.json``'s dtype and the index's ``total_size`` updated, the optimizer file
+    thinned) and swapped in with one atomic exchange.
     """
     from ckpt_cli.runs import tree_scan
 
-    victims = [n for n in HF_OPTIMIZER_FILES
-               if (path / n).is_file() and not (path / n).is_symlink()]
-    if not victims:
+    files = [n for n in HF_OPTIMIZER_FILES
+             if (path / n).is_file() and not (path / n).is_symlink()]
+    if not files:
         return None
-    bytes_before = tree_scan(path).bytes
+    idents = [_ident(path / n) for n in files]
     problem = quick_check(path)
     if problem:
         raise CkptError(f"does not validate ({problem}); left whole", path=path)
+    thin = {n: d for n in files if (d := _optimizer_file_without_state(path / n)) is not None}
+    if not thin:
+        return None  # thinned already
+    victims = sorted(thin, key=HF_OPTIMIZER_FILES.index)
+    bytes_before = tree_scan(path).bytes
     if to == "bf16":
-        return _hf_to_bf16(path, victims, on_start, bytes_before)
-    on_start(victims, None, bytes_before)
-    algorithm = base._set_manifest_aside(path)
-    for n in victims:
-        os.unlink(path / n)
+        return _hf_to_bf16(path, thin, victims, on_start, bytes_before)
+    newest = _newest_ns(path)
+    tmps = {n: tmp_sibling(path / n) for n in victims}
+    try:
+        for n in victims:
+            _save_like(thin[n], tmps[n], path / n)
+        if [_ident(path / n) for n in files] != idents or tree_scan(path).bytes != (
+                bytes_before + sum(t.stat().st_size for t in tmps.values())):
+            raise CkptError("it changed while being thinned; left as it is", path=path)
+        on_start(victims, None, bytes_before)
+        algorithm = base._set_manifest_aside(path)
+        for n in victims:
+            os.replace(tmps[n], path / n)  # one rename: the original or the thinned file
+    finally:
+        for t in tmps.values():
+            with contextlib.suppress(FileNotFoundError):
+                t.unlink()
     fsync_path(path)
     digest = base._manifest_again(path, algorithm)
+    _keep_age(path, newest)
     return Thinned(path, victims, None, bytes_before, tree_scan(path).bytes, digest)
 
 
-def _hf_to_bf16(path: Path, victims: list[str], on_start: OnStart,
-                bytes_before: int) -> Thinned:
+def _ident(p: Path) -> tuple[int, int, int]:
+    st = p.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _save_like(obj: dict[str, Any], dest: Path, like: Path) -> None:
+    """``torch.save`` ``obj`` to ``dest`` with the mode and times of ``like`` (retention by age
+    must not take a thinned checkpoint for a new one), fsynced and checked to read back."""
+    import torch
+
+    st = like.stat()
+    torch.save(obj, dest)
+    os.chmod(dest, st.st_mode & 0o7777)
+    os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns))
+    fsync_path(dest)
+    problem = quick_check(dest)
+    if problem:
+        raise CkptError(f"the thinned {like.name} does not validate ({problem}); left whole",
+                        path=like.parent)
+
+
+def _hf_to_bf16(path: Path, thin: dict[str, dict[str, Any]], victims: list[str],
+                on_start: OnStart, bytes_before: int) -> Thinned:
     import json
 
     from ckpt_cli.manifest import MANIFEST_NAME
@@ -75,9 +124,11 @@ def _hf_to_bf16(path: Path, victims: list[str], on_start: OnStart,
     try:
         sizes: dict[str, int] = {}
         for c in children:
-            if c.name in victims or c.name == MANIFEST_NAME:
+            if c.name == MANIFEST_NAME:
                 continue
-            if c in weights:
+            if c.name in thin:
+                _save_like(thin[c.name], tmp / c.name, c)
+            elif c in weights:
                 sizes[c.name] = _safetensors_to_bf16(c, tmp / c.name)
                 shutil.copystat(c, tmp / c.name)
             elif c.name == "config.json":
@@ -90,10 +141,10 @@ def _hf_to_bf16(path: Path, victims: list[str], on_start: OnStart,
             elif c.name.endswith(".safetensors.index.json"):
                 continue  # below, once every shard's size is known
             else:
-                try:
-                    os.link(c, tmp / c.name)  # unchanged: shared, not copied
-                except OSError:
-                    shutil.copy2(c, tmp / c.name)
+                # Copied, never hard-linked: removing the copy after a kill (the next prune's
+                # sweep) would change the original's inode-change time, and prune then takes
+                # the original for a checkpoint being written and leaves it whole.
+                shutil.copy2(c, tmp / c.name)
         for c in children:
             if c.name.endswith(".safetensors.index.json") and c.name.startswith("model"):
                 doc = storage.load_side_json(c, "index")
@@ -102,7 +153,7 @@ def _hf_to_bf16(path: Path, victims: list[str], on_start: OnStart,
                 (tmp / c.name).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
                 shutil.copystat(c, tmp / c.name)
             elif c.name.endswith(".safetensors.index.json"):
-                os.link(c, tmp / c.name)
+                shutil.copy2(c, tmp / c.name)
         return base._swap_in(path, tmp, on_start, victims, "bf16", bytes_before, newest)
     finally:
         if tmp.exists():

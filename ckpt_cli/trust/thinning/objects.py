@@ -1,7 +1,7 @@
 """Thinning on object storage, which has no rename: a torch file object replaced with one
-upload, an HF prefix's optimizer object deleted, DCP and HF ``--thin-to bf16`` prefixes by new
-objects first and the commit record that names them last (:func:`tidy` removes what a kill
-left)."""
+upload, an HF prefix's optimizer object replaced by one without its state, DCP and HF
+``--thin-to bf16`` prefixes by new objects first and the commit record that names them last
+(:func:`tidy` removes what a kill left)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from ckpt_cli.trust.thinning.base import (
     Thinned,
     _drop_optimizer,
     _is_dcp,
+    _optimizer_file_without_state,
     lone_torch_file,
     quick_check,
 )
@@ -91,27 +92,53 @@ def _thin_object(obj: Path, to: str | None, on_start: OnStart, checkpoint: Path
 
 
 def _thin_hf_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned | None:
-    """An HF Trainer ``checkpoint-N`` prefix: its optimizer object deleted (one DELETE); with
-    ``to="bf16"`` its weights cast too (see :func:`_hf_prefix_to_bf16`)."""
+    """An HF Trainer ``checkpoint-N`` prefix: its optimizer object replaced by one without its
+    per-parameter state (one PUT; its ``param_groups`` kept, see
+    :func:`ckpt_cli.trust.thinning.hf._thin_hf_dir`); with ``to="bf16"`` its weights cast too
+    (see :func:`_hf_prefix_to_bf16`)."""
     from ckpt_cli.runs import tree_scan
 
     tidy(path, ours_only=True)  # a killed --thin-to's uploads, never named by the index
-    victims = [n for n in HF_OPTIMIZER_FILES if (path / n).is_file()]
-    if not victims:
+    files = [n for n in HF_OPTIMIZER_FILES if (path / n).is_file()]
+    if not files:
         return None
     problem = quick_check(path)
     if problem:
         raise CkptError(f"does not validate ({problem}); left whole", path=path)
+    thin = {n: d for n in files if (d := _thin_optimizer_object(path / n)) is not None}
+    if not thin:
+        return None  # thinned already
+    victims = sorted(thin, key=HF_OPTIMIZER_FILES.index)
     bytes_before = tree_scan(path).bytes
     if to == "bf16":
-        return _hf_prefix_to_bf16(path, victims, on_start, bytes_before)
+        return _hf_prefix_to_bf16(path, thin, victims, on_start, bytes_before)
     on_start(victims, None, bytes_before)
     algorithm = base._set_manifest_aside(path)
     for n in victims:
-        (path / n).unlink()
+        (path / n).write_bytes(thin[n])  # one PUT: the original or the thinned object
     cast(storage.ObjectPath, path).store.changed()
     digest = base._manifest_again(path, algorithm)
     return Thinned(path, victims, None, bytes_before, tree_scan(path).bytes, digest)
+
+
+def _thin_optimizer_object(obj: Path) -> bytes | None:
+    """An optimizer object (``optimizer.pt``) saved again without its per-parameter state (its
+    ``param_groups`` kept), or None when its state is empty already."""
+    import io
+
+    import torch
+
+    try:
+        state = torch.load(io.BytesIO(obj.read_bytes()), map_location="cpu", weights_only=True)
+    except Exception as e:  # any reader failure means: leave it whole
+        raise CkptError(f"cannot be read without executing code from it ({type(e).__name__}); "
+                        "left whole", path=obj) from None
+    thin = _optimizer_file_without_state(obj, state)
+    if thin is None:
+        return None
+    out = io.BytesIO()
+    torch.save(thin, out)
+    return out.getvalue()
 
 
 # -- DCP and HF prefixes on object storage: new objects, then the one that names them ------------
@@ -309,18 +336,19 @@ def _thin_dcp_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned |
     return Thinned(path, dropped, to, bytes_before, tree_scan(path).bytes, digest)
 
 
-def _hf_prefix_to_bf16(path: Path, victims: list[str], on_start: OnStart,
-                       bytes_before: int) -> Thinned:
+def _hf_prefix_to_bf16(path: Path, thin: dict[str, bytes], victims: list[str],
+                       on_start: OnStart, bytes_before: int) -> Thinned:
     """``--thin-to bf16`` on an HF ``checkpoint-N`` prefix on object storage.
 
     Sharded (``model.safetensors.index.json``): each shard is cast into a local temporary file
     and uploaded under a new, tagged name (``model-00001-of-00002.thin1a2b3c4d.safetensors``),
     then ``config.json``'s dtype is stored, then the index naming the new shards (one PUT: the
-    step at which loaders see the BF16 weights), then the old shards and the optimizer state
-    are deleted. A lone ``model.safetensors``: replaced by one upload (after ``config.json``),
-    then the optimizer state deleted. Before the index (or the weights) is replaced the
-    checkpoint loads as it was; after, as thinned; a kill in between leaves shards the index
-    does not name, which the next prune removes (:func:`tidy`) before finishing the work.
+    step at which loaders see the BF16 weights), then the optimizer object is replaced by its
+    thinned copy (``thin``) and the old shards are deleted. A lone ``model.safetensors``:
+    replaced by one upload (after ``config.json``), then the optimizer object. Before the index
+    (or the weights) is replaced the checkpoint loads as it was; after, as thinned; a kill in
+    between leaves shards the index does not name, which the next prune removes (:func:`tidy`)
+    before finishing the work.
     """
     import json
     import tempfile
@@ -351,7 +379,8 @@ def _hf_prefix_to_bf16(path: Path, victims: list[str], on_start: OnStart,
     if not to_cast:  # cast already (a killed thinning committed its index): the optimizer goes
         on_start(victims, "bf16", bytes_before)
         algorithm = base._set_manifest_aside(path)
-        _delete_old(path, victims)
+        for n in victims:
+            (path / n).write_bytes(thin[n])
         digest = base._manifest_again(path, algorithm)
         return Thinned(path, victims, "bf16", bytes_before, tree_scan(path).bytes, digest)
     tag = _new_tag()
@@ -397,7 +426,9 @@ def _hf_prefix_to_bf16(path: Path, victims: list[str], on_start: OnStart,
             _put_commit(idxs[0], index)
         else:
             _upload_file(local / "model.safetensors", path / "model.safetensors")
-    _delete_old(path, victims + ([n for n in renamed if n not in renamed.values()]))
+    for n in victims:  # after the commit: a kill before it leaves the optimizer whole
+        (path / n).write_bytes(thin[n])
+    _delete_old(path, [n for n in renamed if n not in renamed.values()])
     cast(storage.ObjectPath, path).store.changed()
     digest = base._manifest_again(path, algorithm)
     return Thinned(path, victims, "bf16", bytes_before, tree_scan(path).bytes, digest)
