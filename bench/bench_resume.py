@@ -1,5 +1,6 @@
 """Benchmark: ``resume-path``'s default check on a run of 1,000 verified checkpoints, this tree
-against an older one (issue 37: no more than 2x the tree before it).
+against an older one (issue 45: no more than 1.5x the tree before the inode-change time joined
+the stamp; issue 37 allowed 2x the tree before the ledger's stamps).
 
 The run: 1,000 small torch checkpoints (``step_NNNNN.pt``: a model, its Adam state, the step),
 each verified by ``ckpt watch`` (manifest and ledger line), written once with this tree (an
@@ -7,11 +8,13 @@ older tree reads the same ledger: the fields it does not know are ignored). Each
 two ways, interleaved round by round: ``choose()`` in one process (the check itself, 20 calls
 after a warm-up, median), and ``ckpt resume-path RUN`` as a fresh process (import included,
 median of the rounds). Cases: the newest checkpoint intact (what resume-path does nearly
-always), and the newest ten damaged after their verdict (a byte flipped in place: the default
-check hashes each changed file and passes over them; the older tree offers the newest).
+always), the newest ten damaged after their verdict (a byte flipped in place: the default
+check hashes each changed file and passes over them), and the newest ten damaged with their
+modification times put back (``touch -r``: size, mtime and inode as recorded; only the
+inode-change time tells, and a tree before issue 45 offers the newest, damaged).
 
 Run: python -m bench.bench_resume [--baseline-rev REV] [--rounds N]
-(REV defaults to 481c46a, the tree before issue 37; it is extracted with ``git archive``.)
+(REV defaults to 566afa1, the tree before issue 45; it is extracted with ``git archive``.)
 """
 
 from __future__ import annotations
@@ -69,6 +72,12 @@ def _write_run(where: str, n: int) -> None:
     Watcher(run, WatchOptions(settle=0), lambda _e: None).run_pass()
 
 
+def _watch_once(where: str) -> None:
+    from ckpt_cli.trust.watch import Watcher, WatchOptions
+
+    Watcher(Path(where), WatchOptions(settle=0), lambda _e: None).run_pass()
+
+
 def _tree(rev: str, into: Path) -> Path:
     into.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(bc.ROOT), "archive", rev, "ckpt_cli"],
@@ -104,7 +113,7 @@ def _flip(path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline-rev", default="481c46a")
+    ap.add_argument("--baseline-rev", default="566afa1")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("-n", type=int, default=1000)
     a = ap.parse_args()
@@ -115,10 +124,21 @@ def main() -> None:
         trees = {"before": _tree(a.baseline_rev, work / "before"), "this": bc.ROOT}
         damaged = work / "damaged"
         shutil.copytree(run, damaged)
+        hidden = work / "hidden"
+        shutil.copytree(run, hidden)
+        for d in (damaged, hidden):
+            # A pass over each copy, as a watcher restarted there would make: its files' new
+            # stamps (inodes) recorded, so only the damage below counts as a change.
+            bc.in_subprocess("bench.bench_resume._watch_once", str(d))
         for i in range(a.n - 9, a.n + 1):
             _flip(damaged / f"step_{i:05d}.pt")
+            p = hidden / f"step_{i:05d}.pt"
+            st = p.stat()
+            _flip(p)
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
         rows: list[tuple[str, str]] = []
-        for case, where in (("intact", run), ("newest 10 damaged", damaged)):
+        for case, where in (("intact", run), ("newest 10 damaged", damaged),
+                            ("newest 10 damaged, mtime put back", hidden)):
             choose: dict[str, list[float]] = {k: [] for k in trees}
             cli: dict[str, list[float]] = {k: [] for k in trees}
             picked: dict[str, str] = {}
