@@ -59,3 +59,35 @@ def test_watch_on_object_storage_verifies_records_and_resumes(s3run: tuple[str, 
     assert r.exit_code == 1
     assert [(json.loads(s)["path"], json.loads(s)["verdict"]) for s in r.stdout.splitlines()] == [
         ("step_6", "bad")]
+
+
+def test_a_same_size_overwrite_is_told_by_its_etag(s3run: tuple[str, str]) -> None:
+    """An object rewritten with other bytes of the same size. S3's LastModified has whole
+    seconds, so a rewrite in the second of the verdict is no later than the verdict by its
+    modification time; the verdict's stamp records each object's ETag (the change field),
+    which tells whenever the rewrite happens. The newest checkpoint is passed over and
+    reported bad."""
+    moto, url = s3run
+    r = run_cli("watch", url, "--once", "--json", "--settle", "0s")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    line = ledger.read_ledger(url).latest()["step_6"]  # type: ignore[union-attr]
+    assert line.files and all(len(v) == 4 and v[2] == 0 and v[3] for v in line.files.values())
+    bucket = url.split("/")[2]
+    key = "run/step_6/__0_0.distcp"
+    cli = s3.client(moto)
+    body = bytearray(cli.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    cli.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    head = cli.head_object(Bucket=bucket, Key=key)
+    assert head["ContentLength"] == len(body)
+    storage.configure({})  # a fresh process's listing
+    r = run_cli("resume-path", url, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["path"].endswith("run/step_4")
+    assert doc["rejected"][0]["path"] == "step_6"
+    assert "content differs from the manifest" in doc["rejected"][0]["problem"]
+    r = run_cli("watch", url, "--once", "--json", "--settle", "0s")
+    assert r.exit_code == 1
+    assert [(json.loads(s)["path"], json.loads(s)["verdict"]) for s in r.stdout.splitlines()] == [
+        ("step_6", "bad")]
