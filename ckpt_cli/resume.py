@@ -75,7 +75,7 @@ def survey(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
     The ledger's good checkpoints are tried newest step first. One is passed over when it
     belongs to an abandoned timeline (:func:`ckpt_cli.trust.ledger.abandoned`: a checkpoint of
     a lower step was committed after it, so training was resumed from before it), holds a
-    symbolic link, or fails :func:`ckpt_cli.trust.ledger.trusted_problems`: its manifest is
+    symbolic link, or fails :func:`ckpt_cli.trust.ledger.recheck_trusted`: its manifest is
     not the one recorded, a file the manifest lists is missing or resized or one was added, a
     file whose stamp (size, modification time, inode, inode-change time) differs from the
     verdict's record hashes otherwise than the manifest says (``full``: any file does; so does
@@ -91,7 +91,7 @@ def survey(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
         ValueError: An unknown ``verify``.
         CkptError: The ledger cannot be read.
     """
-    from ckpt_cli.trust.ledger import links_in, trusted_problems
+    from ckpt_cli.trust.ledger import links_in, recheck_trusted
     from ckpt_cli.trust.thinning import pending
 
     if verify not in ("sizes", "full"):
@@ -127,7 +127,7 @@ def survey(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
             rejected.append((e.path, f"{links[0]} is a symbolic link"))
             continue
         now = ledger.stamp(path)
-        problems = trusted_problems(path, e, full=verify == "full", now=now).problems
+        problems = recheck_trusted(path, e, full=verify == "full", now=now).problems
         if problems and now and ledger.saved_again(path, e, now):
             problems = ["written again after it was verified (a newer save not verified yet)"]
         if not problems:

@@ -498,7 +498,7 @@ def recheck_good(path: Path, line: LedgerEntry, *, full: bool,
     return recheck(path, line, full=full, now=now).problems
 
 
-def trusted_problems(path: Path, line: LedgerEntry, *, full: bool,
+def recheck_trusted(path: Path, line: LedgerEntry, *, full: bool,
                      now: Mapping[str, Stamp] | None = None) -> Recheck:
     """Every check a good ledger line must pass before anything trusts it (``resume-path``
     and ``ckpt watch`` alike): :func:`recheck`, then the index read through the allowlist

@@ -365,7 +365,7 @@ class RunWatcher:
                 # back cannot restore); all of them when this watcher saw it change, or the
                 # line is not the one its manifest was written with. Then the index, read
                 # through the allowlist: the checks resume-path makes before trusting a line.
-                check = ledger.trusted_problems(e.path, line, full=cached is not None,
+                check = ledger.recheck_trusted(e.path, line, full=cached is not None,
                                                 now=now_files)
                 problems = check.problems
                 if not problems:
