@@ -38,15 +38,21 @@ from tests.trust.test_watch import train, verdicts, watch_once
 pytestmark = [pytest.mark.requires_torch, pytest.mark.slow]
 
 
-def _torch_run(run: Path) -> list[Path]:
+def _three_saves(run: Path, suffix: str, save: Callable[[dict[str, Any], Path], None],
+                 ) -> list[Path]:
+    """Three checkpoints ``model_{100,200,300}{suffix}`` written by ``save``."""
     run.mkdir()
     out = []
     for step in (100, 200, 300):
         torch.manual_seed(step)
-        p = run / f"model_{step}.pt"
-        torch.save({"model": {"layer.weight": torch.randn(64, 64)}, "step": step}, p)
+        p = run / f"model_{step}{suffix}"
+        save({"layer.weight": torch.randn(64, 64)}, p)
         out.append(p)
     return out
+
+
+def _torch_run(run: Path) -> list[Path]:
+    return _three_saves(run, ".pt", lambda sd, p: torch.save({"model": sd, "step": 1}, p))
 
 
 def _flip_pickle_key(path: Path) -> Path:
@@ -69,14 +75,7 @@ def _flip_tensor_data(path: Path) -> Path:
 def _safetensors_run(run: Path) -> list[Path]:
     from safetensors.torch import save_file
 
-    run.mkdir()
-    out = []
-    for step in (100, 200, 300):
-        torch.manual_seed(step)
-        p = run / f"model_{step}.safetensors"
-        save_file({"layer.weight": torch.randn(64, 64)}, p)
-        out.append(p)
-    return out
+    return _three_saves(run, ".safetensors", save_file)
 
 
 def _flip_middle(path: Path) -> Path:
@@ -137,8 +136,8 @@ def test_a_flip_with_its_mtime_put_back_is_caught(tmp_path: Path, layout: str) -
         shutil.copytree(run, c, symlinks=True)
         assert watch_once(c)[0] == 0
     newest, intact = ckpts[-1].name, ckpts[-2].name
-    for r in (run, *copies):
-        flip_keeping_mtime(file_of(r / newest), damage)
+    for where in (run, *copies):
+        flip_keeping_mtime(file_of(where / newest), damage)
 
     # resume-path's default check passes the damaged checkpoint over.
     r = run_cli("resume-path", run, "--json")
