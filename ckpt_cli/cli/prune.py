@@ -125,7 +125,7 @@ def prune_cmd(
                 result = execute(planned, on_progress=view.event)
         finally:
             view.stop()
-        failed = bool(result.named("failed") or result.trash_failed)
+        failed = bool(result.named("failed") or result.trash_failed or result.thin_failed)
         outcome.exit_code = code = (EXIT_OK if result.ok else EXIT_FINDINGS if failed
                                     else EXIT_REFUSED)
         if result.note and not common.json:

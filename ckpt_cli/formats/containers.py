@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.formats.standins import Opaque, TensorRecord
+
+if TYPE_CHECKING:
+    from ckpt_cli.model import CheckpointIndex
 
 MODEL_KEYS = ("model", "state_dict", "module", "model_state_dict", "model_state", "network",
               "net", "params", "weights", "ema", "model_ema", "ema_state_dict", "generator",
@@ -407,3 +410,36 @@ def _is_plain(v: Any) -> bool:
         return True
     return isinstance(v, list) and len(v) <= 64 and all(
         x is None or isinstance(x, (bool, int, float, str)) for x in v)
+
+
+# The rank files of DeepSpeed and Megatron (mp_rank_00_model_states, zero_pp_rank_0_mp_rank_00_
+# optim_states...): their names prefix the entries read from them.
+_RANK_PREFIX = re.compile(r"^(?:mp_rank_\d+\S*|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_\w+)$")
+
+
+def _hyperparameters(name: str) -> bool:
+    return ".param_groups." in f".{name}."
+
+
+def holds_optimizer_state(index: CheckpointIndex) -> bool:
+    """Whether a checkpoint holds optimizer state: per-parameter state (Adam's moments, the
+    step counts) in tensors or values under an optimizer's key, or an optimizer file ckpt
+    could not read (counted by its name). An optimizer's hyperparameters (``param_groups``)
+    are no state: an optimizer whose ``state`` is empty (fresh, or thinned by ``prune
+    --thin-after``, which keeps them so that a resumed run follows its schedule) holds none,
+    in every layout (HF ``optimizer.pt``, Lightning ``optimizer_states``, torch dicts, DCP).
+    """
+    if any(t.group == "optimizer" and not _hyperparameters(n)
+           for n, t in index.tensors.items()):
+        return True
+    # A file read (its format known) counts by what it holds, above and below.
+    if any(f.role == "optimizer" and f.format is None for f in index.files):
+        return True
+    for key in index.objects:
+        if _hyperparameters(key):
+            continue
+        parts = key.split(".", 2)
+        head = parts[1] if len(parts) > 1 and _RANK_PREFIX.match(parts[0]) else parts[0]
+        if head in OPTIMIZER_KEYS:
+            return True
+    return False

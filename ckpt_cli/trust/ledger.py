@@ -551,15 +551,17 @@ def abandoned(book: Ledger) -> dict[str, LedgerEntry]:
 
 def thinned_on_purpose(path: Path) -> bool:
     """Whether the run ledger beside a checkpoint records that ``prune --thin-after`` thinned
-    it (a confirmed ``thinned`` line): its optimizer state was dropped on purpose."""
-    from ckpt_cli.trust.thinning.base import pending
+    it: its newest ``thinned`` line confirms a thinning (neither the intent nor the record of
+    one not carried out, :func:`ckpt_cli.trust.thinning.thinned_line`)."""
+    from ckpt_cli.trust.thinning.base import thinned_line
 
     try:
         book = read_ledger(storage.locate(path).parent)
     except CkptError:
         return False
-    return book is not None and any(e.path == path.name and e.event == THINNED
-                                    and not pending(e) for e in book.entries)
+    newest = next((e for e in reversed(book.entries) if e.path == path.name
+                   and e.event == THINNED), None) if book is not None else None
+    return newest is not None and thinned_line(newest)
 
 
 def links_in(path: Path) -> list[str]:

@@ -245,8 +245,12 @@ def megatron_legacy(out: Path, tp: int = 2, pp: int = 1, iteration: int = 500) -
                 "encoder": {"layers.0.mlp.dense_h_to_4h.weight": torch.randn(32 // tp, 8,
                                                                               generator=g)}}}
             torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                        "model": model, "optimizer": {"optimizer": {"state": {}, "param_groups":
-                                                                    [{"lr": 1e-4}]}},
+                        "model": model,
+                        # Adam's state as torch < 1.12 saved it (an int step per parameter):
+                        # an empty "state" would be no optimizer state at all.
+                        "optimizer": {"optimizer": {"state": {0: {"step": 3}},
+                                                    "param_groups": [{"lr": 1e-4,
+                                                                      "params": [0]}]}},
                         "rng_state": [{"random_rng_state": (3, (1, 2), None)}],
                         "num_floating_point_operations_so_far": 12345},
                        d / name / "model_optim_rng.pt")

@@ -10,6 +10,10 @@ prune finished before its N-th change, printing how many changes it made.
 each RUN (``TO`` is ``bf16`` or ``-``), each prune in a child forked from this one process, so
 that torch and ckpt are imported once for many kill points; prints one line per RUN:
 ``RUN STATUS`` (``killed``, or ``done:<changes>``).
+
+``python -m tests.helpers.thin_kill_at --at STEP RUN THIN_AFTER TO``: kill the prune at one named
+step of thinning instead (``manifest``: after the rewrite or swap, before the new manifest and the
+confirming ledger line; ``aside``: after the intent line, with the checkpoint still whole).
 """
 
 from __future__ import annotations
@@ -76,8 +80,31 @@ def _many(after: int, to: str | None, points: list[str]) -> None:
             print(run, f"done:{out.split()[-1] if out.split() else '?'}", flush=True)
 
 
+def _prune_killed_in(run: Path, step: str, after: int, to: str | None) -> None:
+    """Prune ``run``, killing it where thinning reaches ``step`` (see the module's doc)."""
+    from ckpt_cli.ops.prune import prune
+    from ckpt_cli.ops.prune.retention import PrunePolicy
+    from ckpt_cli.trust.thinning import base
+
+    def die(*_a: Any, **_k: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if step == "manifest":
+        base._manifest_again = die  # type: ignore[assignment]
+    elif step == "aside":
+        base._set_manifest_aside = die  # type: ignore[assignment]
+    else:
+        raise SystemExit(f"unknown step {step!r}")
+    prune(run, PrunePolicy(keep=None, thin_after=after, grace=0, thin_to=to))
+    os._exit(3)
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
+    if sys.argv[1] == "--at":
+        to = None if sys.argv[5] == "-" else sys.argv[5]
+        _prune_killed_in(Path(sys.argv[3]), sys.argv[2], int(sys.argv[4]), to)
+        return
     if sys.argv[1] == "--many":
         to = None if sys.argv[3] == "-" else sys.argv[3]
         _many(int(sys.argv[2]), to, sys.argv[4:])

@@ -77,6 +77,9 @@ class PruneResult(Documented):
         thinned: Checkpoints rewritten without optimizer state (``--thin-after``): name ->
             :class:`ckpt_cli.trust.thinning.Thinned`.
         thin_skipped: Checkpoints the plan thins that were left whole, and why.
+        thin_failed: Checkpoints a killed prune began thinning that this one could not settle
+            (unreadable, or their manifest could not be written), and why; also in
+            ``thin_skipped``. The prune is not ``ok`` then.
     """
 
     path: Path
@@ -95,6 +98,7 @@ class PruneResult(Documented):
     note: str | None = None
     thinned: dict[str, Any] = field(default_factory=dict)
     thin_skipped: dict[str, str] = field(default_factory=dict)
+    thin_failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def bytes_saved(self) -> int:
@@ -132,8 +136,10 @@ class PruneResult(Documented):
     @property
     def ok(self) -> bool:
         """Whether every deletion attempted (and every leftover trash removal) succeeded, and
-        nothing made the plan stop (a stop is a finding cron should report)."""
-        return not self.named("failed") and not self.trash_failed and not self.halted
+        nothing made the plan stop (a stop is a finding cron should report), and every
+        thinning a killed prune left was settled."""
+        return (not self.named("failed") and not self.trash_failed and not self.halted
+                and not self.thin_failed)
 
     command = "prune"
 

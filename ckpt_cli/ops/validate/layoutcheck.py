@@ -17,13 +17,11 @@ from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.formats import deepspeed, hf_index, megatron
 from ckpt_cli.formats.base import rel_to
-from ckpt_cli.formats.containers import OPTIMIZER_KEYS
+from ckpt_cli.formats.containers import holds_optimizer_state
 from ckpt_cli.formats.names import is_leftover
 from ckpt_cli.formats.provenance import written_by_ckpt
 from ckpt_cli.model import CheckpointIndex, Finding
 from ckpt_cli.runs import POINTER_FILES, PointerError, read_pointer
-
-_RANK_PREFIX = re.compile(r"^(?:mp_rank_\d+\S*|(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_\w+)$")
 
 
 def rank_findings(index: CheckpointIndex, path: Path) -> tuple[list[Finding], str] | None:
@@ -178,24 +176,6 @@ def directory_pointers(directory: Path, prefix: str = "") -> tuple[list[Finding]
     return findings, found
 
 
-def _has_optimizer(index: CheckpointIndex) -> bool:
-    """Optimizer state anywhere: tensors, an optimizer file, or an optimizer state dict."""
-    if any(t.group == "optimizer" for t in index.tensors.values()):
-        return True
-    if any(f.role == "optimizer" for f in index.files):
-        return True
-    for key in index.objects:
-        # An optimizer's hyperparameters (param_groups) are no state: a thinned checkpoint
-        # keeps them so that a resumed run follows its learning-rate schedule.
-        if ".param_groups." in f".{key}.":
-            continue
-        parts = key.split(".", 2)
-        head = parts[1] if len(parts) > 1 and _RANK_PREFIX.match(parts[0]) else parts[0]
-        if head in OPTIMIZER_KEYS:
-            return True
-    return False
-
-
 def _thinned(path: Path) -> bool:
     from ckpt_cli.trust.ledger import thinned_on_purpose
 
@@ -221,14 +201,21 @@ def resumable_findings(index: CheckpointIndex, require: tuple[str, ...],
     """
     step = index.metadata.get("step")
     has_step = isinstance(step, int) and not isinstance(step, bool)
-    has_opt = _has_optimizer(index)
+    has_opt = holds_optimizer_state(index)
     findings: list[Finding] = []
     if "step" in require and not has_step:
         findings.append(Finding("error", "missing-step",
                                 "no training step recorded (--require step)"))
     if "optimizer" in require and not has_opt:
+        why = ""
+        if path is not None and _thinned(path):
+            why = (": thinned by ckpt prune --thin-after (the run ledger says so), its "
+                   "optimizer state dropped, only its hyperparameters (param_groups) kept")
+        elif any(".param_groups." in f".{k}." for k in index.objects):
+            why = (": its optimizer's state is empty, only its hyperparameters (param_groups) "
+                   "are saved (a fresh or thinned optimizer)")
         findings.append(Finding("error", "missing-optimizer",
-                                "no optimizer state (--require optimizer)"))
+                                f"no optimizer state (--require optimizer){why}"))
     elif has_step and not has_opt and written_by_ckpt(index.metadata):
         # convert/consolidate leave optimizer state out unless asked: weights only by design.
         findings.append(Finding(
@@ -239,7 +226,8 @@ def resumable_findings(index: CheckpointIndex, require: tuple[str, ...],
         findings.append(Finding(
             "info", "no-optimizer",
             f"step {step}: thinned by ckpt prune --thin-after (the run ledger says so), its "
-            "optimizer state dropped on purpose; resuming from it restarts the optimizer"))
+            "optimizer state dropped on purpose (its param_groups kept); resuming from it "
+            "restarts the optimizer's moments"))
     elif has_step and not has_opt:
         findings.append(Finding(
             "warning", "no-optimizer",

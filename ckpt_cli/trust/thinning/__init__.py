@@ -29,7 +29,9 @@ What is thinned, and how each rewrite stays atomic:
 
 The run ledger gets a ``thinned`` line with ``"pending": true`` (see :func:`pending`) before the
 first change, and the confirming line after, so a thinning killed midway is verified afresh
-rather than reported bad, and never resumed from.
+rather than reported bad, and never resumed from; the next prune settles it whatever its plan
+(``ckpt_cli.ops.prune.thin.settle``): confirmed when thinned, a line with ``"undone": true``
+(:data:`UNDONE`) when whole.
 
 The code, by layout: :mod:`.base` (what every layout shares: the intent line, the manifest set
 aside and written again, the atomic swap of a directory), :mod:`.thin` (:func:`thin_file`, which
@@ -45,17 +47,19 @@ from ckpt_cli.trust.thinning.base import (
     PENDING,
     THIN_DTYPES,
     THIN_SUFFIXES,
+    UNDONE,
     WEIGHT_KEYS,
     OnStart,
     Thinned,
     can_thin,
     lone_torch_file,
     pending,
+    thinned_line,
 )
 from ckpt_cli.trust.thinning.dcp import NOT_WEIGHTS
 from ckpt_cli.trust.thinning.objects import THIN_TAG, tidy
 from ckpt_cli.trust.thinning.thin import thin_file
 
 __all__ = ["HF_OPTIMIZER_FILES", "NOT_WEIGHTS", "OPTIMIZER_KEYS", "PENDING", "THIN_DTYPES",
-           "THIN_SUFFIXES", "THIN_TAG", "WEIGHT_KEYS", "OnStart", "Thinned", "can_thin",
-           "lone_torch_file", "pending", "thin_file", "tidy"]
+           "THIN_SUFFIXES", "THIN_TAG", "UNDONE", "WEIGHT_KEYS", "OnStart", "Thinned",
+           "can_thin", "lone_torch_file", "pending", "thin_file", "thinned_line", "tidy"]

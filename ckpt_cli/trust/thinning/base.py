@@ -78,6 +78,20 @@ or the thinned one, with or without its manifest, and must be verified afresh, n
 bad for not matching what was recorded."""
 
 
+UNDONE = "undone"
+"""Key of a ``thinned`` ledger line's ``detail`` that settles an intent (:data:`PENDING`) whose
+thinning was never carried out: the checkpoint is whole, with its optimizer state (``dropped``
+is empty). Not a thinning: :func:`thinned_line` is False for it."""
+
+
+def thinned_line(line: Any) -> bool:
+    """Whether a ledger line confirms that its checkpoint was thinned (neither the intent nor
+    the record that a thinning was not carried out)."""
+    detail = getattr(line, "detail", None)
+    return getattr(line, "event", None) == "thinned" and isinstance(detail, dict) and not (
+        detail.get(PENDING) or detail.get(UNDONE))
+
+
 def pending(line: Any) -> bool:
     """Whether a ledger line is the intent of a thinning that has not been confirmed yet."""
     detail = getattr(line, "detail", None)
