@@ -91,8 +91,9 @@ def survey(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
         ValueError: An unknown ``verify``.
         CkptError: The ledger cannot be read.
     """
+    from ckpt_cli.formats.containers import holds_optimizer_state
     from ckpt_cli.trust.ledger import links_in, recheck_trusted
-    from ckpt_cli.trust.thinning import pending
+    from ckpt_cli.trust.thinning import pending, thinned_line
 
     if verify not in ("sizes", "full"):
         raise ValueError(f"verify must be 'sizes' or 'full', not {verify!r}")
@@ -105,9 +106,11 @@ def survey(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
     # A thinning that was interrupted (its intent line never confirmed) may have rewritten the
     # checkpoint before watch verified it again: not resumable either.
     interrupted: set[str] = set()
+    thinned: set[str] = set()  # whose newest thinning line confirms a thinning
     for e in book.entries:
         if e.event == ledger.THINNED:
             (interrupted.add if pending(e) else interrupted.discard)(e.path)
+            (thinned.add if thinned_line(e) else thinned.discard)(e.path)
     latest = book.latest()
     left_behind = ledger.abandoned(book)
     good = sorted((e for e in latest.values() if e.good and e.event != ledger.THINNED
@@ -127,9 +130,15 @@ def survey(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
             rejected.append((e.path, f"{links[0]} is a symbolic link"))
             continue
         now = ledger.stamp(path)
-        problems = recheck_trusted(path, e, full=verify == "full", now=now).problems
+        check = recheck_trusted(path, e, full=verify == "full", now=now)
+        problems = check.problems
         if problems and now and ledger.saved_again(path, e, now):
             problems = ["written again after it was verified (a newer save not verified yet)"]
+        elif (not problems and e.path in thinned and check.index is not None
+              and not holds_optimizer_state(check.index)):
+            # Verified again after its thinning (a watcher that found no manifest): good for
+            # its weights, but resuming would restart the optimizer.
+            problems = ["thinned by prune --thin-after: its optimizer state was dropped"]
         if not problems:
             choice = ResumeChoice(path, e, tuple(rejected), book.ignored)
             return ResumeSurvey(choice, tuple(rejected), book.ignored, book.skipped)

@@ -28,6 +28,7 @@ import orjson
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.manifest import is_int64, is_stamp
+from ckpt_cli.model import CheckpointIndex
 
 Stamp = tuple[int, ...]
 """A file as verified: ``(size, mtime_ns, inode, change)`` (:func:`ckpt_cli.storage.file_stamp`);
@@ -431,11 +432,13 @@ class Recheck:
         witnessed: Whether the line's file record is the one its manifest was written with
             (False for a line forged or edited after the verdict, which then spares no file
             its hash; True where the manifest records none to compare).
+        index: The checkpoint's index as :func:`recheck_trusted` read it (None otherwise).
     """
 
     problems: list[str]
     hashed: int = 0
     witnessed: bool = True
+    index: CheckpointIndex | None = None
 
 
 def recheck(path: Path, line: LedgerEntry, *, full: bool,
@@ -510,8 +513,9 @@ def recheck_trusted(path: Path, line: LedgerEntry, *, full: bool,
     r = recheck(path, line, full=full, now=now)
     if r.problems:
         return r
-    why = first_error(path)[1]
-    return Recheck([f"does not read cleanly: {why}"], r.hashed, r.witnessed) if why else r
+    index, why = first_error(path)
+    return Recheck([f"does not read cleanly: {why}"] if why else [], r.hashed, r.witnessed,
+                   index)
 
 
 def abandoned(book: Ledger) -> dict[str, LedgerEntry]:

@@ -318,8 +318,11 @@ class RunWatcher:
                  cached: tuple[Signature, str] | None) -> WatchEvent | None:
         rel = _rel(self.root, e.path)
         line = self.known.get(rel)
-        if line is not None and pending(line):
-            line = None  # a thinning was interrupted: verify it afresh (whole or thinned)
+        if line is not None and (pending(line) or (line.good and not line.manifest_digest)):
+            # A thinning was interrupted (whole or thinned), or a good line names no manifest
+            # to re-check the files against (a thinning recorded as not done after its
+            # manifest went; a thinning of a checkpoint never verified): verify it afresh.
+            line = None
         if not e.complete:
             # Its newest modification time: how long ago the writer last wrote to it.
             if now - e.mtime < self.opts.abandon_after:

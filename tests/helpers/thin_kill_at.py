@@ -13,7 +13,8 @@ that torch and ckpt are imported once for many kill points; prints one line per 
 
 ``python -m tests.helpers.thin_kill_at --at STEP RUN THIN_AFTER TO``: kill the prune at one named
 step of thinning instead (``manifest``: after the rewrite or swap, before the new manifest and the
-confirming ledger line; ``aside``: after the intent line, with the checkpoint still whole).
+confirming ledger line; ``aside``: after the intent line, with the checkpoint still whole;
+``removed``: the same, its manifest removed).
 """
 
 from __future__ import annotations
@@ -93,6 +94,14 @@ def _prune_killed_in(run: Path, step: str, after: int, to: str | None) -> None:
         base._manifest_again = die  # type: ignore[assignment]
     elif step == "aside":
         base._set_manifest_aside = die  # type: ignore[assignment]
+    elif step == "removed":
+        set_aside = base._set_manifest_aside
+
+        def removed_then_die(path: Path) -> str | None:
+            set_aside(path)
+            return die()
+
+        base._set_manifest_aside = removed_then_die  # type: ignore[assignment]
     else:
         raise SystemExit(f"unknown step {step!r}")
     prune(run, PrunePolicy(keep=None, thin_after=after, grace=0, thin_to=to))

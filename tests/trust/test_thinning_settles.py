@@ -156,3 +156,71 @@ def test_the_next_prune_after_a_settled_kill_is_quiet(tmp_path: Path) -> None:
     again = read_ledger(run)
     assert again is not None and len(again.entries) == lines
     shutil.rmtree(run)
+
+
+@pytest.mark.parametrize("kind", ["torch", "hf"])
+def test_a_whole_checkpoint_whose_thinning_died_after_its_manifest_went_is_verified_afresh(
+        tmp_path: Path, kind: str) -> None:
+    """Killed after the intent line and the manifest's removal, before any file changed: the
+    next prune records the thinning as not done, with no manifest to re-check the files
+    against; watch then verifies it afresh (never reports the intact checkpoint bad), and it
+    is a resume point again."""
+    from ckpt_cli.resume import choose
+
+    run = _watched(tmp_path / kind, kind)
+    _kill_at(run, "removed")
+    killed = [c.name for c in sorted(run.iterdir()) if (line := _newest_thinned(run, c.name))
+              and line["detail"].get("pending")]
+    assert len(killed) == 1, killed
+    name = killed[0]
+    assert _holds_state(run / name) and verify_manifest(run / name) is None
+    r = run_cli("prune", run, "--keep", "10", "--yes")
+    assert r.exit_code == 0, r.output
+    line = _newest_thinned(run, name)
+    assert line is not None and line["detail"].get("undone") is True and line["digest"] is None
+    w = run_cli("watch", run, "--once", "--settle", "0", "--json")
+    assert w.exit_code == 0, w.output
+    assert f"BAD: {run / name}" not in w.stderr
+    book = read_ledger(run)
+    assert book is not None
+    latest = book.latest()[name]
+    assert latest.event == "verified" and latest.good
+    assert latest.manifest_digest == manifest_digest(run / name)
+    m = verify_manifest(run / name)
+    assert m is not None and m.ok
+    newest = max((c for c in book.latest().values() if c.step is not None),
+                 key=lambda e: e.step or 0)
+    choice = choose(run)
+    assert choice is not None and choice.path == run / newest.path
+
+
+def test_a_checkpoint_thinned_before_any_verdict_is_verified_but_never_a_resume_point(
+        tmp_path: Path) -> None:
+    """A run pruned with --thin-after before any watcher ran: the thinned checkpoints have no
+    manifest. watch verifies them afresh (not bad), and resume-path never offers one: with
+    the newest damaged, there is nothing to resume from rather than a run restarted without
+    its optimizer state."""
+    from ckpt_cli.resume import survey
+    from tests.helpers.damage import truncate
+
+    run = tmp_path / "torch"
+    _torch_run(run)
+    old = 1_600_000_000
+    for p in [*run.rglob("*"), run]:
+        os.utime(p, (old, old))
+    r = run_cli("prune", run, "--thin-after", "1", "--grace", "0", "--yes", "--json")
+    assert r.exit_code == 0, r.output
+    book = read_ledger(run)
+    assert book is not None
+    thinned = sorted({e.path for e in book.entries if e.event == "thinned"})
+    assert thinned and all(thinned_on_purpose(run / n) for n in thinned)
+    w = run_cli("watch", run, "--once", "--settle", "0", "--json")
+    assert w.exit_code == 0, w.output
+    newest = max((c for c in run.iterdir() if not c.name.startswith("ckpt-")
+                  and ".ckpt-manifest" not in c.name), key=lambda c: c.name)
+    assert newest.name not in thinned
+    truncate(newest if newest.is_file() else next(newest.rglob("*.pt")), 100)
+    found = survey(run)
+    assert found.choice is None
+    why = dict(found.rejected)
+    assert all("thinned by prune --thin-after" in why[n] for n in thinned), why
