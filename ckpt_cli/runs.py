@@ -152,11 +152,16 @@ class TreeScan(NamedTuple):
     exists: bool = True
 
 
-def tree_scan(path: Path) -> TreeScan:
+def tree_scan(path: Path, *, own_times: bool = False) -> TreeScan:
     """Walk a file or directory tree once (symlinks are counted, never followed).
 
     Args:
         path: A file or directory.
+        own_times: Take ``mtime`` and ``changed`` from the checkpoint's own files only: not
+            from what ckpt writes at a directory's top (its manifest, its temporaries), nor
+            from the top directory itself, whose times that write moves (a checkpoint verified
+            long after its save is not a recent one). Their bytes and files still count
+            (the contents of such a temporary directory are not walked).
 
     Returns:
         The :class:`TreeScan`; ``exists`` is False (and everything 0) when ``path`` is missing.
@@ -170,15 +175,21 @@ def tree_scan(path: Path) -> TreeScan:
         return TreeScan(st.st_size, 1, st.st_mtime, changed)
     if not storage.has_file_system(path):
         total, count, newest = 0, 0, st.st_mtime
-        for _, est in storage.tree_paths(path):  # objects only: no directories
+        top = f"{str(path).rstrip('/')}/"
+        for name, est in storage.tree_paths(path):  # objects only: no directories
             total += est.st_size
             count += 1
-            newest = max(newest, est.st_mtime)
+            if not (own_times and _ckpt_sidecar(name.removeprefix(top))):
+                newest = max(newest, est.st_mtime)
         return TreeScan(total, count, newest, max(changed, newest))
     # Plain comparisons instead of max() and st_mode instead of is_dir(): this loop runs once
     # per file of every checkpoint when listing thousands of them.
     total, count, newest = 0, 0, st.st_mtime
+    top_times = (st.st_mtime, changed)
+    if own_times:
+        newest = changed = 0.0
     stack = [os.fspath(path)]
+    top_dir = stack[0]
     while stack:
         d = stack.pop()
         try:
@@ -187,6 +198,10 @@ def tree_scan(path: Path) -> TreeScan:
                     try:
                         est = e.stat(follow_symlinks=False)
                     except OSError:
+                        continue
+                    if own_times and d == top_dir and _ckpt_sidecar(e.name):
+                        total += est.st_size
+                        count += not stat.S_ISDIR(est.st_mode)
                         continue
                     m, c = est.st_mtime, est.st_ctime
                     if m > newest:
@@ -202,7 +217,18 @@ def tree_scan(path: Path) -> TreeScan:
                         count += 1
         except OSError:
             continue
+    if own_times and not newest and not changed:  # nothing of its own yet: the directory's
+        newest, changed = top_times
     return TreeScan(total, count, newest, changed)
+
+
+def _ckpt_sidecar(name: str) -> bool:
+    """Whether a name at a checkpoint directory's top is what ckpt itself writes there: its
+    manifest, or one of its temporaries."""
+    from ckpt_cli.formats.names import is_own_temporary
+    from ckpt_cli.manifest import MANIFEST_NAME
+
+    return name == MANIFEST_NAME or is_own_temporary(name)
 
 
 def tree_stats(path: Path) -> tuple[int, int, float]:
@@ -459,16 +485,40 @@ def itself_a_checkpoint(path: Path) -> str:
 def one_checkpoint(path: Path) -> bool:
     """Whether a directory that holds no checkpoints is itself one (any format a reader
     recognises: a step directory holding one torch file, an HF final model, DCP...). A
-    directory holding only logs, configs or nothing is not."""
+    directory holding only logs, configs, numbered files such as dataset shards, or nothing
+    is not.
+
+    Args:
+        path: A directory.
+
+    Returns:
+        Whether it is one checkpoint.
+    """
     from ckpt_cli.formats import detect
 
     if not path.is_dir():
         return False
     try:
-        detect(path)
+        reader = detect(path)
     except (CkptError, OSError):
         return False
-    return True
+    # Loose numbered files alone (data_0001.bin, tokens_2.pt) may be a dataset's shards in a
+    # run directory before its first save, as list_run(strict=True) treats them; a directory
+    # named like a checkpoint, or holding any other checkpoint file or an HF state file, is one.
+    return not (reader.name == "dir" and step_from_name(path.name, strict=True) is None
+                and _only_numbered_files(path))
+
+
+def _only_numbered_files(path: Path) -> bool:
+    """Whether every checkpoint-like file at the top of ``path`` has a number in its name and
+    is no part of a checkpoint (no ``rank``, ``-of-``, ``optim``...), with no JSON state."""
+    from ckpt_cli.formats.directory import checkpoint_files
+
+    if any((path / n).exists() for n in ("trainer_state.json", "config.json")):
+        return False
+    files = checkpoint_files(path)
+    return bool(files) and all(re.search(r"\d", f.name) and not _PART_NAME.search(f.name)
+                               for f in files)
 
 
 def holds_final_model(path: Path) -> bool:
@@ -646,7 +696,8 @@ def _entry(where: str, step: int | None, is_file: bool = False) -> RunEntry:
             if status is not None:
                 status = named_unfinished(path, status)  # as quick_status does
     if scan is None:
-        scan = tree_scan(path)
+        # Its own files' times: a manifest ckpt wrote into it later does not make it recent.
+        scan = tree_scan(path, own_times=True)
     fmt, complete, reason = status if status is not None else quick_status(path)
     return RunEntry(name=path.name, path=path, step=step, step_source="name" if step is not None
                     else "unknown", format=fmt, bytes=scan.bytes, files=scan.files,

@@ -398,8 +398,8 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
           metrics_file: PathLike | None = None, older_than: float | str | None = None,
           max_total_size: int | str | None = None, grace: float | str = "10m",
           thin_after: int | None = None, thin_to: str | None = None,
-          keep_full_every: int | None = None, pattern: str | None = None,
-          any_dir: bool = False, dry_run: bool = True,
+          keep_full_every: int | None = None, keep_abandoned: bool = False,
+          pattern: str | None = None, any_dir: bool = False, dry_run: bool = True,
           storage_options: Mapping[str, Any] | None = None,
           on_progress: ProgressCallback | None = None) -> PruneResult:
     """Delete old checkpoints of a run directory by retention rules (``ckpt prune --yes``).
@@ -422,6 +422,8 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
         thin_after: Rewrite checkpoints older than the newest N without optimizer state.
         thin_to: ``bf16``: also cast thinned checkpoints' weights to BF16.
         keep_full_every: Never thin checkpoints whose step is a multiple of this.
+        keep_abandoned: Keep the checkpoints of a timeline a rollback abandoned (by default
+            they are deleted; they never count towards ``keep`` or ``keep_every``).
         pattern: A regex saying which entries are checkpoints.
         any_dir: Prune even ``/``, ``$HOME`` or a directory that does not look like a run.
         dry_run: Only plan (the default); False deletes.
@@ -461,7 +463,8 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
             older_than=_args.duration(older_than, "older_than"),
             max_total_size=_args.size(max_total_size, "max_total_size"),
             grace=_args.duration(grace, "grace", allow_zero=True) or 0.0,
-            thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every)
+            thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every,
+            keep_abandoned=keep_abandoned)
         cb = on_progress
 
         def progress(event: PruneEvent) -> None:

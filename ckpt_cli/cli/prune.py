@@ -61,6 +61,10 @@ def prune_cmd(
     thin_after: ThinAfterOpt = None,
     thin_to: ThinToOpt = None,
     keep_full_every: KeepFullEveryOpt = None,
+    keep_abandoned: Annotated[bool, typer.Option(
+        "--keep-abandoned", help="Keep checkpoints of a timeline a rollback abandoned (higher "
+        "steps a resume from an earlier one left behind); by default they are deleted. They "
+        "never count towards --keep or --keep-every.")] = False,
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts "
         "(a 'step' group gives the step).")] = None,
@@ -78,7 +82,8 @@ def prune_cmd(
 
     A checkpoint is kept if any rule keeps it. Never deleted: what latest /
     latest_checkpointed_iteration.txt / last.ckpt points to, anything that may still be being
-    written (incomplete, changed within --grace, locked), and the newest valid checkpoint. On a
+    written (incomplete, changed within --grace, locked), and the newest valid checkpoint.
+    After a rollback, higher steps it left behind count for no rule and go. On a
     terminal it shows the plan and asks; elsewhere (cron) it proceeds and logs one line per
     action.
 
@@ -106,7 +111,7 @@ def prune_cmd(
             raise UsageError("--metrics-file only feeds --keep-best; give --keep-best N "
                              "--metric NAME too")
         policy = _policy(keep, keep_every, keep_best, metric, mode, older_than, max_total_size,
-                         grace, pattern)
+                         grace, pattern, keep_abandoned)
         if thin_after is not None or thin_to is not None or keep_full_every is not None:
             import dataclasses
 
@@ -141,7 +146,8 @@ def prune_cmd(
 
 def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
             metric: str | None, mode: str, older_than: str | None, max_total_size: str | None,
-            grace: str, pattern: str | None = None) -> "PrunePolicy":
+            grace: str, pattern: str | None = None,
+            keep_abandoned: bool = False) -> "PrunePolicy":
     from ckpt_cli.errors import UsageError
     from ckpt_cli.ops.prune.retention import PrunePolicy
     from ckpt_cli.units import parse_count, parse_duration, parse_size
@@ -160,7 +166,8 @@ def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
                     if older_than is not None else None),
         max_total_size=(parse_size(max_total_size, what="--max-total-size")
                         if max_total_size is not None else None),
-        grace=parse_duration(grace, what="--grace", allow_zero=True))
+        grace=parse_duration(grace, what="--grace", allow_zero=True),
+        keep_abandoned=keep_abandoned)
 
 
 def _interactive() -> bool:

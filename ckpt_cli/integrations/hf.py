@@ -32,10 +32,13 @@ gets its own ledger and manifest, and its rotation keeps that node's last verifi
 ``metric_for_best_model``, this callback sets ``state.best_model_checkpoint`` to the newest
 *verified* checkpoint, so the next rotation keeps it even when the save after it turns out bad
 (with ``save_total_limit=1``, Trainer then keeps two: the newest and the last verified; at
-the end of training it keeps the last verified one). When training begins (a resumed run
-included) it reads the run ledger, so the newest verified checkpoint, normally the resume
-point, is protected before the first save: a failing save right after a resume never rotates
-the resume point away. With ``metric_for_best_model`` and a
+the end of training it keeps the last verified one). When a resumed run begins, the checkpoint
+it resumed from is protected before the first save (an explicit resume from an earlier step
+too: never a name from the loaded ``best_model_checkpoint``, nor a higher step of the timeline
+it left, which its own saves are about to reuse); a fresh run protects the ledger's newest
+verified checkpoint. So failing saves right after a resume never rotate the resume point away.
+A bad save under the protected name hands the protection back to the ledger's newest verified
+checkpoint. With ``metric_for_best_model`` and a
 ``save_total_limit`` Trainer protects only its best checkpoint, so the callback refuses that
 combination at ``on_train_begin`` (ValueError) rather than let rotation delete the last
 verified checkpoint. A bad checkpoint is reported on the logger and, with
@@ -87,13 +90,13 @@ class CkptVerifyCallback(TrainerCallback):
                 "verified checkpoints) or pass protect=False")
         if self.protect and args.metric_for_best_model is None:
             # A resumed run: the trainer_state.json it loaded was written before its own save
-            # was verified, so it names an older checkpoint. The ledger knows the newest
-            # verified one (the resume point, normally): rotation must keep that.
-            from ckpt_cli.resume import latest_verified
-
-            newest = latest_verified(args.output_dir) if os.path.isdir(args.output_dir) else None
-            if newest is not None and newest.name.startswith("checkpoint-"):
-                self.last_verified = os.fspath(Path(args.output_dir) / newest.name)
+            # was verified, so the best_model_checkpoint it names means nothing here. What the
+            # run resumed from is what it falls back on until one of its own saves is verified
+            # (an explicit resume from an earlier step too: the higher steps of the timeline it
+            # left are about to be saved again, under the same names); else the newest
+            # checkpoint the ledger verified.
+            self.last_verified = _resumed_from(args, state) or _newest_verified(args)
+            if self.last_verified is not None:
                 state.best_model_checkpoint = self.last_verified
         return control
 
@@ -125,9 +128,32 @@ class CkptVerifyCallback(TrainerCallback):
             self.last_verified = os.fspath(path)
         else:
             log.error("ckpt: checkpoint %s is bad: %s", path, "; ".join(entry.problems))
+            if self.last_verified == os.fspath(path):
+                # A bad save under the very name protected: the verified save is gone, and
+                # the name must not be protected for it; the ledger knows what is left.
+                self.last_verified = _newest_verified(args)
         if self.protect and self.last_verified is not None and args.metric_for_best_model is None:
             state.best_model_checkpoint = self.last_verified
         return self.stop_on_bad and not entry.good
+
+
+def _resumed_from(args: Any, state: Any) -> str | None:
+    """The ``checkpoint-N`` of ``output_dir`` the run resumed from (Trainer loaded its
+    ``trainer_state.json``, so ``state.global_step`` is N at ``on_train_begin``), or None
+    (a fresh run, or a resume from elsewhere, which rotation never deletes)."""
+    step = int(getattr(state, "global_step", 0) or 0)
+    path = Path(args.output_dir) / f"checkpoint-{step}"
+    return os.fspath(path) if step > 0 and path.is_dir() else None
+
+
+def _newest_verified(args: Any) -> str | None:
+    """The newest checkpoint the run ledger verified (and still matches), as a path."""
+    from ckpt_cli.resume import latest_verified
+
+    newest = latest_verified(args.output_dir) if os.path.isdir(args.output_dir) else None
+    if newest is None or not newest.name.startswith("checkpoint-"):
+        return None
+    return os.fspath(Path(args.output_dir) / newest.name)
 
 
 def _distributed(args: Any) -> bool:

@@ -22,14 +22,15 @@ from tests.helpers.makers import tiny_lm_data
 pytestmark = pytest.mark.requires_torch
 
 
-def _hf_train(out: Path, steps: int, callbacks: list[Any], resume: str | None = None) -> None:
+def _hf_train(out: Path, steps: int, callbacks: list[Any], resume: str | None = None,
+              save_steps: int = 3) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
                                        n_head=2))
-    args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=3,
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=save_steps,
                              save_total_limit=2, per_device_train_batch_size=4, report_to=[],
                              use_cpu=True, save_strategy="steps", disable_tqdm=True)
     with third_party_quiet():
@@ -62,6 +63,36 @@ def test_hf_resume_with_a_failing_next_save_keeps_the_resume_point(tmp_path: Pat
     # Rotation (save_total_limit=2) kept the resume point, not the older checkpoint-9.
     assert (out / "checkpoint-12").is_dir()
     assert latest_verified(out, verify="full") == out / "checkpoint-12"
+
+
+def test_hf_explicit_rollback_with_two_bad_saves_keeps_the_resume_point(tmp_path: Path) -> None:
+    """Issue 45 item 3: resumed from checkpoint-6 while checkpoint-8 (verified) is the newest,
+    both of the run's own saves (8 and 10) bad: rotation keeps checkpoint-6."""
+    from transformers import TrainerCallback
+
+    from ckpt_cli.integrations.hf import CkptVerifyCallback
+
+    out = tmp_path / "out"
+    _hf_train(out, 8, [CkptVerifyCallback()], save_steps=2)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    assert latest_verified(out) == out / "checkpoint-8"
+
+    class BreakEverySave(TrainerCallback):  # type: ignore[misc]
+        """Damages each checkpoint right after Trainer wrote it (before the verification)."""
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            truncate_half(out / f"checkpoint-{state.global_step}" / "model.safetensors")
+            return control
+
+    _hf_train(out, 10, [BreakEverySave(), CkptVerifyCallback()],
+              resume=str(out / "checkpoint-6"), save_steps=2)
+    book = ledger.read_ledger(out)
+    assert book is not None
+    latest = book.latest()
+    assert (latest["checkpoint-8"].verdict, latest["checkpoint-10"].verdict) == ("bad", "bad")
+    # Rotation (save_total_limit=2) kept the resume point and the newest save.
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-6"]
+    assert latest_verified(out, verify="full") == out / "checkpoint-6"
 
 
 def test_a_thinned_lightning_checkpoint_resumes_with_a_fresh_optimizer(tmp_path: Path) -> None:

@@ -23,7 +23,8 @@ plan and asks in between); :func:`prune` is both in one call. The order of work,
    (:mod:`ckpt_cli.ops.prune.objects`) it aborts stale multipart uploads and deletes each
    re-checked checkpoint's keys, markers first. The renames and removals themselves are
    :mod:`ckpt_cli.ops.prune.deletion`; metric values come from
-   :mod:`ckpt_cli.ops.prune.metrics`; thinning (``--thin-after``) is
+   :mod:`ckpt_cli.ops.prune.metrics`, the timelines a rollback abandoned from
+   :mod:`ckpt_cli.ops.prune.timelines`; thinning (``--thin-after``) is
    :mod:`ckpt_cli.ops.prune.thin`.
 
 Nothing here prints or prompts; progress goes to ``on_progress``.
@@ -56,6 +57,7 @@ from ckpt_cli.ops.prune.retention import (
     plan_prune,
     ranked_entries,
 )
+from ckpt_cli.ops.prune.timelines import abandoned_checkpoints
 from ckpt_cli.ops.validate.layoutcheck import rank_findings
 from ckpt_cli.runs import ITSELF, list_run, run_dir_problem, writer_lock
 from ckpt_cli.trust.ledger import read_ledger
@@ -208,6 +210,8 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         if choice is not None and choice.path.name in names:
             facts.pinned[choice.path.name] = ("resume-path answers it: the newest verified "
                                               "checkpoint of the run's current timeline")
+        # Checkpoints a rollback left behind take no place of the rules (their own timeline).
+        facts.abandoned = abandoned_checkpoints(ledger, listing.root, names)
         for path, line in ledger.latest().items():
             if path in names:
                 facts.verdicts[path] = line.good
@@ -215,8 +219,8 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
                     first = line.problems[0] if line.problems else "no problem recorded"
                     facts.validity[path] = f"the run ledger's verdict is bad: {first}"
     for e in reversed(ranked_entries(listing.entries)):
-        if not e.complete or e.name in facts.validity:
-            continue
+        if not e.complete or e.name in facts.validity or e.name in facts.abandoned:
+            continue  # the newest valid one is searched on the current timeline
         why = quick_validate(e.path)
         facts.validity[e.name] = why
         if why is None:

@@ -32,6 +32,7 @@ def prune_doc(result: PruneResult) -> dict[str, Any]:
     doc["policy"] = {"keep": pol.keep, "keep_every": pol.keep_every, "keep_best": pol.keep_best,
                      "metric": pol.metric, "mode": pol.mode, "older_than": pol.older_than,
                      "max_total_size": pol.max_total_size, "grace": pol.grace,
+                     "keep_abandoned": pol.keep_abandoned,
                      "pattern": result.pattern,
                      "metrics_file": str(result.metrics_file) if result.metrics_file else None}
     doc["newest_valid"] = plan.newest_valid

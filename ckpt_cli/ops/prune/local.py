@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ckpt_cli.errors import BusyError, CkptError, UsageError
 from ckpt_cli.formats import check_exists
+from ckpt_cli.manifest import MANIFEST_SUFFIX
 from ckpt_cli.model import POINTER_UNREADABLE, RunEntry
 from ckpt_cli.ops.prune.deletion import (
     HeldDir,
@@ -53,6 +54,12 @@ def _sweep(root: HeldDir, now: float) -> tuple[list[str], dict[str, str]]:
     """
     removed: list[str] = []
     failed: dict[str, str] = {}
+    for name in orphan_manifests(root):
+        err = remove_child(root, name)
+        if err:
+            failed[name] = err
+        else:
+            removed.append(name)
     for path in stale_temporaries(root.path, now):
         rel = path.relative_to(root.path).as_posix()
         held = root if path.parent == root.path else None
@@ -72,6 +79,37 @@ def _sweep(root: HeldDir, now: float) -> tuple[list[str], dict[str, str]]:
     return removed, failed
 
 
+def orphan_manifests(root: HeldDir, only: str | None = None) -> list[str]:
+    """The manifests at the run's top whose checkpoint is gone (``model_5.pt.ckpt-manifest.json``
+    without ``model_5.pt``): regular files only, by name.
+
+    Args:
+        root: The run directory, held open.
+        only: Look at this checkpoint's manifest only (no listing).
+
+    Returns:
+        Their names, sorted.
+    """
+    out: list[str] = []
+    try:
+        if only is not None:
+            names = [only + MANIFEST_SUFFIX]
+        else:
+            with os.scandir(root.fd) as it:
+                names = sorted(e.name for e in it if e.name.endswith(MANIFEST_SUFFIX))
+    except OSError:
+        return out
+    for name in names:
+        base = name.removesuffix(MANIFEST_SUFFIX)
+        try:
+            regular = stat.S_ISREG(root.lstat(name).st_mode)
+        except OSError:
+            continue
+        if base and regular and not root.exists(base):
+            out.append(name)
+    return out
+
+
 def sweep(path: Path) -> list[str]:
     """The sweep every prune starts with, alone: for ``ckpt watch``'s passes.
 
@@ -82,7 +120,7 @@ def sweep(path: Path) -> list[str]:
         What was removed (relative to the run); nothing when there was nothing to remove or
         another prune holds the lock (that prune sweeps itself).
     """
-    if not stale_temporaries(path, time.time()):
+    if not stale_temporaries(path, time.time()) and not _has_orphans(path):
         return []  # the usual case: no lock file created, no directory held
     try:
         root = _checked_root(path, any_dir=True)
@@ -94,6 +132,17 @@ def sweep(path: Path) -> list[str]:
                 held.close()
     except (CkptError, OSError):
         return []
+
+
+def _has_orphans(path: Path) -> bool:
+    try:
+        held = HeldDir(path)
+    except OSError:
+        return False
+    try:
+        return bool(orphan_manifests(held))
+    finally:
+        held.close()
 
 
 LOCK_NAME = PRUNE_LOCK
@@ -209,6 +258,13 @@ class LocalRun:
         if err:
             return Outcome("failed", f"{err}; the rest is left as {waiting} for the next prune "
                                      "to remove")
+        # Its manifest beside it (a single file's) goes too, unless a new save took the name
+        # meanwhile (the manifest may be that one's); one a crash leaves is an orphan the
+        # next sweep removes.
+        held = self._dir()
+        if not held.exists(d.entry.name) and d.entry.name + MANIFEST_SUFFIX in (
+                orphan_manifests(held, only=d.entry.name)):
+            remove_child(held, d.entry.name + MANIFEST_SUFFIX)
         return Outcome("deleted")
 
     def end(self) -> None:
@@ -330,7 +386,7 @@ def recheck(root: Path, entry: RunEntry, plan: PrunePlan, now: float,
     inside = mounts_inside(path, points)
     if inside:
         return f"a file system is mounted inside it ({inside[0]}); not deleted"
-    scan = tree_scan(Path(path))
+    scan = tree_scan(Path(path), own_times=True)  # as the listing scanned it
     before = (entry.bytes, entry.files, entry.mtime, entry.changed)
     if (scan.bytes, scan.files, scan.mtime, scan.changed) != before:
         return (f"it changed since planning ({entry.files:,} -> {scan.files:,} files, "

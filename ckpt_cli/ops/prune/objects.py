@@ -22,6 +22,7 @@ from typing import cast
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import check_exists
+from ckpt_cli.manifest import MANIFEST_SUFFIX
 from ckpt_cli.model import RunEntry
 from ckpt_cli.ops.prune.executor import ANY_DIR_HINT
 from ckpt_cli.ops.prune.result import Outcome, PruneEvent, PruneResult
@@ -87,9 +88,17 @@ class PrefixRun:
         result.stale_uploads = _stale_uploads(obj, plan, self.clock())
 
     def begin(self, result: PruneResult, report: Callable[[PruneEvent], None]) -> None:
-        """Abort the stale multipart uploads."""
+        """Abort the stale multipart uploads; delete the manifests whose checkpoint is gone."""
         for key, uid in result.stale_uploads:
             _abort_upload(self._obj, key, uid, result, report)
+        orphans = _orphan_manifests(self._obj)
+        if orphans:
+            try:
+                self._obj.store.delete(orphans)
+            except CkptError as e:
+                result.trash_failed.update({k.rsplit("/", 1)[-1]: e.message for k in orphans})
+            else:
+                result.trash_removed.extend(k.rsplit("/", 1)[-1] for k in orphans)
 
     def recheck(self, entry: RunEntry) -> str | None:
         """:func:`_recheck_prefix`, seeing the store as it is now, not as planned."""
@@ -140,19 +149,30 @@ def _abort_upload(root: storage.ObjectPath, key: str, upload_id: str, result: Pr
 
 
 def _keys_of(root: storage.ObjectPath, name: str) -> list[str]:
-    """The keys of checkpoint ``name``: the object itself or every key below its prefix,
-    never one outside ``<root>/<name>``."""
+    """The keys of checkpoint ``name``: the object itself or every key below its prefix, and
+    its manifest beside it (``<name>.ckpt-manifest.json``), never another outside
+    ``<root>/<name>``."""
     child = root / name
     keys = child.keys_below()
     inside = f"{child.key}/"
-    return [k for k in keys if k == child.key or k.startswith(inside)]
+    side = root / (name + MANIFEST_SUFFIX)
+    return [k for k in keys if k == child.key or k.startswith(inside)] + (
+        [side.key] if keys and side.is_file() else [])
+
+
+def _orphan_manifests(root: storage.ObjectPath) -> list[str]:
+    """The keys of manifests directly below the prefix whose checkpoint is gone."""
+    names = set(root.store.children(root.key))
+    return [f"{root.key}/{n}" for n in sorted(names) if n.endswith(MANIFEST_SUFFIX)
+            and n.removesuffix(MANIFEST_SUFFIX) and n.removesuffix(MANIFEST_SUFFIX) not in names
+            and (root / n).is_file()]
 
 
 def _recheck_prefix(root: storage.ObjectPath, entry: RunEntry, plan: PrunePlan,
                     now: float) -> str | None:
     """None if checkpoint ``entry`` is still as planned; else why it is kept after all."""
     run = cast(Path, root)
-    scan = tree_scan(run / entry.name)
+    scan = tree_scan(run / entry.name, own_times=True)  # as the listing scanned it
     if not scan.exists:
         return "it is gone already (removed by someone else)"
     if (scan.bytes, scan.files, scan.mtime) != (entry.bytes, entry.files, entry.mtime):

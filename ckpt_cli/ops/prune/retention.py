@@ -16,6 +16,9 @@ The rules, in words:
   progress, an unverified one, a bad one: kept, not counted), and lets older ones go. So a bad
   checkpoint is left while it is among the newest and deleted like any other once N good ones
   are newer; the newest valid checkpoint is never deleted.
+- Timelines: a checkpoint a rollback abandoned (the ledger shows a lower step committed after
+  it) takes no place of any rule, so after a rollback ``--keep N`` holds N checkpoints of the
+  current timeline; it is deleted (unless ``keep_abandoned``) when no protection keeps it.
 - Protections override every rule: what a pointer names, ``last.ckpt`` copies, anything that may
   still be being written (incomplete, changed within the grace period, locked, newer than what
   ``latest`` names), the newest valid checkpoint, and names the caller pins (HF Trainer's
@@ -28,102 +31,20 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
-from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.names import is_last_copy
 from ckpt_cli.model import DANGLING_POINTER, POINTER_UNREADABLE, Finding, RunEntry, RunListing
+
+# Re-exported: the policy and its constants were defined here before ops/prune/rules.py.
+from ckpt_cli.ops.prune.rules import DEFAULT_GRACE as DEFAULT_GRACE
+from ckpt_cli.ops.prune.rules import RULES as RULES
+from ckpt_cli.ops.prune.rules import KeepSet, ago, dur, keep_sets
+from ckpt_cli.ops.prune.rules import PrunePolicy as PrunePolicy
 from ckpt_cli.units import format_size
 
-DEFAULT_GRACE = 600.0
-"""Seconds: a checkpoint touched more recently than this may still be being written."""
-
-# Retention rules, in the order reports list them.
-RULES = ("keep", "keep-every", "keep-best", "older-than", "max-total-size")
 # Protections: reasons a checkpoint is never deleted, whatever the rules say.
 PROTECTIONS = ("halt", "pointer", "last-copy", "newer-than-pointer", "incomplete", "recent",
                "locked", "newest-valid", "pinned", "unordered")
-
-
-@dataclass(frozen=True, slots=True)
-class PrunePolicy:
-    """What to keep. Rules combine: a checkpoint is kept if any of them keeps it.
-
-    Attributes:
-        keep: Keep the newest N checkpoints.
-        keep_every: Keep checkpoints whose step is a multiple of this (milestones).
-        keep_best: Keep the N best checkpoints by ``metric``.
-        metric: The metric ``keep_best`` ranks by (``eval_loss``, ``val_loss``...).
-        mode: ``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy).
-        older_than: Seconds; checkpoints modified more recently are kept.
-        max_total_size: Bytes; the newest checkpoints that fit in it together are kept.
-        grace: Seconds; anything changed more recently may still be being written and is never
-            deleted. 0 turns this protection off (markers, locks and pointers still protect).
-        thin_after: Thin what stays beyond the newest N counted checkpoints (see
-            :mod:`ckpt_cli.trust.thinning`): rewrite it without optimizer state.
-        thin_to: ``bf16`` to cast the weights of thinned checkpoints too.
-        keep_full_every: Never thin checkpoints whose step is a multiple of this.
-    """
-
-    keep: int | None = None
-    keep_every: int | None = None
-    keep_best: int | None = None
-    metric: str | None = None
-    mode: Literal["min", "max"] = "min"
-    older_than: float | None = None
-    max_total_size: int | None = None
-    grace: float = DEFAULT_GRACE
-    thin_after: int | None = None
-    thin_to: str | None = None
-    keep_full_every: int | None = None
-
-    def rules(self) -> list[str]:
-        """The retention rules this policy uses.
-
-        Returns:
-            Rule names from :data:`RULES`, in that order.
-        """
-        given = {"keep": self.keep, "keep-every": self.keep_every, "keep-best": self.keep_best,
-                 "older-than": self.older_than, "max-total-size": self.max_total_size}
-        return [r for r in RULES if given[r] is not None]
-
-    def check(self) -> None:
-        """Reject policies that cannot be meant.
-
-        Raises:
-            UsageError: No rule at all (that would delete everything unprotected), a count or
-                size below 1, ``keep_best`` without ``metric`` (or the reverse), a bad ``mode``,
-                or a negative ``grace``.
-        """
-        if not self.rules() and self.thin_after is None:
-            raise UsageError("say what to keep: keep N, keep_every STEPS, keep_best N "
-                             "metric NAME, older_than AGE or max_total_size SIZE (or "
-                             "what to thin: thin_after N)",
-                             param=("keep", "keep_every", "keep_best", "metric", "older_than",
-                                    "max_total_size", "thin_after"))
-        if self.thin_after is None and (self.thin_to or self.keep_full_every):
-            raise UsageError("thin_to and keep_full_every are used only with thin_after N",
-                             param=("thin_to", "keep_full_every", "thin_after"))
-        if self.thin_to is not None and self.thin_to != "bf16":
-            raise UsageError(f"thin_to must be bf16, not {self.thin_to!r}", param="thin_to")
-        for name, value in (("keep", self.keep), ("keep_every", self.keep_every),
-                            ("thin_after", self.thin_after),
-                            ("keep_full_every", self.keep_full_every),
-                            ("keep_best", self.keep_best),
-                            ("max_total_size", self.max_total_size)):
-            if value is not None and value < 1:
-                raise UsageError(f"{name} must be at least 1, not {value}", param=name)
-        if self.older_than is not None and not self.older_than > 0:
-            raise UsageError("older_than must be positive", param="older_than")
-        if self.keep_best is not None and not self.metric:
-            raise UsageError("keep_best needs metric NAME (e.g. metric eval_loss)",
-                             param=("keep_best", "metric"))
-        if self.metric and self.keep_best is None:
-            raise UsageError("metric is used only with keep_best N", param=("metric", "keep_best"))
-        if self.mode not in ("min", "max"):
-            raise UsageError(f"mode must be min or max, not {self.mode!r}", param="mode")
-        if not self.grace >= 0 or math.isinf(self.grace):
-            raise UsageError("grace must be a duration of 0 or more", param="grace")
 
 
 @dataclass(slots=True)
@@ -142,6 +63,10 @@ class RunFacts:
         ledger: Whether the run has a ledger; then only checkpoints in ``verdicts`` with a good
             verdict count towards ``--keep``.
         verdicts: Checkpoint name -> whether its newest ledger line says ``good``.
+        abandoned: Checkpoints of a timeline a rollback abandoned (a lower step was committed
+            after them, :func:`ckpt_cli.trust.ledger.abandoned`) and still as verified, with
+            the sentence saying so: they take no place of any rule and are deleted unless
+            ``keep_abandoned``.
     """
 
     validity: dict[str, str | None] = field(default_factory=dict)
@@ -150,6 +75,7 @@ class RunFacts:
     pinned: dict[str, str] = field(default_factory=dict)
     ledger: bool = False
     verdicts: dict[str, bool] = field(default_factory=dict)
+    abandoned: dict[str, str] = field(default_factory=dict)
 
 
 # Protections that say a checkpoint may still be being written: it is never counted by --keep.
@@ -163,7 +89,7 @@ class Decision:
     Attributes:
         entry: The checkpoint.
         delete: Whether it is to be deleted.
-        kept_by: Retention rules (:data:`RULES`) that keep it.
+        kept_by: Retention rules (:data:`RULES`) that keep it, and ``keep-abandoned``.
         protected_by: Protections (:data:`PROTECTIONS`) that forbid deleting it.
         reasons: One plain sentence per rule or protection that decided, or, for a deletion,
             why each rule let it go.
@@ -249,6 +175,8 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
     # "last.ckpt" copies are not ranked: they duplicate a ranked checkpoint and are always kept,
     # so "the newest N" means N distinct saves.
     ranked = ranked_entries(entries)
+    # The rules rank the run's current timeline: what a rollback abandoned takes no place.
+    current = [e for e in ranked if e.name not in facts.abandoned]
     for e in entries:
         decisions[e.name].metric = _metric_of(e, policy, facts)
         if e.name in facts.validity:
@@ -257,12 +185,13 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
     protections = _protections(listing, policy, now, facts)
     uncounted = {name: why for name, why in (
         (e.name, _not_counted(e, protections.get(e.name, []), facts)) for e in ranked) if why}
-    keep_sets = _keep_sets(ranked, entries, policy, now, decisions, uncounted)
-    newest_valid = _newest_valid(ranked, facts)
+    rule_sets = keep_sets(current, entries, policy, now,
+                          {n: d.metric for n, d in decisions.items()}, uncounted)
+    newest_valid = _newest_valid(current, facts)
     if newest_valid is not None:
         protections.setdefault(newest_valid.name, []).append(
-            ("newest-valid", _newest_valid_reason(ranked, newest_valid, facts, keep_sets)))
-    halt = _halt_reason(listing, ranked, newest_valid)
+            ("newest-valid", _newest_valid_reason(current, newest_valid, facts, rule_sets)))
+    halt = _halt_reason(listing, current, newest_valid)
     if halt:
         findings.append(Finding("error", "nothing-deleted", halt))
 
@@ -275,16 +204,24 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
             d.protected_by.insert(0, "halt")
             d.reasons.insert(0, halt)
         for rule in RULES:
-            kept, reason = keep_sets.get(rule, {}).get(e.name, (False, ""))
+            kept, reason = rule_sets.get(rule, {}).get(e.name, (False, ""))
             if kept:
                 d.kept_by.append(rule)
                 d.reasons.append(reason)
+        abandoned = facts.abandoned.get(e.name)
+        if abandoned and policy.keep_abandoned:
+            d.kept_by.append("keep-abandoned")
+            d.reasons.append(f"{abandoned}; kept (--keep-abandoned), not counted")
         # Thinning alone (--thin-after without a retention rule) deletes nothing.
         d.delete = bool(policy.rules()) and not d.kept_by and not d.protected_by
-        if d.delete:
-            why_not = [keep_sets[rule][e.name][1] for rule in RULES
-                       if rule in keep_sets and e.name in keep_sets[rule]]
+        if d.delete and abandoned:
+            d.reasons = [f"{abandoned} (--keep-abandoned keeps it)"]
+        elif d.delete:
+            why_not = [rule_sets[rule][e.name][1] for rule in RULES
+                       if rule in rule_sets and e.name in rule_sets[rule]]
             d.reasons = ["not kept by any rule: " + "; ".join(why_not)]
+        elif abandoned and not policy.keep_abandoned:
+            d.reasons.append(abandoned)
 
     if policy.thin_after is not None:
         _mark_thinning(ranked, policy, decisions, uncounted)
@@ -376,9 +313,6 @@ def _metric_of(e: RunEntry, policy: PrunePolicy, facts: RunFacts) -> float | Non
     return value if value is not None and not math.isnan(value) else None
 
 
-_KeepSet = dict[str, tuple[bool, str]]
-"""Per rule: checkpoint name -> (kept by this rule, the sentence saying why or why not)."""
-
 
 # Protections under which a checkpoint is never rewritten either.
 _NO_THIN = ("halt", "pointer", "last-copy", "newer-than-pointer", "incomplete", "recent",
@@ -413,6 +347,8 @@ def _mark_thinning(ranked: list[RunEntry], policy: PrunePolicy,
 
 def _not_counted(e: RunEntry, protections: list[tuple[str, str]], facts: RunFacts) -> str | None:
     """Why ``--keep`` does not count checkpoint ``e`` among the N it keeps (None: it counts)."""
+    if e.name in facts.abandoned:
+        return "abandoned by a rollback"
     busy = [code for code, _ in protections if code in IN_PROGRESS]
     if busy or not e.complete:
         return "may still be being written"
@@ -424,85 +360,6 @@ def _not_counted(e: RunEntry, protections: list[tuple[str, str]], facts: RunFact
     if facts.ledger and verdict is None:
         return "not verified yet (not in the run ledger)"
     return None
-
-
-def _keep_sets(ranked: list[RunEntry], entries: list[RunEntry], policy: PrunePolicy,
-               now: float, decisions: Mapping[str, Decision],
-               uncounted: Mapping[str, str]) -> dict[str, _KeepSet]:
-    """Each rule's own verdict on every ranked checkpoint, independent of the other rules."""
-    out: dict[str, _KeepSet] = {}
-    newest_first = list(reversed(ranked))
-    if policy.keep is not None:
-        n = policy.keep
-        counted = 0
-        keep_set: _KeepSet = {}
-        for e in newest_first:
-            why = uncounted.get(e.name)
-            if counted >= n:
-                keep_set[e.name] = (False, f"not among the newest {n} complete")
-            elif why:
-                # Fewer than N counted ones are newer: it sits among (or before) the newest
-                # N, not necessarily newer than all of them.
-                keep_set[e.name] = (True, f"fewer than {n} complete ones are newer "
-                                          f"(--keep {n}); not counted: {why}")
-            else:
-                counted += 1
-                keep_set[e.name] = (True, f"newest {n} complete (--keep {n})")
-        out["keep"] = keep_set
-    if policy.keep_every is not None:
-        k = policy.keep_every
-        out["keep-every"] = {
-            e.name: (True, f"step {e.step:,} is a multiple of {k:,} (--keep-every)")
-            if e.step is not None and e.step % k == 0 else
-            (False, f"step {e.step:,} is not a multiple of {k:,}" if e.step is not None
-             else "no step to compare with --keep-every")
-            for e in ranked}
-    if policy.keep_best is not None:
-        out["keep-best"] = _best(ranked, policy, decisions)
-    if policy.older_than is not None:
-        limit = policy.older_than
-        out["older-than"] = {
-            e.name: (now - e.mtime < limit,
-                     f"modified {_ago(now - e.mtime)}, within --older-than {_dur(limit)}"
-                     if now - e.mtime < limit else
-                     f"modified {_ago(now - e.mtime)}, older than {_dur(limit)}")
-            for e in ranked}
-    if policy.max_total_size is not None:
-        budget = policy.max_total_size
-        # last.ckpt copies always stay, so they use up budget first.
-        used = sum(e.bytes for e in entries if is_last_copy(e.name))
-        fits = True
-        verdict: _KeepSet = {}
-        for e in newest_first:
-            used += e.bytes
-            fits = fits and used <= budget
-            verdict[e.name] = (fits, f"the newest checkpoints up to here fit in "
-                                     f"--max-total-size {format_size(budget)}" if fits else
-                               f"beyond --max-total-size {format_size(budget)} (newest kept first)")
-        out["max-total-size"] = verdict
-    return out
-
-
-def _best(ranked: list[RunEntry], policy: PrunePolicy,
-          decisions: Mapping[str, Decision]) -> _KeepSet:
-    n, metric = policy.keep_best or 0, policy.metric
-    scored = [(decisions[e.name].metric, i, e) for i, e in enumerate(ranked)
-              if decisions[e.name].metric is not None]
-    sign = 1.0 if policy.mode == "min" else -1.0
-    # Better value first; among equal values the newer checkpoint wins.
-    scored.sort(key=lambda t: (sign * (t[0] or 0.0), -t[1]))
-    best = {e.name: rank for rank, (_v, _i, e) in enumerate(scored[:n])}
-    out: _KeepSet = {}
-    for e in ranked:
-        value = decisions[e.name].metric
-        if e.name in best:
-            out[e.name] = (True, f"best {n} by {metric} ({policy.mode}): {value:.6g} "
-                                 f"(--keep-best)")
-        elif value is None:
-            out[e.name] = (False, f"no {metric} value")
-        else:
-            out[e.name] = (False, f"{metric} {value:.6g} is not among the best {n}")
-    return out
 
 
 def _protections(listing: RunListing, policy: PrunePolicy, now: float,
@@ -519,7 +376,10 @@ def _protections(listing: RunListing, policy: PrunePolicy, now: float,
         if has_steps and e.step is None and not is_last_copy(e.name):
             add(e.name, "unordered", "no step in its name or metadata: cannot be ordered "
                                      "against the checkpoints that have one")
-        if e.name in by_pointer:
+        if e.name in by_pointer and not (by_pointer[e.name][0] == "newer-than-pointer"
+                                          and e.name in facts.abandoned):
+            # A higher step a rollback abandoned is newer than the pointer but no save in
+            # progress: the ledger verified it, and its files are still what was verified.
             add(e.name, *by_pointer[e.name])
         if is_last_copy(e.name):
             add(e.name, "last-copy", "a last checkpoint (last.ckpt): training resumes from it")
@@ -528,9 +388,9 @@ def _protections(listing: RunListing, policy: PrunePolicy, now: float,
                                       "be being written")
         age = now - e.changed
         if age < 0:  # a clock ahead of ours (NFS): its age is unknown, so it may be in use
-            add(e.name, "recent", f"changed {_ago(age)}: may still be being written")
+            add(e.name, "recent", f"changed {ago(age)}: may still be being written")
         elif policy.grace and age < policy.grace:
-            add(e.name, "recent", f"changed {_ago(age)}, within --grace {_dur(policy.grace)}: "
+            add(e.name, "recent", f"changed {ago(age)}, within --grace {dur(policy.grace)}: "
                                   "may still be being written")
         if e.name in facts.locks:
             add(e.name, "locked", f"lock file {facts.locks[e.name]} present: a writer may hold "
@@ -549,7 +409,7 @@ def _newest_valid(ranked: list[RunEntry], facts: RunFacts) -> RunEntry | None:
 
 
 def _newest_valid_reason(ranked: list[RunEntry], newest: RunEntry, facts: RunFacts,
-                         keep_sets: Mapping[str, _KeepSet]) -> str:
+                         keep_sets: Mapping[str, KeepSet]) -> str:
     newer = ranked[ranked.index(newest) + 1:]
     if not newer:
         return "the newest valid checkpoint"
@@ -576,23 +436,3 @@ def _halt_reason(listing: RunListing, ranked: list[RunEntry],
         return ("nothing is deleted: no checkpoint passed quick validation, so there is no "
                 "known-good checkpoint to fall back on")
     return None
-
-
-def _dur(seconds: float) -> str:
-    """A duration as typed on the command line: ``7d``, ``10m``, ``90s``."""
-    for unit, secs in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= secs and seconds % secs == 0:
-            return f"{int(seconds // secs)}{unit}"
-    return f"{seconds:g}s"
-
-
-def _ago(seconds: float) -> str:
-    if seconds < 0:
-        return "in the future (clock skew?)"
-    if seconds < 90:
-        return f"{seconds:.0f}s ago"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f}m ago"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f}h ago"
-    return f"{seconds / 86400:.1f}d ago"

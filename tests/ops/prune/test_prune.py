@@ -816,6 +816,7 @@ def test_json_schema(sample_copy: Path) -> None:
                         "trash_removed", "trash_failed", "summary"}
     assert doc["policy"] == {"keep": 1, "keep_every": None, "keep_best": None, "metric": None,
                              "mode": "min", "older_than": None, "max_total_size": None,
+                             "keep_abandoned": False,
                              "grace": 0.0, "pattern": None, "metrics_file": None}
     entry_keys = {"name", "path", "step", "step_source", "format", "bytes", "files", "mtime",
                   "complete", "reason", "latest", "metrics", "action", "status", "kept_by",
