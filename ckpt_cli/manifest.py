@@ -129,11 +129,8 @@ class Manifest:
         files: Entries by path.
         created: When it was made (ISO 8601, UTC), if recorded.
         tool: What made it (``ckpt 0.1.0``), if recorded.
-        stamps: What each file was when it was hashed for a ledger verdict (``ckpt watch``,
-            the training callbacks): ``{path: [size, mtime_ns, inode, change]}`` as
-            :func:`ckpt_cli.storage.file_stamp` gives them. The ledger line records the same;
-            a line whose record differs from the manifest's it names (a forged or edited line)
-            does not spare a file its hash. Empty in manifests written otherwise.
+        stamps: Each file's :func:`ckpt_cli.storage.file_stamp` when hashed for a ledger
+            verdict, as its line records them (a line that differs spares no file its hash).
     """
 
     algorithm: str = DEFAULT_ALGORITHM
@@ -158,9 +155,8 @@ class Manifest:
         doc = {"ckpt_manifest": FORMAT_VERSION, "algorithm": self.algorithm,
                "created": self.created or _now(), "tool": self.tool or f"ckpt {__version__}",
                "files": [{"path": f.path, "size": f.size, "digest": f.digest}
-                         for f in sorted(self.files.values(), key=lambda f: f.path)]}
-        if self.stamps:
-            doc["stamps"] = {k: list(v) for k, v in sorted(self.stamps.items())}
+                         for f in sorted(self.files.values(), key=lambda f: f.path)],
+               **({"stamps": dict(sorted(self.stamps.items()))} if self.stamps else {})}
         return orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n"
 
     @classmethod
@@ -207,23 +203,11 @@ class Manifest:
                 raise CorruptCheckpointError(f"manifest lists {rel!r} twice", path=source)
             m.add(rel, size, digest)
         stamps = doc.get("stamps", {})
-        if not (isinstance(stamps, dict) and all(
-                k in m.files and is_stamp(v) for k, v in stamps.items())):
-            raise CorruptCheckpointError("malformed manifest stamps (each must name a listed "
-                                         "file with 3 or 4 integers)", path=source)
+        if not isinstance(stamps, dict) or not all(
+                k in m.files and storage.is_stamp(v) for k, v in stamps.items()):
+            raise CorruptCheckpointError("malformed manifest stamps", path=source)
         m.stamps = {k: tuple(v) for k, v in stamps.items()}
         return m
-
-
-def is_stamp(v: Any) -> bool:
-    """Whether ``v`` is a file stamp as JSON holds it: 3 integers (size, mtime_ns, inode: ledgers
-    written before the inode-change time was recorded) or 4."""
-    return isinstance(v, list | tuple) and len(v) in (3, 4) and all(map(is_int64, v))
-
-
-def is_int64(x: Any) -> bool:
-    """Whether ``x`` is an integer (not a bool) that fits 64 signed bits."""
-    return isinstance(x, int) and not isinstance(x, bool) and -(2**63) <= x < 2**63
 
 
 def _entry(e: Any, width: int, source: Path) -> tuple[str, int, str]:

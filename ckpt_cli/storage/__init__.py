@@ -60,7 +60,13 @@ if TYPE_CHECKING:
         has_multipart_uploads as has_multipart_uploads,
     )
     from ckpt_cli.storage.access import (
+        is_int64 as is_int64,
+    )
+    from ckpt_cli.storage.access import (
         is_remote as is_remote,
+    )
+    from ckpt_cli.storage.access import (
+        is_stamp as is_stamp,
     )
     from ckpt_cli.storage.access import (
         key_url as key_url,
@@ -215,10 +221,11 @@ if TYPE_CHECKING:
 
 _WHERE = {
     **dict.fromkeys(("Handle", "Stamp", "Window", "can_rename_atomically", "close", "create",
-                    "file_stamp", "has_file_system", "has_multipart_uploads", "is_remote",
-                    "key_url", "lexists", "locate", "lstat", "names_local_path", "open_regular",
-                    "pread", "read_full", "reads_are_cheap", "readinto", "remove", "scandir",
-                    "size_of", "tree_paths", "walk", "write_whole"), "access"),
+                    "file_stamp", "has_file_system", "has_multipart_uploads", "is_int64",
+                    "is_remote", "is_stamp", "key_url", "lexists", "locate", "lstat",
+                    "names_local_path", "open_regular", "pread", "read_full", "reads_are_cheap",
+                    "readinto", "remove", "scandir", "size_of", "tree_paths", "walk",
+                    "write_whole"), "access"),
     **dict.fromkeys(("CLIENTS", "CONCURRENCY", "EXTRA_HINT", "OBJECT_STORES", "_describe",
                     "concurrency", "configure", "install_hint", "is_url", "parse_options",
                     "redact"), "config"),

@@ -234,6 +234,17 @@ Stamp = tuple[int, int, int, int]
 """A file as it is now: ``(size, mtime_ns, inode, change)``; see :func:`file_stamp`."""
 
 
+def is_stamp(v: Any) -> bool:
+    """Whether ``v`` is a file stamp as JSON holds it: 3 integers (size, mtime_ns, inode: ledgers
+    written before the inode-change time was recorded) or 4."""
+    return isinstance(v, list | tuple) and len(v) in (3, 4) and all(map(is_int64, v))
+
+
+def is_int64(x: Any) -> bool:
+    """Whether ``x`` is an integer (not a bool) that fits 64 signed bits."""
+    return isinstance(x, int) and not isinstance(x, bool) and -(2**63) <= x < 2**63
+
+
 def file_stamp(path: str | Path) -> Stamp:
     """What tells a file (or object) rewritten: ``(size, mtime_ns, inode, change)``.
 

@@ -27,7 +27,6 @@ import orjson
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
-from ckpt_cli.manifest import is_int64, is_stamp
 from ckpt_cli.model import CheckpointIndex
 
 Stamp = tuple[int, ...]
@@ -147,8 +146,8 @@ class LedgerEntry:
             and (digest is None or isinstance(digest, str))
             and isinstance(problems, list) and all(isinstance(p, str) for p in problems)
             and isinstance(detail, dict)
-            and isinstance(files, dict) and all(is_stamp(v) for v in files.values())
-            and isinstance(change, dict) and all(k in files and is_int64(v)
+            and isinstance(files, dict) and all(storage.is_stamp(v) for v in files.values())
+            and isinstance(change, dict) and all(k in files and storage.is_int64(v)
                                                  for k, v in change.items())
             and (committed is None or (isinstance(committed, int | float)
                                        and not isinstance(committed, bool)))
