@@ -588,6 +588,7 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
                keep: int | None = None, keep_every: int | str | None = None,
                grace: float | str = "10m", thin_after: int | None = None,
                thin_to: str | None = None, keep_full_every: int | None = None,
+               keep_abandoned: bool = False,
                pattern: str | None = None, on_bad: str | None = None,
                on_bad_timeout: float | str = "5m",
                storage_options: Mapping[str, Any] | None = None,
@@ -607,6 +608,8 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
         thin_after: Retention: thin checkpoints older than the newest N.
         thin_to: ``bf16``: also cast thinned weights to BF16.
         keep_full_every: Never thin checkpoints whose step is a multiple of this.
+        keep_abandoned: Retention keeps checkpoints of a timeline a rollback abandoned (by
+            default they are deleted; they never count towards ``keep`` or ``keep_every``).
         pattern: A regex saying which entries are checkpoints.
         on_bad: A command run for each bad checkpoint (split like a shell would, never run
             by one) with its path in ``$CKPT_BAD_PATH``.
@@ -640,7 +643,8 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
             policy = PrunePolicy(keep=keep, keep_every=_args.count(keep_every, "keep_every"),
                                  grace=_args.duration(grace, "grace", allow_zero=True) or 0.0,
                                  thin_after=thin_after, thin_to=thin_to,
-                                 keep_full_every=keep_full_every)
+                                 keep_full_every=keep_full_every,
+                                 keep_abandoned=keep_abandoned)
             policy.check()
         options = WatchOptions(
             crc=crc, values=values,

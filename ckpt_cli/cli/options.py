@@ -140,7 +140,7 @@ InputFormatOpt = Annotated[str | None, typer.Option(
     help="Skip detection and read the input as this format: safetensors, hf-index, torch, dcp, "
          "deepspeed, megatron or dir.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notes.")]
-# Thinning (prune --thin-after, and watch's retention): one declaration for both commands.
+# Thinning and timelines (prune, and watch's retention): one declaration for both commands.
 ThinAfterOpt = Annotated[int | None, typer.Option(
     "--thin-after", metavar="N", help="Rewrite checkpoints older than the newest N complete "
     "ones without optimizer state, in place (torch and Lightning files, HF checkpoint-N).",
@@ -152,6 +152,10 @@ KeepFullEveryOpt = Annotated[int | None, typer.Option(
     "--keep-full-every", metavar="STEPS", help="Never thin checkpoints whose step is a "
     "multiple of STEPS (e.g. 10K, as --keep-every).", show_default=False,
     parser=whole_parser("--keep-full-every"))]
+KeepAbandonedOpt = Annotated[bool, typer.Option(
+    "--keep-abandoned", help="Keep checkpoints of a timeline a rollback abandoned (higher "
+    "steps a resume from an earlier one left behind); by default they are deleted. They "
+    "never count towards --keep or --keep-every.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n",
                                          help="Show what would be done and stop.")]

@@ -10,6 +10,7 @@ from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, EXIT_REFUSED, handled
 from ckpt_cli.cli.options import (
     Common,
     DryRunOpt,
+    KeepAbandonedOpt,
     KeepFullEveryOpt,
     Location,
     ThinAfterOpt,
@@ -61,10 +62,7 @@ def prune_cmd(
     thin_after: ThinAfterOpt = None,
     thin_to: ThinToOpt = None,
     keep_full_every: KeepFullEveryOpt = None,
-    keep_abandoned: Annotated[bool, typer.Option(
-        "--keep-abandoned", help="Keep checkpoints of a timeline a rollback abandoned (higher "
-        "steps a resume from an earlier one left behind); by default they are deleted. They "
-        "never count towards --keep or --keep-every.")] = False,
+    keep_abandoned: KeepAbandonedOpt = False,
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts "
         "(a 'step' group gives the step).")] = None,

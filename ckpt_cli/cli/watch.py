@@ -10,6 +10,7 @@ import typer
 from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, interrupted_code
 from ckpt_cli.cli.options import (
     Common,
+    KeepAbandonedOpt,
     KeepFullEveryOpt,
     Location,
     ThinAfterOpt,
@@ -64,6 +65,7 @@ def watch_cmd(
     thin_after: ThinAfterOpt = None,
     thin_to: ThinToOpt = None,
     keep_full_every: KeepFullEveryOpt = None,
+    keep_abandoned: KeepAbandonedOpt = False,
     pattern: Annotated[str | None, typer.Option(
         "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts."
     )] = None,
@@ -102,7 +104,8 @@ def watch_cmd(
         if keep is not None or keep_every is not None or thinning:
             policy = dataclasses.replace(
                 _policy(keep, keep_every, None, None, "min", None, None, grace, pattern),
-                thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every)
+                thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every,
+                keep_abandoned=keep_abandoned)
             policy.check()
         opts = WatchOptions(crc=crc, values=values,
                             settle=settle, abandon_after=abandon_after,

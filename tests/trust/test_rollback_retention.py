@@ -10,6 +10,7 @@ place); verdicts by ``ckpt watch --once``.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,14 @@ def test_the_watchers_retention_keeps_the_rollback_origin(tmp_path: Path) -> Non
     run = tmp_path / "run"
     _rolled_back(run)
     (run / "latest").unlink()  # as a loop that keeps no pointer: steps alone order the run
+    kept = tmp_path / "kept"
+    shutil.copytree(run, kept, symlinks=True)
+    # --keep-abandoned: the abandoned steps stay, outside the count of three.
+    code, events, err = watch_once(kept, "--keep", "3", "--grace", "0", "--keep-abandoned")
+    assert code == 0, err
+    assert next(e for e in events if e["event"] == "pruned")["deleted"] == ["step_2"]
+    assert sorted(p.name for p in kept.glob("step_*")) == [
+        "step_10", "step_12", "step_4", "step_6", "step_8"]
     code, events, err = watch_once(run, "--keep", "3", "--grace", "0")
     assert code == 0, err
     assert [(e["path"], e["verdict"]) for e in events if e["event"] == "verified"] == [
