@@ -391,9 +391,18 @@ def shape(t: TensorInfo) -> str:
     return "[" + ", ".join(str(d) for d in t.shape) + "]"
 
 
+REPEATS_SHOWN = 10
+"""Findings of one kind (severity and code) printed one per line; the rest are counted in one
+line (a 300,000-entry index with one broken name each must not print 300,000 lines)."""
+
+_GLOBAL_CODES = ("unsafe-global", "unknown-global")
+
+
 def print_findings(findings: Iterable[Finding], *, console: Console | None = None,
                    min_severity: str = "warning") -> None:
-    """Print findings, one line each, to stderr (or ``console``).
+    """Print findings, one line each, to stderr (or ``console``): at most
+    :data:`REPEATS_SHOWN` of one kind, then one line counting the rest; after pickle globals
+    outside the allowlist, one line with every ``--allow-global`` that would accept them.
 
     Args:
         findings: The findings.
@@ -402,14 +411,34 @@ def print_findings(findings: Iterable[Finding], *, console: Console | None = Non
     """
     order = {"info": 0, "warning": 1, "error": 2}
     con = console or stderr()
+    shown: dict[tuple[str, str], int] = {}
+    hidden: dict[tuple[str, str], int] = {}
+    globals_: dict[str, None] = {}
     for f in findings:
         if order[f.severity] < order[min_severity]:
             continue
+        if f.code in _GLOBAL_CODES and f.location and f"--allow-global {f.location} " in (
+                f.message):
+            globals_[f.location] = None  # one that --allow-global would accept
+        key = (f.severity, f.code)
+        if shown.get(key, 0) >= REPEATS_SHOWN:
+            hidden[key] = hidden.get(key, 0) + 1
+            continue
+        shown[key] = shown.get(key, 0) + 1
         where = ":".join(x for x in (f.file, f.location) if x)
         line = Text(f"{f.severity}: ", style=_SEVERITY_STYLE[f.severity])
         line.append(visible(f"{where}: ", lines=False) if where else "")
         line.append(visible(f.message, lines=False))  # escapes shown, not obeyed; one line
         con.print(line, soft_wrap=True)
+    for (severity, code), n in hidden.items():
+        line = Text(f"{severity}: ", style=_SEVERITY_STYLE[severity])
+        line.append(f"... and {n:,} more {code} finding{'s' if n != 1 else ''} "
+                    "(--json lists every one)")
+        con.print(line, soft_wrap=True)
+    if len(globals_) > 1:
+        flags = " ".join(f"--allow-global {q}" for q in globals_)
+        con.print(Text("hint: only if you trust the file, every global above is accepted by: ")
+                  + Text(visible(flags, lines=False)), soft_wrap=True)
 
 
 def print_messages(findings: Iterable[Finding]) -> None:
