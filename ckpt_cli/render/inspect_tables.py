@@ -12,6 +12,7 @@ from rich.tree import Tree
 
 from ckpt_cli.model import GROUPS, CheckpointIndex, RunListing, TensorInfo
 from ckpt_cli.render.human import Col, bar, count, grid, shape, size, table
+from ckpt_cli.units import natural_key
 
 
 def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
@@ -122,14 +123,16 @@ def group_table(index: CheckpointIndex) -> Table:
 
 
 def files_table(index: CheckpointIndex, limit: int = 20) -> Table:
-    """The checkpoint's files (the largest ``limit``)."""
+    """The checkpoint's files in name order (shard 1 of N first; numbers compared as numbers),
+    the first ``limit`` of them, then one row counting the rest."""
     out = table(Col("File", kind="name"), Col("Role", drop=0), Col("Format", drop=1),
                 Col("Size", "right", drop=2))
-    for f in sorted(index.files, key=lambda f: (-f.bytes, f.path))[:limit]:
+    files = sorted(index.files, key=lambda f: natural_key(f.path))
+    for f in files[:limit]:
         out.add_row(f.path, f.role, f.format or "?", size(f.bytes))
-    if len(index.files) > limit:
-        rest = index.files[limit:]
-        out.add_row(f"... {len(rest)} more", "", "", "")
+    rest = files[limit:]
+    if rest:
+        out.add_row(f"... {len(rest)} more", "", "", size(sum(f.bytes for f in rest)))
     return out
 
 
