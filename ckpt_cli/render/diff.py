@@ -105,7 +105,7 @@ def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
 
 
 def _quant_line(r: DiffResult) -> str:
-    """What was dequantized, the errors, and what is normal (the README's bound)."""
+    """What was dequantized, the errors, and what is normal (the bound docs/fp8.md states)."""
     rows = [t for t in r.tensors if t.name in r.dequantized]
     unpaired = ("FP8 without a usable scale: " + _names(r.fp8_unpaired, 2)
                 if r.fp8_unpaired else "")
@@ -120,8 +120,8 @@ def _quant_line(r: DiffResult) -> str:
         line += (f"; relative L2 error median {fraction(errors[len(errors) // 2])}, max "
                  f"{fraction(errors[-1])}")
     bounds = ", ".join(f"{lay} {fraction(expected_error(lay))}" for lay in layouts)
-    line += (f". Normal for one E4M3 rounding: about 2-4% (3 mantissa bits); the README "
-             f"bound is {bounds}")
+    line += (f". Normal for one E4M3 rounding: about 2-4% (3 mantissa bits); the bound "
+             f"docs/fp8.md states is {bounds}")
     if side == "A and B":
         line += " (x sqrt(2) where both sides are quantized: two roundings)"
     above = [t.name for t in rows if (x := rel_l2_of(t)) is not None

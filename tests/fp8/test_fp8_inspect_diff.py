@@ -260,7 +260,7 @@ def test_diff_human_says_what_is_normal(llama: Path, quantized: dict[str, Path])
     text = " ".join(r.stdout.split())
     assert "8 FP8 weights compared dequantized" in text
     assert "Normal for one E4M3 rounding: about 2-4%" in text
-    assert "the README bound is block 4.50%" in text
+    assert "the bound docs/fp8.md states is block 4.50%" in text
     assert "8 scale tensors paired with their weights (not additions)" in text
     assert "Dequantized FP8 weights (8, largest error first)" in text
     assert "Only in" not in text
