@@ -162,8 +162,8 @@ def _check_families(index: Any, pairing: Any, qc: dict[str, Any] | None, bad: An
         how = ("a per-tensor scale survives that" if p.kind == "tensor" else
                "so a square weight loads with its scales transposed" if rows == cols else
                "so its scale, laid out for the stored shape, does not fit the weight")
-        bad("fp8-conv1d", f"{name} {[rows, cols]} is FP8, but it is a GPT-2 Conv1D weight "
-            f"stored [in, out]: vLLM's and SGLang's gpt2.py transpose the weight on load but "
+        bad("fp8-conv1d", f"{name} ({rows}, {cols}) is FP8, but it is a GPT-2 Conv1D weight "
+            f"stored (in, out): vLLM's and SGLang's gpt2.py transpose the weight on load but "
             f"not its scale ({how}), and transformers quantizes nn.Linear only; keep Conv1D "
             "weights BF16 (ckpt convert --to fp8 does)", name)
     if not isinstance(qc, dict) or qc.get("quant_method") not in ("fp8", "compressed-tensors"):

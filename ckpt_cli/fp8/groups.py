@@ -124,9 +124,8 @@ CONV1D_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer")
 
 CONV1D_NAMES = ("c_attn", "q_attn", "c_proj", "c_fc")
 
-CONV1D_REASON = ("Conv1D weight stored [in, out] (GPT-2): vLLM's and SGLang's gpt2.py "
-                 "transpose the weight on load but not its scale, and transformers quantizes "
-                 "nn.Linear only")
+CONV1D_REASON = ("GPT-2 Conv1D weight, stored (in, out): vLLM's and SGLang's gpt2.py transpose "
+                 "the weight on load but not its scale; transformers quantizes nn.Linear only")
 
 INTERLEAVED_TYPES = ("gpt_neox",)
 """``model_type`` of the families whose ``query_key_value`` is interleaved per head."""

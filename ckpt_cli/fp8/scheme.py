@@ -442,7 +442,12 @@ def describe(index: CheckpointIndex) -> dict[str, Any] | None:
                 "warning", "fp8-not-ignored", f"{t.name} is {t.dtype}, not FP8, but the "
                 "quantization_config does not list it as ignored: a loader expects it quantized",
                 None, t.name))
-    if qc is not None and not has_fp8:
+    # a config whose ignore list names every Linear-like weight left (ckpt's output of a model
+    # none of whose Linears an engine reads quantized: GPT-2's Conv1D) misleads no loader
+    if qc is not None and not has_fp8 and not (unquantized and all(
+            skip_reason(n[: -len(".weight")]) is not None or _ignored(n[: -len(".weight")],
+                                                                      ignore)
+            for n in unquantized)):
         findings.append(Finding("warning", "fp8-config-without-fp8", "the config has a "
                                 "quantization_config but no tensor is FP8: a loader expects "
                                 "quantized weights (a dequantized copy should drop it)",
