@@ -66,6 +66,10 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
       transformers) what those engines refuse is an error: a fused layer some but not all of
       whose parts are quantized, a quantized embedding or output head, a block-wise weight
       whose input dim is not a multiple of 128 (:mod:`ckpt_cli.fp8.groups`).
+    - The families the engines read differently (:func:`_check_families`): a scaled FP8
+      GPT-2 ``Conv1D`` weight, a block-wise GPT-NeoX ``query_key_value`` whose head_dim is
+      not a multiple of 128, an MoE ``experts`` module partly quantized or left BF16 without
+      being named in the ignore list.
 
     Args:
         index: The :class:`~ckpt_cli.model.CheckpointIndex`.
@@ -115,6 +119,7 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
                     "scales", p.scale.name)
     finally:
         reader.close()
+    _check_families(index, pairing, qc, bad)
     if isinstance(qc, dict):
         _check_config(qc, weights, kinds, bad, found)
         fp8_names = {w.name for w in weights}
@@ -137,6 +142,60 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
                + ("; quantization_config " + str(qc.get("quant_method")) if isinstance(qc, dict)
                   else "; no quantization_config"))
     return found, summary
+
+
+def _check_families(index: Any, pairing: Any, qc: dict[str, Any] | None, bad: Any) -> None:
+    """What vLLM and SGLang read differently by family (:mod:`ckpt_cli.fp8.groups` has the
+    sources): GPT-2 ``Conv1D`` weights (any scaled FP8 one), and where a
+    ``quantization_config`` addresses the engines, GPT-NeoX's per-head ``query_key_value``
+    in block layout and MoE ``experts`` modules."""
+    from ckpt_cli.fp8 import groups
+    from ckpt_cli.fp8.scheme import FP8_DTYPES, read_model_config
+
+    model = read_model_config(index)
+    two_d = {t.name: tuple(t.shape) for t in index.tensors.values()
+             if t.name.endswith(".weight") and len(t.shape) == 2}
+    # pair_scales pairs a scale of the stored [in, out] shape only (or a per-tensor one)
+    for name in sorted(groups.conv1d_weights(two_d, model) & set(pairing.pairs)):
+        p = pairing.pairs[name]
+        rows, cols = two_d[name]
+        how = ("a per-tensor scale survives that" if p.kind == "tensor" else
+               "so a square weight loads with its scales transposed" if rows == cols else
+               "so its scale, laid out for the stored shape, does not fit the weight")
+        bad("fp8-conv1d", f"{name} ({rows}, {cols}) is FP8, but it is a GPT-2 Conv1D weight "
+            f"stored (in, out): vLLM's and SGLang's gpt2.py transpose the weight on load but "
+            f"not its scale ({how}), and transformers quantizes nn.Linear only; keep Conv1D "
+            "weights BF16 (ckpt convert --to fp8 does)", name)
+    if not isinstance(qc, dict) or qc.get("quant_method") not in ("fp8", "compressed-tensors"):
+        return
+    for name, p in pairing.pairs.items():
+        module = name[: -len(".weight")]
+        if p.kind == "block" and groups.interleaved_heads(module, model):
+            why = groups.heads_reason(model)
+            if why is not None:
+                bad("fp8-fused-heads", f"{name}: block-wise FP8, but {why}", name)
+    fp8 = {t.name for t in index.tensors.values() if t.dtype in FP8_DTYPES}
+    units: dict[str, list[str]] = {}
+    for name in two_d:
+        unit = groups.experts_unit(name[: -len(".weight")])
+        if unit is not None:
+            units.setdefault(unit, []).append(name)
+    ignore = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or qc.get("ignore")
+    listed = {m.removeprefix("model.") for m in ignore if isinstance(m, str)} if isinstance(
+        ignore, list) else set()
+    for unit, names in sorted(units.items()):
+        q = [n for n in names if n in fp8]
+        if q and len(q) < len(names):
+            rest = [n for n in names if n not in fp8]
+            bad("fp8-experts-partial", f"MoE layer {unit}: {len(q)} expert weight(s) FP8 and "
+                f"{len(rest)} not (e.g. {rest[0]}); vLLM and SGLang load all experts of a "
+                "module as one FusedMoE layer with one method", rest[0])
+        elif (not q and fp8 and qc.get("quant_method") == "fp8"
+              and unit.removeprefix("model.") not in listed):
+            bad("fp8-experts-ignore", f"MoE layer {unit}: its experts are not FP8, but the "
+                f"quantization_config's ignore list does not name {unit} (SGLang matches "
+                "ignore entries exactly and would load them with its FP8 MoE method)",
+                names[0])
 
 
 def _check_config(qc: dict[str, Any], weights: list[Any], kinds: dict[str, int], bad: Any,

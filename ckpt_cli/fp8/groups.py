@@ -17,16 +17,39 @@ What a layout can hold (:func:`ckpt_cli.fp8.scheme.fit_reason`, :func:`group_fit
   quantize activations per token in groups of 128 along K (``per_token_group_quant_fp8``
   asserts ``x.shape[-1] % group_size == 0`` in vllm and sglang ``fp8_kernel``/``fp8_utils``).
   The output dim (N) may end in a partial block (the scale is ``ceil(N/128)`` rows): except
-  in a fused layer, where every part but the last must be a multiple of 128
-  (``validate_fp8_block_shape`` in both engines' ``fp8_utils.py``, "we allow the last matrix
-  to not be a multiple of block size"). These are the rules at tensor parallelism 1; at TP
-  ``t`` each rank's slice of N (column parallel) and of K (row parallel) must be a multiple
-  of 128 too, which depends on how the model is served and is not checked here.
+  in a fused layer, where every part must be a multiple of 128. vLLM allows the last part
+  partial (``validate_fp8_block_shape`` in ``layers/quantization/utils/fp8_utils.py``), but
+  SGLang checks every part of a merged layer (``Fp8LinearMethod.validate_block_quant_shapes``
+  in ``srt/layers/quantization/fp8.py``), so ckpt holds the stricter rule. These are the rules
+  at tensor parallelism 1; at TP ``t`` each rank's slice of N (column parallel) and of K (row
+  parallel) must be a multiple of 128 too, which depends on how the model is served and is not
+  checked here.
 * ``channel``/``tensor``: both dims multiples of 16 (the FP8 GEMM kernels' rule), every member.
 
 A fused weight already stored as one tensor (``qkv_proj``, ``gate_up_proj``,
 ``query_key_value``, ``W_pack``) is checked in block layout against its parts' sizes, from
 ``config.json``'s head counts where it has them (:func:`fused_parts`).
+
+Families the engines read differently (:func:`family_reason`, :func:`experts_unit`):
+
+* GPT-2's ``Conv1D`` weights (``c_attn``, ``c_proj``, ``c_fc``) are stored ``[in, out]``. The
+  ``GPT2LMHeadModel.load_weights`` of vLLM and SGLang (``models/gpt2.py``) transpose every
+  name ending in ``.weight`` of those modules and nothing else, so a scale is loaded as
+  stored, laid out for the wrong orientation; transformers and compressed-tensors quantize
+  ``nn.Linear`` only. They stay BF16 and are listed in the ignore list.
+* GPT-NeoX's ``query_key_value`` stores q, k and v interleaved per head; vLLM's and SGLang's
+  ``GPTNeoXForCausalLM.load_weights`` (``models/gpt_neox.py``) reorder every parameter with an
+  ``output_dim`` (the block scale too) by ``view(num_heads, 3, -1)``. A block scale has
+  ``3 * num_heads`` rows only when ``head_dim`` is a multiple of 128 (otherwise the view fails,
+  and a 128-row block would mix q, k and v of different heads), so in block layout it is
+  quantized only then.
+* MoE experts (``...experts.<i>.<proj>``) are one layer per ``experts`` module in the engines
+  (``FusedMoE``, quantized by ``Fp8MoEMethod``, which needs the intermediate size a multiple
+  of 128 in block layout): all experts of a module are quantized or none, and when none, the
+  ignore list names the ``experts`` module itself (SGLang's ``is_layer_skipped`` in
+  ``srt/layers/quantization/utils.py`` matches entries exactly; vLLM's, in
+  ``quantization/utils/quant_utils.py``, also matches an entry that contains the prefix) as
+  well as each projection.
 
 Never quantized whatever their shape: embeddings (by name across the common families, and any
 weight tied to one), the output head (``lm_head``, GPT-NeoX's ``embed_out``), norms and MoE
@@ -89,10 +112,78 @@ def group_fits(parts: list[tuple[str, tuple[int, ...]]], layout: str) -> str | N
         if why is not None:
             return f"{name}: {why}"
     if layout == "block" and len(parts) > 1:
-        for name, shape in parts[:-1]:
+        for name, shape in parts:
             if shape[0] % BLOCK:
-                return (f"{name}: output dim {shape[0]} not a multiple of {BLOCK}, and it is "
-                        "not the last part of its fused layer")
+                return (f"{name}: output dim {shape[0]} not a multiple of {BLOCK} in a fused "
+                        "layer (SGLang checks every part)")
+    return None
+
+
+CONV1D_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer")
+"""``model_type`` of the families whose ``c_attn``/``c_proj``/``c_fc`` are ``Conv1D``."""
+
+CONV1D_NAMES = ("c_attn", "q_attn", "c_proj", "c_fc")
+
+CONV1D_REASON = ("GPT-2 Conv1D weight, stored (in, out): vLLM's and SGLang's gpt2.py transpose "
+                 "the weight on load but not its scale; transformers quantizes nn.Linear only")
+
+INTERLEAVED_TYPES = ("gpt_neox",)
+"""``model_type`` of the families whose ``query_key_value`` is interleaved per head."""
+
+
+def _model_type(config: Mapping[str, Any] | None) -> str | None:
+    t = (config or {}).get("model_type")
+    return t if isinstance(t, str) else None
+
+
+def conv1d_weights(weights: Mapping[str, tuple[int, ...]],
+                   config: Mapping[str, Any] | None) -> set[str]:
+    """The names of ``weights`` (name -> shape) that are GPT-2 ``Conv1D`` weights, stored
+    ``[in, out]``: by ``config.json``'s ``model_type`` where there is one, else when a
+    ``c_attn`` weight is ``[hidden, 3 * hidden]`` (a Linear one is ``[3 * hidden, hidden]``)."""
+    kind = _model_type(config)
+    named = {n for n in weights if n.endswith(".weight")
+             and n[: -len(".weight")].rpartition(".")[2] in CONV1D_NAMES}
+    if kind is not None:
+        return named if kind in CONV1D_TYPES else set()
+    if any(n.endswith("c_attn.weight") and len(weights[n]) == 2
+           and weights[n][1] == 3 * weights[n][0] for n in named):
+        return named
+    return set()
+
+
+def interleaved_heads(module: str, config: Mapping[str, Any] | None) -> bool:
+    """Whether ``module`` is a GPT-NeoX ``query_key_value`` (q, k, v interleaved per head),
+    by ``model_type``, else by the ``gpt_neox.`` prefix of its name."""
+    if module.rpartition(".")[2] != "query_key_value":
+        return False
+    kind = _model_type(config)
+    return kind in INTERLEAVED_TYPES if kind is not None else module.startswith("gpt_neox.")
+
+
+def heads_reason(config: Mapping[str, Any] | None) -> str | None:
+    """Why an interleaved ``query_key_value`` cannot be block-quantized (None: it can): the
+    engines reorder its block scale per head, which needs ``head_dim`` a multiple of 128."""
+    cfg = config or {}
+    heads, hidden = _int(cfg.get("num_attention_heads")), _int(cfg.get("hidden_size"))
+    if not heads or not hidden:
+        return ("q/k/v interleaved per head, and config.json gives no head count: vLLM and "
+                "SGLang reorder the block scale per head (view(num_heads, 3, -1))")
+    head_dim = hidden // heads
+    if head_dim % BLOCK:
+        return (f"q/k/v interleaved per head with head_dim {head_dim}, not a multiple of "
+                f"{BLOCK}: vLLM and SGLang reorder the block scale per head "
+                "(view(num_heads, 3, -1)), which its 128-row blocks do not allow")
+    return None
+
+
+def experts_unit(module: str) -> str | None:
+    """The ``experts`` module an MoE expert's projection belongs to
+    (``model.layers.0.mlp.experts.3.gate_proj`` -> ``model.layers.0.mlp.experts``), else None."""
+    parts = module.split(".")
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i].isdigit() and parts[i - 1] == "experts":
+            return ".".join(parts[:i])
     return None
 
 
@@ -160,14 +251,21 @@ def choose(weights: Iterable[tuple[str, str, tuple[int, ...]]], layout: str, *,
             continue
         linear[name] = tuple(shape)
     verdict: dict[str, str | None] = {}
+    conv1d = conv1d_weights(linear, config)
     for name, shape in linear.items():
         if name in verdict:
             continue
         module = name[: -len(".weight")]
+        if name in conv1d:
+            verdict[name] = CONV1D_REASON
+            continue
         found = group_of(module)
         if found is None:
             parts = fused_parts(module, shape, config)
-            verdict[name] = group_fits(parts, layout) if parts else fit_reason(shape, layout)
+            why = group_fits(parts, layout) if parts else fit_reason(shape, layout)
+            if why is None and layout == "block" and interleaved_heads(module, config):
+                why = heads_reason(config)
+            verdict[name] = why
             continue
         parent, members, fused = found
         prefix = f"{parent}." if parent else ""
@@ -175,6 +273,7 @@ def choose(weights: Iterable[tuple[str, str, tuple[int, ...]]], layout: str, *,
         why = group_fits([(n[: -len(".weight")], linear[n]) for n in names], layout)
         for n in names:
             verdict[n] = None if why is None else f"fused {prefix}{fused}: {why}"
+    units = _experts_verdicts(verdict)
     for name in linear:
         why = verdict[name]
         if why is None:
@@ -185,10 +284,30 @@ def choose(weights: Iterable[tuple[str, str, tuple[int, ...]]], layout: str, *,
     # Linear modules left by rule (the output head, MoE routers, a weight tied to another)
     # are listed too; embeddings and norms are not Linear layers.
     ignore.update(m for m, r in skipped.items() if r not in ("embedding", "norm"))
+    ignore.update(units)
     if not any(m.rpartition(".")[2] == "lm_head" for m in ignore):
         ignore.add("lm_head")
     out.ignore = sorted(ignore)
     return out
+
+
+def _experts_verdicts(verdict: dict[str, str | None]) -> set[str]:
+    """Decide each ``experts`` module's weights together (one ``FusedMoE`` layer in the
+    engines), in place: when one is left, all are. Returns the modules left."""
+    members: dict[str, list[str]] = {}
+    for name in verdict:
+        unit = experts_unit(name[: -len(".weight")])
+        if unit is not None:
+            members.setdefault(unit, []).append(name)
+    left: set[str] = set()
+    for unit, names in members.items():
+        why = next((verdict[n] for n in names if verdict[n] is not None), None)
+        if why is None:
+            continue
+        left.add(unit)
+        for n in names:
+            verdict[n] = f"experts {unit} (one MoE layer): {why}"
+    return left
 
 
 def half_quantized(fp8_weights: set[str], weights: Mapping[str, tuple[int, ...]]

@@ -212,8 +212,20 @@ def scales_expected(tensors: dict[str, TensorInfo], config: dict[str, Any] | Non
     """Whether the checkpoint says its FP8 weights carry scales: a ``quantization_config``,
     or a scale-named tensor anywhere in it (the naming convention of the file). Without
     either, an FP8 tensor is raw FP8 values, read as they are (a CUDA run's ``float8_e5m2``
-    state, say)."""
+    state, say). Which FP8 tensor that claim covers: :func:`claimed_dtypes`."""
     return config is not None or any(n.rpartition(".")[2] in SCALE_NAMES for n in tensors)
+
+
+def claimed_dtypes(tensors: dict[str, TensorInfo], config: dict[str, Any] | None
+                   ) -> tuple[str, ...]:
+    """The FP8 dtypes the checkpoint claims are quantized with a scale: every FP8 dtype under
+    a ``quantization_config``; without one, those of the weights that have a scale beside
+    them (an E5M2 tensor with no scale next to scaled E4M3 weights is raw FP8 values, not a
+    weight missing its scale); none without either."""
+    if config is not None:
+        return FP8_DTYPES
+    return tuple(sorted({t.dtype for t in tensors.values() if t.dtype in FP8_DTYPES and any(
+        f"{t.name.rpartition('.')[0]}.{n}" in tensors for n in SCALE_NAMES)}))
 
 
 def no_scale(t: TensorInfo, expected: bool) -> Finding:
@@ -245,7 +257,7 @@ def pair_scales(tensors: dict[str, TensorInfo],
     def warn(code: str, msg: str, where: str) -> None:
         out.findings.append(Finding("warning", code, msg, None, where))
 
-    expected = scales_expected(tensors, config)
+    claimed = claimed_dtypes(tensors, config) if scales_expected(tensors, config) else ()
     used: set[str] = set()
     fp8_modules: set[str] = set()
     for t in tensors.values():
@@ -256,7 +268,7 @@ def pair_scales(tensors: dict[str, TensorInfo],
         scales = [tensors[f"{module}.{n}"] for n in SCALE_NAMES if f"{module}.{n}" in tensors]
         used.update(s.name for s in scales)
         if last != "weight" or not scales:
-            out.findings.append(no_scale(t, expected))
+            out.findings.append(no_scale(t, t.dtype in claimed))
             continue
         if len(scales) > 1:
             warn("fp8-scale-ambiguous",
@@ -306,6 +318,19 @@ def read_quantization_config(index: CheckpointIndex) -> tuple[dict[str, Any] | N
         if isinstance(qc, dict):
             return qc, "metadata (ckpt.quantization_config)"
     return None, None
+
+
+def read_model_config(index: CheckpointIndex) -> dict[str, Any] | None:
+    """``config.json`` beside the weights (the family's ``model_type``, head counts), or None.
+    Reads a small side file, never tensor data; an unreadable one counts as absent."""
+    try:
+        config = index.base / "config.json"
+        if index.base.is_dir() and config.is_file():
+            doc = storage.load_side_json(config, "config")
+            return doc if isinstance(doc, dict) else None
+    except (ValueError, AttributeError, OSError, CkptError):
+        pass
+    return None
 
 
 def config_summary(qc: dict[str, Any], source: str) -> dict[str, Any]:
@@ -417,7 +442,12 @@ def describe(index: CheckpointIndex) -> dict[str, Any] | None:
                 "warning", "fp8-not-ignored", f"{t.name} is {t.dtype}, not FP8, but the "
                 "quantization_config does not list it as ignored: a loader expects it quantized",
                 None, t.name))
-    if qc is not None and not has_fp8:
+    # a config whose ignore list names every Linear-like weight left (ckpt's output of a model
+    # none of whose Linears an engine reads quantized: GPT-2's Conv1D) misleads no loader
+    if qc is not None and not has_fp8 and not (unquantized and all(
+            skip_reason(n[: -len(".weight")]) is not None or _ignored(n[: -len(".weight")],
+                                                                      ignore)
+            for n in unquantized)):
         findings.append(Finding("warning", "fp8-config-without-fp8", "the config has a "
                                 "quantization_config but no tensor is FP8: a loader expects "
                                 "quantized weights (a dequantized copy should drop it)",

@@ -69,18 +69,23 @@ def _config(d: Path) -> dict[str, Any]:
 # --- the engines' rules, as their sources state them ------------------------------------------
 
 def vllm_block_accepts(parts: list[tuple[int, int]], block: int = 128) -> bool:
-    """Whether vLLM/SGLang load one (fused) Linear of ``parts`` (``(N, K)`` each, in the fused
-    order) block-quantized, at tensor parallelism 1:
+    """Whether vLLM and SGLang both load one (fused) Linear of ``parts`` (``(N, K)`` each, in
+    the fused order) block-quantized, at tensor parallelism 1:
 
-    - ``validate_fp8_block_shape`` (vllm and sglang
-      ``model_executor/layers/quantization/utils/fp8_utils.py``): a merged GEMM's output
-      partitions except the last must be multiples of ``block_n``;
-    - ``per_token_group_quant_fp8`` (same files) asserts ``x.shape[-1] % group_size == 0``:
-      the input dim K a multiple of 128.
+    - vLLM ``validate_fp8_block_shape`` (``model_executor/layers/quantization/utils/
+      fp8_utils.py``): a merged GEMM's output partitions except the last must be multiples
+      of ``block_n``;
+    - SGLang ``Fp8LinearMethod.validate_block_quant_shapes`` (``srt/layers/quantization/
+      fp8.py``): when ``len(output_partition_sizes) > 1`` every partition, the last too, must
+      be a multiple of ``block_n`` (so ckpt needs whole blocks in every part of a fused layer);
+    - ``per_token_group_quant_fp8`` (both engines' ``fp8_utils``/``fp8_kernel``) asserts
+      ``x.shape[-1] % group_size == 0``: the input dim K a multiple of 128.
     """
     if any(k % block for _, k in parts):
         return False
-    return all(n % block == 0 for n, _ in parts[:-1])
+    vllm = all(n % block == 0 for n, _ in parts[:-1])
+    sglang = len(parts) == 1 or all(n % block == 0 for n, _ in parts)
+    return vllm and sglang
 
 
 def vllm_skips_consistently(ignore: list[str], fused: dict[str, list[str]]) -> bool:
@@ -112,17 +117,18 @@ def test_moe_routers_and_experts() -> None:
                        ("m.moe.experts.1.w1.weight", "F32", (96, 256)),
                        ("m.moe.experts.1.w3.weight", "F32", (96, 256))], "block")
     assert c.picked == ["m.mlp.experts.0.gate_proj.weight", "m.mlp.experts.0.up_proj.weight"]
-    assert c.ignore == ["lm_head", "m.mlp.gate", "m.mlp.shared_expert_gate",
+    assert c.ignore == ["lm_head", "m.mlp.gate", "m.mlp.shared_expert_gate", "m.moe.experts",
                         "m.moe.experts.1.w1", "m.moe.experts.1.w3"]
-    assert [why.split(":")[0] for _, why in c.left] == ["fused m.moe.experts.1.w13 (MoE expert "
-                                                        "gate/up)"] * 2
+    assert [why.split(":")[:2] for _, why in c.left] == [
+        ["experts m.moe.experts (one MoE layer)", " fused m.moe.experts.1.w13 (MoE expert "
+         "gate/up)"]] * 2
 
 
 def test_engine_rules_encoded_by_the_groups() -> None:
     """The planner's rule equals the engines' on the shapes the issue names."""
     cases = [
         [(256, 256), (64, 256), (64, 256)],     # 64-wide k/v: k is not the last part
-        [(256, 256), (128, 256), (64, 256)],    # only the last part partial: accepted
+        [(256, 256), (128, 256), (64, 256)],    # only the last part partial: SGLang refuses
         [(400, 256), (400, 256)],               # gate/up 400 rows
         [(320, 320), (320, 320), (320, 320)],   # K = 320
         [(128, 128), (128, 128), (128, 128)],   # one block each
@@ -207,9 +213,9 @@ def test_what_each_model_quantizes_in_block_layout(
                                      and not any(x in n for x in ("q_proj", "k_proj", "v_proj"))}
     # hidden 320: K = 320 fits no block; down_proj (640 in, 320 out) ends in a partial block
     assert fp8_names("h320") == {n for n in linear if "down_proj" in n}
+    # head_dim 64: the per-head query_key_value stays BF16 (tests/fp8/test_fp8_families.py)
     assert fp8_names("neox") == {f"gpt_neox.layers.{i}.{m}.weight" for i in (0, 1) for m in (
-        "attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h",
-        "mlp.dense_4h_to_h")}
+        "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")}
 
 
 def test_convert_names_what_it_left_and_why(sources: dict[str, Path], tmp_path: Path) -> None:
