@@ -410,6 +410,9 @@ class FigureCache:
                          | os.O_CLOEXEC, dir_fd=d)
         except FileNotFoundError:
             return None
+        except OSError as e:  # ELOOP: a symbolic link, never followed
+            self.rejected[path] = f"cannot be opened as a file: {e.strerror or e}"
+            return None
         cap = entry_cap(names)
         try:
             st = os.fstat(fd)
