@@ -223,9 +223,8 @@ def _sane(m: Moments) -> bool:
 
 class UnsafeCacheError(UsageError):
     """A cache directory (or one of its subdirectories) someone else could write: a symbolic
-    link, another user's, or writable by its group or others."""
-
-    kind = "unsafe-cache"
+    link, another user's, or writable by its group or others (``kind`` ``usage`` in
+    ``--json``: the fix is the user's, as the message says)."""
 
 
 def _owners() -> tuple[int, int]:

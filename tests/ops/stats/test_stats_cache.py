@@ -164,7 +164,7 @@ def test_a_symlink_planted_before_the_first_run_receives_no_write(ckpt: Path, ca
                                                                   tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    cache.mkdir()
+    cache.mkdir(mode=0o700)
     (cache / SUBDIR).symlink_to(elsewhere)
     refused(run(ckpt, cache), cache / SUBDIR, "is a symbolic link")
     assert not any(elsewhere.iterdir())
