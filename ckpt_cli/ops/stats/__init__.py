@@ -136,7 +136,7 @@ def _open(path: Path, opts: StatsOptions, cache: FigureCache) -> tuple[Checkpoin
                                                                        Scope, Entry]:
     index = read_index(path, opts.fmt)
     scope = scope_of(index, everything=opts.everything, filter_glob=opts.filter_glob)
-    entry = cache.load(key_of(identity(index))) if cache.enabled else Entry("")
+    entry = cache.load(key_of(identity(index)), index.tensors) if cache.enabled else Entry("")
     return index, scope, entry
 
 
@@ -235,11 +235,11 @@ def _remember(c: _Checkpoint, w: Work, cache: FigureCache, ckpts: list[_Checkpoi
         new.updates[prev] = dict(w.got_updates)
     c.entry.errors.update(w.errors)
     if cache.enabled and (new.tensors or new.updates):
-        cache.save(new)
+        cache.save(new, c.index.tensors)
 
 
 def _reloaded(c: _Checkpoint, cache: FigureCache) -> _Checkpoint:
-    entry = cache.load(c.entry.key)
+    entry = cache.load(c.entry.key, c.index.tensors)
     entry.errors = c.entry.errors
     return _Checkpoint(c.name, c.path, c.step, c.index, c.scope, entry)
 
