@@ -26,7 +26,7 @@ from ckpt_cli.formats import read_index
 from ckpt_cli.formats.names import in_progress_reason, is_last_copy
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.stats.anomalies import detect, unreadable
-from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, key_of
+from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, is_default, key_of
 from ckpt_cli.ops.stats.engine import Work, compute
 from ckpt_cli.ops.stats.options import StatsOptions
 from ckpt_cli.ops.stats.result import (
@@ -90,7 +90,8 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
     where = storage.locate(path)
     run = opts.fmt is None and is_run_dir(where)
     skipped: dict[str, str] = {}
-    cache = FigureCache(cache_root(opts.cache_dir) if opts.cache else None, enabled=opts.cache)
+    cache = FigureCache(cache_root(opts.cache_dir) if opts.cache else None, enabled=opts.cache,
+                        tighten=is_default(opts.cache_dir))
     ckpts = _run_checkpoints(where, opts, skipped, cache) if run else [
         _one_checkpoint(where, opts, cache)]
     works = _plan(ckpts, run)

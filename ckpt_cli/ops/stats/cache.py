@@ -93,6 +93,12 @@ def cache_root(explicit: Path | None = None) -> Path:
     return root
 
 
+def is_default(explicit: Path | None = None) -> bool:
+    """Whether :func:`cache_root` answers the default location (no ``explicit`` directory, no
+    ``$CKPT_CACHE_DIR``): ckpt's own, whose mode it may tighten."""
+    return explicit is None and not os.environ.get("CKPT_CACHE_DIR")
+
+
 def identity(index: CheckpointIndex) -> list[Any]:
     """What identifies a checkpoint's bytes: location, format and each file's name, the file
     it resolves to and its full stamp (:func:`ckpt_cli.storage.file_stamp`).
@@ -266,7 +272,7 @@ def _refuse(st: os.stat_result, path: Path, what: str) -> None:
 
 
 def _open_dir(parent: int | None, name: str, path: Path, what: str, *,
-              create: bool) -> int | None:
+              create: bool, tighten: bool = False) -> int | None:
     """A descriptor of directory ``name`` in ``parent`` (a descriptor; None: ``name`` is a
     path) once it is checked (:func:`_refuse`); None when it is missing and not ``create``d.
 
@@ -282,10 +288,17 @@ def _open_dir(parent: int | None, name: str, path: Path, what: str, *,
         with contextlib.suppress(FileExistsError):
             os.mkdir(name, 0o700, dir_fd=parent)
         st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-    _refuse(st, path, what)  # the link's message, before O_NOFOLLOW's bare ELOOP
+    if stat.S_ISLNK(st.st_mode) or not tighten:
+        _refuse(st, path, what)  # the link's message, before O_NOFOLLOW's bare ELOOP
     fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
     try:
-        _refuse(os.fstat(fd), path, what)  # what was opened: a swap since the stat shows
+        now = os.fstat(fd)
+        if tighten and now.st_uid == os.geteuid() and _writers(now.st_mode):
+            # The default cache directory, the user's own, made group-writable by an older
+            # ckpt under umask 002: its others' write bits go rather than stats refusing.
+            os.fchmod(fd, stat.S_IMODE(now.st_mode) & ~0o022)
+            now = os.fstat(fd)
+        _refuse(now, path, what)  # what was opened: a swap since the stat shows
     except BaseException:
         os.close(fd)
         raise
@@ -299,6 +312,9 @@ class FigureCache:
         root: The cache directory (:func:`cache_root`).
         enabled: Read and write entries.
 
+        tighten: The cache directory is the default one (:func:`is_default`): one the user
+            owns that others may write is made writable by the user alone, not refused.
+
     Attributes:
         rejected: Entry files found but not trusted, with why (they are recomputed).
 
@@ -307,8 +323,9 @@ class FigureCache:
             link or could be written by someone else (see the module's documentation).
     """
 
-    def __init__(self, root: Path | None, *, enabled: bool = True):
+    def __init__(self, root: Path | None, *, enabled: bool = True, tighten: bool = False):
         self.enabled = enabled and root is not None
+        self.tighten = tighten
         self.root = root
         self.dir = (root / SUBDIR) if root is not None else None
         self.rejected: dict[str, str] = {}
@@ -364,7 +381,8 @@ class FigureCache:
             os.makedirs(root.parent, exist_ok=True)
             parent = os.open(root.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            return _open_dir(parent, root.name, self.root, _ROOT, create=create)
+            return _open_dir(parent, root.name, self.root, _ROOT, create=create,
+                             tighten=self.tighten)
         finally:
             os.close(parent)
 

@@ -320,3 +320,22 @@ def test_an_entry_naming_a_tensor_its_checkpoint_lacks_is_not_trusted(ckpt: Path
     doc["tensors"]["not.there"] = doc["tensors"].pop("c.bias")
     p.write_text(json.dumps(doc))
     assert not FigureCache(cache).load(key, dict.fromkeys(NAMES)).tensors
+
+
+def test_the_default_cache_directory_an_older_ckpt_left_group_writable_is_tightened(
+        ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Older versions made ``~/.cache/ckpt`` under the umask (0775 under umask 002, Debian's
+    and Ubuntu's default): the default location is ckpt's own, so its others' write bits go
+    instead of every ``stats`` run being refused. A directory the user named is still
+    refused (the test above)."""
+    monkeypatch.delenv("CKPT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = tmp_path / "xdg" / "ckpt"
+    root.mkdir(parents=True)
+    os.chmod(root, 0o775)
+    r = run_cli("stats", ckpt, "--json")
+    assert r.exit_code == 1, r.output  # the NaN: computed and reported, not refused
+    assert stat.S_IMODE(root.stat().st_mode) == 0o755
+    assert entries(root)
+    r = run_cli("stats", ckpt, "--json", "--cache-dir", root)  # tight now: trusted as named
+    assert r.exit_code == 1, r.output
