@@ -65,7 +65,8 @@ def stats_cmd(
     cache_dir: Annotated[Location | None, typer.Option(
         "--cache-dir", metavar="DIR", parser=location,
         help="Where figures are kept (default: $CKPT_CACHE_DIR, else ~/.cache/ckpt); give "
-             "--part's processes one they share.", show_default=False)] = None,
+             "--part's processes one they share, owned by the user they run as and writable "
+             "by no one else.", show_default=False)] = None,
     jobs: Annotated[int | None, typer.Option(
         "--jobs", "-j", min=1, metavar="N", help="Tensors read at once (default: CPUs).",
         show_default=False)] = None,
