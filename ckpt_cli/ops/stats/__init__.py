@@ -172,9 +172,12 @@ def _run_checkpoints(where: Path, opts: StatsOptions, skipped: dict[str, str],
     for name in listing.leftovers:
         skipped[name] = in_progress_reason(name) or "a temporary or trash name, not a checkpoint"
     entries = []
-    for e in listing.entries:
+    for k, e in enumerate(listing.entries):
         if e.complete:
             entries.append(e)
+        elif any(o.complete for o in listing.entries[k + 1:]):
+            # A later checkpoint is complete: this one is not still being written, but damaged.
+            broken.append(broken_checkpoint(e.name, e.step, CkptError(e.reason or "incomplete")))
         else:
             skipped[e.name] = e.reason or "incomplete"
     for e in list(entries):
@@ -292,8 +295,11 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
                 continue
             if t.group == "buffer":
                 ms.masks += m.neginf
+            ms.optimizer |= t.group == "optimizer"
             info = dtypes.DTYPES.get(t.dtype)
-            if info is None or info.kind not in ("int", "uint", "bool"):
+            # Adam's state.N.step counts steps in a float tensor: a counter, not a weight.
+            counter = t.group == "optimizer" and name.rpartition(".")[2] == "step"
+            if (info is None or info.kind not in ("int", "uint", "bool")) and not counter:
                 ms.float_sumsq = (ms.float_sumsq or 0.0) + m.sumsq_value
                 if t.group == "model" and len(t.shape) >= 2 and t.shape[0]:
                     ms.init_sq += t.shape[0] / 3  # numel * (1 / (3 * fan_in)): kaiming's

@@ -14,7 +14,8 @@
   ``jump * ((t - t0) / (t-1 - t0)) ** 2`` times, ``t0`` being its last step at zero, or step 0
   when no checkpoint listed shows it at zero (no step-0 save) but its norm is still below
   :data:`NEAR_ZERO` of its own scale (``ModuleStats.init_sq``: the norm its matrices would
-  have at torch's default initialization).
+  have at torch's default initialization). Optimizer state (Adam's moments) starts at zero at
+  step 0: it is judged so, always.
 * ``frozen``: a module's weights are bit for bit those of the previous checkpoint while they
   had changed between the two before: training stopped updating it (a lost ``requires_grad``,
   an optimizer that lost its parameter group). A module that never changed (frozen on
@@ -65,7 +66,7 @@ def _jump(c: CheckpointStats, prev: CheckpointStats | None, m: ModuleStats, old:
                                           and math.isfinite(now)):
         return None
     limit = jump
-    if zero_at is None and was < NEAR_ZERO * math.sqrt(old.init_sq):
+    if zero_at is None and (m.optimizer or was < NEAR_ZERO * math.sqrt(old.init_sq)):
         zero_at = 0  # no save shows it at zero, but it is still growing from there
     if zero_at is not None and prev is not None and prev.step is not None \
             and c.step is not None and prev.step > zero_at:

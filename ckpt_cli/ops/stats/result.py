@@ -97,6 +97,8 @@ class ModuleStats:
         init_sq: The squared L2 norm its matrices would have at torch's default
             initialization (``numel / (3 * fan_in)`` each): the module's own scale, against
             which a norm is near zero (a LoRA ``B`` still growing from its zeros).
+        optimizer: It holds optimizer state (Adam's moments: zero at step 0, growing from
+            there).
     """
 
     name: str
@@ -109,6 +111,7 @@ class ModuleStats:
     state_nan: int = 0
     state_inf: int = 0
     init_sq: float = 0.0
+    optimizer: bool = False
 
     @property
     def float_l2(self) -> float | None:
