@@ -18,11 +18,18 @@ that equal torch's ``float64`` computations on the whole tensor. Each piece is s
   block's sum has ~``BLOCK`` terms, and merges are few.
 * ``sumsq`` (for the L2 norm) is a sum of non-negative terms, so plain float64 accumulation is
   already accurate to ``~n_blocks * eps`` relative.
+* Squares overflow float64 past ``1e154`` and underflow below ``1e-154``: a float64 piece
+  whose ``|x|`` reaches past ``2**480`` (or stays below ``2**-480``) is summed again divided
+  by a power of two near its largest ``|x|`` (exact), and its ``m2`` and ``sumsq`` are kept
+  with that ``scale`` (as BLAS ``nrm2`` keeps its scaled sum of squares): ``[1e200, 3e200]``
+  has an L2 norm, ``[1e-200]`` one above zero. Merges bring both to the larger scale.
 
 Moments (mean, std, min, max, L2) are over the finite values; NaN, +Inf and -Inf are counted
-apart. ``std`` is torch's default (Bessel-corrected, ``correction=1``). The histogram counts
-the non-zero finite values per binade: bin ``i`` holds ``2**(HIST_LO+i) <= |x| < 2**(HIST_LO+i+1)``,
-values below ``2**HIST_LO`` in bin 0 and at or above ``2**HIST_HI`` in the last.
+apart. Complex values are taken as their modulus ``|z|`` (an update between two checkpoints
+as ``|a - b|``). ``std`` is torch's default (Bessel-corrected, ``correction=1``). The histogram
+counts the non-zero finite values per binade: bin ``i`` holds
+``2**(HIST_LO+i) <= |x| < 2**(HIST_LO+i+1)``, values below ``2**HIST_LO`` in bin 0 and at or
+above ``2**HIST_HI`` in the last.
 
 A compiled kernel (``ckpt_cli/tensors/_moments.c``, ``setup.py``'s optional extension) does a
 piece the same way, in one read of the values and several times faster, with the GIL released;
@@ -76,6 +83,8 @@ class Moments:
         posinf: +Inf values.
         neginf: -Inf values.
         hist: Non-zero finite values per binade of ``|x|`` (see the module notes).
+        scale: ``m2`` and ``sumsq`` are in units of ``4**scale`` (0 but for values whose
+            squares float64 cannot hold: see the module notes).
     """
 
     numel: int = 0
@@ -90,10 +99,20 @@ class Moments:
     posinf: int = 0
     neginf: int = 0
     hist: list[int] = field(default_factory=_empty_hist)
+    scale: int = 0
 
     def merge(self, other: Moments) -> None:
         """Add ``other``'s values to these figures (Chan et al.'s pairwise update)."""
-        self.add_spread(other.count, other.mean, other.m2, other.sumsq)
+        m2, sumsq = other.m2, other.sumsq
+        if other.scale != self.scale:
+            if not (other.sumsq or other.m2):
+                pass  # nothing of other's to scale
+            elif not (self.sumsq or self.m2) or other.scale > self.scale:
+                self._rescale(other.scale)
+            if other.scale != self.scale:
+                m2, sumsq = (math.ldexp(m2, 2 * (other.scale - self.scale)),
+                             math.ldexp(sumsq, 2 * (other.scale - self.scale)))
+        self.add_spread(other.count, other.mean, m2, sumsq)
         self.numel += other.numel
         self.min = min(self.min, other.min)
         self.max = max(self.max, other.max)
@@ -111,24 +130,36 @@ class Moments:
         if count:
             delta = mean - self.mean
             if self.count:
-                self.m2 += m2 + delta * delta * (self.count * count / n)
+                d = math.ldexp(delta, -self.scale) if self.scale else delta
+                self.m2 += m2 + d * d * (self.count * count / n)
                 self.mean += delta * (count / n)
             else:
                 self.m2, self.mean = m2, mean
         self.count = n
         self.sumsq += sumsq
 
+    def _rescale(self, scale: int) -> None:
+        """Express ``m2`` and ``sumsq`` in units of ``4**scale``."""
+        shift = 2 * (self.scale - scale)
+        self.m2, self.sumsq = math.ldexp(self.m2, shift), math.ldexp(self.sumsq, shift)
+        self.scale = scale
+
     @property
     def std(self) -> float | None:
         """Standard deviation (``correction=1``, torch's default); None below 2 values."""
         if self.count < 2:
             return None
-        return math.sqrt(max(self.m2, 0.0) / (self.count - 1))
+        return _scaled(math.sqrt(max(self.m2, 0.0) / (self.count - 1)), self.scale)
 
     @property
     def l2(self) -> float:
-        """L2 norm of the finite values."""
-        return math.sqrt(self.sumsq)
+        """L2 norm of the finite values (``inf`` only past float64's largest value)."""
+        return _scaled(math.sqrt(self.sumsq), self.scale)
+
+    @property
+    def sumsq_value(self) -> float:
+        """Sum of the squares of the finite values, unscaled (``inf`` past float64's range)."""
+        return _scaled(self.sumsq, 2 * self.scale)
 
     @property
     def absmax(self) -> float | None:
@@ -149,9 +180,10 @@ class Moments:
         """A compact JSON-able form (the cache's), read back by :meth:`from_list`."""
         lo = next((i for i, c in enumerate(self.hist) if c), 0)
         hi = max((i for i, c in enumerate(self.hist) if c), default=-1) + 1
-        return [self.numel, self.count, _num(self.mean), _num(self.m2), _num(self.sumsq),
-                _num(self.min), _num(self.max), self.zeros, self.nan, self.posinf,
-                self.neginf, lo, self.hist[lo:hi]]
+        out = [self.numel, self.count, _num(self.mean), _num(self.m2), _num(self.sumsq),
+               _num(self.min), _num(self.max), self.zeros, self.nan, self.posinf,
+               self.neginf, lo, self.hist[lo:hi]]
+        return [*out, self.scale] if self.scale else out
 
     @classmethod
     def from_list(cls, data: Any) -> Moments:
@@ -160,9 +192,12 @@ class Moments:
         Raises:
             ValueError: For data that is not such a list.
         """
-        if not isinstance(data, list) or len(data) != 13:
-            raise ValueError("not a list of 13 figures")
-        numel, count, mean, m2, sumsq, mn, mx, zeros, nan, posinf, neginf, lo, hist = data
+        if not isinstance(data, list) or len(data) not in (13, 14):
+            raise ValueError("not a list of 13 or 14 figures")
+        numel, count, mean, m2, sumsq, mn, mx, zeros, nan, posinf, neginf, lo, hist = data[:13]
+        scale = data[13] if len(data) == 14 else 0
+        if not isinstance(scale, int) or isinstance(scale, bool) or abs(scale) > 2048:
+            raise ValueError("bad scale")
         ints = (numel, count, zeros, nan, posinf, neginf, lo)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
             raise ValueError("counts must be whole numbers")
@@ -171,8 +206,21 @@ class Moments:
             raise ValueError("bad histogram")
         full = _empty_hist()
         full[lo:lo + len(hist)] = hist
-        return cls(numel, count, _float(mean), _float(m2), _float(sumsq), _float(mn), _float(mx),
-                   zeros, nan, posinf, neginf, full)
+        out = cls(numel, count, _float(mean), _float(m2), _float(sumsq), _float(mn), _float(mx),
+                  zeros, nan, posinf, neginf, full, scale)
+        if not (math.isfinite(out.m2) and math.isfinite(out.sumsq)) or (
+                out.sumsq == 0 and any(full)):
+            # written before sums were scaled: an overflowed or underflowed sum, recomputed
+            raise ValueError("sums out of float64's range")
+        return out
+
+
+def _scaled(v: float, k: int) -> float:
+    """``v * 2**k``, ``inf`` past float64's range."""
+    try:
+        return math.ldexp(v, k)
+    except OverflowError:
+        return math.inf
 
 
 def _num(v: float) -> float | str:
@@ -217,6 +265,9 @@ def _as_kernel_input(arr: np.ndarray) -> np.ndarray:
     flat = np.ascontiguousarray(arr).reshape(-1)
     if flat.dtype.name in _KERNEL_DTYPES:
         return flat
+    if flat.dtype.kind == "c":
+        modulus: np.ndarray = np.abs(flat)  # hypot: no overflow; float32 or float64
+        return modulus
     if flat.dtype.kind in "iub" and flat.dtype.itemsize >= 4:
         return flat.astype(np.float64)
     return flat.astype(np.float32)
@@ -232,6 +283,24 @@ def piece_moments(arr: np.ndarray) -> Moments:
         Their :class:`Moments`.
     """
     flat = _as_kernel_input(arr)
+    out = _kernel(flat)
+    big = max(abs(out.min), abs(out.max)) if out.count else 0.0
+    if flat.dtype.itemsize == 8 and big and not _SAFE_LO <= big <= _SAFE_HI:
+        # Squares past float64's range: sum again divided by 2**k (exact), keep k.
+        import numpy as np
+
+        k = math.frexp(big)[1]
+        again = _kernel(np.ldexp(flat, -k))
+        out.mean, out.m2, out.sumsq = math.ldexp(again.mean, k), again.m2, again.sumsq
+        out.scale = k
+    return out
+
+
+_SAFE_LO, _SAFE_HI = 2.0 ** -480, 2.0 ** 480
+"""Largest ``|x|`` of a piece within which squares and their sums stay in float64's range."""
+
+
+def _kernel(flat: np.ndarray) -> Moments:
     compiled = _compiled()
     if compiled is not None:
         hist = _hist_array()
@@ -338,6 +407,13 @@ def diff_sumsq(a: np.ndarray, b: np.ndarray) -> float:
     """
     import numpy as np
 
+    if np.iscomplexobj(a) or np.iscomplexobj(b):  # |a - b|, not |a| - |b|
+        ca, cb = (np.asarray(v, dtype=np.complex128).reshape(-1) for v in (a, b))
+        if ca.size != cb.size:
+            raise ValueError(f"{ca.size:,} values against {cb.size:,}")
+        with np.errstate(all="ignore"):
+            total = float(np.sum(np.square(np.abs(ca - cb))))
+        return total if math.isfinite(total) else math.nan
     fa, fb = _as_kernel_input(a), _as_kernel_input(b)
     if fa.size != fb.size:
         raise ValueError(f"{fa.size:,} values against {fb.size:,}")

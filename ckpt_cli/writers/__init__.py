@@ -135,7 +135,9 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
     if len(set(names)) != len(names):
         raise UsageError("two output tensors have the same name")
     stem, ext = NAMING[fmt]
+    _check_sizes(tensors, dest)
     plan = plan_shards([t.nbytes for t in tensors], max_shard_size, stem=stem, ext=ext)
+    _check_shards(plan, tensors, dest)
     as_file = dest.suffix in FILE_SUFFIXES
     if as_file and plan.sharded:
         raise UsageError(f"{len(plan.files)} shards at this max_shard_size; give output a "
@@ -190,6 +192,29 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
         result.tensors, result.tensor_bytes = len(tensors), sum(t.nbytes for t in tensors)
     result.files, result.index_file = sink.files, sink.index_file
     return result
+
+
+MAX_FILE = (1 << 63) - 1
+"""Bytes a file can hold (a signed 64-bit offset): safetensors' offsets and zip64's sizes are
+checked against it before any header is built, so that an impossible shape declared by a
+damaged source (a DCP ``.metadata``) is an error naming it, not a writer's overflow."""
+
+
+def _check_sizes(tensors: Sequence[OutTensor], dest: Path) -> None:
+    for t in tensors:
+        if t.nbytes > MAX_FILE:
+            raise CkptError(f"tensor {t.name!r} of shape {list(t.shape)} would be "
+                            f"{t.nbytes:,} bytes, more than a file can hold (2^63-1): the "
+                            "source declares a shape no tensor can have", path=dest)
+
+
+def _check_shards(plan: ShardPlan, tensors: Sequence[OutTensor], dest: Path) -> None:
+    for fname, size, members in zip(plan.files, plan.sizes, plan.members, strict=True):
+        if size > MAX_FILE:
+            big = max(members, key=lambda j: tensors[j].nbytes)
+            raise CkptError(f"{fname} would hold {size:,} bytes, more than a file can hold "
+                            f"(2^63-1; its largest tensor {tensors[big].name!r} is "
+                            f"{list(tensors[big].shape)}): give max_shard_size", path=dest)
 
 
 def _write_shards(sink: Sink, plan: ShardPlan, fmt: str, own: list[OutTensor],

@@ -25,7 +25,7 @@ from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import read_index
 from ckpt_cli.formats.names import in_progress_reason, is_last_copy
 from ckpt_cli.model import CheckpointIndex
-from ckpt_cli.ops.stats.anomalies import detect, unreadable
+from ckpt_cli.ops.stats.anomalies import broken_checkpoint, detect, mismatches, unreadable
 from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, is_default, key_of
 from ckpt_cli.ops.stats.engine import Work, compute
 from ckpt_cli.ops.stats.options import StatsOptions
@@ -90,9 +90,10 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
     where = storage.locate(path)
     run = opts.fmt is None and is_run_dir(where)
     skipped: dict[str, str] = {}
+    broken: list[Anomaly] = []
     cache = FigureCache(cache_root(opts.cache_dir) if opts.cache else None, enabled=opts.cache,
                         tighten=is_default(opts.cache_dir))
-    ckpts = _run_checkpoints(where, opts, skipped, cache) if run else [
+    ckpts = _run_checkpoints(where, opts, skipped, broken, cache) if run else [
         _one_checkpoint(where, opts, cache)]
     works = _plan(ckpts, run)
     select = _part_select(ckpts, opts)
@@ -120,10 +121,18 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
         anomalies: list[Anomaly] = []
     else:
         found = detect(shown, jump=opts.jump)  # one checkpoint: NaN and Inf only
+        found += mismatches(shown)
         for cs, ck in zip(shown, ckpts, strict=True):
             found += unreadable(cs, {**ck.scope.damaged, **ck.entry.errors})
         order = {cs.name: i for i, cs in enumerate(shown)}
-        anomalies = sorted(found, key=lambda a: order.get(a.checkpoint, 0))  # stable: rules' order
+        found = sorted(found, key=lambda a: order.get(a.checkpoint, 0))  # stable: rules' order
+        # A checkpoint that could not be opened goes where its step puts it.
+        anomalies = []
+        for a in found:
+            while broken and _before(broken[0], a):
+                anomalies.append(broken.pop(0))
+            anomalies.append(a)
+        anomalies += broken
     any_scope = ckpts[0].scope if ckpts else None
     return StatsResult(
         path=where, run=run, checkpoints=shown, anomalies=anomalies,
@@ -154,15 +163,22 @@ def _one_checkpoint(where: Path, opts: StatsOptions, cache: FigureCache) -> _Che
                        index, scope, entry)
 
 
+def _before(a: Anomaly, b: Anomaly) -> bool:
+    return a.step is not None and b.step is not None and a.step < b.step
+
+
 def _run_checkpoints(where: Path, opts: StatsOptions, skipped: dict[str, str],
-                     cache: FigureCache) -> list[_Checkpoint]:
+                     broken: list[Anomaly], cache: FigureCache) -> list[_Checkpoint]:
     listing = list_run(where, opts.pattern)
     for name in listing.leftovers:
         skipped[name] = in_progress_reason(name) or "a temporary or trash name, not a checkpoint"
     entries = []
-    for e in listing.entries:
+    for k, e in enumerate(listing.entries):
         if e.complete:
             entries.append(e)
+        elif any(o.complete for o in listing.entries[k + 1:]):
+            # A later checkpoint is complete: this one is not still being written, but damaged.
+            broken.append(broken_checkpoint(e.name, e.step, CkptError(e.reason or "incomplete")))
         else:
             skipped[e.name] = e.reason or "incomplete"
     for e in list(entries):
@@ -181,12 +197,14 @@ def _run_checkpoints(where: Path, opts: StatsOptions, skipped: dict[str, str],
     for e in entries:
         try:
             index, scope, entry = _open(e.path, opts, cache)
-        except CkptError as err:
-            skipped[e.name] = err.message
+        except CkptError as err:  # complete by its name and markers, yet unreadable: damage
+            broken.append(broken_checkpoint(e.name, e.step, err))
             continue
         out.append(_Checkpoint(e.name, e.path, e.step, index, scope, entry))
     if not out:
-        raise UsageError("a run directory with no complete checkpoint to read", path=where)
+        why = f" ({broken[0].message})" if broken else ""
+        raise UsageError(f"a run directory with no complete checkpoint to read{why}",
+                         path=where)
     if opts.filter_glob is not None and not any(c.scope.targets for c in out):
         raise UsageError(f"filter_glob {opts.filter_glob!r} matches no tensor in scope",
                          param="filter_glob", path=where)
@@ -205,7 +223,8 @@ def _plan(ckpts: list[_Checkpoint], run: bool) -> list[Work]:
             have = c.entry.updates.get(prev.entry.key, {})
             w.updates = {n for n, t in c.scope.targets.items()
                          if n in prev.scope.targets and n not in have
-                         and prev.scope.targets[n].numel == t.numel}
+                         and tuple(prev.scope.targets[n].tensor.shape)
+                         == tuple(t.tensor.shape)}
         works.append(w)
     return works
 
@@ -271,17 +290,27 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
             ms = mods.setdefault(mod, ModuleStats(mod))
             ms.tensors += 1
             ms.moments.merge(m)
+            if t.group == "other":  # callbacks, loop counters: shown, never judged
+                ms.state_nan += m.nan
+                ms.state_inf += m.inf
+                continue
             if t.group == "buffer":
                 ms.masks += m.neginf
+            ms.optimizer |= t.group == "optimizer"
             info = dtypes.DTYPES.get(t.dtype)
-            if info is None or info.kind not in ("int", "uint", "bool"):
-                ms.float_sumsq = (ms.float_sumsq or 0.0) + m.sumsq
+            # Adam's state.N.step counts steps in a float tensor: a counter, not a weight.
+            counter = t.group == "optimizer" and name.rpartition(".")[2] == "step"
+            if (info is None or info.kind not in ("int", "uint", "bool")) and not counter:
+                ms.float_sumsq = (ms.float_sumsq or 0.0) + m.sumsq_value
+                if t.group == "model" and len(t.shape) >= 2 and t.shape[0]:
+                    ms.init_sq += t.shape[0] / 3  # numel * (1 / (3 * fan_in)): kaiming's
             if prev_c is not None and name in updates:
                 sq = updates[name]
                 before = prev_c.entry.tensors.get(name)
                 old = mod_sq.get(mod, 0.0)
                 mod_sq[mod] = None if sq is None or old is None else old + sq
-                mod_prev[mod] = mod_prev.get(mod, 0.0) + (before.sumsq if before else 0.0)
+                mod_prev[mod] = mod_prev.get(mod, 0.0) + (before.sumsq_value if before
+                                                          else 0.0)
         for mod, ms in mods.items():
             if mod in mod_sq:
                 sq = mod_sq[mod]

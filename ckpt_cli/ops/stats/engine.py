@@ -185,7 +185,7 @@ def compute(works: list[Work], *, budget: int, threads: int,
         select: Compute only the names it accepts (``--part``).
 
     Returns:
-        Bytes of tensor data read.
+        Bytes of tensor data read (what was there to read: not what a damaged index declares).
     """
     names: dict[str, list[int]] = {}
     for i, w in enumerate(works):
@@ -209,24 +209,29 @@ def compute(works: list[Work], *, budget: int, threads: int,
         costs.append(sum(_cost(works[i].targets[n], per) for i in chain))
     _enough_files(threads * sum(min(64, len(w.index.files) or 1) for w in works))
     sources = _Sources(works)
+    done = [0] * len(order)  # bytes read, per job (each writes its own slot)
 
     def job(k: int) -> Callable[[Meter], None]:
-        return lambda meter: _run(works, order[k], chains[k], windows[k], sources, meter)
+        def one(meter: Meter) -> None:
+            done[k] = _run(works, order[k], chains[k], windows[k], sources, meter)
+        return one
 
     try:
         run_bounded([job(k) for k in range(len(order))], costs, budget=budget,
                     threads=threads, total=sum(sizes), label="values", on_progress=on_progress)
     finally:
         sources.close()
-    return sum(sizes)
+    return sum(done)
 
 
 def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sources: _Sources,
-         meter: Meter) -> None:
-    """One tensor through the checkpoints of ``chain``, in lockstep (see the module notes)."""
+         meter: Meter) -> int:
+    """One tensor through the checkpoints of ``chain``, in lockstep (see the module notes);
+    returns the bytes read."""
     streams: dict[int, _Window] = {}
     figures: dict[int, Moments] = {}
     sq: dict[int, float | None] = {}
+    read = 0
     for i in chain:
         target = works[i].targets[name]
         try:
@@ -257,7 +262,9 @@ def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sour
                 del streams[i]
                 prev = None
                 continue
-            meter.add(arr.nbytes if w.targets[name].scale is None else n)
+            got_bytes = arr.nbytes if w.targets[name].scale is None else n
+            meter.add(got_bytes)
+            read += got_bytes
             if name in w.stats:
                 figures[i].merge(piece_moments(arr))
             if name in w.updates and prev is not None and prev[0] == i - 1:
@@ -267,11 +274,15 @@ def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sour
                     sq[i] = None if d != d else got + d  # NaN: a value was not finite
             prev = (i, arr)
         if meter.stop.is_set():
-            return
+            return read
+        if not streams:  # every read failed: no values left to take (the bytes present bound
+            break        # the loop, never the numel a damaged index declares)
     for i in chain:
         w = works[i]
         if name in w.errors:
             continue
+        scale = w.targets[name].scale
+        read += scale.nbytes if scale is not None else 0
         if name in w.stats:
             w.got[name] = figures[i]
         if name in w.updates and (i - 1) in streams and i - 1 in chain:
@@ -280,6 +291,7 @@ def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sour
         close = getattr(s.pieces, "close", None)
         if close is not None:
             close()  # a generator stopped early releases its file mapping now
+    return read
 
 
 def _cost(t: Target, window: int) -> int:

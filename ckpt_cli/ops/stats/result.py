@@ -87,9 +87,18 @@ class ModuleStats:
         previous_l2: The previous checkpoint's L2 norm of the same tensors.
         masks: -Inf values of its buffers (attention masks hold them on purpose: counted in
             ``inf``, never flagged).
-        float_sumsq: Sum of squares of its floating-point tensors only (None: it has none);
-            an integer buffer (BatchNorm's ``num_batches_tracked``) counts steps, and its norm
-            grows with them, not with the weights' health.
+        float_sumsq: Sum of squares of its floating-point weights, buffers and optimizer
+            state only (None: it has none); an integer buffer (BatchNorm's
+            ``num_batches_tracked``) counts steps, and its norm grows with them, not with the
+            weights' health.
+        state_nan: NaN values of its non-parameter state (group ``other``: callbacks, loop
+            counters, Lightning's ``best_model_score``), counted in ``nan``, never judged.
+        state_inf: Infinite values of that state (ModelCheckpoint's ``inf`` on purpose).
+        init_sq: The squared L2 norm its matrices would have at torch's default
+            initialization (``numel / (3 * fan_in)`` each): the module's own scale, against
+            which a norm is near zero (a LoRA ``B`` still growing from its zeros).
+        optimizer: It holds optimizer state (Adam's moments: zero at step 0, growing from
+            there).
     """
 
     name: str
@@ -99,6 +108,10 @@ class ModuleStats:
     previous_l2: float | None = None
     masks: int = 0
     float_sumsq: float | None = None
+    state_nan: int = 0
+    state_inf: int = 0
+    init_sq: float = 0.0
+    optimizer: bool = False
 
     @property
     def float_l2(self) -> float | None:
@@ -108,8 +121,13 @@ class ModuleStats:
 
     @property
     def suspect_inf(self) -> int:
-        """Infinite values other than buffers' -Inf."""
-        return self.moments.inf - self.masks
+        """Infinite values other than buffers' -Inf and non-parameter state's."""
+        return self.moments.inf - self.masks - self.state_inf
+
+    @property
+    def suspect_nan(self) -> int:
+        """NaN values other than non-parameter state's."""
+        return self.moments.nan - self.state_nan
 
     @property
     def update_ratio(self) -> float | None:
@@ -158,7 +176,8 @@ class Anomaly:
         checkpoint: The checkpoint's name.
         module: The module.
         kind: ``nan`` or ``inf`` (appeared), ``norm-jump``, ``frozen`` (stopped changing),
-            ``dead`` (a tensor became all zeros) or ``unreadable`` (values not read).
+            ``dead`` (a tensor became all zeros), ``unreadable`` (values, or the whole
+            checkpoint, not read) or ``mismatch`` (not the previous checkpoint's model).
         message: One line in plain words.
         figures: The figures that triggered it.
     """
@@ -175,7 +194,7 @@ class Anomaly:
                 "kind": self.kind, "message": self.message, **self.figures}
 
 
-ANOMALY_KINDS = ("nan", "inf", "norm-jump", "frozen", "dead", "unreadable")
+ANOMALY_KINDS = ("nan", "inf", "norm-jump", "frozen", "dead", "unreadable", "mismatch")
 
 
 @dataclass(slots=True)
@@ -222,9 +241,13 @@ class StatsResult(Documented):
         if not self.run or not self.anomalies:
             return None
         bad = {a.checkpoint for a in self.anomalies}
+        names = {c.name for c in self.checkpoints}
+        # A checkpoint that could not be opened at all is in no list: its step bounds it.
+        cut = min((a.step for a in self.anomalies if a.checkpoint not in names
+                   and a.step is not None), default=None)
         good = None
         for c in self.checkpoints:
-            if c.name in bad:
+            if c.name in bad or (cut is not None and c.step is not None and c.step >= cut):
                 return good
             good = c
         return good
