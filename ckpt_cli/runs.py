@@ -35,7 +35,13 @@ from ckpt_cli.formats.pointers import POINTER_FILES as POINTER_FILES
 from ckpt_cli.formats.pointers import PointerError as PointerError
 from ckpt_cli.formats.pointers import read_pointer as read_pointer
 from ckpt_cli.formats.pointers import read_pointers as read_pointers
-from ckpt_cli.formats.probe import Probe, named_unfinished, open_file_status, quick_status
+from ckpt_cli.formats.probe import (
+    LINK_OUT,
+    Probe,
+    named_unfinished,
+    open_file_status,
+    quick_status,
+)
 from ckpt_cli.model import (
     DANGLING_POINTER,
     MTIME_ORDER,
@@ -607,6 +613,12 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
         if is_leftover(entry.name):
             listing.leftovers.append(entry.name)
             continue
+        if "\n" in entry.name or "\r" in entry.name:
+            # A line break in a name forges lines in logs and scripts; no writer makes one.
+            listing.findings.append(Finding(
+                "warning", ODD_NAME_SKIPPED, "a line break in its name: not treated as a "
+                "checkpoint", entry.name))
+            continue
         if entry.is_symlink():
             # Pointers such as last.ckpt -> epoch=...ckpt, or links elsewhere: never an entry
             # of their own, never followed.
@@ -643,6 +655,10 @@ def list_run(root: Path, pattern: str | None = None, *, step_from_metadata: bool
     return listing
 
 
+ODD_NAME_SKIPPED = "odd-name-skipped"
+"""Finding code: a run entry whose name holds ``\n`` or ``\r``, listed and skipped."""
+
+
 # The first entries are read in turn; when each took this long, the storage is slow (a network
 # file system, a cold disk) and threads overlap the waits for the rest. On a warm local disk
 # an entry takes ~50 us of Python, and threads contending for the GIL only add to that.
@@ -668,7 +684,8 @@ def _entries(found: list[tuple[str, int | None, bool]]) -> list[RunEntry]:
     return out
 
 
-def _entry(where: str, step: int | None, is_file: bool = False) -> RunEntry:
+def _entry(where: str, step: int | None, is_file: bool = False,
+           run: Path | None = None) -> RunEntry:
     path = storage.locate(where)
     scan: TreeScan | None = None
     status: Probe | None = None
@@ -698,30 +715,34 @@ def _entry(where: str, step: int | None, is_file: bool = False) -> RunEntry:
     if scan is None:
         # Its own files' times: a manifest ckpt wrote into it later does not make it recent.
         scan = tree_scan(path, own_times=True)
-    fmt, complete, reason = status if status is not None else quick_status(path)
+    fmt, complete, reason = (status if status is not None
+                             else quick_status(path, run=run if run is not None else path.parent))
     return RunEntry(name=path.name, path=path, step=step, step_source="name" if step is not None
                     else "unknown", format=fmt, bytes=scan.bytes, files=scan.files,
                     mtime=scan.mtime, complete=complete, reason=reason,
                     metrics=metrics_from_name(path.name), changed=scan.changed)
 
 
-def run_entry(path: Path) -> RunEntry:
+def run_entry(path: Path, run: Path | None = None) -> RunEntry:
     """The run-listing entry of one checkpoint file or directory (its step from its name).
 
     Args:
         path: The checkpoint.
+        run: The run directory whose files it may link to (default: its parent).
 
     Returns:
         The :class:`RunEntry`.
     """
     step = step_from_name(path.name)
-    return _entry(str(path), step, path.is_file() and not path.is_symlink())
+    return _entry(str(path), step, path.is_file() and not path.is_symlink(), run)
 
 
 def _fill_steps(listing: RunListing, from_metadata: bool) -> None:
     unknown = [e for e in listing.entries if e.step is None]
     if from_metadata:
         for e in unknown:
+            if LINK_OUT in (e.reason or ""):
+                continue  # nothing of it is read
             step = _step_from_metadata(e.path)
             if step is not None:
                 e.step, e.step_source = step, "metadata"

@@ -129,8 +129,8 @@ class CkptCommand(TyperCommand):
             i += 1
         from ckpt_cli import storage
 
-        if not junit or not storage.names_local_path(junit):
-            return
+        if not junit or junit == "-" or not storage.names_local_path(junit):
+            return  # ("-" is refused as a --junit file: no file named "-" either)
         from pathlib import Path
 
         from ckpt_cli.errors import CkptError
@@ -156,8 +156,9 @@ class CkptCommand(TyperCommand):
 
 # typer names a metavar-less option's value by its type (``<location>``, ``<int range>``).
 _TYPE_NAME = re.compile(r"<([a-z_ ]+)>")
-_TYPE_METAVARS = {"location": "PATH", "output_location": "OUT", "int range": "N",
-                  "integer": "N", "float": "X", "float range": "X", "text": "TEXT"}
+_TYPE_METAVARS = {"location": "PATH", "output_location": "OUT", "output_file": "FILE",
+                  "int range": "N", "integer": "N", "float": "X", "float range": "X",
+                  "text": "TEXT"}
 
 
 def _print_parameters(ctx: typer.Context, params: list[Any]) -> None:

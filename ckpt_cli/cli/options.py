@@ -218,16 +218,32 @@ def location(text: str) -> Path:
         raise typer.BadParameter(worded(e)[0]) from None
 
 
+def output_file(text: str) -> Path:
+    """Parse a file to write (``--junit``) like :func:`location`, refusing ``-``.
+
+    Raises:
+        typer.BadParameter: For ``-`` (by convention standard output, where ckpt writes no
+            file) or a URL that cannot name an object (a usage error, exit 2).
+    """
+    if text == "-":
+        raise typer.BadParameter("'-' (standard output) is not an output here: ckpt writes "
+                                 "files, never to stdout; name a file or directory (./- for "
+                                 "one called '-')")
+    return location(text)
+
+
 def output_location(text: str) -> Path | str:
     """Parse an output argument like :func:`location`, keeping a trailing slash.
 
     ``-o out/x.v2/`` says "a directory" whatever the suffix, which a ``Path`` would forget:
-    such a name comes back as the string, which the ops locate themselves.
+    such a name comes back as the string, which the ops locate themselves. ``-`` is refused
+    (:func:`output_file`).
 
     Raises:
-        typer.BadParameter: For a URL that cannot name an object (a usage error, exit 2).
+        typer.BadParameter: For ``-`` or a URL that cannot name an object (a usage error,
+            exit 2).
     """
-    located = location(text)
+    located = output_file(text)
     return text if text.endswith(("/", os.sep)) and len(text) > 1 else located
 
 

@@ -19,6 +19,7 @@ from ckpt_cli.cli.options import (
     common_options,
     local_only,
     location,
+    output_file,
 )
 
 
@@ -48,7 +49,7 @@ def validate_cmd(
     junit: Annotated[Location | None, typer.Option(
         "--junit", metavar="FILE", help="Also write a JUnit XML report (one test case per "
                                         "check).",
-        parser=location)] = None,
+        parser=output_file)] = None,
     jobs: Annotated[int | None, typer.Option(
         "--jobs", "-j", min=1, metavar="N", help="Threads for checksums (default: CPUs, at "
                                                  "most 8).")] = None,

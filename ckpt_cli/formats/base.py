@@ -226,7 +226,8 @@ def rel_to(path: Path, base: Path) -> str:
 # never runs them), and an HF index's bookkeeping (a tensor found in another shard than it
 # says, or missing from its weight_map, is still read from where it really is).
 _HARMLESS = {"unsafe-global", "unknown-global", "non-allowlisted-global",
-             "torchscript-archive", "unscanned-pickle", "unindexed-tensor", "wrong-shard"}
+             "torchscript-archive", "unscanned-pickle", "unindexed-tensor", "wrong-shard",
+             "pickle-after-stop"}
 
 
 # Findings that mean tensors the checkpoint should hold are not there (a shard the index

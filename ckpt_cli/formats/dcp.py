@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ckpt_cli.storage import Handle
 
 METADATA = ".metadata"
-_DISTCP = re.compile(r"^__(?:thin[0-9a-f]{8}_)?(\d+)_(\d+)\.distcp$")  # tagged: ckpt thinning
+_DISTCP = re.compile(r"^__(?:thin[0-9a-f]{8}_)?(\d+)_(\d+)\.distcp\Z")  # tagged: ckpt thinning
 _MAX_BYTES_ITEM = 1 << 20
 _MAX_BYTES_ITEMS = 4096
 

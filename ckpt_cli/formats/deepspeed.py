@@ -20,11 +20,11 @@ from ckpt_cli.formats.base import DirectoryLayout, read_small
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 MODEL_STATES = re.compile(
-    r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt$")
+    r"^(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt\Z")
 OPTIM_STATES = re.compile(
-    r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+    r"^(?P<bf16>bf16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt\Z")
 EXPERT_STATES = re.compile(r"^(?:layer_\d+_expert_\d+_mp_rank_\d+_model_states|"
-                           r"expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
+                           r"expp_rank_\d+_mp_rank_\d+_optim_states)\.pt\Z")
 
 
 def has_model_states(path: Path) -> bool:

@@ -121,7 +121,7 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
     _missing_parts(index, files, idx)
 
 
-_SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5,})-of-(?P<n>\d{5,})(?P<ext>\.[a-z]+)$")
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5,})-of-(?P<n>\d{5,})(?P<ext>\.[a-z]+)\Z")
 
 
 def _missing_parts(index: CheckpointIndex, files: list[Path], idx: Path | None) -> None:

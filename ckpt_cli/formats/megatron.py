@@ -15,7 +15,7 @@ from ckpt_cli.formats import torchfile
 from ckpt_cli.formats.base import DirectoryLayout
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
-RANK_DIR = re.compile(r"^mp_rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?(?:_(?P<ep>\d{3}))?$")
+RANK_DIR = re.compile(r"^mp_rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?(?:_(?P<ep>\d{3}))?\Z")
 RANK_FILES = ("model_optim_rng.pt", "distrib_optim.pt")
 
 

@@ -12,16 +12,16 @@ from ckpt_cli.dtypes import strict_int
 
 FILE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
 _NAME_PATTERNS = (
-    re.compile(r"^checkpoint-(?P<step>\d+)$"),
-    re.compile(r"^global_step(?P<step>\d+)$"),
-    re.compile(r"^iter_(?P<step>\d+)$"),
-    re.compile(r"(?:^|[-_])step[=_-]?(?P<step>\d+)(?:$|[-_.])"),
+    re.compile(r"^checkpoint-(?P<step>\d+)\Z"),
+    re.compile(r"^global_step(?P<step>\d+)\Z"),
+    re.compile(r"^iter_(?P<step>\d+)\Z"),
+    re.compile(r"(?:^|[-_])step[=_-]?(?P<step>\d+)(?:\Z|[-_.])"),
     re.compile(r"^(?:checkpoint|ckpt|model|iter|iteration|epoch|save|state)[_-]?(?P<step>\d+)"
-               r"(?:\.[a-z]+)?$"),
-    re.compile(r"^(?P<step>\d+)(?:\.[a-z]+)?$"),
+               r"(?:\.[a-z]+)?\Z"),
+    re.compile(r"^(?P<step>\d+)(?:\.[a-z]+)?\Z"),
 )
 # Any name ending in a number: fine for listing, too loose to delete by (see ``strict``).
-_LOOSE_FILE_PATTERN = re.compile(r"^.+?[_-](?P<step>\d+)\.(?:pt|pth|bin|ckpt|safetensors)$")
+_LOOSE_FILE_PATTERN = re.compile(r"^.+?[_-](?P<step>\d+)\.(?:pt|pth|bin|ckpt|safetensors)\Z")
 TEMP_MARKERS = (".tmp", "-tmp-", ".ckpt-tmp-", ".partial", ".incomplete", ".orbax-checkpoint-tmp",
                 ".ckpt-trash-", "_tmp", ".ckpt-old-")
 TRASH_PREFIX = ".ckpt-trash-"

@@ -7,6 +7,7 @@ in this package answer the full question when a checkpoint is opened.
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import NamedTuple
@@ -28,22 +29,76 @@ class Probe(NamedTuple):
     """Why it is not complete (None when it is)."""
 
 
-def quick_status(path: Path) -> Probe:
+def quick_status(path: Path, *, run: Path | None = None) -> Probe:
     """Detect a checkpoint's format cheaply and whether it looks complete.
 
     Reads only marker files, headers and zip end records: never tensor data.
 
     Args:
         path: A checkpoint file or directory.
+        run: The run directory it was listed in: a directory checkpoint holding a symbolic
+            link out of it is incomplete and nothing of it is read (see :func:`links_out`).
 
     Returns:
         A :class:`Probe`: ``(format or None, complete, reason when incomplete)``.
     """
     try:
+        if run is not None and path.is_dir() and (out := links_out(path, run)):
+            return Probe(None, False, link_out_reason(out))
         status = _dir_status(path) if path.is_dir() else _file_status(path)
     except (OSError, CkptError) as e:
         return Probe(None, False, f"unreadable: {e}")
     return named_unfinished(path, status)
+
+
+def links_out(path: Path, run: Path, limit: int = 3) -> list[str]:
+    """The symbolic links inside a checkpoint directory that lead out of its run directory.
+
+    A run-level command (a run's listing, ``validate`` of a run, ``stats``, ``watch``) reads
+    nothing through them, as it follows no symlinked checkpoint: a ``model.safetensors`` linked
+    to a file elsewhere on the machine is not the run's to read, nor to echo. (A checkpoint
+    named on its own is read through its links: the hub cache links ``snapshots/<rev>/*`` to
+    ``../../blobs``.) Links are found by the directory entries' types (no stat per file);
+    only the links are resolved.
+
+    Args:
+        path: The checkpoint directory.
+        run: The run directory.
+        limit: Stop after this many.
+
+    Returns:
+        Up to ``limit`` paths relative to ``path``, in walk order; empty on object stores.
+    """
+    if not storage.has_file_system(path):
+        return []
+    top = os.path.realpath(run)
+    out: list[str] = []
+    stack = [str(path)]
+    while stack and len(out) < limit:
+        where = stack.pop()
+        try:
+            with os.scandir(where) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            continue
+        for e in entries:
+            if e.is_symlink():
+                target = os.path.realpath(e.path)
+                if os.path.commonpath([top, target]) != top:
+                    out.append(os.path.relpath(e.path, path))
+            elif e.is_dir(follow_symlinks=False):
+                stack.append(e.path)
+    return out[:limit]
+
+
+LINK_OUT = "is a symbolic link out of the run directory"
+"""What a :class:`Probe` reason of :func:`links_out` says (nothing of such an entry is read)."""
+
+
+def link_out_reason(links: list[str]) -> str:
+    """One line for :func:`links_out`'s findings."""
+    return (f"{links[0]} {LINK_OUT}"
+            f"{f' (and {len(links) - 1} more)' if len(links) > 1 else ''}; not read")
 
 
 def named_unfinished(path: Path, status: Probe) -> Probe:

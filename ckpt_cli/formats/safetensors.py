@@ -50,7 +50,7 @@ def sniff_bytes(head: bytes, size: int) -> str | None:
     if head[8:9] not in (b"{", b" "):
         return "no JSON object after the header length"
     if 8 + n > size:
-        return f"header length {n} exceeds the file size {size}"
+        return "header length field larger than the file"
     return None
 
 
@@ -100,13 +100,16 @@ def parse_header(path: Path, *, fd: Handle | None = None,
             f"{size} bytes is too short for a safetensors file (needs 8 for the header length)",
             path=path)
     (n,) = struct.unpack("<Q", storage.pread(fd, 8, 0).ljust(8, b"\0"))
+    # The field's value is never shown: in a file that is not safetensors, those are its
+    # first 8 bytes (a secret behind a link, a key), and no number is plausible anyway.
     if n > MAX_HEADER:
         raise CorruptCheckpointError(
-            f"header length {n:,} exceeds the {MAX_HEADER:,}-byte limit", path=path)
+            f"not a safetensors file: its header length field is implausible (over "
+            f"{MAX_HEADER:,} bytes)", path=path)
     if 8 + n > size:
         raise CorruptCheckpointError(
-            f"header length {n:,} runs past the end of the {size:,}-byte file "
-            "(truncated or not safetensors)", path=path)
+            f"not a safetensors file, or truncated: its header length field is larger than "
+            f"the {size:,}-byte file", path=path)
     raw = storage.pread(fd, n, 8)
     try:
         header = orjson.loads(raw)

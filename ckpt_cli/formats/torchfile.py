@@ -397,6 +397,8 @@ def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: Handle) ->
                           "torch.jit.load, which runs its code (torch <= 2.5.1 even with "
                           "weights_only=True: CVE-2025-32434); ckpt reads its tensors as data",
                           rel))
+    if tz.after_stop:
+        index.add(after_stop_finding(tz, rel))
     for name, why in sorted(tz.unscanned.items()):
         index.add(Finding("warning", "unscanned-pickle",
                           f"pickle record {name} could not be scanned for globals: {why}", rel,
@@ -413,6 +415,17 @@ def _zip_findings(index: CheckpointIndex, tz: TorchZip, rel: str, fd: Handle) ->
             index.add(Finding("error", "compressed-entry",
                               "entry is compressed; torch writes every record STORED", rel,
                               e.name))
+
+
+def after_stop_finding(tz: TorchZip, rel: str, what: str = "") -> Finding:
+    """The warning for bytes after ``data.pkl``'s STOP (see ``torchzip._scan_after_stop``)."""
+    return Finding("warning", PICKLE_AFTER_STOP,
+                   f"{what}data.pkl holds {tz.after_stop:,} bytes after its pickle's STOP: "
+                   "torch.load reads one pickle and ignores them, but a second pickle hidden "
+                   "there is a known way past scanners; its globals were scanned too", rel)
+
+
+PICKLE_AFTER_STOP = "pickle-after-stop"
 
 
 def _read_plain_pickle(path: Path) -> PickleResult:

@@ -25,9 +25,12 @@ from ckpt_cli.errors import (
 )
 from ckpt_cli.formats import allowlist
 from ckpt_cli.formats.unpickler import (
+    PickleLengthError,
     PickleResult,
+    check_lengths,
     looks_like_pickle,
     scan_globals,
+    scan_stream,
     static_globals,
 )
 
@@ -315,6 +318,7 @@ class TorchZip:
         base: Absolute offset of the zip within its file.
         unscanned: ``.pkl`` records other than ``data.pkl`` that could not be scanned, with
             why.
+        after_stop: Bytes of ``data.pkl`` after its pickle's STOP (0 as torch writes it).
     """
 
     entries: dict[str, ZipEntry]
@@ -323,6 +327,7 @@ class TorchZip:
     base: int
     _crc_off: bool | None = None
     unscanned: dict[str, str] = field(default_factory=dict)
+    after_stop: int = 0
 
     def storage_start(self, key: str) -> int | None:
         """Absolute file offset of storage ``key``'s bytes, or None if the record is missing."""
@@ -384,8 +389,38 @@ def parse_zip(fd: Handle, start: int, length: int, where: str) -> TorchZip:
         raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({short_error(error)})"
                                      + failed_note(result, raw), path=where)
     tz = TorchZip(entries, prefix, result, start)
+    _scan_after_stop(tz, raw)
     scan_other_pickles(tz, fd, length)
     return tz
+
+
+AFTER_STOP = "bytes after data.pkl's STOP"
+"""The ``sources`` entry of a global named only by a pickle hidden after ``data.pkl``'s."""
+
+
+def _scan_after_stop(tz: TorchZip, raw: bytes) -> None:
+    """Note bytes after ``data.pkl``'s STOP and scan them as pickles.
+
+    ``torch.load`` reads one pickle and ignores the rest; a second pickle hidden there is a
+    known way past scanners that read only the first, for any loader that reads on. Its
+    globals join the main pickle's (source :data:`AFTER_STOP`), so they are judged alike.
+    """
+    try:
+        end = check_lengths(raw)
+    except PickleLengthError:
+        return  # scan_globals read it whole
+    if end >= len(raw):
+        return
+    tz.after_stop = len(raw) - end
+    found = scan_stream(raw[end:])
+    main = tz.pickle
+    for qual, cls in found.globals.items():
+        if qual not in main.globals:
+            main.globals[qual] = cls
+            main.sources[qual] = AFTER_STOP
+    main.calls |= found.calls
+    main.inits |= found.inits
+    main.builds |= found.builds
 
 
 def _archive_classes(tz: TorchZip) -> None:

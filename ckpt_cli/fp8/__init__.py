@@ -29,6 +29,8 @@ from ckpt_cli.fp8.scheme import qualifies as qualifies
 from ckpt_cli.fp8.scheme import scale_kind as scale_kind
 from ckpt_cli.fp8.scheme import scale_name as scale_name
 from ckpt_cli.fp8.scheme import scale_shape as scale_shape
+from ckpt_cli.fp8.scheme import scale_shape_problem as scale_shape_problem
+from ckpt_cli.fp8.scheme import scale_values_problem as scale_values_problem
 from ckpt_cli.fp8.scheme import skip_reason as skip_reason
 
 if TYPE_CHECKING:

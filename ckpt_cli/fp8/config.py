@@ -81,6 +81,7 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
         FP8_DTYPES,
         pair_scales,
         read_quantization_config,
+        scale_values_problem,
         skip_reason,
     )
     from ckpt_cli.model import Finding
@@ -114,9 +115,8 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
         for p in pairing.pairs.values():
             kinds[p.kind] = kinds.get(p.kind, 0) + 1
             vals = np.asarray(reader.read(p.scale), dtype=np.float32)
-            if not (np.isfinite(vals).all() and (vals > 0).all()):
-                bad("fp8-scale-values", f"{p.scale.name} holds non-finite, zero or negative "
-                    "scales", p.scale.name)
+            if (why := scale_values_problem(vals, p.scale.dtype)) is not None:
+                bad("fp8-scale-values", f"{p.scale.name} {why}", p.scale.name)
     finally:
         reader.close()
     _check_families(index, pairing, qc, bad)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
@@ -140,6 +140,75 @@ def scale_kind(weight: tuple[int, ...], scale: tuple[int, ...],
         return "channel"
     if scale == block_shape:
         return "block"
+    return None
+
+
+class Shaped(Protocol):
+    """A tensor's name, dtype and shape (a :class:`TensorInfo`, an output tensor)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+def scale_shape_problem(weight: Shaped, scale: Shaped,
+                        config: dict[str, Any] | None) -> tuple[str | None, str | None]:
+    """The scale rule ``validate`` and ``convert --dequantize`` share, on shapes and dtypes.
+
+    Args:
+        weight: The FP8 weight.
+        scale: Its scale.
+        config: The ``quantization_config``, if any (block-wise by config).
+
+    Returns:
+        ``(kind, None)`` for a scale of a known convention (:func:`scale_kind`), else
+        ``(None, why)``: a 0-d scale where block-wise scales are declared (by the name
+        ``weight_scale_inv`` or the config) is refused, not read as one per tensor.
+    """
+    block = is_block_scale(scale.name, config)
+    if block and len(scale.shape) == 0 and len(weight.shape) == 2:
+        return None, (f"{scale.name} is a 0-d scale, but its scales are block-wise (by its "
+                      f"name or the quantization_config): {weight.name} {list(weight.shape)} "
+                      f"needs one per {BLOCK}x{BLOCK} block")
+    kind = scale_kind(tuple(weight.shape), tuple(scale.shape), block)
+    if kind is None or scale.dtype not in _SCALE_DTYPES:
+        return None, (f"{scale.name} ({scale.dtype} {list(scale.shape)}) fits no scale "
+                      f"convention for {weight.name} {list(weight.shape)}")
+    return kind, None
+
+
+SMALLEST_NORMAL = {"F32": 2.0 ** -126, "BF16": 2.0 ** -126, "F16": 2.0 ** -14}
+"""The smallest normal value of each scale dtype: a scale below it is subnormal."""
+
+
+def scale_values_problem(values: Any, dtype: str) -> str | None:
+    """The scale rule ``validate`` and ``convert --dequantize`` share, on values.
+
+    Args:
+        values: The scale's values as FP32 (a numpy array).
+        dtype: The scale's stored dtype (``F32``, ``BF16``, ``F16``).
+
+    Returns:
+        None when every value is finite, positive and at least the smallest normal of
+        ``dtype`` (a subnormal scale is no quantizer's output: damage, or values that lose
+        their precision), else what is wrong, counted.
+    """
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        counts = {"NaN": int(np.isnan(v).sum()), "inf": int(np.isinf(v).sum()),
+                  "zero": int((v == 0).sum()), "negative": int((v < 0).sum())}
+        if any(counts.values()):
+            return ("holds non-finite, zero or negative scales ("
+                    + ", ".join(f"{n} {k}" for k, n in counts.items() if n) + ")")
+        low = int((v < SMALLEST_NORMAL.get(dtype, 2.0 ** -126)).sum())
+    if low:
+        return (f"holds {low} subnormal scale(s), below the smallest normal {dtype} "
+                f"({SMALLEST_NORMAL.get(dtype, 2.0 ** -126):.4g})")
     return None
 
 
@@ -275,10 +344,9 @@ def pair_scales(tensors: dict[str, TensorInfo],
                  f"{t.name} has several scales: {', '.join(s.name for s in scales)}", t.name)
             continue
         s = scales[0]
-        kind = scale_kind(tuple(t.shape), tuple(s.shape), is_block_scale(s.name, config))
-        if kind is None or s.dtype not in _SCALE_DTYPES:
-            warn("fp8-scale-shape", f"{s.name} ({s.dtype} {list(s.shape)}) fits no scale "
-                 f"convention for {t.name} {list(t.shape)}", s.name)
+        kind, problem = scale_shape_problem(t, s, config)
+        if kind is None:
+            warn("fp8-scale-shape", problem or "", s.name)
             continue
         out.pairs[t.name] = Pair(t, s, kind)
     for t in tensors.values():

@@ -30,6 +30,7 @@ from ckpt_cli.formats import check_exists, deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged
 from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import ParamPlan
+from ckpt_cli.fp8.scheme import read_quantization_config
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 from ckpt_cli.ops import convert_fp8, options_of
 from ckpt_cli.parts import Part, source_identity
@@ -262,7 +263,8 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
             activations=opts.fp8_activations, config=_json_object(side.get("config.json")))
     elif opts.dequantize:
         assert target is not None
-        convert_fp8.dequantized(built, target, src, stats, opts.clamp)
+        convert_fp8.dequantized(built, target, src, stats, opts.clamp,
+                                config=read_quantization_config(index)[0])
     notes = built.notes
     notes.extend(side_notes)
     config_dtype = None

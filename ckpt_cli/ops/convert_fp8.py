@@ -140,7 +140,7 @@ def quantized(built: B, build: Callable[[tuple[str, ...]], B], keep_fp32: tuple[
 
 
 def dequantized(built: _Built, target: str, src: Path, stats: CastStats,
-                clamp: bool = False) -> None:
+                clamp: bool = False, config: dict[str, Any] | None = None) -> None:
     """Replace each FP8 weight and its scale by the dequantized weight, in place.
 
     Refused before anything is written (``built`` closed, :class:`CkptError` naming the
@@ -148,10 +148,12 @@ def dequantized(built: _Built, target: str, src: Path, stats: CastStats,
     a scale holding non-finite, zero or negative values; a scale without an FP8 weight (its
     weight missing, or not FP8). To FP16, values beyond its range are counted into ``stats``
     (the conversion then refuses them before committing, as a plain ``--to fp16`` does) or,
-    with ``clamp``, clamped to ±65504.
+    with ``clamp``, clamped to ±65504. ``config`` is the source's ``quantization_config``:
+    the scale rule is validate's (:func:`ckpt_cli.fp8.scheme.scale_shape_problem`,
+    :func:`~ckpt_cli.fp8.scheme.scale_values_problem`).
     """
     try:
-        _dequantized_outs(built, target, src, stats, clamp)
+        _dequantized_outs(built, target, src, stats, clamp, config)
     except CkptError:
         built.close()
         raise
@@ -221,7 +223,7 @@ def with_quantization_config(data: bytes, qc: dict[str, Any] | None) -> bytes:
 
 
 def _dequantized_outs(built: _Built, target: str, src: Path, stats: CastStats,
-                      clamp: bool) -> None:
+                      clamp: bool, config: dict[str, Any] | None) -> None:
     """Replace each FP8 weight and its scale by the dequantized weight, in place; refuse
     (nothing written) what would write a wrong model (see :func:`dequantized`)."""
     import numpy as np
@@ -246,14 +248,14 @@ def _dequantized_outs(built: _Built, target: str, src: Path, stats: CastStats,
             continue
         sc = by_name[found[0]]
         drop.add(sc.name)
-        if sc.dtype not in ("F32", "BF16", "F16") or fp8.scale_kind(o.shape, sc.shape) is None:
-            problems.append(f"{sc.name} ({sc.dtype} {list(sc.shape)}) fits no scale convention "
-                            f"for {o.name} {list(o.shape)}")
+        # validate's rule (fp8.scheme): shape and dtype under the config, then the values.
+        kind, problem = fp8.scale_shape_problem(o, sc, config)
+        if kind is None:
+            problems.append(problem or sc.name)
             continue
         values = np.asarray(sc.load(), dtype=np.float32)  # small: one per block, row or tensor
-        if not (np.isfinite(values).all() and (values > 0).all()):
-            problems.append(f"{sc.name} holds non-finite, zero or negative scales "
-                            f"({_bad_values(values)})")
+        if (why := fp8.scale_values_problem(values, sc.dtype)) is not None:
+            problems.append(f"{sc.name} {why}")
             continue
         for extra in ("input_scale", "activation_scale"):
             if f"{module}.{extra}" in by_name:
@@ -288,13 +290,3 @@ def _dequantized_outs(built: _Built, target: str, src: Path, stats: CastStats,
         built.plan.kept_scales.clear()
         built.notes.append(f"dequantized {len(new)} FP8 weight(s); dropped {len(drop)} "
                            "scale tensor(s) and the config's quantization_config")
-
-
-def _bad_values(values: np.ndarray) -> str:
-    """``2 zero, 1 NaN``: what is wrong in a scale, counted."""
-    import numpy as np
-
-    with np.errstate(invalid="ignore"):
-        counts = {"NaN": int(np.isnan(values).sum()), "inf": int(np.isinf(values).sum()),
-                  "zero": int((values == 0).sum()), "negative": int((values < 0).sum())}
-    return ", ".join(f"{n} {k}" for k, n in counts.items() if n)

@@ -39,7 +39,7 @@ def temp_writer_gone(name: str) -> bool:
     is no longer running (False when it is running, of another host, or not told)."""
     import re
 
-    m = re.search(r"\.ckpt-tmp-([0-9a-f]{8})-(\d+)-[0-9a-f]{8}$", name)
+    m = re.search(r"\.ckpt-tmp-([0-9a-f]{8})-(\d+)-[0-9a-f]{8}\Z", name)
     if m is None or m.group(1) != _host_tag():
         return False
     pid = int(m.group(2))

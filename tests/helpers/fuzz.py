@@ -115,6 +115,55 @@ def build_seeds(base: Path) -> list[Seed]:
     r = run_cli("watch", d, "--once", "--settle", "0s")  # writes manifests and the ledger
     assert r.exit_code == 0, r.output
     seeds.append(Seed("run", d, ".", "run"))
+    seeds.extend(hostile_seeds(base))
+    return seeds
+
+
+def hostile_seeds(base: Path) -> list[Seed]:
+    """Hostile files of issue #46 (``tests/test_small_holes.py``): a torch zip whose
+    ``data.pkl`` hides a second pickle after STOP; a run whose checkpoint links a file of
+    random bytes outside the run, beside a name with a newline; FP8 scales the shared scale
+    rule refuses (0-d under a block config, subnormal BF16). Seeded for ``bench.fuzz`` and
+    the unmutated-seed check; the mutated CI run keeps to :data:`tests.test_fuzz.SEEDS`."""
+    from safetensors.torch import save_file
+
+    seeds = []
+    d = base / "hidden-pickle"
+    d.mkdir()
+    torch.save({"w": torch.ones(2, 2)}, d / "plain.pt")
+    with zipfile.ZipFile(d / "plain.pt") as zin, \
+            zipfile.ZipFile(d / "ck.pt", "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("/data.pkl"):
+                data += b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R."
+            zout.writestr(info.filename, data)
+    (d / "plain.pt").unlink()
+    seeds.append(Seed("hidden-pickle", d, "ck.pt", "file"))
+
+    d = base / "linked"
+    (d / "outside").mkdir(parents=True)
+    (d / "outside" / "secret").write_bytes(struct.pack("<Q", 3_619_251_681_095_544_690)
+                                           + os.urandom(256))
+    for step in (1, 2):
+        (d / "run" / f"checkpoint-{step}").mkdir(parents=True)
+        (d / "run" / f"checkpoint-{step}" / "trainer_state.json").write_text(
+            json.dumps({"global_step": step, "log_history": []}))
+    (d / "run" / "checkpoint-1" / "model.safetensors").symlink_to("../../outside/secret")
+    save_file({"w": torch.ones(2, 2)}, d / "run" / "checkpoint-2" / "model.safetensors")
+    (d / "run" / "checkpoint-3\n").mkdir()
+    seeds.append(Seed("linked", d, "run", "run"))
+
+    d = base / "fp8-scales"
+    d.mkdir()
+    sub = torch.full((1, 1), 1e-39, dtype=torch.bfloat16)  # subnormal BF16
+    save_file({"a.weight": torch.randn(128, 128).to(torch.float8_e4m3fn),
+               "a.weight_scale_inv": torch.tensor(0.01),  # 0-d under a block config
+               "b.weight": torch.randn(128, 128).to(torch.float8_e4m3fn),
+               "b.weight_scale_inv": sub}, d / "model.safetensors")
+    (d / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
+    seeds.append(Seed("fp8-scales", d, ".", "dir"))
     return seeds
 
 
@@ -350,7 +399,8 @@ def command_args(command: str, seed: Seed, case: Path, pristine: Path, out: Path
         return ["plan", "--from", arg, "--bandwidth", "1GB/s", *tail]
     if command == "convert" and seed.kind != "run":
         suffix = ".safetensors" if seed.kind == "file" else ""
-        extra = ["--to", "bf16"] if seed.name == "fp8" else []
+        extra = (["--to", "bf16"] if seed.name == "fp8" else
+                 ["--to", "bf16", "--dequantize"] if seed.name == "fp8-scales" else [])
         return ["convert", arg, "-o", out / f"out{suffix}", *extra, *tail]
     if command == "consolidate" and seed.name in ("dcp", "hf"):
         return ["consolidate", arg, "-o", out / "consolidated", *tail]

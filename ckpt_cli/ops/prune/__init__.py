@@ -40,6 +40,7 @@ from pathlib import Path
 from ckpt_cli import storage
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import finding_sentence, first_error
+from ckpt_cli.formats.probe import LINK_OUT
 from ckpt_cli.model import RunListing
 from ckpt_cli.ops.prune.deletion import mounts_inside
 from ckpt_cli.ops.prune.executor import ANY_DIR_HINT, PlannedPrune, RunSite, execute
@@ -218,6 +219,9 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
                 if not line.good:
                     first = line.problems[0] if line.problems else "no problem recorded"
                     facts.validity[path] = f"the run ledger's verdict is bad: {first}"
+    for e in listing.entries:
+        if not e.complete and LINK_OUT in (e.reason or ""):
+            facts.validity.setdefault(e.name, e.reason)  # not read: no verdict of its files
     for e in reversed(ranked_entries(listing.entries)):
         if not e.complete or e.name in facts.validity or e.name in facts.abandoned:
             continue  # the newest valid one is searched on the current timeline

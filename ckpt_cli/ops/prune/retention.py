@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ckpt_cli.formats.names import is_last_copy
+from ckpt_cli.formats.probe import LINK_OUT
 from ckpt_cli.model import DANGLING_POINTER, POINTER_UNREADABLE, Finding, RunEntry, RunListing
 
 # Re-exported: the policy and its constants were defined here before ops/prune/rules.py.
@@ -383,7 +384,9 @@ def _protections(listing: RunListing, policy: PrunePolicy, now: float,
             add(e.name, *by_pointer[e.name])
         if is_last_copy(e.name):
             add(e.name, "last-copy", "a last checkpoint (last.ckpt): training resumes from it")
-        if not e.complete:
+        if not e.complete and LINK_OUT not in (e.reason or ""):
+            # (A checkpoint linking out of the run is not read, nor kept as if being written:
+            # it is deleted or kept by the rules, its links removed, never followed.)
             add(e.name, "incomplete", f"incomplete ({e.reason or 'unknown reason'}): may still "
                                       "be being written")
         age = now - e.changed

@@ -19,7 +19,7 @@ from ckpt_cli.errors import (
 )
 from ckpt_cli.formats import read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
-from ckpt_cli.formats.probe import quick_status
+from ckpt_cli.formats.probe import LINK_OUT, quick_status
 from ckpt_cli.model import CheckpointIndex, Finding, RunEntry
 from ckpt_cli.ops.validate.builder import RATE_MIN, Builder, has_errors, rel_path
 from ckpt_cli.ops.validate.layoutcheck import leftover_findings
@@ -83,6 +83,10 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
     try:
         if opts.share is not None and opts.share.index is not None:
             index = opts.share.index  # the finalizing part read it already
+        elif entry is not None and entry.reason is not None and LINK_OUT in entry.reason:
+            # The listing found a link out of the run: nothing of it is read or echoed.
+            b.add("readable", [Finding("error", "link-out-of-run", entry.reason, None)],
+                  "not read")
         else:
             index = _read(path, opts.fmt)
             if opts.share is not None:

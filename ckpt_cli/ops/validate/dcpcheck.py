@@ -21,7 +21,7 @@ from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, ZipConflictError
 from ckpt_cli.formats import allowlist, dcp
 from ckpt_cli.formats.standins import TensorRecord
-from ckpt_cli.formats.torchfile import view_extent
+from ckpt_cli.formats.torchfile import after_stop_finding, view_extent
 from ckpt_cli.formats.torchzip import (
     TorchZip,
     ZipEntry,
@@ -38,7 +38,7 @@ from ckpt_cli.ops.validate.zipcheck import CrcTask, ZipReport, check_zip, crc_ta
 from ckpt_cli.storage import Handle
 from ckpt_cli.storage.reads import OpenFiles
 
-_DISTCP = re.compile(r"^__(?:thin[0-9a-f]{8}_)?\d+_\d+\.distcp$")  # tagged: ckpt thinning
+_DISTCP = re.compile(r"^__(?:thin[0-9a-f]{8}_)?\d+_\d+\.distcp\Z")  # tagged: ckpt thinning
 
 
 @dataclass(slots=True)
@@ -244,6 +244,8 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
             Finding("error", "unscanned-pickle", f"item {it.name}: pickle record {name} could "
                     f"not be scanned for globals: {why}", rel, it.name)
             for name, why in sorted(tz.unscanned.items()))
+        if tz.after_stop:
+            report.pickles.append(after_stop_finding(tz, rel, f"item {it.name}: "))
         if it.offsets is not None:
             pair = chunks.get((it.name, it.offsets))
             problem = _chunk_problem(tz, pair, it.length) if pair else None

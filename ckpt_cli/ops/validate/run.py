@@ -43,7 +43,7 @@ def validate_run(root: Path, opts: Options, *, latest: bool, pattern: str | None
                                        and result.latest.final_model)):
         # Trained last, so reported last; its own entry so that damage is a finding.
         result.checkpoints.append(_final_model_report(
-            check_one(root, opts, run_entry(root), split, result)))
+            check_one(root, opts, run_entry(root, root), split, result)))
     dangling, named = directory_pointers(root)
     # Symlink pointers (Lightning's last.ckpt) are resolved by the listing.
     dangling += [dataclasses.replace(f, severity="error", message=f.message

@@ -19,7 +19,8 @@ from ckpt_cli.model import CheckpointIndex, Finding
 from ckpt_cli.storage import open_regular
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
-_CODES = ("unsafe-global", "unknown-global", "unscanned-pickle", "torchscript-archive")
+_CODES = ("unsafe-global", "unknown-global", "unscanned-pickle", "torchscript-archive",
+          "pickle-after-stop")
 _MAX_FILES = 4096
 _RUN_CHECKPOINT = re.compile(r"checkpoint-\d+")
 _MAX_DEPTH = 3
