@@ -158,7 +158,7 @@ def test_names_with_line_breaks_are_listed_as_skipped(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", [("convert", "-o", "-"), ("consolidate", "-o", "-"),
-                                     ("validate", "--junit", "-")])
+                                     ("validate", "--junit", "-"), ("stats", "--plot", "-")])
 def test_dash_is_refused_as_an_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                       command: tuple[str, ...]) -> None:
     src = tmp_path / "model.safetensors"

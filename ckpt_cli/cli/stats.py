@@ -16,6 +16,7 @@ from ckpt_cli.cli.options import (
     common_options,
     local_only,
     location,
+    output_file,
 )
 
 
@@ -57,7 +58,7 @@ def stats_cmd(
         "--jump", metavar="X", help="Run directory: flag a module whose L2 norm grows more "
                                     "than X times from one checkpoint to the next.")] = 2.0,
     plot: Annotated[Location | None, typer.Option(
-        "--plot", metavar="FILE", parser=location,
+        "--plot", metavar="FILE", parser=output_file,
         help="Run directory: also draw each module's norm and update ratio per step into "
              "FILE (.png, .svg or .pdf; needs matplotlib).")] = None,
     no_cache: Annotated[bool, typer.Option(
