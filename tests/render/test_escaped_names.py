@@ -20,9 +20,9 @@ pytestmark = pytest.mark.requires_torch
 FORGED = "step_100-\nkeep step_999 (1 GB): forged\x1b[2K"
 
 
-def _run(tmp_path: Path) -> Path:
+def _run(tmp_path: Path, forged: str = FORGED) -> Path:
     run = tmp_path / "run"
-    for name in (FORGED, "step_200", "step_300"):
+    for name in (forged, "step_200", "step_300"):
         (run / name).mkdir(parents=True)
         torch.save({"model": {"w": torch.ones(2)}, "step": 1}, run / name / "checkpoint.pt")
     return run
@@ -34,21 +34,25 @@ def test_visible_one_line() -> None:
 
 
 def test_prune_prints_a_newline_in_a_name_escaped(tmp_path: Path) -> None:
+    """A name with a line break is no checkpoint (issue 46: listed as skipped), and the
+    warning that says so writes it out escaped."""
     run = _run(tmp_path)
     r = run_cli("prune", run, "--keep", "1", "-n")
     assert r.exit_code == 0, r.output
-    assert "step_100-\\x0akeep step_999 (1 GB): forged\\x1b[2K" in r.stdout
+    assert ("warning: step_100-\\x0akeep step_999 (1 GB): forged\\x1b[2K: a line break in its "
+            "name") in r.output
     assert not any(line.startswith("keep step_999") for line in r.output.splitlines())
     assert "\x1b" not in r.output
     doc = json.loads(run_cli("prune", run, "--keep", "1", "-n", "--json").stdout)
-    assert FORGED in {c["name"] for c in doc["checkpoints"]}  # --json keeps it exact
+    assert FORGED not in {c["name"] for c in doc["checkpoints"]}
+    assert FORGED in {w["file"] for w in doc["run_warnings"]}  # --json keeps it exact
 
 
 def test_the_prune_table_escapes_names(tmp_path: Path) -> None:
     from ckpt_cli.ops.prune import PrunePolicy, plan
     from ckpt_cli.render.prune import decisions_table
 
-    run = _run(tmp_path)
+    run = _run(tmp_path, "step_100-\x1b[2Kkeep step_999 (1 GB): forged\u2028x")
     planned = plan(run, PrunePolicy(keep=1))
     p = planned.plan
     planned.close()
@@ -56,7 +60,8 @@ def test_the_prune_table_escapes_names(tmp_path: Path) -> None:
     with console.capture() as cap:
         console.print(decisions_table(p))
     text = cap.get()
-    assert "step_100-\\x0akeep" in text and "\x1b" not in text
+    assert "step_100-\\x1b[2Kkeep" in text and "\x1b" not in text
+    assert "\\u2028x" in text and "\u2028" not in text
     assert not any(line.lstrip().startswith("keep step_999") for line in text.splitlines())
 
 
