@@ -412,12 +412,17 @@ def _scan_after_stop(tz: TorchZip, raw: bytes) -> None:
     if end >= len(raw):
         return
     tz.after_stop = len(raw) - end
-    found = scan_stream(raw[end:])
+    _join(tz, scan_stream(raw[end:]), AFTER_STOP)
+
+
+def _join(tz: TorchZip, found: PickleResult, source: str) -> None:
+    """Add what another pickle of the archive names to ``data.pkl``'s findings, each global
+    not seen there already with ``source`` as where it came from."""
     main = tz.pickle
     for qual, cls in found.globals.items():
         if qual not in main.globals:
             main.globals[qual] = cls
-            main.sources[qual] = AFTER_STOP
+            main.sources[qual] = source
     main.calls |= found.calls
     main.inits |= found.inits
     main.builds |= found.builds
@@ -448,7 +453,6 @@ def scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
     ``tz.pickle.globals`` (with the record named in ``sources``), those of a record that does
     not parse too, up to where it stopped; the failure is noted in ``tz.unscanned``.
     """
-    main = tz.pickle
     main_name = f"{tz.prefix}data.pkl".lower()
     for e in tz.entries.values():
         short = e.name.removeprefix(tz.prefix)
@@ -470,13 +474,7 @@ def scan_other_pickles(tz: TorchZip, fd: Handle, length: int) -> None:
         found, error = scan_globals(storage.pread(fd, min(e.size, SCAN_LIMIT), at))
         if error is not None and named_pkl:
             tz.unscanned[short] = f"not a readable pickle ({short_error(error)})"
-        for qual, cls in found.globals.items():
-            if qual not in main.globals:
-                main.globals[qual] = cls
-                main.sources[qual] = short
-        main.calls |= found.calls
-        main.inits |= found.inits
-        main.builds |= found.builds
+        _join(tz, found, short)
     _archive_classes(tz)
 
 
