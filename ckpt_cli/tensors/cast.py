@@ -12,34 +12,14 @@ with their sign. torch's own NaN bits depend on where an element falls in its lo
 BF16 gives 0xFFFF in the vector loop, 0x7FC0 in the scalar tail), so blocks that torch cast
 and that hold a NaN have their NaNs recast with numpy.
 
-Backends, measured on this project's 2-core VM (numpy 2.4, torch on AVX2/F16C): numpy casts
-FP32 to FP16 at ~0.18 G elements/s per core (0.27-0.33 G/s in :func:`cast_array` on 2
-threads), to BF16 (ml_dtypes) at ~0.6 G/s per core; torch's kernels at ~3.3 G/s on one
-thread (FP16), 1.1-1.4 G/s in :func:`cast_array` with the range check. But importing torch
-costs 1.9-2.1 s of wall and CPU time (on one core, mostly holding the GIL) and ~340 MB of
-resident memory, and end to end it lost every time: ``convert --to fp16`` of 134M-536M
-elements of safetensors took 0-4 s longer with torch casts; of the 4.7 GB training checkpoint
-(389M elements) 5.25 s instead of 2.97 s (CPU 7.1 s instead of 4.6 s, RSS 542 MB instead
-of 202 MB); of the 11.5 GB one (955M elements, ``bench/bench_convert.py --big``) 11.45 s
-instead of 6.02 s best of 3 (CPU 13.6 s instead of 8.8 s). Hence :data:`TORCH_WORTH_IT` at
-4G elements (16 GB of FP32 to cast), above anything measured: :func:`prefer_torch` then
-starts importing torch in the background, and casts use it once it is there (numpy until
-then), for FP32/FP16/BF16 to FP16/BF16 only (widening is exact either way, and rare).
-
-Since issue 27, FP32 to FP16 on the numpy side goes through :func:`f32_to_f16`, integer passes
-over cache-sized pieces at ~0.4 G elements/s per core here (numpy's own cast: ~0.2 G/s in the
-same run), bit for bit numpy's result; ``convert --to fp16`` of the 4.7 GB checkpoint went
-from 2.25-2.61 s (CPU 2.9-3.6 s) to 1.81-2.03 s (CPU 2.3-2.5 s). Blocks are sized by
-:func:`_block_size` so every cast thread gets work; ``CKPT_THREADS`` sets the thread count.
-
-Where the install could compile it (x86-64 with a C compiler; ``setup.py``'s optional
-extension), :func:`f32_to_f16` runs ``ckpt_cli/tensors/_f16c.c`` instead: the F16C
-instruction, 8 elements at a time, 32 per loop iteration, 1.06-1.07x torch's per-core rate at
-the cast block size and from memory, 0.92x in cache (``bench_convert --kernels``), NaNs given
-numpy's bits, so the bytes are the same with either kernel
-(``CKPT_NO_F16C=1`` forces the numpy one). ``convert --to fp16`` of the 4.7 GB checkpoint:
-1.36-1.38 s best of 5 (CPU 1.3 s) instead of 1.89 s (CPU 2.4 s); the cast stage's busy time
-1.80 -> 0.37 s, and the writer is now the slowest stage.
+Backends: numpy (FP32 to FP16 through :func:`f32_to_f16`: the compiled F16C kernel
+``ckpt_cli/tensors/_f16c.c`` where ``setup.py``'s optional extension was built, else integer
+passes over cache-sized pieces; ``CKPT_NO_F16C=1`` forces the latter; the same bytes either
+way) and, above :data:`TORCH_WORTH_IT` elements, torch, imported in the background by
+:func:`prefer_torch` (its import costs about 2 s of CPU and 340 MB, more than it saved in every
+end-to-end conversion measured). Blocks are sized by :func:`_block_size` so every cast thread
+gets work; ``CKPT_THREADS`` sets the thread count. The measurements behind these choices are in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
