@@ -14,6 +14,9 @@ from ckpt_cli.errors import CkptError, UsageError
 if TYPE_CHECKING:
     from ckpt_cli.parts import Part
 
+PathLike = str | os.PathLike[str]
+"""A local path (``str`` or :class:`os.PathLike`) or a URL (``s3://bucket/key``)."""
+
 ProgressCallback = Callable[[str, int, int], None]
 """``on_progress(phase, done, total)``: ``done`` of ``total`` (bytes, or checkpoints for
 ``prune``) in the phase named (``crc32``, ``comparing``, ``writing``...); ``total`` is 0 while
