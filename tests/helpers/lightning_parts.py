@@ -13,9 +13,10 @@ def truncate_half(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def tiny_module() -> Any:
+def tiny_module(optimizers: Callable[[Any], Any] | None = None) -> Any:
     """A LightningModule: one ``Linear(4, 8)``, the mean square of its output as the loss,
-    Adam at lr 0.01."""
+    Adam at lr 0.01, or what ``optimizers(parameters)`` returns for
+    ``configure_optimizers`` (an optimizer with its scheduler, say)."""
     import lightning as L
     import torch
 
@@ -27,7 +28,9 @@ def tiny_module() -> Any:
         def training_step(self, batch: Any, _i: int) -> torch.Tensor:
             return self.net(batch[0]).pow(2).mean()
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
+        def configure_optimizers(self) -> Any:
+            if optimizers is not None:
+                return optimizers(self.parameters())
             return torch.optim.Adam(self.parameters(), lr=0.01)
 
     return Mod()

@@ -21,27 +21,18 @@ pytestmark = pytest.mark.requires_torch
 
 
 def _lightning_module(schedule: str) -> Any:
-    import lightning as L
+    from tests.helpers.lightning_parts import tiny_module
 
-    class Mod(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(4, 8)
+    def optimizers(params: Any) -> Any:
+        opt = torch.optim.Adam(params, lr=0.01, betas=(0.8, 0.9), weight_decay=0.01)
+        sched: Any
+        if schedule == "step":
+            sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+        else:
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-        def training_step(self, batch: Any, _i: int) -> torch.Tensor:
-            return self.net(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self) -> Any:
-            opt = torch.optim.Adam(self.parameters(), lr=0.01, betas=(0.8, 0.9),
-                                   weight_decay=0.01)
-            sched: Any
-            if schedule == "step":
-                sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
-            else:
-                sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    return Mod()
+    return tiny_module(optimizers)
 
 
 def _lightning_fit(out: Path, schedule: str, steps: int, ckpt: Path | None = None

@@ -78,6 +78,14 @@ def _newest_thinned(run: Path, name: str) -> dict[str, object] | None:
                                       "digest": line.manifest_digest}
 
 
+def _the_killed_one(run: Path) -> str:
+    """The one checkpoint whose newest thinning line is a pending intent (the kill's)."""
+    killed = [c.name for c in sorted(run.iterdir()) if (line := _newest_thinned(run, c.name))
+              and line["detail"].get("pending")]
+    assert len(killed) == 1, killed
+    return killed[0]
+
+
 def _holds_state(ck: Path) -> bool:
     if (ck / "trainer_state.json").is_file():
         return holds_optimizer_state(torch.load(ck / "optimizer.pt", weights_only=True))
@@ -94,10 +102,7 @@ def test_a_thinning_killed_after_its_swap_is_confirmed_by_a_prune_that_does_not_
         tmp_path: Path, kind: str) -> None:
     run = _watched(tmp_path / kind, kind)
     _kill_at(run, "manifest")
-    killed = [c.name for c in sorted(run.iterdir()) if (line := _newest_thinned(run, c.name))
-              and line["detail"].get("pending")]
-    assert len(killed) == 1, killed
-    name = killed[0]
+    name = _the_killed_one(run)
     assert not _holds_state(run / name)  # thinned, with no manifest and no confirming line
     assert verify_manifest(run / name) is None
 
@@ -119,10 +124,7 @@ def test_a_thinning_killed_after_its_swap_is_confirmed_by_a_prune_that_does_not_
 def test_a_thinning_killed_before_any_change_is_recorded_as_not_done(tmp_path: Path) -> None:
     run = _watched(tmp_path / "torch", "torch")
     _kill_at(run, "aside")  # the intent line is written; the checkpoint is still whole
-    killed = [c.name for c in sorted(run.iterdir()) if (line := _newest_thinned(run, c.name))
-              and line["detail"].get("pending")]
-    assert len(killed) == 1, killed
-    name = killed[0]
+    name = _the_killed_one(run)
     assert _holds_state(run / name)
 
     # A prune that thins nothing (no --thin-after) still settles it.
@@ -169,10 +171,7 @@ def test_a_whole_checkpoint_whose_thinning_died_after_its_manifest_went_is_verif
 
     run = _watched(tmp_path / kind, kind)
     _kill_at(run, "removed")
-    killed = [c.name for c in sorted(run.iterdir()) if (line := _newest_thinned(run, c.name))
-              and line["detail"].get("pending")]
-    assert len(killed) == 1, killed
-    name = killed[0]
+    name = _the_killed_one(run)
     assert _holds_state(run / name) and verify_manifest(run / name) is None
     r = run_cli("prune", run, "--keep", "10", "--yes")
     assert r.exit_code == 0, r.output
