@@ -16,7 +16,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ckpt_cli.choices import (
+    CastTarget,
+    ConvertTarget,
+    Fp8Activations,
+    Fp8Layout,
+    InputFormat,
+    InspectSort,
+    ManifestHash,
+    MetricMode,
+    Optimizer,
+    OutputFormat,
+    Precision,
+    ThinDtype,
+)
 from ckpt_cli.errors import (
+    CheckpointNotFoundError,
     CkptError,
     CorruptCheckpointError,
     DestinationExistsError,
@@ -26,7 +41,7 @@ from ckpt_cli.errors import (
     UnsupportedError,
     UsageError,
 )
-from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
+from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo, WrittenFile
 
 if TYPE_CHECKING:
     from ckpt_cli.api.commands import (
@@ -84,20 +99,34 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "COMMANDS",
+    "CastTarget",
     "CheckpointIndex",
+    "CheckpointNotFoundError",
     "CkptError",
+    "ConvertTarget",
     "CorruptCheckpointError",
     "DestinationExistsError",
     "FileInfo",
     "Finding",
+    "Fp8Activations",
+    "Fp8Layout",
+    "InputFormat",
+    "InspectSort",
+    "ManifestHash",
+    "MetricMode",
+    "Optimizer",
+    "OutputFormat",
     "PathLike",
+    "Precision",
     "ProgressCallback",
     "StorageError",
     "TensorInfo",
+    "ThinDtype",
     "UnknownFormatError",
     "UnsafeCheckpointError",
     "UnsupportedError",
     "UsageError",
+    "WrittenFile",
     "__version__",
     "consolidate",
     "convert",

@@ -132,8 +132,8 @@ def index_summary(index: CheckpointIndex) -> dict[str, Any]:
         "params_by_dtype": index.params_by_dtype,
         "bytes_by_dtype": index.bytes_by_dtype,
         "metadata": index.metadata,
-        "step": index.step[0],
-        "step_source": index.step[1],
+        "step": index.step,
+        "step_source": index.step_source,
         "layout": index.layout,
         "warnings": [f.to_dict() for f in index.findings],
     }

@@ -117,7 +117,8 @@ class CkptError(Exception):
 
 
 class UsageError(CkptError):
-    """An option or argument combination that cannot work.
+    """An option or argument combination that cannot work. Raised by the Python API as a
+    :class:`ValueError` too (:func:`with_builtin`).
 
     Its message names the parameters at fault as the library knows them (``max_memory``,
     ``to``) and the value given; the CLI writes its flags in their place (``--max-memory``).
@@ -131,6 +132,12 @@ class UsageError(CkptError):
     """
 
     kind = "usage"
+
+
+class CheckpointNotFoundError(CkptError):
+    """The path (file, directory or object) does not exist. Raised by the Python API as a
+    :class:`FileNotFoundError` too (:func:`with_builtin`). Its ``kind`` stays ``error``, as
+    the ``--json`` documents have always said."""
 
 
 class UnknownFormatError(CkptError):
@@ -166,7 +173,8 @@ class ZipConflictError(UnsafeCheckpointError):
 
 
 class DestinationExistsError(CkptError):
-    """The output already exists and ``--overwrite``/``--force`` was not given."""
+    """The output already exists and ``--overwrite``/``--force`` was not given. Raised by the
+    Python API as a :class:`FileExistsError` too (:func:`with_builtin`)."""
 
     kind = "destination-exists"
 
@@ -197,3 +205,44 @@ class BusyError(CkptError):
 
     kind = "busy"
     exit_code = 75
+
+
+#: The builtin exception each error is raised as too by the Python API.
+_BUILTINS: dict[type[CkptError], type[Exception]] = {
+    UsageError: ValueError, CheckpointNotFoundError: FileNotFoundError,
+    DestinationExistsError: FileExistsError}
+_FLAVOURED: dict[type[CkptError], type[CkptError]] = {}
+
+
+def with_builtin(error: CkptError) -> CkptError:
+    """``error`` as the library raises it to its caller: a :class:`UsageError` that is also a
+    :class:`ValueError`, a :class:`CheckpointNotFoundError` also a :class:`FileNotFoundError`
+    and a :class:`DestinationExistsError` also a :class:`FileExistsError` (``filename`` set
+    to the path), so that ``except FileNotFoundError`` works as it does for ``open()``.
+
+    Only at the API's door: inside ckpt, a handler of ``OSError`` around a call must not
+    catch ckpt's own errors (and rewrite them as "cannot read").
+
+    Args:
+        error: An error raised inside ckpt.
+
+    Returns:
+        The same error (same class name, message, attributes and ``isinstance`` results),
+        of a subclass that also inherits the builtin; ``error`` itself for the others.
+    """
+    kind = type(error)
+    builtin = next((b for c, b in _BUILTINS.items() if issubclass(kind, c)), None)
+    if builtin is None or isinstance(error, builtin):
+        return error
+    flavoured = _FLAVOURED.get(kind)
+    if flavoured is None:
+        flavoured = type(kind.__name__, (kind, builtin),
+                         {"__module__": kind.__module__, "__qualname__": kind.__qualname__,
+                          "__doc__": kind.__doc__})
+        _FLAVOURED[kind] = flavoured
+    out = flavoured.__new__(flavoured)
+    out.__dict__.update(error.__dict__)
+    out.args = error.args
+    if isinstance(out, OSError):
+        out.filename = error.path
+    return out

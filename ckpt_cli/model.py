@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ckpt_cli import dtypes
 
@@ -20,6 +20,13 @@ GROUPS: tuple[str, ...] = ("model", "buffer", "optimizer", "other")
 
 Severity = Literal["error", "warning", "info"]
 
+
+class WrittenFile(NamedTuple):
+    """A file a command wrote: its name (relative to the output directory, or the output
+    file's own name) and its size in bytes. A tuple, so ``name, size = f`` works too."""
+
+    path: str
+    bytes: int
 
 @dataclass(frozen=True, slots=True)
 class StorageRef:
@@ -343,16 +350,25 @@ class CheckpointIndex:
                    for n, to in self.possible_aliases.items())
         return out
 
-    @property
-    def step(self) -> tuple[int | None, str | None]:
-        """The training step and where it came from: ``metadata`` (recorded in the
-        checkpoint), ``name`` (only its name gives one) or None."""
+    def _step(self) -> tuple[int | None, str | None]:
         recorded = self.metadata.get("step")
         if isinstance(recorded, int) and not isinstance(recorded, bool):
             return recorded, "metadata"
         if self.name_step is not None:
             return self.name_step, "name"
         return None, None
+
+    @property
+    def step(self) -> int | None:
+        """The training step: recorded in the checkpoint, else the one its name gives, else
+        None (:attr:`step_source` says which)."""
+        return self._step()[0]
+
+    @property
+    def step_source(self) -> str | None:
+        """Where :attr:`step` came from: ``metadata`` (recorded in the checkpoint), ``name``
+        (only its name gives one) or None."""
+        return self._step()[1]
 
     def add(self, finding: Finding) -> None:
         """Record a finding."""

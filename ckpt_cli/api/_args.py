@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.errors import CkptError, UsageError, with_builtin
 
 if TYPE_CHECKING:
     from ckpt_cli.parts import Part
@@ -30,7 +30,8 @@ _COMMON = {"allow_globals": "allow_global", "filter_glob": "filter",
 
 @contextmanager
 def api_names(fmt: str = "input_format") -> Iterator[None]:
-    """Errors raised inside name the API's keywords, not the ops' parameter names.
+    """Errors raised inside name the API's keywords, not the ops' parameter names, and are
+    raised as the builtin a caller catches too (:func:`ckpt_cli.errors.with_builtin`).
 
     Args:
         fmt: The keyword the ops' ``fmt`` is (``input_format``, or ``format`` for an output).
@@ -39,7 +40,10 @@ def api_names(fmt: str = "input_format") -> Iterator[None]:
         yield
     except CkptError as e:
         e.rename_params({**_COMMON, "fmt": fmt})
-        raise
+        out = with_builtin(e)
+        if out is e:
+            raise
+        raise out.with_traceback(e.__traceback__) from e.__cause__
 
 
 def located(path: str | os.PathLike[str]) -> Any:

@@ -21,6 +21,20 @@ from ckpt_cli.api._args import ProgressCallback as ProgressCallback
 # The commands whose engines are in trust/, in a module of their own; re-exported here.
 from ckpt_cli.api.trust import resume_path as resume_path
 from ckpt_cli.api.trust import watch_once as watch_once
+from ckpt_cli.choices import (
+    CastTarget,
+    ConvertTarget,
+    Fp8Activations,
+    Fp8Layout,
+    InputFormat,
+    InspectSort,
+    ManifestHash,
+    MetricMode,
+    Optimizer,
+    OutputFormat,
+    Precision,
+    ThinDtype,
+)
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.consolidate import ConsolidateResult
@@ -39,8 +53,9 @@ __all__ = ["PathLike", "ProgressCallback", "consolidate", "convert", "diff", "in
 
 
 def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
-            sort: str = "name", tree: bool = False, depth: int = 3, pattern: str | None = None,
-            input_format: str | None = None, allow_global: str | Iterable[str] | None = None,
+            sort: InspectSort = "name", tree: bool = False, depth: int = 3,
+            pattern: str | None = None, input_format: InputFormat | None = None,
+            allow_global: str | Iterable[str] | None = None,
             storage_options: Mapping[str, Any] | None = None) -> InspectResult:
     """Describe a checkpoint or a run directory, reading metadata only (``ckpt inspect``).
 
@@ -71,8 +86,8 @@ def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
     """
     from ckpt_cli.ops.inspect import inspect as run
 
-    _args.use_storage(storage_options, None)
     with _args.api_names():
+        _args.use_storage(storage_options, None)
         return run(_args.located(path), fmt=input_format, tensors=tensors, filter_glob=filter,
                    sort=sort, tree=tree, depth=depth, pattern=pattern,
                    allow_globals=_args.names(allow_global))
@@ -80,10 +95,11 @@ def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
 
 def validate(path: PathLike, *, latest: bool = False, values: bool = False,
              require: str | Iterable[str] | None = None, quick: bool = False,
-             write_manifest: bool = False, manifest_hash: str = "xxh3_128", strict: bool = False,
+             write_manifest: bool = False, manifest_hash: ManifestHash = "xxh3_128",
+             strict: bool = False,
              jobs: int | None = None, pattern: str | None = None,
              part: Part | str | None = None, finalize: bool = False,
-             parts_dir: PathLike | None = None, input_format: str | None = None,
+             parts_dir: PathLike | None = None, input_format: InputFormat | None = None,
              allow_global: str | Iterable[str] | None = None,
              max_memory: int | str | None = None,
              storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
@@ -150,7 +166,7 @@ def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all: bool = 
          strip_prefix: str | Iterable[str] | None = None, exact_names: bool = False,
          rtol: float | None = None, atol: float | None = None, filter: str | None = None,
          by_module: bool = False, depth: int | None = None, metadata: bool = True,
-         input_format_a: str | None = None, input_format_b: str | None = None,
+         input_format_a: InputFormat | None = None, input_format_b: InputFormat | None = None,
          max_memory: int | str | None = None,
          storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
          on_progress: ProgressCallback | None = None) -> DiffResult:
@@ -208,7 +224,7 @@ def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
           last: int | None = None, jump: float = 2.0, no_cache: bool = False,
           cache_dir: PathLike | None = None, jobs: int | None = None,
           part: Part | str | None = None, pattern: str | None = None,
-          input_format: str | None = None, max_memory: int | str | None = None,
+          input_format: InputFormat | None = None, max_memory: int | str | None = None,
           storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
           on_progress: ProgressCallback | None = None) -> StatsResult:
     """Figures of the weights of a checkpoint, or of every checkpoint of a run (``ckpt stats``).
@@ -263,14 +279,14 @@ def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
         return run(_args.located(path), options, on_progress=on_progress)
 
 
-def convert(source: PathLike, output: PathLike, *, to: str = "keep",
-            fp8_layout: str = "block", fp8_activations: str = "dynamic",
-            dequantize: bool = False, format: str | None = None,
+def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
+            fp8_layout: Fp8Layout = "block", fp8_activations: Fp8Activations = "dynamic",
+            dequantize: bool = False, format: OutputFormat | None = None,
             max_shard_size: int | str | None = None, keep_optimizer: bool = False,
             keep_prefix: bool = False, keep_fp32: str | Iterable[str] | None = None,
             clamp: bool = False, container: str | None = None, force: bool = False,
             part: Part | str | None = None, finalize: bool = False,
-            input_format: str | None = None, max_memory: int | str | None = None,
+            input_format: InputFormat | None = None, max_memory: int | str | None = None,
             storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
             on_progress: ProgressCallback | None = None) -> ConvertResult:
     """Convert a checkpoint: training -> inference, FP32 -> FP16/BF16/FP8, torch ->
@@ -334,9 +350,9 @@ def convert(source: PathLike, output: PathLike, *, to: str = "keep",
                    on_start=bar.start if bar else None)
 
 
-def consolidate(source: PathLike, output: PathLike, *, format: str | None = None,
+def consolidate(source: PathLike, output: PathLike, *, format: OutputFormat | None = None,
                 max_shard_size: int | str | None = "5GB", with_optimizer: bool = False,
-                to: str = "keep", clamp: bool = False, verify: bool = False,
+                to: CastTarget = "keep", clamp: bool = False, verify: bool = False,
                 manifest: bool = True, force: bool = False, part: Part | str | None = None,
                 finalize: bool = False, max_memory: int | str | None = None,
                 storage_options: Mapping[str, Any] | None = None,
@@ -394,10 +410,10 @@ def consolidate(source: PathLike, output: PathLike, *, format: str | None = None
 
 
 def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str | None = None,
-          keep_best: int | None = None, metric: str | None = None, mode: str = "min",
+          keep_best: int | None = None, metric: str | None = None, mode: MetricMode = "min",
           metrics_file: PathLike | None = None, older_than: float | str | None = None,
           max_total_size: int | str | None = None, grace: float | str = "10m",
-          thin_after: int | None = None, thin_to: str | None = None,
+          thin_after: int | None = None, thin_to: ThinDtype | None = None,
           keep_full_every: int | None = None, keep_abandoned: bool = False,
           pattern: str | None = None, any_dir: bool = False, dry_run: bool = True,
           storage_options: Mapping[str, Any] | None = None,
@@ -477,14 +493,14 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
                    dry_run=dry_run, any_dir=any_dir, on_progress=progress)
 
 
-def plan(*, params: int | str | None = None, precision: str | None = None,
-         optimizer: str | None = None, from_path: PathLike | None = None,
-         input_format: str | None = None, bandwidth: float | str | None = None,
+def plan(*, params: int | str | None = None, precision: Precision | None = None,
+         optimizer: Optimizer | None = None, from_path: PathLike | None = None,
+         input_format: InputFormat | None = None, bandwidth: float | str | None = None,
          measure: PathLike | None = None, measure_size: int | str | None = None,
          measure_streams: int | None = None, mtbf: float | str | None = None,
          gpus: int | None = None, gpu_mtbf: float | str | None = None,
          ranks: int | None = None, keep: int | None = None, thin_after: int | None = None,
-         thin_to: str | None = None, async_save: bool = False,
+         thin_to: ThinDtype | None = None, async_save: bool = False,
          snapshot_bandwidth: float | str | None = None, interval: float | str | None = None,
          restart: float | str | None = None,
          on_progress: ProgressCallback | None = None) -> PlanResult:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.api import _args
 from ckpt_cli.api._args import PathLike
+from ckpt_cli.choices import ThinDtype
 
 if TYPE_CHECKING:
     from ckpt_cli.api.results import ResumePathResult, WatchResult
@@ -52,7 +53,7 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
                settle: float | str = "1s", abandon_after: float | str = "10m",
                keep: int | None = None, keep_every: int | str | None = None,
                grace: float | str = "10m", thin_after: int | None = None,
-               thin_to: str | None = None, keep_full_every: int | None = None,
+               thin_to: ThinDtype | None = None, keep_full_every: int | None = None,
                keep_abandoned: bool = False,
                pattern: str | None = None, on_bad: str | None = None,
                on_bad_timeout: float | str = "5m",

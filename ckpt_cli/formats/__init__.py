@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError, UnknownFormatError
+from ckpt_cli.errors import CheckpointNotFoundError, CkptError, UnknownFormatError
 from ckpt_cli.formats.base import Reader
 from ckpt_cli.formats.dcp import DCPReader
 from ckpt_cli.formats.deepspeed import DeepSpeedReader
@@ -63,7 +63,7 @@ def check_exists(path: Path) -> None:
     try:
         path.stat()
     except FileNotFoundError:
-        raise CkptError("no such file or directory", path=path) from None
+        raise CheckpointNotFoundError("no such file or directory", path=path) from None
     except OSError as e:
         raise CkptError(f"cannot access: {e.strerror}", path=path) from None
 

@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
+from ckpt_cli.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from ckpt_cli.model import CheckpointIndex, Finding
 
 
@@ -154,7 +159,7 @@ def file_size(path: Path) -> int:
     try:
         st = path.stat()
     except FileNotFoundError:
-        raise CkptError("no such file", path=path) from None
+        raise CheckpointNotFoundError("no such file", path=path) from None
     except OSError as e:
         raise CkptError(f"cannot read: {e.strerror}", path=path) from None
     kind = storage.special_kind(st.st_mode)

@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnknownFormatError
+from ckpt_cli.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    UnknownFormatError,
+)
 from ckpt_cli.formats import provenance, safetensors, torchfile
 from ckpt_cli.formats.base import contained_path, file_size, present, read_head, rel_to
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
@@ -85,7 +90,7 @@ def load_index_json(index_file: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """
     raw = storage.read_side(index_file, "index")  # regular files only, at most 256 MiB
     if raw is None:
-        raise CkptError("no such file", path=index_file)
+        raise CheckpointNotFoundError("no such file", path=index_file)
     data = storage.parse_json(raw, what="index", path=index_file)
     if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
         raise CorruptCheckpointError("index has no weight_map object", path=index_file)

@@ -35,7 +35,7 @@ from ckpt_cli.formats.provenance import source_label
 from ckpt_cli.formats.zero import resolve_tag
 from ckpt_cli.manifest import Manifest, hash_files, manifest_path, write_manifest
 from ckpt_cli.manifest import checkpoint_files as manifest_files
-from ckpt_cli.model import CheckpointIndex, Finding
+from ckpt_cli.model import CheckpointIndex, Finding, WrittenFile
 from ckpt_cli.ops import options_of
 from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.runs import (
@@ -345,7 +345,7 @@ def consolidate(source: str | Path, output: str | Path,
             close()
     if opts.manifest and complete:
         mpath = manifest_path(out)
-        write.files.append((mpath.name, mpath.stat().st_size))
+        write.files.append(WrittenFile(mpath.name, mpath.stat().st_size))
     elements_out = sum(t.numel for t in job.outs)
     return ConsolidateResult(storage.locate(source), kind, out, write, files_before, bytes_before,
                              job.elements_in,

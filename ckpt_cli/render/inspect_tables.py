@@ -41,7 +41,7 @@ def summary_table(index: CheckpointIndex, title: str | None = None) -> Table:
                 "no effect on the parameter count")
         g.add_row("Tied", text)
     meta = index.metadata
-    step, source = index.step
+    step, source = index.step, index.step_source
     facts = [f"step {step:,}" + (" (from the name; none recorded)" if source == "name" else "")
              ] if step is not None else []
     facts += [f"{k} {_fmt(meta[k])}" for k in ("epoch", "lr") if k in meta]

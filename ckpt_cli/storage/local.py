@@ -8,7 +8,7 @@ import os
 import stat
 from pathlib import Path
 
-from ckpt_cli.errors import CkptError, CorruptCheckpointError
+from ckpt_cli.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -63,7 +63,7 @@ def open_local(path: Path, where: str | Path) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise CkptError("no such file", path=where) from None
+        raise CheckpointNotFoundError("no such file", path=where) from None
     except OSError as e:
         raise CkptError(f"cannot open: {e.strerror}", path=where) from None
     try:

@@ -21,6 +21,7 @@ from typing import Any
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.model import WrittenFile
 from ckpt_cli.parts import PartOutcome, fingerprint
 from ckpt_cli.storage.reads import memory_budget
 from ckpt_cli.writers import files
@@ -59,7 +60,8 @@ class WriteResult:
 
     Attributes:
         path: The output file or directory.
-        files: ``(name, bytes)`` of each file written (relative to ``path`` for a directory).
+        files: Each file written, :class:`~ckpt_cli.model.WrittenFile` ``(path, bytes)``
+            (``path`` relative to :attr:`path` for a directory).
         index_file: The index file's name, when sharded.
         tensor_bytes: Bytes of tensor data written.
         tensors: Number of tensors written.
@@ -67,7 +69,7 @@ class WriteResult:
     """
 
     path: Path
-    files: list[tuple[str, int]] = field(default_factory=list)
+    files: list[WrittenFile] = field(default_factory=list)
     index_file: str | None = None
     tensor_bytes: int = 0
     tensors: int = 0
@@ -190,7 +192,8 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
         raise CkptError(f"cannot write: {e.strerror or e}", path=where) from None
     if sink.complete:
         result.tensors, result.tensor_bytes = len(tensors), sum(t.nbytes for t in tensors)
-    result.files, result.index_file = sink.files, sink.index_file
+    result.files = [WrittenFile(n, b) for n, b in sink.files]
+    result.index_file = sink.index_file
     return result
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.errors import CheckpointNotFoundError, CkptError, UsageError
 from ckpt_cli.storage.atomic import tmp_sibling
 from ckpt_cli.units import require_positive
 
@@ -85,8 +85,9 @@ def measure_bandwidth(directory: str | Path, size: int = DEFAULT_MEASURE_SIZE,
                          param="measure_streams")
     where = Path(directory)
     if not where.is_dir():
-        raise CkptError("not a directory" if where.exists() else "no such directory",
-                        path=where)
+        if where.exists():
+            raise CkptError("not a directory", path=where)
+        raise CheckpointNotFoundError("no such directory", path=where)
     free = shutil.disk_usage(where).free
     if size > free:
         raise UsageError(f"measure_size is {size:,} bytes but only {free:,} are free",

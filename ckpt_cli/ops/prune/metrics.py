@@ -15,7 +15,7 @@ import orjson
 
 from ckpt_cli import storage
 from ckpt_cli.dtypes import strict_int
-from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.errors import CheckpointNotFoundError, CkptError, UsageError
 from ckpt_cli.model import RunListing
 
 
@@ -135,7 +135,7 @@ def read_metrics_file(path: Path, keys: tuple[str, ...],
     """
     raw = storage.read_side(path, "metrics")
     if raw is None:
-        raise CkptError("cannot read the metrics file: no such file", path=path)
+        raise CheckpointNotFoundError("cannot read the metrics file: no such file", path=path)
     rows: list[Any]
     try:
         if path.suffix == ".csv":
