@@ -44,6 +44,10 @@ from ckpt_cli.errors import (
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo, WrittenFile
 
 if TYPE_CHECKING:
+    from ckpt_cli.api.checkpoint import Checkpoint, TensorEntry
+
+    # open is not in __all__: a star import would shadow the builtin.
+    from ckpt_cli.api.checkpoint import open as open
     from ckpt_cli.api.commands import (
         PathLike,
         ProgressCallback,
@@ -90,6 +94,10 @@ def __getattr__(name: str) -> Any:
     if name == "__version__":
         globals()["__version__"] = v = _version()
         return v
+    if name in ("open", "Checkpoint", "TensorEntry"):
+        from ckpt_cli.api import checkpoint
+
+        return getattr(checkpoint, name)
     if name in COMMANDS or name in ("PathLike", "ProgressCallback"):
         from ckpt_cli.api import commands
 
@@ -100,6 +108,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "COMMANDS",
     "CastTarget",
+    "Checkpoint",
     "CheckpointIndex",
     "CheckpointNotFoundError",
     "CkptError",
@@ -120,6 +129,7 @@ __all__ = [
     "Precision",
     "ProgressCallback",
     "StorageError",
+    "TensorEntry",
     "TensorInfo",
     "ThinDtype",
     "UnknownFormatError",
