@@ -23,7 +23,7 @@ from rich.text import Text
 
 from ckpt_cli.errors import visible
 from ckpt_cli.model import Finding, TensorInfo
-from ckpt_cli.units import format_size
+from ckpt_cli.units import format_duration, format_size
 
 _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
 
@@ -332,9 +332,6 @@ def rate(bytes_per_second: float | None) -> str:
     return "-" if bytes_per_second is None else f"{size(bytes_per_second)}/s"
 
 
-_UNITS = (("y", 365 * 86400), ("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
-
-
 def duration(seconds: float | None, *, short: bool = False) -> str:
     """A duration to two units: ``40 minutes and 59 seconds``, or short ``40m 59s``.
 
@@ -347,17 +344,10 @@ def duration(seconds: float | None, *, short: bool = False) -> str:
     """
     if seconds is None:
         return "-"
-    if seconds < 60:
-        return f"{seconds:.3g}s" if short else (
-            "1 second" if seconds == 1 else f"{seconds:.3g} seconds")
     if short:
-        for i, (name, div) in enumerate(_UNITS[:-1]):
-            if seconds >= div:
-                small_name, small = _UNITS[i + 1]
-                big, rest = divmod(round(seconds / small), div // small)
-                if i and big * div >= _UNITS[i - 1][1]:  # 59m 59.6s rounds up to 1h
-                    return duration(big * div, short=True)
-                return f"{big}{name}" + (f" {rest}{small_name}" if rest else "")
+        return format_duration(seconds)
+    if seconds < 60:
+        return "1 second" if seconds == 1 else f"{seconds:.3g} seconds"
     # Two units at most: the smallest unit shown is the one below the largest.
     minimum = "seconds" if seconds < 3600 else "minutes" if seconds < 86400 else "hours"
     if seconds >= 30 * 86400:
