@@ -264,6 +264,58 @@ def fold_name(cell: Any, width: int) -> Any:
     return out
 
 
+_PATH_PIECE = re.compile(r"[^/ ]*(?:/+ *| +)|[^/ ]+")
+"""A piece of a line that may end a line: up to and including a ``/`` or spaces."""
+
+
+def fold_path_text(text: Text, width: int) -> Text:
+    """``text`` (a path, or prose naming paths) wrapped to ``width``: lines break after a ``/``
+    or at a space, never inside a file or directory name unless that name alone is wider than
+    a line (then it is cut where the line ends; every character is kept)."""
+    width = max(width, 1)
+    out = Text(style=text.style, justify=text.justify, end=text.end)
+    for n, line in enumerate(text.split("\n", allow_blank=True)):
+        if n:
+            out.append("\n")
+        plain, cuts, used = line.plain, [], 0
+        for m in _PATH_PIECE.finditer(plain):
+            start, end = m.span()
+            body = len(m.group().rstrip(" "))  # spaces at a line's end take no room
+            if used and used + body > width:
+                cuts.append(start)
+                used = 0
+            while body > width:  # a name wider than a line by itself: cut where lines end
+                start += width
+                body -= width
+                cuts.append(start)
+            used += end - start
+        for k, part in enumerate(line.divide(cuts)):
+            if k:
+                out.append("\n")
+            part.rstrip()
+            out.append_text(part)
+    return out
+
+
+class Folded:
+    """A line (or a table cell) holding a path, wrapped at render time to the width it is given
+    by :func:`fold_path_text`: ``/checkpoints/`` then ``model.safetensors``, not
+    ``model.safe`` / ``tensors``."""
+
+    def __init__(self, text: str | Text, style: str = "") -> None:
+        self.text = Text(visible(text, lines=False), style=style) if isinstance(text, str) \
+            else _shown(text)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield fold_path_text(self.text, options.max_width)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        plain = self.text.plain
+        piece = max((len(m.group().rstrip(" ")) for m in _PATH_PIECE.finditer(plain)), default=0)
+        line = max((len(x) for x in plain.split("\n")), default=0)
+        return Measurement(min(piece, options.max_width), min(line, options.max_width))
+
+
 def _shown(cell: Any) -> Any:
     """``cell`` with its control characters written out (strings and plain ``Text``); a string
     becomes ``Text`` so that brackets in a name (``x[red]``) are printed, not read as markup."""
@@ -297,7 +349,7 @@ def table(*cols: Col, show_header: bool = True) -> FitTable:
     return t
 
 
-def add_row(table: Table, *cells: str | Text, style: str | None = None) -> None:
+def add_row(table: Table, *cells: str | Text | Folded, style: str | None = None) -> None:
     """Add a row; plain strings are literal text (tensor names may contain rich markup)."""
     table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells), style=style)
 
