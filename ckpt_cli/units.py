@@ -232,6 +232,33 @@ def format_size(n: float) -> str:
     return f"{value / 1000 ** exp:.1f} {_SIZE_SUFFIXES[exp - 1]}"
 
 
+_DURATION_PARTS = (("y", 365 * 86400), ("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+
+
+def format_duration(seconds: float) -> str:
+    """A duration to two units, as typed on the command line: ``0.573s``, ``3m 30s``, ``1d 19h``.
+
+    The project's one duration form for output (tables, reasons, messages), so that one
+    screen never says ``3 minutes and 30 seconds`` beside ``38m 41s``.
+
+    Args:
+        seconds: The duration (not negative).
+
+    Returns:
+        The duration as text.
+    """
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    for i, (name, div) in enumerate(_DURATION_PARTS[:-1]):
+        if seconds >= div:
+            small_name, small = _DURATION_PARTS[i + 1]
+            big, rest = divmod(round(seconds / small), div // small)
+            if i and big * div >= _DURATION_PARTS[i - 1][1]:  # 59m 59.6s rounds up to 1h
+                return format_duration(big * div)
+            return f"{big:,}{name}" + (f" {rest}{small_name}" if rest else "")
+    raise AssertionError(seconds)  # pragma: no cover - seconds >= 60 matched "m" at least
+
+
 def natural_key(name: str) -> list[tuple[int, int | str]]:
     """Sort key putting ``layers.2`` before ``layers.10`` and ``rank_2`` before ``rank_10``.
 

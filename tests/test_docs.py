@@ -95,3 +95,62 @@ def test_quick_start_leaves_nothing_for_git() -> None:
     ignored = (root / ".gitignore").read_text().split()
     assert f"{dest[1].rstrip('/')}/" in ignored
     assert not [p.name for p in root.iterdir() if p.is_file() and p.stat().st_size == 0]
+
+
+DOCS_PAGES = sorted((ROOT / "docs").rglob("*.md"))
+WORD_LIMIT = 1250
+
+
+@pytest.mark.parametrize("page", DOCS_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_docs_page_is_short(page: Path) -> None:
+    """A page a reader finishes: at most 1,250 words (as ``wc -w`` counts: runs of
+    non-whitespace); a longer one is split by topic into pages that link each other (issue 46)."""
+    words = len(page.read_text().split())
+    assert words <= WORD_LIMIT, (
+        f"{page.relative_to(ROOT)} has {words:,} words (limit {WORD_LIMIT:,}): split it")
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *DOCS_PAGES],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_to_files(page: Path) -> None:
+    """Every relative markdown link (``[text](path)``, ``(path#anchor)``) names a file or
+    directory that exists, and an anchor a heading of that page (pages split by topic keep
+    their links working)."""
+    broken = _broken_links(page)
+    assert not broken, f"{page.relative_to(ROOT)} links to nothing: {broken}"
+
+
+def test_the_link_check_sees_a_broken_link(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "there.md").write_text("# Title\n\n## A heading\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](sub/there.md) [ok](sub/there.md#a-heading) [ok](https://x.org/y.md) "
+                    "[gone](sub/gone.md) [bad anchor](sub/there.md#nothing) [ok](#local)\n")
+    assert _broken_links(page) == ["sub/gone.md", "sub/there.md#nothing"]
+
+
+def _broken_links(page: Path) -> list[str]:
+    broken = []
+    for target in _LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a URL (https:, mailto:) or an anchor of this page
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve()
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(target)
+    return broken
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub makes of a page's headings."""
+    out = set()
+    for line in page.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out

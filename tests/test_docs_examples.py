@@ -22,6 +22,14 @@ An HTML comment on the line before a block says how it runs instead:
 - ``<!-- docs-test: skip REASON -->``: not run, for one of :data:`SKIP_REASONS` only.
 - ``<!-- docs-test: then -->``: after the block before it, in its directory (a ``bash`` block
   using what a ``python`` block just wrote: that block then runs as ``python -`` first).
+- ``<!-- docs-test: output -->`` before a ``text`` block: a captured example. Each line
+  starting with ``$ `` is a command, the lines after it what it prints (stdout and stderr, at
+  100 columns); run in the workspace in order, each must print that, up to what changes from
+  run to run: dates and times, durations (``0.45s``, ``1m 5s``, ``7m``), the workspace's
+  path, and where lines wrap and how many spaces separate words. ``ckpt sample demo-run`` is
+  not run again: the workspace's own ``ckpt sample`` printed it.
+
+Pages are README.md and every page under docs/ (docs/prune/thinning.md too).
 
 ``ckpt stats`` keeps its cache in a directory of the test's own (``CKPT_CACHE_DIR``), never in
 the user's.
@@ -42,7 +50,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARKER = re.compile(r"<!-- docs-test: (\w+)(?: ([^>]*?))? -->")
 SKIP_REASONS = {
     "installs": "installs packages into a new virtualenv (the quick start; CI runs its steps)",
@@ -96,7 +104,9 @@ def blocks() -> list[Block]:
         i = 0
         while i < len(lines):
             lang = lines[i].strip().removeprefix("```")
-            if lines[i].strip().startswith("```") and lang in ("bash", "python"):
+            if lines[i].strip().startswith("```") and (
+                    lang in ("bash", "python") or (lang == "text" and i and MARKER.search(
+                        lines[i - 1]) and MARKER.search(lines[i - 1])[1] == "output")):
                 start = i
                 body: list[str] = []
                 i += 1
@@ -105,8 +115,8 @@ def blocks() -> list[Block]:
                     i += 1
                 m = MARKER.search(lines[start - 1]) if start else None
                 how, reason = (m[1], m[2] or "") if m else ("run", "")
-                commands = (_commands(body) if lang == "bash" else
-                            ((textwrap.dedent("\n".join(body)), 0),))
+                commands = (_commands(body) if lang == "bash" else _outputs(body)
+                            if lang == "text" else ((textwrap.dedent("\n".join(body)), 0),))
                 # docs/python.md's examples build on each other (one namespace, in page
                 # order): tests/api/test_surface.py runs them so, and they are not run here.
                 if how == "then":
@@ -116,7 +126,7 @@ def blocks() -> list[Block]:
                                   for src, want in before.commands) \
                         if before.lang == "python" else before.commands
                     found.append(Block(page, before.line, first + commands, "run", "", lang))
-                elif not (lang == "python" and page.name == "python.md"):
+                elif not (lang == "python" and "python" in (page.stem, page.parent.name)):
                     found.append(Block(page, start + 1, commands, how, reason, lang))
             elif lines[i].strip().startswith("```"):
                 i += 1  # another language's block: skip to its end
@@ -126,12 +136,25 @@ def blocks() -> list[Block]:
     return found
 
 
+def _outputs(lines: list[str]) -> tuple[tuple[str, int], ...]:
+    """An ``output`` block's ``(command + "\\n" + what it prints, exit status)`` pairs."""
+    out: list[tuple[str, int]] = []
+    for line in lines:
+        if line.startswith("$ "):
+            want = re.search(r"#\s*exit (\d+):", line)
+            out.append((line[2:].split("  #")[0].strip(), int(want[1]) if want else 0))
+        else:
+            assert out, f"an output block starts with its command ($ ...): {line!r}"
+            out[-1] = (out[-1][0] + "\n" + line, out[-1][1])
+    return tuple(out)
+
+
 BLOCKS = blocks()
 
 
 def test_markers_are_known_and_skips_say_why() -> None:
     for b in BLOCKS:
-        assert b.how in ("run", "fresh", "s3", "skip", "stop"), b.id
+        assert b.how in ("run", "fresh", "s3", "skip", "stop", "output"), b.id
         if b.how == "skip":
             assert b.reason in SKIP_REASONS, (b.id, b.reason)
     assert sum(b.how == "skip" for b in BLOCKS) <= 5  # a handful, each named above
@@ -148,6 +171,8 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     r = subprocess.run([sys.executable, "-m", "ckpt_cli", "sample", str(ws / "demo-run")],
                        capture_output=True, text=True, timeout=600, env=_env(ws))
     assert r.returncode == 0, r.stderr
+    # What docs/sample.md shows (the progress on stderr came first), for the output test.
+    (ws.parent / "sample-output.txt").write_text(r.stderr + r.stdout)
     with third_party_quiet():
         lightning_run(ws / "ckpts", steps=4, every=2,
                       filename="{epoch}-{step}-{train_loss:.4f}")
@@ -219,6 +244,39 @@ def test_example_runs(block: Block, workspace: Path, tmp_path: Path) -> None:
         # before it judges it, as it would a save that just landed.
         time.sleep(1.2)
     _run(block, cwd)
+
+
+_VARIES = [(re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d)?"), "<time>"),
+           (re.compile(r"\b\d+(\.\d+)?(ms|[smhdy])( \d+[smhd])?\b"), "<duration>")]
+
+
+def _same(text: str, cwd: Path) -> list[str]:
+    """``text``'s words, without what changes from run to run (see the module's docstring):
+    compared word by word, so a line wrapped at another place (a longer path) is the same."""
+    text = text.replace(f"{cwd}{os.sep}", "")
+    for pattern, put in _VARIES:
+        text = pattern.sub(put, text)
+    return text.split()
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.how == "output"], ids=lambda b: b.id)
+def test_output_example_is_true(block: Block, workspace: Path, tmp_path: Path) -> None:
+    """A captured example is what the command prints on the workspace, run after run."""
+    cwd = tmp_path / "ws"
+    shutil.copytree(workspace, cwd, symlinks=True)
+    time.sleep(1.2)
+    for shown, want in block.commands:
+        cmd, _, printed = shown.partition("\n")
+        if cmd == "ckpt sample demo-run":
+            got = (workspace.parent / "sample-output.txt").read_text().replace(
+                f"{workspace}{os.sep}", "")
+        else:
+            r = subprocess.run(["bash", "-c", f"{cmd} 2>&1"], cwd=cwd, env=_env(cwd),
+                               capture_output=True, text=True, timeout=600)
+            assert r.returncode == want, f"{block.id}: `{cmd}` exited {r.returncode}\n{r.stdout}"
+            got = r.stdout
+        assert _same(got, cwd) == _same(printed, cwd), (
+            f"{block.id}: `{cmd}` printed, not what the page shows:\n{got}")
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.how == "s3"], ids=lambda b: b.id)

@@ -1,12 +1,15 @@
-"""A byte-progress bar on stderr for long reads and writes (only on a terminal)."""
+"""Progress on stderr: a byte bar for long reads and writes (only on a terminal), and a step
+counter for ``ckpt sample`` (a bar on a terminal, plain lines elsewhere)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from ckpt_cli.render.human import is_tty, stderr
+from ckpt_cli.units import format_duration
 
 
 class ProgressSink:
@@ -75,3 +78,61 @@ def byte_progress(description: str, *, enabled: bool = True) -> Iterator[Progres
                   TransferSpeedColumn(), TimeRemainingColumn(), console=stderr(),
                   transient=True) as bar:
         yield ProgressSink(bar, bar.add_task(description, total=None))
+
+
+StepReport = Callable[[str, int, int], None]
+"""``report(stage, step, total)``: what is being done and the step reached of ``total``."""
+
+
+@contextmanager
+def step_progress(prefix: str, *, enabled: bool = True, every: int = 50
+                  ) -> Iterator[StepReport]:
+    """A step counter on stderr for a long job counted in steps (``ckpt sample``'s training).
+
+    On a terminal, a transient rich bar with ``step N/M`` and the time taken; elsewhere (a CI
+    log, ``2> file``) a plain line at each new stage and every ``every`` steps, so that a log
+    shows the job moving: ``sample: step 150/400: training (12.1s)``.
+
+    Args:
+        prefix: What the lines start with (the command's name).
+        enabled: False for ``--quiet``/``--json``: nothing is shown.
+        every: Steps between two plain lines of one stage.
+
+    Yields:
+        The callback to report to.
+    """
+    if not enabled:
+        yield lambda _stage, _step, _total: None
+        return
+    if not is_tty():
+        err, started = stderr(), time.monotonic()
+        last: list[tuple[str, int]] = []
+
+        def line(stage: str, step: int, total: int) -> None:
+            key = (stage, -1 if step == total else step // every)
+            if last == [key]:
+                return
+            last[:] = [key]
+            took = format_duration(time.monotonic() - started)
+            err.print(f"{prefix}: step {step}/{total}: {stage} ({took})", soft_wrap=True,
+                      markup=False, highlight=False)
+
+        yield line
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("step"),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=stderr(),
+                  transient=True) as bar:
+        task = bar.add_task(prefix, total=None)
+
+        def update(stage: str, step: int, total: int) -> None:
+            bar.update(task, description=f"{prefix}: {stage}", completed=step, total=total)
+
+        yield update

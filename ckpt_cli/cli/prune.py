@@ -216,16 +216,15 @@ class _View:
         """Show the plan: a table on a terminal, else one line per decision kept."""
         if self.quiet:
             return
-        from ckpt_cli.errors import visible
         from ckpt_cli.render import human
         from ckpt_cli.render.prune import decisions_table, headline, leftover_lines, plan_line
 
         if self.tty:
-            self.out.print(visible(headline(plan), lines=False), style="bold", markup=False)
+            self.out.print(human.Folded(headline(plan), style="bold"))
             if plan.decisions:
                 self.out.print(decisions_table(plan))
             for line in leftover_lines(plan, dry_run=self.dry_run):
-                self.out.print(visible(line, lines=False), style="yellow", markup=False)
+                self.out.print(human.Folded(line, style="yellow"))
         else:
             _plain(headline(plan))
             # Deletions get their line when they happen (or fail), except in a dry run.
@@ -271,7 +270,9 @@ class _View:
             self.err.print(f"ckpt: error: cannot remove leftover trash {name}: {err}",
                            soft_wrap=True, markup=False)
         if self.tty:
-            self.out.print(summary(result), markup=False)
+            from ckpt_cli.render import human
+
+            self.out.print(human.Folded(summary(result)))
         else:
             _plain(summary(result))
 

@@ -41,17 +41,11 @@ def sample_cmd(
             # Before importing torch (1.5 s, 230 MB) for nothing; write_sample checks again.
             raise DestinationExistsError("already exists", path=dest,
                                          hint="pass --overwrite to replace it")
-        from ckpt_cli.render import human
-
-        err = human.stderr()
-
-        def progress(msg: str) -> None:
-            if not quiet and not json:
-                err.print(f"[dim]sample:[/] {msg}")
-
+        from ckpt_cli.cli.progress import step_progress
         from ckpt_cli.ops.sample import write_sample
 
-        written = write_sample(dest, overwrite=overwrite, on_progress=progress)
+        with step_progress("sample", enabled=not (quiet or json)) as progress:
+            written = write_sample(dest, overwrite=overwrite, on_progress=progress)
         outcome.exit_code = EXIT_OK
         from ckpt_cli.render.sample import show
 

@@ -76,10 +76,17 @@ def _lr(step: int, total: int = 2 * DCP_STEP, peak: float = 3e-3) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warm) / (total - warm)))
 
 
+StepCallback = Callable[[str, int, int], None]
+"""``on_progress(stage, step, total)``: the stage (``training``, ``saving step 400 with
+torch.distributed.checkpoint from 4 processes``...), the training step reached and the last one."""
+
+
 def _train(model: TinyGPT, opt: torch.optim.Optimizer, start: int, stop: int,
-           gen: torch.Generator) -> float:
+           gen: torch.Generator, say: StepCallback | None = None) -> float:
     loss = torch.tensor(0.0)
     for step in range(start, stop):
+        if say is not None:
+            say("training", step, DCP_STEP)
         for g in opt.param_groups:
             g["lr"] = _lr(step)
         # A learnable toy task: predict the next token of an arithmetic sequence.
@@ -91,6 +98,8 @@ def _train(model: TinyGPT, opt: torch.optim.Optimizer, start: int, stop: int,
         opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
+    if say is not None:
+        say("training", stop, DCP_STEP)
     return float(loss.detach())
 
 
@@ -101,13 +110,15 @@ def _config() -> dict[str, Any]:
 
 
 def write_sample(dest: Path, *, overwrite: bool = False,
-                 on_progress: Callable[[str], None] | None = None) -> list[Path]:
+                 on_progress: StepCallback | None = None) -> list[Path]:
     """Write the sample run directory.
 
     Args:
         dest: Directory to create.
         overwrite: Replace ``dest`` if it exists.
-        on_progress: Called with a short description of each stage.
+        on_progress: Called as ``on_progress(stage, step, total)`` before each training step
+            (``training``, step of 400), after the last, and at each later stage (the
+            torch.distributed.checkpoint save, the export), with the step reached.
 
     Returns:
         The checkpoints written, oldest first.
@@ -120,7 +131,7 @@ def write_sample(dest: Path, *, overwrite: bool = False,
                                      hint="pass overwrite to replace it", param="overwrite")
     if overwrite and (dest.exists() or dest.is_symlink()):
         _check_is_a_sample(dest)
-    say = on_progress or (lambda _msg: None)
+    say = on_progress or (lambda _stage, _step, _total: None)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     model = TinyGPT()
@@ -129,8 +140,7 @@ def write_sample(dest: Path, *, overwrite: bool = False,
     with atomic_dir(dest, overwrite=overwrite) as tmp:
         step, epoch_len = 0, 150
         for target in STEPS:
-            say(f"training to step {target}")
-            loss = _train(model, opt, step, target, gen)
+            loss = _train(model, opt, step, target, gen, say)
             step = target
             d = tmp / f"step_{step:06d}"
             d.mkdir()
@@ -139,14 +149,14 @@ def write_sample(dest: Path, *, overwrite: bool = False,
                         "loss": loss, "config": _config(),
                         "rng_state": torch.get_rng_state()}, d / "checkpoint.pt")
             written.append(dest / d.name)
-        say(f"training to step {DCP_STEP}")
-        loss = _train(model, opt, step, DCP_STEP, gen)
-        say(f"saving step {DCP_STEP} with torch.distributed.checkpoint from {RANKS} processes")
+        loss = _train(model, opt, step, DCP_STEP, gen, say)
+        say(f"saving step {DCP_STEP} with torch.distributed.checkpoint from {RANKS} processes",
+            DCP_STEP, DCP_STEP)
         dcp_dir = tmp / f"step_{DCP_STEP:06d}"
         _save_dcp(model, opt, dcp_dir, {"step": DCP_STEP, "epoch": DCP_STEP // epoch_len,
                                          "lr": _lr(DCP_STEP - 1), "loss": loss})
         written.append(dest / dcp_dir.name)
-        say("exporting HF-style sharded safetensors")
+        say("exporting HF-style sharded safetensors", DCP_STEP, DCP_STEP)
         _export(model, tmp / "export")
         (tmp / "latest").write_text(dcp_dir.name + "\n")
     return written

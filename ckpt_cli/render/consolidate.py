@@ -32,7 +32,7 @@ def _render(r: ConsolidateResult, quiet: bool) -> None:
     facts = ", ".join(f"{k} {v}" for k, v in r.details.items() if v is not None)
     out.print(f"Wrote {r.output}: {r.tensors:,} tensors, {human.size(r.write.tensor_bytes)} "
               f"from a {r.kind} checkpoint" + (f" ({facts})" if facts else "")
-              + f" in {r.seconds:.1f} s", soft_wrap=True)
+              + f" in {human.duration(r.seconds, short=True)}", soft_wrap=True)
     out.print(kept_line(r))
     if r.kept or r.kept_scales:
         out.print("Kept as is: " + kept_summary(r.kept, r.kept_scales))

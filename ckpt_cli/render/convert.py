@@ -27,8 +27,9 @@ def _render(r: ConvertResult, quiet: bool) -> None:
 
     out = human.stdout()
     files = len(r.write.files)
+    took = human.duration(r.seconds, short=True)
     out.print(f"Wrote {r.output}: {len(r.tensors):,} tensors, {human.size(r.write.tensor_bytes)} "
-              f"in {files} file{'s' if files != 1 else ''} ({r.seconds:.1f} s)")
+              f"in {files} file{'s' if files != 1 else ''} ({took})")
     if r.casts:
         out.print("Cast: " + ", ".join(f"{k} x{v}" for k, v in sorted(r.casts.items())))
     if r.kept or r.kept_scales:

@@ -55,8 +55,8 @@ def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
     grid = human.grid()
     for label, ix, path in (("A", r.index_a, path_a), ("B", r.index_b, path_b)):
         fmt = ix.format + (f" ({ix.flavor})" if ix.flavor and ix.flavor != ix.format else "")
-        _add(grid, label, f"{path}  ({fmt}, {_plural(len(ix.tensors), 'tensor')}, "
-                          f"{human.size(ix.file_bytes)})")
+        _add(grid, label, human.Folded(f"{path}  ({fmt}, {_plural(len(ix.tensors), 'tensor')}, "
+                                       f"{human.size(ix.file_bytes)})"))
     if r.renames:
         _add(grid, "Names", "; ".join(
             f"{x.side.upper()}: stripped {x.prefix!r} from {_plural(x.tensors, 'name')}"

@@ -23,7 +23,7 @@ from rich.text import Text
 
 from ckpt_cli.errors import visible
 from ckpt_cli.model import Finding, TensorInfo
-from ckpt_cli.units import format_size
+from ckpt_cli.units import format_duration, format_size
 
 _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
 
@@ -264,6 +264,58 @@ def fold_name(cell: Any, width: int) -> Any:
     return out
 
 
+_PATH_PIECE = re.compile(r"[^/ ]*(?:/+ *| +)|[^/ ]+")
+"""A piece of a line that may end a line: up to and including a ``/`` or spaces."""
+
+
+def fold_path_text(text: Text, width: int) -> Text:
+    """``text`` (a path, or prose naming paths) wrapped to ``width``: lines break after a ``/``
+    or at a space, never inside a file or directory name unless that name alone is wider than
+    a line (then it is cut where the line ends; every character is kept)."""
+    width = max(width, 1)
+    out = Text(style=text.style, justify=text.justify, end=text.end)
+    for n, line in enumerate(text.split("\n", allow_blank=True)):
+        if n:
+            out.append("\n")
+        plain, cuts, used = line.plain, [], 0
+        for m in _PATH_PIECE.finditer(plain):
+            start, end = m.span()
+            body = len(m.group().rstrip(" "))  # spaces at a line's end take no room
+            if used and used + body > width:
+                cuts.append(start)
+                used = 0
+            while body > width:  # a name wider than a line by itself: cut where lines end
+                start += width
+                body -= width
+                cuts.append(start)
+            used += end - start
+        for k, part in enumerate(line.divide(cuts)):
+            if k:
+                out.append("\n")
+            part.rstrip()
+            out.append_text(part)
+    return out
+
+
+class Folded:
+    """A line (or a table cell) holding a path, wrapped at render time to the width it is given
+    by :func:`fold_path_text`: ``/checkpoints/`` then ``model.safetensors``, not
+    ``model.safe`` / ``tensors``."""
+
+    def __init__(self, text: str | Text, style: str = "") -> None:
+        self.text = Text(visible(text, lines=False), style=style) if isinstance(text, str) \
+            else _shown(text)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield fold_path_text(self.text, options.max_width)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        plain = self.text.plain
+        piece = max((len(m.group().rstrip(" ")) for m in _PATH_PIECE.finditer(plain)), default=0)
+        line = max((len(x) for x in plain.split("\n")), default=0)
+        return Measurement(min(piece, options.max_width), min(line, options.max_width))
+
+
 def _shown(cell: Any) -> Any:
     """``cell`` with its control characters written out (strings and plain ``Text``); a string
     becomes ``Text`` so that brackets in a name (``x[red]``) are printed, not read as markup."""
@@ -297,7 +349,7 @@ def table(*cols: Col, show_header: bool = True) -> FitTable:
     return t
 
 
-def add_row(table: Table, *cells: str | Text, style: str | None = None) -> None:
+def add_row(table: Table, *cells: str | Text | Folded, style: str | None = None) -> None:
     """Add a row; plain strings are literal text (tensor names may contain rich markup)."""
     table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells), style=style)
 
@@ -332,9 +384,6 @@ def rate(bytes_per_second: float | None) -> str:
     return "-" if bytes_per_second is None else f"{size(bytes_per_second)}/s"
 
 
-_UNITS = (("y", 365 * 86400), ("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
-
-
 def duration(seconds: float | None, *, short: bool = False) -> str:
     """A duration to two units: ``40 minutes and 59 seconds``, or short ``40m 59s``.
 
@@ -347,17 +396,10 @@ def duration(seconds: float | None, *, short: bool = False) -> str:
     """
     if seconds is None:
         return "-"
-    if seconds < 60:
-        return f"{seconds:.3g}s" if short else (
-            "1 second" if seconds == 1 else f"{seconds:.3g} seconds")
     if short:
-        for i, (name, div) in enumerate(_UNITS[:-1]):
-            if seconds >= div:
-                small_name, small = _UNITS[i + 1]
-                big, rest = divmod(round(seconds / small), div // small)
-                if i and big * div >= _UNITS[i - 1][1]:  # 59m 59.6s rounds up to 1h
-                    return duration(big * div, short=True)
-                return f"{big}{name}" + (f" {rest}{small_name}" if rest else "")
+        return format_duration(seconds)
+    if seconds < 60:
+        return "1 second" if seconds == 1 else f"{seconds:.3g} seconds"
     # Two units at most: the smallest unit shown is the one below the largest.
     minimum = "seconds" if seconds < 3600 else "minutes" if seconds < 86400 else "hours"
     if seconds >= 30 * 86400:

@@ -33,8 +33,8 @@ def _render(result: InspectResult, all_rows: bool = False) -> None:
     out = human.stdout()
     if result.run is not None:
         run = result.run
-        out.print(Text(f"{result.path}  run directory, {len(run.entries):,} checkpoint(s)",
-                       style="bold"))
+        out.print(human.Folded(f"{result.path}  run directory, {len(run.entries):,} "
+                               "checkpoint(s)", style="bold"))
         out.print(tables.run_table(run, limit=None if all_rows else tables.RUN_ROWS))
         if run.leftovers:
             out.print(Text(f"Leftovers (temporary or trash): {', '.join(run.leftovers)}",
@@ -46,13 +46,14 @@ def _render(result: InspectResult, all_rows: bool = False) -> None:
         if result.index is None:
             return
         out.print()
-        out.print(Text(f"{result.path} (final model)" if result.final_model
-                       else f"{result.described} (latest complete checkpoint)", style="bold"))
+        out.print(human.Folded(f"{result.path} (final model)" if result.final_model
+                               else f"{result.described} (latest complete checkpoint)",
+                               style="bold"))
     index = result.index
     if index is None:  # a plain checkpoint always has one
         return
     if result.run is None:
-        out.print(Text(str(result.path), style="bold"))
+        out.print(human.Folded(str(result.path), style="bold"))
     out.print(tables.summary_table(index))
     out.print()
     out.print(tables.group_table(index))

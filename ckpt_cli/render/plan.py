@@ -78,19 +78,19 @@ def _render(r: PlanResult) -> None:
     if r.bandwidth is not None:
         m = r.measurement
         how = "given" if m is None else (
-            f"measured: {human.size(m.bytes)} in {m.streams} streams, {m.seconds:.2f} s")
+            f"measured: {human.size(m.bytes)} in {m.streams} streams, {_d(m.seconds)}")
         grid.add_row("Bandwidth", f"{human.rate(r.bandwidth)}  ({how})")
-        grid.add_row("Write time", human.duration(r.write_seconds))
+        grid.add_row("Write time", _d(r.write_seconds))
     if r.async_save:
         grid.add_row("Snapshot (blocks)",
-                     f"{human.duration(r.snapshot_seconds)}  ({human.rate(r.snapshot_bandwidth)} "
+                     f"{_d(r.snapshot_seconds)}  ({human.rate(r.snapshot_bandwidth)} "
                      f"per rank x {r.files_per_checkpoint:,} ranks); the write overlaps compute")
     if r.mtbf is not None:
         how = "job" if r.gpus is None else (
-            f"{human.duration(r.gpu_mtbf)} per GPU / {r.gpus:,} GPUs")
-        grid.add_row("MTBF", f"{human.duration(r.mtbf)}  ({how})")
+            f"{_d(r.gpu_mtbf)} per GPU / {r.gpus:,} GPUs")
+        grid.add_row("MTBF", f"{_d(r.mtbf)}  ({how})")
     if r.restart:
-        grid.add_row("Restart", human.duration(r.restart))
+        grid.add_row("Restart", _d(r.restart))
     if r.keep is not None:
         thinned = r.keep - (r.kept_whole if r.kept_whole is not None else r.keep)
         held = f" ({r.kept_whole} whole, {thinned} thinned)" if thinned else ""
@@ -130,9 +130,9 @@ def _interval_table(r: PlanResult, cols: list[tuple[str, IntervalFigures]]) -> T
     def row(label: str, cell: Any) -> None:
         table.add_row(label, *(cell(f) for _name, f in cols))
 
-    row("Compute between saves", lambda f: human.duration(f.seconds, short=True))
+    row("Compute between saves", lambda f: _d(f.seconds))
     if r.async_save:
-        row("Training blocked per save", lambda f: human.duration(f.blocking, short=True))
+        row("Training blocked per save", lambda f: _d(f.blocking))
     if any(f.overhead is not None for _n, f in cols):
         row("Expected time lost", lambda f: _pct(f.overhead and f.overhead.total))
         row("  stalled by saves", lambda f: _pct(f.overhead and f.overhead.checkpointing))
@@ -145,6 +145,13 @@ def _interval_table(r: PlanResult, cols: list[tuple[str, IntervalFigures]]) -> T
     return table
 
 
+def _d(seconds: float | None) -> str:
+    """Every duration in plan's output in one form: ``0.573s``, ``3m 30s``, ``4h``."""
+    from ckpt_cli.render import human
+
+    return human.duration(seconds, short=True)
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -152,7 +159,6 @@ def _pct(x: float | None) -> str:
 def _plot(r: PlanResult, optimum: IntervalFigures, best: float, columns: int) -> Text:
     from rich.text import Text
 
-    from ckpt_cli.render import human
     from ckpt_cli.render.plot import Mark, log_x_plot
 
     lo, hi = r.curve_range()
@@ -171,13 +177,13 @@ def _plot(r: PlanResult, optimum: IntervalFigures, best: float, columns: int) ->
 
     text = Text("Expected time lost vs interval (log scale)\n", style="bold")
     text.append(log_x_plot(lost, lo, hi, y_max=top, width=max(20, min(72, columns - 10)),
-                           height=10, marks=marks, fmt_x=lambda x: human.duration(x, short=True),
+                           height=10, marks=marks, fmt_x=lambda x: _d(x),
                            fmt_y=lambda y: f"{100 * y:.{0 if top >= 0.05 else 1}f}%"))
     text.append("\n◆ ", style="bold green")
-    text.append(f"optimum (Daly) {human.duration(optimum.seconds)}: {_pct(best)} lost")
+    text.append(f"optimum (Daly) {_d(optimum.seconds)}: {_pct(best)} lost")
     if r.current is not None and r.current.overhead is not None:
         text.append("\n● ", style="bold yellow")
-        text.append(f"--interval {human.duration(r.current.seconds)}: "
+        text.append(f"--interval {_d(r.current.seconds)}: "
                     f"{_pct(r.current.overhead.total)} lost")
     return text
 

@@ -74,13 +74,13 @@ def render(result: ValidateResult, console: Console, *, verbose: bool = False) -
     min_sev = "info" if verbose else "warning"
     if result.kind == "checkpoint":
         r = result.checkpoints[0]
-        console.print(_headline(r))
+        console.print(human.Folded(_headline(r)))
         console.print(checks_table(r.checks))
         if any(_shown(f.severity, min_sev) for f in r.findings):
             console.print()
             human.print_findings(r.findings, console=console, min_severity=min_sev)
         console.print()
-        console.print(_verdict(r.errors, r.warnings, r.name))
+        console.print(human.Folded(_verdict(r.errors, r.warnings, r.name)))
     else:
         _render_run(result, console, verbose=verbose, min_sev=min_sev)
     if result.part is not None:
@@ -122,8 +122,8 @@ def _shown(severity: str, min_sev: str) -> bool:
 def _render_run(result: ValidateResult, console: Console, *, verbose: bool,
                 min_sev: str) -> None:
     n = len(result.checkpoints)
-    console.print(Text(f"{result.path}  run directory, {n} checkpoint(s) validated",
-                       style="bold"))
+    console.print(human.Folded(f"{result.path}  run directory, {n} checkpoint(s) validated",
+                               style="bold"))
     if result.latest is not None:
         console.print(Text(latest_line(result.latest)))
     col = human.Col
@@ -149,12 +149,12 @@ def _render_run(result: ValidateResult, console: Console, *, verbose: bool,
     for r in result.checkpoints:
         if verbose:
             console.print()
-            console.print(_headline(r))
+            console.print(human.Folded(_headline(r)))
             console.print(checks_table(r.checks))
         if any(_shown(f.severity, min_sev) for f in r.findings):
             if not verbose:
                 console.print()
-                console.print(Text(r.name, style="bold"))
+                console.print(human.Folded(r.name, style="bold"))
             human.print_findings(r.findings, console=console, min_severity=min_sev)
     console.print()
     errors = sum(r.errors for r in result.checkpoints) + sum(
@@ -163,7 +163,7 @@ def _render_run(result: ValidateResult, console: Console, *, verbose: bool,
         1 for c in result.run_checks for f in c.findings if f.severity == "warning")
     bad = sum(not r.valid for r in result.checkpoints)
     what = (f"{n - bad} of {n} checkpoint(s) valid" if n else "no checkpoints")
-    console.print(_verdict(errors, warnings, what))
+    console.print(human.Folded(_verdict(errors, warnings, what)))
 
 
 def show(result: ValidateResult, *, json: bool, verbose: bool) -> None:

@@ -1,6 +1,7 @@
-"""The "Functions" section of docs/python.md, generated from the API's signatures and
-docstrings (``pytest tests/api --update-golden`` writes it; tests/api/test_surface.py checks
-that the page holds it as generated)."""
+"""The "Functions" section of docs/python.md (an index) and a page per function under
+docs/python/, generated from the API's signatures and docstrings (``pytest tests/api
+--update-golden`` writes them; tests/api/test_surface.py checks that the pages hold them as
+generated). One page per function keeps every docs page short (tests/test_docs.py)."""
 
 from __future__ import annotations
 
@@ -44,30 +45,51 @@ def _markdown(text: str) -> str:
     return re.sub(r"(?<!`)``(?!`)", "`", text)
 
 
+def _title(name: str) -> str:
+    params = inspect.signature(getattr(ckpt_cli, name)).parameters.values()
+    shown = ", ".join([p.name for p in params if p.default is p.empty] + ["..."])
+    return f"`ckpt_cli.{name}({shown})`: `ckpt {COMMAND.get(name, name)}`"
+
+
+def _summary(name: str) -> str:
+    return (inspect.getdoc(getattr(ckpt_cli, name)) or "").split("\n\n", 1)[0].replace("\n", " ")
+
+
 def functions() -> str:
-    """The section's text, from ``## Functions`` to the end of the page."""
-    out = [MARKER]
-    for name in ORDER:
-        fn = getattr(ckpt_cli, name)
-        params = inspect.signature(fn).parameters.values()
-        doc = inspect.getdoc(fn) or ""
-        args = _args(doc)
-        shown = ", ".join([p.name for p in params if p.default is p.empty] + ["..."])
-        out += [f"### `ckpt_cli.{name}({shown})`: `ckpt {COMMAND.get(name, name)}`", "",
-                doc.split("\n\n", 1)[0].replace("\n", " "), "",
-                "| keyword | CLI | default | what |", "|---|---|---|---|"]
-        for p in params:
-            if p.default is p.empty:
-                cli, default = "argument", ""
-            else:
-                flag = FLAGS.get(p.name, "--" + p.name.replace("_", "-"))
-                cli, default = NOT_FLAGS.get(p.name, f"`{flag}`"), f"`{p.default!r}`"
-            out.append(f"| `{p.name}` | {cli} | {default} | "
-                       f"{args[p.name].replace('|', chr(92) + '|')} |")
-        returns = " ".join(x.strip() for x in _section(doc, "Returns", "Raises").splitlines())
-        raises = " ".join(x.strip() for x in _section(doc, "Raises", "Example").splitlines())
-        example = [x.strip().removeprefix(">>> ") for x in doc.split("Example:\n", 1)[1]
-                   .splitlines() if x.strip()]
-        out += ["", f"Returns {returns}", "", f"Raises {raises}", "", "```python", *example,
-                "```", ""]
+    """The section's text, from ``## Functions`` to the end of docs/python.md: an index."""
+    out = [MARKER, "One page per function, generated from its signature and docstring: every "
+           "keyword, the option of the CLI it is, its default, what it returns and raises, "
+           "and an example (run by the tests, in this order, after the examples above).", ""]
+    out += [f"- [{_title(name)}](python/{name}.md): {_summary(name)}" for name in ORDER]
+    return _markdown("\n".join(out) + "\n")
+
+
+def pages() -> dict[str, str]:
+    """Each function's page: ``{file name under docs/python/: text}``."""
+    return {f"{name}.md": _page(name) for name in ORDER}
+
+
+def _page(name: str) -> str:
+    fn = getattr(ckpt_cli, name)
+    params = inspect.signature(fn).parameters.values()
+    doc = inspect.getdoc(fn) or ""
+    args = _args(doc)
+    out = [f"# {_title(name)}", "",
+           "<!-- Generated from the docstring by `pytest tests/api --update-golden`. -->", "",
+           f"Part of the [Python API](../python.md). {_summary(name)}", "",
+           "| keyword | CLI | default | what |", "|---|---|---|---|"]
+    for p in params:
+        if p.default is p.empty:
+            cli, default = "argument", ""
+        else:
+            flag = FLAGS.get(p.name, "--" + p.name.replace("_", "-"))
+            cli, default = NOT_FLAGS.get(p.name, f"`{flag}`"), f"`{p.default!r}`"
+        out.append(f"| `{p.name}` | {cli} | {default} | "
+                   f"{args[p.name].replace('|', chr(92) + '|')} |")
+    returns = " ".join(x.strip() for x in _section(doc, "Returns", "Raises").splitlines())
+    raises = " ".join(x.strip() for x in _section(doc, "Raises", "Example").splitlines())
+    example = [x.strip().removeprefix(">>> ") for x in doc.split("Example:\n", 1)[1]
+               .splitlines() if x.strip()]
+    out += ["", f"Returns {returns}", "", f"Raises {raises}", "", "```python", *example,
+            "```", ""]
     return _markdown("\n".join(out))

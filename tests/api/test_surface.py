@@ -21,6 +21,7 @@ import ckpt_cli
 
 SNAPSHOT = Path(__file__).with_name("api_surface.json")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "python.md"
+FUNCTION_PAGES = DOCS.with_suffix("")  # docs/python/: a page per function
 
 # The result each function returns, by module and name (what the docs describe).
 RESULTS = {"inspect": "ckpt_cli.ops.inspect:InspectResult",
@@ -119,31 +120,44 @@ def test_every_function_and_parameter_is_documented(request: pytest.FixtureReque
     """docs/python.md has a section per function naming each of its parameters, generated from
     the docstrings (``--update-golden`` writes it), and each docstring has the one style:
     summary, Args (every parameter), Returns, Raises, Example."""
-    from tests.api.python_md import MARKER, functions
+    from tests.api.python_md import MARKER, functions, pages
 
     docs = DOCS.read_text()
     page, _, section = docs.partition(MARKER)
+    generated = pages()
     if request.config.getoption("--update-golden"):
         DOCS.write_text(page + functions())
+        FUNCTION_PAGES.mkdir(exist_ok=True)
+        for name, text in generated.items():
+            (FUNCTION_PAGES / name).write_text(text)
+        for old in set(os.listdir(FUNCTION_PAGES)) - set(generated):
+            (FUNCTION_PAGES / old).unlink()
         docs = DOCS.read_text()
     else:
         assert MARKER + section == functions(), (
             "docs/python.md's Functions section is not what the docstrings say: run pytest "
             "tests/api --update-golden and review the change")
-    sections = {s.split("\n", 1)[0].strip(): s for s in docs.split("\n### ")[1:]}
+        assert sorted(os.listdir(FUNCTION_PAGES)) == sorted(generated), (
+            "docs/python/ is not one page per function: run pytest tests/api --update-golden")
+        for name, text in generated.items():
+            assert (FUNCTION_PAGES / name).read_text() == text, (
+                f"docs/python/{name} is not what the docstring says: run pytest tests/api "
+                "--update-golden and review the change")
     for name in ckpt_cli.COMMANDS:
         fn = getattr(ckpt_cli, name)
         head = f"`ckpt_cli.{name}("
-        section = next((s for h, s in sections.items() if h.startswith(head)), None)
-        assert section is not None, f"docs/python.md has no '### {head}...' section"
+        section = (FUNCTION_PAGES / f"{name}.md").read_text()
+        assert section.startswith(f"# {head}"), f"docs/python/{name}.md has no '# {head}...'"
+        assert f"(python/{name}.md)" in docs, f"docs/python.md does not link {name}'s page"
         doc = inspect.getdoc(fn) or ""
         for part in ("Args:", "Returns:", "Raises:", "Example:"):
             assert f"\n{part}\n" in doc, f"{name}'s docstring has no {part}"
         for p in inspect.signature(fn).parameters:
-            assert f"`{p}`" in section, f"docs/python.md: {name} does not name `{p}`"
+            assert f"`{p}`" in section, f"docs/python/{name}.md does not name `{p}`"
             assert f"\n    {p}: " in doc, f"{name}'s docstring does not describe {p}"
+    docs += "".join(generated.values())
     for cls in surface()["results"]:
-        assert f"`{cls}`" in docs, f"docs/python.md does not name {cls}"
+        assert f"`{cls}`" in docs, f"docs/python.md (or a function's page) does not name {cls}"
 
 
 @pytest.mark.requires_torch  # the sample run is written with torch
@@ -184,6 +198,10 @@ def test_the_examples_run(page: str, sample_run: Path, tmp_path: Path,
     import shutil
 
     text = (DOCS.parents[1] / page).read_text()
+    if page == "docs/python.md":  # then each function's page, in the index's order
+        from tests.api.python_md import ORDER
+
+        text += "".join((FUNCTION_PAGES / f"{name}.md").read_text() for name in ORDER)
     if page == "README.md":
         text = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
     blocks = [b for b in _python_blocks(text) if "ckpt_cli." in b]

@@ -123,7 +123,7 @@ CLI_CASES = [
     (["plan", "--params", "7B", "--input-format", "dcp"], "--input-format applies to --from PATH",
      None),
     (["plan", "--params", "7B", "--bandwidth", "10MB/s", "--mtbf", "1h"],
-     "the checkpoint write time (9,800 s) is at least twice the MTBF (3,600 s): Daly's formula "
+     "the checkpoint write time (2h 43m) is at least twice the MTBF (1h): Daly's formula "
      "does not apply there and the run would spend most of its time saving and redoing work; "
      "use faster storage, --async, or a more reliable job", None),
     # A hint naming flags; --overwrite is sample's, --force convert's own.

@@ -33,7 +33,7 @@ from ckpt_cli.ops.plan.measure import (
 )
 from ckpt_cli.ops.plan.options import PlanOptions
 from ckpt_cli.ops.plan.result import PlanResult
-from ckpt_cli.units import require_positive
+from ckpt_cli.units import format_duration, require_positive
 
 
 def size_from_checkpoint(path: str | Path, fmt: str | None = None) -> CheckpointSize:
@@ -180,7 +180,8 @@ def _optimum(result: PlanResult) -> None:
     if cost >= 2 * mtbf:
         what = "snapshot time" if result.async_save else "write time"
         raise UsageError(
-            f"the checkpoint {what} ({cost:,.0f} s) is at least twice the MTBF ({mtbf:,.0f} s): "
+            f"the checkpoint {what} ({format_duration(cost)}) is at least twice the MTBF "
+            f"({format_duration(mtbf)}): "
             "Daly's formula does not apply there and the run would spend most of its time "
             "saving and redoing work; use faster storage, async_save, or a more reliable job",
             param="async_save")

@@ -88,3 +88,62 @@ def test_the_dcp_save_is_tried_again_once_when_a_worker_dies(
     monkeypatch.setattr(mp, "spawn", always)
     with pytest.raises(CkptError, match="failed twice"):
         sample._save_dcp(model, opt, tmp_path / "other", {"step": 1})
+
+
+@pytest.mark.requires_torch
+def test_sample_counts_its_steps_when_not_a_terminal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CI log shows the run moving, step N of M, not five lines over minutes (issue 46).
+    A shorter run (real training, 40 steps), and the 4-process save left out (tested above)."""
+    from ckpt_cli.ops import sample
+
+    monkeypatch.setattr(sample, "STEPS", (10, 20, 30))
+    monkeypatch.setattr(sample, "DCP_STEP", 40)
+    monkeypatch.setattr(sample, "_save_dcp", lambda _m, _o, out, _x: out.mkdir())
+    r = run_cli("sample", tmp_path / "demo")
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("sample: step 0/40: training ("), lines
+    assert lines[1].startswith("sample: step 40/40: training ("), lines
+    assert lines[2].startswith("sample: step 40/40: saving step 40 with torch.distributed"), \
+        lines
+    assert lines[3].startswith("sample: step 40/40: exporting HF-style"), lines
+    assert len(lines) == 4
+    assert (tmp_path / "demo" / "step_000030" / "checkpoint.pt").is_file()
+    quiet = run_cli("sample", tmp_path / "quiet", "--quiet")
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+def test_step_lines_every_n_steps_and_at_each_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from ckpt_cli.cli import progress
+
+    buf = io.StringIO()
+    monkeypatch.setattr(progress, "is_tty", lambda: False)
+    monkeypatch.setattr(progress, "stderr", lambda: Console(file=buf, width=100))
+    with progress.step_progress("sample", every=50) as report:
+        for step in (*range(0, 200), 200, *range(200, 400), 400):
+            report("training", step, 400)
+        report("exporting", 400, 400)
+    steps = [int(line.split()[2].split("/")[0]) for line in buf.getvalue().splitlines()]
+    assert steps == [0, 50, 100, 150, 200, 250, 300, 350, 400, 400]
+    assert buf.getvalue().splitlines()[-1].startswith("sample: step 400/400: exporting (")
+
+
+def test_step_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from ckpt_cli.cli import progress
+
+    buf = io.StringIO()
+    monkeypatch.setattr(progress, "is_tty", lambda: True)
+    monkeypatch.setattr(progress, "stderr", lambda: Console(file=buf, force_terminal=True,
+                                                            width=100))
+    with progress.step_progress("sample") as report:
+        report("training", 150, 400)
+    assert "sample: training" in buf.getvalue() and "150/400" in buf.getvalue()

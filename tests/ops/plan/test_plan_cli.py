@@ -30,13 +30,13 @@ def test_worked_example_human() -> None:
     assert "2.1 TB  (weights 700.0 GB + optimizer 1.4 TB)" in out
     assert "12 = 4 weights (fp32) + 8 optimizer (Adam m, v in fp32); inference 4" in out
     assert "Inference checkpoint  700.0 GB" in out
-    assert "Write time            3 minutes and 30 seconds" in out
+    assert "Write time            3m 30s" in out
     assert "6.3 TB, 3 files (8.4 TB while the next one is written)" in out
     # Young sqrt(2 x 210 x 14400) = 40m 59s; Daly 38m 41s; then the user's 30 minutes.
     assert re.search(r"Compute between saves +40m 59s +38m 41s +30m", out)
     assert re.search(r"Expected time lost +16\.1% +16\.1% +16\.6%", out)
-    assert "◆ optimum (Daly) 38 minutes and 41 seconds: 16.1% lost" in out
-    assert "● --interval 30 minutes: 16.6% lost" in out
+    assert "◆ optimum (Daly) 38m 41s: 16.1% lost" in out
+    assert "● --interval 30m: 16.6% lost" in out
     assert "\x1b[" not in out  # NO_COLOR
     assert r.stderr == ""
 
@@ -122,7 +122,26 @@ def test_gpus_async_and_restart() -> None:
     r = run_cli("plan", "--params", "70B", "--bandwidth", "20GB/s", "--gpus", "1K",
                 "--gpu-mtbf", "5y", "--async", "--ranks", "128")
     assert "Snapshot (blocks)" in r.stdout and "Training blocked per save" in r.stdout
-    assert "5 years per GPU / 1,000 GPUs" in r.stdout
+    assert "5y per GPU / 1,000 GPUs" in r.stdout
+
+
+# A duration written out ("3 minutes and 30 seconds", "4 hours") or with a space before its
+# unit ("0.57 s"), where the rest of plan's output says "38m 41s" (issue 46).
+_OTHER_DURATION = re.compile(r"\b(second|minute|hour|year)s?\b|\d days?\b|\d s\b")
+
+
+@pytest.mark.parametrize("args", [
+    (*WORKED, "--interval", "30m", "--keep", "3", "--restart", "10m"),
+    ("--params", "70B", "--bandwidth", "20GB/s", "--gpus", "1K", "--gpu-mtbf", "5y",
+     "--async", "--ranks", "128", "--interval", "2h"),
+    ("--params", "1M", "--measure", "{tmp}", "--measure-size", "1MB", "--mtbf", "90s"),
+])
+def test_one_duration_format_everywhere(args: tuple[str, ...], tmp_path: Path) -> None:
+    r = run_cli("plan", *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert r.exit_code == 0, r.stderr
+    durations = re.findall(r"\d+(?:\.\d+)?[smhdy](?: \d+[smhdy])?\b", r.stdout)
+    assert len(durations) >= 5, r.stdout
+    assert not _OTHER_DURATION.search(r.stdout), r.stdout
 
 
 def test_from_a_run_directory(sample_run: Path) -> None:
@@ -177,7 +196,7 @@ def test_measure(tmp_path: Path) -> None:
     (("--params", "7B", "--gpus", "8"), "--gpus and --gpu-mtbf go together"),
     (("--params", "7B", "--mtbf", "4h", "--gpus", "8", "--gpu-mtbf", "5y"), "not both"),
     (("--params", "7B", "--bandwidth", "10MB/s", "--mtbf", "1h"),
-     "write time (9,800 s) is at least twice the MTBF (3,600 s): Daly's formula does not apply"),
+     "write time (2h 43m) is at least twice the MTBF (1h): Daly's formula does not apply"),
     (("--params", "7B", "--snapshot-bandwidth", "5GB/s"), "only matters with --async"),
     (("--params", "7B", "--measure-size", "1GB"), "need --measure DIR"),
     (("--params", "7B", "--measure", "/nonexistent-dir"), "no such directory"),
