@@ -245,11 +245,14 @@ def timeline(r: StatsResult) -> list[Slot]:
     return known + [s for s in slots if s.step is None]
 
 
+def _step(s: Slot) -> str:
+    return "-" if s.step is None else f"{s.step:,}"
+
+
 def _axis(slots: list[Slot]) -> str:
     """The first and last step at either end of a sparkline of ``len(slots)`` characters
     (side by side when they do not fit)."""
-    first = "-" if slots[0].step is None else f"{slots[0].step:,}"
-    last = "-" if slots[-1].step is None else f"{slots[-1].step:,}"
+    first, last = _step(slots[0]), _step(slots[-1])
     if len(slots) == 1:
         return first
     gap = len(slots) - len(first) - len(last)
@@ -304,8 +307,8 @@ def trend_table(slots: list[Slot], flagged: dict[str, list[str]]) -> Table:
 def _legend(slots: list[Slot]) -> Text:
     """What the sparklines' characters are: the steps they span, and the gaps."""
     read = sum(1 for s in slots if s.gap is None)
-    out = Text(f"One character per checkpoint, oldest to newest: steps {_axis(slots[:1])} to "
-               f"{_axis(slots[-1:])}, {read:,} read", style="dim")
+    out = Text(f"One character per checkpoint, oldest to newest: steps {_step(slots[0])} to "
+               f"{_step(slots[-1])}, {read:,} read", style="dim")
     for gap, what in (("unreadable", "not readable"), ("missing", "missing")):
         dropped = [s for s in slots if s.gap == gap]
         if dropped:

@@ -75,15 +75,14 @@ def build_figure(r: StatsResult) -> Figure:
 
     slots = timeline(r)
     xs = [s.step if s.step is not None else i for i, s in enumerate(slots)]
-    names: list[str] = []
-    for c in r.checkpoints:
-        names.extend(m.name for m in c.modules if m.name not in names)
+    names = list(dict.fromkeys(m.name for c in r.checkpoints for m in c.modules))
     nan = float("nan")
+    per = [{m.name: m for m in s.stats.modules} if s.stats else {} for s in slots]
     curves: dict[str, tuple[list[float], list[float]]] = {}
     for name in names:
         norms, ratios = [], []
-        for s in slots:
-            m = next((m for m in s.stats.modules if m.name == name), None) if s.stats else None
+        for mods in per:
+            m = mods.get(name)
             norms.append(m.moments.l2 if m is not None and m.moments.count else nan)
             ratios.append(m.update_ratio if m is not None and m.update_ratio else nan)
         curves[name] = (norms, ratios)

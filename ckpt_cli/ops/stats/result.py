@@ -41,11 +41,12 @@ def container_prefix(names: list[str], containers: Iterable[str] = ()) -> str:
 def module_of(name: str, depth: int | None, prefix: str = "") -> str:
     """The module a tensor rolls up into: its first ``depth`` name components, or all but the
     last (the module that owns it) when ``depth`` is None; a name carrying ``prefix`` (see
-    :func:`container_prefix`) is counted, and shown, without it."""
+    :func:`container_prefix`) is counted, and shown, without it. A tensor at the model's top
+    level (a causal mask buffer) is a row of its own, under its name."""
     if prefix and name.startswith(prefix):
         name = name[len(prefix):]
     parts = name.split(".")[:-1]
-    return ".".join(parts[:depth] if depth is not None else parts) or "(top level)"
+    return ".".join(parts[:depth] if depth is not None else parts) or name
 
 
 CHECKPOINT = "(checkpoint)"

@@ -81,10 +81,10 @@ def test_depth_2_of_a_training_dict_has_no_model_row(tmp_path: Path) -> None:
     injected_run(tmp_path / "run", checkpoints=2, jump_at=None, nan_at=None, freeze_from=None)
     one = tmp_path / "run" / "step_2.pt"
     d1 = stats(one, StatsOptions(cache=False, depth=1))
-    assert _modules(d1) == {"emb", "norm", "layers", "head", "(top level)"}
+    assert _modules(d1) == {"emb", "norm", "layers", "head", "causal_mask"}
     d2 = stats(one, StatsOptions(cache=False, depth=2))
     assert _modules(d2) == {"emb", "norm", "layers.0", "layers.1", "layers.2", "head",
-                            "(top level)"}
+                            "causal_mask"}
     assert "model" not in _modules(d2)
 
 

@@ -530,7 +530,7 @@ def _depth1(path: Path, prev: Path) -> dict[str, float]:
     for name, t in now.items():
         if not t.is_floating_point() or not torch.isfinite(t).all():
             continue
-        mod = name.split(".")[0] if "." in name else "(top level)"
+        mod = name.split(".")[0]
         b = before[name].double()
         upd[mod] = upd.get(mod, 0.0) + float((t.double() - b).pow(2).sum())
         base[mod] = base.get(mod, 0.0) + float(b.pow(2).sum())
@@ -551,9 +551,9 @@ def test_other_roll_ups_and_selections_come_from_the_cache(tmp_path: Path,
         for mod, want in _depth1(loop.saved[i], loop.saved[i - 1]).items():
             assert close(got[mod], want), (i, mod)
     # the model's top modules, never a "model" row of the container (the causal mask at the
-    # model's top level is its own row)
+    # model's top level is a row of its own, under its name)
     assert {m["name"] for m in deep["checkpoints"][0]["modules"]} == {
-        "emb", "norm", "layers", "head", "(top level)"}
+        "emb", "norm", "layers", "head", "causal_mask"}
     # every other checkpoint: the figures are kept, the updates between those two are new
     every = stats_json(run, "--every", "2")
     assert [c["step"] for c in every["checkpoints"]] == [0, 4, 8]
