@@ -165,7 +165,7 @@ def test_json_of_one_checkpoint(sick: Path, cache: Path) -> None:
         _keys(t, TENSOR_KEYS | {"hist"}, "tensor")
     for m in doc["modules"]:
         _keys(m, MODULE_KEYS | {"hist"}, "module")
-    assert [(a["module"], a["kind"]) for a in doc["anomalies"]] == [("model.layers.0", "nan")]
+    assert [(a["module"], a["kind"]) for a in doc["anomalies"]] == [("layers.0", "nan")]
 
 
 def test_json_error_document(clean: Path, cache: Path) -> None:

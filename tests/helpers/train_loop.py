@@ -118,6 +118,6 @@ def load_model(path: Path) -> StateDict:
 
 
 def module_of(name: str) -> str:
-    """``ckpt stats``' default roll-up (the tensor's own module), with the ``model.`` prefix
-    the saved dict's key puts before every name."""
-    return "model." + name.rpartition(".")[0] if "." in name else "model"
+    """``ckpt stats``' default roll-up (the tensor's own module), shown without the ``model.``
+    prefix the saved dict's key puts before every name."""
+    return name.rpartition(".")[0] if "." in name else name

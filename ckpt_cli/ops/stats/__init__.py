@@ -28,6 +28,7 @@ from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.stats.anomalies import broken_checkpoint, detect, mismatches, unreadable
 from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, is_default, key_of
 from ckpt_cli.ops.stats.engine import Work, compute
+from ckpt_cli.ops.stats.extent import distinct_bytes, files_bytes
 from ckpt_cli.ops.stats.options import StatsOptions
 from ckpt_cli.ops.stats.result import (
     Anomaly,
@@ -35,9 +36,10 @@ from ckpt_cli.ops.stats.result import (
     ModuleStats,
     StatsResult,
     TensorStats,
+    container_prefix,
     module_of,
 )
-from ckpt_cli.ops.stats.scope import Scope, scope_of
+from ckpt_cli.ops.stats.scope import WEIGHT_GROUPS, Scope, scope_of
 from ckpt_cli.runs import follow_pointer, is_run_dir, list_run
 from ckpt_cli.storage.reads import ProgressFn, memory_budget, worker_threads
 from ckpt_cli.tensors.moments import moments_kernel
@@ -100,6 +102,7 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
     budget = memory_budget(opts.max_memory)
     read = compute(works, budget=budget, threads=opts.jobs or worker_threads(),
                    on_progress=on_progress, select=select)
+    read = min(read, _covered(ckpts, works))  # each byte of the files once
     for c, w in zip(ckpts, works, strict=True):
         _remember(c, w, cache, ckpts)
     part = None
@@ -138,7 +141,8 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
         path=where, run=run, checkpoints=shown, anomalies=anomalies,
         scope="all" if opts.everything or (any_scope is not None and any_scope.widened)
         else "weights", depth=opts.depth, hist=opts.hist, jump=opts.jump, skipped=skipped,
-        bytes_read=read, seconds=time.perf_counter() - t0, kernel=moments_kernel(),
+        bytes_read=read, files_bytes=sum(files_bytes(c.index) for c in ckpts),
+        seconds=time.perf_counter() - t0, kernel=moments_kernel(),
         cache_dir=cache.dir if cache.enabled else None, part=part)
 
 
@@ -229,6 +233,20 @@ def _plan(ckpts: list[_Checkpoint], run: bool) -> list[Work]:
     return works
 
 
+def _covered(ckpts: list[_Checkpoint], works: list[Work]) -> int:
+    """Bytes of the files that the reads of ``works`` cover, each byte once (a storage read
+    under several views counts once; never more than a checkpoint's files hold)."""
+    total = 0
+    for i, (c, w) in enumerate(zip(ckpts, works, strict=True)):
+        names = w.stats | w.updates
+        if i + 1 < len(works):
+            names |= works[i + 1].updates & set(w.targets)
+        read = [w.targets[n] for n in names if n in w.targets]
+        total += distinct_bytes(c.index, [t.tensor for t in read] + [
+            t.scale for t in read if t.scale is not None])
+    return total
+
+
 def _part_select(ckpts: list[_Checkpoint], opts: StatsOptions) -> Callable[[str], bool] | None:
     if opts.part is None:
         return None
@@ -274,9 +292,12 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
         updates = c.entry.updates.get(prev_c.entry.key, {}) if (run and prev_c) else {}
         mod_sq: dict[str, float | None] = {}
         mod_prev: dict[str, float] = {}
+        prefix = container_prefix(
+            [n for n in c.scope.targets if c.index.tensors[n].group in WEIGHT_GROUPS],
+            [k for k, g in c.index.containers.items() if g == "model"])
         for name in sorted(set(c.scope.targets) | set(c.scope.aliases) | set(c.scope.skipped)):
             t = c.index.tensors[name]
-            mod = module_of(name, opts.depth)
+            mod = module_of(name, opts.depth, prefix)
             alias = c.scope.aliases.get(name)
             target = c.scope.targets.get(alias or name)
             m = c.entry.tensors.get(alias or name)

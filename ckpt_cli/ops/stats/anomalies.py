@@ -44,11 +44,10 @@ from __future__ import annotations
 import math
 
 from ckpt_cli.errors import CkptError
-from ckpt_cli.ops.stats.result import Anomaly, CheckpointStats, ModuleStats
+from ckpt_cli.ops.stats.result import CHECKPOINT, Anomaly, CheckpointStats, ModuleStats
 
 NEAR_ZERO = 0.1
 """A module whose norm is below this fraction of its own scale is still growing from zero."""
-CHECKPOINT = "(checkpoint)"
 """The ``module`` of anomalies of a whole checkpoint (``unreadable``, ``mismatch``)."""
 
 

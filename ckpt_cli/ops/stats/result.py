@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -10,12 +11,58 @@ from typing import Any, ClassVar
 from ckpt_cli.documents import Documented
 from ckpt_cli.tensors.moments import HIST_LO, Moments
 
+WRAPPERS = ("module.", "_orig_mod.", "model.", "state_dict.")
+"""Prefixes that containers and wrappers put before every weight's name: DDP and DeepSpeed
+(``module.``), torch.compile (``_orig_mod.``), a training dict's or Lightning's container and
+the model attribute it wraps (``model.``, ``state_dict.``)."""
 
-def module_of(name: str, depth: int | None) -> str:
+
+def container_prefix(names: list[str], containers: Iterable[str] = ()) -> str:
+    """The prefix every one of ``names`` (the model's weights and buffers) carries that is not
+    the model's own: a container of the pickled tree (``containers``: ``state_dict.``,
+    ``model.``...) and the wrappers of :data:`WRAPPERS`, outermost first.
+
+    Lightning's ``state_dict.net.0.weight`` gives ``state_dict.`` (``net`` is the model's top
+    module); a ``{"model": state_dict}`` dict gives ``model.``; DDP in it ``model.module.``.
+    """
+    known = (*dict.fromkeys(c for c in containers if c.endswith(".")), *WRAPPERS)
+    prefix = ""
+    rest = list(names)
+    while rest:
+        p = next((w for w in known if all(n.startswith(w) and len(n) > len(w)
+                                          for n in rest)), None)
+        if p is None:
+            break
+        prefix += p
+        rest = [n[len(p):] for n in rest]
+    return prefix
+
+
+def module_of(name: str, depth: int | None, prefix: str = "") -> str:
     """The module a tensor rolls up into: its first ``depth`` name components, or all but the
-    last (the module that owns it) when ``depth`` is None."""
+    last (the module that owns it) when ``depth`` is None; a name carrying ``prefix`` (see
+    :func:`container_prefix`) is counted, and shown, without it. A tensor at the model's top
+    level (a causal mask buffer) is a row of its own, under its name."""
+    if prefix and name.startswith(prefix):
+        name = name[len(prefix):]
     parts = name.split(".")[:-1]
-    return ".".join(parts[:depth] if depth is not None else parts) or "(top level)"
+    return ".".join(parts[:depth] if depth is not None else parts) or name
+
+
+CHECKPOINT = "(checkpoint)"
+"""The ``module`` of anomalies of a whole checkpoint (``unreadable``, ``mismatch``)."""
+
+
+def hist_bins(m: Moments) -> list[tuple[int | None, int | None, int]]:
+    """The histogram of ``|x|`` from its first to its last used bin, as ``(lo, hi, count)``:
+    the bin holds ``2**lo <= |x| < 2**hi`` (``lo`` None: the first bin of all, which holds
+    everything below ``2**hi``; ``hi`` None: the last, everything from ``2**lo`` up)."""
+    used = [i for i, c in enumerate(m.hist) if c]
+    if not used:
+        return []
+    last = len(m.hist) - 1
+    return [(None if i == 0 else HIST_LO + i, None if i == last else HIST_LO + i + 1,
+             m.hist[i]) for i in range(used[0], used[-1] + 1)]
 
 
 def _num(v: float | None) -> float | None:
@@ -211,7 +258,9 @@ class StatsResult(Documented):
         hist: Whether histograms are part of the document.
         jump: The norm jump flagged (run directories).
         skipped: Run entries not read (incomplete), with why.
-        bytes_read: Bytes of tensor data read now.
+        bytes_read: Bytes of tensor data read now (each byte of a file once: never more
+            than ``files_bytes``).
+        files_bytes: Bytes of the checkpoints' files.
         seconds: Wall time.
         kernel: Which kernel computed the figures (``compiled`` or ``numpy``).
         cache_dir: The cache directory (None with the cache off).
@@ -229,6 +278,7 @@ class StatsResult(Documented):
     jump: float
     skipped: dict[str, str] = field(default_factory=dict)
     bytes_read: int = 0
+    files_bytes: int = 0
     seconds: float = 0.0
     kernel: str = "numpy"
     cache_dir: Path | None = None

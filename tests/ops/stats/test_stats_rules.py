@@ -84,7 +84,7 @@ def lora_run(root: Path, *, boost_at: int | None = None, boost: float = 1.0,
 
 
 def b_module(i: int) -> str:
-    return f"model.{PEFT.format(i)}.lora_B.default"
+    return f"{PEFT.format(i)}.lora_B.default"  # the "model" container key: not shown
 
 
 def test_a_lora_run_with_warmup_and_no_step_0_save_is_clean(tmp_path: Path) -> None:

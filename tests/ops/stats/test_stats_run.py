@@ -109,21 +109,21 @@ def test_injected_run_flags_exactly_the_jump_the_nan_and_the_frozen_module(
     loop = injected_run(tmp_path / "run", checkpoints=6, jump_at=2, nan_at=3, freeze_from=4)
     steps = [int(p.stem.split("_")[1]) for p in loop.saved]
     doc = stats_json(tmp_path / "run", code=1)
-    assert found(doc) == {(steps[2], "model.layers.1", "norm-jump"),
-                          (steps[3], "model.layers.0", "nan"),
-                          (steps[4], "model.layers.2", "frozen")}
+    assert found(doc) == {(steps[2], "layers.1", "norm-jump"),
+                          (steps[3], "layers.0", "nan"),
+                          (steps[4], "layers.2", "frozen")}
     by = {a["kind"]: a for a in doc["anomalies"]}
     assert {a["checkpoint"] for a in doc["anomalies"]} == {
         loop.saved[2].name, loop.saved[3].name, loop.saved[4].name}
     # the figures that triggered each, as torch computes them
-    jump_now = torch_modules(loop.saved[1], loop.saved[2])["model.layers.1"]
-    jump_was = torch_modules(None, loop.saved[1])["model.layers.1"]
+    jump_now = torch_modules(loop.saved[1], loop.saved[2])["layers.1"]
+    jump_was = torch_modules(None, loop.saved[1])["layers.1"]
     assert close(by["norm-jump"]["l2"], jump_now["l2"])
     assert close(by["norm-jump"]["previous_l2"], jump_was["l2"])
     assert by["norm-jump"]["ratio"] == by["norm-jump"]["l2"] / by["norm-jump"]["previous_l2"]
     assert 50 < by["norm-jump"]["ratio"] < 200
     assert by["nan"]["nan"] == 1 and by["nan"]["numel"] == 16 * 16 + 16
-    frozen_before = torch_modules(loop.saved[2], loop.saved[3])["model.layers.2"]
+    frozen_before = torch_modules(loop.saved[2], loop.saved[3])["layers.2"]
     assert by["frozen"]["update_ratio"] == 0.0
     assert close(by["frozen"]["previous_update_ratio"], frozen_before["update_ratio"])
     for a in doc["anomalies"]:
@@ -138,11 +138,11 @@ def test_jump_and_filter_choose_what_is_judged(tmp_path: Path, cache: Path) -> N
     steps = [int(p.stem.split("_")[1]) for p in loop.saved]
     lax = stats_json(tmp_path / "run", "--jump", "200", code=1)
     assert lax["jump"] == 200.0
-    assert found(lax) == {(steps[3], "model.layers.0", "nan"),
-                          (steps[4], "model.layers.2", "frozen")}
+    assert found(lax) == {(steps[3], "layers.0", "nan"),
+                          (steps[4], "layers.2", "frozen")}
     one = stats_json(tmp_path / "run", "--filter", "model.layers.1.*", code=1)
-    assert found(one) == {(steps[2], "model.layers.1", "norm-jump")}
-    assert {m["name"] for c in one["checkpoints"] for m in c["modules"]} == {"model.layers.1"}
+    assert found(one) == {(steps[2], "layers.1", "norm-jump")}
+    assert {m["name"] for c in one["checkpoints"] for m in c["modules"]} == {"layers.1"}
     assert stats_json(tmp_path / "run", "--filter", "*.layers.2.*", "--last", "2")[
         "anomalies"] == []  # frozen since before the newest two: nothing changed in them
 
@@ -152,7 +152,7 @@ def test_a_tensor_zeroed_at_one_step_is_flagged_dead(tmp_path: Path, cache: Path
                         freeze_from=None, dead_at=3)
     doc = stats_json(tmp_path / "run", code=1)
     step = int(loop.saved[3].stem.split("_")[1])
-    assert found(doc) == {(step, "model.head", "dead")}
+    assert found(doc) == {(step, "head", "dead")}
     (dead,) = doc["anomalies"]
     assert dead["tensor"] == "model.head.weight" and dead["numel"] == 4 * 16
 
@@ -211,7 +211,7 @@ def test_a_batchnorm_step_counter_is_no_norm_jump(tmp_path: Path, cache: Path) -
         loop.checkpoint()
     doc = stats_json(tmp_path / "run")
     assert doc["anomalies"] == []
-    bn = [{m["name"]: m for m in c["modules"]}["model.bn"] for c in doc["checkpoints"]]
+    bn = [{m["name"]: m for m in c["modules"]}["bn"] for c in doc["checkpoints"]]
     assert bn[1]["l2"] > 2 * bn[0]["l2"]  # the module's figures hold the counter
 
 
@@ -266,13 +266,13 @@ def test_a_lora_adapter_growing_from_zero_is_no_norm_jump(tmp_path: Path,
     _lora_run(tmp_path / "run")
     doc = stats_json(tmp_path / "run")
     assert doc["anomalies"] == []
-    norms = [{m["name"]: m["l2"] for m in c["modules"]}["model.lora_B"]
+    norms = [{m["name"]: m["l2"] for m in c["modules"]}["lora_B"]
              for c in doc["checkpoints"]]
     assert norms[0] == 0 and norms[2] > 2 * norms[1]  # Adam: B's norm grows with the steps
     # still a x100 of the adapter is flagged, where it is
     steps = _lora_run(tmp_path / "sick", jump_at=3)
     sick = stats_json(tmp_path / "sick", code=1)
-    assert found(sick) == {(steps[3], "model.lora_B", "norm-jump")}
+    assert found(sick) == {(steps[3], "lora_B", "norm-jump")}
 
 
 def test_the_sample_run_has_no_anomaly(sample_run: Path, cache: Path) -> None:
@@ -356,8 +356,8 @@ def test_a_checkpoint_rewritten_in_place_is_recomputed(tmp_path: Path, cache: Pa
     assert again["checkpoints"] == stats_json(tmp_path / "run", "--no-cache")["checkpoints"]
     want = torch_modules(loop.saved[1], loop.saved[2])
     got = {m["name"]: m for m in again["checkpoints"][2]["modules"]}
-    assert close(got["model.head"]["l2"], want["model.head"]["l2"])
-    assert close(got["model.head"]["update_ratio"], want["model.head"]["update_ratio"])
+    assert close(got["head"]["l2"], want["head"]["l2"])
+    assert close(got["head"]["update_ratio"], want["head"]["update_ratio"])
 
 
 def test_a_checkpoint_behind_a_symlink_is_recomputed_when_its_target_changes(
@@ -522,14 +522,15 @@ def test_an_unwritable_cache_directory_costs_only_a_reread(tmp_path: Path) -> No
 
 
 def _depth1(path: Path, prev: Path) -> dict[str, float]:
-    """torch's update ratio per first name component under ``model.`` (``--depth 2``)."""
+    """torch's update ratio per first name component of the model (``--depth 1``: the
+    ``model.`` container key is not a component)."""
     now, before = load_model(path), load_model(prev)
     upd: dict[str, float] = {}
     base: dict[str, float] = {}
     for name, t in now.items():
         if not t.is_floating_point() or not torch.isfinite(t).all():
             continue
-        mod = "model." + name.split(".")[0]
+        mod = name.split(".")[0]
         b = before[name].double()
         upd[mod] = upd.get(mod, 0.0) + float((t.double() - b).pow(2).sum())
         base[mod] = base.get(mod, 0.0) + float(b.pow(2).sum())
@@ -543,14 +544,16 @@ def test_other_roll_ups_and_selections_come_from_the_cache(tmp_path: Path,
     run = tmp_path / "run"
     stats_json(run)
     # another depth: rolled up from the kept per-tensor figures and updates, nothing read
-    deep = stats_json(run, "--depth", "2")
+    deep = stats_json(run, "--depth", "1")
     assert deep["read"]["bytes"] == 0 and deep["read"]["computed_tensors"] == 0
     for i in (1, 4):
         got = {m["name"]: m["update_ratio"] for m in deep["checkpoints"][i]["modules"]}
         for mod, want in _depth1(loop.saved[i], loop.saved[i - 1]).items():
             assert close(got[mod], want), (i, mod)
+    # the model's top modules, never a "model" row of the container (the causal mask at the
+    # model's top level is a row of its own, under its name)
     assert {m["name"] for m in deep["checkpoints"][0]["modules"]} == {
-        "model.emb", "model.norm", "model.layers", "model.head", "model"}
+        "emb", "norm", "layers", "head", "causal_mask"}
     # every other checkpoint: the figures are kept, the updates between those two are new
     every = stats_json(run, "--every", "2")
     assert [c["step"] for c in every["checkpoints"]] == [0, 4, 8]
