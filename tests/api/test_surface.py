@@ -202,6 +202,8 @@ def test_the_examples_run(page: str, sample_run: Path, tmp_path: Path,
         from tests.api.python_md import ORDER
 
         text += "".join((FUNCTION_PAGES / f"{name}.md").read_text() for name in ORDER)
+        text += "".join((DOCS.parent / f"python-{name}.md").read_text()
+                        for name in ("open", "types"))
     if page == "README.md":
         text = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
     blocks = [b for b in _python_blocks(text) if "ckpt_cli." in b]
