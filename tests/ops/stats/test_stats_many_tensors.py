@@ -18,7 +18,8 @@ from safetensors.numpy import save_file
 from ckpt_cli.ops.stats import engine
 from ckpt_cli.ops.stats import stats as run_stats
 from ckpt_cli.ops.stats.options import StatsOptions
-from ckpt_cli.tensors.moments import HIST_BINS, Moments, piece_moments
+from ckpt_cli.ops.stats.result import figures
+from ckpt_cli.tensors.moments import HIST_BINS, HIST_LO, Moments, piece_moments
 
 
 def _mixed(path: Path) -> Path:
@@ -95,6 +96,8 @@ def test_compact_histograms_merge_as_full_ones(seed: int) -> None:
     lo = next((i for i, c in enumerate(want) if c), 0)
     hi = max((i for i, c in enumerate(want) if c), default=-1) + 1
     assert total.to_list()[11:13] == [lo, want[lo:hi]]  # the cache's form is unchanged
+    assert figures(total, hist=True)["hist"] == {
+        "first_binade": HIST_LO + lo if any(want) else None, "counts": want[lo:hi]}
 
 
 def test_a_full_histogram_set_is_kept_compact() -> None:
