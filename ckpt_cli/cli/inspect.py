@@ -19,7 +19,9 @@ from ckpt_cli.cli.options import (
 @common_options("storage_option", "json")
 def inspect_cmd(
     path: CheckpointArg,
-    tensors: Annotated[bool, typer.Option("--tensors", "-t", help="List every tensor.")] = False,
+    tensors: Annotated[bool, typer.Option(
+        "--tensors", "-t", help="List the tensors (over 1,000: the first and last 500 and a "
+                                "row counting the rest; --all lists every one).")] = False,
     filter_glob: Annotated[str | None, typer.Option(
         "--filter", metavar="GLOB", help="Only tensors whose name matches GLOB "
                                          "(e.g. '*.attn.*'); implies --tensors.")] = None,
@@ -30,8 +32,9 @@ def inspect_cmd(
     depth: Annotated[int, typer.Option("--depth", min=1, help="Levels of --tree.")] = 3,
     pattern: RunPatternOpt = None,
     all_rows: Annotated[bool, typer.Option(
-        "--all", help="Run directories: a row for every checkpoint (by default a long run "
-                      "shows its oldest and newest few).")] = False,
+        "--all", help="A row for every checkpoint of a run directory and every tensor of "
+                      "--tensors (by default a long list shows its first and last rows).")
+    ] = False,
     input_format: InputFormatOpt = None,
     allow_global: AllowGlobalOpt = None,
     *,

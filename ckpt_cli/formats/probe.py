@@ -188,15 +188,17 @@ def _other_file_status(path: Path) -> Probe:
 
 def _safetensors_status(path: Path, size: int,
                         fd: Handle | None = None) -> Probe:
-    try:
-        n, header, _, _findings = safetensors.parse_header(path, fd=fd, size=size)
-    except CkptError as err:
-        return Probe("safetensors", False, err.message)
-    header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()
-               if isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
-               and len(v["data_offsets"]) == 2 and isinstance(v["data_offsets"][1], int)),
-              default=0)
+    known = safetensors.known_end(fd) if fd is not None else None
+    if known is not None:
+        n, end = known
+    else:
+        try:
+            n, header, _, _findings = safetensors.parse_header(path, fd=fd, size=size)
+        except CkptError as err:
+            return Probe("safetensors", False, err.message)
+        header.pop("__metadata__", None)
+        ends = [e for e in map(safetensors.declared_end, header.values()) if e is not None]
+        end = max(ends, default=0)
     if 8 + n + end != size:
         return Probe("safetensors", False,
                       f"file is {size:,} bytes, header implies {8 + n + end:,}")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,7 +122,7 @@ def parse_header(path: Path, *, fd: Handle | None = None,
                                      + _pickle_note(fd, size), path=path) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError("header is not a JSON object", path=path)
-    if storage.json_depth_over(header, MAX_HEADER_DEPTH):
+    if text_depth_over(raw, MAX_HEADER_DEPTH):
         raise CorruptCheckpointError(_TOO_DEEP, path=path)
     findings: list[Finding] = []
     entries = len(header) - (1 if "__metadata__" in header else 0)
@@ -141,6 +143,42 @@ MAX_HEADER_DEPTH = 128
 library refuses a deeper header too."""
 _TOO_DEEP = (f"header nests deeper than {MAX_HEADER_DEPTH} levels (the safetensors library "
              "refuses it too)")
+
+
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+_ONE_BRACKET = bytes.maketrans(b"{}", b"[]")  # in valid JSON only the nesting counts
+
+
+def text_depth_over(raw: bytes, limit: int) -> bool:
+    """Whether a valid JSON text nests deeper than ``limit``, judged from its bytes (as
+    serde_json's recursion limit judges it, so a deep value that a repeated key replaces counts
+    too).
+
+    All in C over the bytes (a walk of the parsed header cost as much as parsing it, for a
+    million tensors): escapes that could hide a quote are removed, then everything but quotes
+    and brackets, then the strings (brackets inside them are not structure); what remains is
+    the bracket skeleton, and each pass removing its innermost bracket pairs peels one level.
+
+    Args:
+        raw: A text that a JSON parser accepted.
+        limit: The deepest nesting allowed.
+
+    Returns:
+        True when some value lies deeper than ``limit``.
+    """
+    if b"\\" in raw:
+        # Left to right, as a parser reads them: an escaped backslash, then an escaped quote.
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    skeleton = raw.translate(_ONE_BRACKET, _NOT_STRUCTURE)
+    quick = skeleton.replace(b'""', b"")  # strings without brackets in them
+    if b'"' in quick:  # some string holds a bracket: split the strings out properly
+        quick = b"".join(skeleton.split(b'"')[::2])
+    skeleton = quick
+    for _ in range(limit):
+        if not skeleton:
+            return False
+        skeleton = skeleton.replace(b"[]", b"")  # one scan: pairs it makes wait a pass
+    return bool(skeleton)
 
 
 def _duplicate_keys(raw: bytes) -> list[str]:
@@ -179,7 +217,12 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, default_group: s
     Raises:
         CorruptCheckpointError: If the header cannot be parsed at all.
     """
-    n, header, size, findings = parse_header(path)
+    h = storage.open_regular(path)
+    try:
+        stamp = _stamp(h)
+        n, header, size, findings = parse_header(path, fd=h, size=storage.size_of(h))
+    finally:
+        storage.close(h)
     rel = rel_to(path, index.base)
     index.files.append(FileInfo(rel, size, role, fmt))
     for f in findings:
@@ -193,19 +236,144 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, default_group: s
             index.metadata.setdefault("safetensors_metadata", {}).update(meta)
             _metadata_facts(index, meta)
     data_start = 8 + n
-    spans: list[tuple[int, int, str]] = []
     added: set[str] = set()
-    for name, entry in header.items():
-        info = _tensor_info(name, entry, rel, data_start, index, default_group, prefix)
+    grouper = _Grouper(default_group)
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+    # Offsets are checked in sorted order (_check_spans). Writers lay tensors out in header
+    # order, each starting where the one before ends: while that chain holds, no span need be
+    # kept (a million tuples), and sorting would find nothing; the first break rebuilds them.
+    chain: list[tuple[str, TensorInfo]] | None = []
+    spans: list[tuple[int, int, str]] = []
+    pos = 0
+    end_all: int | None = None  # what the quick status (formats.probe) computes, remembered
+    for name in list(header):
+        entry = header.pop(name)  # freed as it is read: the header and the index never peak
+        info = _fast_info(name, entry, rel, data_start, grouper, shapes, prefix)
         if info is None:
-            continue
+            last = declared_end(entry)
+            if last is not None:
+                end_all = last if end_all is None else max(end_all, last)
+            info = _tensor_info(name, entry, rel, data_start, index, default_group, prefix)
+            if info is None:
+                continue
         info = index.add_tensor(info)
         added.add(info.name)
         b, e = entry["data_offsets"]
+        end_all = e if end_all is None else max(end_all, e)
+        if chain is not None and b == pos and e - b == info.nbytes:
+            chain.append((name, info))
+            pos = e
+            continue
+        if chain is not None:
+            spans = [(t.offset - data_start, t.offset - data_start + t.nbytes, key)
+                     for key, t in chain if t.offset is not None]
+            chain = None
         spans.append((b, e, name))
     index.note_duplicates(rel, added)
-    _check_spans(index, rel, spans, size - data_start)
+    if stamp is not None:
+        _remember(stamp, n, end_all if end_all is not None else 0)
+    if chain is not None:
+        _check_end(index, rel, pos, size - data_start)
+    else:
+        _check_spans(index, rel, spans, size - data_start)
     return added
+
+
+_INT = {int}
+_ENDS: dict[tuple[int, ...], tuple[int, int]] = {}
+_ENDS_LOCK = threading.Lock()
+"""Header length and declared end of the files read here, by :func:`_stamp`: the quick status
+that ``validate`` asks for after reading a file (:func:`known_end`) need not parse its header
+a second time (seconds for a million tensors)."""
+
+
+def _stamp(h: Handle) -> tuple[int, ...] | None:
+    """What identifies an open local file's current contents: device, inode, size, mtime."""
+    if not isinstance(h, int):
+        return None
+    st = os.fstat(h)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _remember(stamp: tuple[int, ...], n: int, end: int) -> None:
+    with _ENDS_LOCK:  # headers are read on worker threads too
+        if len(_ENDS) >= 64:
+            _ENDS.pop(next(iter(_ENDS)))
+        _ENDS[stamp] = (n, end)
+
+
+def known_end(h: Handle) -> tuple[int, int] | None:
+    """For a file that :func:`read_into` read and that has not changed since: its header
+    length and the largest ``data_offsets`` end its header declares (see :func:`declared_end`);
+    else None."""
+    stamp = _stamp(h)
+    return _ENDS.get(stamp) if stamp is not None else None
+
+
+def declared_end(entry: Any) -> int | None:
+    """The end of an entry's ``data_offsets``, read as leniently as the quick status reads it
+    (anything int-like in the second place of a pair); None when there is none."""
+    if isinstance(entry, dict):
+        offs = entry.get("data_offsets")
+        if isinstance(offs, list) and len(offs) == 2 and isinstance(offs[1], int):
+            return offs[1]
+    return None
+
+
+class _Grouper:
+    """:func:`~ckpt_cli.formats.containers.group_of` for the names of one file, remembered by
+    what decides it (the name's first part, its last two, and whether the dtype is an
+    integer's): a header of a million tensors repeats a few hundred of those."""
+
+    __slots__ = ("cache", "default")
+
+    def __init__(self, default: str):
+        self.default = default
+        self.cache: dict[tuple[str, str, bool], str] = {}
+
+    def __call__(self, full: str, kind: str) -> str:
+        last = full.rfind(".")
+        key = (full.partition(".")[0], full[full.rfind(".", 0, last) + 1:] if last > 0 else full,
+               kind in ("int", "uint", "bool"))
+        group = self.cache.get(key)
+        if group is None:
+            group = group_of(tuple(full.split(".")), None, self.default)
+            if group == "model" and key[2]:
+                group = "buffer"
+            if len(self.cache) < 65536:
+                self.cache[key] = group
+        return group
+
+
+def _fast_info(name: str, entry: Any, rel: str, data_start: int, grouper: _Grouper,
+               shapes: dict[tuple[int, ...], tuple[int, ...]], prefix: str) -> TensorInfo | None:
+    """:func:`_tensor_info` for an entry that breaks no rule (the common case), checked with
+    few Python steps per tensor; None for any other, which :func:`_tensor_info` then reads and
+    reports."""
+    if type(entry) is not dict:
+        return None
+    dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if type(dtype) is not str:
+        return None
+    spec = dtypes.DTYPES.get(dtype)
+    if (spec is None or spec.bits % 8 or type(shape) is not list
+            or type(offs) is not list or len(offs) != 2 or len(shape) > dtypes.MAX_DIMS):
+        return None
+    if shape and (set(map(type, shape)) != _INT or min(shape) < 0
+                  or max(shape) > dtypes.MAX_ELEMENTS):
+        return None
+    begin, end = offs
+    if type(begin) is not int or type(end) is not int or begin < 0:
+        return None
+    numel = math.prod(shape)
+    expected = numel * (spec.bits // 8)
+    if numel > dtypes.MAX_ELEMENTS or end - begin != expected:
+        return None
+    key = tuple(shape)
+    key = shapes.setdefault(key, key) if len(shapes) < 65536 else key
+    full = prefix + name
+    return TensorInfo(full, dtype, key, expected, grouper(full, spec.kind), rel,
+                      data_start + begin)
 
 
 def _metadata_facts(index: CheckpointIndex, meta: dict[str, str]) -> None:
@@ -282,6 +450,10 @@ def _check_spans(index: CheckpointIndex, rel: str, spans: list[tuple[int, int, s
             index.add(Finding("error", "overlap", f"data overlaps the previous tensor by "
                               f"{pos - b:,} bytes", rel, name))
         pos = max(pos, e)
+    _check_end(index, rel, pos, data_len)
+
+
+def _check_end(index: CheckpointIndex, rel: str, pos: int, data_len: int) -> None:
     if pos > data_len:
         index.add(Finding("error", "truncated",
                           f"tensor data needs {pos:,} bytes but the file has {data_len:,} after "

@@ -472,11 +472,7 @@ def print_findings(findings: Iterable[Finding], *, console: Console | None = Non
         line.append(visible(f"{where}: ", lines=False) if where else "")
         line.append(visible(f.message, lines=False))  # escapes shown, not obeyed; one line
         con.print(line, soft_wrap=True)
-    for (severity, code), n in hidden.items():
-        line = Text(f"{severity}: ", style=_SEVERITY_STYLE[severity])
-        line.append(f"... and {n:,} more {code} finding{'s' if n != 1 else ''} "
-                    "(--json lists every one)")
-        con.print(line, soft_wrap=True)
+    _print_hidden(con, hidden)
     if len(globals_) > 1:
         flags = " ".join(f"--allow-global {q}" for q in globals_)
         con.print(Text("hint: only if you trust the file, every global above is accepted by: ")
@@ -485,11 +481,28 @@ def print_findings(findings: Iterable[Finding], *, console: Console | None = Non
 
 def print_messages(findings: Iterable[Finding]) -> None:
     """Print findings as ``<severity>: <message>`` on stderr: for messages that name their
-    file themselves (``convert``'s hostile-source warnings)."""
+    file themselves (``convert``'s hostile-source warnings, one per rank file of a ZeRO
+    checkpoint); at most :data:`REPEATS_SHOWN` of one kind, then one line counting the rest."""
     con = stderr()
+    shown: dict[tuple[str, str], int] = {}
+    hidden: dict[tuple[str, str], int] = {}
     for f in findings:
+        key = (f.severity, f.code)
+        if shown.get(key, 0) >= REPEATS_SHOWN:
+            hidden[key] = hidden.get(key, 0) + 1
+            continue
+        shown[key] = shown.get(key, 0) + 1
         line = Text(f"{f.severity}: ", style=_SEVERITY_STYLE[f.severity])
         line.append(visible(f.message, lines=False))
+        con.print(line, soft_wrap=True)
+    _print_hidden(con, hidden)
+
+
+def _print_hidden(con: Console, hidden: dict[tuple[str, str], int]) -> None:
+    for (severity, code), n in hidden.items():
+        line = Text(f"{severity}: ", style=_SEVERITY_STYLE[severity])
+        line.append(f"... and {n:,} more {code} finding{'s' if n != 1 else ''} "
+                    "(--json lists every one)")
         con.print(line, soft_wrap=True)
 
 

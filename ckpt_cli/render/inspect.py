@@ -69,7 +69,8 @@ def _render(result: InspectResult, all_rows: bool = False) -> None:
         out.print(tables.module_tree(result.tree))
     if result.tensors is not None:
         out.print()
-        out.print(tables.tensors_table(result.tensors))
+        out.print(tables.tensors_table(result.tensors,
+                                       limit=None if all_rows else tables.TENSOR_ROWS))
     human.print_findings(index.findings)
     if result.quantization is not None:
         human.print_findings(_problems(result.quantization))

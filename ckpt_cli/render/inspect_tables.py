@@ -136,13 +136,36 @@ def files_table(index: CheckpointIndex, limit: int = 20) -> Table:
     return out
 
 
-def tensors_table(tensors: list[TensorInfo]) -> Table:
-    """One row per tensor."""
+TENSOR_ROWS = 1000
+"""Rows of ``--tensors`` by default: the first and last half each, the rest counted in one row
+(a rich table of a million rows costs minutes and gigabytes to lay out)."""
+
+
+def tensors_table(tensors: list[TensorInfo], limit: int | None = None) -> Table:
+    """One row per tensor.
+
+    Args:
+        tensors: The tensors, in the order to list them.
+        limit: At most this many rows: the first ``limit // 2``, a row counting the rest (their
+            parameters and bytes), and the last. None lists every tensor.
+
+    Returns:
+        The table.
+    """
     out = table(Col("Name", kind="name"), Col("Dtype", drop=4), Col("Shape", drop=3),
                 Col("Params", "right", drop=2), Col("Bytes", "right", drop=1),
                 Col("Group", drop=0))
-    for t in tensors:
+    head, hidden = len(tensors), 0
+    if limit is not None and len(tensors) > limit:
+        head, hidden = limit // 2, len(tensors) - limit
+    for t in tensors[:head]:
         out.add_row(t.name, t.dtype, shape(t), f"{t.numel:,}", size(t.nbytes), t.group)
+    if hidden:
+        rest = tensors[head:head + hidden]
+        out.add_row(Text(f"... {hidden:,} more (--all lists every one)", style="dim"), "", "",
+                    f"{sum(t.numel for t in rest):,}", size(sum(t.nbytes for t in rest)), "")
+        for t in tensors[head + hidden:]:
+            out.add_row(t.name, t.dtype, shape(t), f"{t.numel:,}", size(t.nbytes), t.group)
     return out
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +67,18 @@ def _empty_hist() -> list[int]:
     return [0] * HIST_BINS
 
 
+def _trimmed(lo: int, bins: list[int]) -> tuple[int, list[int]]:
+    """``bins`` (counts from bin ``lo`` on) without zero bins at either end; ``(0, [])``
+    when all are zero."""
+    first = next((i for i, c in enumerate(bins) if c), None)
+    if first is None:
+        return 0, []
+    last = len(bins)
+    while not bins[last - 1]:
+        last -= 1
+    return lo + first, bins[first:last]
+
+
 @dataclass(slots=True)
 class Moments:
     """Figures of a set of values (a piece, a tensor, a module), mergeable.
@@ -82,7 +95,11 @@ class Moments:
         nan: NaN values.
         posinf: +Inf values.
         neginf: -Inf values.
-        hist: Non-zero finite values per binade of ``|x|`` (see the module notes).
+        hist_lo: The first bin of ``hist_bins``.
+        hist_bins: Non-zero finite values per binade of ``|x|`` (see the module notes), from
+            bin ``hist_lo`` to the last bin that counts any (a tensor's values span a few
+            binades: a million tensors' figures hold a few bins each, not 279); :attr:`hist`
+            is the full histogram.
         scale: ``m2`` and ``sumsq`` are in units of ``4**scale`` (0 but for values whose
             squares float64 cannot hold: see the module notes).
     """
@@ -98,8 +115,23 @@ class Moments:
     nan: int = 0
     posinf: int = 0
     neginf: int = 0
-    hist: list[int] = field(default_factory=_empty_hist)
+    hist_lo: int = 0
+    hist_bins: list[int] = field(default_factory=list)
     scale: int = 0
+
+    @property
+    def hist(self) -> list[int]:
+        """The full histogram: :data:`HIST_BINS` counts (set from one, or from a shorter list
+        of the first bins)."""
+        full = _empty_hist()
+        full[self.hist_lo:self.hist_lo + len(self.hist_bins)] = self.hist_bins
+        return full
+
+    @hist.setter
+    def hist(self, counts: list[int]) -> None:
+        if len(counts) > HIST_BINS:
+            raise ValueError(f"{len(counts)} histogram bins, more than {HIST_BINS}")
+        self.hist_lo, self.hist_bins = _trimmed(0, list(counts))
 
     def merge(self, other: Moments) -> None:
         """Add ``other``'s values to these figures (Chan et al.'s pairwise update)."""
@@ -120,7 +152,22 @@ class Moments:
         self.nan += other.nan
         self.posinf += other.posinf
         self.neginf += other.neginf
-        self.hist = [a + b for a, b in zip(self.hist, other.hist, strict=True)]
+        self._add_hist(other.hist_lo, other.hist_bins)
+
+    def _add_hist(self, lo: int, bins: list[int]) -> None:
+        if not bins:
+            return
+        mine = self.hist_bins
+        if not mine:
+            self.hist_lo, self.hist_bins = lo, list(bins)
+            return
+        start = min(self.hist_lo, lo)
+        out = [0] * (max(self.hist_lo + len(mine), lo + len(bins)) - start)
+        a = self.hist_lo - start
+        out[a:a + len(mine)] = mine
+        b = lo - start
+        out[b:b + len(bins)] = map(operator.add, out[b:b + len(bins)], bins)
+        self.hist_lo, self.hist_bins = start, out
 
     def add_spread(self, count: int, mean: float, m2: float, sumsq: float) -> None:
         """Add the count and moments of ``count`` more finite values (Chan et al.'s update):
@@ -174,15 +221,13 @@ class Moments:
     @property
     def tiny(self) -> int:
         """Non-zero finite values below ``2**TINY_BINADE`` (see :data:`TINY_BINADE`)."""
-        return sum(self.hist[:TINY_BINADE - HIST_LO])
+        return sum(self.hist_bins[:max(0, TINY_BINADE - HIST_LO - self.hist_lo)])
 
     def to_list(self) -> list[Any]:
         """A compact JSON-able form (the cache's), read back by :meth:`from_list`."""
-        lo = next((i for i, c in enumerate(self.hist) if c), 0)
-        hi = max((i for i, c in enumerate(self.hist) if c), default=-1) + 1
         out = [self.numel, self.count, _num(self.mean), _num(self.m2), _num(self.sumsq),
                _num(self.min), _num(self.max), self.zeros, self.nan, self.posinf,
-               self.neginf, lo, self.hist[lo:hi]]
+               self.neginf, self.hist_lo, list(self.hist_bins)]
         return [*out, self.scale] if self.scale else out
 
     @classmethod
@@ -204,12 +249,10 @@ class Moments:
         if not isinstance(hist, list) or lo + len(hist) > HIST_BINS or not all(
                 isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in hist):
             raise ValueError("bad histogram")
-        full = _empty_hist()
-        full[lo:lo + len(hist)] = hist
         out = cls(numel, count, _float(mean), _float(m2), _float(sumsq), _float(mn), _float(mx),
-                  zeros, nan, posinf, neginf, full, scale)
+                  zeros, nan, posinf, neginf, *_trimmed(lo, hist), scale)
         if not (math.isfinite(out.m2) and math.isfinite(out.sumsq)) or (
-                out.sumsq == 0 and any(full)):
+                out.sumsq == 0 and out.hist_bins):
             # written before sums were scaled: an overflowed or underflowed sum, recomputed
             raise ValueError("sums out of float64's range")
         return out
@@ -252,6 +295,13 @@ def _compiled() -> Any:
     return load("_moments", "CKPT_NO_COMPILED_MOMENTS")
 
 
+@functools.lru_cache(maxsize=64)
+def _name(dtype: Any) -> str:
+    """``dtype.name``, remembered: numpy computes it in Python each time, which cost more than
+    the compiled kernel's work on a tensor of a few values."""
+    return str(dtype.name)
+
+
 def moments_kernel() -> str:
     """Which kernel :func:`piece_moments` uses: ``"compiled"`` or ``"numpy"``."""
     return "numpy" if _compiled() is None else "compiled"
@@ -263,7 +313,7 @@ def _as_kernel_input(arr: np.ndarray) -> np.ndarray:
     import numpy as np
 
     flat = np.ascontiguousarray(arr).reshape(-1)
-    if flat.dtype.name in _KERNEL_DTYPES:
+    if _name(flat.dtype) in _KERNEL_DTYPES:
         return flat
     if flat.dtype.kind == "c":
         modulus: np.ndarray = np.abs(flat)  # hypot: no overflow; float32 or float64
@@ -305,9 +355,10 @@ def _kernel(flat: np.ndarray) -> Moments:
     if compiled is not None:
         hist = _hist_array()
         count, mean, m2, sumsq, lo, hi, zeros, nan, posinf, neginf = compiled.piece(
-            _buffer(flat), flat.dtype.name, hist)
-        return Moments(flat.size, count, mean, m2, sumsq, lo, hi, zeros, nan, posinf, neginf,
-                       hist.tolist())
+            _buffer(flat), _name(flat.dtype), hist)
+        out = Moments(flat.size, count, mean, m2, sumsq, lo, hi, zeros, nan, posinf, neginf)
+        _set_hist(out, hist)
+        return out
     return numpy_piece_moments(flat)
 
 
@@ -364,8 +415,18 @@ def numpy_piece_moments(arr: np.ndarray) -> Moments:
             d -= mean
             out.add_spread(blk.size, mean, float(np.einsum("i,i->", d, d)), sumsq)
             _binades(blk, hist)
-    out.hist = hist.tolist()
+    _set_hist(out, hist)
     return out
+
+
+def _set_hist(out: Moments, hist: np.ndarray) -> None:
+    """A kernel's full histogram into ``out``'s compact one."""
+    import numpy as np
+
+    used = np.flatnonzero(hist)
+    if used.size:
+        lo, hi = int(used[0]), int(used[-1]) + 1
+        out.hist_lo, out.hist_bins = lo, hist[lo:hi].tolist()
 
 
 def _binades(x: np.ndarray, hist: np.ndarray) -> None:
@@ -419,7 +480,7 @@ def diff_sumsq(a: np.ndarray, b: np.ndarray) -> float:
         raise ValueError(f"{fa.size:,} values against {fb.size:,}")
     compiled = _compiled()
     if compiled is not None and fa.dtype == fb.dtype:
-        return float(compiled.diff_sumsq(_buffer(fa), _buffer(fb), fa.dtype.name))
+        return float(compiled.diff_sumsq(_buffer(fa), _buffer(fb), _name(fa.dtype)))
     total = 0.0
     buf = np.empty(min(BLOCK, fa.size), dtype=np.float64)
     with np.errstate(all="ignore"):

@@ -221,7 +221,7 @@ def _sane(m: Moments) -> bool:
     """Whether figures read back are ones a computation can give (finite moments, counts
     that add up): a damaged entry that still parses is not trusted either."""
     counted = m.count + m.nan + m.posinf + m.neginf
-    return (counted == m.numel and m.zeros <= m.count and sum(m.hist) <= m.count
+    return (counted == m.numel and m.zeros <= m.count and sum(m.hist_bins) <= m.count
             and all(math.isfinite(v) for v in (m.mean, m.m2, m.sumsq))
             and m.m2 >= 0 and m.sumsq >= 0
             and (not m.count or (math.isfinite(m.min) and m.min <= m.max)))

@@ -211,17 +211,47 @@ def compute(works: list[Work], *, budget: int, threads: int,
     sources = _Sources(works)
     done = [0] * len(order)  # bytes read, per job (each writes its own slot)
 
-    def job(k: int) -> Callable[[Meter], None]:
-        def one(meter: Meter) -> None:
-            done[k] = _run(works, order[k], chains[k], windows[k], sources, meter)
-        return one
+    def job(first: int, end: int) -> Callable[[Meter], None]:
+        def some(meter: Meter) -> None:
+            k = first
+            while k < end and not meter.stop.is_set():
+                done[k] = _run(works, order[k], chains[k], windows[k], sources, meter)
+                k += 1
+        return some
 
+    batches = _batches(sizes)
     try:
-        run_bounded([job(k) for k in range(len(order))], costs, budget=budget,
-                    threads=threads, total=sum(sizes), label="values", on_progress=on_progress)
+        run_bounded([job(*b) for b in batches], [max(costs[b[0]:b[1]]) for b in batches],
+                    budget=budget, threads=threads, total=sum(sizes), label="values",
+                    on_progress=on_progress)
     finally:
         sources.close()
     return sum(done)
+
+
+_SMALL_JOB = 64 << 10
+"""Bytes below which a tensor's job joins its neighbours' (one after another, on one thread):
+handing a job to a thread costs more than reading a small tensor; a header of a million tiny
+tensors made a million hand-overs."""
+_BATCH_BYTES = 1 << 20
+_BATCH_JOBS = 256
+
+
+def _batches(sizes: list[int]) -> list[tuple[int, int]]:
+    """Consecutive jobs grouped (``(first, end)`` each): a large one alone, small ones
+    together (see :data:`_SMALL_JOB`), in order."""
+    out: list[tuple[int, int]] = []
+    start = total = 0
+    for k, size in enumerate(sizes):
+        small = size < _SMALL_JOB
+        if k > start and (not small or total + size > _BATCH_BYTES
+                          or k - start >= _BATCH_JOBS or sizes[k - 1] >= _SMALL_JOB):
+            out.append((start, k))
+            start, total = k, 0
+        total += size
+    if start < len(sizes):
+        out.append((start, len(sizes)))
+    return out
 
 
 def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sources: _Sources,
@@ -229,7 +259,7 @@ def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sour
     """One tensor through the checkpoints of ``chain``, in lockstep (see the module notes);
     returns the bytes read."""
     streams: dict[int, _Window] = {}
-    figures: dict[int, Moments] = {}
+    figures: dict[int, Moments | None] = {}
     sq: dict[int, float | None] = {}
     read = 0
     for i in chain:
@@ -238,7 +268,7 @@ def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sour
             streams[i] = _Window(_pieces(sources, i, target, window_bytes))
         except CkptError as e:
             works[i].errors[name] = e.message
-        figures[i] = Moments()
+        figures[i] = None  # the first window's figures, then merged into
         sq[i] = 0.0
     step = _window_elems(window_bytes)
     longest = max(works[i].targets[name].numel for i in chain)
@@ -266,7 +296,11 @@ def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sour
             meter.add(got_bytes)
             read += got_bytes
             if name in w.stats:
-                figures[i].merge(piece_moments(arr))
+                have = figures[i]
+                if have is None:
+                    figures[i] = piece_moments(arr)
+                else:
+                    have.merge(piece_moments(arr))
             if name in w.updates and prev is not None and prev[0] == i - 1:
                 got = sq[i]
                 if got is not None:
@@ -284,7 +318,8 @@ def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sour
         scale = w.targets[name].scale
         read += scale.nbytes if scale is not None else 0
         if name in w.stats:
-            w.got[name] = figures[i]
+            have = figures[i]
+            w.got[name] = have if have is not None else Moments()
         if name in w.updates and (i - 1) in streams and i - 1 in chain:
             w.got_updates[name] = sq[i]
     for s in streams.values():

@@ -76,11 +76,9 @@ def figures(m: Moments, *, hist: bool = False) -> dict[str, Any]:
         "min": m.min if m.count else None, "max": m.max if m.count else None,
         "absmax": m.absmax, "l2": _num(m.l2), "zeros": m.zeros,
         "nan": m.nan, "inf": m.inf, "tiny": m.tiny}
-    if hist:
-        used = [i for i, c in enumerate(m.hist) if c]
-        lo, hi = (used[0], used[-1] + 1) if used else (0, 0)
-        doc["hist"] = {"first_binade": HIST_LO + lo if used else None,
-                       "counts": m.hist[lo:hi]}
+    if hist:  # the compact histogram is trimmed at both ends already
+        doc["hist"] = {"first_binade": HIST_LO + m.hist_lo if m.hist_bins else None,
+                       "counts": list(m.hist_bins)}
     return doc
 
 
