@@ -331,6 +331,40 @@ def _dcp_load(path: Path, dtype: torch.dtype = torch.float32) -> dict:
     return fresh
 
 
+def test_thinned_dcp_keeps_0d_tensors_0d(tmp_path: Path) -> None:
+    """A scalar tensor beside the weights (a loss, a step counter) is still 0-d after thinning:
+    ``dcp.load`` into the training script's own state dict checks every shape."""
+    import os
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    run = tmp_path / "run"
+    run.mkdir()
+    model = _dcp_model()
+    opt = torch.optim.Adam(model.parameters())
+    with third_party_quiet():
+        for step in (100, 200):
+            model(torch.randn(8, 32)).sum().backward()
+            opt.step()
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict(),
+                      "train": {"loss": torch.tensor(2.5), "step": torch.tensor(step)}},
+                     checkpoint_id=str(run / f"step_{step:06d}"), no_dist=True)
+    old = time.time() - 3600
+    for dirpath, _dirs, files in os.walk(run):
+        for name in (*files, "."):
+            os.utime(os.path.join(dirpath, name), (old, old))
+    r = run_cli("prune", run, "--keep", "2", "--thin-after", "1", "--grace", "0", "--yes")
+    assert r.exit_code == 0, r.stderr
+    assert "thinned step_000100" in r.stdout
+    fresh = {"model": {k: torch.zeros_like(v) for k, v in _dcp_model().state_dict().items()},
+             "train": {"loss": torch.tensor(0.0), "step": torch.tensor(0)}}
+    with third_party_quiet():
+        dcp.load(fresh, checkpoint_id=str(run / "step_000100"), no_dist=True)
+    assert fresh["train"]["loss"].shape == () and float(fresh["train"]["loss"]) == 2.5
+    assert fresh["train"]["step"].shape == () and int(fresh["train"]["step"]) == 100
+
+
 @pytest.mark.parametrize("to", [None, "bf16"])
 def test_thin_dcp_step_directories(tmp_path: Path, to: str | None) -> None:
     from ckpt_cli.formats import read_index

@@ -32,7 +32,8 @@ def _torch_of(arr: Any, code: str) -> Any:
 
     from ckpt_cli import dtypes
 
-    arr = np.ascontiguousarray(arr)
+    if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d tensor 1-d)
+        arr = arr.copy(order="C")
     td = dtypes.torch_dtype(code)
     size = arr.dtype.itemsize
     if size in (1, 2, 4, 8) and dtypes.DTYPES[code].kind != "complex":
