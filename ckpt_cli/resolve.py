@@ -232,9 +232,10 @@ def _is_checkpoint(d: Path) -> bool:
     return True
 
 
-# Names of files that are parts of one checkpoint: shards of a set, per-rank files.
-_PART = re.compile(r"-of-|rank|shard|_part_?\d|\.distcp\Z", re.IGNORECASE)
-_STATE_FILES = ("trainer_state.json", "config.json", "meta.json", "metadata.json")
+# Names of files that are parts of one checkpoint: shards of a set, per-rank files, Meta's
+# model-parallel ``consolidated.NN.pth``.
+_PART = re.compile(r"-of-|rank|shard|_part_?\d|\.distcp\Z|^consolidated\.\d+\.", re.IGNORECASE)
+_STATE_FILES = ("trainer_state.json", "config.json", "meta.json", "metadata.json", "params.json")
 
 
 def unrelated_files(path: Path) -> list[str]:
