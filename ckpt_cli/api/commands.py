@@ -226,6 +226,7 @@ def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
           part: Part | str | None = None, pattern: str | None = None,
           input_format: InputFormat | None = None, max_memory: int | str | None = None,
           storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
+          allow_global: str | Iterable[str] | None = None,
           on_progress: ProgressCallback | None = None) -> StatsResult:
     """Figures of the weights of a checkpoint, or of every checkpoint of a run (``ckpt stats``).
 
@@ -249,6 +250,7 @@ def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
         max_memory: Budget for the values being read, in bytes or as text.
         storage_options: fsspec options for URLs.
         concurrency: URLs: ranged GETs in flight per object streamed.
+        allow_global: Pickle globals to trust (``"module.name"``, one or several).
         on_progress: Called as ``("values", bytes_done, bytes_total)``.
 
     Returns:
@@ -275,7 +277,7 @@ def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
                                every=every, last=last, jump=jump, cache=not no_cache,
                                cache_dir=where, fmt=input_format, pattern=pattern, jobs=jobs,
                                max_memory=_args.size(max_memory, "max_memory"),
-                               part=_args.part(part))
+                               part=_args.part(part), allow_globals=_args.names(allow_global))
         return run(_args.located(path), options, on_progress=on_progress)
 
 

@@ -7,6 +7,7 @@ import typer
 
 from ckpt_cli.cli.options import (
     STREAMING,
+    AllowGlobalOpt,
     CheckpointArg,
     Common,
     InputFormatOpt,
@@ -74,6 +75,7 @@ def stats_cmd(
     part: PartOpt = None,
     pattern: RunPatternOpt = None,
     input_format: InputFormatOpt = None,
+    allow_global: AllowGlobalOpt = None,
     *,
     common: Common,
 ) -> None:
@@ -112,7 +114,7 @@ def stats_cmd(
                                hist=hist, every=every, last=last, jump=jump,
                                cache=not no_cache, cache_dir=cache_dir, fmt=input_format,
                                pattern=pattern, jobs=jobs, max_memory=common.max_memory,
-                               part=part)
+                               part=part, allow_globals=tuple(allow_global or ()))
         with common.progress("reading") as bar:
             result = stats(path, options, on_progress=bar.labelled)
         outcome.exit_code = code = result.exit_code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import stat
@@ -233,6 +234,35 @@ def rel_to(path: Path, base: Path) -> str:
 _HARMLESS = {"unsafe-global", "unknown-global", "non-allowlisted-global",
              "torchscript-archive", "unscanned-pickle", "unindexed-tensor", "wrong-shard",
              "pickle-after-stop"}
+
+
+SAFETY_CODES = frozenset({"unsafe-global", "unknown-global", "torchscript-archive",
+                          "unscanned-pickle", "pickle-after-stop", "duplicate-key"})
+"""Reader finding codes about what a file would do elsewhere: pickle globals that run code
+under a full unpickler, TorchScript, a pickle ckpt could not scan or one hidden after
+``data.pkl``'s STOP, a safetensors key spelt twice (readers disagree on which counts)."""
+
+
+def safety_findings(findings: Iterable[Finding]) -> list[Finding]:
+    """The safety findings of a read (:data:`SAFETY_CODES`), as every command reports them.
+
+    A pickle ckpt could not scan is an error here, whatever the reader said: what cannot be
+    scanned may run anything (fail closed, as ``validate`` judges it).
+
+    Args:
+        findings: A read's findings (``CheckpointIndex.findings``).
+
+    Returns:
+        Those about safety, in order.
+    """
+    return [dataclasses.replace(f, severity="error") if f.code == "unscanned-pickle" else f
+            for f in findings if f.code in SAFETY_CODES]
+
+
+def refused(findings: Iterable[Finding]) -> bool:
+    """Whether safety findings fail a command that reports them (exit 1, as ``validate``):
+    an error among them (a refused global, an unscannable pickle, a duplicate key)."""
+    return any(f.severity == "error" for f in safety_findings(findings))
 
 
 # Findings that mean tensors the checkpoint should hold are not there (a shard the index

@@ -38,10 +38,9 @@ from ckpt_cli.manifest import checkpoint_files as manifest_files
 from ckpt_cli.model import CheckpointIndex, Finding, WrittenFile
 from ckpt_cli.ops import options_of
 from ckpt_cli.parts import Part, source_identity
+from ckpt_cli.resolve import resolve
 from ckpt_cli.runs import (
     PointerError,
-    follow_pointer,
-    is_run_dir,
     read_pointer,
     tree_stats,
 )
@@ -205,9 +204,6 @@ def detect_kind(path: Path) -> str:
             return "rank-files"
         if pointer_error is not None:
             raise pointer_error
-        if is_run_dir(path):
-            raise UsageError(f"{path} is a run directory; name one of its checkpoints",
-                             hint=f"ckpt inspect {path} lists them")
     rank_tag = deepspeed.zero3_rank_file(path) if path.is_file() else None
     if path.is_dir() and MegatronReader().sniff(path) is None:
         ranks = read_index(path).layout.get("world_size", 1)
@@ -292,9 +288,8 @@ def consolidate(source: str | Path, output: str | Path,
     check_exists(src)
     # A run directory's resume pointer names the checkpoint (DeepSpeed's `latest` is also
     # followed by detect_kind for a save directory of one tag; Megatron's tracker only here).
-    followed = follow_pointer(src) if src.is_dir() else None
-    if followed is not None:
-        src = followed.path
+    given = resolve(src)
+    followed, src = given.followed, given.checkpoint()
     if opts.verify and not storage.can_rename_atomically(out):
         raise UsageError("verify re-reads the output before it is put in place, which an "
                          "object store's output cannot be yet", param="verify",

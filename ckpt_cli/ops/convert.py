@@ -34,7 +34,7 @@ from ckpt_cli.fp8.scheme import read_quantization_config
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 from ckpt_cli.ops import convert_fp8, options_of
 from ckpt_cli.parts import Part, source_identity
-from ckpt_cli.runs import follow_pointer, is_run_dir
+from ckpt_cli.resolve import resolve
 from ckpt_cli.storage.atomic import check_not_input
 from ckpt_cli.storage.reads import memory_budget
 from ckpt_cli.tensors.cast import (
@@ -231,12 +231,8 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
     elif to not in TARGETS:
         raise UsageError(f"to must be fp16, bf16, fp32, fp8 or keep, not {to!r}", param="to")
     fmt = output_format(out, fmt, directory=names_directory(output))
-    followed = follow_pointer(src) if opts.input_format is None else None
-    if followed is not None:
-        src = followed.path
-    elif opts.input_format is None and is_run_dir(src):
-        raise UsageError(f"{src} is a run directory; name one of its checkpoints",
-                         hint=f"ckpt inspect {src} lists them")
+    given = resolve(src, input_format=opts.input_format)
+    followed, src = given.followed, given.checkpoint()
     check_not_input(out, src)
     index = read_index(src, opts.input_format)
     check_not_input(out, src, (index.path_of(f.path) for f in index.files))

@@ -14,7 +14,8 @@ from ckpt_cli.formats import allowlist, check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
 from ckpt_cli.fp8 import scheme
 from ckpt_cli.model import GROUPS, CheckpointIndex, RunListing, TensorInfo, parameters_of
-from ckpt_cli.runs import holds_final_model, is_run_dir, list_run
+from ckpt_cli.resolve import resolve
+from ckpt_cli.runs import list_run
 
 # -- the result ------------------------------------------------------------------------------------
 
@@ -144,9 +145,10 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
     if depth < 1:
         raise UsageError("depth must be at least 1", param="depth")
     allowed = allowlist.parse_names(allow_globals)
-    if fmt is None and holds_final_model(p):
+    target = resolve(p, input_format=fmt)
+    if target.final_model:
         result = _inspect_final(p, pattern)
-    elif fmt is None and is_run_dir(p):
+    elif target.is_run:
         result = _inspect_run(p, pattern)
     else:
         result = InspectResult(p, "checkpoint", read_index(p, fmt))

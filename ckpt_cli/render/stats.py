@@ -426,6 +426,9 @@ def render(r: StatsResult, *, top: int | None = 20, sort: str = "name", hist: bo
                            if good is not None else
                            f"Last good: none (the first checkpoint read, {at}, has an anomaly)",
                            style="bold"))
+    elif r.exit_code:  # the values are fine; the files are not (findings on stderr)
+        out.print(Text("No anomaly in the values, but unsafe content in the files (see the "
+                       "errors).", style="bold red"))
     elif r.part is None or r.part["complete"]:
         out.print(Text("No anomaly found.", style="green"))
 
@@ -436,6 +439,8 @@ def show(r: StatsResult, *, json: bool, quiet: bool, top: int, sort: str) -> Non
         err = human.stderr()
         for name, why in r.skipped.items():
             err.print(Text(f"note: {name}: not read: {why}"), soft_wrap=True)
+    if not quiet:
+        human.print_findings(r.findings)  # what the reads found unsafe, as inspect says it
     if json:
         from ckpt_cli.render.json import emit_result
 

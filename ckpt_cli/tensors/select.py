@@ -7,6 +7,7 @@ whose pickles would run code under a full ``torch.load`` is called out the same 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -167,7 +168,8 @@ def _group_summary(index: CheckpointIndex) -> str:
 
 def hostile_warnings(index: CheckpointIndex) -> list[Finding]:
     """One ``hostile-source`` warning per source file whose pickles name globals that run
-    code under ``torch.load(weights_only=False)``, or that is a TorchScript archive.
+    code under ``torch.load(weights_only=False)``, or that is a TorchScript archive; and the
+    readers' findings of a hidden or unscannable pickle or a duplicate header key, as warnings.
 
     ckpt ran none of it (the tensors come from the inert pickle records), but whoever made
     the file meant it to run: the user should know, whatever the output looks like.
@@ -186,9 +188,17 @@ def hostile_warnings(index: CheckpointIndex) -> list[Finding]:
         elif f.code == "torchscript-archive":
             script.add(f.file)
             named.setdefault(f.file, [])
-    return [hostile_warning(index.path_of(rel) if rel else index.root, sorted(set(quals)),
-                            torchscript=rel in script, rel=rel)
-            for rel, quals in named.items()]
+    out = [hostile_warning(index.path_of(rel) if rel else index.root, sorted(set(quals)),
+                           torchscript=rel in script, rel=rel)
+           for rel, quals in named.items()]
+    # What the globals do not say: a pickle hidden after data.pkl's STOP, one ckpt could not
+    # scan, a header key spelt twice. The output is clean; the source should not be loaded.
+    return out + [dataclasses.replace(f, severity="warning", message=(
+        f"{index.path_of(f.file) if f.file else index.root}: {f.message}"))
+        for f in index.findings if f.code in _HIDDEN]
+
+
+_HIDDEN = ("pickle-after-stop", "unscanned-pickle", "duplicate-key")
 
 
 def hostile_warning(path: Path, qualnames: list[str], *, torchscript: bool = False,

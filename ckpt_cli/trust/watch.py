@@ -21,7 +21,6 @@ killed mid-save) is recorded bad as abandoned, never good.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -478,22 +477,18 @@ def run_dirs(root: Path) -> list[Path]:
             written inside it); the message names its run directory.
     """
     from ckpt_cli.errors import UsageError
-    from ckpt_cli.runs import ITSELF, is_run_dir, run_dir_problem
+    from ckpt_cli.resolve import runs_below
+    from ckpt_cli.runs import ITSELF, holds_final_model, is_run_dir, run_dir_problem
 
-    if is_run_dir(root):
+    if is_run_dir(root) or holds_final_model(root):
         return [root]
     problem = run_dir_problem(root)
     if problem is not None and problem.startswith(ITSELF):
         raise UsageError(problem, path=root, hint=f"watch the directory that holds it: "
                                                   f"{root.parent}")
-    out = []
-    with contextlib.suppress(OSError), storage.scandir(root) as it:
-        for child in sorted(it, key=lambda c: c.name):
-            if child.is_dir(follow_symlinks=False) and not child.name.startswith("."):
-                p = storage.locate(child.path)
-                if is_run_dir(p):
-                    out.append(p)
-    return out or [root]
+    # The runs below, as every command finds them (a Lightning lightning_logs/version_N/
+    # checkpoints/ tree too); none yet: the root is a run before its first save.
+    return [root / rel for rel, kind in runs_below(root) if kind == "run"] or [root]
 
 
 class Watcher:

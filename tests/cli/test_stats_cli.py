@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 ENVELOPE = {"schema_version", "command"}
-COMMON = ENVELOPE | {"path", "mode", "scope", "depth", "read", "part", "anomalies"}
+COMMON = ENVELOPE | {"path", "mode", "scope", "depth", "read", "part", "anomalies", "findings"}
 RUN_KEYS = COMMON | {"jump", "checkpoints", "skipped", "last_good"}
 CHECKPOINT_KEYS = COMMON | {"format", "step", "tensors", "modules"}
 READ_KEYS = {"bytes", "seconds", "kernel", "cached_tensors", "computed_tensors", "cache_dir"}

@@ -31,7 +31,6 @@ from pathlib import Path
 from ckpt_cli import storage
 from ckpt_cli.errors import (
     CkptError,
-    UnknownFormatError,
     UnsupportedError,
     UsageError,
 )
@@ -45,7 +44,8 @@ from ckpt_cli.ops.diff.names import normalise
 from ckpt_cli.ops.diff.result import DiffOptions as DiffOptions  # re-exported: the public name
 from ckpt_cli.ops.diff.result import DiffResult
 from ckpt_cli.ops.diff.values import ProgressFn, _compare_all, comparable, on_side
-from ckpt_cli.runs import Followed, follow_pointer, is_run_dir, list_run
+from ckpt_cli.resolve import resolve
+from ckpt_cli.runs import Followed
 from ckpt_cli.storage.reads import memory_budget
 
 STATUSES: tuple[str, ...] = ("identical", "within_tolerance", "changed", "shape_changed",
@@ -123,23 +123,10 @@ def same_checkpoint(index_a: CheckpointIndex, index_b: CheckpointIndex) -> str |
 def _read_side(path: str | Path, fmt: str | None,
                label: str) -> tuple[CheckpointIndex, Followed | None]:
     try:
-        followed = follow_pointer(storage.locate(path)) if fmt is None else None
-        return read_index(followed.path if followed else path, fmt), followed
-    except UnknownFormatError as e:
-        raise on_side(_run_dir_error(storage.locate(path)) or e, label) from None
+        target = resolve(path, input_format=fmt)
+        return read_index(target.checkpoint(), fmt), target.followed
     except CkptError as e:
         raise on_side(e, label) from None
-
-
-def _run_dir_error(path: Path) -> CkptError | None:
-    """A clearer error for a run directory given where one checkpoint is expected."""
-    if not is_run_dir(path):
-        return None
-    entries = [e for e in list_run(path).entries if e.complete]
-    hint = (f"name one of its checkpoints, e.g. {path / entries[-1].name} (the newest)"
-            if entries else "name one of its checkpoints")
-    return UsageError(f"a run directory ({len(entries)} complete checkpoints), not a "
-                      "checkpoint", path=path, hint=hint)
 
 
 def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,

@@ -60,6 +60,7 @@ from ckpt_cli.ops.prune.retention import (
 )
 from ckpt_cli.ops.prune.timelines import abandoned_checkpoints
 from ckpt_cli.ops.validate.layoutcheck import rank_findings
+from ckpt_cli.resolve import holds_runs
 from ckpt_cli.runs import ITSELF, list_run, run_dir_problem, writer_lock
 from ckpt_cli.trust.ledger import read_ledger
 
@@ -146,6 +147,10 @@ def plan(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
         # Never, not even with any_dir: the lock (and thinning's work) would land inside it.
         raise UsageError(problem, path=given,
                          hint=f"prune the directory that holds it: {site.root.parent}")
+    if quiet and pattern is None and isinstance(site, LocalRun):
+        above = holds_runs(site.root)  # a directory of runs is no run "before its first save"
+        if above is not None:
+            raise above
     if problem and not quiet and not any_dir:
         raise UsageError(problem, path=given, hint=ANY_DIR_HINT, param="any_dir")
     swept: tuple[list[str], dict[str, str]] = ([], {})

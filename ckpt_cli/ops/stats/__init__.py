@@ -15,6 +15,7 @@ cache, and the one that finds every figure there reports the whole.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -22,9 +23,10 @@ from pathlib import Path
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.formats import read_index
+from ckpt_cli.formats import allowlist, read_index
+from ckpt_cli.formats.base import safety_findings
 from ckpt_cli.formats.names import in_progress_reason, is_last_copy
-from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.model import CheckpointIndex, Finding
 from ckpt_cli.ops.stats.anomalies import broken_checkpoint, detect, mismatches, unreadable
 from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, is_default, key_of
 from ckpt_cli.ops.stats.engine import Work, compute
@@ -40,7 +42,8 @@ from ckpt_cli.ops.stats.result import (
     module_of,
 )
 from ckpt_cli.ops.stats.scope import WEIGHT_GROUPS, Scope, scope_of
-from ckpt_cli.runs import follow_pointer, is_run_dir, list_run
+from ckpt_cli.resolve import resolve
+from ckpt_cli.runs import list_run
 from ckpt_cli.storage.reads import ProgressFn, memory_budget, worker_threads
 from ckpt_cli.tensors.moments import moments_kernel
 
@@ -89,14 +92,16 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
     t0 = time.perf_counter()
     opts = options or StatsOptions()
     _check(opts)
+    allowed = allowlist.parse_names(opts.allow_globals)
     where = storage.locate(path)
-    run = opts.fmt is None and is_run_dir(where)
+    target = resolve(where, input_format=opts.fmt)
+    run = target.is_run  # with a resume pointer too: every checkpoint of the run is read
     skipped: dict[str, str] = {}
     broken: list[Anomaly] = []
     cache = FigureCache(cache_root(opts.cache_dir) if opts.cache else None, enabled=opts.cache,
                         tighten=is_default(opts.cache_dir))
     ckpts = _run_checkpoints(where, opts, skipped, broken, cache) if run else [
-        _one_checkpoint(where, opts, cache)]
+        _one_checkpoint(target.checkpoint(), opts, cache)]
     works = _plan(ckpts, run)
     select = _part_select(ckpts, opts)
     budget = memory_budget(opts.max_memory)
@@ -143,7 +148,19 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
         else "weights", depth=opts.depth, hist=opts.hist, jump=opts.jump, skipped=skipped,
         bytes_read=read, files_bytes=sum(files_bytes(c.index) for c in ckpts),
         seconds=time.perf_counter() - t0, kernel=moments_kernel(),
-        cache_dir=cache.dir if cache.enabled else None, part=part)
+        cache_dir=cache.dir if cache.enabled else None, part=part,
+        findings=_findings(ckpts, run, allowed))
+
+
+def _findings(ckpts: list[_Checkpoint], run: bool, allowed: tuple[str, ...]) -> list[Finding]:
+    """The safety findings of every checkpoint read (a run's under the checkpoint's name)."""
+    out = []
+    for c in ckpts:
+        for f in allowlist.allow(safety_findings(c.index.findings), allowed):
+            if run:
+                f = dataclasses.replace(f, file=f"{c.name}/{f.file}" if f.file else c.name)
+            out.append(f)
+    return out
 
 
 def _open(path: Path, opts: StatsOptions, cache: FigureCache) -> tuple[CheckpointIndex,
@@ -154,9 +171,7 @@ def _open(path: Path, opts: StatsOptions, cache: FigureCache) -> tuple[Checkpoin
     return index, scope, entry
 
 
-def _one_checkpoint(where: Path, opts: StatsOptions, cache: FigureCache) -> _Checkpoint:
-    followed = follow_pointer(where) if opts.fmt is None else None
-    path = followed.path if followed is not None else where
+def _one_checkpoint(path: Path, opts: StatsOptions, cache: FigureCache) -> _Checkpoint:
     index, scope, entry = _open(path, opts, cache)
     if opts.filter_glob is not None and not scope.targets and not scope.skipped \
             and not scope.aliases:

@@ -40,6 +40,7 @@ class StatsOptions:
         jobs: Tensors read at once (default: the usable CPUs).
         max_memory: Memory budget in bytes for the values being read (default 256 MiB).
         part: Compute only this part's share of the figures (into the cache).
+        allow_globals: Pickle globals the user trusts: their findings become notes.
     """
 
     everything: bool = False
@@ -56,3 +57,4 @@ class StatsOptions:
     jobs: int | None = None
     max_memory: int | None = None
     part: Part | None = None
+    allow_globals: tuple[str, ...] = ()

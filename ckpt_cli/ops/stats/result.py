@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ckpt_cli.documents import Documented
+from ckpt_cli.formats.base import refused
+from ckpt_cli.model import Finding
 from ckpt_cli.tensors.moments import HIST_LO, Moments
 
 WRAPPERS = ("module.", "_orig_mod.", "model.", "state_dict.")
@@ -263,6 +265,8 @@ class StatsResult(Documented):
         kernel: Which kernel computed the figures (``compiled`` or ``numpy``).
         cache_dir: The cache directory (None with the cache off).
         part: ``--part``: ``{"part", "parts", "tensors", "complete"}``, else None.
+        findings: The safety findings of the reads (``formats.base.safety_findings``): pickle
+            globals that run code, unscannable or hidden pickles, duplicate header keys.
     """
 
     command: ClassVar[str] = "stats"
@@ -281,6 +285,7 @@ class StatsResult(Documented):
     kernel: str = "numpy"
     cache_dir: Path | None = None
     part: dict[str, Any] | None = None
+    findings: list[Finding] = field(default_factory=list)
 
     @property
     def last_good(self) -> CheckpointStats | None:
@@ -302,8 +307,9 @@ class StatsResult(Documented):
 
     @property
     def exit_code(self) -> int:
-        """1 when an anomaly was found, else 0."""
-        return 1 if self.anomalies else 0
+        """1 when an anomaly was found or a read's safety findings fail it (as validate's
+        would: :func:`ckpt_cli.formats.base.refused`), else 0."""
+        return 1 if self.anomalies or refused(self.findings) else 0
 
     def json_body(self) -> dict[str, Any]:
         """The ``stats --json`` document (layout in docs/json-schema.md)."""
@@ -316,6 +322,7 @@ class StatsResult(Documented):
                      "computed_tensors": sum(c.computed for c in self.checkpoints),
                      "cache_dir": str(self.cache_dir) if self.cache_dir is not None else None},
             "part": self.part,
+            "findings": [f.to_dict() for f in self.findings],
         }
         if self.run:
             doc["jump"] = self.jump

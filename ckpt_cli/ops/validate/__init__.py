@@ -32,7 +32,8 @@ from ckpt_cli.ops.validate.options import Options, Split, ValidateOptions
 from ckpt_cli.ops.validate.partrun import validate_split
 from ckpt_cli.ops.validate.result import ValidateResult
 from ckpt_cli.ops.validate.run import check_one, validate_run
-from ckpt_cli.runs import holds_final_model, is_final_model_only, is_run_dir
+from ckpt_cli.resolve import resolve
+from ckpt_cli.runs import is_final_model_only
 from ckpt_cli.storage.reads import BUFFER_SIZE, ProgressFn, default_jobs, memory_budget
 
 __all__ = ["REQUIREMENTS", "Options", "Split", "ValidateOptions", "parse_require", "validate",
@@ -121,14 +122,15 @@ def validate(path: str | Path, options: ValidateOptions | None = None, *,
                          param=("parts_dir", "part", "finalize"))
     if fmt is not None:
         get_reader(fmt)  # an unknown --input-format is a usage error, even for a run dir
-    run_dir = fmt is None and (holds_final_model(p) or is_run_dir(p))
+    target = resolve(p, input_format=fmt)
+    run_dir = target.is_run
     if split is not None and run_dir and not latest:
         raise UsageError("part and finalize split the validation of one checkpoint, and "
                          "this is a run directory of many", path=p,
                          param=("part", "finalize", "latest"),
                          hint="give one checkpoint of the run (e.g. RUN/step_1000), or add "
                               "latest")
-    if fmt is None and holds_final_model(p):
+    if target.final_model:
         return validate_run(p, opts, latest=latest, pattern=pattern, final_model=True,
                              split=split)
     if run_dir:

@@ -380,7 +380,7 @@ def test_consolidate_of_a_run_directory_says_so(sample_copy: Path, tmp_path: Pat
     assert r.exit_code == 0 and "latest names step_000400" in r.stderr, r.output
     (sample_copy / "latest").unlink()
     r = run_cli("consolidate", sample_copy, "-o", tmp_path / "out2")
-    assert r.exit_code == 2 and "is a run directory" in r.stderr, r.output
+    assert r.exit_code == 2 and "a run directory (" in r.stderr, r.output
 
 
 @requires_deepspeed
