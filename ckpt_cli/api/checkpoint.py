@@ -284,7 +284,8 @@ def open(path: PathLike, *, input_format: InputFormat | None = None,
     """Open one checkpoint of any format ckpt reads, reading its metadata only.
 
     Args:
-        path: A checkpoint file or directory, or a URL (``s3://bucket/run/step_100``).
+        path: A checkpoint file or directory, or a URL (``s3://bucket/run/step_100``); a run
+            directory whose resume pointer (``latest``) names a checkpoint opens that one.
         input_format: Skip detection and read it as this format.
         allow_global: Pickle globals to trust (``"module.name"``, one or several): their
             findings become notes.
@@ -295,7 +296,8 @@ def open(path: PathLike, *, input_format: InputFormat | None = None,
 
     Raises:
         CheckpointNotFoundError: The path does not exist (a ``FileNotFoundError`` too).
-        UsageError: The path is a run directory (holding checkpoints): the message names them.
+        UsageError: The path is a run directory without a resume pointer (the message names
+            its newest checkpoint), a directory above runs, or unrelated checkpoint files.
         CkptError: An unknown format, an unreadable or corrupt checkpoint.
 
     Example:
@@ -305,18 +307,15 @@ def open(path: PathLike, *, input_format: InputFormat | None = None,
     """
     from ckpt_cli import storage
     from ckpt_cli.formats import allowlist, check_exists, read_index
-    from ckpt_cli.runs import is_run_dir, list_run
+    from ckpt_cli.resolve import resolve
 
     with _args.api_names():
         _args.use_storage(storage_options, None)
         where = storage.locate(_args.located(path))
         check_exists(where)
-        if input_format is None and is_run_dir(where):
-            names = [e.name for e in list_run(where, None).entries]
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more"
-                                             if len(names) > 5 else "")
-            raise UsageError(f"is a run directory of {len(names)} checkpoint(s) ({shown}); "
-                             "open one of them", path=where)
+        # One resolver for every command: a run's resume pointer is followed (as convert and
+        # diff follow it); a run without one is refused naming its newest checkpoint.
+        where = resolve(where, input_format=input_format).checkpoint()
         index = read_index(where, input_format)
         index.findings = allowlist.allow(index.findings, allowlist.parse_names(
             _args.names(allow_global)))

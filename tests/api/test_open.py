@@ -195,9 +195,13 @@ def test_a_hostile_pickle_opens_without_running_and_says_so(tmp_path: Path) -> N
         assert ck.ok
 
 
-def test_a_run_directory_names_its_checkpoints(sample_run: Path) -> None:
-    with pytest.raises(ValueError, match=r"run directory of .*step_000100"):
-        ckpt_cli.open(sample_run)
+def test_a_run_follows_its_pointer_or_names_its_newest(sample_run: Path,
+                                                       hf_trainer_dir: Path) -> None:
+    with ckpt_cli.open(sample_run) as ck:  # its `latest` names step_000400
+        assert ck.path.endswith("step_000400") and ck.format == "dcp"
+    with pytest.raises(ValueError, match="a run directory") as e:
+        ckpt_cli.open(hf_trainer_dir)  # no pointer: which checkpoint is meant?
+    assert "checkpoint-4" in (e.value.hint or "")
     with pytest.raises(FileNotFoundError):
         ckpt_cli.open(sample_run / "nope")
 
