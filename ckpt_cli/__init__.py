@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli.errors import (
     CkptError,
     CorruptCheckpointError,
+    DestinationError,
     DestinationExistsError,
     StorageError,
     UnknownFormatError,
@@ -87,6 +88,7 @@ __all__ = [
     "CheckpointIndex",
     "CkptError",
     "CorruptCheckpointError",
+    "DestinationError",
     "DestinationExistsError",
     "FileInfo",
     "Finding",

@@ -165,10 +165,27 @@ class ZipConflictError(UnsafeCheckpointError):
         self.code = code
 
 
-class DestinationExistsError(CkptError):
-    """The output already exists and ``--overwrite``/``--force`` was not given."""
+class DestinationExistsError(CkptError, FileExistsError):
+    """The output already exists and ``--overwrite``/``--force`` was not given (or it is a
+    directory where a file goes). Also a :class:`FileExistsError` (``errno`` ``EEXIST``,
+    ``filename`` the destination), which is what a caller of ``open(path, "x")`` catches."""
 
     kind = "destination-exists"
+
+    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None,
+                 param: str | tuple[str, ...] | None = None):
+        import errno
+
+        super().__init__(message, path=path, hint=hint, param=param)
+        self.errno, self.strerror, self.filename = errno.EEXIST, message, self.path
+
+
+class DestinationError(CkptError):
+    """ckpt will not write to this destination: a symbolic link, FIFO, device or socket
+    (never written through nor replaced, ``--force`` or not), or a place that cannot be
+    written (a read-only directory, a parent that is a file). Raised before any work."""
+
+    kind = "destination"
 
 
 class UnsupportedError(CkptError):
