@@ -173,10 +173,19 @@ class ZipConflictError(UnsafeCheckpointError):
 
 
 class DestinationExistsError(CkptError):
-    """The output already exists and ``--overwrite``/``--force`` was not given. Raised by the
-    Python API as a :class:`FileExistsError` too (:func:`with_builtin`)."""
+    """The output already exists and ``--overwrite``/``--force`` was not given (or it is a
+    directory where a file goes). Raised by the Python API as a :class:`FileExistsError` too
+    (:func:`with_builtin`; ``filename`` the destination)."""
 
     kind = "destination-exists"
+
+
+class DestinationError(CkptError):
+    """ckpt will not write to this destination: a symbolic link, FIFO, device or socket
+    (never written through nor replaced, ``--force`` or not), or a place that cannot be
+    written (a read-only directory, a parent that is a file). Raised before any work."""
+
+    kind = "destination"
 
 
 class UnsupportedError(CkptError):
@@ -244,5 +253,8 @@ def with_builtin(error: CkptError) -> CkptError:
     out.__dict__.update(error.__dict__)
     out.args = error.args
     if isinstance(out, OSError):
-        out.filename = error.path
+        import errno
+
+        out.errno = errno.EEXIST if isinstance(out, FileExistsError) else errno.ENOENT
+        out.strerror, out.filename = error.message, error.path
     return out

@@ -43,6 +43,7 @@ from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats.names import OWN_TEMP_MARKERS, TRASH_PREFIX
 from ckpt_cli.model import Finding
 from ckpt_cli.storage import open_regular, stages
+from ckpt_cli.storage.atomic import check_destination
 from ckpt_cli.storage.reads import (
     READ_AHEAD_MIN,
     Meter,
@@ -448,15 +449,14 @@ def write_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
         UsageError: Unknown algorithm.
     """
     stats: HashStats | None = None
-    # Where it goes is decided while the checkpoint is there: decided after hashing, a
-    # directory deleted meanwhile (a concurrent prune) would get a sibling file's manifest.
-    dest = manifest_path(storage.locate(checkpoint))
+    # Decided (and checked: no link, FIFO, read-only directory) before hashing: decided after,
+    # a directory deleted meanwhile (a concurrent prune) would get a sibling file's manifest.
+    check_destination(dest := manifest_path(storage.locate(checkpoint)), overwrite=True)
     if manifest is None:
         manifest, stats = compute_manifest(checkpoint, algorithm=algorithm, jobs=jobs,
                                            on_progress=on_progress)
-    data = manifest.to_json()
     try:
-        storage.write_whole(dest, data)  # temp + rename, or one PUT: whole or not at all
+        storage.write_whole(dest, manifest.to_json())  # temp + rename, or one PUT
     except OSError as e:
         raise CkptError(f"cannot write the manifest: {e.strerror}", path=dest) from None
     return dest, manifest, stats

@@ -28,7 +28,7 @@ import orjson
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.storage.atomic import fsync_path
+from ckpt_cli.storage.atomic import atomic_file
 
 _SPEC = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 PLAN_FILE = "plan.json"
@@ -328,18 +328,9 @@ def describe_parts(parts: Sequence[int]) -> str:
 
 
 def _write_atomic(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.ckpt-tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
-                    + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_path(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(path, overwrite=True) as tmp:
+        tmp.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+                        + b"\n")
 
 
 def source_identity(base: Path, rels: Sequence[str]) -> list[tuple[str, int, int]]:

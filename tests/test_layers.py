@@ -293,16 +293,16 @@ def test_the_api_sits_above_ops() -> None:
 
 # What render/ may import: ops' result types (a package op's ``result`` module, or a one-module
 # op, which holds its result types itself), and the plain bottom modules.
+# storage.atomic is the one door out: a report or plot render writes goes through it.
 RENDER_MAY_IMPORT = ("ckpt_cli.render", "ckpt_cli.model", "ckpt_cli.errors", "ckpt_cli.units",
-                     "ckpt_cli.dtypes", "ckpt_cli.documents")
+                     "ckpt_cli.dtypes", "ckpt_cli.documents", "ckpt_cli.storage.atomic")
 # The rest, known and each for one job: render/prune words remote paths (storage) and names
-# trash (formats.names) and shows the plan (retention's Decision/PrunePlan); junit writes its
-# report atomically and redacts URLs; convert/consolidate summarise kept dtypes (cast, lazily);
+# trash (formats.names) and shows the plan (retention's Decision/PrunePlan); junit redacts
+# URLs; convert/consolidate summarise kept dtypes (cast, lazily);
 # validate describes --part (parts, lazily); diff words FP8 schemes (fp8.scheme).
 RENDER_KNOWN = {("ckpt_cli.render.prune", "ckpt_cli.storage"),
                 ("ckpt_cli.render.prune", "ckpt_cli.formats.names"),
                 ("ckpt_cli.render.prune", "ckpt_cli.ops.prune.retention"),
-                ("ckpt_cli.render.junit", "ckpt_cli.storage.atomic"),
                 ("ckpt_cli.render.junit", "ckpt_cli.storage"),
                 ("ckpt_cli.render.convert", "ckpt_cli.tensors.cast"),
                 ("ckpt_cli.render.consolidate", "ckpt_cli.tensors.cast"),

@@ -86,6 +86,10 @@ def validate_cmd(
 
     with handled() as outcome:
         local_only(junit, '--junit')
+        if junit is not None:  # before any work: a link, FIFO, device, unwritable place
+            from ckpt_cli.storage.atomic import check_destination
+
+            check_destination(junit, overwrite=True, parents=True)
         try:
             common.use_storage()
             local_only(path if write_manifest else None, "--write-manifest's checkpoint")

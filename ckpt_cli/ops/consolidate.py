@@ -65,6 +65,7 @@ from ckpt_cli.units import natural_key
 from ckpt_cli.writers import (
     FILE_SUFFIXES,
     OutTensor,
+    check_output,
     names_directory,
     output_format,
     write_checkpoint,
@@ -297,6 +298,8 @@ def consolidate(source: str | Path, output: str | Path,
     kind = detect_kind(src)
     check_not_input(out, src)
     fmt = output_format(out, fmt, directory=names_directory(output))
+    check_output(out, overwrite=opts.overwrite,
+                 finishing=opts.part is not None or opts.finalize)
     target = TARGETS[opts.to]
     stats = CastStats()
     if kind == "deepspeed":

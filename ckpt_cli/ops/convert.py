@@ -57,6 +57,7 @@ from ckpt_cli.writers import (
     FILE_SUFFIXES,
     SIDE_FILES,
     OutTensor,
+    check_output,
     names_directory,
     output_format,
     write_checkpoint,
@@ -234,6 +235,8 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
     given = resolve(src, input_format=opts.input_format)
     followed, src = given.followed, given.checkpoint()
     check_not_input(out, src)
+    check_output(out, overwrite=opts.overwrite,
+                 finishing=opts.part is not None or opts.finalize)
     index = read_index(src, opts.input_format)
     check_not_input(out, src, (index.path_of(f.path) for f in index.files))
     _check_supported(index, src)

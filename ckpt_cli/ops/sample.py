@@ -137,7 +137,7 @@ def write_sample(dest: Path, *, overwrite: bool = False,
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), weight_decay=0.1)
     written: list[Path] = []
-    with atomic_dir(dest, overwrite=overwrite) as tmp:
+    with atomic_dir(dest, overwrite=overwrite, parents=True) as tmp:
         step, epoch_len = 0, 150
         for target in STEPS:
             loss = _train(model, opt, step, target, gen, say)

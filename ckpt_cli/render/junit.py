@@ -153,7 +153,7 @@ def write_junit_bytes(data: bytes, dest: Path) -> None:
         CkptError: If it cannot be written.
     """
     try:
-        with atomic_file(Path(dest), overwrite=True) as tmp:
+        with atomic_file(Path(dest), overwrite=True, parents=True) as tmp:
             tmp.write_bytes(data)
     except OSError as e:
         raise CkptError(f"cannot write the JUnit report: {e.strerror}", path=dest) from None

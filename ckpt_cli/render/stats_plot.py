@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.errors import UsageError
 from ckpt_cli.ops.stats.result import StatsResult
 from ckpt_cli.render.stats import timeline
+from ckpt_cli.storage.atomic import atomic_file, check_destination
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -33,13 +33,15 @@ def check_plot(dest: Path) -> None:
     """Refuse, before any reading, a plot that cannot be written.
 
     Raises:
-        UsageError: For another suffix, a missing directory, or matplotlib not installed.
+        UsageError: For another suffix, or matplotlib not installed.
+        DestinationError: A destination ckpt does not write (a link, FIFO, device, a place
+            that cannot be written; :func:`ckpt_cli.storage.atomic.check_destination`).
+        DestinationExistsError: A directory.
     """
     if dest.suffix.lower() not in FORMATS:
         raise UsageError(f"--plot writes {', '.join(FORMATS)} files, not {dest.name!r}",
                          path=dest)
-    if not dest.parent.is_dir():
-        raise UsageError("--plot's directory does not exist", path=dest.parent)
+    check_destination(dest, overwrite=True, parents=True)
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib, which is not installed",
                          hint="pip install 'ckpt-cli[plot]' (or matplotlib)")
@@ -177,10 +179,8 @@ def write_plot(r: StatsResult, dest: Path) -> None:
     fig = build_figure(r)
     import matplotlib.pyplot as plt
 
-    tmp = dest.with_name(f".{dest.name}.ckpt-tmp-{os.getpid()}{dest.suffix}")
     try:
-        fig.savefig(tmp, bbox_inches="tight")
-        os.replace(tmp, dest)
+        with atomic_file(dest, overwrite=True, parents=True) as tmp:
+            fig.savefig(tmp, format=dest.suffix.lower()[1:], bbox_inches="tight")
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)

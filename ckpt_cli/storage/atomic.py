@@ -1,8 +1,18 @@
-"""Atomic output: build under a temporary sibling name, fsync, then rename into place.
+"""The one door out: every file and directory ckpt writes goes through this module.
 
-A crash, an exception or Ctrl-C leaves the destination as it was; the temporary sibling (named
-``.<name>.ckpt-tmp-<uuid>``, which no reader mistakes for a checkpoint) is removed when Python
+Outputs (``-o``, ``--junit``, ``--plot``), manifests, receipts, caches and the thinning's
+in-place rewrites are built under a temporary sibling name, fsynced, then renamed into place:
+a crash, an exception or Ctrl-C leaves the destination as it was; the temporary sibling (named
+``.<name>.ckpt-tmp-<...>``, which no reader mistakes for a checkpoint) is removed when Python
 gets the chance, and reported by ``validate``/``prune`` when it did not (SIGKILL, power loss).
+
+One rule for the destination (docs/safety.md, "Where ckpt writes"), checked by
+:func:`check_destination` before any work and again at the rename: a rename lands only on an
+absent path or a regular file (a directory output: an absent path, an empty directory or one
+the caller may replace). A symbolic link, FIFO, device or socket there is refused, never
+written through nor replaced, ``overwrite`` or not. Missing parents of a user's output are
+created (``parents=True``) and removed again when the write fails. Errors name the
+destination, never the temporary.
 """
 
 from __future__ import annotations
@@ -10,13 +20,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Literal
 
-from ckpt_cli.errors import CkptError, DestinationExistsError, UsageError
+from ckpt_cli.errors import CkptError, DestinationError, DestinationExistsError, UsageError
 
 TMP_MARK = ".ckpt-tmp-"
+_NAME_MAX = 255  # bytes in one file name (Linux, macOS)
 
 
 def _host_tag() -> str:
@@ -29,9 +42,11 @@ def _host_tag() -> str:
 def tmp_sibling(dest: Path) -> Path:
     """A fresh temporary name next to ``dest``: ``.<name>.ckpt-tmp-<host>-<pid>-<random>``,
     so that a sweeper on the same host can tell that its writer is gone
-    (:func:`temp_writer_gone`)."""
-    return dest.parent / (f".{dest.name}{TMP_MARK}{_host_tag()}-{os.getpid()}-"
-                          f"{uuid.uuid4().hex[:8]}")
+    (:func:`temp_writer_gone`). A name too long to take the mark is cut short (the mark and
+    the tag stay whole): a 250-byte output name must not fail on its temporary's."""
+    tail = f"{TMP_MARK}{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    raw = os.fsencode(dest.name)[:_NAME_MAX - 1 - len(tail)]
+    return dest.parent / f".{os.fsdecode(raw)}{tail}"
 
 
 def temp_writer_gone(name: str) -> bool:
@@ -105,56 +120,264 @@ def _is_empty_dir(p: Path) -> bool:
     return p.is_dir() and not p.is_symlink() and not any(p.iterdir())
 
 
-def _check_dest(dest: Path, overwrite: bool) -> None:
-    if (dest.exists() or dest.is_symlink()) and not _is_empty_dir(dest):
-        if not overwrite:
+_SPECIAL = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+            (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+            (stat.S_ISSOCK, "a socket"))
+
+
+def special_kind(mode: int) -> str | None:
+    """``a symbolic link``, ``a FIFO (named pipe)``, ``a character device``... for the
+    ``lstat`` mode of what ckpt never writes through nor replaces; None for a regular file
+    or a directory."""
+    return next((what for test, what in _SPECIAL if test(mode)), None)
+
+
+def _refuse_special(dest: Path, mode: int) -> None:
+    what = special_kind(mode)
+    if what is not None:
+        raise DestinationError(
+            f"is {what}, not a regular file: ckpt never writes through or over one", path=dest,
+            hint="name a regular file or a new path" + (
+                " (the link's target itself, if that is what you mean)"
+                if what == "a symbolic link" else ""))
+
+
+def _lstat(dest: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(dest)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        bad = next((p for p in reversed(dest.parents) if p.exists() and not p.is_dir()), None)
+        raise DestinationError(f"cannot be written: {bad or dest.parent} is not a directory",
+                               path=dest) from None
+    except OSError as e:  # ENAMETOOLONG, ELOOP, EACCES on the way
+        raise DestinationError(f"cannot be written: {e.strerror or e}", path=dest) from None
+
+
+def _is_local(dest: object) -> bool:
+    from ckpt_cli.storage.objectpath import ObjectPath
+
+    return not isinstance(dest, ObjectPath)
+
+
+def check_destination(dest: Path, *, kind: Literal["file", "dir"] = "file",
+                      overwrite: bool = False, parents: bool = False) -> None:
+    """Refuse, before any work, a destination this module would not write.
+
+    Local paths only (object storage keeps its sinks' own checks): ``dest`` must be absent
+    or a regular file (``kind="dir"``: absent, an empty directory, or with ``overwrite`` a
+    directory); a symbolic link, FIFO, device or socket is refused even with ``overwrite``.
+    Its parent must be a directory that can be written (tried by creating and removing a
+    temporary there), or, with ``parents``, the nearest existing ancestor must.
+
+    Args:
+        dest: The output file or directory.
+        kind: What will be written there.
+        overwrite: An existing ``dest`` may be replaced.
+        parents: Missing parent directories will be created.
+
+    Raises:
+        DestinationExistsError: ``dest`` exists and ``overwrite`` is False, or is a directory
+            where a file goes (a regular file where a directory goes).
+        DestinationError: ``dest`` is special, or its directory cannot be written.
+    """
+    if not _is_local(dest):
+        return
+    dest = Path(dest)
+    st = _lstat(dest)
+    if st is not None:
+        _refuse_special(dest, st.st_mode)
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if kind == "file" and is_dir:
+            raise DestinationExistsError("is a directory; not replacing it", path=dest)
+        if kind == "dir" and not is_dir and overwrite:
+            raise DestinationExistsError("is a file, and this output is a directory; not "
+                                         "replacing it", path=dest,
+                                         hint="remove it yourself, or give a new name")
+        if not overwrite and not (is_dir and _is_empty_dir(dest)):
             raise DestinationExistsError("already exists", path=dest,
                                          hint="pass overwrite (or force) to replace it",
                                          param=("overwrite", "force"))
-    if not dest.parent.is_dir():
-        raise CkptError("parent directory does not exist", path=dest.parent)
+    _check_parent(dest, parents)
+
+
+def _check_parent(dest: Path, parents: bool) -> None:
+    where = dest.parent
+    while True:
+        st = _lstat(where)
+        if st is not None and where.is_dir():  # (a link to a directory is one)
+            break
+        if st is not None:
+            raise DestinationError(f"cannot be written: {where} is not a directory", path=dest)
+        if not parents:
+            raise DestinationError("cannot be written: its directory does not exist",
+                                   path=dest, hint="create the directory first")
+        if where.parent == where:
+            break
+        where = where.parent
+    probe = tmp_sibling(dest if where == dest.parent else where / dest.name)
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except OSError as e:  # read-only, no permission, /proc, /sys
+        raise DestinationError(f"cannot be written: {e.strerror or e}", path=dest) from None
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+
+
+def make_parents(dest: Path) -> list[Path]:
+    """Create ``dest``'s missing parent directories; returns those created, outermost first
+    (:func:`remove_made` takes them away again when the write fails)."""
+    missing: list[Path] = []
+    where = dest.parent
+    while _lstat(where) is None and where.parent != where:
+        missing.append(where)
+        where = where.parent
+    made: list[Path] = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+    except FileExistsError:
+        pass  # made meanwhile by someone else: theirs
+    except OSError as e:
+        remove_made(made)
+        raise DestinationError(f"cannot create its directory: {e.strerror or e}",
+                               path=dest) from None
+    return made
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the directories :func:`make_parents` created, innermost first, where empty."""
+    for d in reversed(made):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def _named_as_dest(e: BaseException, tmp: Path, dest: Path) -> BaseException:
+    """An ``OSError`` about the temporary (or a file in it) as a :class:`CkptError` naming
+    what it stands for in the destination; anything else unchanged."""
+    if not isinstance(e, OSError) or isinstance(e, CkptError):
+        return e
+    for name in (e.filename, e.filename2):
+        if isinstance(name, str) and (name == str(tmp) or name.startswith(f"{tmp}/")):
+            where = str(dest) + name[len(str(tmp)):]
+            return CkptError(f"cannot write: {e.strerror or e}", path=where)
+    return e
+
+
+def rename_onto(tmp: Path, dest: Path, *, overwrite: bool = True) -> None:
+    """Rename the finished file ``tmp`` to ``dest`` in one ``rename``, which lands only on an
+    absent name or a regular file (checked just before; never a link, FIFO or device).
+
+    The in-place rewrites (thinning, receipts, staged shards) keep their crash-safety: at
+    every moment ``dest`` is the old file or the new one, whole.
+
+    Raises:
+        DestinationError: ``dest`` is special or a directory.
+        DestinationExistsError: ``dest`` appeared and ``overwrite`` is False.
+    """
+    st = _lstat(dest)
+    if st is not None:
+        _refuse_special(dest, st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            raise DestinationExistsError("is a directory; not replacing it", path=dest)
+        if not overwrite:
+            raise DestinationExistsError("appeared while writing; not replaced", path=dest)
+    os.replace(tmp, dest)
+
+
+def rename_at(dir_fd: int, tmp: str, name: str) -> None:
+    """:func:`rename_onto` within the directory held open as ``dir_fd`` (the stats cache):
+    ``name`` must be absent or a regular file.
+
+    Raises:
+        DestinationError: ``name`` is anything else.
+    """
+    try:
+        mode = os.lstat(name, dir_fd=dir_fd).st_mode
+    except FileNotFoundError:
+        mode = stat.S_IFREG
+    if not stat.S_ISREG(mode):
+        raise DestinationError(f"is {special_kind(mode) or 'a directory'}; not replaced",
+                               path=name)
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def open_append(path: Path) -> int:
+    """Open the file ``path`` to append to it (the run ledger), created when missing: a
+    descriptor, never through a symbolic link nor onto a FIFO or device.
+
+    Raises:
+        DestinationError: ``path`` is not a regular file.
+        OSError: It cannot be opened.
+    """
+    st = _lstat(path)
+    if st is not None:
+        _refuse_special(path, st.st_mode)
+    flags = (os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+             | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, flags, 0o644)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise DestinationError(f"is {special_kind(mode) or 'a directory'}, not a regular file",
+                               path=path)
+    return fd
 
 
 @contextlib.contextmanager
-def atomic_dir(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(dest: Path, *, overwrite: bool = False, parents: bool = False
+               ) -> Iterator[Path]:
     """Build a directory atomically.
 
     Yields a temporary sibling directory; when the block finishes it is fsynced and renamed to
     ``dest`` (an existing ``dest`` is moved aside first and removed after). Any exception,
-    including ``KeyboardInterrupt``, removes the temporary directory and leaves ``dest`` as it
-    was.
+    including ``KeyboardInterrupt``, removes the temporary directory (and the parents it
+    created) and leaves ``dest`` as it was; an ``OSError`` about a file in the temporary
+    directory comes out as a :class:`CkptError` naming its place in ``dest``.
 
     Args:
         dest: The directory to create.
         overwrite: Replace an existing ``dest``.
+        parents: Create missing parent directories.
 
     Yields:
         The temporary directory to write into.
 
     Raises:
         DestinationExistsError: ``dest`` exists and ``overwrite`` is False.
+        DestinationError: ``dest`` is a link, FIFO, device or socket, or cannot be written.
     """
     dest = Path(dest)
-    _check_dest(dest, overwrite)
+    check_destination(dest, kind="dir", overwrite=overwrite, parents=parents)
+    made = make_parents(dest) if parents else []
     tmp = tmp_sibling(dest)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         yield tmp
         fsync_tree(tmp)
         replace_dir(tmp, dest, overwrite)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        remove_made(made)
+        named = _named_as_dest(e, tmp, dest)
+        if named is e:
+            raise
+        raise named from None
 
 
 def replace_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
     """Rename the finished directory ``tmp`` to ``dest``; an existing ``dest`` (only with
-    ``overwrite``, or when empty) is moved aside first and removed after."""
+    ``overwrite``, or when empty) is moved aside first and removed after. A link, FIFO,
+    device or socket at ``dest`` is refused, never replaced."""
     old: Path | None = None
-    if dest.exists() or dest.is_symlink():
+    st = _lstat(dest)
+    if st is not None:
+        _refuse_special(dest, st.st_mode)
         if not overwrite and not _is_empty_dir(dest):  # appeared while we were writing
             raise DestinationExistsError("appeared while writing; not replaced", path=dest)
-        if dest.is_dir() and not dest.is_symlink():
+        if stat.S_ISDIR(st.st_mode):
             old = dest.parent / f".{dest.name}.ckpt-old-{uuid.uuid4().hex[:12]}"
             os.rename(dest, old)
         else:
@@ -166,35 +389,40 @@ def replace_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(dest: Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Write one file atomically: temporary sibling, fsync, ``os.replace``.
+def atomic_file(dest: Path, *, overwrite: bool = False, parents: bool = False
+                ) -> Iterator[Path]:
+    """Write one file atomically: temporary sibling, fsync, rename (:func:`rename_onto`).
 
     Args:
         dest: The file to create.
-        overwrite: Replace an existing ``dest``.
+        overwrite: Replace an existing regular file ``dest``.
+        parents: Create missing parent directories (removed again if the write fails).
 
     Yields:
         The temporary path to write to.
 
     Raises:
-        DestinationExistsError: ``dest`` exists and ``overwrite`` is False.
+        DestinationExistsError: ``dest`` exists and ``overwrite`` is False, or is a directory.
+        DestinationError: ``dest`` is a link, FIFO, device or socket, or cannot be written.
+        CkptError: Writing failed (named as ``dest``, not the temporary).
     """
     dest = Path(dest)
-    _check_dest(dest, overwrite)
-    if dest.is_dir():
-        raise DestinationExistsError("is a directory", path=dest)
+    check_destination(dest, kind="file", overwrite=overwrite, parents=parents)
+    made = make_parents(dest) if parents else []
     tmp = tmp_sibling(dest)
     try:
         yield tmp
         fsync_path(tmp)
-        if not overwrite and dest.exists():
-            raise DestinationExistsError("appeared while writing; not replaced", path=dest)
-        os.replace(tmp, dest)
+        rename_onto(tmp, dest, overwrite=overwrite)
         fsync_path(dest.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as e:
+        with contextlib.suppress(OSError):
             tmp.unlink()
-        raise
+        remove_made(made)
+        named = _named_as_dest(e, tmp, dest)
+        if named is e:
+            raise
+        raise named from None
 
 
 def check_not_input(out: Path, source: Path, inputs: Iterable[Path] = ()) -> None:
@@ -236,9 +464,15 @@ def exchange(a: Path, b: Path) -> None:
     Raises:
         OSError: The kernel, C library or file system cannot swap (``ENOSYS``, ``EINVAL``,
             ``EOPNOTSUPP``), or either path is missing.
+        DestinationError: Either is a link, FIFO, device or socket (never swapped).
     """
     import ctypes
     import errno
+
+    for p in (a, b):
+        st = _lstat(Path(p))
+        if st is not None:
+            _refuse_special(Path(p), st.st_mode)
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)

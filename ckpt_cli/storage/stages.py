@@ -70,12 +70,17 @@ def snapshot() -> dict[str, dict[str, Any]]:
 def _dump() -> None:  # pragma: no cover - runs at exit of a benchmarked process
     if _PATH is None:
         return
+    from pathlib import Path
+
+    from ckpt_cli.errors import CkptError
+    from ckpt_cli.storage.atomic import atomic_file
     from ckpt_cli.storage.reads import worker_threads
 
-    try:
-        with open(_PATH, "w", encoding="utf-8") as f:
-            json.dump({"stages": snapshot(), "threads_setting": worker_threads()}, f)
-    except OSError:
+    try:  # through the one door out, as every file ckpt writes
+        with atomic_file(Path(_PATH), overwrite=True) as tmp:
+            tmp.write_text(json.dumps({"stages": snapshot(),
+                                       "threads_setting": worker_threads()}))
+    except (OSError, CkptError):
         pass
 
 

@@ -26,8 +26,9 @@ from typing import Any
 import orjson
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import CkptError, DestinationError
 from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.storage.atomic import open_append
 
 Stamp = tuple[int, ...]
 """A file as verified: ``(size, mtime_ns, inode, change)`` (:func:`ckpt_cli.storage.file_stamp`);
@@ -234,12 +235,6 @@ def read_ledger(run_dir: str | os.PathLike[str]) -> Ledger | None:
     return None if data is None else parse(data)
 
 
-def _is_regular(fd: int) -> bool:
-    import stat
-
-    return stat.S_ISREG(os.fstat(fd).st_mode)
-
-
 def append(run_dir: str | os.PathLike[str], entries: LedgerEntry | Iterable[LedgerEntry]) -> None:
     """Append lines to the ledger of ``run_dir`` durably (created when missing).
 
@@ -259,14 +254,13 @@ def append(run_dir: str | os.PathLike[str], entries: LedgerEntry | Iterable[Ledg
     if not storage.has_file_system(path):  # no O_APPEND: the object is rewritten
         _append_object(path, data)
         return
-    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags, 0o644)
+    try:  # through the one door out: never through a link, nor onto a FIFO or device
+        fd = open_append(path)
     except OSError as e:
         raise CkptError(f"cannot write the run ledger: {e.strerror or e}", path=path) from e
+    except DestinationError as e:
+        raise CkptError(f"the run ledger {e.message}", path=path) from None
     try:
-        if not _is_regular(fd):
-            raise CkptError("the run ledger is not a regular file", path=path)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             size = os.fstat(fd).st_size

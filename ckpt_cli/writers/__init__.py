@@ -23,6 +23,7 @@ from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.model import WrittenFile
 from ckpt_cli.parts import PartOutcome, fingerprint
+from ckpt_cli.storage.atomic import check_destination
 from ckpt_cli.storage.reads import memory_budget
 from ckpt_cli.writers import files
 from ckpt_cli.writers.parts import PartJob, PartSink
@@ -188,6 +189,8 @@ def write_checkpoint(dest: Path, tensors: Sequence[OutTensor], *, fmt: str = "sa
                               budget)
             sink.commit(tail)
     except OSError as e:
+        if isinstance(e, CkptError):  # DestinationExistsError is a FileExistsError too
+            raise
         where = e.filename if isinstance(e.filename, str) else dest
         raise CkptError(f"cannot write: {e.strerror or e}", path=where) from None
     if sink.complete:
@@ -201,6 +204,26 @@ MAX_FILE = (1 << 63) - 1
 """Bytes a file can hold (a signed 64-bit offset): safetensors' offsets and zip64's sizes are
 checked against it before any header is built, so that an impossible shape declared by a
 damaged source (a DCP ``.metadata``) is an error naming it, not a writer's overflow."""
+
+
+def check_output(dest: Path, *, overwrite: bool, finishing: bool = False) -> None:
+    """Refuse, before any reading, an output :func:`write_checkpoint` would refuse at its
+    end: a symbolic link, FIFO or device, a place that cannot be written, an existing output
+    without ``overwrite`` (:func:`ckpt_cli.storage.atomic.check_destination`; missing parents
+    are fine, the write creates them).
+
+    Args:
+        dest: The output file (``.safetensors``, ``.pt``...) or directory.
+        overwrite: An existing output may be replaced.
+        finishing: A split job's finalize or part: an existing output is its parts' work,
+            said by the part sink, not here.
+
+    Raises:
+        DestinationError: ckpt does not write there.
+        DestinationExistsError: It exists and ``overwrite`` is False.
+    """
+    check_destination(dest, kind="file" if dest.suffix in FILE_SUFFIXES else "dir",
+                      overwrite=overwrite or finishing, parents=True)
 
 
 def _check_sizes(tensors: Sequence[OutTensor], dest: Path) -> None:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.errors import DestinationExistsError
-from ckpt_cli.manifest import manifest_path
 from ckpt_cli.parts import (
     Part,
     PartOutcome,
@@ -34,8 +33,15 @@ from ckpt_cli.parts import (
     fingerprint,
     staging_dir,
 )
-from ckpt_cli.storage.atomic import TMP_MARK, fsync_path, fsync_tree, replace_dir
-from ckpt_cli.writers.sink import Sink, Tail
+from ckpt_cli.storage.atomic import (
+    TMP_MARK,
+    check_destination,
+    fsync_path,
+    fsync_tree,
+    rename_onto,
+    replace_dir,
+)
+from ckpt_cli.writers.sink import Sink, Tail, drop_old_manifest
 
 if TYPE_CHECKING:
     from ckpt_cli.writers.plan import ShardPlan
@@ -101,6 +107,8 @@ class PartSink(Sink):
             raise DestinationExistsError("already exists", path=dest,
                                          hint="pass force to replace it (every part the same)",
                                          param="force")
+        check_destination(dest, kind="file" if as_file else "dir", overwrite=overwrite,
+                          parents=True)
         self.job, self.as_file = job, as_file
         root = staging_dir(dest)
         count = job.part.count if job.part else _staged_count(root, dest)
@@ -135,7 +143,7 @@ class PartSink(Sink):
         # write's background sync of it is under way; this waits for it.
         fsync_path(path)
         final = self.root / name
-        os.replace(path, final)
+        rename_onto(path, final)
         i = self.plan.files.index(name)
         extra = self.job.check_shard(final, self.plan.members[i]) if self.job.check_shard else {}
         self.receipt.append([name, size, extra])
@@ -248,8 +256,5 @@ def _commit(out_dir: Path, dest: Path, plan: ShardPlan, as_file: bool, overwrite
     if (dest.exists() or dest.is_symlink()) and not overwrite:
         raise DestinationExistsError("appeared while the parts were writing; not replaced",
                                      path=dest)
-    if dest.is_dir() and not dest.is_symlink():
-        raise DestinationExistsError("is a directory; not replacing it", path=dest)
-    os.replace(out_dir / plan.files[0], dest)
-    with contextlib.suppress(FileNotFoundError):
-        manifest_path(dest).unlink()  # it described what was there before
+    rename_onto(out_dir / plan.files[0], dest)
+    drop_old_manifest(dest)  # it described what was there before

@@ -7,7 +7,8 @@ failure (Ctrl-C included) the sink's :meth:`Sink.abort` undoes what it made. Eac
 its destination's atomicity:
 
 - :class:`FileSink`, a local file: a temporary sibling, fsynced and renamed into place
-  (:func:`ckpt_cli.storage.atomic.atomic_file`); the caller's check runs on it first.
+  (:func:`ckpt_cli.storage.atomic.atomic_file`, the one door out: its rule for links, FIFOs,
+  devices and missing parents); the caller's check runs on it first.
 - :class:`DirSink`, a local directory: a temporary sibling directory holding the shards, the
   index and the side files, checked, re-checked as replaceable, fsynced and renamed
   (:func:`ckpt_cli.storage.atomic.atomic_dir`).
@@ -31,6 +32,7 @@ path itself does not change.
 from __future__ import annotations
 
 import contextlib
+import errno
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -176,7 +178,8 @@ class FileSink(Sink):
     manifest beside the file described what was there before, and goes."""
 
     def begin(self) -> None:
-        self.root = self._stack.enter_context(atomic_file(self.dest, overwrite=self.overwrite))
+        self.root = self._stack.enter_context(atomic_file(self.dest, overwrite=self.overwrite,
+                                                          parents=True))
 
     def target(self, name: str) -> Path:
         return self.root
@@ -189,15 +192,15 @@ class FileSink(Sink):
             self.before_commit(self.root)
         self._stack.close()  # fsync, rename into place
         self.complete = True
-        with contextlib.suppress(FileNotFoundError):
-            manifest_path(self.dest).unlink()
+        drop_old_manifest(self.dest)
 
 
 class DirSink(Sink):
     """A local directory: built in a temporary sibling directory, checked, fsynced, renamed."""
 
     def begin(self) -> None:
-        self.root = self._stack.enter_context(atomic_dir(self.dest, overwrite=self.overwrite))
+        self.root = self._stack.enter_context(atomic_dir(self.dest, overwrite=self.overwrite,
+                                                         parents=True))
 
     def commit(self, tail: Tail) -> None:
         self.write_tail(self.root, tail)
@@ -288,6 +291,17 @@ class ObjectSink(Sink):
             return
         with contextlib.suppress(Exception):
             self.obj.store.delete(self.written)
+
+
+def drop_old_manifest(dest: Path) -> None:
+    """Remove the integrity manifest beside a local single-file output just put in place: it
+    described what was there before. (None can be there when its name would be longer than a
+    file name can be: an output named with 240 bytes has no room for the suffix.)"""
+    try:
+        manifest_path(dest).unlink()
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG):
+            raise
 
 
 def _check_remote_dest(dest: Path, overwrite: bool, as_file: bool) -> None:

@@ -118,13 +118,18 @@ def test_write_junit_replaces_an_existing_report(tmp_path: Path) -> None:
     assert dest.read_bytes() == junit_xml(result)
 
 
-def test_write_junit_into_a_missing_directory_is_a_ckpt_error(tmp_path: Path) -> None:
+def test_write_junit_into_a_missing_directory_creates_it(tmp_path: Path) -> None:
+    # As save_pretrained does: the report's missing directories are created (they used to be
+    # refused); a file in the way is a CkptError naming the report, and nothing is created.
     from ckpt_cli.errors import CkptError
 
     result = validate(_save(tmp_path / "good.safetensors"))
-    with pytest.raises(CkptError):
-        write_junit(result, tmp_path / "nope" / "report.xml")
-    assert not (tmp_path / "nope").exists()
+    write_junit(result, tmp_path / "nope" / "deeper" / "report.xml")
+    assert (tmp_path / "nope" / "deeper" / "report.xml").read_bytes() == junit_xml(result)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CkptError, match=r"report\.xml: cannot be written: .*file is not a"):
+        write_junit(result, tmp_path / "file" / "sub" / "report.xml")
+    assert (tmp_path / "file").read_text() == "x"
 
 
 def test_control_characters_in_a_file_name_keep_the_report_well_formed(tmp_path: Path) -> None:

@@ -49,8 +49,9 @@ from typing import Any
 import orjson
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.errors import CkptError, DestinationError, UsageError
 from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.storage.atomic import rename_at
 from ckpt_cli.storage.sidefiles import CAPS, cap_text
 from ckpt_cli.tensors.moments import HIST_BINS, Moments
 
@@ -488,7 +489,7 @@ class FigureCache:
                     _write(d, key, orjson.dumps(have.to_json()))
                 finally:
                     os.close(lock)
-        except (OSError, UnsafeCacheError, orjson.JSONEncodeError):
+        except (OSError, UnsafeCacheError, DestinationError, orjson.JSONEncodeError):
             # JSONEncodeError: a tensor name that is no Unicode text (a pickle's lone
             # surrogate), which JSON cannot hold: recomputed next time.
             return
@@ -529,7 +530,7 @@ def _write(d: int, key: str, data: bytes) -> None:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
-        os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+        rename_at(d, tmp, name)  # onto nothing or a regular file, never a link or FIFO
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=d)

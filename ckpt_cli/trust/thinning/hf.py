@@ -11,7 +11,7 @@ from typing import Any
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
-from ckpt_cli.storage.atomic import fsync_path, tmp_sibling
+from ckpt_cli.storage.atomic import fsync_path, rename_onto, tmp_sibling
 from ckpt_cli.trust.thinning import base
 from ckpt_cli.trust.thinning.base import (
     HF_OPTIMIZER_FILES,
@@ -69,7 +69,7 @@ def _thin_hf_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | Non
         on_start(victims, None, bytes_before)
         algorithm = base._set_manifest_aside(path)
         for n in victims:
-            os.replace(tmps[n], path / n)  # one rename: the original or the thinned file
+            rename_onto(tmps[n], path / n)  # one rename: the original or the thinned file
     finally:
         for t in tmps.values():
             with contextlib.suppress(FileNotFoundError):

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ckpt_cli.errors import CkptError
-from ckpt_cli.storage.atomic import fsync_path, tmp_sibling
+from ckpt_cli.storage.atomic import fsync_path, rename_onto, tmp_sibling
 from ckpt_cli.trust.thinning import base
 from ckpt_cli.trust.thinning.base import (
     OnStart,
@@ -61,7 +61,7 @@ def _thin_torch(path: Path, to: str | None, on_start: OnStart,
         on_start(dropped, to, bytes_before)
         algorithm = base._set_manifest_aside(checkpoint)
         # One rename: the name holds the original or the thinned file, never neither.
-        os.replace(tmp, path)
+        rename_onto(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

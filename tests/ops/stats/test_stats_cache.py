@@ -218,8 +218,12 @@ def test_an_entry_that_is_a_symlink_is_not_followed(ckpt: Path, cache: Path,
     p.rename(forged)
     forge(forged)
     p.symlink_to(forged)
+    before = forged.read_bytes()
     assert doc_of(run(ckpt, cache), 1)["read"]["computed_tensors"] == 3
-    assert not p.is_symlink()  # replaced by a regular file
+    # Neither written through nor replaced (the one door out's rule: docs/safety.md): the
+    # link stays, its target unchanged, and the figures are computed again each time.
+    assert p.is_symlink() and forged.read_bytes() == before
+    assert doc_of(run(ckpt, cache), 1)["read"]["computed_tensors"] == 3
 
 
 def test_an_entry_that_is_a_fifo_is_not_waited_for(ckpt: Path, cache: Path) -> None:

@@ -209,8 +209,12 @@ def test_an_empty_file_in_a_run_directory_is_a_finding_with_the_same_words(
 
 
 def test_junit_destination_problems_exit_2(pt: Path, tmp_path: Path) -> None:
+    (tmp_path / "no").write_text("a file, not a directory")
     r = run_cli("validate", pt, "--junit", tmp_path / "no" / "such" / "dir.xml")
-    assert r.exit_code == 2 and "parent directory does not exist" in r.stderr
+    assert r.exit_code == 2 and "dir.xml: cannot be written" in r.stderr
+    assert "is not a directory" in r.stderr
+    r = run_cli("validate", pt, "--junit", tmp_path / "new" / "dir" / "report.xml")
+    assert r.exit_code == 0 and (tmp_path / "new" / "dir" / "report.xml").is_file()
 
 
 @pytest.mark.parametrize("case", ["missing", "fifo", "unrecognised", "usage", "json"])
