@@ -54,7 +54,7 @@ def _make_run(run: Path, n: int) -> None:
 def _write_run(where: str, n: int) -> None:
     import torch
 
-    from ckpt_cli.trust.watch import Watcher, WatchOptions
+    from ckpt_cli.ops.watch import Watcher, WatchOptions
 
     run = Path(where)
     run.mkdir(parents=True)
@@ -73,7 +73,7 @@ def _write_run(where: str, n: int) -> None:
 
 
 def _watch_once(where: str) -> None:
-    from ckpt_cli.trust.watch import Watcher, WatchOptions
+    from ckpt_cli.ops.watch import Watcher, WatchOptions
 
     Watcher(Path(where), WatchOptions(settle=0), lambda _e: None).run_pass()
 

@@ -53,7 +53,7 @@ def _events(run: Path, tpl: Path, n: int) -> list[tuple[str, str]]:
     import threading
 
     try:
-        from ckpt_cli.trust.wake import EventWaker
+        from ckpt_cli.ops.watch.wake import EventWaker
     except ImportError:
         return []
     try:
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--scratch", type=Path, default=None)
     ap.add_argument("--idle-passes", type=int, default=10)
     a = ap.parse_args()
-    from ckpt_cli.trust.watch import Watcher, WatchOptions
+    from ckpt_cli.ops.watch import Watcher, WatchOptions
 
     base = Path(tempfile.mkdtemp(prefix="bench-watch-", dir=a.scratch))
     try:

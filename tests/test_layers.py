@@ -113,8 +113,11 @@ def test_ops_do_not_import_each_other() -> None:
 
 # plan builds on inspect's summary and prune on validate's rank checks (another helper owns
 # ops/plan/ and ops/prune/; see the report of #14 item 3).
+# watch is the op that drives others: it validates each checkpoint and applies retention.
 OPS_KNOWN = {("ckpt_cli.ops.plan", "ckpt_cli.ops.inspect"),
-             ("ckpt_cli.ops.prune", "ckpt_cli.ops.validate")}
+             ("ckpt_cli.ops.prune", "ckpt_cli.ops.validate"),
+             ("ckpt_cli.ops.watch", "ckpt_cli.ops.validate"),
+             ("ckpt_cli.ops.watch", "ckpt_cli.ops.prune")}
 
 
 def test_the_check_sees_imports() -> None:
@@ -217,11 +220,12 @@ def test_help_imports_no_storage_module() -> None:
     assert out.strip() == "['ckpt_cli.storage']", out
 
 
-# -- trust/: the run ledger, thinning and the watcher ---------------------------------------------
+# -- trust/: the run ledger and thinning; the watcher is an op ---------------------------------
 
 TRUST = "ckpt_cli.trust"
-# The watcher drives validate and prune (it is ``ckpt watch``'s engine): it sits above ops/.
-TRUST_ABOVE_OPS = ("ckpt_cli.trust.watch",)
+# The watcher drives validate and prune (it is ``ckpt watch``'s engine): an op that drives
+# others, in ops/watch/ (no longer in trust/, where it was the one import running up a layer).
+WATCHER = ("ckpt_cli.ops.watch",)
 # Known exceptions: none. Thinning checks what it writes with formats' own first_error and names
 # its work copy with formats.names.fit_name, so trust/ imports no op and ops/prune (which thins)
 # depends on trust/ one way only.
@@ -234,12 +238,14 @@ WATCHER_USERS = ("ckpt_cli.cli", "ckpt_cli.api", "ckpt_cli.integrations")
 
 def test_trust_sits_between_writers_and_ops() -> None:
     """trust/ (ledger, thinning) imports storage, formats, tensors and writers but no op, no
-    render/, no cli/ (known exceptions aside), even lazily; only the watcher, ``ckpt watch``'s
-    engine, drives ops (validate, prune), and only the CLI, the Python API (``watch_once``)
-    and the training callbacks import it. Nothing below trust/ (bottom, formats/, tensors/,
-    writers/) nor render/ imports trust/."""
+    render/, no cli/ (known exceptions aside), even lazily; the watcher, ``ckpt watch``'s
+    engine, is an op (ops/watch/) that drives validate and prune, and only the CLI, the Python
+    API (``watch_once``) and the training callbacks import it. Nothing below trust/ (bottom,
+    formats/, tensors/, writers/) nor render/ imports trust/."""
     names = {n for n, _ in MODULES}
-    assert {"ckpt_cli.trust.ledger", "ckpt_cli.trust.watch", "ckpt_cli.trust.thinning"} <= names
+    assert {"ckpt_cli.trust.ledger", "ckpt_cli.ops.watch", "ckpt_cli.trust.thinning"} <= names
+    assert not [n for n in names if _under(n, TRUST) and n != TRUST
+                and n.split(".")[2] not in ("ledger", "thinning")], "trust/: ledger, thinning"
     bad = []
     for name, path in MODULES:
         for mod, _ in _imports(name, path):
@@ -247,15 +253,14 @@ def test_trust_sits_between_writers_and_ops() -> None:
                 if any(_under(mod, x) for x in ("ckpt_cli.render", "ckpt_cli.cli",
                                                  "ckpt_cli.integrations")):
                     bad.append(f"{name} imports {mod}")
-                elif (_under(mod, "ckpt_cli.ops") and name not in TRUST_ABOVE_OPS
-                      and (name, mod) not in TRUST_KNOWN):
+                elif _under(mod, "ckpt_cli.ops") and (name, mod) not in TRUST_KNOWN:
                     bad.append(f"{name} imports {mod}")
             elif _under(mod, TRUST) and any(_under(name, b) for b in (
                     *BOTTOM, "ckpt_cli.formats", "ckpt_cli.tensors", "ckpt_cli.writers",
                     "ckpt_cli.render")):
                 bad.append(f"{name} imports {mod}")  # below trust/
-            elif (any(_under(mod, w) for w in TRUST_ABOVE_OPS)
-                  and not any(_under(name, x) for x in WATCHER_USERS)):
+            elif (any(_under(mod, w) for w in WATCHER)
+                  and not any(_under(name, x) for x in (*WATCHER_USERS, *WATCHER))):
                 bad.append(f"{name} imports {mod}")  # the watcher: only its callers
     assert not bad, bad
 

@@ -109,7 +109,7 @@ def test_a_project_of_checkpoints_and_best_names_both(lightning_root: Path,
 
 def test_watch_finds_a_run_below_a_lightning_project(lightning_root: Path,
                                                      tmp_path: Path) -> None:
-    from ckpt_cli.trust.watch import run_dirs
+    from ckpt_cli.ops.watch import run_dirs
 
     assert run_dirs(lightning_root) == [lightning_root / "lightning_logs" / "version_0"
                                         / "checkpoints"]

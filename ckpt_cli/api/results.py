@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli.documents import Documented
 
 if TYPE_CHECKING:
+    from ckpt_cli.ops.watch import WatchEvent
     from ckpt_cli.resume import ResumeChoice, ResumeSurvey
-    from ckpt_cli.trust.watch import WatchEvent
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from ckpt_cli.choices import ThinDtype
 
 if TYPE_CHECKING:
     from ckpt_cli.api.results import ResumePathResult, WatchResult
-    from ckpt_cli.trust.watch import WatchEvent
+    from ckpt_cli.ops.watch import WatchEvent
 
 
 def resume_path(run_dir: PathLike, *, full: bool = False,
@@ -81,7 +81,7 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
             by one) with its path in ``$CKPT_BAD_PATH``.
         on_bad_timeout: Kill an ``on_bad`` command still running after this long.
         storage_options: fsspec options for URLs.
-        on_event: Called with each :class:`~ckpt_cli.trust.watch.WatchEvent` as it happens.
+        on_event: Called with each :class:`~ckpt_cli.ops.watch.WatchEvent` as it happens.
 
     Returns:
         The :class:`~ckpt_cli.api.results.WatchResult`: ``events``, ``bad``, ``ok``;
@@ -98,7 +98,7 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
     from ckpt_cli.api.results import WatchResult
     from ckpt_cli.errors import CkptError, UsageError
     from ckpt_cli.ops.prune.retention import PrunePolicy
-    from ckpt_cli.trust.watch import Watcher, WatchOptions
+    from ckpt_cli.ops.watch import Watcher, WatchOptions
 
     with _args.api_names():
         _args.use_storage(storage_options, None)

@@ -21,7 +21,7 @@ from ckpt_cli.cli.options import (
 )
 
 if TYPE_CHECKING:
-    from ckpt_cli.trust.watch import WatchEvent
+    from ckpt_cli.ops.watch import WatchEvent
 
 
 @common_options("storage_option", "json")
@@ -97,7 +97,7 @@ def watch_cmd(
     """
     with common.handled() as outcome:
         from ckpt_cli.cli.prune import _policy
-        from ckpt_cli.trust.watch import Watcher, WatchOptions
+        from ckpt_cli.ops.watch import Watcher, WatchOptions
 
         policy = None
         thinning = (thin_after, thin_to, keep_full_every) != (None, None, None)
@@ -113,7 +113,7 @@ def watch_cmd(
                             on_bad_timeout=on_bad_timeout,
                             report_pending=once)
         every: float = interval
-        from ckpt_cli.trust.wake import WAKE_MODES
+        from ckpt_cli.ops.watch.wake import WAKE_MODES
 
         if wake not in WAKE_MODES:
             from ckpt_cli.errors import UsageError
@@ -131,7 +131,7 @@ def watch_cmd(
             _emit(ev, common.json)
 
         watcher = Watcher(run_dir, opts, emit)
-        from ckpt_cli.trust.wake import PollWaker, make_waker
+        from ckpt_cli.ops.watch.wake import PollWaker, make_waker
 
         waker, note = make_waker(wake, run_dir) if not once else (PollWaker(), None)
         if note:

@@ -54,8 +54,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ckpt_cli.ops.watch import verify_checkpoint
 from ckpt_cli.trust import ledger
-from ckpt_cli.trust.watch import verify_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from typing import Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ckpt_cli.formats.names import is_last_copy, step_from_name
+from ckpt_cli.ops.watch import verify_checkpoint
 from ckpt_cli.trust import ledger
-from ckpt_cli.trust.watch import verify_checkpoint
 
 log = logging.getLogger(__name__)
 

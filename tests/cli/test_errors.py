@@ -21,10 +21,10 @@ from ckpt_cli.ops.convert import convert
 from ckpt_cli.ops.inspect import inspect
 from ckpt_cli.ops.prune.retention import PrunePolicy
 from ckpt_cli.ops.validate import validate
+from ckpt_cli.ops.watch.wake import make_waker
 from ckpt_cli.parts import parse_part
 from ckpt_cli.storage import parse_options
 from ckpt_cli.storage.reads import memory_budget
-from ckpt_cli.trust.wake import make_waker
 from tests.conftest import run_cli
 from tests.helpers.makers import tiny_state_dict
 

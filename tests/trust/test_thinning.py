@@ -180,7 +180,7 @@ def _watch_thinning(run: Path) -> list[Any]:
     """Three passes of a watcher over ``run`` that thins all but the 2 newest checkpoints (no
     grace period); the events it reported."""
     from ckpt_cli.ops.prune.retention import PrunePolicy
-    from ckpt_cli.trust.watch import Watcher, WatchOptions
+    from ckpt_cli.ops.watch import Watcher, WatchOptions
 
     events: list[Any] = []
     w = Watcher(run, WatchOptions(settle=0, policy=PrunePolicy(thin_after=2, grace=0)),
@@ -203,8 +203,8 @@ def _aged_run(run: Path, steps: tuple[int, ...]) -> None:
 def test_a_long_running_watch_trusts_what_thinning_rewrote(tmp_path: Path) -> None:
     """The watcher's cached ledger lines must not outlive a thinning (its own, or a cron
     prune's): the rewritten checkpoints are good, never reported bad."""
+    from ckpt_cli.ops.watch import Watcher, WatchOptions
     from ckpt_cli.trust.ledger import read_ledger as read
-    from ckpt_cli.trust.watch import Watcher, WatchOptions
 
     run = tmp_path / "run"
     _aged_run(run, (100, 200, 300, 400))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckpt_cli.formats.names import is_own_temporary
-from ckpt_cli.trust.watch import Watcher, WatchEvent, WatchOptions
+from ckpt_cli.ops.watch import Watcher, WatchEvent, WatchOptions
 from tests.conftest import run_cli
 from tests.helpers.loads import holds_optimizer_state
 

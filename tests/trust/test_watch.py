@@ -19,9 +19,9 @@ from typing import IO, Any
 
 import pytest
 
+from ckpt_cli.ops.watch import Watcher, WatchEvent, WatchOptions
 from ckpt_cli.resume import choose, latest_verified
 from ckpt_cli.trust import ledger
-from ckpt_cli.trust.watch import Watcher, WatchEvent, WatchOptions
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.requires_torch
@@ -231,7 +231,7 @@ def test_many_runs_under_one_root(tmp_path: Path) -> None:
 
 def test_an_idle_pass_reads_no_checkpoint_again(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckpt_cli.trust.watch as watch
+    import ckpt_cli.ops.watch as watch
 
     run = tmp_path / "run"
     assert train(run, 2) == 0
@@ -508,7 +508,7 @@ def test_file_events_wake_the_watcher_long_before_its_interval(tmp_path: Path) -
 def test_wake_falls_back_to_polling_without_watchfiles(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from ckpt_cli.errors import UsageError
-    from ckpt_cli.trust.wake import PollWaker, make_waker
+    from ckpt_cli.ops.watch.wake import PollWaker, make_waker
 
     run = tmp_path / "run"
     assert train(run, 1) == 0
@@ -531,7 +531,7 @@ def test_wake_falls_back_to_polling_without_watchfiles(tmp_path: Path,
 
 
 def test_the_watchers_own_writes_are_not_events() -> None:
-    from ckpt_cli.trust.wake import _not_own_write
+    from ckpt_cli.ops.watch.wake import _not_own_write
 
     assert not _not_own_write(None, "/r/ckpt-ledger.jsonl")
     assert not _not_own_write(None, "/r/step_2/ckpt-manifest.json")

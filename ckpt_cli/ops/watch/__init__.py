@@ -33,10 +33,10 @@ from ckpt_cli.errors import CkptError
 from ckpt_cli.formats.names import is_last_copy, is_own_temporary
 from ckpt_cli.model import RunEntry
 from ckpt_cli.ops.prune.retention import PrunePolicy
+from ckpt_cli.ops.watch.hooks import HookResult, run_on_bad
+from ckpt_cli.ops.watch.wake import PollWaker, Waker
 from ckpt_cli.trust import ledger
-from ckpt_cli.trust.hooks import HookResult, run_on_bad
 from ckpt_cli.trust.thinning import pending
-from ckpt_cli.trust.wake import PollWaker, Waker
 
 ABANDONED = "abandoned"
 IGNORED = "ignored"
