@@ -47,3 +47,20 @@ def test_functions_take_urls(s3env: s3.Proxy, bucket_run: str,  # noqa: F811 (th
     assert p.to_dict()["object_store"] is not None
     with pytest.raises(UsageError, match=r"^write_manifest's checkpoint must be a local path"):
         ckpt_cli.validate(f"{run}/step_000100", write_manifest=True)
+
+
+def test_open_reads_tensors_of_an_object_with_ranged_gets(
+        s3env: s3.Proxy, bucket_run: str, sample_run: Any) -> None:  # noqa: F811 (fixture)
+    """``ckpt_cli.open`` on a URL: the same tensors and slices, bit for bit, as from the local
+    copy, read through the endpoint."""
+    url = f"s3://{bucket_run}/run/step_000100/checkpoint.pt"
+    s3env.traffic.reset()
+    with ckpt_cli.open(sample_run / "step_000100" / "checkpoint.pt") as local, \
+            ckpt_cli.open(url) as remote:
+        assert remote.keys() == local.keys() and remote.path == url
+        for name in remote.keys():
+            assert remote.read(name).tobytes() == local.read(name).tobytes(), name
+        full = local.read("model.wte.weight")
+        rows = remote.read_slice("model.wte.weight", 10, 12)
+        assert rows.tobytes() == full[10:12].tobytes()
+    assert s3env.traffic.requests > 0 and s3env.traffic.bytes_out > 0
