@@ -337,8 +337,9 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
                 sq = mod_sq[mod]
                 ms.update = math.sqrt(sq) if sq is not None else None
                 ms.previous_l2 = math.sqrt(mod_prev[mod])
-        cs.modules = [mods[k] for k in sorted(mods, key=_natural)]
-        cs.tensors.sort(key=lambda t: _natural(t.name))
+        natural = _Natural()
+        cs.modules = [mods[k] for k in sorted(mods, key=natural)]
+        cs.tensors.sort(key=lambda t: natural(t.name))
         cs.cached = sum(1 for n in c.scope.targets if n not in w.got and n in c.entry.tensors)
         cs.computed = len(w.got)
         out.append(cs)
@@ -350,3 +351,15 @@ def _natural(name: str) -> list[tuple[int, int | str]]:
     """Sort key putting ``layers.2`` before ``layers.10``."""
     return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]
 
+
+class _Natural(dict[str, tuple[int, int | str]]):
+    """:func:`_natural`, each name component's key made once: a header of a million tensors
+    repeats a few thousand components, and the keys of a sort are all held at once."""
+
+    def __missing__(self, p: str) -> tuple[int, int | str]:
+        k: tuple[int, int | str] = (0, int(p)) if p.isdigit() else (1, p)
+        self[p] = k
+        return k
+
+    def __call__(self, name: str) -> list[tuple[int, int | str]]:
+        return [self[p] for p in name.split(".")]
