@@ -25,8 +25,12 @@ from ckpt_cli.tensors.moments import Moments, diff_sumsq, piece_moments
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckpt_cli.ops.stats.engine import Target, Work, _Sources
     from ckpt_cli.storage.reads import Meter
+
+# engine's Target, Work and _Sources: engine imports this module (no cycle through types).
+_Target = Any
+_Work = Any
+_Src = Any
 
 _GAP = 4096
 """Bytes between two tensors of a run that are read and thrown away rather than start a new
@@ -49,7 +53,7 @@ def _dtype(code: str) -> Any:
     return dt
 
 
-def _plain(target: Target, window: int) -> bool:
+def _plain(target: _Target, window: int) -> bool:
     """Whether a tensor can be read as a slice of a run (see the module notes)."""
     t = target.tensor
     if (target.scale is not None or target.zero is not None or t.chunks or t.file is None
@@ -62,8 +66,8 @@ def _plain(target: Target, window: int) -> bool:
     return dt is not None and t.nbytes == t.numel * dt.itemsize
 
 
-def run_batch(works: list[Work], names: list[str], chains: list[list[int]],
-              windows: list[int], sources: _Sources, meter: Meter,
+def run_batch(works: list[_Work], names: list[str], chains: list[list[int]],
+              windows: list[int], sources: _Src, meter: Meter,
               done: list[int], first: int, end: int) -> list[int]:
     """Compute jobs ``first`` to ``end`` (of :func:`.engine.compute`) that are plain, reading
     each checkpoint's files by runs; ``done[k]`` gets job ``k``'s bytes read.
@@ -119,8 +123,8 @@ def run_batch(works: list[Work], names: list[str], chains: list[list[int]],
     return left
 
 
-def _read_runs(sources: _Sources, i: int, rel: str, items: list[tuple[int, int, int]],
-               names: list[str], works: list[Work], values: dict[tuple[int, int], np.ndarray],
+def _read_runs(sources: _Src, i: int, rel: str, items: list[tuple[int, int, int]],
+               names: list[str], works: list[_Work], values: dict[tuple[int, int], np.ndarray],
                failed: set[int]) -> None:
     """Read the tensors ``items`` of file ``rel`` of checkpoint ``i`` by runs, into
     ``values[(i, job)]``; the jobs of a run that cannot be read go to ``failed``."""
@@ -156,7 +160,7 @@ def _read_runs(sources: _Sources, i: int, rel: str, items: list[tuple[int, int, 
         start = stop
 
 
-def _figures(works: list[Work], name: str, chain: list[int], k: int,
+def _figures(works: list[_Work], name: str, chain: list[int], k: int,
              values: dict[tuple[int, int], np.ndarray]) -> int:
     """One job's figures from its values (what :func:`.engine._run` does with a tensor that
     fits one window); returns the bytes read."""
