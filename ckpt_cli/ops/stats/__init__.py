@@ -24,6 +24,7 @@ from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import read_index
 from ckpt_cli.formats.names import in_progress_reason, is_last_copy
+from ckpt_cli.gcpause import collections_paused
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.stats.anomalies import broken_checkpoint, detect, mismatches, unreadable
 from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, is_default, key_of
@@ -86,6 +87,12 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
         CkptError: For unreadable input.
         UsageError: For contradictory options, or a run with no complete checkpoint.
     """
+    with collections_paused():  # millions of records, no cycles: see ckpt_cli.gcpause
+        return _stats(path, options, on_progress)
+
+
+def _stats(path: str | Path, options: StatsOptions | None,
+           on_progress: ProgressFn | None) -> StatsResult:
     t0 = time.perf_counter()
     opts = options or StatsOptions()
     _check(opts)
@@ -292,12 +299,14 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
         updates = c.entry.updates.get(prev_c.entry.key, {}) if (run and prev_c) else {}
         mod_sq: dict[str, float | None] = {}
         mod_prev: dict[str, float] = {}
+        names_of: dict[str, str] = {}
         prefix = container_prefix(
             [n for n in c.scope.targets if c.index.tensors[n].group in WEIGHT_GROUPS],
             [k for k, g in c.index.containers.items() if g == "model"])
         for name in sorted(set(c.scope.targets) | set(c.scope.aliases) | set(c.scope.skipped)):
             t = c.index.tensors[name]
             mod = module_of(name, opts.depth, prefix)
+            mod = names_of.setdefault(mod, mod)  # one string per module, not per tensor
             alias = c.scope.aliases.get(name)
             target = c.scope.targets.get(alias or name)
             m = c.entry.tensors.get(alias or name)

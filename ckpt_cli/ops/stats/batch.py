@@ -66,7 +66,7 @@ def _plain(target: _Target, window: int) -> bool:
     return dt is not None and t.nbytes == t.numel * dt.itemsize
 
 
-def run_batch(works: list[_Work], names: list[str], chains: list[list[int]],
+def run_batch(works: list[_Work], names: list[str], chains: list[tuple[int, ...]],
               windows: list[int], sources: _Src, meter: Meter,
               done: list[int], first: int, end: int) -> list[int]:
     """Compute jobs ``first`` to ``end`` (of :func:`.engine.compute`) that are plain, reading
@@ -160,7 +160,7 @@ def _read_runs(sources: _Src, i: int, rel: str, items: list[tuple[int, int, int]
         start = stop
 
 
-def _figures(works: list[_Work], name: str, chain: list[int], k: int,
+def _figures(works: list[_Work], name: str, chain: tuple[int, ...], k: int,
              values: dict[tuple[int, int], np.ndarray]) -> int:
     """One job's figures from its values (what :func:`.engine._run` does with a tensor that
     fits one window); returns the bytes read."""

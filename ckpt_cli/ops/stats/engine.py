@@ -188,13 +188,15 @@ def compute(works: list[Work], *, budget: int, threads: int,
     Returns:
         Bytes of tensor data read (what was there to read: not what a damaged index declares).
     """
-    names: dict[str, list[int]] = {}
+    names: dict[str, tuple[int, ...]] = {}
+    shared: dict[tuple[int, ...], tuple[int, ...]] = {}  # a million names share a few chains
     for i, w in enumerate(works):
         wanted = set(w.stats) | set(w.updates)
         if i + 1 < len(works):
             wanted |= works[i + 1].updates & set(w.targets)
         for n in wanted:
-            names.setdefault(n, []).append(i)
+            chain = (*names.get(n, ()), i)
+            names[n] = shared.setdefault(chain, chain)
     if select is not None:
         names = {n: c for n, c in names.items() if select(n)}
     order = sorted(names)
@@ -268,7 +270,7 @@ def _batches(sizes: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sources: _Sources,
+def _run(works: list[Work], name: str, chain: tuple[int, ...], window_bytes: int, sources: _Sources,
          meter: Meter) -> int:
     """One tensor through the checkpoints of ``chain``, in lockstep (see the module notes);
     returns the bytes read."""
