@@ -10,10 +10,12 @@ Each tensor chunk and each non-tensor item is a complete torch.save zip stored a
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +74,37 @@ class DCPReader(DirectoryLayout):
         return index
 
 
+_KEPT: contextvars.ContextVar[dict[tuple[Any, ...], Any] | None] = contextvars.ContextVar(
+    "ckpt_dcp_kept", default=None)
+
+
+@contextlib.contextmanager
+def keep_storage_maps() -> Iterator[None]:
+    """Within it, the storage map :func:`read_into` parsed is kept for :func:`storage_of`
+    (``validate`` reads the index, then checks where every item lies: one parse, not two)."""
+    token = _KEPT.set({})
+    try:
+        yield
+    finally:  # nothing outlives it
+        _KEPT.reset(token)
+
+
+def _identity(base: Path, meta_path: Path) -> tuple[Any, ...]:
+    st = meta_path.stat()  # a .metadata replaced in between is parsed again
+    return (str(base), str(meta_path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def storage_of(base: Path, meta_path: Path) -> dict[Any, Any]:
+    """:func:`storage_map` of a ``.metadata``: the one :func:`read_into` kept (see
+    :func:`keep_storage_maps`) if the file is unchanged, else parsed now."""
+    kept = _KEPT.get()
+    if kept:
+        with contextlib.suppress(OSError, KeyError):
+            return kept.pop(_identity(base, meta_path))  # type: ignore[no-any-return]
+    fields, _ = parse_metadata(meta_path)
+    return storage_map(fields.get("storage_data"), base, meta_path)
+
+
 def parse_metadata(path: Path) -> tuple[dict[str, Any], PickleResult]:
     """Unpickle a ``.metadata`` file safely.
 
@@ -119,6 +152,7 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         raise CorruptCheckpointError(
             f"{len(distcp)} .distcp file(s) but no .metadata: the save did not finish "
             "(DCP writes .metadata last)", path=path)
+    identity = _identity(path, meta_path) if (kept := _KEPT.get()) is not None else None
     fields, globals_seen = parse_metadata(meta_path)
     for f in allowlist.pickle_findings(globals_seen, file=meta_path.name,
                                        what="metadata pickle"):
@@ -127,6 +161,8 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
     index.files.append(FileInfo(meta_path.name, file_size(meta_path), "metadata", "dcp"))
     sizes = {p.name: file_size(p) for p in distcp}
     storage = storage_map(fields.get("storage_data"), path, meta_path)
+    if kept is not None and identity is not None:  # validate parses it once
+        kept[identity] = storage
     raw_planner = fields.get("planner_data")
     planner: dict[str, Any] = raw_planner if isinstance(raw_planner, dict) else {}
     referenced: set[str] = set()

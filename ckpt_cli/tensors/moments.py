@@ -421,9 +421,7 @@ def numpy_piece_moments(arr: np.ndarray) -> Moments:
 
 def _set_hist(out: Moments, hist: np.ndarray) -> None:
     """A kernel's full histogram into ``out``'s compact one."""
-    import numpy as np
-
-    used = np.flatnonzero(hist)
+    used = hist.nonzero()[0]  # np.flatnonzero's work, without its Python around it
     if used.size:
         lo, hi = int(used[0]), int(used[-1]) + 1
         out.hist_lo, out.hist_bins = lo, hist[lo:hi].tolist()

@@ -26,6 +26,7 @@ from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import allowlist, read_index
 from ckpt_cli.formats.base import safety_findings
 from ckpt_cli.formats.names import in_progress_reason, is_last_copy
+from ckpt_cli.gcpause import collections_paused
 from ckpt_cli.model import CheckpointIndex, Finding
 from ckpt_cli.ops.stats.anomalies import broken_checkpoint, detect, mismatches, unreadable
 from ckpt_cli.ops.stats.cache import Entry, FigureCache, cache_root, identity, is_default, key_of
@@ -89,6 +90,12 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
         CkptError: For unreadable input.
         UsageError: For contradictory options, or a run with no complete checkpoint.
     """
+    with collections_paused():  # millions of records, no cycles: see ckpt_cli.gcpause
+        return _stats(path, options, on_progress)
+
+
+def _stats(path: str | Path, options: StatsOptions | None,
+           on_progress: ProgressFn | None) -> StatsResult:
     t0 = time.perf_counter()
     opts = options or StatsOptions()
     _check(opts)
@@ -307,12 +314,14 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
         updates = c.entry.updates.get(prev_c.entry.key, {}) if (run and prev_c) else {}
         mod_sq: dict[str, float | None] = {}
         mod_prev: dict[str, float] = {}
+        names_of: dict[str, str] = {}
         prefix = container_prefix(
             [n for n in c.scope.targets if c.index.tensors[n].group in WEIGHT_GROUPS],
             [k for k, g in c.index.containers.items() if g == "model"])
         for name in sorted(set(c.scope.targets) | set(c.scope.aliases) | set(c.scope.skipped)):
             t = c.index.tensors[name]
             mod = module_of(name, opts.depth, prefix)
+            mod = names_of.setdefault(mod, mod)  # one string per module, not per tensor
             alias = c.scope.aliases.get(name)
             target = c.scope.targets.get(alias or name)
             m = c.entry.tensors.get(alias or name)
@@ -352,8 +361,9 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
                 sq = mod_sq[mod]
                 ms.update = math.sqrt(sq) if sq is not None else None
                 ms.previous_l2 = math.sqrt(mod_prev[mod])
-        cs.modules = [mods[k] for k in sorted(mods, key=_natural)]
-        cs.tensors.sort(key=lambda t: _natural(t.name))
+        natural = _Natural()
+        cs.modules = [mods[k] for k in sorted(mods, key=natural)]
+        cs.tensors.sort(key=lambda t: natural(t.name))
         cs.cached = sum(1 for n in c.scope.targets if n not in w.got and n in c.entry.tensors)
         cs.computed = len(w.got)
         out.append(cs)
@@ -365,3 +375,15 @@ def _natural(name: str) -> list[tuple[int, int | str]]:
     """Sort key putting ``layers.2`` before ``layers.10``."""
     return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]
 
+
+class _Natural(dict[str, tuple[int, int | str]]):
+    """:func:`_natural`, each name component's key made once: a header of a million tensors
+    repeats a few thousand components, and the keys of a sort are all held at once."""
+
+    def __missing__(self, p: str) -> tuple[int, int | str]:
+        k: tuple[int, int | str] = (0, int(p)) if p.isdigit() else (1, p)
+        self[p] = k
+        return k
+
+    def __call__(self, name: str) -> list[tuple[int, int | str]]:
+        return [self[p] for p in name.split(".")]

@@ -18,12 +18,13 @@ whole from the ranks' partitions, then taken window by window.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.ops.stats.batch import run_batch
 from ckpt_cli.storage.reads import PIECE_BYTES, Meter, PerThread, ProgressFn, run_bounded
 from ckpt_cli.tensors.moments import Moments, diff_sumsq, piece_moments
 from ckpt_cli.tensors.source import TensorSource
@@ -187,36 +188,51 @@ def compute(works: list[Work], *, budget: int, threads: int,
     Returns:
         Bytes of tensor data read (what was there to read: not what a damaged index declares).
     """
-    names: dict[str, list[int]] = {}
+    names: dict[str, tuple[int, ...]] = {}
+    shared: dict[tuple[int, ...], tuple[int, ...]] = {}  # a million names share a few chains
     for i, w in enumerate(works):
         wanted = set(w.stats) | set(w.updates)
         if i + 1 < len(works):
             wanted |= works[i + 1].updates & set(w.targets)
         for n in wanted:
-            names.setdefault(n, []).append(i)
+            chain = (*names.get(n, ()), i)
+            names[n] = shared.setdefault(chain, chain)
     if select is not None:
         names = {n: c for n, c in names.items() if select(n)}
     order = sorted(names)
-    chains = [sorted(set(names[n])) for n in order]
-    sizes = [sum(works[i].targets[n].nbytes for i in chain) for n, chain in
-             zip(order, chains, strict=True)]
+    chains = [names[n] for n in order]  # each in increasing order, once each (see above)
     threads = max(1, min(threads, len(order) or 1))
+    sizes: list[int] = []
     costs: list[int] = []
     windows: list[int] = []
+    per_len: dict[int, int] = {}
     for n, chain in zip(order, chains, strict=True):
-        per = max(_MIN_WINDOW, min(PIECE_BYTES, budget // (threads * 2 * len(chain))))
+        per = per_len.get(len(chain))
+        if per is None:
+            per = max(_MIN_WINDOW, min(PIECE_BYTES, budget // (threads * 2 * len(chain))))
+            per_len[len(chain)] = per
         windows.append(per)
-        costs.append(sum(_cost(works[i].targets[n], per) for i in chain))
+        if len(chain) == 1:
+            t = works[chain[0]].targets[n]
+            sizes.append(t.nbytes)
+            costs.append(_cost(t, per))
+        else:
+            sizes.append(sum(works[i].targets[n].nbytes for i in chain))
+            costs.append(sum(_cost(works[i].targets[n], per) for i in chain))
     _enough_files(threads * sum(min(64, len(w.index.files) or 1) for w in works))
     sources = _Sources(works)
     done = [0] * len(order)  # bytes read, per job (each writes its own slot)
 
     def job(first: int, end: int) -> Callable[[Meter], None]:
         def some(meter: Meter) -> None:
-            k = first
-            while k < end and not meter.stop.is_set():
+            todo: Iterable[int] = range(first, end)
+            if end - first > 1:  # small tensors: read by runs of adjacent byte ranges
+                todo = run_batch(works, order, chains, windows, sources, meter, done, first,
+                                 end)
+            for k in todo:
+                if meter.stop.is_set():
+                    return
                 done[k] = _run(works, order[k], chains[k], windows[k], sources, meter)
-                k += 1
         return some
 
     batches = _batches(sizes)
@@ -254,7 +270,7 @@ def _batches(sizes: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _run(works: list[Work], name: str, chain: list[int], window_bytes: int, sources: _Sources,
+def _run(works: list[Work], name: str, chain: tuple[int, ...], window_bytes: int, sources: _Sources,
          meter: Meter) -> int:
     """One tensor through the checkpoints of ``chain``, in lockstep (see the module notes);
     returns the bytes read."""

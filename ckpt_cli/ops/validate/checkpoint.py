@@ -17,9 +17,10 @@ from ckpt_cli.errors import (
     UnsupportedError,
     ZipConflictError,
 )
-from ckpt_cli.formats import read_index
+from ckpt_cli.formats import dcp, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
 from ckpt_cli.formats.probe import LINK_OUT, quick_status
+from ckpt_cli.gcpause import collections_paused
 from ckpt_cli.model import CheckpointIndex, Finding, RunEntry
 from ckpt_cli.ops.validate.builder import RATE_MIN, Builder, has_errors, rel_path
 from ckpt_cli.ops.validate.layoutcheck import leftover_findings
@@ -69,7 +70,12 @@ def validate_checkpoint(path: Path, opts: Options | None = None, *,
             cannot be read at all or whose format is unrecognisable: a usage problem rather
             than a finding.
     """
-    opts = opts or Options(jobs=default_jobs())
+    with dcp.keep_storage_maps(), collections_paused():  # .metadata parsed once; gcpause
+        return _validate_checkpoint(path, opts or Options(jobs=default_jobs()), entry)
+
+
+def _validate_checkpoint(path: Path, opts: Options, entry: RunEntry | None
+                         ) -> CheckpointReport:
     outer = opts.on_progress
     if outer is not None:  # name the checkpoint: a run directory reports many in turn
         def labelled(label: str, done: int, total: int) -> None:

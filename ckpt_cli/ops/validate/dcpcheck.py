@@ -113,8 +113,7 @@ def check_dcp(index: CheckpointIndex, directory: Path, files: OpenFiles, *, pref
     meta_path = dcp.metadata_file(directory)
     if meta_path is None:  # the reader raises before this; kept for direct callers
         return report
-    fields, _ = dcp.parse_metadata(meta_path)
-    storage = dcp.storage_map(fields.get("storage_data"), directory, meta_path)
+    storage = dcp.storage_of(directory, meta_path)  # as the reader parsed it, if unchanged
     items = [_Item(fqn, offs, rel, off, length, tr)
              for (fqn, offs), (rel, off, length, tr) in storage.items()]
     sizes = _file_sizes(directory, items)

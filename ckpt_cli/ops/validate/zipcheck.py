@@ -83,14 +83,18 @@ class ZipReport:
     crc_disabled: bool = False
 
 
-_BATCH = 128
+_RECORD_BATCH = 128
 """Records whose local headers are fetched together from object storage."""
 
 _GAP = 256 << 10
 """Spans of a batch closer than this are fetched as one range (of at most :data:`_SPAN`):
-a batch holds at most ``_BATCH * _GAP`` bytes it did not need (32 MiB)."""
+a batch holds at most ``_RECORD_BATCH * _GAP`` bytes it did not need (32 MiB)."""
 
 _SPAN = 1 << 20
+
+_WHOLE = 64 << 10
+"""A zip on disk at most this long is read whole, once, for its structure checks (a short
+read, at a file's end, leaves the rest to the reads that follow, as before)."""
 
 
 class _Fatal(Exception):
@@ -173,6 +177,11 @@ class _Checker:
         return _Fatal()
 
     def run(self) -> ZipReport:
+        if isinstance(self.fd, int) and 0 < self.length <= _WHOLE:
+            # A small zip (a DCP item of a few values) in one read, not one per field: the
+            # checks below read its end records, directory, headers and descriptors.
+            self._pre = {0: storage.pread(self.fd, self.length, self.start)}
+            self._pre_at = [0]
         try:
             cd_offset, cd_size, count = self._end_records()
             records = self._central_directory(cd_offset, cd_size, count)
@@ -294,8 +303,8 @@ class _Checker:
         non_empty = zero_crc = 0
         for i, ((name, offset, csize, crc, method, flags, _n), next_start) in enumerate(zip(
                 entries, starts, strict=True)):
-            if i % _BATCH == 0:
-                self._prefetch_records(entries[i:i + _BATCH])
+            if i % _RECORD_BATCH == 0:
+                self._prefetch_records(entries[i:i + _RECORD_BATCH])
             head = self.read(offset, 30)
             if offset + 30 > cd_offset or len(head) < 30 or head[:4] != _LOCAL:
                 self.add("zip-local-header",

@@ -421,6 +421,34 @@ def test_valid_dcp(sample_run: Path) -> None:
         assert r.check(cid).status == "pass", cid  # type: ignore[union-attr]
 
 
+def test_dcp_metadata_is_parsed_once(sample_copy: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """validate checks where items lie with the storage map the reader parsed (kept only
+    while it runs); a .metadata changed since is parsed again."""
+    from ckpt_cli.formats import dcp
+
+    d = sample_copy / "step_000400"
+    parsed: list[Path] = []
+    real = dcp.parse_metadata
+
+    def spy(path: Path) -> Any:
+        parsed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(dcp, "parse_metadata", spy)
+    r = report(d)
+    assert_clean(r)
+    assert r.check("dcp-storage").status == "pass"  # type: ignore[union-attr]
+    assert parsed == [d / ".metadata"]
+    assert dcp._KEPT.get() is None  # nothing kept after it
+    with dcp.keep_storage_maps():
+        read_index(d)
+        st = (d / ".metadata").stat()
+        os.utime(d / ".metadata", ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+        again = dcp.storage_of(d, d / ".metadata")
+    assert len(parsed) == 3 and again == dcp.storage_of(d, d / ".metadata")
+
+
 def test_dcp_truncated_file(sample_copy: Path) -> None:
     d = sample_copy / "step_000400"
     damage.truncate(d / "__2_0.distcp", -100)

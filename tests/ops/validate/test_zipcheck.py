@@ -96,3 +96,65 @@ def test_zlib_fallback_without_isal(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     off, size = damage.zip_payload(p, "data/0")
     damage.flip(p, off + size - 5)
     assert _check(p)[2] == ["crc-mismatch"]
+
+
+def test_small_records_share_their_crc_jobs(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small records are checksummed in jobs of about 8 MiB, not one job per 128 bytes (a
+    second ``_BATCH``, the records fetched together from object storage, shadowed it)."""
+    from ckpt_cli.ops.validate import zipcheck
+
+    p = tmp_path / "many.pt"
+    torch.save({f"t{i}": torch.full((8,), float(i)) for i in range(300)}, p)
+    jobs: list[int] = []
+    real = zipcheck.run_parallel
+
+    def counting(js: list[object], **kw: object) -> object:
+        jobs.append(len(js))
+        return real(js, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zipcheck, "run_parallel", counting)
+    codes, tasks, crc = _check(p)
+    assert (codes, crc) == ([], []) and tasks > 300
+    assert jobs == [1]
+    off, _ = damage.zip_payload(p, "data/150")
+    damage.flip(p, off + 3)
+    assert _check(p)[2] == ["crc-mismatch"]
+
+
+@pytest.mark.parametrize("hurt", ["none", "truncate", "central", "local", "descriptor"])
+def test_a_small_zip_is_read_once_with_the_findings_of_many_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hurt: str) -> None:
+    """A zip of at most 64 KiB (a DCP item) is read whole for its structure checks; damage
+    anywhere gives the findings the field-by-field reads gave."""
+    from ckpt_cli import storage
+    from ckpt_cli.ops.validate import zipcheck
+
+    p = tmp_path / "small.pt"
+    torch.save({"a": torch.arange(6.0), "b": torch.ones(3)}, p)
+    data = p.read_bytes()
+    if hurt == "truncate":
+        damage.truncate(p, len(data) - 7)
+    elif hurt == "central":
+        damage.flip(p, data.rindex(b"PK\x01\x02") + 20, 0x40)  # a recorded size
+    elif hurt == "local":
+        damage.flip(p, data.index(b"PK\x03\x04", 10) + 26)  # a name length
+    elif hurt == "descriptor":
+        damage.flip(p, data.index(b"PK\x07\x08") + 9)
+    reads: list[int] = []
+    real = storage.pread
+
+    def counted(h: object, n: int, offset: int) -> bytes:
+        reads.append(n)
+        return real(h, n, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storage, "pread", counted)
+    whole = _check(p)
+    if hurt == "none":
+        assert whole == ([], 8, []) and reads == [p.stat().st_size]
+    else:
+        assert whole[0] or whole[2]  # the damage is found
+    monkeypatch.setattr(zipcheck, "_WHOLE", 0)
+    reads.clear()
+    assert _check(p) == whole
+    assert len(reads) >= (1 if hurt == "truncate" else 6)  # field by field, as before
