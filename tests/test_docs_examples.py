@@ -117,7 +117,7 @@ def blocks() -> list[Block]:
                 how, reason = (m[1], m[2] or "") if m else ("run", "")
                 commands = (_commands(body) if lang == "bash" else _outputs(body)
                             if lang == "text" else ((textwrap.dedent("\n".join(body)), 0),))
-                # docs/python.md's examples build on each other (one namespace, in page
+                # docs/python*.md's examples build on each other (one namespace, in page
                 # order): tests/api/test_surface.py runs them so, and they are not run here.
                 if how == "then":
                     before = found.pop()
@@ -126,7 +126,8 @@ def blocks() -> list[Block]:
                                   for src, want in before.commands) \
                         if before.lang == "python" else before.commands
                     found.append(Block(page, before.line, first + commands, "run", "", lang))
-                elif not (lang == "python" and "python" in (page.stem, page.parent.name)):
+                elif not (lang == "python" and (page.stem.startswith("python")
+                                                or page.parent.name == "python")):
                     found.append(Block(page, start + 1, commands, how, reason, lang))
             elif lines[i].strip().startswith("```"):
                 i += 1  # another language's block: skip to its end
