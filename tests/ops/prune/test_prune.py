@@ -924,9 +924,17 @@ def test_sweep_job_directories_are_not_checkpoints(tmp_path: Path) -> None:
         (job / "main.log").write_text("done\n")
         torch.save({"w": torch.ones(2)}, job / "model.pt")
     r = run_cli("prune", sweep, "--keep", "1", "--grace", "0", "--yes")
-    # Nothing recognised is nothing to do (a cron job before the first save): a note, exit 0.
+    # Not a run: the one resolver refuses a directory whose entries each hold a checkpoint of
+    # their own, naming them (a cron job pointed at the sweep says so at once, instead of
+    # "nothing yet" for ever), and nothing is deleted.
+    assert r.exit_code == 2, r.output
+    assert "holds checkpoints: 0/, 1/, 2/; pass one of them" in r.stderr, r.stderr
+    assert all((sweep / str(i) / f).is_file() for i in range(3)
+               for f in ("main.log", "model.pt", ".hydra/config.yaml"))
+    # An empty run directory (before the first save) is still nothing to do: a note, exit 0.
+    (tmp_path / "fresh").mkdir()
+    r = run_cli("prune", tmp_path / "fresh", "--keep", "1", "--grace", "0", "--yes")
     assert r.exit_code == 0 and "holds no checkpoints yet" in r.stderr, r.output
-    assert all((sweep / str(i) / "main.log").is_file() for i in range(3))
 
 
 def test_absolute_pointer_through_a_symlinked_directory(tmp_path: Path) -> None:
