@@ -381,7 +381,7 @@ def mutations() -> st.SearchStrategy[Mutation]:
 # --- commands and the check ------------------------------------------------------------------
 
 COMMANDS = ("inspect", "validate", "diff", "convert", "plan", "consolidate", "prune",
-            "resume-path")
+            "resume-path", "stats")
 
 
 def command_args(command: str, seed: Seed, case: Path, pristine: Path, out: Path,
@@ -408,6 +408,8 @@ def command_args(command: str, seed: Seed, case: Path, pristine: Path, out: Path
         return ["prune", arg, "--keep", "1", "-n", *tail]
     if command == "resume-path" and seed.kind == "run":
         return ["resume-path", arg, *tail]
+    if command == "stats":  # every seed: a checkpoint, or a run's table; no cache written
+        return ["stats", arg, "--no-cache", *tail]
     return None
 
 
