@@ -194,6 +194,29 @@ MAX_DIMS = 64
 """The most dimensions a tensor may declare (torch refuses more)."""
 
 
+def to_torch(arr: Any, code: str) -> Any:
+    """A torch tensor sharing ``arr``'s bytes, of dtype ``code`` (imports torch): BF16 and FP8
+    (ml_dtypes in numpy) travel as same-size integers, then are viewed; a 0-d array stays
+    0-d (``np.ascontiguousarray`` would make it 1-d).
+
+    Args:
+        arr: A numpy array of ``code``'s values.
+        code: Canonical dtype code.
+
+    Returns:
+        A ``torch.Tensor`` of ``arr``'s shape.
+    """
+    import numpy as np
+    import torch
+
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")
+    if arr.dtype.kind == "V":
+        ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[arr.dtype.itemsize]
+        return torch.from_numpy(arr.view(ints)).view(torch_dtype(code))
+    return torch.from_numpy(arr)
+
+
 def shape_problem(shape: tuple[int, ...] | list[int]) -> str | None:
     """Why a declared shape cannot be a tensor's, checked before any arithmetic on it: more
     than :data:`MAX_DIMS` dimensions, a dimension or an element count past 2^63-1.

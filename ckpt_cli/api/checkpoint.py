@@ -259,17 +259,9 @@ def _framework(arr: np.ndarray, code: str, framework: str) -> Any:
     if framework != "torch":
         raise _args_error(f"framework must be numpy or torch, not {framework!r}",
                          param="framework")
-    import numpy as np
-    import torch  # heavy: only when torch tensors are asked for
+    from ckpt_cli import dtypes  # imports torch: only when torch tensors are asked for
 
-    from ckpt_cli import dtypes
-
-    if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
-        arr = arr.copy(order="C")
-    if arr.dtype.kind == "V":  # ml_dtypes (BF16, FP8): the same bytes as integers, then viewed
-        ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[arr.dtype.itemsize]
-        return torch.from_numpy(arr.view(ints)).view(dtypes.torch_dtype(code))
-    return torch.from_numpy(arr)
+    return dtypes.to_torch(arr, code)
 
 
 def _args_error(message: str, *, param: str) -> BaseException:

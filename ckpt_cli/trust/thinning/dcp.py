@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli import storage
+from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.trust.thinning import base
 from ckpt_cli.trust.thinning.base import (
@@ -23,23 +23,6 @@ from ckpt_cli.trust.thinning.base import (
 # loops): their floating tensors are never cast by --thin-to.
 NOT_WEIGHTS = ("lr_scheduler", "lr_schedulers", "scheduler", "dataloader", "train_state",
                "rng", "rng_state", "rng_states", "extra_state", "loops", "callbacks", "trainer")
-
-
-def _torch_of(arr: Any, code: str) -> Any:
-    """A torch tensor sharing ``arr``'s bytes (BF16 and FP8 travel as same-size integers)."""
-    import numpy as np
-    import torch
-
-    from ckpt_cli import dtypes
-
-    if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d tensor 1-d)
-        arr = arr.copy(order="C")
-    td = dtypes.torch_dtype(code)
-    size = arr.dtype.itemsize
-    if size in (1, 2, 4, 8) and dtypes.DTYPES[code].kind != "complex":
-        ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[size]
-        return torch.from_numpy(arr.view(ints)).view(td)
-    return torch.from_numpy(arr)
 
 
 def _tree_path(fqn: str, planner: dict[Any, Any]) -> tuple[Any, ...]:
@@ -174,7 +157,7 @@ def _dcp_thinned_state(path: Path, to: str | None
                 arr, code = src.read(t), t.dtype
                 if (to == "bf16" and p[0] in weight_tops and code in ("F32", "F64", "F16")):
                     arr, code = cast_array(arr, "BF16", name=fqn), "BF16"
-                _put(state, p, _torch_of(arr, code))
+                _put(state, p, dtypes.to_torch(arr, code))
         for fqn, md in items.items():
             p = paths[fqn]
             if _is_state_item(p) or fqn in index.tensors:
