@@ -10,7 +10,6 @@ damage) travels with it in :attr:`Checkpoint.findings`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -163,7 +162,7 @@ class Checkpoint:
             if not t.shape:
                 raise UsageError(f"tensor {name!r} is 0-d: it has no rows to slice")
             lo, hi, _ = slice(start, stop).indices(t.shape[0])
-            arr = self._rows(t, lo, max(lo, hi))
+            arr = self._src().read_rows(t, lo, max(lo, hi))
         return _framework(arr, t.dtype, framework)
 
     # -- life -----------------------------------------------------------------------------------
@@ -213,44 +212,6 @@ class Checkpoint:
             raise UsageError(f"tensor {t.name!r} is {t.dtype} without a scale ckpt can pair "
                              "with it: read it without dequantize", param="dequantize")
         return fp8.dequantize(arr, self._src().read(pair.scale), "F32")
-
-    def _rows(self, t: TensorInfo, lo: int, hi: int) -> np.ndarray:
-        import numpy as np
-
-        from ckpt_cli import dtypes
-
-        row = math.prod(t.shape[1:])
-        plain = (not t.chunks and t.stride is None and t.file is not None
-                 and t.offset is not None and t.dtype in dtypes.DTYPES
-                 and _numpy_dtype(t.dtype) is not None)
-        if not plain or row == 0:
-            return np.ascontiguousarray(self._src().read(t)[lo:hi])
-        dt = _numpy_dtype(t.dtype)
-        assert dt is not None and t.file is not None and t.offset is not None
-        out = np.empty((hi - lo, *t.shape[1:]), dtype=dt)
-        if out.nbytes:
-            first = t.offset + lo * row * dt.itemsize
-            end = t.offset + hi * row * dt.itemsize
-            src = self._src()
-            from ckpt_cli import storage
-            from ckpt_cli.errors import CorruptCheckpointError
-
-            size = storage.size_of(src._fd(t.file))
-            if end > size:
-                raise CorruptCheckpointError(
-                    f"tensor {t.name!r} needs bytes up to {end:,} but the file has {size:,}",
-                    path=self.index.path_of(t.file))
-            src.read_into(t.file, first, out.reshape(-1).view(np.uint8).data)
-        return out
-
-
-def _numpy_dtype(code: str) -> np.dtype[Any] | None:
-    from ckpt_cli import dtypes
-
-    try:
-        return dtypes.numpy_dtype(code)
-    except KeyError:  # sub-byte types: packed bytes, no row slicing
-        return None
 
 
 def _framework(arr: np.ndarray, code: str, framework: str) -> Any:

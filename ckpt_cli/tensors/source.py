@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import mmap
 import threading
 from collections import OrderedDict
@@ -72,6 +73,40 @@ class TensorSource:
             _, old = self._fds.popitem(last=False)
             storage.close(old)
         return fd
+
+    def file_size(self, rel: str) -> int:
+        """Size of file ``rel`` (relative to the index's base), opening it if need be."""
+        return storage.size_of(self._fd(rel))
+
+    def read_rows(self, t: TensorInfo, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of ``t`` (its first dimension; ``0 <= start <= stop <= rows``),
+        reading only their bytes when ``t`` is one contiguous range of a numpy dtype, else
+        read whole and sliced.
+
+        Raises:
+            CorruptCheckpointError: The file ends before the rows do.
+        """
+        import numpy as np
+
+        row = math.prod(t.shape[1:])
+        try:
+            dt = dtypes.numpy_dtype(t.dtype)
+        except KeyError:  # sub-byte types: packed bytes, no rows to address
+            dt = None
+        if (dt is None or t.chunks or t.stride is not None or t.file is None
+                or t.offset is None or row == 0):
+            return np.ascontiguousarray(self.read(t)[start:stop])
+        out = np.empty((stop - start, *t.shape[1:]), dtype=dt)
+        if out.nbytes:
+            first = t.offset + start * row * dt.itemsize
+            end = first + out.nbytes
+            size = self.file_size(t.file)
+            if end > size:
+                raise CorruptCheckpointError(
+                    f"tensor {t.name!r} needs bytes up to {end:,} but the file has {size:,}",
+                    path=self.index.path_of(t.file))
+            self.read_into(t.file, first, out.reshape(-1).view(np.uint8).data)
+        return out
 
     def read_into(self, rel: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with bytes of file ``rel`` from ``offset``; a short read is an error.

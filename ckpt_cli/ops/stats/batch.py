@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import dtypes, storage
+from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
 from ckpt_cli.tensors.moments import Moments, diff_sumsq, piece_moments
 
@@ -95,7 +95,7 @@ def run_batch(works: list[_Work], names: list[str], chains: list[tuple[int, ...]
             size = sizes.get(key)
             if size is None:
                 try:
-                    size = storage.size_of(sources.sources.get(i)._fd(rel))
+                    size = sources.sources.get(i).file_size(rel)
                 except (CkptError, OSError):
                     size = -1  # cannot be opened: _run says why
                 sizes[key] = size
