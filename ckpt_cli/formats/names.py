@@ -34,6 +34,14 @@ OWN_TEMP_MARKERS = (".ckpt-tmp-", ".ckpt-old-")
 _PARTS_STAGING = ".ckpt-tmp-parts"  # a --part job's staging: its own lifecycle and lock
 
 
+WRAPPERS: tuple[str, ...] = ("module.", "_orig_mod.")
+"""Name prefixes wrappers put before every weight: DDP and DeepSpeed (``module.``),
+torch.compile (``_orig_mod.``); they nest in any order."""
+
+CONTAINERS: tuple[str, ...] = ("model.", "state_dict.", "model_state_dict.")
+"""Name prefixes of the containers a model's weights are saved under: a training dict's
+``model``, Lightning's ``state_dict``, the PyTorch tutorial's ``model_state_dict``."""
+
 def is_own_temporary(name: str) -> bool:
     """Whether a name is one of ckpt's own temporaries or trash (what a write or a prune
     killed midway leaves): the one pattern the sweeper removes. A split job's staging

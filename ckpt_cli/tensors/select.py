@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_cli.errors import UnsupportedError, UsageError
+from ckpt_cli.formats import names
 from ckpt_cli.formats.containers import MODEL_KEYS
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
 
-WRAPPERS = ("module.", "_orig_mod.")
+WRAPPERS = names.WRAPPERS
 """Wrapper prefixes (DDP, torch.compile) that :func:`select_tensors` strips."""
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ckpt_cli.errors import (
     UsageError,
 )
+from ckpt_cli.formats import names
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.diff.result import (
     Rename,
@@ -17,10 +18,8 @@ from ckpt_cli.ops.diff.result import (
 if TYPE_CHECKING:
     pass
 
-WRAPPERS: tuple[str, ...] = ("module.", "_orig_mod.", "model.", "state_dict.",
-                             "model_state_dict.")
-"""Name prefixes that wrappers and containers add: DDP/DeepSpeed, torch.compile, training dicts,
-Lightning, the PyTorch tutorial's ``model_state_dict``."""
+WRAPPERS: tuple[str, ...] = (*names.WRAPPERS, *names.CONTAINERS)
+"""Name prefixes that wrappers and containers add (:mod:`ckpt_cli.formats.names`)."""
 
 WEIGHT_GROUPS: tuple[str, ...] = ("model", "buffer")
 """Groups compared by default."""

@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ckpt_cli.documents import Documented
+from ckpt_cli.formats import names
 from ckpt_cli.formats.base import refused
 from ckpt_cli.model import Finding
 from ckpt_cli.tensors.moments import HIST_LO, Moments
 
-WRAPPERS = ("module.", "_orig_mod.", "model.", "state_dict.")
-"""Prefixes that containers and wrappers put before every weight's name: DDP and DeepSpeed
-(``module.``), torch.compile (``_orig_mod.``), a training dict's or Lightning's container and
-the model attribute it wraps (``model.``, ``state_dict.``)."""
+WRAPPERS = (*names.WRAPPERS, *names.CONTAINERS)
+"""Prefixes that containers and wrappers put before every weight's name
+(:mod:`ckpt_cli.formats.names`)."""
 
 
 def container_prefix(names: list[str], containers: Iterable[str] = ()) -> str:
