@@ -15,6 +15,7 @@ not match (a custom optimizer, frozen parameters, another grouping rule).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,7 @@ def _trainer_groups(path: Path) -> tuple[list[list[str]], dict[str, tuple[int, .
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its remarks on the config are not ckpt's to print
+    hf_logging.set_verbosity(logging.ERROR)  # its remarks on the config are not ours
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=False,
                                             local_files_only=True)
