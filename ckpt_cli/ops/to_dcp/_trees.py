@@ -44,12 +44,16 @@ class TorchTree:
         tree: The unpickled object (tensors as :class:`TensorRecord`, unknown globals as
             :class:`Opaque` stand-ins).
         index: The file's tensors, by flattened name.
+        hostile: What the file's pickles meant to run under ``torch.load`` (globals that run
+            code, a TorchScript archive), one sentence each; nothing of it ran. Readers put
+            these in the state's ``notes``.
     """
 
     path: Path
     tree: Any
     index: CheckpointIndex
     _names: dict[int, str]
+    hostile: list[str]
 
     def lazy(self, rec: Any, what: str) -> LazyTensor:
         """The lazy tensor of a :class:`TensorRecord` found in :attr:`tree`.
@@ -64,16 +68,29 @@ class TorchTree:
         return lazy_of(self.index, info)
 
 
+#: Reader findings that leave a file's tensors unreadable or wrong: refused. (Globals that
+#: would run code are not among them: nothing runs here, and convert warns of them too.)
+_REFUSED = frozenset({"bad-tensor", "big-endian", "compressed-entry", "missing-storage",
+                      "short-storage", "unsupported-format", "view-out-of-bounds"})
+
+
 def read_torch(path: Path) -> TorchTree:
     """Read a torch.save file's pickle (safely) and locate its tensors.
 
     Raises:
-        CkptError: The file is not a readable torch checkpoint.
+        CkptError: The file is not a readable torch checkpoint, or its tensors are damaged
+            (the reader's first such finding).
     """
     import pickle
 
+    from ckpt_cli.tensors.select import hostile_warnings
+
     index = CheckpointIndex(format="torch", root=path, base=path.parent)
     read_into(index, path, role="other", prefix="")
+    bad = [f for f in index.findings if f.severity == "error" and f.code in _REFUSED]
+    if bad:
+        where = f" ({bad[0].location})" if bad[0].location else ""
+        raise CorruptCheckpointError(f"{bad[0].message}{where}", path=path)
     from ckpt_cli import storage
     from ckpt_cli.formats.base import file_size
     from ckpt_cli.formats.torchzip import parse_zip
@@ -92,7 +109,8 @@ def read_torch(path: Path) -> TorchTree:
                 names.setdefault(id(leaf), ".".join(p))
     except ValueError as e:
         raise CorruptCheckpointError(str(e), path=path) from None
-    return TorchTree(path, tree, index, names)
+    return TorchTree(path, tree, index, names,
+                     [f"{path.name}: {f.message}" for f in hostile_warnings(index)])
 
 
 def items(obj: Any) -> dict[Any, Any] | None:

@@ -28,6 +28,7 @@ from ckpt_cli.formats.standins import TensorRecord
 from ckpt_cli.formats.zero import MOMENTS, ParamPlan, PieceReader, plan_zero, resolve_tag
 from ckpt_cli.ops.to_dcp._trees import TorchTree, items, plain, read_torch
 from ckpt_cli.ops.to_dcp.state import LazyTensor, TrainingState
+from ckpt_cli.tensors.select import hostile_warning
 
 if TYPE_CHECKING:
     import numpy as np
@@ -118,7 +119,7 @@ def read_deepspeed(path: Path) -> TrainingState:
             state.extra[k] = v
     state.extra["zero_stage"] = plan.stage
     state.extra["world_size"] = plan.world_size
-    _notes(state, plan.notes, top, model, osd)
+    _notes(state, plan.notes, plan.unsafe, top, osd)
     return state
 
 
@@ -207,8 +208,8 @@ def _optimizer_name(cfg: Any, groups: list[dict[str, Any]], state: TrainingState
     return "AdamW"
 
 
-def _notes(state: TrainingState, plan_notes: list[str], top: dict[Any, Any],
-           model: TorchTree, osd: dict[Any, Any]) -> None:
+def _notes(state: TrainingState, plan_notes: list[str], unsafe: dict[Path, list[str]],
+           top: dict[Any, Any], osd: dict[Any, Any]) -> None:
     module = items(top.get("module")) or {}
     low = sorted({r.dtype for r in module.values()
                   if isinstance(r, TensorRecord) and r.dtype in ("BF16", "F16")})
@@ -221,5 +222,7 @@ def _notes(state: TrainingState, plan_notes: list[str], top: dict[Any, Any],
         state.notes.append("FP16 dynamic loss scaler state not carried (DCP loops scale "
                            "their own)")
     state.notes.extend(plan_notes)
+    for p, quals in unsafe.items():
+        state.notes.append(hostile_warning(p, quals).message)
     if "random_rng_state" not in top and "rng" not in top:
         state.notes.append("rng: DeepSpeed saved no RNG state")

@@ -73,10 +73,12 @@ def read_hf_trainer(path: Path) -> TrainingState:
             raise CkptError(f"{n} is saved as {list(state.model[n].shape)}, the model "
                             f"declares {list(shp)}", path=path)
     opt = read_torch(path / "optimizer.pt")
+    state.notes.extend(opt.hostile)
     state.optimizer, state.optimizer_state, state.param_groups = map_torch_optimizer(
         opt, opt.tree, names, shapes, where="optimizer.pt", adam="AdamW")
     if (path / "scheduler.pt").is_file():
         sched = read_torch(path / "scheduler.pt")
+        state.notes.extend(sched.hostile)
         state.lr_scheduler = plain(sched.tree, "scheduler.pt", sched.path)
     else:
         state.notes.append("lr_scheduler: no scheduler.pt")
@@ -185,6 +187,7 @@ def _rng(path: Path, state: TrainingState) -> dict[str, Any] | None:
     """``rng_state.pth`` (one process) or ``rng_state_<rank>.pth`` (several)."""
     if (path / "rng_state.pth").is_file():
         tt = read_torch(path / "rng_state.pth")
+        state.notes.extend(tt.hostile)
         one: dict[str, Any] = rng_value(items(tt.tree) or {}, tt, "rng_state.pth")
         return one
     ranks = sorted((int(m.group(1)), p) for p in path.glob("rng_state_*.pth")
@@ -196,5 +199,6 @@ def _rng(path: Path, state: TrainingState) -> dict[str, Any] | None:
     out = {}
     for r, p in ranks:
         tt = read_torch(p)
+        state.notes.extend(tt.hostile)
         out[f"rank{r}"] = rng_value(items(tt.tree) or {}, tt, p.name)
     return out

@@ -56,7 +56,7 @@ def read_lightning(path: Path) -> TrainingState:
     sd = items(top["state_dict"])
     if sd is None:
         raise CorruptCheckpointError("state_dict is not a dict", path=path)
-    state = TrainingState(source_format="lightning", model={})
+    state = TrainingState(source_format="lightning", model={}, notes=list(tt.hostile))
     rename = _renamer([str(k) for k in sd], state)
     for k, rec in sd.items():
         if isinstance(rec, TensorRecord):

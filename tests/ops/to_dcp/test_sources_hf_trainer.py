@@ -156,3 +156,33 @@ def test_an_unknown_optimizer_state_is_refused_naming_it(hf_trainer_dir: Path,
     _rewrite_optimizer(ckpt, factored)
     with pytest.raises(UnsupportedError, match="exp_avg_sq_row"):
         read_hf_trainer(ckpt)
+
+
+class _Runs:
+    """Pickles as a call of ``os.system``: what a hostile optimizer.pt would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_code_in_the_optimizer_file_never_runs(hf_trainer_dir: Path, tmp_path: Path) -> None:
+    ckpt = _copy(hf_trainer_dir, tmp_path)
+    marker = tmp_path / "ran"
+    _rewrite_optimizer(ckpt, lambda osd: osd["param_groups"][0].update(hook=_Runs(marker)))
+    with pytest.raises(UnsupportedError, match=r"param_groups\.hook is an object of class "
+                                               r"(posix|os)\.system"):
+        read_hf_trainer(ckpt)
+    assert not marker.exists()
+
+
+def test_a_damaged_tensor_record_is_refused(hf_trainer_dir: Path, tmp_path: Path) -> None:
+    ckpt = _copy(hf_trainer_dir, tmp_path)
+    raw = (ckpt / "optimizer.pt").read_bytes()
+    (ckpt / "optimizer.pt").write_bytes(raw[: len(raw) * 2 // 3])  # truncated
+    with pytest.raises(CkptError, match=r"optimizer\.pt"):
+        read_hf_trainer(ckpt)

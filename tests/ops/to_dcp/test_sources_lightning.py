@@ -130,3 +130,29 @@ def test_several_optimizers_are_refused(lightning_dir: Path, tmp_path: Path) -> 
     torch.save(ck, tmp_path / "two.ckpt")
     with pytest.raises(UnsupportedError, match="2 optimizers"):
         read_lightning(tmp_path / "two.ckpt")
+
+
+class _Runs:
+    """Pickles as a call of ``os.system`` (a hostile hyper-parameter)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_hostile_hyperparameters_never_run_and_are_reported(lightning_dir: Path,
+                                                            tmp_path: Path) -> None:
+    ck = _load(lightning_dir / "last.ckpt")
+    marker = tmp_path / "ran"
+    ck["hyper_parameters"] = {"callback": _Runs(marker)}
+    torch.save(ck, tmp_path / "h.ckpt")
+    st = read_lightning(tmp_path / "h.ckpt")
+    assert not marker.exists()
+    assert "hyper_parameters" not in st.extra
+    assert any("h.ckpt" in n and "system" in n for n in st.notes), st.notes
+    assert any(n.startswith("hyper_parameters not carried") for n in st.notes)
+    assert set(st.optimizer_state) == {"weight", "bias"}  # the training state is whole
