@@ -186,3 +186,26 @@ def test_a_damaged_tensor_record_is_refused(hf_trainer_dir: Path, tmp_path: Path
     (ckpt / "optimizer.pt").write_bytes(raw[: len(raw) * 2 // 3])  # truncated
     with pytest.raises(CkptError, match=r"optimizer\.pt"):
         read_hf_trainer(ckpt)
+
+
+def test_pytorch_model_bin_weights(hf_trainer_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    ckpt = _copy(hf_trainer_dir, tmp_path)
+    sd = load_file(ckpt / "model.safetensors")
+    torch.save(sd, ckpt / "pytorch_model.bin")  # what save_safetensors=False writes
+    (ckpt / "model.safetensors").unlink()
+    st = read_hf_trainer(ckpt)
+    for k, v in sd.items():
+        assert torch.equal(_t(st.model[k]), v), k
+    assert torch.equal(_t(st.model["lm_head.weight"]), sd["transformer.wte.weight"])
+
+
+def test_per_rank_rng_states(hf_trainer_dir: Path, tmp_path: Path) -> None:
+    ckpt = _copy(hf_trainer_dir, tmp_path)
+    (ckpt / "rng_state.pth").rename(ckpt / "rng_state_0.pth")
+    shutil.copy(ckpt / "rng_state_0.pth", ckpt / "rng_state_1.pth")
+    st = read_hf_trainer(ckpt)
+    assert st.rng is not None and set(st.rng) == {"rank0", "rank1"}
+    assert st.rng["rank1"]["python"] == st.rng["rank0"]["python"]
+    assert any("one state per rank (2 ranks)" in n for n in st.notes)

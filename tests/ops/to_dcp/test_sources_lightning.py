@@ -26,11 +26,13 @@ pytestmark = [pytest.mark.requires_torch,
 
 @pytest.fixture(scope="module")
 def norm_sgd_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Lightning run of Linear, BatchNorm1d, Linear trained with SGD and momentum."""
+    """A Lightning run of Linear, BatchNorm1d, Linear trained with SGD and momentum, and a
+    StepLR schedule."""
     from tests.helpers.makers import lightning_run
 
     with third_party_quiet():
-        return lightning_run(tmp_path_factory.mktemp("plnorm") / "ckpts", norm=True, sgd=True)
+        return lightning_run(tmp_path_factory.mktemp("plnorm") / "ckpts", norm=True, sgd=True,
+                             scheduler=True)
 
 
 def _t(v: LazyTensor | float | int) -> torch.Tensor:
@@ -89,6 +91,9 @@ def test_sgd_momentum_and_batchnorm_buffers(norm_sgd_dir: Path) -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     _check_restored(st, _load(path), net, opt)
     assert st.optimizer == "SGD"
+    assert st.lr_scheduler == _load(path)["lr_schedulers"][0]
+    assert st.lr_scheduler is not None and st.lr_scheduler["last_epoch"] == 4
+    assert st.param_groups[0]["lr"] == 0.01 * 0.5 ** 4
     assert {"1.running_mean", "1.running_var", "1.num_batches_tracked"} <= set(st.model)
     assert "1.running_mean" not in st.optimizer_state
 
