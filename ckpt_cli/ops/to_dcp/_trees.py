@@ -147,26 +147,37 @@ def ndarray_of(obj: Any) -> np.ndarray | None:
         return None
 
 
-def plain(obj: Any, what: str, path: Path, budget: list[int] | None = None) -> Any:
+_MAX_DEPTH = 64  # nesting a plain value may have (a scheduler's state has 3 or 4)
+_KEYS = (bool, int, float, str, type(None))
+
+
+def plain(obj: Any, what: str, path: Path, budget: list[int] | None = None,
+          depth: int = 0) -> Any:
     """A pickled value as plain Python (dicts, lists, tuples, numbers, strings, None).
 
     numpy scalars and arrays become numbers and arrays; anything else (a tensor, an object
-    of an unknown class) is refused, naming where it is.
+    of an unknown class) is refused, naming where it is. Size and nesting are bounded.
 
     Raises:
-        UnsupportedError: A value that is not plain data.
+        UnsupportedError: A value that is not plain data, or too large or deep.
     """
     budget = budget if budget is not None else [_MAX_PLAIN]
     budget[0] -= 1
     if budget[0] < 0:
         raise UnsupportedError(f"{what} holds more than {_MAX_PLAIN:,} values", path=path)
+    if depth > _MAX_DEPTH:
+        raise UnsupportedError(f"{what} nests deeper than {_MAX_DEPTH} levels", path=path)
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return obj
     if isinstance(obj, (list, tuple)):
-        out = [plain(v, f"{what}[{i}]", path, budget) for i, v in enumerate(obj)]
+        out = [plain(v, f"{what}[{i}]", path, budget, depth + 1) for i, v in enumerate(obj)]
         return out if isinstance(obj, list) else tuple(out)
     if isinstance(obj, dict):
-        return {k: plain(v, f"{what}.{k}", path, budget) for k, v in obj.items()}
+        bad = next((k for k in obj if not isinstance(k, _KEYS)), None)
+        if bad is not None:
+            raise UnsupportedError(f"{what} has a key of type {type(bad).__name__}, not plain "
+                                   "data", path=path)
+        return {k: plain(v, f"{what}.{k}", path, budget, depth + 1) for k, v in obj.items()}
     if isinstance(obj, Opaque):
         num = containers.numpy_scalar(obj)
         if num is not None:
@@ -215,6 +226,33 @@ def optimizer_kind(groups: list[dict[Any, Any]], states: list[dict[Any, Any]], a
         "it, and dropping it would silently restart the optimizer", path=path)
 
 
+def group_ids(groups: list[dict[Any, Any]], where: str, path: Path) -> list[list[int]]:
+    """Each param group's parameter ids, checked to be distinct integers.
+
+    Raises:
+        CorruptCheckpointError: A group without a ``params`` list, an id that is not an
+            integer, or one listed twice.
+    """
+    out: list[list[int]] = []
+    seen: set[int] = set()
+    for g, group in enumerate(groups):
+        ids = group.get("params")
+        if not isinstance(ids, list):
+            raise CorruptCheckpointError(f"{where}: param group {g} has no params list",
+                                         path=path)
+        for pid in ids:
+            if not isinstance(pid, int) or isinstance(pid, bool):
+                raise CorruptCheckpointError(f"{where}: param group {g} lists a "
+                                             f"{type(pid).__name__} as a parameter id",
+                                             path=path)
+            if pid in seen:
+                raise CorruptCheckpointError(f"{where}: parameter id {pid} is listed twice",
+                                             path=path)
+            seen.add(pid)
+        out.append(list(ids))
+    return out
+
+
 def map_torch_optimizer(tt: TorchTree, osd: Any, names: list[list[str]],
                         shapes: dict[str, tuple[int, ...]], *, where: str, adam: str = "Adam",
                         ) -> tuple[str, dict[str, dict[str, Any]], list[dict[str, Any]]]:
@@ -251,6 +289,7 @@ def map_torch_optimizer(tt: TorchTree, osd: Any, names: list[list[str]],
     if len(groups) != len(names):
         raise CkptError(f"{where} has {len(groups)} param group(s), the model gives "
                         f"{len(names)}: the parameters cannot be named", path=tt.path)
+    group_ids(groups, where, tt.path)
     fqn: dict[Any, str] = {}
     for g, (group, group_names) in enumerate(zip(groups, names, strict=True)):
         ids = group["params"]

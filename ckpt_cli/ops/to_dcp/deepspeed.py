@@ -90,9 +90,19 @@ def read_deepspeed(path: Path) -> TrainingState:
     groups = _groups(inner, shapes, flat_states, opt0, model.path)
     for g, (hyper, flat_ids) in enumerate(groups):
         fqns: list[str] = []
+        # DeepSpeed's FusedAdam counts steps in the param group, not in the state
+        group_step = (hyper.pop("step", None)
+                      if any("step" not in flat_states[i] for i in flat_ids) else None)
+        if group_step is not None:
+            state.notes.append(f"param group {g}: its step moved into each parameter's state "
+                               "(torch's Adam keeps it there)")
         for i in flat_ids:
             names = list((items(shapes[i]) or {}).keys())
-            step = flat_states[i].get("step")
+            step = flat_states[i].get("step", group_step)
+            if step is None or isinstance(step, bool) or not isinstance(
+                    step, (TensorRecord, int, float)):
+                raise UnsupportedError(f"param group {g}: no step recorded beside the moments "
+                                       "(Adam's bias correction needs it)", path=opt0.path)
             for name in names:
                 per: dict[str, LazyTensor | int | float] = {}
                 for m in MOMENTS:
@@ -101,10 +111,8 @@ def read_deepspeed(path: Path) -> TrainingState:
                         raise CorruptCheckpointError(f"param group {g}: no {m} for {name}",
                                                      path=tag)
                     per[m] = _lazy(reader, mt)
-                if isinstance(step, TensorRecord):
-                    per["step"] = opt0.lazy(step, f"step of flat group {i}")
-                elif isinstance(step, (int, float)) and not isinstance(step, bool):
-                    per["step"] = step
+                per["step"] = (opt0.lazy(step, f"step of flat group {i}")
+                               if isinstance(step, TensorRecord) else step)
                 state.optimizer_state[str(name)] = per
                 fqns.append(str(name))
         state.param_groups.append({**hyper, "params": fqns})

@@ -25,7 +25,14 @@ from typing import Any
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats.names import WRAPPERS
 from ckpt_cli.formats.standins import TensorRecord
-from ckpt_cli.ops.to_dcp._trees import TorchTree, items, map_torch_optimizer, plain, read_torch
+from ckpt_cli.ops.to_dcp._trees import (
+    TorchTree,
+    group_ids,
+    items,
+    map_torch_optimizer,
+    plain,
+    read_torch,
+)
 from ckpt_cli.ops.to_dcp.state import TrainingState
 
 _MAX_CELLS = 20_000_000  # ids x tensors the order-preserving match may consider
@@ -124,9 +131,12 @@ def _match_ids(tt: TorchTree, osd: Any, cands: list[str],
                state: TrainingState) -> list[list[str]]:
     """Each param group's FQNs: the optimizer's ids matched in order to ``cands``."""
     d = items(osd) or {}
-    groups = [items(g) or {} for g in (d.get("param_groups") or [])]
-    sizes = [len(g["params"]) if isinstance(g.get("params"), list) else 0 for g in groups]
-    ids = [pid for g in groups for pid in (g.get("params") or [])]
+    raw = d.get("param_groups")
+    if not isinstance(raw, list):
+        raise CorruptCheckpointError("optimizer_states[0] has no param_groups", path=tt.path)
+    per_group = group_ids([items(g) or {} for g in raw], "optimizer_states[0]", tt.path)
+    sizes = [len(ids) for ids in per_group]
+    ids = [pid for g in per_group for pid in g]
     st = items(d.get("state")) or {}
     want: list[tuple[int, ...] | None] = []
     for pid in ids:

@@ -209,3 +209,26 @@ def test_per_rank_rng_states(hf_trainer_dir: Path, tmp_path: Path) -> None:
     assert st.rng is not None and set(st.rng) == {"rank0", "rank1"}
     assert st.rng["rank1"]["python"] == st.rng["rank0"]["python"]
     assert any("one state per rank (2 ranks)" in n for n in st.notes)
+
+
+@pytest.mark.parametrize(("bad_id", "message"), [([0], "lists a list as a parameter id"),
+                                                 (0, "parameter id 0 is listed twice")])
+def test_malformed_parameter_ids_are_clear_errors(hf_trainer_dir: Path, tmp_path: Path,
+                                                  bad_id: Any, message: str) -> None:
+    ckpt = _copy(hf_trainer_dir, tmp_path)
+    _rewrite_optimizer(ckpt, lambda osd: osd["param_groups"][1]["params"].append(bad_id))
+    with pytest.raises(CkptError, match=message):
+        read_hf_trainer(ckpt)
+
+
+def test_a_deeply_nested_scheduler_state_is_refused(hf_trainer_dir: Path,
+                                                    tmp_path: Path) -> None:
+    ckpt = _copy(hf_trainer_dir, tmp_path)
+    sched = torch.load(ckpt / "scheduler.pt", weights_only=True)
+    deep: list[Any] = []
+    for _ in range(100):
+        deep = [deep]
+    sched["extra"] = deep
+    torch.save(sched, ckpt / "scheduler.pt")
+    with pytest.raises(UnsupportedError, match="nests deeper"):
+        read_hf_trainer(ckpt)

@@ -161,3 +161,12 @@ def test_hostile_hyperparameters_never_run_and_are_reported(lightning_dir: Path,
     assert any("h.ckpt" in n and "system" in n for n in st.notes), st.notes
     assert any(n.startswith("hyper_parameters not carried") for n in st.notes)
     assert set(st.optimizer_state) == {"weight", "bias"}  # the training state is whole
+
+
+def test_a_parameter_id_that_is_not_an_integer_is_a_clear_error(lightning_dir: Path,
+                                                                tmp_path: Path) -> None:
+    ck = _load(lightning_dir / "last.ckpt")
+    ck["optimizer_states"][0]["param_groups"][0]["params"][0] = [0]
+    torch.save(ck, tmp_path / "ids.ckpt")
+    with pytest.raises(CkptError, match="lists a list as a parameter id"):
+        read_lightning(tmp_path / "ids.ckpt")
