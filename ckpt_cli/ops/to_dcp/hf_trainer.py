@@ -54,8 +54,17 @@ def read_hf_trainer(path: Path) -> TrainingState:
             message says why).
         UnsupportedError: An optimizer ckpt cannot map (its state is named).
     """
-    if not path.is_dir() or not (path / "optimizer.pt").is_file():
-        raise CkptError("not an HF Trainer checkpoint directory (no optimizer.pt)", path=path)
+    if not path.is_dir():
+        raise CkptError("not an HF Trainer checkpoint directory", path=path)
+    if not (path / "optimizer.pt").is_file():
+        tags = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
+        fsdp = sorted(p.name for p in path.glob("optimizer_*") if p.is_dir())
+        hint = (f"Trainer ran DeepSpeed: its optimizer state is in {tags[-1]}/; convert "
+                "that as a DeepSpeed checkpoint" if tags else
+                f"Trainer ran FSDP: its optimizer state is the DCP directory {fsdp[-1]}/"
+                if fsdp else None)
+        raise CkptError("no optimizer.pt: converting would restart the optimizer", path=path,
+                        hint=hint)
     state = TrainingState(source_format="hf-trainer", model={})
     index = _weights(path)
     names, shapes, tied, version = _trainer_groups(path)

@@ -56,6 +56,10 @@ def read_lightning(path: Path) -> TrainingState:
         CkptError: Not a Lightning checkpoint; parameter ids that cannot be matched to names.
         UnsupportedError: Several optimizers, or an optimizer ckpt cannot map.
     """
+    if path.is_dir():
+        raise CkptError("a directory, not a Lightning .ckpt file", path=path,
+                        hint="Lightning's DeepSpeed and FSDP strategies save directories: "
+                             "convert it as the DeepSpeed or DCP checkpoint it is")
     tt = read_torch(path)
     top = items(tt.tree)
     if top is None or "state_dict" not in top:

@@ -232,3 +232,13 @@ def test_a_deeply_nested_scheduler_state_is_refused(hf_trainer_dir: Path,
     torch.save(sched, ckpt / "scheduler.pt")
     with pytest.raises(UnsupportedError, match="nests deeper"):
         read_hf_trainer(ckpt)
+
+
+def test_a_deepspeed_trainer_checkpoint_points_at_its_tag(hf_trainer_dir: Path,
+                                                          tmp_path: Path) -> None:
+    ckpt = _copy(hf_trainer_dir, tmp_path)
+    (ckpt / "optimizer.pt").unlink()
+    (ckpt / "global_step4").mkdir()  # where Trainer's DeepSpeed integration saves it
+    with pytest.raises(CkptError, match="restart the optimizer") as e:
+        read_hf_trainer(ckpt)
+    assert e.value.hint is not None and "global_step4/" in e.value.hint

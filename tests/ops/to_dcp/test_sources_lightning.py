@@ -170,3 +170,11 @@ def test_a_parameter_id_that_is_not_an_integer_is_a_clear_error(lightning_dir: P
     torch.save(ck, tmp_path / "ids.ckpt")
     with pytest.raises(CkptError, match="lists a list as a parameter id"):
         read_lightning(tmp_path / "ids.ckpt")
+
+
+def test_a_strategy_directory_is_refused_with_a_hint(tmp_path: Path) -> None:
+    d = tmp_path / "epoch=0-step=4.ckpt"
+    d.mkdir()  # what the DeepSpeed and FSDP strategies save
+    with pytest.raises(CkptError, match=r"not a Lightning \.ckpt file") as e:
+        read_lightning(d)
+    assert e.value.hint is not None and "DeepSpeed" in e.value.hint
