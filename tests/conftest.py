@@ -98,7 +98,8 @@ def ds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 #: ds_view_dir's configs: each saved, then loaded into a fresh engine, and what DeepSpeed
 #: restored saved beside it (``<config>.view.pt``; see tests/helpers/ds_train.py).
 DS_VIEW_CONFIGS = ("z1-fp32+view", "z2-fp32+sched+view", "z3-fp32+view", "z1-bf16+view",
-                   "z2-bf16+view", "z3-bf16+sched+view", "z2-fp32+frozen+view", "z2-fp32+sgd")
+                   "z2-bf16+view", "z3-bf16+sched+view", "z2-fp32+frozen+view",
+                   "z1-fp32+groups+view", "z3-bf16+groups+view", "z2-fp32+sgd")
 
 
 @pytest.fixture(scope="session")

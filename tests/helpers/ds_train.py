@@ -5,7 +5,8 @@ Each config is saved to OUT_DIR/<config>/ with DeepSpeed's own ``engine.save_che
 after the last step, or after every step with a ``+each`` suffix (``z1-fp32+each``). A
 ``+frozen`` suffix freezes the LayerNorm's parameters (DeepSpeed saves frozen parameters apart);
 ``+tied`` appends two layers sharing one weight. ``+sgd`` trains with torch's SGD (momentum)
-as a client optimizer. ``+sched`` adds a WarmupLR scheduler;
+as a client optimizer; ``+groups`` puts the matrices (weight decay 0.1) and the vectors (0.0)
+in two param groups. ``+sched`` adds a WarmupLR scheduler;
 ``+view`` then loads the checkpoint into a fresh engine and saves, beside it as
 OUT_DIR/<config>.view.pt, what DeepSpeed restored: per trainable parameter its full FP32 master
 weight and Adam moments (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``), the
@@ -79,7 +80,11 @@ def _engine(deepspeed: Any, torch: Any, cfg: dict[str, Any], flags: list[str], d
     if "frozen" in flags:
         for p in model[1].parameters():
             p.requires_grad_(False)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable: list[Any] = [p for p in model.parameters() if p.requires_grad]
+    if "groups" in flags:  # two param groups, as a weight-decay split makes them
+        matrices = [p for p in trainable if p.dim() > 1]
+        trainable = [{"params": matrices, "weight_decay": 0.1},
+                     {"params": [p for p in trainable if p.dim() <= 1], "weight_decay": 0.0}]
     opt = None
     if "sgd" in flags:  # a client optimizer whose state is not Adam's
         cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
