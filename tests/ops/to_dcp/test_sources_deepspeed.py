@@ -126,3 +126,19 @@ def test_damaged_partition_bytes_fail_when_loaded(ds_view_dir: Path, tmp_path: P
     f.write_bytes(bytes(raw))
     with pytest.raises(CkptError, match="CRC-32"):
         read_deepspeed(tag).optimizer_state[n]["exp_avg"].load()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_buffer_is_restored_to_fp32(tmp_path: Path,
+                                                     dtype: torch.dtype) -> None:
+    from ckpt_cli.formats.zero import ParamPlan, Piece, PieceReader
+    from ckpt_cli.ops.to_dcp.deepspeed import _lazy
+
+    values = torch.tensor([1.5, -2.25, 3.0e-3, 65504.0, 1.0e-6], dtype=dtype)
+    raw = tmp_path / "buffer.bin"
+    raw.write_bytes(values.view(torch.int16).numpy().tobytes())
+    code = "BF16" if dtype == torch.bfloat16 else "F16"
+    lt = _lazy(PieceReader(), ParamPlan("b", code, (5,), [Piece(raw, 0, 5)], "buffer"),
+               to_f32=True)
+    assert lt.dtype == "F32"
+    assert torch.equal(torch.from_numpy(lt.load()), values.float())
