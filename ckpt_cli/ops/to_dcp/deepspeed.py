@@ -120,6 +120,7 @@ def read_deepspeed(path: Path) -> TrainingState:
     sched = top.get("lr_scheduler")
     if sched is not None:
         state.lr_scheduler = plain(sched, "lr_scheduler", model.path)
+        _scheduler_note(state, top.get("ds_config"), model.path)
     state.step = plan.step
     for k in _EXTRA:
         v = top.get(k)
@@ -176,6 +177,19 @@ def _groups(inner: dict[Any, Any], shapes: list[Any], flat_states: list[dict[Any
             f"the param groups hold {first} flat partition(s); the optimizer state has "
             f"{len(flat_states)} and param_shapes {len(shapes)}", path=model_path)
     return out
+
+
+def _scheduler_note(state: TrainingState, cfg: Any, path: Path) -> None:
+    """Say whose scheduler state it is: a config-built scheduler is DeepSpeed's own
+    (``WarmupLR``: ``{"last_batch_iteration": N}``), not a ``torch.optim.lr_scheduler``."""
+    conf = items((items(cfg) or {}).get("scheduler"))
+    if conf is None:
+        state.notes.append("lr_scheduler: the client scheduler's state_dict, as saved")
+        return
+    kind = str(conf.get("type", "?"))
+    state.extra["lr_scheduler_config"] = plain(conf, "ds_config.scheduler", path)
+    state.notes.append(f"lr_scheduler: DeepSpeed's {kind} state, not a torch LR scheduler's; "
+                       "its type and params are in extra['lr_scheduler_config']")
 
 
 def _lazy(reader: PieceReader, t: ParamPlan, *, to_f32: bool = False) -> LazyTensor:

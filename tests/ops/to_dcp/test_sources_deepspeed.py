@@ -69,6 +69,9 @@ def test_state_equals_what_deepspeed_restores(ds_view_dir: Path, cfg: str) -> No
     assert [g["lr"] for g in st.param_groups] == view["lr"]
     assert st.lr_scheduler == view["lr_scheduler"]
     assert ("sched" in cfg) == (st.lr_scheduler is not None)
+    if "sched" in cfg:
+        assert st.extra["lr_scheduler_config"]["type"] == "WarmupLR"
+        assert any("DeepSpeed's WarmupLR state" in n for n in st.notes)
     assert st.optimizer == "AdamW"
     assert st.param_groups[0]["betas"] == (0.9, 0.999)
     assert st.extra["zero_stage"] == int(cfg[1]) and st.extra["world_size"] == 2
