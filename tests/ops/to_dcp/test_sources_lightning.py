@@ -178,3 +178,14 @@ def test_a_strategy_directory_is_refused_with_a_hint(tmp_path: Path) -> None:
     with pytest.raises(CkptError, match=r"not a Lightning \.ckpt file") as e:
         read_lightning(d)
     assert e.value.hint is not None and "DeepSpeed" in e.value.hint
+
+
+def test_a_compiled_wrapped_model_loses_its_wrapper_too(lightning_dir: Path,
+                                                        tmp_path: Path) -> None:
+    ck = _load(lightning_dir / "last.ckpt")
+    ck["state_dict"] = OrderedDict(  # self.net = torch.compile(net)
+        (k.replace("net.", "net._orig_mod.", 1), v) for k, v in ck["state_dict"].items())
+    torch.save(ck, tmp_path / "c.ckpt")
+    st = read_lightning(tmp_path / "c.ckpt")
+    assert list(st.model) == ["weight", "bias"]
+    assert st.param_groups[0]["params"] == ["weight", "bias"]
