@@ -95,6 +95,23 @@ def ds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                   "z1-fp32+frozen", "z2-fp32+frozen"])
 
 
+#: ds_view_dir's configs: each saved, then loaded into a fresh engine, and what DeepSpeed
+#: restored saved beside it (``<config>.view.pt``; see tests/helpers/ds_train.py).
+DS_VIEW_CONFIGS = ("z1-fp32+view", "z2-fp32+sched+view", "z3-fp32+view", "z1-bf16+view",
+                   "z2-bf16+view", "z3-bf16+sched+view", "z2-fp32+frozen+view",
+                   "z1-fp32+groups+view", "z3-bf16+groups+view", "z2-fp32+sgd")
+
+
+@pytest.fixture(scope="session")
+def ds_view_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSpeed ZeRO checkpoints with DeepSpeed's own restored view of each (issue 48)."""
+    if not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed")
+    from tests.helpers.makers import deepspeed_checkpoints
+
+    return deepspeed_checkpoints(tmp_path_factory.mktemp("dsv"), list(DS_VIEW_CONFIGS))
+
+
 @pytest.fixture
 def s3env(endpoint: tuple[str, Any], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The test credentials and the proxy's endpoint in the environment; its faults cleared
@@ -212,8 +229,8 @@ SLOW_MODULES = frozenset({
     "test_watch.py", "test_watch_s3.py", "test_thinning_s3.py", "test_thinning_s3_dcp.py",
     "test_careful_adversary.py", "test_rollback_retention.py", "test_verdicts.py",
     "test_thinning_kills.py", "test_thinning_settles.py", "test_prune_concurrent.py",
-    "test_resumes.py"})
-SLOW_FIXTURES = frozenset({"ds_dir", "endpoint", "bucket_run", "s3env"})
+    "test_resumes.py", "test_sources_deepspeed.py"})
+SLOW_FIXTURES = frozenset({"ds_dir", "ds_view_dir", "endpoint", "bucket_run", "s3env"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

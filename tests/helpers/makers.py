@@ -155,11 +155,14 @@ def hf_trainer_run(out: Path, steps: int = 4, save_steps: int = 2, *,
 
 
 def lightning_run(out: Path, steps: int = 4, every: int = 2, *, filename: str = "{epoch}-{step}",
-                  save_last: bool | str = True) -> Path:
+                  save_last: bool | str = True, norm: bool = False, sgd: bool = False,
+                  scheduler: bool = False) -> Path:
     """Train a tiny LightningModule, keeping every checkpoint and last.ckpt.
 
     ``filename`` is ModelCheckpoint's template (``"{epoch}-{step}-{train_loss:.4f}"`` puts the
-    metric in the name); ``save_last="link"`` makes last.ckpt a symlink.
+    metric in the name); ``save_last="link"`` makes last.ckpt a symlink. ``norm`` appends a
+    BatchNorm1d (float buffers beside the parameters); ``sgd`` trains with SGD and momentum
+    instead of Adam; ``scheduler`` adds a StepLR stepped every batch.
     """
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -168,15 +171,25 @@ def lightning_run(out: Path, steps: int = 4, every: int = 2, *, filename: str = 
         def __init__(self, hidden: int = 8) -> None:
             super().__init__()
             self.save_hyperparameters()
-            self.net = torch.nn.Linear(4, hidden)
+            self.net: torch.nn.Module = torch.nn.Linear(4, hidden)
+            if norm:
+                self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden),
+                                               torch.nn.BatchNorm1d(hidden),
+                                               torch.nn.Linear(hidden, 2))
 
         def training_step(self, batch: Any, _i: int) -> torch.Tensor:
             loss = self.net(batch[0]).pow(2).mean()
             self.log("train_loss", loss)
             return loss
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=0.01)
+        def configure_optimizers(self) -> Any:
+            opt: torch.optim.Optimizer = (
+                torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9) if sgd
+                else torch.optim.Adam(self.parameters(), lr=0.01))
+            if not scheduler:
+                return opt
+            step = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": step, "interval": "step"}}
 
     data = torch.utils.data.TensorDataset(torch.randn(16, 4))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
