@@ -26,8 +26,9 @@ class LazyTensor:
     Attributes:
         dtype: Canonical dtype code (``F32``, ``BF16``... as :mod:`ckpt_cli.dtypes` names them).
         shape: The tensor's full (unsharded) shape.
-        load: Returns the values as a numpy array of ``shape`` (BF16 as ``uint16`` bits, as
-            :func:`ckpt_cli.dtypes.numpy_dtype` maps it).
+        load: Returns the values as a numpy array of ``shape`` in the numpy dtype
+            :func:`ckpt_cli.dtypes.numpy_dtype` maps ``dtype`` to (``ml_dtypes.bfloat16`` for
+            BF16). A 0-d tensor loads as a 0-d array. Tied weights may share one loader.
     """
 
     dtype: str
