@@ -379,7 +379,8 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
             # Adam's state.N.step counts steps in a float tensor: a counter, not a weight.
             counter = group == "optimizer" and name.rpartition(".")[2] == "step"
             if kind not in ("int", "uint", "bool") and not counter:
-                ms.float_sumsq = (ms.float_sumsq or 0.0) + m.sumsq_value
+                ms.float_sumsq = (ms.float_sumsq or 0.0) + (
+                    m.sumsq_value if m.scale else m.sumsq)  # unscaled: the same value
                 if group == "model" and len(t.shape) >= 2 and t.shape[0]:
                     ms.init_sq += t.shape[0] / 3  # numel * (1 / (3 * fan_in)): kaiming's
             if prev_c is not None and name in updates:
