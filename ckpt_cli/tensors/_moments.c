@@ -3,7 +3,9 @@
  * piece(values, dtype, hist) gives the count of finite values, their mean, M2 (sum of squared
  * deviations from the mean), sum of squares, min and max, and the counts of zeros, NaN, +Inf
  * and -Inf; it adds each non-zero finite value's binade floor(log2|x|) (clamped to
- * [HIST_LO, HIST_HI]) to hist. diff_sumsq(a, b, dtype) gives sum((a - b)**2). Same figures
+ * [HIST_LO, HIST_HI]) to hist. pieces(values, dtype, spans, make) does the same for many
+ * small pieces of one buffer in one call (a header of a million tiny tensors: one call per run
+ * of them, not per tensor). diff_sumsq(a, b, dtype) gives sum((a - b)**2). Same figures
  * as moments.numpy_piece_moments, within rounding; plain C99, no intrinsics, no fast-math
  * (NaN checks and the order of the sums must stay as written).
  *
@@ -792,12 +794,190 @@ static PyObject *diff_sumsq(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(t);
 }
 
+
+/* ---- pieces: many small pieces of one buffer in one call -------------------------------- */
+
+/* Figures of one piece, kept until the Python objects are made (with the GIL). */
+typedef struct {
+    part p;
+    double min, max;
+    int64_t n, zeros, nan, posinf, neginf;
+    int lo, hi; /* used bins: [lo, hi) of the row of hist kept for it */
+} result;
+
+#define CHUNK 256 /* pieces worked on per release of the GIL (their histograms: 571 KB) */
+
+/* Shared float objects for the figures most often repeated (a zero-initialised tensor's mean,
+ * M2 and sum of squares; the extremes of one with no finite value): floats are immutable. */
+static PyObject *ZERO, *POS_INF, *NEG_INF;
+
+static PyObject *number(double v) {
+    PyObject *o = NULL;
+    if (v == 0.0 && !signbit(v)) {
+        o = ZERO;
+    } else if (isinf(v)) {
+        o = v > 0 ? POS_INF : NEG_INF;
+    }
+    if (o != NULL) {
+        Py_INCREF(o);
+        return o;
+    }
+    return PyFloat_FromDouble(v);
+}
+
+/* make(numel, count, mean, m2, sumsq, min, max, zeros, nan, posinf, neginf, hist_lo, bins) */
+static PyObject *made(PyObject *make, const result *r, const int64_t *hist) {
+    const part *p = &r->p;
+    PyObject *args[13];
+    int k = 0;
+    args[k++] = PyLong_FromLongLong((long long)r->n);
+    args[k++] = PyLong_FromLongLong((long long)p->n);
+    args[k++] = number(p->n ? p->mean + p->lo : 0.0);
+    args[k++] = number(p->n ? p->m2 : 0.0);
+    args[k++] = number(p->n ? p->sumsq : 0.0);
+    args[k++] = number(r->min);
+    args[k++] = number(r->max);
+    args[k++] = PyLong_FromLongLong((long long)r->zeros);
+    args[k++] = PyLong_FromLongLong((long long)r->nan);
+    args[k++] = PyLong_FromLongLong((long long)r->posinf);
+    args[k++] = PyLong_FromLongLong((long long)r->neginf);
+    args[k++] = PyLong_FromLong(r->hi > r->lo ? r->lo : 0);
+    args[k++] = PyList_New(r->hi - r->lo);
+    PyObject *out = NULL;
+    for (int j = 0; j < k; j++) {
+        if (args[j] == NULL) {
+            goto done;
+        }
+    }
+    for (int s = r->lo; s < r->hi; s++) {
+        PyObject *c = PyLong_FromLongLong((long long)hist[s]);
+        if (c == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(args[12], s - r->lo, c);
+    }
+    out = PyObject_Vectorcall(make, args, (size_t)k, NULL);
+done:
+    for (int j = 0; j < k; j++) {
+        Py_XDECREF(args[j]);
+    }
+    return out;
+}
+
+static PyObject *pieces(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *values_obj, *spans_obj, *make;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "OsOO", &values_obj, &name, &spans_obj, &make)) {
+        return NULL;
+    }
+    int kind = parse_kind(name);
+    if (kind < 0) {
+        return NULL;
+    }
+    Py_ssize_t size = KIND_SIZES[kind];
+    Py_buffer values, spans;
+    if (PyObject_GetBuffer(values_obj, &values, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(spans_obj, &spans, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&values);
+        return NULL;
+    }
+    size_t flen = spans.format == NULL ? 0 : strlen(spans.format);
+    PyObject *out = NULL;
+    figures *f = NULL;
+    result *res = NULL;
+    int64_t *hist = NULL;
+    if (spans.itemsize != 8 || spans.len % 16 != 0 || flen == 0 ||
+        (spans.format[flen - 1] != 'l' && spans.format[flen - 1] != 'q')) {
+        PyErr_SetString(PyExc_ValueError, "spans must be int64 (byte offset, count) pairs");
+        goto done;
+    }
+    const int64_t *sp = (const int64_t *)spans.buf;
+    Py_ssize_t count = spans.len / 16;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        int64_t off = sp[2 * k], n = sp[2 * k + 1];
+        if (off < 0 || n < 0 || off % size != 0 || off > values.len ||
+            n > (values.len - off) / size) {
+            PyErr_Format(PyExc_ValueError, "span %zd (%lld, %lld) is not whole aligned %s "
+                         "items of the buffer", k, (long long)off, (long long)n,
+                         KIND_NAMES[kind]);
+            goto done;
+        }
+    }
+    if (((uintptr_t)values.buf) % (uintptr_t)size != 0) {
+        PyErr_SetString(PyExc_ValueError, "values are not aligned");
+        goto done;
+    }
+    f = PyMem_RawMalloc(sizeof *f);
+    res = PyMem_RawMalloc(sizeof *res * CHUNK);
+    hist = PyMem_RawMalloc(sizeof *hist * HIST_BINS * CHUNK);
+    if (f == NULL || res == NULL || hist == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    out = PyList_New(count);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t first = 0; first < count; first += CHUNK) {
+        Py_ssize_t m = count - first < CHUNK ? count - first : CHUNK;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t j = 0; j < m; j++) {
+            const int64_t *s = sp + 2 * (first + j);
+            result *r = &res[j];
+            start(f);
+            compute((const char *)values.buf + s[0], (Py_ssize_t)s[1], kind, f);
+            r->p = total(&f->parts);
+            r->n = s[1];
+            r->min = f->min;
+            r->max = f->max;
+            r->zeros = f->zeros;
+            r->nan = f->nan;
+            r->posinf = f->posinf;
+            r->neginf = f->neginf;
+            int lo = 0, hi = HIST_BINS;
+            while (lo < hi && f->hist[lo] == 0) {
+                lo++;
+            }
+            while (hi > lo && f->hist[hi - 1] == 0) {
+                hi--;
+            }
+            r->lo = lo;
+            r->hi = hi;
+            memcpy(hist + (size_t)j * HIST_BINS, f->hist, sizeof f->hist);
+        }
+        Py_END_ALLOW_THREADS
+        for (Py_ssize_t j = 0; j < m; j++) {
+            PyObject *o = made(make, &res[j], hist + (size_t)j * HIST_BINS);
+            if (o == NULL) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            PyList_SET_ITEM(out, first + j, o);
+        }
+    }
+done:
+    PyMem_RawFree(f);
+    PyMem_RawFree(res);
+    PyMem_RawFree(hist);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&spans);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"piece", piece, METH_VARARGS,
      "piece(values, dtype, hist) -> (count, mean, m2, sumsq, min, max, zeros, nan, posinf, "
      "neginf): figures of the C-contiguous values (dtype: float32, float64, float16 or "
      "bfloat16; 16-bit values may come as uint16 views), moments over the finite ones; adds "
      "the binade counts of |x| to hist (279 int64)."},
+    {"pieces", pieces, METH_VARARGS,
+     "pieces(values, dtype, spans, make) -> list: make(numel, count, mean, m2, sumsq, min, "
+     "max, zeros, nan, posinf, neginf, hist_lo, bins) for each (byte offset, count) pair of "
+     "spans (int64) into the buffer values: piece's figures of each, its histogram trimmed to "
+     "the bins it uses (hist_lo: the first; 0 and [] when none)."},
     {"diff_sumsq", diff_sumsq, METH_VARARGS,
      "diff_sumsq(a, b, dtype) -> float: sum((a - b)**2) in float64 over two equally long "
      "C-contiguous buffers of dtype; NaN when a term is not finite."},
@@ -810,6 +990,12 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__moments(void) {
+    ZERO = PyFloat_FromDouble(0.0);
+    POS_INF = PyFloat_FromDouble(INFINITY);
+    NEG_INF = PyFloat_FromDouble(-INFINITY);
+    if (ZERO == NULL || POS_INF == NULL || NEG_INF == NULL) {
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) {
         return NULL;

@@ -136,6 +136,37 @@ class Moments:
     def merge(self, other: Moments) -> None:
         """Add ``other``'s values to these figures (Chan et al.'s pairwise update)."""
         m2, sumsq = other.m2, other.sumsq
+        if not (other.scale or self.scale):
+            # The common case, written out (a module of a million tiny tensors merges each):
+            # what add_spread, the extremes and _add_hist below do, in the same order.
+            count = other.count
+            n = self.count + count
+            if count:
+                if self.count:
+                    delta = other.mean - self.mean
+                    self.m2 += m2 + delta * delta * (self.count * count / n)
+                    self.mean += delta * (count / n)
+                else:
+                    self.m2, self.mean = m2, other.mean
+            self.count = n
+            self.sumsq += sumsq
+            self.numel += other.numel
+            if other.min < self.min:
+                self.min = other.min
+            if other.max > self.max:
+                self.max = other.max
+            self.zeros += other.zeros
+            self.nan += other.nan
+            self.posinf += other.posinf
+            self.neginf += other.neginf
+            bins = other.hist_bins
+            if bins:
+                mine = self.hist_bins
+                if mine and other.hist_lo == self.hist_lo and len(bins) == len(mine):
+                    self.hist_bins = list(map(operator.add, mine, bins))
+                else:
+                    self._add_hist(other.hist_lo, bins)
+            return
         if other.scale != self.scale:
             if not (other.sumsq or other.m2):
                 pass  # nothing of other's to scale
@@ -343,6 +374,45 @@ def piece_moments(arr: np.ndarray) -> Moments:
         again = _kernel(np.ldexp(flat, -k))
         out.mean, out.m2, out.sumsq = math.ldexp(again.mean, k), again.m2, again.sumsq
         out.scale = k
+    return out
+
+
+def run_moments(buf: np.ndarray, dtype: np.dtype[Any], spans: np.ndarray) -> list[Moments]:
+    """The figures of many pieces of one buffer: :func:`piece_moments` of each, in one call of
+    the compiled kernel (a run of a million tiny tensors read at once: the kernel's work on each
+    is a few values, and a call per piece cost more than it).
+
+    Args:
+        buf: The bytes (a C-contiguous uint8 array).
+        dtype: The values' dtype, one the kernels take (float32/64/16, bfloat16).
+        spans: int64 ``(byte offset, count)`` pairs, shape ``(n, 2)``: each piece is ``count``
+            values from that offset of ``buf`` (a multiple of the dtype's size).
+
+    Returns:
+        The pieces' :class:`Moments`, in order.
+
+    Raises:
+        ValueError: For a dtype the kernels do not take, or a piece outside ``buf``.
+    """
+    name = _name(dtype)
+    if name not in _KERNEL_DTYPES:
+        raise ValueError(f"{name} is not a kernel dtype")
+    compiled = _compiled()
+    size = dtype.itemsize
+    if compiled is not None and spans.size:
+        out: list[Moments] = compiled.pieces(buf, name, spans, Moments)
+    else:
+        out = []
+        for off, n in spans.tolist():
+            if off < 0 or n < 0 or off % size or off + n * size > buf.size:
+                raise ValueError(f"span ({off}, {n}) is not whole aligned {name} items")
+            out.append(_kernel(buf[off:off + n * size].view(dtype)))
+    if size == 8:  # squares past float64's range: as piece_moments does them
+        for k, m in enumerate(out):
+            big = max(abs(m.min), abs(m.max)) if m.count else 0.0
+            if big and not _SAFE_LO <= big <= _SAFE_HI:
+                off, n = (int(v) for v in spans[k])
+                out[k] = piece_moments(buf[off:off + n * size].view(dtype))
     return out
 
 

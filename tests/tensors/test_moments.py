@@ -361,3 +361,39 @@ def test_moments_list_round_trip() -> None:
                 [*good[:2], "0.5", *good[3:]]):
         with pytest.raises(ValueError):
             Moments.from_list(bad)
+
+
+def _run_of(values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The values laid end to end in one byte buffer, with their (byte offset, count) spans."""
+    buf = np.concatenate([v.view(np.uint8) for v in values])
+    offsets = np.cumsum([0] + [v.nbytes for v in values[:-1]])
+    spans = np.array([[o, v.size] for o, v in zip(offsets, values, strict=True)], np.int64)
+    return buf, spans
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
+def test_run_moments_gives_each_piece_its_own_figures(kernel: str, dtype: Any) -> None:
+    """One call over a run of pieces (issue 46 item 3): each piece's figures are exactly
+    piece_moments' of it, specials, empty pieces and extreme float64 values included."""
+    rng = np.random.default_rng(3)
+    values = [rng.standard_normal(n).astype(dtype) for n in (0, 1, 2, 5, 3000, 7)]
+    values.append(np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 3e-39, 1.0]).astype(dtype))
+    values += [np.array([-0.0, -0.0]).astype(dtype), np.array([np.inf]).astype(dtype),
+               np.zeros(4, dtype)]
+    if dtype == np.float64:
+        values.append(np.array([1e200, 3e200]))  # squares past float64: a scaled sum
+    buf, spans = _run_of(values)
+    got = moments.run_moments(buf, np.dtype(dtype), spans)
+    want = [moments.piece_moments(v) for v in values]
+    assert [repr(m) for m in got] == [repr(m) for m in want]  # repr: NaN, -0.0 and all
+    assert got[-1].scale if dtype == np.float64 else True
+
+
+def test_run_moments_refuses_pieces_outside_or_across_items(kernel: str) -> None:
+    buf = np.zeros(16, np.uint8)
+    for bad in ([[0, 5]], [[2, 1]], [[-4, 1]], [[12, 2]]):
+        with pytest.raises(ValueError):
+            moments.run_moments(buf, np.dtype(np.float32), np.array(bad, np.int64))
+    with pytest.raises(ValueError, match="kernel dtype"):
+        moments.run_moments(buf, np.dtype(np.int32), np.array([[0, 1]], np.int64))
+    assert moments.run_moments(buf, np.dtype(np.float32), np.zeros((0, 2), np.int64)) == []

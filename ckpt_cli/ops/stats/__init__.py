@@ -46,7 +46,7 @@ from ckpt_cli.ops.stats.scope import WEIGHT_GROUPS, Scope, scope_of
 from ckpt_cli.resolve import resolve
 from ckpt_cli.runs import list_run
 from ckpt_cli.storage.reads import ProgressFn, memory_budget, worker_threads
-from ckpt_cli.tensors.moments import moments_kernel
+from ckpt_cli.tensors.moments import Moments, moments_kernel
 
 __all__ = ["Anomaly", "CheckpointStats", "ModuleStats", "StatsOptions", "StatsResult",
            "TensorStats", "stats"]
@@ -263,7 +263,8 @@ def _covered(ckpts: list[_Checkpoint], works: list[Work]) -> int:
         names = w.stats | w.updates
         if i + 1 < len(works):
             names |= works[i + 1].updates & set(w.targets)
-        read = [w.targets[n] for n in names if n in w.targets]
+        # In the targets' order (the index's), not the set's: records visited as they lie.
+        read = [t for n, t in w.targets.items() if n in names]
         total += distinct_bytes(c.index, [t.tensor for t in read] + [
             t.scale for t in read if t.scale is not None])
     return total
@@ -286,15 +287,19 @@ def _part_select(ckpts: list[_Checkpoint], opts: StatsOptions) -> Callable[[str]
 
 def _remember(c: _Checkpoint, w: Work, cache: FigureCache, ckpts: list[_Checkpoint]) -> None:
     """Keep what was computed: in the checkpoint's entry (this run's view) and the cache."""
-    c.entry.tensors.update(w.got)
-    new = Entry(c.entry.key, tensors=dict(w.got))
+    keep = cache.enabled and bool(w.got or w.got_updates)
+    new = Entry(c.entry.key, tensors=dict(w.got) if keep else {})
+    if c.entry.tensors:
+        c.entry.tensors.update(w.got)
+    else:  # nothing cached: the figures computed are the entry's (a million: not copied)
+        c.entry.tensors = w.got
     if w.got_updates:
         i = ckpts.index(c)
         prev = ckpts[i - 1].entry.key
         c.entry.updates.setdefault(prev, {}).update(w.got_updates)
         new.updates[prev] = dict(w.got_updates)
     c.entry.errors.update(w.errors)
-    if cache.enabled and (new.tensors or new.updates):
+    if keep:
         cache.save(new, c.index.tensors)
 
 
@@ -318,36 +323,65 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
         prefix = container_prefix(
             [n for n in c.scope.targets if c.index.tensors[n].group in WEIGHT_GROUPS],
             [k for k, g in c.index.containers.items() if g == "model"])
-        for name in sorted(set(c.scope.targets) | set(c.scope.aliases) | set(c.scope.skipped)):
-            t = c.index.tensors[name]
-            mod = module_of(name, opts.depth, prefix)
-            mod = names_of.setdefault(mod, mod)  # one string per module, not per tensor
-            alias = c.scope.aliases.get(name)
-            target = c.scope.targets.get(alias or name)
-            m = c.entry.tensors.get(alias or name)
-            err = c.entry.errors.get(alias or name) or c.scope.skipped.get(name)
+        scope = c.scope
+        targets, aliases, skipped = scope.targets, scope.aliases, scope.skipped
+        got, errors, tensors = c.entry.tensors, c.entry.errors, c.index.tensors
+        every = set(targets)
+        if aliases or skipped:
+            every |= set(aliases) | set(skipped)
+        kinds: dict[str, str | None] = {}  # dtype -> its kind (None: not known)
+        append = cs.tensors.append
+        for name in sorted(every):
+            t = tensors[name]
+            if opts.depth is None and not prefix:
+                head = name.rpartition(".")[0] or name  # module_of's, said quickly
+                mod = names_of.setdefault(head, head)
+            else:
+                mod = module_of(name, opts.depth, prefix)
+                mod = names_of.setdefault(mod, mod)  # one string per module, not per tensor
+            alias = aliases.get(name) if aliases else None
+            key = alias or name
+            target = targets.get(key)
+            m = got.get(key)
+            err = (errors.get(key) if errors else None) or (
+                skipped.get(name) if skipped else None)
             scale = target.scale.name if target is not None and target.scale is not None \
                 else None
-            cs.tensors.append(TensorStats(name, t.dtype, tuple(t.shape), t.group,
-                                          m if err is None else None, scale, err, alias, mod))
+            group = t.group
+            shape = t.shape if type(t.shape) is tuple else tuple(t.shape)
+            append(TensorStats(name, t.dtype, shape, group,
+                               m if err is None else None, scale, err, alias, mod))
             if alias is not None or m is None or err is not None:
                 continue
-            ms = mods.setdefault(mod, ModuleStats(mod))
-            ms.tensors += 1
-            ms.moments.merge(m)
-            if t.group == "other":  # callbacks, loop counters: shown, never judged
+            ms = mods.get(mod)
+            if ms is None:
+                # A module of one tensor has that tensor's figures: its Moments is shared
+                # until a second tensor joins (then a copy takes it, merged as always).
+                ms = mods[mod] = ModuleStats(mod, 1, m)
+            else:
+                if ms.tensors == 1:
+                    ms.moments = _copy(ms.moments)
+                ms.tensors += 1
+                ms.moments.merge(m)
+            if group == "other":  # callbacks, loop counters: shown, never judged
                 ms.state_nan += m.nan
                 ms.state_inf += m.inf
                 continue
-            if t.group == "buffer":
+            if group == "buffer":
                 ms.masks += m.neginf
-            ms.optimizer |= t.group == "optimizer"
-            info = dtypes.DTYPES.get(t.dtype)
+            elif group == "optimizer":
+                ms.optimizer = True
+            if t.dtype in kinds:
+                kind = kinds[t.dtype]
+            else:
+                info = dtypes.DTYPES.get(t.dtype)
+                kind = kinds[t.dtype] = None if info is None else info.kind
             # Adam's state.N.step counts steps in a float tensor: a counter, not a weight.
-            counter = t.group == "optimizer" and name.rpartition(".")[2] == "step"
-            if (info is None or info.kind not in ("int", "uint", "bool")) and not counter:
-                ms.float_sumsq = (ms.float_sumsq or 0.0) + m.sumsq_value
-                if t.group == "model" and len(t.shape) >= 2 and t.shape[0]:
+            counter = group == "optimizer" and name.rpartition(".")[2] == "step"
+            if kind not in ("int", "uint", "bool") and not counter:
+                ms.float_sumsq = (ms.float_sumsq or 0.0) + (
+                    m.sumsq_value if m.scale else m.sumsq)  # unscaled: the same value
+                if group == "model" and len(t.shape) >= 2 and t.shape[0]:
                     ms.init_sq += t.shape[0] / 3  # numel * (1 / (3 * fan_in)): kaiming's
             if prev_c is not None and name in updates:
                 sq = updates[name]
@@ -371,6 +405,13 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
     return out
 
 
+def _copy(m: Moments) -> Moments:
+    """``m`` merged into empty figures: a module's, from its first tensor's."""
+    out = Moments()
+    out.merge(m)
+    return out
+
+
 def _natural(name: str) -> list[tuple[int, int | str]]:
     """Sort key putting ``layers.2`` before ``layers.10``."""
     return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]
@@ -385,5 +426,17 @@ class _Natural(dict[str, tuple[int, int | str]]):
         self[p] = k
         return k
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads: dict[str, list[tuple[int, int | str]]] = {}
+
     def __call__(self, name: str) -> list[tuple[int, int | str]]:
-        return [self[p] for p in name.split(".")]
+        # A tensor's key is its module's and its last part's: the module's, made once, serves
+        # its tensors and its own row.
+        head, dot, last = name.rpartition(".")
+        if not dot:
+            return [self[name]]
+        key = self.heads.get(head)
+        if key is None:
+            key = self.heads[head] = [self[p] for p in head.split(".")]
+        return [*key, self[last]]

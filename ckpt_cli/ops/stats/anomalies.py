@@ -144,6 +144,8 @@ def unreadable(c: CheckpointStats, errors: dict[str, str]) -> list[Anomaly]:
         c: The checkpoint's figures (its tensors name their module).
         errors: Why each tensor could not be read, by name.
     """
+    if not errors:
+        return []
     modules = {t.name: t.module for t in c.tensors}
     return [Anomaly(c.step, c.name, modules.get(name, ""), "unreadable",
                     f"{name}: values not read: {why}", {"tensor": name})
@@ -173,6 +175,8 @@ def mismatches(checkpoints: list[CheckpointStats]) -> list[Anomaly]:
     out: list[Anomaly] = []
     prev: dict[str, tuple[int, ...]] | None = None
     prev_name = ""
+    if len(checkpoints) < 2:
+        return out  # nothing to compare with
     for c in checkpoints:
         now = {t.name: t.shape for t in c.tensors if t.group in ("model", "buffer")}
         if prev is not None and now != prev:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.ops.stats.batch import run_batch
+from ckpt_cli.ops.stats.plain import run_plain, take_plain
 from ckpt_cli.storage.reads import PIECE_BYTES, Meter, PerThread, ProgressFn, run_bounded
 from ckpt_cli.tensors.moments import Moments, diff_sumsq, piece_moments
 from ckpt_cli.tensors.source import TensorSource
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 _MIN_WINDOW = 1 << 20  # bytes: below this, per-window overhead outweighs the memory saved
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Target:
     """One tensor to read in one checkpoint.
 
@@ -188,10 +189,25 @@ def compute(works: list[Work], *, budget: int, threads: int,
     Returns:
         Bytes of tensor data read (what was there to read: not what a damaged index declares).
     """
+    sources = _Sources(works)
+    try:
+        return _compute(works, sources, budget=budget, threads=threads,
+                        on_progress=on_progress, select=select)
+    finally:
+        sources.close()
+
+
+def _compute(works: list[Work], sources: _Sources, *, budget: int, threads: int,
+             on_progress: ProgressFn | None,
+             select: Callable[[str], bool] | None) -> int:
+    # Small plain tensors: by runs. Each fits the smallest window a one-checkpoint job gets
+    # (with as many threads as asked for; the engine may use fewer, and larger windows).
+    smallest = max(_MIN_WINDOW, min(PIECE_BYTES, budget // (max(1, threads) * 2)))
+    taken, runs = take_plain(works, sources, select, smallest)
     names: dict[str, tuple[int, ...]] = {}
     shared: dict[tuple[int, ...], tuple[int, ...]] = {}  # a million names share a few chains
     for i, w in enumerate(works):
-        wanted = set(w.stats) | set(w.updates)
+        wanted = (w.stats - taken[i]) | w.updates
         if i + 1 < len(works):
             wanted |= works[i + 1].updates & set(w.targets)
         for n in wanted:
@@ -201,7 +217,7 @@ def compute(works: list[Work], *, budget: int, threads: int,
         names = {n: c for n, c in names.items() if select(n)}
     order = sorted(names)
     chains = [names[n] for n in order]  # each in increasing order, once each (see above)
-    threads = max(1, min(threads, len(order) or 1))
+    threads = max(1, min(threads, len(order) + len(runs) or 1))
     sizes: list[int] = []
     costs: list[int] = []
     windows: list[int] = []
@@ -220,8 +236,24 @@ def compute(works: list[Work], *, budget: int, threads: int,
             sizes.append(sum(works[i].targets[n].nbytes for i in chain))
             costs.append(sum(_cost(works[i].targets[n], per) for i in chain))
     _enough_files(threads * sum(min(64, len(w.index.files) or 1) for w in works))
-    sources = _Sources(works)
     done = [0] * len(order)  # bytes read, per job (each writes its own slot)
+    plain_done = [0] * len(runs)
+    one = max(_MIN_WINDOW, min(PIECE_BYTES, budget // (threads * 2)))
+
+    def plain(r: int) -> Callable[[Meter], None]:
+        def some(meter: Meter) -> None:
+            if meter.stop.is_set():
+                return
+            got = run_plain(works, sources, runs[r], meter)
+            if got is not None:
+                plain_done[r] = got
+                return
+            run = runs[r]  # unreadable as a run: tensor by tensor, each error in its words
+            for n in run.names:
+                if meter.stop.is_set():
+                    return
+                plain_done[r] += _run(works, n, (run.work,), one, sources, meter)
+        return some
 
     def job(first: int, end: int) -> Callable[[Meter], None]:
         def some(meter: Meter) -> None:
@@ -236,13 +268,12 @@ def compute(works: list[Work], *, budget: int, threads: int,
         return some
 
     batches = _batches(sizes)
-    try:
-        run_bounded([job(*b) for b in batches], [max(costs[b[0]:b[1]]) for b in batches],
-                    budget=budget, threads=threads, total=sum(sizes), label="values",
-                    on_progress=on_progress)
-    finally:
-        sources.close()
-    return sum(done)
+    run_bounded([plain(r) for r in range(len(runs))] + [job(*b) for b in batches],
+                [2 * (r.hi - r.lo) for r in runs]
+                + [max(costs[b[0]:b[1]]) for b in batches],
+                budget=budget, threads=threads, total=sum(r.nbytes for r in runs) + sum(sizes),
+                label="values", on_progress=on_progress)
+    return sum(done) + sum(plain_done)
 
 
 _SMALL_JOB = 64 << 10

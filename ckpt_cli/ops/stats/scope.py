@@ -80,37 +80,60 @@ def scope_of(index: CheckpointIndex, *, everything: bool = False,
         pairing = fp8_scheme.pair_scales(tensors, qc)
         pairs = pairing.pairs
         out.scales = pairing.scale_names()
-    seen: dict[tuple[object, ...], str] = {}
+    # Tied names view the same bytes the same way (TensorInfo.view_key). Keys are compared
+    # only between tensors starting at the same place of a file: a million tensors' keys,
+    # each a tuple, are not all made and kept.
+    first_at: dict[str | None, dict[int | None, str]] = {}
+    keys_at: dict[tuple[str | None, int | None], dict[tuple[object, ...], str]] = {}
+    zeroed = bool(zero.plans or zero.tied or zero.unread)
+    targets = out.targets
+    packed: dict[str, bool] = {}  # dtype -> whether its values are packed below a byte
     for name in names:
-        if name in out.scales:
+        if out.scales and name in out.scales:
             continue
         if filter_glob is not None and not fnmatch.fnmatchcase(name, filter_glob):
             continue
         t = tensors[name]
-        if name in zero.plans:
-            out.targets[name] = Target(t, zero=zero.plans[name])
-            continue
-        if name in zero.tied:
-            out.aliases[name] = zero.tied[name]
-            continue
-        if name in zero.unread:
-            out.skipped[name] = out.damaged[name] = zero.unread[name]
-            continue
+        if zeroed:
+            if name in zero.plans:
+                targets[name] = Target(t, zero=zero.plans[name])
+                continue
+            if name in zero.tied:
+                out.aliases[name] = zero.tied[name]
+                continue
+            if name in zero.unread:
+                out.skipped[name] = out.damaged[name] = zero.unread[name]
+                continue
         if t.kind != "dense":
             out.skipped[name] = f"a {t.kind} tensor (no dense values to read)"
             continue
-        info = dtypes.DTYPES.get(t.dtype)
-        if info is None or info.numpy_name is None:
+        below = packed.get(t.dtype)
+        if below is None:
+            info = dtypes.DTYPES.get(t.dtype)
+            below = packed[t.dtype] = info is None or info.numpy_name is None
+        if below:
             out.skipped[name] = f"{t.dtype} values are packed below a byte (not read)"
             continue
-        key = t.view_key
-        if key is not None:
-            if key in seen:
-                out.aliases[name] = seen[key]
-                continue
-            seen[key] = name
-        pair = pairs.get(name)
-        out.targets[name] = Target(t, pair.scale if pair is not None else None)
+        if t.file is not None:
+            at = first_at.get(t.file)
+            if at is None:
+                at = first_at[t.file] = {}
+            other = at.get(t.offset)
+            if other is None:
+                at[t.offset] = name
+            else:
+                keys = keys_at.get((t.file, t.offset))
+                if keys is None:
+                    k0 = tensors[other].view_key
+                    keys = keys_at[(t.file, t.offset)] = {k0: other} if k0 is not None else {}
+                key = t.view_key
+                if key is not None:
+                    if key in keys:
+                        out.aliases[name] = keys[key]
+                        continue
+                    keys[key] = name
+        pair = pairs.get(name) if pairs else None
+        targets[name] = Target(t, pair.scale if pair is not None else None)
     for name, same in index.aliases.items():  # tied copies found by value (DCP): read once
         if name in out.targets and same in out.targets:
             del out.targets[name]

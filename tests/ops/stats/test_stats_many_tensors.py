@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ckpt_cli.ops.stats import engine
+from ckpt_cli.ops.stats import engine, plain
 from ckpt_cli.ops.stats import stats as run_stats
 from ckpt_cli.ops.stats.options import StatsOptions
 from ckpt_cli.ops.stats.result import figures
@@ -50,14 +50,17 @@ def test_batched_jobs_give_the_figures_of_one_job_per_tensor(
 
     monkeypatch.setattr(engine, "run_bounded", counting)
     batched = _doc(path, jobs=2)
-    assert handed == [4]  # 601 tensors: 256 + 256 + 88 small ones, then the large one alone
+    assert handed == [2]  # 601 tensors: 600 small ones in one run, then the large one alone
+    monkeypatch.setattr(plain, "SMALL", 0)  # no runs of plain tensors
+    by_jobs = _doc(path, jobs=2)
+    assert handed[-1] == 4  # 256 + 256 + 88 small jobs, then the large one alone
     monkeypatch.setattr(engine, "_SMALL_JOB", 0)  # every job alone, as before
     alone = _doc(path, jobs=2)
     assert handed[-1] == 601
-    for doc in (batched, alone):
+    for doc in (batched, by_jobs, alone):
         doc.pop("read")  # seconds and rates
     assert len(batched["tensors"]) == 601 and batched["modules"]
-    assert batched == alone
+    assert batched == by_jobs == alone
     assert batched["anomalies"] != []  # the NaN is found either way
 
 
@@ -141,3 +144,63 @@ def test_no_garbage_collection_while_it_builds_its_records(tmp_path: Path) -> No
         assert not gc.isenabled()  # as it was
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kernel", ["compiled", "numpy"])
+def test_a_run_of_tiny_tensors_is_one_kernel_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    """Issue 46 item 3: a header of many tiny tensors costs one kernel call per run of them
+    (per dtype), not one per tensor, with each tensor's figures what a call of its own
+    gives; the numpy fallback (no compiled kernel) gives the same."""
+    from ckpt_cli.tensors import moments
+
+    moments._compiled.cache_clear()
+    if kernel == "numpy":
+        monkeypatch.setenv("CKPT_NO_COMPILED_MOMENTS", "1")
+    elif moments.moments_kernel() != "compiled":
+        pytest.skip("the compiled moments kernel is not built")
+    rng = np.random.default_rng(5)
+    tensors = {f"l.{i // 8}.p{i % 8}": rng.standard_normal(1 + i % 3).astype(
+        np.float16 if i % 5 == 0 else np.float32) for i in range(3000)}
+    tensors["l.4.p1"][0] = np.inf
+    tensors["l.9.p3"] = np.zeros(0, np.float32)
+    path = tmp_path / "tiny.safetensors"
+    save_file(tensors, path)
+    calls: list[int] = []
+    real_run, real_piece = plain.run_moments, plain.piece_moments
+    monkeypatch.setattr(plain, "run_moments",
+                        lambda buf, dt, spans: calls.append(len(spans)) or real_run(buf, dt,
+                                                                                    spans))
+    monkeypatch.setattr(plain, "piece_moments",
+                        lambda arr: calls.append(-1) or real_piece(arr))
+    try:
+        r = run_stats(path, StatsOptions(cache=False))
+    finally:
+        moments._compiled.cache_clear()
+    assert sorted(calls) == [599, 2400]  # the F16 tensors, the F32 ones (l.9.p3: no values)
+    got = {t.name: t.moments for t in r.checkpoints[0].tensors}
+    for name, values in tensors.items():
+        want = piece_moments(values) if values.size else Moments()
+        assert repr(got[name]) == repr(want), name
+    assert got["l.4.p1"].posinf == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bytes_read_count_each_byte_once_however_many_ranges(seed: int) -> None:
+    """The bytes read are the union of the tensors' byte ranges, clipped to the file: many
+    ranges are merged with numpy, and give what the range by range walk gives."""
+    from ckpt_cli.model import CheckpointIndex, FileInfo, TensorInfo
+    from ckpt_cli.ops.stats.extent import distinct_bytes
+
+    rng = random.Random(seed)
+    size = rng.choice([900, 5000])
+    tensors = []
+    for k in range(rng.choice([10, 300])):
+        start, n = rng.randrange(0, 1000), rng.randrange(0, 40)
+        tensors.append(TensorInfo(f"t{k}", "U8", (n,), n, file="a", offset=start))
+    covered = set()
+    for t in tensors:
+        covered.update(range(min(t.offset or 0, size), min((t.offset or 0) + t.nbytes, size)))
+    index = CheckpointIndex("safetensors", Path("/x"), Path("/x"),
+                            files=[FileInfo("a", size, "weights")])
+    assert distinct_bytes(index, tensors) == len(covered)

@@ -50,7 +50,10 @@ def _doc(path: Path, **kw: Any) -> dict[str, Any]:
 
 
 def _one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every job through engine._run, one read per tensor (the reading before runs)."""
+    """Every job through engine._run, one read per tensor (the reading before runs): no
+    plain runs (ckpt_cli/ops/stats/plain.py), no batch runs."""
+    monkeypatch.setattr(engine, "take_plain",
+                        lambda works, *args: ([set() for _ in works], []))
     monkeypatch.setattr(engine, "run_batch",
                         lambda *args: list(range(args[-2], args[-1])))
 
@@ -158,8 +161,9 @@ def test_a_truncated_file_reports_what_it_cannot_read_and_reads_within_it(
     assert kinds.count("unreadable") == len(unreadable)
 
 
+@pytest.mark.parametrize("shrink", ["plain", "batch"])
 def test_a_run_whose_read_fails_goes_back_to_one_read_per_tensor(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shrink: str) -> None:
     """The file shrinks between the size check and the read: the run's tensors are read
     one by one, and each reports its own error."""
     path = tmp_path / "s.safetensors"
@@ -167,16 +171,22 @@ def test_a_run_whose_read_fails_goes_back_to_one_read_per_tensor(
     del tensors["big.weight"]
     save_file(tensors, path)
     expected = _doc(path)
-    real = batch._read_runs
+    real = engine.run_plain
     shrunk: list[int] = []
 
-    def shrink_first(*args: Any) -> None:
+    def shrink_first(*args: Any) -> Any:
         if not shrunk:
             shrunk.append(path.stat().st_size)
             os.truncate(path, shrunk[0] - 100)
-        real(*args)
+        return real(*args)
 
-    monkeypatch.setattr(batch, "_read_runs", shrink_first)
+    if shrink == "plain":
+        monkeypatch.setattr(engine, "run_plain", shrink_first)
+    else:  # the batch path's runs (several checkpoints' tensors read in lockstep)
+        monkeypatch.setattr(engine, "take_plain",
+                            lambda works, *args: ([set() for _ in works], []))
+        real = batch._read_runs
+        monkeypatch.setattr(batch, "_read_runs", shrink_first)
     got = _doc(path)
     assert shrunk
     errors = [t["name"] for t in got["tensors"] if t.get("error")]
