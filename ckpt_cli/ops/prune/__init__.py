@@ -210,7 +210,7 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         # What training resumes from is never deleted nor thinned, also when it is not the
         # newest by step (a run resumed from an earlier step: the higher steps left behind
         # are another timeline).
-        from ckpt_cli.resume import choose
+        from ckpt_cli.ops.resume import choose
 
         choice = choose(listing.root)
         if choice is not None and choice.path.name in names:
