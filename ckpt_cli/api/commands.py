@@ -38,7 +38,7 @@ from ckpt_cli.choices import (
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.consolidate import ConsolidateResult
-    from ckpt_cli.ops.convert import ConvertResult
+    from ckpt_cli.ops.convert.result import ConvertResult
     from ckpt_cli.ops.diff.result import DiffResult
     from ckpt_cli.ops.inspect import InspectResult
     from ckpt_cli.ops.plan.result import PlanResult
