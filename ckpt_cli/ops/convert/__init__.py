@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import fnmatch
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from ckpt_cli.ops.convert.config import kept_fp32 as kept_fp32_of
 from ckpt_cli.ops.convert.plan import check_supported, plan_index, plan_zero_gather
 from ckpt_cli.ops.convert.result import ConvertOptions, ConvertResult
 from ckpt_cli.parts import source_identity
+from ckpt_cli.progress import Progress, Tally
 from ckpt_cli.resolve import resolve
 from ckpt_cli.storage.atomic import check_not_input
 from ckpt_cli.storage.reads import memory_budget
@@ -53,8 +53,7 @@ __all__ = ["ConvertOptions", "ConvertResult", "cast_array", "convert", "retype_c
 
 
 def convert(source: str | Path, output: str | Path, options: ConvertOptions | None = None, *,
-            on_progress: Callable[[int], None] | None = None,
-            on_start: Callable[[int], None] | None = None, **fields: Any) -> ConvertResult:
+            progress: Progress | None = None, **fields: Any) -> ConvertResult:
     """Convert a checkpoint.
 
     Args:
@@ -63,8 +62,8 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
         output: A ``.safetensors``/``.pt``/``.bin`` file, or a directory for
             ``model.safetensors`` or HF-style shards + index.
         options: What to do (:class:`ConvertOptions`; default: its defaults).
-        on_progress: Called with bytes written.
-        on_start: Called once with the total bytes to write.
+        progress: Called as bytes are written: ``("writing", bytes_done, bytes_total)``
+            (:class:`ckpt_cli.progress.Progress`).
         **fields: :class:`ConvertOptions` fields, instead of ``options`` (see
             :func:`ckpt_cli.ops.options_of`).
 
@@ -140,13 +139,14 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
     if opts.part is not None or opts.finalize:
         job = PartJob(opts.part, opts.finalize,
                       source_identity(index.base, [f.path for f in index.files]))
+    tally = Tally.of(progress, "writing")
     try:
         result = write_checkpoint(out, built.outs, fmt=fmt, max_shard_size=opts.max_shard_size,
                                   metadata=built.meta, aliases=built.aliases,
                                   overwrite=opts.overwrite, side_files=side,
-                                  on_progress=on_progress,
+                                  on_progress=tally.advance if tally else None,
                                   before_commit=lambda _tmp: check_overflow(stats, opts.clamp),
-                                  on_start=on_start, part=job,
+                                  on_start=tally.start if tally else None, part=job,
                                   max_memory=budget)
     finally:
         built.close()

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.ops.stats.batch import run_batch
-from ckpt_cli.storage.reads import PIECE_BYTES, Meter, PerThread, ProgressFn, run_bounded
+from ckpt_cli.progress import Progress
+from ckpt_cli.storage.reads import PIECE_BYTES, Meter, PerThread, run_bounded
 from ckpt_cli.tensors.moments import Moments, diff_sumsq, piece_moments
 from ckpt_cli.tensors.source import TensorSource
 
@@ -174,7 +175,7 @@ def _window_elems(window_bytes: int) -> int:
 
 
 def compute(works: list[Work], *, budget: int, threads: int,
-            on_progress: ProgressFn | None = None,
+            on_progress: Progress | None = None,
             select: Callable[[str], bool] | None = None) -> int:
     """Compute what each :class:`Work` asks for, filling its ``got``/``got_updates``/``errors``.
 
