@@ -42,12 +42,12 @@ from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats.names import OWN_TEMP_MARKERS, TRASH_PREFIX
 from ckpt_cli.model import Finding
+from ckpt_cli.progress import Progress
 from ckpt_cli.storage import open_regular, stages
 from ckpt_cli.storage.atomic import check_destination
 from ckpt_cli.storage.reads import (
     READ_AHEAD_MIN,
     Meter,
-    ProgressFn,
     default_jobs,
     read_ahead,
     run_parallel,
@@ -327,7 +327,7 @@ def checkpoint_files(checkpoint: Path) -> list[str]:
 
 
 def hash_files(base: Path, rels: list[str], *, algorithm: str = DEFAULT_ALGORITHM,
-               jobs: int | None = None, on_progress: ProgressFn | None = None,
+               jobs: int | None = None, on_progress: Progress | None = None,
                ) -> tuple[dict[str, FileDigest], HashStats]:
     """Hash files in parallel threads (one file per task, largest first; a file of
     :data:`~ckpt_cli.storage.reads.READ_AHEAD_MIN` or more, where there are fewer such files
@@ -402,7 +402,7 @@ def _size(path: Path) -> int:
 
 
 def compute_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
-                     jobs: int | None = None, on_progress: ProgressFn | None = None,
+                     jobs: int | None = None, on_progress: Progress | None = None,
                      hasher: HashFn | None = None) -> tuple[Manifest, HashStats]:
     """Hash every file of a checkpoint into a :class:`Manifest` (nothing is written).
 
@@ -430,7 +430,7 @@ def compute_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
 
 
 def write_manifest(checkpoint: Path, *, algorithm: str = DEFAULT_ALGORITHM,
-                   jobs: int | None = None, on_progress: ProgressFn | None = None,
+                   jobs: int | None = None, on_progress: Progress | None = None,
                    manifest: Manifest | None = None) -> tuple[Path, Manifest, HashStats | None]:
     """Hash a checkpoint's files and write its manifest atomically (replacing an old one).
 
@@ -539,7 +539,7 @@ class Verification:
 
 
 def verify_manifest(checkpoint: Path, *, jobs: int | None = None,
-                    on_progress: ProgressFn | None = None,
+                    on_progress: Progress | None = None,
                     manifest: Manifest | None = None,
                     hasher: HashFn | None = None) -> Verification | None:
     """Check a checkpoint's files against its manifest.

@@ -19,10 +19,11 @@ import ckpt_cli
 ROOT = Path(ckpt_cli.__file__).parent
 FORMATS_MAY_IMPORT = ("ckpt_cli.formats", "ckpt_cli.model", "ckpt_cli.errors",
                       "ckpt_cli.dtypes", "ckpt_cli.storage")
-# The bottom layer: plain data, exceptions, dtype table, units, and storage (where bytes live,
-# positioned reads, atomic outputs, stage timing). It imports only itself, at any level.
+# The bottom layer: plain data, exceptions, dtype table, units, the progress contract, and
+# storage (where bytes live, positioned reads, atomic outputs, stage timing). It imports only
+# itself, at any level.
 BOTTOM = ("ckpt_cli.storage", "ckpt_cli.model", "ckpt_cli.errors", "ckpt_cli.dtypes",
-          "ckpt_cli.units", "ckpt_cli.documents")
+          "ckpt_cli.units", "ckpt_cli.documents", "ckpt_cli.progress")
 # Known exceptions, (module, imported): none left.
 KNOWN: set[tuple[str, str]] = set()
 # Lazy (function-level) imports from formats/ that reach up: none left (the tie finder,
@@ -113,9 +114,11 @@ def test_ops_do_not_import_each_other() -> None:
 
 # plan builds on inspect's summary and prune on validate's rank checks (another helper owns
 # ops/plan/ and ops/prune/; see the report of #14 item 3).
+# prune keeps what resume-path would resume from (ops/resume.py, the engine).
 # watch is the op that drives others: it validates each checkpoint and applies retention.
 OPS_KNOWN = {("ckpt_cli.ops.plan", "ckpt_cli.ops.inspect"),
              ("ckpt_cli.ops.prune", "ckpt_cli.ops.validate"),
+             ("ckpt_cli.ops.prune", "ckpt_cli.ops.resume"),
              ("ckpt_cli.ops.watch", "ckpt_cli.ops.validate"),
              ("ckpt_cli.ops.watch", "ckpt_cli.ops.prune")}
 

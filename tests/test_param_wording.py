@@ -22,7 +22,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]+")
 # Error texts that keep naming flags, each for a reason; (module, a fragment of the string).
 ALLOWED = {
     # Whole command lines to run, not parameters of the call that failed.
-    ("ops/convert_fp8.py", "ckpt convert SRC --to bf16 --dequantize"),
+    ("ops/convert/fp8.py", "ckpt convert SRC --to bf16 --dequantize"),
     ("integrations/hf.py", "use ckpt watch --keep N"),
     # Names the flags of two commands (inspect/validate/convert and diff's -a/-b); the error
     # also becomes a validate finding, which the CLI prints as it is.

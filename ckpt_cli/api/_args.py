@@ -1,15 +1,16 @@
 """What the API functions share: turning their keyword arguments into the ops' values (sizes
 and durations as text or numbers, ``--part`` specs), naming the ops' parameters as the API
-does in errors, the progress adapters, and the store settings."""
+does in errors, the progress callback's type, and the store settings."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.errors import CkptError, UsageError, with_builtin
+from ckpt_cli.progress import Progress
 
 if TYPE_CHECKING:
     from ckpt_cli.parts import Part
@@ -17,10 +18,11 @@ if TYPE_CHECKING:
 PathLike = str | os.PathLike[str]
 """A local path (``str`` or :class:`os.PathLike`) or a URL (``s3://bucket/key``)."""
 
-ProgressCallback = Callable[[str, int, int], None]
+ProgressCallback = Progress
 """``on_progress(phase, done, total)``: ``done`` of ``total`` (bytes, or checkpoints for
 ``prune``) in the phase named (``crc32``, ``comparing``, ``writing``...); ``total`` is 0 while
-unknown."""
+unknown. The ops' one progress contract (:class:`ckpt_cli.progress.Progress`): the API passes
+the callback to the op as it is."""
 
 # The ops' parameter names -> the API's keywords (named like the CLI's options), for errors.
 _COMMON = {"allow_globals": "allow_global", "filter_glob": "filter",
@@ -159,33 +161,3 @@ def use_storage(storage_options: Mapping[str, Any] | None, concurrency: int | No
     from ckpt_cli import storage
 
     storage.configure(dict(storage_options or {}), concurrency)
-
-
-class Written:
-    """Adapts a writer's ``on_start(total)``/``on_progress(n)`` to :data:`ProgressCallback`."""
-
-    def __init__(self, callback: ProgressCallback, phase: str) -> None:
-        self.callback, self.phase = callback, phase
-        self.done = self.total = 0
-
-    def start(self, total: int) -> None:
-        """The total bytes to write."""
-        self.total = total
-        self.callback(self.phase, self.done, total)
-
-    def advance(self, n: int) -> None:
-        """``n`` more bytes written."""
-        self.done += n
-        self.callback(self.phase, self.done, self.total)
-
-
-def phased(callback: ProgressCallback | None, phase: str) -> Callable[[int, int], None] | None:
-    """Adapts a ``(done, total)`` callback to :data:`ProgressCallback`."""
-    if callback is None:
-        return None
-    cb = callback
-
-    def report(done: int, total: int) -> None:
-        cb(phase, done, total)
-
-    return report

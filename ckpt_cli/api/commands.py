@@ -38,7 +38,7 @@ from ckpt_cli.choices import (
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.consolidate import ConsolidateResult
-    from ckpt_cli.ops.convert import ConvertResult
+    from ckpt_cli.ops.convert.result import ConvertResult
     from ckpt_cli.ops.diff.result import DiffResult
     from ckpt_cli.ops.inspect import InspectResult
     from ckpt_cli.ops.plan.result import PlanResult
@@ -157,7 +157,7 @@ def validate(path: PathLike, *, latest: bool = False, values: bool = False,
         _args.local_only(where if write_manifest else None, "write_manifest's checkpoint",
                          "write_manifest")
         _args.local_only(options.parts_dir, "parts_dir", "parts_dir")
-        result = run(where, options, on_progress=on_progress)
+        result = run(where, options, progress=on_progress)
     result.strict = strict
     return result
 
@@ -215,7 +215,7 @@ def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all: bool = 
                               auto_names=not exact_names, metadata=metadata, filter_glob=filter,
                               by_module=by_module, depth=depth)
         return run(_args.located(a), _args.located(b), options, fmt_a=input_format_a,
-                   fmt_b=input_format_b, on_progress=_args.phased(on_progress, "comparing"),
+                   fmt_b=input_format_b, progress=on_progress,
                    max_memory=_args.size(max_memory, "max_memory"))
 
 
@@ -278,7 +278,7 @@ def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
                                cache_dir=where, fmt=input_format, pattern=pattern, jobs=jobs,
                                max_memory=_args.size(max_memory, "max_memory"),
                                part=_args.part(part), allow_globals=_args.names(allow_global))
-        return run(_args.located(path), options, on_progress=on_progress)
+        return run(_args.located(path), options, progress=on_progress)
 
 
 def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
@@ -346,10 +346,8 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
             container=container, input_format=input_format, part=_args.part(part),
             finalize=finalize, max_memory=_args.size(max_memory, "max_memory"),
             fp8_layout=fp8_layout, fp8_activations=fp8_activations, dequantize=dequantize)
-        bar = _args.Written(on_progress, "writing") if on_progress is not None else None
         return run(_args.located(source), _args.output(output), options,
-                   on_progress=bar.advance if bar else None,
-                   on_start=bar.start if bar else None)
+                   progress=on_progress)
 
 
 def consolidate(source: PathLike, output: PathLike, *, format: OutputFormat | None = None,
@@ -405,10 +403,8 @@ def consolidate(source: PathLike, output: PathLike, *, format: OutputFormat | No
             with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force, verify=verify,
             manifest=manifest, part=_args.part(part), finalize=finalize,
             max_memory=_args.size(max_memory, "max_memory"))
-        bar = _args.Written(on_progress, "writing") if on_progress is not None else None
         return run(_args.located(source), _args.output(output), options,
-                   on_progress=bar.advance if bar else None,
-                   on_start=bar.start if bar else None)
+                   progress=on_progress)
 
 
 def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str | None = None,
@@ -462,7 +458,6 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
     """
     from ckpt_cli.errors import UsageError
     from ckpt_cli.ops.prune import prune as run
-    from ckpt_cli.ops.prune.result import PruneEvent
     from ckpt_cli.ops.prune.retention import PrunePolicy
 
     with _args.api_names():
@@ -483,16 +478,10 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
             grace=_args.duration(grace, "grace", allow_zero=True) or 0.0,
             thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every,
             keep_abandoned=keep_abandoned)
-        cb = on_progress
-
-        def progress(event: PruneEvent) -> None:
-            if cb is not None and event.kind in ("deleted", "skipped", "failed"):
-                cb("deleting", event.done, event.total)
-
         metrics = _args.located(metrics_file) if metrics_file is not None else None
         _args.local_only(metrics, "metrics_file", "metrics_file")
         return run(_args.located(run_dir), policy, pattern=pattern, metrics_file=metrics,
-                   dry_run=dry_run, any_dir=any_dir, on_progress=progress)
+                   dry_run=dry_run, any_dir=any_dir, progress=on_progress)
 
 
 def plan(*, params: int | str | None = None, precision: Precision | None = None,
@@ -564,4 +553,4 @@ def plan(*, params: int | str | None = None, precision: Precision | None = None,
             snapshot_bandwidth=_args.rate(snapshot_bandwidth, "snapshot_bandwidth"),
             interval=_args.duration(interval, "interval"),
             restart=_args.duration(restart, "restart", allow_zero=True))
-        return run(options, on_progress=_args.phased(on_progress, "measuring"))
+        return run(options, progress=on_progress)

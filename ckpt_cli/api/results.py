@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli.documents import Documented
 
 if TYPE_CHECKING:
+    from ckpt_cli.ops.resume import ResumeChoice, ResumeSurvey
     from ckpt_cli.ops.watch import WatchEvent
-    from ckpt_cli.resume import ResumeChoice, ResumeSurvey
 
 
 @dataclass(slots=True)
@@ -21,7 +21,7 @@ class ResumePathResult(Documented):
     Attributes:
         run: The run directory.
         survey: What the ledger offered and what was passed over, with why
-            (:class:`~ckpt_cli.resume.ResumeSurvey`).
+            (:class:`~ckpt_cli.ops.resume.ResumeSurvey`).
         verify: ``sizes`` or ``full`` (every file hashed against its manifest).
     """
 

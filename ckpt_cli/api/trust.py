@@ -40,7 +40,7 @@ def resume_path(run_dir: PathLike, *, full: bool = False,
         >>> ckpt_cli.resume_path("demo-run").path
     """
     from ckpt_cli.api.results import ResumePathResult
-    from ckpt_cli.resume import survey
+    from ckpt_cli.ops.resume import survey
 
     with _args.api_names():
         _args.use_storage(storage_options, None)

@@ -76,8 +76,7 @@ def consolidate_cmd(
                 fmt=fmt, max_shard_size=max_shard_size, with_optimizer=with_optimizer, to=to,
                 clamp=clamp, overwrite=force, verify=verify, manifest=manifest, part=part,
                 finalize=finalize, max_memory=common.max_memory)
-            r = consolidate(source, output, options, on_progress=bar.advance,
-                            on_start=bar.start)
+            r = consolidate(source, output, options, progress=bar)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.consolidate import show
 

@@ -110,8 +110,7 @@ def convert_cmd(
                 overwrite=force, container=container, input_format=input_format, part=part,
                 finalize=finalize, max_memory=common.max_memory, fp8_layout=fp8_layout,
                 fp8_activations=fp8_activations, dequantize=dequantize)
-            result = convert(source, output, options, on_progress=bar.advance,
-                             on_start=bar.start)
+            result = convert(source, output, options, progress=bar)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.convert import show
 

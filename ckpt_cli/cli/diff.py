@@ -85,7 +85,7 @@ def diff_cmd(
                               filter_glob=filter_glob, by_module=by_module, depth=depth)
         with common.progress("comparing") as bar:
             result = diff(a, b, options, fmt_a=input_format_a, fmt_b=input_format_b,
-                          on_progress=bar.update, max_memory=common.max_memory)
+                          progress=bar, max_memory=common.max_memory)
         outcome.exit_code = code = EXIT_OK if result.equal or exit_zero else EXIT_FINDINGS
         rd.show(result, str(a), str(b), json=common.json, quiet=common.quiet, top=top,
                 by_module=by_module, depth=depth)

@@ -133,7 +133,7 @@ def plan_cmd(
         local_only(measure, '--measure')
         err = None if quiet or json else _stderr()
 
-        def progress(done: int, total: int) -> None:
+        def progress(_phase: str, done: int, total: int) -> None:
             if err is not None and done == 0:
                 err.print(f"[dim]plan:[/] measuring: writing {human_size(total)} to "
                           f"{escape(str(measure))} and fsyncing ...")
@@ -145,7 +145,7 @@ def plan_cmd(
             gpu_mtbf=gpu_mtbf, ranks=ranks, keep=keep, async_save=async_save,
             thin_after=thin_after, thin_to=thin_to, snapshot_bandwidth=snapshot_bandwidth,
             interval=interval, restart=restart)
-        result = plan(options, on_progress=progress)
+        result = plan(options, progress=progress)
         outcome.exit_code = EXIT_OK
         from ckpt_cli.render.plan import show
 

@@ -1,53 +1,44 @@
-"""Progress on stderr: a byte bar for long reads and writes (only on a terminal), and a step
-counter for ``ckpt sample`` (a bar on a terminal, plain lines elsewhere)."""
+"""Progress on stderr, the CLI's adapters of the ops' one progress contract
+(:class:`ckpt_cli.progress.Progress`, ``progress(phase, done, total)``): a byte bar per phase
+for long reads and writes (only on a terminal), and a step counter for ``ckpt sample`` (a bar
+on a terminal, plain lines elsewhere)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ckpt_cli.progress import Progress
 from ckpt_cli.render.human import is_tty, stderr
 from ckpt_cli.units import format_duration
 
 
 class ProgressSink:
-    """Callbacks that feed a progress bar; every method is a no-op when there is no bar."""
+    """A :class:`~ckpt_cli.progress.Progress` that feeds rich bars: one per phase, labelled
+    with the phase (``writing``, ``crc32``...); until the first phase is reported, one bar
+    with the command's description. Does nothing when there is no bar."""
 
     def __init__(self, bar: Any = None, task: Any = None):
         self._bar, self._task = bar, task
-        self._labelled: dict[str, Any] = {}
+        self._phases: dict[str, Any] = {}
 
-    def start(self, total: int) -> None:
-        """Set the total number of bytes."""
-        if self._bar is not None:
-            self._bar.update(self._task, total=total)
-
-    def advance(self, n: int) -> None:
-        """Count ``n`` more bytes done."""
-        if self._bar is not None:
-            self._bar.advance(self._task, n)
-
-    def update(self, done: int, total: int) -> None:
-        """Set bytes done and the total."""
-        if self._bar is not None:
-            self._bar.update(self._task, completed=done, total=total)
-
-    def labelled(self, label: str, done: int, total: int) -> None:
-        """Bytes done of one of several phases, each with a bar of its own (``crc32``...)."""
+    def __call__(self, phase: str, done: int, total: int, /) -> None:
+        """Bytes ``done`` of ``total`` (0: unknown) in ``phase``; ``done`` 0 restarts it."""
         if self._bar is None:
             return
-        task = self._labelled.get(label)
+        task = self._phases.get(phase)
         if task is None:
-            if self._task is not None and not self._labelled:
-                self._bar.remove_task(self._task)  # labelled phases replace the single bar
+            if self._task is not None:
+                self._bar.remove_task(self._task)  # the phases replace the first bar
                 self._task = None
-            self._labelled[label] = self._bar.add_task(label, total=total, completed=done)
+            self._phases[phase] = self._bar.add_task(phase, total=total or None,
+                                                     completed=done)
         elif done == 0:
-            self._bar.reset(task, total=total)
+            self._bar.reset(task, total=total or None)
         else:
-            self._bar.update(task, completed=done, total=total)
+            self._bar.update(task, completed=done, total=total or None)
 
 
 @contextmanager
@@ -80,13 +71,9 @@ def byte_progress(description: str, *, enabled: bool = True) -> Iterator[Progres
         yield ProgressSink(bar, bar.add_task(description, total=None))
 
 
-StepReport = Callable[[str, int, int], None]
-"""``report(stage, step, total)``: what is being done and the step reached of ``total``."""
-
-
 @contextmanager
 def step_progress(prefix: str, *, enabled: bool = True, every: int = 50
-                  ) -> Iterator[StepReport]:
+                  ) -> Iterator[Progress]:
     """A step counter on stderr for a long job counted in steps (``ckpt sample``'s training).
 
     On a terminal, a transient rich bar with ``step N/M`` and the time taken; elsewhere (a CI

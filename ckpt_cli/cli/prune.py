@@ -125,7 +125,7 @@ def prune_cmd(
                 if (planned.asks and not (yes or common.json or not _interactive())
                         and not view.ask(planned.plan)):
                     planned.decline()
-                result = execute(planned, on_progress=view.event)
+                result = execute(planned, on_event=view.event)
         finally:
             view.stop()
         failed = bool(result.named("failed") or result.trash_failed or result.thin_failed)

@@ -45,7 +45,7 @@ def sample_cmd(
         from ckpt_cli.ops.sample import write_sample
 
         with step_progress("sample", enabled=not (quiet or json)) as progress:
-            written = write_sample(dest, overwrite=overwrite, on_progress=progress)
+            written = write_sample(dest, overwrite=overwrite, progress=progress)
         outcome.exit_code = EXIT_OK
         from ckpt_cli.render.sample import show
 

@@ -116,7 +116,7 @@ def stats_cmd(
                                pattern=pattern, jobs=jobs, max_memory=common.max_memory,
                                part=part, allow_globals=tuple(allow_global or ()))
         with common.progress("reading") as bar:
-            result = stats(path, options, on_progress=bar.labelled)
+            result = stats(path, options, progress=bar)
         outcome.exit_code = code = result.exit_code
         if plot is not None:
             from ckpt_cli.render.stats_plot import write_plot

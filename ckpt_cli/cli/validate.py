@@ -101,7 +101,7 @@ def validate_cmd(
                     manifest_algorithm=manifest_hash, jobs=jobs, pattern=pattern, part=part,
                     finalize=finalize, parts_dir=parts_dir, max_memory=common.max_memory,
                     allow_globals=tuple(allow_global or ()))
-                result = validate(path, options, on_progress=bar.labelled)
+                result = validate(path, options, progress=bar)
         except (Exception, KeyboardInterrupt) as e:
             if junit is not None:
                 _junit_of_error(junit, path, e)

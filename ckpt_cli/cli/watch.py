@@ -214,7 +214,7 @@ def resume_path_cmd(
       python train.py --resume "$(ckpt resume-path runs/gpt)"
     """
     with common.handled() as outcome:
-        from ckpt_cli.resume import survey
+        from ckpt_cli.ops.resume import survey
 
         found = survey(run_dir, verify="full" if full else "sizes")
         choice = found.choice

@@ -148,7 +148,7 @@ def _resumed_from(args: Any, state: Any) -> str | None:
 
 def _newest_verified(args: Any) -> str | None:
     """The newest checkpoint the run ledger verified (and still matches), as a path."""
-    from ckpt_cli.resume import latest_verified
+    from ckpt_cli.ops.resume import latest_verified
 
     newest = latest_verified(args.output_dir) if os.path.isdir(args.output_dir) else None
     if newest is None or not newest.name.startswith("checkpoint-"):

@@ -67,7 +67,7 @@ class VerifiedModelCheckpoint(ModelCheckpoint):
         resumed run) is the one rotation must keep until a newer save is verified."""
         super().setup(trainer, pl_module, stage)
         if self.last_verified is None and self.dirpath and os.path.isdir(self.dirpath):
-            from ckpt_cli.resume import choose
+            from ckpt_cli.ops.resume import choose
 
             choice = choose(self.dirpath)
             if choice is not None and not is_last_copy(choice.path.name):

@@ -38,6 +38,7 @@ from ckpt_cli.manifest import checkpoint_files as manifest_files
 from ckpt_cli.model import CheckpointIndex, Finding, WrittenFile
 from ckpt_cli.ops import options_of
 from ckpt_cli.parts import Part, source_identity
+from ckpt_cli.progress import Progress, Tally
 from ckpt_cli.resolve import resolve
 from ckpt_cli.runs import (
     PointerError,
@@ -258,17 +259,15 @@ class ConsolidateOptions:
 
 def consolidate(source: str | Path, output: str | Path,
                 options: ConsolidateOptions | None = None, *,
-                on_progress: Callable[[int], None] | None = None,
-                on_start: Callable[[int], None] | None = None,
-                **fields: Any) -> ConsolidateResult:
+                progress: Progress | None = None, **fields: Any) -> ConsolidateResult:
     """Merge a rank-sharded checkpoint into few large files.
 
     Args:
         source: DCP directory, DeepSpeed tag/save directory, or directory of per-rank files.
         output: Output file or directory (see :func:`ckpt_cli.writers.write_checkpoint`).
         options: What to do (:class:`ConsolidateOptions`; default: its defaults).
-        on_progress: Called with bytes written.
-        on_start: Called once with the total bytes to write.
+        progress: Called as bytes are written: ``("writing", bytes_done, bytes_total)``
+            (:class:`ckpt_cli.progress.Progress`).
         **fields: :class:`ConsolidateOptions` fields, instead of ``options`` (see
             :func:`ckpt_cli.ops.options_of`).
     Returns:
@@ -326,11 +325,14 @@ def consolidate(source: str | Path, output: str | Path,
     if opts.part is not None or opts.finalize:
         split = _part_job(opts.part, opts.finalize, src, kind, out, job, opts.verify,
                           opts.manifest, checked)
+    tally = Tally.of(progress, "writing")
     try:
         write = write_checkpoint(out, job.outs, fmt=fmt, max_shard_size=opts.max_shard_size,
                                  metadata=job.metadata, aliases=job.aliases,
-                                 overwrite=opts.overwrite, on_progress=on_progress,
-                                 before_commit=check, on_start=on_start, part=split,
+                                 overwrite=opts.overwrite,
+                                 on_progress=tally.advance if tally else None,
+                                 before_commit=check, on_start=tally.start if tally else None,
+                                 part=split,
                                  max_memory=budget)
         complete = write.part is None or write.part.finalized_here
         if opts.manifest and complete and (out.is_file()

@@ -14,7 +14,6 @@ import math
 import os
 import socket
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from ckpt_cli.errors import CkptError, DestinationExistsError
+from ckpt_cli.progress import Progress
 from ckpt_cli.storage.atomic import atomic_dir, honour_umask
 
 VOCAB, DIM, LAYERS, HEADS, CONTEXT = 512, 64, 2, 4, 32
@@ -76,13 +76,8 @@ def _lr(step: int, total: int = 2 * DCP_STEP, peak: float = 3e-3) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warm) / (total - warm)))
 
 
-StepCallback = Callable[[str, int, int], None]
-"""``on_progress(stage, step, total)``: the stage (``training``, ``saving step 400 with
-torch.distributed.checkpoint from 4 processes``...), the training step reached and the last one."""
-
-
 def _train(model: TinyGPT, opt: torch.optim.Optimizer, start: int, stop: int,
-           gen: torch.Generator, say: StepCallback | None = None) -> float:
+           gen: torch.Generator, say: Progress | None = None) -> float:
     loss = torch.tensor(0.0)
     for step in range(start, stop):
         if say is not None:
@@ -110,15 +105,17 @@ def _config() -> dict[str, Any]:
 
 
 def write_sample(dest: Path, *, overwrite: bool = False,
-                 on_progress: StepCallback | None = None) -> list[Path]:
+                 progress: Progress | None = None) -> list[Path]:
     """Write the sample run directory.
 
     Args:
         dest: Directory to create.
         overwrite: Replace ``dest`` if it exists.
-        on_progress: Called as ``on_progress(stage, step, total)`` before each training step
-            (``training``, step of 400), after the last, and at each later stage (the
-            torch.distributed.checkpoint save, the export), with the step reached.
+        progress: Called as ``progress(stage, step, total)`` before each training step
+            (``training``, step of 400), after the last, and at each later stage (``saving
+            step 400 with torch.distributed.checkpoint from 4 processes``, the export), with
+            the step reached (:class:`ckpt_cli.progress.Progress`: the phase is the stage,
+            counted in training steps).
 
     Returns:
         The checkpoints written, oldest first.
@@ -131,7 +128,7 @@ def write_sample(dest: Path, *, overwrite: bool = False,
                                      hint="pass overwrite to replace it", param="overwrite")
     if overwrite and (dest.exists() or dest.is_symlink()):
         _check_is_a_sample(dest)
-    say = on_progress or (lambda _stage, _step, _total: None)
+    say = progress or (lambda _stage, _step, _total: None)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     model = TinyGPT()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ckpt_cli.ops.convert import ConvertResult
+    from ckpt_cli.ops.convert.result import ConvertResult
 
 
 def show(r: ConvertResult, *, json: bool, quiet: bool) -> None:

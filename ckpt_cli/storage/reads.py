@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
+from ckpt_cli.progress import Progress
 from ckpt_cli.storage import access, stages
 from ckpt_cli.storage.access import Handle
 
@@ -90,9 +91,6 @@ def memory_budget(max_memory: int | None) -> int:
 T = TypeVar("T")
 K = TypeVar("K")
 C = TypeVar("C")
-
-ProgressFn = Callable[[str, int, int], None]
-"""``on_progress(label, bytes_done, bytes_total)``: called from the calling thread only."""
 
 
 def usable_cpus() -> int:
@@ -347,7 +345,7 @@ def read_ahead(fd: Handle, start: int, length: int, *, readers: int,
 
 
 def run_parallel(jobs: Sequence[Callable[[Meter], T]], *, threads: int, total: int,
-                 label: str, on_progress: ProgressFn | None = None,
+                 label: str, on_progress: Progress | None = None,
                  meter: Meter | None = None) -> list[T]:
     """Run ``jobs`` on a thread pool, reporting progress from the calling thread.
 
@@ -400,7 +398,7 @@ def run_parallel(jobs: Sequence[Callable[[Meter], T]], *, threads: int, total: i
 
 
 def run_bounded(jobs: Sequence[Callable[[Meter], T]], costs: Sequence[int], *, budget: int,
-                threads: int, total: int, label: str, on_progress: ProgressFn | None = None,
+                threads: int, total: int, label: str, on_progress: Progress | None = None,
                 ) -> list[T]:
     """Run ``jobs`` on a thread pool, in order, with at most ``budget`` bytes of them at once.
 

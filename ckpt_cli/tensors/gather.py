@@ -42,8 +42,15 @@ class ZeroOutputs:
     reader: PieceReader = field(default_factory=PieceReader)
 
 
+def restored_dtype(t: ParamPlan) -> str:
+    """The dtype a planned tensor is gathered in: floating buffers saved in FP16/BF16 are
+    restored to FP32, as zero_to_fp32 does (parameters already are FP32)."""
+    return "F32" if t.kind == "buffer" and t.dtype in ("F16", "BF16") else t.dtype
+
+
 def zero_outputs(src: Path, dtype_for: Callable[[ParamPlan, str], str], stats: CastStats,
-                 clamp: bool, *, moments: bool = False) -> ZeroOutputs:
+                 clamp: bool, *, moments: bool = False,
+                 plan: ZeroPlan | None = None) -> ZeroOutputs:
     """Plan a ZeRO checkpoint's full tensors and how each is gathered and cast.
 
     Floating buffers saved in FP16/BF16 are restored to FP32 first, as zero_to_fp32 does
@@ -55,6 +62,7 @@ def zero_outputs(src: Path, dtype_for: Callable[[ParamPlan, str], str], stats: C
         stats: Where FP16 overflow is counted.
         clamp: Clamp FP16 overflow instead of counting it for a refusal.
         moments: Also gather Adam's moments (``optimizer.state.<param>.exp_avg``...).
+        plan: The plan, when already made (``plan_zero(src, moments=moments)``).
 
     Returns:
         The :class:`ZeroOutputs`.
@@ -62,11 +70,10 @@ def zero_outputs(src: Path, dtype_for: Callable[[ParamPlan, str], str], stats: C
     Raises:
         CkptError: Missing or damaged rank files, an unknown layout.
     """
-    res = ZeroOutputs(plan_zero(src, moments=moments))
+    res = ZeroOutputs(plan if plan is not None else plan_zero(src, moments=moments))
     read = res.reader.read
     for t in res.plan.tensors:
-        base = "F32" if t.kind == "buffer" and t.dtype in ("F16", "BF16") else t.dtype
-        dst = dtype_for(t, base)
+        dst = dtype_for(t, restored_dtype(t))
         res.cast_elements += t.numel if torch_speeds_up(t.dtype, dst) else 0
         load = cast_loader(read, t, dst, stats, clamp)
         res.outs.append(OutTensor(t.name, dst, t.shape, load, piece_caster(

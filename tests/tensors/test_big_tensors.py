@@ -191,7 +191,7 @@ def test_memory_error_names_the_tensor_and_budget(tmp_path: Path,
     src = tmp_path / "m.safetensors"
     save_file({"emb": _values(1000), "b": np.zeros(3, dtype=np.float32)}, str(src))
 
-    from ckpt_cli.ops import convert as convert_op
+    from ckpt_cli.ops.convert import build as convert_op
     from ckpt_cli.tensors import cast
 
     real = cast.cast_array

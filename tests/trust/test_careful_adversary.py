@@ -29,7 +29,7 @@ import orjson
 import pytest
 import torch
 
-from ckpt_cli.resume import choose
+from ckpt_cli.ops.resume import choose
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers.damage import flip, zip_payload

@@ -16,7 +16,7 @@ import orjson
 import pytest
 import torch
 
-from ckpt_cli.resume import latest_verified
+from ckpt_cli.ops.resume import latest_verified
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers.lightning_parts import fit_tiny, save_breaker, truncate_half

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_cli.resume import latest_verified
+from ckpt_cli.ops.resume import latest_verified
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers.lightning_parts import fit_tiny, tiny_module, truncate_half

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_cli.resume import choose
+from ckpt_cli.ops.resume import choose
 from tests.conftest import run_cli
 from tests.trust.test_watch import ENV, ROOT, watch_once
 

@@ -124,7 +124,7 @@ def test_a_watched_run_stays_valid_and_verified_after_thinning(tmp_path: Path) -
     import time
 
     from ckpt_cli.manifest import manifest_path, verify_manifest
-    from ckpt_cli.resume import latest_verified
+    from ckpt_cli.ops.resume import latest_verified
     from ckpt_cli.trust.ledger import manifest_digest
 
     run = tmp_path / "run"
@@ -230,7 +230,7 @@ def test_a_long_running_watch_trusts_what_thinning_rewrote(tmp_path: Path) -> No
 def test_resume_never_picks_a_thinned_or_symlinked_checkpoint(tmp_path: Path) -> None:
     import os
 
-    from ckpt_cli.resume import choose, latest_verified
+    from ckpt_cli.ops.resume import choose, latest_verified
 
     run = tmp_path / "run"
     _aged_run(run, (100, 200, 300, 400))
@@ -417,7 +417,7 @@ def test_thin_dcp_step_directories(tmp_path: Path, to: str | None) -> None:
     # The thinned ones are verified as they are now; resume still takes the newest whole one.
     r = run_cli("watch", run, "--once", "--settle", "0")
     assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
-    from ckpt_cli.resume import latest_verified
+    from ckpt_cli.ops.resume import latest_verified
 
     assert latest_verified(run, verify="full") == run / "step_000400"
 
@@ -604,7 +604,7 @@ def test_a_thinning_killed_midway_is_never_reported_bad(tmp_path: Path, kind: st
     checkpoint that the next watch pass reported bad (a false alarm, and --on-bad ran)."""
     from ckpt_cli.ops.prune import prune
     from ckpt_cli.ops.prune.retention import PrunePolicy
-    from ckpt_cli.resume import latest_verified
+    from ckpt_cli.ops.resume import latest_verified
 
     run = tmp_path / "run"
     if kind == "torch":

@@ -167,7 +167,7 @@ def test_a_whole_checkpoint_whose_thinning_died_after_its_manifest_went_is_verif
     next prune records the thinning as not done, with no manifest to re-check the files
     against; watch then verifies it afresh (never reports the intact checkpoint bad), and it
     is a resume point again."""
-    from ckpt_cli.resume import choose
+    from ckpt_cli.ops.resume import choose
 
     run = _watched(tmp_path / kind, kind)
     _kill_at(run, "removed")
@@ -199,7 +199,7 @@ def test_a_checkpoint_thinned_before_any_verdict_is_verified_but_never_a_resume_
     manifest. watch verifies them afresh (not bad), and resume-path never offers one: with
     the newest damaged, there is nothing to resume from rather than a run restarted without
     its optimizer state."""
-    from ckpt_cli.resume import survey
+    from ckpt_cli.ops.resume import survey
     from tests.helpers.damage import truncate
 
     run = tmp_path / "torch"

@@ -20,7 +20,7 @@ import orjson
 import pytest
 import torch
 
-from ckpt_cli.resume import choose
+from ckpt_cli.ops.resume import choose
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli
 from tests.helpers.damage import flip

@@ -19,8 +19,8 @@ from typing import IO, Any
 
 import pytest
 
+from ckpt_cli.ops.resume import choose, latest_verified
 from ckpt_cli.ops.watch import Watcher, WatchEvent, WatchOptions
-from ckpt_cli.resume import choose, latest_verified
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli
 

@@ -43,7 +43,8 @@ from ckpt_cli.ops.diff.metadata import diff_metadata, mark_dtype_follows
 from ckpt_cli.ops.diff.names import normalise
 from ckpt_cli.ops.diff.result import DiffOptions as DiffOptions  # re-exported: the public name
 from ckpt_cli.ops.diff.result import DiffResult
-from ckpt_cli.ops.diff.values import ProgressFn, _compare_all, comparable, on_side
+from ckpt_cli.ops.diff.values import _compare_all, comparable, on_side
+from ckpt_cli.progress import Progress
 from ckpt_cli.resolve import resolve
 from ckpt_cli.runs import Followed
 from ckpt_cli.storage.reads import memory_budget
@@ -55,7 +56,7 @@ STATUSES: tuple[str, ...] = ("identical", "within_tolerance", "changed", "shape_
 
 def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
          fmt_a: str | None = None, fmt_b: str | None = None,
-         on_progress: ProgressFn | None = None, max_memory: int | None = None) -> DiffResult:
+         progress: Progress | None = None, max_memory: int | None = None) -> DiffResult:
     """Compare two checkpoints given by path.
 
     Args:
@@ -64,7 +65,8 @@ def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
         options: What to compare (default :class:`DiffOptions`).
         fmt_a: Force A's format instead of detecting it.
         fmt_b: Force B's format.
-        on_progress: Called as values are compared with ``(bytes_done, bytes_total)``.
+        progress: Called as values are compared: ``("comparing", bytes_done, bytes_total)``
+            (:class:`ckpt_cli.progress.Progress`).
         max_memory: Memory budget in bytes for the tensors being compared at once (default
             256 MiB; a tensor whose layout is read whole may add its size).
 
@@ -80,7 +82,7 @@ def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
     index_a, followed_a = _read_side(a, fmt_a, "A")
     index_b, followed_b = _read_side(b, fmt_b, "B")
     same = same_checkpoint(index_a, index_b)
-    result = diff_indexes(index_a, index_b, options, on_progress=on_progress, same=same,
+    result = diff_indexes(index_a, index_b, options, progress=progress, same=same,
                           max_memory=max_memory)
     result.followed_a, result.followed_b = followed_a, followed_b
     result.path_a, result.path_b = str(a), str(b)
@@ -131,7 +133,7 @@ def _read_side(path: str | Path, fmt: str | None,
 
 def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
                  options: DiffOptions | None = None, *,
-                 on_progress: ProgressFn | None = None, same: str | None = None,
+                 progress: Progress | None = None, same: str | None = None,
                  max_memory: int | None = None) -> DiffResult:
     """Compare two checkpoints already read (the API other commands use to verify output).
 
@@ -139,7 +141,7 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
         index_a: Side A.
         index_b: Side B.
         options: What to compare (default :class:`DiffOptions`).
-        on_progress: Called as values are compared with ``(bytes_done, bytes_total)``.
+        progress: Called as values are compared: ``("comparing", bytes_done, bytes_total)``.
         same: Why both sides are one checkpoint on disk (see :func:`same_checkpoint`): then
             values are not read and every common tensor is ``identical``.
         max_memory: Memory budget in bytes for the tensors being compared at once.
@@ -188,7 +190,7 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
             why = comparable(index_a.tensors[t.name_a], index_b.tensors[t.name_b])
             t.status, t.reason = ("skipped", why) if why else ("identical", same)
     elif opts.values:
-        _compare_all(result, on_progress, budget)
+        _compare_all(result, progress, budget)
     else:
         for t in result.tensors:
             if t.status != "shape_changed":

@@ -32,15 +32,12 @@ from ckpt_cli.ops.diff.result import (
     OnlyIn,
     TensorDiff,
 )
+from ckpt_cli.progress import Progress
 from ckpt_cli.storage.reads import PIECE_BYTES, Meter, default_jobs, run_bounded
 from ckpt_cli.tensors.source import TensorSource
 
 if TYPE_CHECKING:
     import numpy as np
-
-ProgressFn = Callable[[int, int], None]
-"""``on_progress(bytes_done, bytes_total)``."""
-
 
 def on_side(e: CkptError, label: str) -> CkptError:
     """The same error with its message prefixed by the side it concerns (``A:``/``B:``).
@@ -162,7 +159,7 @@ def comparable(ta: TensorInfo, tb: TensorInfo) -> str | None:
     return None
 
 
-def _compare_all(result: DiffResult, on_progress: ProgressFn | None, budget: int) -> None:
+def _compare_all(result: DiffResult, progress: Progress | None, budget: int) -> None:
     """Compare the values of every comparable pair, several pairs at once (as many as the
     cores and the memory budget allow), each on a thread with its own readers."""
     opts = result.options
@@ -236,9 +233,9 @@ def _compare_all(result: DiffResult, on_progress: ProgressFn | None, budget: int
             return stats, tol
         return run
 
-    def progress(_label: str, done: int, all_bytes: int) -> None:
-        if on_progress is not None:
-            on_progress(min(done, all_bytes), all_bytes)
+    def comparing(_label: str, done: int, all_bytes: int) -> None:
+        if progress is not None:
+            progress("comparing", min(done, all_bytes), all_bytes)
 
     try:
         outcomes = run_bounded([job(*x) for x in todo],
@@ -247,7 +244,7 @@ def _compare_all(result: DiffResult, on_progress: ProgressFn | None, budget: int
                                 else ta.nbytes + tb.nbytes + 20 * ta.numel
                                 for td, ta, tb in todo],
                                budget=budget, threads=default_jobs(), total=total,
-                               label="values", on_progress=progress)
+                               label="values", on_progress=comparing)
     finally:
         for a, b in sides:
             a.close()

@@ -10,7 +10,6 @@ The arithmetic is :mod:`ckpt_cli.ops.plan.cadence` (its docstring states the mod
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -33,6 +32,7 @@ from ckpt_cli.ops.plan.measure import (
 )
 from ckpt_cli.ops.plan.options import PlanOptions
 from ckpt_cli.ops.plan.result import PlanResult
+from ckpt_cli.progress import Progress
 from ckpt_cli.units import format_duration, require_positive
 
 
@@ -71,12 +71,13 @@ def size_from_checkpoint(path: str | Path, fmt: str | None = None) -> Checkpoint
 
 
 def plan(options: PlanOptions | None = None, *,
-         on_progress: Callable[[int, int], None] | None = None, **fields: Any) -> PlanResult:
+         progress: Progress | None = None, **fields: Any) -> PlanResult:
     """Plan checkpointing for a run: size, write time, optimal interval, storage and files.
 
     Args:
         options: The run to plan for (:class:`PlanOptions`; default: its defaults).
-        on_progress: Progress of the measurement, ``(bytes_written, total)``.
+        progress: Progress of the measurement, ``("measuring", bytes_written, total)``
+            (:class:`ckpt_cli.progress.Progress`).
         **fields: :class:`PlanOptions` fields, instead of ``options`` (see
             :func:`ckpt_cli.ops.options_of`).
 
@@ -131,7 +132,7 @@ def plan(options: PlanOptions | None = None, *,
     if opts.measure_dir is not None:
         result.measurement = measure_bandwidth(
             opts.measure_dir, opts.measure_size or DEFAULT_MEASURE_SIZE,
-            opts.measure_streams or DEFAULT_MEASURE_STREAMS, on_progress)
+            opts.measure_streams or DEFAULT_MEASURE_STREAMS, progress)
         result.bandwidth = result.measurement.bytes_per_second
         result.notes.append("bandwidth measured from this machine alone; ranks on many nodes "
                             "may reach more in aggregate")

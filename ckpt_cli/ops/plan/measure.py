@@ -10,12 +10,12 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpt_cli.errors import CheckpointNotFoundError, CkptError, UsageError
+from ckpt_cli.progress import Progress
 from ckpt_cli.storage.atomic import tmp_sibling
 from ckpt_cli.units import require_positive
 
@@ -56,7 +56,7 @@ class Measurement:
 
 def measure_bandwidth(directory: str | Path, size: int = DEFAULT_MEASURE_SIZE,
                       streams: int = DEFAULT_MEASURE_STREAMS,
-                      on_progress: Callable[[int, int], None] | None = None) -> Measurement:
+                      progress: Progress | None = None) -> Measurement:
     """Measure write bandwidth: write ``size`` bytes to one file in parallel streams, fsync.
 
     The test file is a hidden ``.ckpt-plan-measure.ckpt-tmp-*`` sibling (which ``validate`` and
@@ -68,8 +68,8 @@ def measure_bandwidth(directory: str | Path, size: int = DEFAULT_MEASURE_SIZE,
         size: Bytes to write.
         streams: Threads writing disjoint ranges of the file at once (fewer when ``size`` is
             too small to give each 64 KiB).
-        on_progress: Called as ``on_progress(bytes_written, size)`` before, while and after
-            writing.
+        progress: Called as ``progress("measuring", bytes_written, size)`` before, while
+            and after writing (:class:`ckpt_cli.progress.Progress`).
 
     Returns:
         The :class:`Measurement`.
@@ -121,16 +121,16 @@ def measure_bandwidth(directory: str | Path, size: int = DEFAULT_MEASURE_SIZE,
     threads = [threading.Thread(target=write_range, args=(i,), daemon=True)
                for i in range(streams)]
     try:
-        if on_progress is not None:
-            on_progress(0, size)
+        if progress is not None:
+            progress("measuring", 0, size)
         start = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             while t.is_alive():
                 t.join(0.05)
-                if on_progress is not None:
-                    on_progress(sum(done), size)
+                if progress is not None:
+                    progress("measuring", sum(done), size)
         if failed:
             raise CkptError(f"writing the test file failed: {failed[0].strerror}", path=where)
         try:
@@ -138,8 +138,8 @@ def measure_bandwidth(directory: str | Path, size: int = DEFAULT_MEASURE_SIZE,
         except OSError as e:
             raise CkptError(f"fsync of the test file failed: {e.strerror}", path=where) from None
         seconds = time.perf_counter() - start
-        if on_progress is not None:
-            on_progress(sum(done), size)
+        if progress is not None:
+            progress("measuring", sum(done), size)
     finally:
         # Also on Ctrl-C: stop the writers before the file they write to goes away.
         stop.set()

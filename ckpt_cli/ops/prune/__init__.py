@@ -27,7 +27,8 @@ plan and asks in between); :func:`prune` is both in one call. The order of work,
    :mod:`ckpt_cli.ops.prune.timelines`; thinning (``--thin-after``) is
    :mod:`ckpt_cli.ops.prune.thin`.
 
-Nothing here prints or prompts; progress goes to ``on_progress``.
+Nothing here prints or prompts; what happens goes to ``on_event`` (each step, for a log) and
+``progress`` (the count, :class:`ckpt_cli.progress.Progress`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from ckpt_cli.ops.prune.retention import (
 )
 from ckpt_cli.ops.prune.timelines import abandoned_checkpoints
 from ckpt_cli.ops.validate.layoutcheck import rank_findings
+from ckpt_cli.progress import Progress
 from ckpt_cli.resolve import holds_runs
 from ckpt_cli.runs import ITSELF, list_run, run_dir_problem, writer_lock
 from ckpt_cli.trust.ledger import read_ledger
@@ -71,8 +73,8 @@ __all__ = ["LOCK_NAME", "NO_CHECKPOINTS_YET", "Outcome", "PlannedPrune", "PruneE
 def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
           metrics_file: str | Path | None = None, dry_run: bool = False, any_dir: bool = False,
           confirm: Callable[[PrunePlan], bool] | None = None,
-          on_progress: Callable[[PruneEvent], None] | None = None,
-          now: float | None = None) -> PruneResult:
+          on_event: Callable[[PruneEvent], None] | None = None,
+          progress: Progress | None = None, now: float | None = None) -> PruneResult:
     """Plan the retention of a run directory's checkpoints and, unless ``dry_run``, apply it:
     :func:`plan`, then :func:`execute`.
 
@@ -85,7 +87,9 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
         any_dir: Accept ``/``, ``$HOME`` and directories that do not look like run directories.
         confirm: Called with the plan before anything is changed, when there is something to
             delete; returning False changes nothing.
-        on_progress: Called with each :class:`PruneEvent` (``planned`` first).
+        on_event: Called with each :class:`PruneEvent` (``planned`` first).
+        progress: Called as checkpoints are deleted (or kept after all, or fail):
+            ``("deleting", checkpoints_done, checkpoints_to_delete)``.
         now: The current time for ages and the grace period (tests); the clock by default.
 
     Returns:
@@ -98,12 +102,12 @@ def prune(path: str | Path, policy: PrunePolicy, *, pattern: str | None = None,
     """
     with plan(path, policy, pattern=pattern, metrics_file=metrics_file, dry_run=dry_run,
               any_dir=any_dir, now=now) as planned:
-        if on_progress is not None:
-            on_progress(PruneEvent("planned", total=len(planned.plan.to_delete),
-                                   plan=planned.plan))
+        if on_event is not None:
+            on_event(PruneEvent("planned", total=len(planned.plan.to_delete),
+                                plan=planned.plan))
         if planned.asks and confirm is not None and not confirm(planned.plan):
             planned.decline()
-        return execute(planned, on_progress=on_progress)
+        return execute(planned, on_event=on_event, progress=progress)
 
 
 NO_CHECKPOINTS_YET = "holds no checkpoints yet: nothing to do"
@@ -210,7 +214,7 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         # What training resumes from is never deleted nor thinned, also when it is not the
         # newest by step (a run resumed from an earlier step: the higher steps left behind
         # are another timeline).
-        from ckpt_cli.resume import choose
+        from ckpt_cli.ops.resume import choose
 
         choice = choose(listing.root)
         if choice is not None and choice.path.name in names:

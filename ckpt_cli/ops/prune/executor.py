@@ -18,6 +18,7 @@ from typing import Protocol
 from ckpt_cli.model import RunEntry
 from ckpt_cli.ops.prune.result import Outcome, PruneEvent, PruneResult
 from ckpt_cli.ops.prune.retention import Decision, PrunePlan
+from ckpt_cli.progress import Progress
 
 Report = Callable[[PruneEvent], None]
 
@@ -114,14 +115,18 @@ class PlannedPrune:
 
 
 def execute(planned: PlannedPrune, *,
-            on_progress: Callable[[PruneEvent], None] | None = None) -> PruneResult:
+            on_event: Callable[[PruneEvent], None] | None = None,
+            progress: Progress | None = None) -> PruneResult:
     """Carry out a plan: delete what it deletes, then thin what it thins, each re-checked
     right before; nothing for a dry run or a declined plan. Releases the plan's lock.
 
     Args:
         planned: What :func:`ckpt_cli.ops.prune.plan` returned.
-        on_progress: Called with each :class:`PruneEvent` (``trash``, ``moved``, ``deleted``,
+        on_event: Called with each :class:`PruneEvent` (``trash``, ``moved``, ``deleted``,
             ``skipped``, ``failed``, ``thinned``, ``thin-skipped``).
+        progress: Called as each checkpoint to delete is deleted, kept after all or fails:
+            ``("deleting", checkpoints_done, checkpoints_to_delete)``
+            (:class:`ckpt_cli.progress.Progress`).
 
     Returns:
         The :class:`PruneResult`; deletions that failed are in it, not raised.
@@ -131,7 +136,12 @@ def execute(planned: PlannedPrune, *,
     """
     from ckpt_cli.ops.prune.thin import thin
 
-    report = on_progress or (lambda _e: None)
+    def report(event: PruneEvent) -> None:
+        if on_event is not None:
+            on_event(event)
+        if progress is not None and event.kind in ("deleted", "skipped", "failed"):
+            progress("deleting", event.done, event.total)
+
     result, site = planned.result, planned.site
     try:
         if planned.dry_run or result.declined:

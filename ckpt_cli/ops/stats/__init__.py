@@ -43,9 +43,10 @@ from ckpt_cli.ops.stats.result import (
     module_of,
 )
 from ckpt_cli.ops.stats.scope import WEIGHT_GROUPS, Scope, scope_of
+from ckpt_cli.progress import Progress
 from ckpt_cli.resolve import resolve
 from ckpt_cli.runs import list_run
-from ckpt_cli.storage.reads import ProgressFn, memory_budget, worker_threads
+from ckpt_cli.storage.reads import memory_budget, worker_threads
 from ckpt_cli.tensors.moments import Moments, moments_kernel
 
 __all__ = ["Anomaly", "CheckpointStats", "ModuleStats", "StatsOptions", "StatsResult",
@@ -75,13 +76,14 @@ class _Checkpoint:
 
 
 def stats(path: str | Path, options: StatsOptions | None = None, *,
-          on_progress: ProgressFn | None = None) -> StatsResult:
+          progress: Progress | None = None) -> StatsResult:
     """Figures of the values of one checkpoint, or of every checkpoint of a run directory.
 
     Args:
         path: A checkpoint (file, directory, URL) or a run directory.
         options: What to compute (default :class:`StatsOptions`).
-        on_progress: Progress callback ``(label, done, total)`` in bytes read.
+        progress: Called as bytes are read: ``(phase, bytes_done, bytes_total)``
+            (:class:`ckpt_cli.progress.Progress`).
 
     Returns:
         The :class:`StatsResult`; its ``exit_code`` is 1 when an anomaly was found.
@@ -91,11 +93,11 @@ def stats(path: str | Path, options: StatsOptions | None = None, *,
         UsageError: For contradictory options, or a run with no complete checkpoint.
     """
     with collections_paused():  # millions of records, no cycles: see ckpt_cli.gcpause
-        return _stats(path, options, on_progress)
+        return _stats(path, options, progress)
 
 
 def _stats(path: str | Path, options: StatsOptions | None,
-           on_progress: ProgressFn | None) -> StatsResult:
+           progress: Progress | None) -> StatsResult:
     t0 = time.perf_counter()
     opts = options or StatsOptions()
     _check(opts)
@@ -113,7 +115,7 @@ def _stats(path: str | Path, options: StatsOptions | None,
     select = _part_select(ckpts, opts)
     budget = memory_budget(opts.max_memory)
     read = compute(works, budget=budget, threads=opts.jobs or worker_threads(),
-                   on_progress=on_progress, select=select)
+                   on_progress=progress, select=select)
     read = min(read, _covered(ckpts, works))  # each byte of the files once
     for c, w in zip(ckpts, works, strict=True):
         _remember(c, w, cache, ckpts)

@@ -26,7 +26,8 @@ from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.ops.stats.batch import run_batch
 from ckpt_cli.ops.stats.plain import run_plain, take_plain
-from ckpt_cli.storage.reads import PIECE_BYTES, Meter, PerThread, ProgressFn, run_bounded
+from ckpt_cli.progress import Progress
+from ckpt_cli.storage.reads import PIECE_BYTES, Meter, PerThread, run_bounded
 from ckpt_cli.tensors.moments import Moments, diff_sumsq, piece_moments
 from ckpt_cli.tensors.source import TensorSource
 
@@ -175,7 +176,7 @@ def _window_elems(window_bytes: int) -> int:
 
 
 def compute(works: list[Work], *, budget: int, threads: int,
-            on_progress: ProgressFn | None = None,
+            on_progress: Progress | None = None,
             select: Callable[[str], bool] | None = None) -> int:
     """Compute what each :class:`Work` asks for, filling its ``got``/``got_updates``/``errors``.
 
@@ -198,7 +199,7 @@ def compute(works: list[Work], *, budget: int, threads: int,
 
 
 def _compute(works: list[Work], sources: _Sources, *, budget: int, threads: int,
-             on_progress: ProgressFn | None,
+             on_progress: Progress | None,
              select: Callable[[str], bool] | None) -> int:
     # Small plain tensors: by runs. Each fits the smallest window a one-checkpoint job gets
     # (with as many threads as asked for; the engine may use fewer, and larger windows).

@@ -32,9 +32,10 @@ from ckpt_cli.ops.validate.options import Options, Split, ValidateOptions
 from ckpt_cli.ops.validate.partrun import validate_split
 from ckpt_cli.ops.validate.result import ValidateResult
 from ckpt_cli.ops.validate.run import check_one, validate_run
+from ckpt_cli.progress import Progress
 from ckpt_cli.resolve import resolve
 from ckpt_cli.runs import is_final_model_only
-from ckpt_cli.storage.reads import BUFFER_SIZE, ProgressFn, default_jobs, memory_budget
+from ckpt_cli.storage.reads import BUFFER_SIZE, default_jobs, memory_budget
 
 __all__ = ["REQUIREMENTS", "Options", "Split", "ValidateOptions", "parse_require", "validate",
            "validate_checkpoint", "validate_split"]
@@ -67,13 +68,15 @@ def parse_require(spec: str | Iterable[str] | None) -> tuple[str, ...]:
 
 
 def validate(path: str | Path, options: ValidateOptions | None = None, *,
-             on_progress: ProgressFn | None = None, **fields: Any) -> ValidateResult:
+             progress: Progress | None = None, **fields: Any) -> ValidateResult:
     """Validate a checkpoint, or every checkpoint of a run directory.
 
     Args:
         path: A checkpoint file or directory, or a run directory.
         options: What to check (:class:`ValidateOptions`; default: its defaults).
-        on_progress: ``(label, done, total)`` progress callback, in bytes.
+        progress: Called as bytes are read: ``(phase, bytes_done, bytes_total)``, a phase
+            per check (``crc32``, ``values``...; in a run, prefixed with the checkpoint's
+            name) (:class:`ckpt_cli.progress.Progress`).
         **fields: :class:`ValidateOptions` fields, instead of ``options`` (see
             :func:`ckpt_cli.ops.options_of`).
 
@@ -109,7 +112,7 @@ def validate(path: str | Path, options: ValidateOptions | None = None, *,
     # CRC-32 and hashing threads each hold one buffer: never more of them than fit the budget.
     threads = min(jobs or default_jobs(), max(1, budget // BUFFER_SIZE))
     opts = Options(fmt, quick, values, parse_require(require), write_manifest,
-                   manifest_algorithm, threads, on_progress, budget,
+                   manifest_algorithm, threads, progress, budget,
                    allow_globals=allowlist.parse_names(allow_globals))
     split = None
     if part is not None or finalize:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from ckpt_cli.manifest import DEFAULT_ALGORITHM
 from ckpt_cli.parts import Part
-from ckpt_cli.storage.reads import MEMORY_BUDGET, ProgressFn
+from ckpt_cli.progress import Progress
+from ckpt_cli.storage.reads import MEMORY_BUDGET
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.validate.split import Share
@@ -76,7 +77,7 @@ class Options:
     write_manifest: bool = False
     manifest_algorithm: str = DEFAULT_ALGORITHM
     jobs: int = 1
-    on_progress: ProgressFn | None = None
+    on_progress: Progress | None = None
     max_memory: int = MEMORY_BUDGET
     share: Share | None = None
     allow_globals: tuple[str, ...] = ()

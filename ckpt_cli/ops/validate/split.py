@@ -30,7 +30,7 @@ from ckpt_cli.ops.validate.dcpcheck import DcpReport
 from ckpt_cli.ops.validate.valuecheck import TensorValues, value_file
 from ckpt_cli.ops.validate.zipcheck import CrcTask
 from ckpt_cli.parts import assign, source_identity
-from ckpt_cli.storage.reads import ProgressFn
+from ckpt_cli.progress import Progress
 
 RECEIPT_VERSION = 1
 
@@ -256,7 +256,7 @@ class Share:
             total += w.crc_bytes
         return out, total, max(seconds, self.external_crc_seconds)
 
-    def hasher(self, algorithm: str, *, jobs: int, on_progress: ProgressFn | None) -> HashFn:
+    def hasher(self, algorithm: str, *, jobs: int, on_progress: Progress | None) -> HashFn:
         """Hash this process's files (once per checksum); take the others' from receipts."""
         def run(base: Path, rels: list[str]) -> tuple[dict[str, FileDigest], HashStats]:
             have = self.digests.setdefault(algorithm, {})

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex, Finding, TensorInfo
+from ckpt_cli.progress import Progress
 from ckpt_cli.storage.reads import (
     MEMORY_BUDGET,
     PIECE_BYTES,
     Meter,
     PerThread,
-    ProgressFn,
     run_bounded,
 )
 from ckpt_cli.tensors.source import TensorSource
@@ -112,7 +112,7 @@ def value_file(t: TensorInfo) -> str | None:
     return _file(t)
 
 
-def scan_values(index: CheckpointIndex, *, on_progress: ProgressFn | None = None,
+def scan_values(index: CheckpointIndex, *, on_progress: Progress | None = None,
                 select: Callable[[TensorInfo], bool] | None = None,
                 done_elsewhere: Mapping[str, TensorValues] | None = None,
                 collect: dict[str, TensorValues] | None = None,

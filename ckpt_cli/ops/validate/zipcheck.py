@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from ckpt_cli import storage
 from ckpt_cli.model import Finding, Severity
+from ckpt_cli.progress import Progress
 from ckpt_cli.storage import Handle
 from ckpt_cli.storage.reads import (
     BUFFER_SIZE,
     Meter,
-    ProgressFn,
     crc32,
     crc32_combine,
     read_range,
@@ -456,7 +456,7 @@ def crc_tasks(report: ZipReport, *, rel: str, fd: Handle, start: int, where: str
             for r in report.records if r.size and r.method == 0]
 
 
-def verify_crcs(tasks: list[CrcTask], *, threads: int, on_progress: ProgressFn | None = None,
+def verify_crcs(tasks: list[CrcTask], *, threads: int, on_progress: Progress | None = None,
                 meter: Meter | None = None) -> list[Finding]:
     """Stream every task's bytes, compute CRC-32 in parallel, and report mismatches.
 

@@ -554,13 +554,14 @@ def test_diff_indexes_api_for_other_commands(tmp_path: Path) -> None:
     sd = tiny_state_dict()
     torch.save({"model": sd}, tmp_path / "a.pt")
     save_file(sd, str(tmp_path / "b.safetensors"))
-    progress: list[tuple[int, int]] = []
+    progress: list[tuple[str, int, int]] = []
     r = diff_indexes(read_index(tmp_path / "a.pt"), read_index(tmp_path / "b.safetensors"),
-                     DiffOptions(block=7), on_progress=lambda d, t: progress.append((d, t)))
+                     DiffOptions(block=7), progress=lambda *a: progress.append(a))
     assert r.equal
     total = 2 * sum(v.numel() * v.element_size() for v in sd.values())
-    assert progress[-1] == (total, total)
-    assert all(d1 <= d2 for (d1, _), (d2, _) in itertools.pairwise(progress))
+    assert progress[-1] == ("comparing", total, total)
+    assert {p for p, _, _ in progress} == {"comparing"}
+    assert all(d1 <= d2 for (_, d1, _), (_, d2, _) in itertools.pairwise(progress))
 
 
 def test_diff_does_not_import_torch(tmp_path: Path) -> None:

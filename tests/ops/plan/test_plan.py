@@ -430,13 +430,13 @@ def test_measure_writes_fsyncs_and_removes(tmp_path: Path,
         real_fsync(fd)
 
     monkeypatch.setattr(M.os, "fsync", fsync)
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[str, int, int]] = []
     m = measure_bandwidth(tmp_path, size=3 << 20, streams=3,
-                          on_progress=lambda done, total: seen.append((done, total)))
+                          progress=lambda *a: seen.append(a))
     assert (m.bytes, m.streams, m.path) == (3 << 20, 3, tmp_path)
     assert m.seconds > 0 and m.bytes_per_second == m.bytes / m.seconds
     assert synced == [3 << 20]  # the whole file, fsynced once
-    assert seen[0] == (0, 3 << 20) and seen[-1] == (3 << 20, 3 << 20)
+    assert seen[0] == ("measuring", 0, 3 << 20) and seen[-1] == ("measuring", 3 << 20, 3 << 20)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -450,13 +450,13 @@ def test_measure_removes_the_file_on_ctrl_c(tmp_path: Path) -> None:
     before = threading.active_count()
     found: list[tuple[str, int]] = []
 
-    def interrupt(done: int, total: int) -> None:
+    def interrupt(_phase: str, done: int, total: int) -> None:
         if done:
             found.extend((p.name, p.stat().st_size) for p in tmp_path.iterdir())
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        measure_bandwidth(tmp_path, size=64 << 20, streams=4, on_progress=interrupt)
+        measure_bandwidth(tmp_path, size=64 << 20, streams=4, progress=interrupt)
     # The test file was there, hidden and named so that validate/prune report a leftover...
     assert len(found) == 1 and found[0][0].startswith(".ckpt-plan-measure.ckpt-tmp-")
     # ... and is gone, with every writer thread stopped.

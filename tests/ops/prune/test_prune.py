@@ -522,7 +522,7 @@ def test_plan_holds_the_lock_until_execute_carries_it_out(sample_copy: Path) -> 
         with pytest.raises(CkptError, match="another ckpt prune is running"):
             prune_ops.plan(sample_copy, KEEP1)
         assert "step_000100" in _names(sample_copy)  # nothing changed by planning
-        result = prune_ops.execute(planned, on_progress=lambda e: events.append(e.kind))
+        result = prune_ops.execute(planned, on_event=lambda e: events.append(e.kind))
     assert [result.status(d) for d in result.plan.to_delete] == ["deleted"] * 3
     assert events.count("moved") == 3 and events.count("deleted") == 3
     assert "step_000100" not in _names(sample_copy)
@@ -700,13 +700,13 @@ def test_writer_creates_a_checkpoint_while_prune_runs(tmp_path: Path) -> None:
             assert p.poll() is None, p.communicate()
             time.sleep(0.01)
 
-    def on_progress(event: PruneEvent) -> None:
+    def on_event(event: PruneEvent) -> None:
         if event.kind == "deleted" and event.name == "step_000100":
             out, err = started[0].communicate(timeout=120)
             assert started[0].returncode == 0 and out.strip() == "ok", err
 
     result = prune(run, KEEP1, confirm=lambda plan: after_planning(plan) is None,
-                   on_progress=on_progress)
+                   on_event=on_event)
     assert started and started[0].returncode == 0
     assert result.ok and len(result.named("deleted")) == 3
     assert (run / "latest").read_text().strip() == "step_000500"

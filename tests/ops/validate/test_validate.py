@@ -952,7 +952,7 @@ def test_dcp_object_item_past_the_end(sample_copy: Path) -> None:
 def test_progress_is_reported(pt_file: Path) -> None:
     calls: list[tuple[str, int, int]] = []
     validate(pt_file, values=True, write_manifest=True,
-             on_progress=lambda label, done, total: calls.append((label, done, total)))
+             progress=lambda label, done, total: calls.append((label, done, total)))
     labels = {c[0] for c in calls}
     assert {"train.pt: CRC-32", "train.pt: values", "train.pt: hashing"} <= labels, labels
     for label in labels:

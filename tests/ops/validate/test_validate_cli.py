@@ -311,12 +311,12 @@ def test_progress_bar_on_a_terminal(pt: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(progress, "stderr", lambda: Console(file=buf, force_terminal=True,
                                                             width=100))
     with progress.byte_progress("validating") as bar:
-        validate(pt, values=True, on_progress=bar.labelled)
+        validate(pt, values=True, progress=bar)
     shown = buf.getvalue()
     assert "train.pt: CRC-32" in shown and "train.pt: values" in shown
     buf.truncate(0)
     with progress.byte_progress("validating", enabled=False) as bar:  # --quiet, --json
-        validate(pt, values=True, on_progress=bar.labelled)
+        validate(pt, values=True, progress=bar)
     assert buf.getvalue() == ""
 
 

@@ -1,19 +1,17 @@
-"""``convert``'s FP8 steps: ``--to fp8`` (quantize) and ``--dequantize``, one call each from
-:func:`ckpt_cli.ops.convert.convert`.
+"""``convert``'s FP8 steps: ``--to fp8`` picks its weights on the plan, before anything is
+built (:func:`choose`), and ``--dequantize`` rewires the built outputs (:func:`dequantized`).
 
 The numbers (scales, rounding, which tensors qualify, the ``quantization_config``) are
-:mod:`ckpt_cli.fp8`'s; this module rewires a conversion's output tensors and its copied
-``config.json``.
+:mod:`ckpt_cli.fp8`'s; this module decides per tensor (quantize, keep BF16, keep FP32, write
+a scale) and rewires a conversion's copied ``config.json``.
 """
 
 from __future__ import annotations
 
-import glob
 import json
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import fp8
 from ckpt_cli.errors import CkptError, UsageError
@@ -22,27 +20,11 @@ from ckpt_cli.writers import OutTensor
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckpt_cli.tensors.cast import CastPlan, CastStats
+    from ckpt_cli.ops.convert.build import Built
+    from ckpt_cli.ops.convert.plan import Plan
+    from ckpt_cli.tensors.cast import CastStats
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
-
-
-class _Built(Protocol):
-    """What these steps use of a conversion's outputs (``convert``'s ``_Built``; declared
-    here so that this module does not import another op module)."""
-
-    outs: list[OutTensor]
-    aliases: dict[str, str]
-    casts: Counter[str]
-    plan: CastPlan
-    meta: dict[str, str]
-    notes: list[str]
-
-    @property
-    def close(self) -> Callable[[], None]: ...
-
-
-B = TypeVar("B", bound=_Built)
 
 
 def wanted(to: str, layout: str, activations: str = "dynamic") -> bool:
@@ -72,21 +54,18 @@ def check_usage(quant: bool, dequantize: bool, target: str | None, fmt: str) -> 
                          param=("to", "fmt"))
 
 
-def quantized(built: B, build: Callable[[tuple[str, ...]], B], keep_fp32: tuple[str, ...],
-              layout: str, src: Path, *, activations: str = "dynamic",
-              config: dict[str, Any] | None = None) -> tuple[B, dict[str, Any]]:
-    """The conversion's outputs with the chosen weights quantized, and the
-    ``quantization_config``.
+def choose(plan: Plan, layout: str, src: Path, *, activations: str = "dynamic",
+           config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Pick the weights to quantize on the plan, mark them (each read in FP32, not rounded to
+    BF16 first, then written as an FP8 weight and its scale), and return the
+    ``quantization_config``; the plan's notes and metadata say what was chosen.
 
     Which weights: :func:`ckpt_cli.fp8.groups.choose` (Linear weights whose fused layer the
-    layout can hold whole). They are read in FP32 (not rounded to BF16 first): the outputs are
-    built again (``build``) with them kept, then each becomes an FP8 weight and its scale.
-    ``built`` is closed when replaced (and on error).
+    layout can hold whole); the rest is cast as the plan says (BF16, or FP32 where
+    ``--keep-fp32`` asked).
 
     Args:
-        built: The outputs built with the ``--to bf16`` plan.
-        build: Builds the outputs again with more ``--keep-fp32`` globs.
-        keep_fp32: The user's ``--keep-fp32`` globs.
+        plan: The ``--to bf16`` plan (the tensors not quantized are cast to BF16).
         layout: ``block``, ``channel`` or ``tensor``.
         src: The source, for messages.
         activations: ``dynamic`` or ``none`` (see :func:`ckpt_cli.fp8.quantization_config`).
@@ -97,49 +76,45 @@ def quantized(built: B, build: Callable[[tuple[str, ...]], B], keep_fp32: tuple[
     """
     from ckpt_cli.fp8 import groups
 
-    held = [o.name for o in built.outs if o.dtype in FP8_DTYPES]
+    held = [s.name for s in plan.steps if s.plain in FP8_DTYPES]
     if held:
-        built.close()
         raise UsageError(f"{src} already holds {len(held)} FP8 tensor(s) (e.g. {held[0]})",
                          hint="dequantize first: ckpt convert SRC --to bf16 --dequantize")
-    tied = {kept: alias for alias, kept in built.aliases.items()}
-    choice = groups.choose(((o.name, o.dtype, o.shape) for o in built.outs), layout,
+    tied = {kept: alias for alias, kept in plan.aliases.items()}
+    choice = groups.choose(((s.name, s.plain, s.source.shape) for s in plan.steps), layout,
                            tied=tied, config=config)
     # an output head tied to the embedding is written once (as the embedding), and listed
-    choice.ignore = sorted(set(choice.ignore) | {
-        a[: -len(".weight")] for a in built.aliases if a.endswith(".weight")
+    ignore = sorted(set(choice.ignore) | {
+        a[: -len(".weight")] for a in plan.aliases if a.endswith(".weight")
         and fp8.skip_reason(a[: -len(".weight")]) == "output head (lm_head)"})
     picked = choice.picked
-    if picked:
-        before = built.casts
-        built.close()
-        built = build(keep_fp32 + tuple(glob.escape(n) for n in picked))
-        for key in [k for k in built.casts if k.endswith("->F32")]:
-            # read in FP32 only to be quantized: count the casts --keep-fp32 made
-            built.casts[key] = before.get(key, 0)
-        built.casts += Counter()  # drops the zero counts
+    plan.quantize(picked)
     if choice.left:
         shown = "; ".join(f"{n} ({why})" for n, why in choice.left[:3]) + (
             f"; and {len(choice.left) - 3} more" if len(choice.left) > 3 else "")
-        built.notes.append(f"{len(choice.left)} Linear weight(s) left unquantized, listed in "
-                           f"the quantization_config's ignore list: {shown}")
-    shapes = {o.name: o.shape for o in built.outs}
+        plan.notes.append(f"{len(choice.left)} Linear weight(s) left unquantized, listed in "
+                          f"the quantization_config's ignore list: {shown}")
+    shapes = {s.name: s.source.shape for s in plan.steps}
     partial = [n for n in picked if layout == "block" and shapes[n][0] % fp8.BLOCK]
     if partial:
-        built.notes.append(
+        plan.notes.append(
             f"{len(partial)} weight(s) end in a partial 128-row block (e.g. {partial[0]}), "
             "scaled per ceil(rows/128) as vLLM, SGLang and DeepSeek-V3's own checkpoints do; "
             "transformers' CPU dequantizing loader derives the block from the scale grid and "
             "refuses or misreads them: load on an FP8 GPU, or dequantize with ckpt convert "
             "--dequantize, or use --fp8-layout channel")
-    quant_config = _outs(built, picked, choice.ignore, layout, activations)
-    built.meta["ckpt.conversion"] = built.meta.get("ckpt.conversion", "").replace(
-        "to=bf16", f"to=fp8 ({layout})", 1)
-    built.meta["ckpt.quantization_config"] = json.dumps(quant_config, sort_keys=True)
-    return built, quant_config
+    listed = ", ".join(ignore[:5]) + (f" and {len(ignore) - 5} more" if len(ignore) > 5
+                                      else "")
+    acts = ("weight-only (W8A16)" if activations == "none" else
+            "dynamic per-token FP8 activations (W8A8)")
+    plan.notes.append(f"quantized {len(picked)} weight(s) to FP8 E4M3 ({layout} layout, "
+                      f"{acts}), the rest cast to BF16; ignore list: {listed}")
+    quant_config = fp8.quantization_config(layout, ignore, activations)
+    plan.meta["ckpt.quantization_config"] = json.dumps(quant_config, sort_keys=True)
+    return quant_config
 
 
-def dequantized(built: _Built, target: str, src: Path, stats: CastStats,
+def dequantized(built: Built, target: str, src: Path, stats: CastStats,
                 clamp: bool = False, config: dict[str, Any] | None = None) -> None:
     """Replace each FP8 weight and its scale by the dequantized weight, in place.
 
@@ -178,32 +153,6 @@ def config_files(side: dict[str, bytes], quant_config: dict[str, Any] | None,
                      "(ckpt.quantization_config)")
 
 
-def _outs(built: _Built, picked: list[str], ignore: list[str], layout: str,
-          activations: str) -> dict[str, Any]:
-    """Replace each picked output (read in FP32) by its FP8 weight and scale, in place."""
-    chosen = set(picked)
-    outs: list[OutTensor] = []
-    for o in built.outs:
-        if o.name not in chosen:
-            outs.append(o)
-            continue
-        q = fp8.Quantized(o.load, layout, o.name, pieces=o.pieces, shape=o.shape)
-        module = o.name[: -len(".weight")]
-        outs.append(OutTensor(o.name, "F8_E4M3", o.shape, q.weight, q.weight_pieces))
-        outs.append(OutTensor(f"{module}.{fp8.scale_name(layout)}", "F32",
-                              fp8.scale_shape(o.shape, layout), q.scale))
-    built.outs[:] = outs
-    if picked:
-        built.casts["->F8_E4M3"] = len(picked)
-    listed = ", ".join(ignore[:5]) + (f" and {len(ignore) - 5} more" if len(ignore) > 5
-                                      else "")
-    acts = ("weight-only (W8A16)" if activations == "none" else
-            "dynamic per-token FP8 activations (W8A8)")
-    built.notes.append(f"quantized {len(picked)} weight(s) to FP8 E4M3 ({layout} layout, "
-                       f"{acts}), the rest cast to BF16; ignore list: {listed}")
-    return fp8.quantization_config(layout, ignore, activations)
-
-
 def with_quantization_config(data: bytes, qc: dict[str, Any] | None) -> bytes:
     """``config.json`` with ``quantization_config`` set to ``qc`` (None: removed;
     re-serialized)."""
@@ -222,7 +171,7 @@ def with_quantization_config(data: bytes, qc: dict[str, Any] | None) -> bytes:
     return (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
 
 
-def _dequantized_outs(built: _Built, target: str, src: Path, stats: CastStats,
+def _dequantized_outs(built: Built, target: str, src: Path, stats: CastStats,
                       clamp: bool, config: dict[str, Any] | None) -> None:
     """Replace each FP8 weight and its scale by the dequantized weight, in place; refuse
     (nothing written) what would write a wrong model (see :func:`dequantized`)."""
