@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
-from ckpt_cli.formats import allowlist, containers
+from ckpt_cli.formats import allowlist, containers, zipshape
 from ckpt_cli.formats.base import (
     DirectoryLayout,
     contained_path,
@@ -512,7 +512,7 @@ def locate_chunk(index: CheckpointIndex, fd_of: Callable[[str], Handle], t: Tens
                                path=index.path_of(c.file))
     fd = fd_of(c.file)
     where = f"{index.path_of(c.file)}@{c.offset}"
-    tz = parse_zip(fd, c.offset, c.length, where)
+    tz = zipshape.parse_item(fd, c.offset, c.length, where)  # parse_zip, once per layout
     rec = tz.pickle.obj
     if not isinstance(rec, TensorRecord) or rec.storage is None:
         raise CorruptCheckpointError(f"chunk of {t.name!r} does not hold a tensor",
