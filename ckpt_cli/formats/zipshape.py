@@ -113,7 +113,9 @@ class ZipShape:
         # the same).
         fixed_eocds = sum(s.count(_EOCD) for s in map(data.__getitem__, self._slices))
         self.sound = (fixed_eocds == self.eocds and self.pickle >= 0
-                      and len(set(names)) == len(names))
+                      and len(set(names)) == len(names)
+                      and all(n.startswith(self.prefix) and _plain(n[len(self.prefix):])
+                              for i, n in enumerate(names) if i != self.pickle))
 
     def crcs(self, data: bytes) -> tuple[int, ...] | None:
         """Each record's CRC-32 if ``data`` is a zip of this shape, else None."""
@@ -169,8 +171,6 @@ def learn(data: bytes, records: list[tuple[str, int, int, int, int, int]]) -> Zi
         if r is None or 0xFFFFFFFF in (csize, usize, offset) or r[3] != csize:
             return None
         name, header, payload, size, method, rec_end = r
-        if not _plain(name):
-            return None
         if flags & _FLAG_DESCRIPTOR:
             at = payload + size
             copy = at + 4 if data[at:at + 4] == _DESCRIPTOR else at
@@ -201,14 +201,16 @@ def torch_zip(shape: ZipShape, crcs: tuple[int, ...], data: bytes, base: int,
     return TorchZip(entries, shape.prefix, result, base)
 
 
-# torch's records beside data.pkl and the storages: never pickles, never read for meaning.
+# torch's records beside data.pkl and the storages (names under the archive prefix): never
+# pickles, never read for meaning. A zip with any other record (a second .pkl, TorchScript
+# code, a record under another prefix) has no shape: parse_zip scans such records' bytes.
 _PLAIN = ("version", ".format_version", "byteorder", ".storage_alignment", ".data/version",
-          ".data/serialization_id", "serialization_id", "data.pkl")
+          ".data/serialization_id", "serialization_id")
 
 
-def _plain(name: str) -> bool:
-    short = name.partition("/")[2] if name.count("/") >= 1 else name
-    return short in _PLAIN or (short.startswith("data/") and short[5:].isdigit())
+def _plain(short: str) -> bool:
+    return short in _PLAIN or (short.startswith("data/") and short[5:].isascii()
+                               and short[5:].isdigit())
 
 
 class Shapes:
@@ -290,7 +292,9 @@ def parse_item(fd: Handle, start: int, length: int, where: str) -> TorchZip:
         if tz is not None:
             return tz
     tz = parse_zip(fd, start, length, where)
-    if hit is None and len(data) == length and not tz.unscanned and not tz.after_stop:
+    # Learn only from the bytes parse_zip read (its reads of the file came after ours).
+    if (hit is None and len(data) == length and not tz.unscanned and not tz.after_stop
+            and storage.pread(fd, length, start) == data):
         _SHAPES.add(learn(data, [(e.name, e.header_offset, e.data_offset, e.size,
                                   1 if e.compressed else 0, e.data_offset + e.size)
                                  for e in tz.entries.values()]))
