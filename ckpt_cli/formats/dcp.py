@@ -316,9 +316,7 @@ def _tensor(name: str, f: dict[str, Any], storage: dict[Any, Any], index: Checkp
             continue
         rel, off, length, transforms = loc
         chunks.append(Chunk(offs, sizes, rel, off, length, transforms))
-    numel = 1
-    for d in size:
-        numel *= d
+    numel = math.prod(size)
     group = containers.group_of(tuple(name.split(".")), None, "model")
     if group == "model" and containers.is_buffer_name(name, dtype):
         group = "buffer"
@@ -424,6 +422,8 @@ def tiling_problems(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...],
         Plain-words problems.
     """
     nd = len(shape)
+    if len(chunks) == 1 and chunks[0] == ((0,) * nd, tuple(shape)):
+        return []  # one chunk that is the whole tensor (most tensors of a one-rank save)
     problems: list[str] = []
     good: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for offs, sizes in chunks:
