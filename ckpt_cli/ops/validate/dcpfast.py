@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 _BLOCK = 8 << 20
 """Bytes of a file's consecutive small items read at once."""
 
+_MAX_KEPT = 1 << 16
+"""Verdicts kept by pickle bytes (beyond, each item's is worked out on its own)."""
+
 
 class _Item(Protocol):
     @property
@@ -67,7 +70,8 @@ class Fast:
         self._problem = chunk_problem
         self._shapes = zipshape.Shapes()
         self._pickles = zipshape.PickleCache()
-        self._clean: dict[int, bool] = {}  # id(pickle result) -> no findings of its own
+        self._clean: dict[bytes, bool] = {}  # pickle bytes -> no findings of their own
+        self._problems: dict[tuple[bytes, int, str, tuple[int, ...], int], str | None] = {}
         self._block: tuple[str, int, bytes] = ("", 0, b"")
         self._sound: dict[str, tuple[Handle, int, int]] = {}  # rel -> (fd, records, bytes)
 
@@ -80,12 +84,14 @@ class Fast:
         rel, at, block = self._block
         if rel != it.rel or not at <= it.offset <= it.offset + it.length <= at + len(block):
             end, limit = it.offset + it.length, min(size, it.offset + _BLOCK)
-            for nxt in self._items[k + 1:]:
+            items, j = self._items, k + 1
+            while j < len(items):  # the following small items of the file that fit
+                nxt = items[j]
                 stop = nxt.offset + nxt.length
                 if (nxt.rel != it.rel or nxt.offset < it.offset or stop > limit
                         or not 0 < nxt.length <= zipshape.MAX_LENGTH):
                     break
-                end = max(end, stop)
+                end, j = max(end, stop), j + 1
             rel, at, block = it.rel, it.offset, storage.pread(fd, end - it.offset, it.offset)
             self._block = (rel, at, block)
         data = block[it.offset - at:it.offset - at + it.length]
@@ -104,22 +110,36 @@ class Fast:
         if hit is None:
             return False
         shape, crcs = hit
-        tz = zipshape.torch_zip(shape, crcs, data, it.offset, self._pickles)
-        if tz is None:
+        pkl = shape.records[shape.pickle]
+        raw = data[pkl.data_offset:pkl.data_offset + pkl.size]
+        result = self._pickles.get(raw)
+        if result is None:
             return False
-        key = id(tz.pickle)
-        clean = self._clean.get(key)
+        # Verdicts that depend only on the pickle's bytes (and the layout, the chunk's
+        # declared dtype and sizes), kept by those bytes: not by the result's id, which a
+        # result the full pickle cache did not keep could hand on to another.
+        clean = self._clean.get(raw)
         if clean is None:
-            clean = self._clean[key] = not any(
-                f.severity != "info" for f in allowlist.pickle_findings(tz.pickle, file=rel))
+            clean = not any(f.severity != "info"
+                            for f in allowlist.pickle_findings(result, file=rel))
+            if len(self._clean) < _MAX_KEPT:
+                self._clean[raw] = clean
         if not clean:
             report.pickles.extend(
-                f for f in allowlist.pickle_findings(tz.pickle, file=rel,
+                f for f in allowlist.pickle_findings(result, file=rel,
                                                      what=f"pickle of item {it.name}")
                 if f.severity != "info")
-        if it.offsets is not None:
-            pair = chunks.get((it.name, it.offsets))
-            problem = self._problem(tz, pair, it.length) if pair else None
+        pair = chunks.get((it.name, it.offsets)) if it.offsets is not None else None
+        if pair is not None:
+            key = (raw, id(shape), pair[0].dtype, pair[1].sizes, it.length)
+            problem = self._problems.get(key, "")
+            if problem == "":
+                tz = zipshape.torch_zip(shape, crcs, data, it.offset, self._pickles)
+                if tz is None:
+                    return False
+                problem = self._problem(tz, pair, it.length)
+                if len(self._problems) < _MAX_KEPT:
+                    self._problems[key] = problem
             if problem:
                 report.chunks.append(Finding("error", "chunk-undecodable", problem, rel,
                                              it.where))
