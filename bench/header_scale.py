@@ -9,9 +9,10 @@ within 5x of the parse's time, and under 1 GB peak RSS. Ratios are given in wall
 in CPU time (user + system): on a shared machine the CPU ratio is the steadier one, and the
 one the target is judged on (a fresh process's imports count, as for a user).
 
-Run: python -m bench.header_scale [--quick] [--keep DIR]
+Run: python -m bench.header_scale [--quick] [--keep DIR] [--dcp-only [N]]
 (``--quick``: 10^5 tensors and 20,000 chunks; ``--keep DIR``: write the data there, and
-reuse it when present.)
+reuse it when present; ``--dcp-only``: the DCP part alone, of N chunks if given (200,000;
+20,000 with ``--quick``).)
 """
 
 from __future__ import annotations
@@ -94,8 +95,41 @@ def _rows(what: Path, peer: tuple[float, float, str], peer_label: str,
     return rows
 
 
+def _dcp_part(root: Path, n_chunks: int, cache: Path) -> None:
+    """Write (or reuse) the DCP of ``n_chunks`` chunks under ``root`` and report its rows."""
+    dcp_dir = root / f"dcp-{n_chunks}"
+    if not (dcp_dir / ".metadata").exists():
+        print(f"[bench] writing {dcp_dir} ...", file=sys.stderr)
+        bc.in_subprocess("bench.header_scale.write_dcp", dcp_dir, n_chunks)
+    bc.warm(dcp_dir / ".metadata")
+    bc.report(f"DCP .metadata of {n_chunks:,} chunks "
+              f"({bc.human_bytes((dcp_dir / '.metadata').stat().st_size)}); target <= "
+              f"{TARGET_RATIO:g}x pickle.load, < {bc.human_bytes(TARGET_RSS)}",
+              _rows(dcp_dir, _peer(PICKLE_PEER, dcp_dir / ".metadata", "pickle.load"),
+                    "pickle.load of .metadata", cache))
+
+
+def _dcp_only(quick: bool, keep: str | None) -> None:
+    """``--dcp-only [N]``: the DCP part alone (the safetensors file of 10^6 tensors takes
+    minutes to write and is not needed to measure it)."""
+    at = sys.argv.index("--dcp-only") + 1
+    given = sys.argv[at] if at < len(sys.argv) and sys.argv[at].isdigit() else None
+    n_chunks = int(given) if given else (20_000 if quick else 200_000)
+    root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="ckpt-header-scale-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        _dcp_part(root, n_chunks, root / "cache")
+    finally:
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
+    if "--dcp-only" in sys.argv:
+        keep_dir = sys.argv[sys.argv.index("--keep") + 1] if "--keep" in sys.argv else None
+        _dcp_only(quick, keep_dir)
+        return
     n_tensors, n_chunks = (100_000, 20_000) if quick else (1_000_000, 200_000)
     keep = sys.argv[sys.argv.index("--keep") + 1] if "--keep" in sys.argv else None
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="ckpt-header-scale-"))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
-from ckpt_cli.formats import allowlist, containers
+from ckpt_cli.formats import allowlist, containers, zipshape
 from ckpt_cli.formats.base import (
     DirectoryLayout,
     contained_path,
@@ -316,9 +316,7 @@ def _tensor(name: str, f: dict[str, Any], storage: dict[Any, Any], index: Checkp
             continue
         rel, off, length, transforms = loc
         chunks.append(Chunk(offs, sizes, rel, off, length, transforms))
-    numel = 1
-    for d in size:
-        numel *= d
+    numel = math.prod(size)
     group = containers.group_of(tuple(name.split(".")), None, "model")
     if group == "model" and containers.is_buffer_name(name, dtype):
         group = "buffer"
@@ -424,6 +422,8 @@ def tiling_problems(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...],
         Plain-words problems.
     """
     nd = len(shape)
+    if len(chunks) == 1 and chunks[0] == ((0,) * nd, tuple(shape)):
+        return []  # one chunk that is the whole tensor (most tensors of a one-rank save)
     problems: list[str] = []
     good: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for offs, sizes in chunks:
@@ -512,7 +512,7 @@ def locate_chunk(index: CheckpointIndex, fd_of: Callable[[str], Handle], t: Tens
                                path=index.path_of(c.file))
     fd = fd_of(c.file)
     where = f"{index.path_of(c.file)}@{c.offset}"
-    tz = parse_zip(fd, c.offset, c.length, where)
+    tz = zipshape.parse_item(fd, c.offset, c.length, where)  # parse_zip, once per layout
     rec = tz.pickle.obj
     if not isinstance(rec, TensorRecord) or rec.storage is None:
         raise CorruptCheckpointError(f"chunk of {t.name!r} does not hold a tensor",

@@ -30,6 +30,13 @@ def test_chunks_that_do_not_tile_are_damage() -> None:
     assert "a gap" in tiling_problems((4, 4), whole[:1])[0]
     assert "overlap" in tiling_problems((4, 4), [*whole, ((1, 0), (2, 4))])[-1]
     assert "outside" in tiling_problems((4, 4), [((3, 0), (2, 4))])[0]
+    # One chunk: the whole tensor (the shortcut) or not.
+    assert tiling_problems((4, 4), [((0, 0), (4, 4))]) == []
+    assert tiling_problems((), [((), ())]) == []
+    assert tiling_problems((0, 4), [((0, 0), (0, 4))]) == []
+    assert "a gap" in tiling_problems((4, 4), [((0, 0), (4, 3))])[0]
+    assert "outside" in tiling_problems((4, 4), [((0, 0), (5, 4))])[0]
+    assert "dimensions" in tiling_problems((4, 4), [((0,), (4,))])[0]
 
 
 def test_consolidate_refuses_a_dcp_chunk_that_fails_its_crc(sample_copy: Path,

@@ -34,6 +34,7 @@ from ckpt_cli.formats.torchzip import (
 )
 from ckpt_cli.formats.unpickler import scan_globals
 from ckpt_cli.model import CheckpointIndex, Chunk, Finding, TensorInfo
+from ckpt_cli.ops.validate.dcpfast import Fast as _Fast
 from ckpt_cli.ops.validate.zipcheck import CrcTask, ZipReport, check_zip, crc_tasks
 from ckpt_cli.storage import Handle
 from ckpt_cli.storage.reads import OpenFiles
@@ -204,7 +205,9 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
             only: Callable[[str], bool] | None) -> None:
     chunks: dict[tuple[str, tuple[int, ...]], tuple[TensorInfo, Chunk]] = {
         (t.name, c.offsets): (t, c) for t in index.tensors.values() for c in t.chunks}
-    for it in sorted(items, key=lambda i: (i.rel, i.offset)):
+    todo = sorted(items, key=lambda i: (i.rel, i.offset))
+    fast = _Fast(todo, _chunk_problem)
+    for k, it in enumerate(todo):
         size = sizes.get(it.rel)
         if size is None or it.offset < 0 or it.length < 0 or it.offset + it.length > size:
             continue  # missing or out of bounds: reported already
@@ -224,27 +227,22 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
                     "torch.load(weights_only=False), could not be scanned", rel, it.name))
             continue
         fd = files.open(directory / it.rel, rel)
-        zr = check_zip(fd, it.offset, it.length, rel=rel, where=it.where)
+        data = fast.bytes_of(k, fd, size)
+        if data is not None and fast.check(report, it, data, rel, fd, chunks):
+            continue
+        zr = check_zip(fd, it.offset, it.length, rel=rel, where=it.where, data=data)
         report.zips.extend(zr.findings)
         if not zr.readable:
             continue
         try:
-            tz = _load(fd, it.offset, it.length, zr, f"{directory / it.rel}@{it.offset}")
+            tz = _load(fd, it.offset, it.length, zr, f"{directory / it.rel}@{it.offset}", data)
         except CkptError as e:
             code = "bad-item" if it.offsets is None else "chunk-undecodable"
             report.chunks.append(Finding("error", code, e.message, rel, it.where))
             continue
-        report.pickles.extend(
-            f for f in allowlist.pickle_findings(tz.pickle, file=rel,
-                                                 what=f"pickle of item {it.name}")
-            if f.severity != "info")
-        # Fail closed: a pickle record of the item ckpt could not scan may run anything.
-        report.pickles.extend(
-            Finding("error", "unscanned-pickle", f"item {it.name}: pickle record {name} could "
-                    f"not be scanned for globals: {why}", rel, it.name)
-            for name, why in sorted(tz.unscanned.items()))
-        if tz.after_stop:
-            report.pickles.append(after_stop_finding(tz, rel, f"item {it.name}: "))
+        _pickle_findings(report, tz, it, rel)
+        if data is not None and not zr.findings and not tz.unscanned and not tz.after_stop:
+            fast.learn(data, zr)
         if it.offsets is not None:
             pair = chunks.get((it.name, it.offsets))
             problem = _chunk_problem(tz, pair, it.length) if pair else None
@@ -253,9 +251,25 @@ def _decode(report: DcpReport, index: CheckpointIndex, items: list[_Item],
                                              it.where))
                 continue
         report.crc.extend(crc_tasks(zr, rel=rel, fd=fd, start=it.offset, where=it.where))
+    fast.flush(report)
 
 
-def _load(fd: Handle, start: int, length: int, zr: ZipReport, where: str) -> TorchZip:
+def _pickle_findings(report: DcpReport, tz: TorchZip, it: _Item, rel: str) -> None:
+    report.pickles.extend(
+        f for f in allowlist.pickle_findings(tz.pickle, file=rel,
+                                             what=f"pickle of item {it.name}")
+        if f.severity != "info")
+    # Fail closed: a pickle record of the item ckpt could not scan may run anything.
+    report.pickles.extend(
+        Finding("error", "unscanned-pickle", f"item {it.name}: pickle record {name} could "
+                f"not be scanned for globals: {why}", rel, it.name)
+        for name, why in sorted(tz.unscanned.items()))
+    if tz.after_stop:
+        report.pickles.append(after_stop_finding(tz, rel, f"item {it.name}: "))
+
+
+def _load(fd: Handle, start: int, length: int, zr: ZipReport, where: str,
+          data: bytes | None = None) -> TorchZip:
     """Unpickle an item's ``data.pkl`` from the records :func:`check_zip` already located.
 
     Same result as :func:`~ckpt_cli.formats.torchzip.parse_zip`, without parsing the central
@@ -275,7 +289,8 @@ def _load(fd: Handle, start: int, length: int, zr: ZipReport, where: str) -> Tor
     pkl = record(entries, f"{prefix}data.pkl")
     if pkl is None or pkl.compressed:
         raise CorruptCheckpointError("the item has no readable data.pkl record", path=where)
-    raw = storage.pread(fd, pkl.size, start + pkl.data_offset)
+    raw = (data[pkl.data_offset:pkl.data_offset + pkl.size] if data is not None
+           else storage.pread(fd, pkl.size, start + pkl.data_offset))
     result, error = scan_globals(raw)
     if error is not None:
         raise CorruptCheckpointError(f"data.pkl is not a readable pickle ({error})"[:200]

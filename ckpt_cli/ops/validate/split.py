@@ -240,7 +240,7 @@ class Share:
         mine = _by_file(found)
         for t in tasks:
             w = self.work(t.rel)
-            w.records += 1
+            w.records += t.records
             w.crc_bytes += t.size
         out: list[Finding] = []
         total = 0

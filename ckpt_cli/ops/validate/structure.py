@@ -96,7 +96,8 @@ def deep_checks(b: Builder, index: CheckpointIndex, path: Path, files: OpenFiles
         share.check_aborted()
     zips = _torch_zips(b, index, files, tasks, share, crc_files)
     dcp_items = _dcp_checks(b, index, path, files, tasks, opts, crc_files)
-    records = len(tasks) + (share.external_records(crc_files) if share is not None else 0)
+    records = sum(t.records for t in tasks) + (
+        share.external_records(crc_files) if share is not None else 0)
     if zips or dcp_items:
         what = ", ".join(x for x in (f"{zips} torch file(s)" if zips else "",
                                      f"{dcp_items:,} DCP item(s)" if dcp_items else "") if x)

@@ -102,11 +102,14 @@ class _Fatal(Exception):
 
 
 class _Checker:
-    def __init__(self, fd: Handle, start: int, length: int, rel: str, where: str):
+    def __init__(self, fd: Handle, start: int, length: int, rel: str, where: str,
+                 data: bytes | None = None):
         self.fd, self.start, self.length, self.rel, self.where = fd, start, length, rel, where
         self.report = ZipReport()
         self._pre: dict[int, bytes] = {}  # offset -> bytes fetched ahead (object storage)
         self._pre_at: list[int] = []
+        if data is not None and len(data) == length:  # the caller read the zip already
+            self._pre, self._pre_at = {0: data}, [0]
 
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes at ``offset`` from the zip's start (fewer at the end of the window)."""
@@ -177,7 +180,7 @@ class _Checker:
         return _Fatal()
 
     def run(self) -> ZipReport:
-        if isinstance(self.fd, int) and 0 < self.length <= _WHOLE:
+        if isinstance(self.fd, int) and 0 < self.length <= _WHOLE and not self._pre:
             # A small zip (a DCP item of a few values) in one read, not one per field: the
             # checks below read its end records, directory, headers and descriptors.
             self._pre = {0: storage.pread(self.fd, self.length, self.start)}
@@ -394,7 +397,8 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, offset: int,
     return usize, csize, offset
 
 
-def check_zip(fd: Handle, start: int, length: int, *, rel: str, where: str = "") -> ZipReport:
+def check_zip(fd: Handle, start: int, length: int, *, rel: str, where: str = "",
+              data: bytes | None = None) -> ZipReport:
     """Check a zip's structure: end records, central directory, local headers, descriptors.
 
     Args:
@@ -403,11 +407,12 @@ def check_zip(fd: Handle, start: int, length: int, *, rel: str, where: str = "")
         length: Length of the zip.
         rel: The file's path relative to the checkpoint (for findings).
         where: Prefix of findings' locations (e.g. the DCP item), or empty.
+        data: The zip's bytes, if the caller has read them (else they are read from ``fd``).
 
     Returns:
         The :class:`ZipReport`; never raises for malformed input.
     """
-    return _Checker(fd, start, length, rel, where).run()
+    return _Checker(fd, start, length, rel, where, data).run()
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,6 +427,11 @@ class CrcTask:
         expected: Recorded CRC-32.
         location: Finding location (record name, with any prefix).
         describe: Extra words naming what the bytes hold (tensor names), or empty.
+        actual: The CRC-32 of the bytes when the caller computed it already (from bytes it
+            had read): then nothing is read again.
+        records: How many records the task stands for: a caller that checked many records
+            in memory and found them all sound sums them in one task (``actual ==
+            expected``, ``size`` their bytes).
     """
 
     rel: str
@@ -431,6 +441,8 @@ class CrcTask:
     expected: int
     location: str
     describe: str = ""
+    actual: int | None = None
+    records: int = 1
 
 
 def crc_tasks(report: ZipReport, *, rel: str, fd: Handle, start: int, where: str = "",
@@ -478,6 +490,8 @@ def verify_crcs(tasks: list[CrcTask], *, threads: int, on_progress: Progress | N
     pieces: list[tuple[int, int, int]] = []  # (task index, offset, size)
     can_split = crc32_combine(0, 0, 0) is not None
     for i, t in enumerate(tasks):
+        if t.actual is not None:
+            continue  # computed by the caller
         if can_split and t.size > _SEGMENT:
             pieces.extend((i, off, min(_SEGMENT, t.offset + t.size - off))
                           for off in range(t.offset, t.offset + t.size, _SEGMENT))
@@ -508,7 +522,7 @@ def verify_crcs(tasks: list[CrcTask], *, threads: int, on_progress: Progress | N
         return run
 
     results = run_parallel([job(b) for b in batches], threads=threads,
-                           total=sum(t.size for t in tasks), label="CRC-32",
+                           total=sum(t.size for t in tasks if t.actual is None), label="CRC-32",
                            on_progress=on_progress, meter=meter)
     parts: dict[int, list[tuple[int, int]]] = {}
     for batch_result in results:
@@ -516,7 +530,7 @@ def verify_crcs(tasks: list[CrcTask], *, threads: int, on_progress: Progress | N
             parts.setdefault(i, []).append((off, value))
     findings: list[Finding] = []
     for i, t in enumerate(tasks):
-        value = 0
+        value = 0 if t.actual is None else t.actual
         for off, piece in sorted(parts.get(i, [])):
             n = min(_SEGMENT, t.offset + t.size - off)
             combined = crc32_combine(value, piece, n) if off > t.offset else piece
