@@ -148,7 +148,8 @@ class ConvertOptions:
     """What :func:`convert` does (``ckpt convert``'s flags; the defaults are theirs).
 
     Attributes:
-        to: ``fp16``, ``bf16``, ``fp32`` or ``keep``: cast of floating-point model tensors.
+        to: ``fp16``, ``bf16``, ``fp32`` or ``keep``: cast of floating-point model tensors;
+            ``dcp``: the training state as a DCP directory (:mod:`ckpt_cli.ops.to_dcp`).
         fmt: ``safetensors`` or ``pt``; None infers it from ``output``'s suffix.
         max_shard_size: Largest output shard in bytes (None: one file).
         keep_optimizer: Keep every tensor (optimizer state included) under its own name: a
@@ -174,6 +175,8 @@ class ConvertOptions:
             ``weight * scale`` in the target dtype; the scales and ``quantization_config``
             are dropped. A weight without its scale, or a scale of no known shape, is an
             error naming the tensors (nothing written).
+        dcp_layout: With ``to="dcp"``: ``torchtitan`` or ``recipe`` top-level keys (see
+            :mod:`ckpt_cli.ops.to_dcp.writer`).
     """
 
     # What is kept, and how it is cast.
@@ -194,6 +197,7 @@ class ConvertOptions:
     fp8_layout: str = "block"
     fp8_activations: str = "dynamic"
     dequantize: bool = False
+    dcp_layout: str = "torchtitan"
 
 
 # -- the op ----------------------------------------------------------------------------------------
@@ -221,6 +225,10 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
         CkptError: Bad input, unsupported layouts, existing output, values out of FP16 range.
     """
     opts = options_of(ConvertOptions, options, fields)
+    if target_name(opts.to) == "dcp":  # a run's training state, not a cast (issue 48)
+        from ckpt_cli.ops.to_dcp import convert_to_dcp
+
+        return convert_to_dcp(source, output, opts, on_progress=on_progress, on_start=on_start)
     to, fmt = target_name(opts.to), opts.fmt
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
