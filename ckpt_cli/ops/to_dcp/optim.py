@@ -83,7 +83,7 @@ def map_by_order(params: list[tuple[str, tuple[int, ...]]], state: dict[int, dic
         fqn, shape = name_of[i]
         if not isinstance(entries, dict):
             raise UnsupportedError(f"{where}: optimizer state of {fqn} is not a mapping")
-        named[fqn] = {str(k): _placed(fqn, shape, str(k), v, where) for k, v in entries.items()}
+        named[fqn] = {str(k): placed(fqn, shape, str(k), v, where) for k, v in entries.items()}
     out_groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [name_of[i][0] for i in _ids(g, where)]} for g in groups]
     return named, out_groups
@@ -96,7 +96,7 @@ def _ids(group: dict[str, Any], where: str) -> list[int]:
     return ids
 
 
-def _placed(fqn: str, shape: tuple[int, ...], key: str, v: Any, where: str) -> StateValue:
+def placed(fqn: str, shape: tuple[int, ...], key: str, v: Any, where: str) -> StateValue:
     if isinstance(v, bool) or not isinstance(v, (LazyTensor, int, float)):
         raise UnsupportedError(f"{where}: optimizer state {key!r} of {fqn} is "
                                f"{type(v).__name__}, not a tensor or a number: ckpt cannot "

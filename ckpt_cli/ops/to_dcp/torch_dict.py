@@ -55,7 +55,7 @@ def read_torch(path: Path) -> TrainingState:
         info = index.tensors.get(names.get(id(rec), ""))
         if info is None:
             raise CorruptCheckpointError(f"{path}: a tensor ckpt's reader could not place")
-        return _lazy(index, info)
+        return lazy_of(index, info)
 
     model_key = _first(tree, _MODEL, lambda v: isinstance(v, dict) and any(
         isinstance(x, TensorRecord) for x in v.values()))
@@ -81,7 +81,7 @@ def read_torch(path: Path) -> TrainingState:
                            "starts its optimizer afresh")
     sched_key = _first(tree, _SCHED, lambda v: isinstance(v, dict))
     if sched_key is not None:
-        state.lr_scheduler = _plain(tree[sched_key], f"{path}: {sched_key}")
+        state.lr_scheduler = plain(tree[sched_key], f"{path}: {sched_key}")
     step_key = _first(tree, _STEP, lambda v: isinstance(v, int) and not isinstance(v, bool))
     state.step = tree[step_key] if step_key is not None else None
     if state.step is None and state.lr_scheduler is not None:
@@ -109,7 +109,7 @@ def _read_optimizer(state: TrainingState, osd: Any, model_sd: dict[str, Any], pr
     params = _parameters(model_sd, prefix)
     entries = {i: ({k: (lazy(v) if isinstance(v, TensorRecord) else v) for k, v in e.items()}
                    if isinstance(e, dict) else e) for i, e in raw_state.items()}
-    plain_groups = [_plain(g, f"{where}.param_groups") for g in groups]
+    plain_groups = [plain(g, f"{where}.param_groups") for g in groups]
     named, out_groups = optim.map_by_order(params, entries, plain_groups, where)
     state.optimizer_state, state.param_groups = named, out_groups
     state.optimizer = optim.optimizer_name(named, out_groups)
@@ -140,7 +140,7 @@ def _parameters(model_sd: dict[str, Any], prefix: str) -> list[tuple[str, tuple[
     return out
 
 
-def _lazy(index: CheckpointIndex, info: TensorInfo) -> LazyTensor:
+def lazy_of(index: CheckpointIndex, info: TensorInfo) -> LazyTensor:
     def load() -> Any:
         with TensorSource(index) as src:
             return src.read(info)
@@ -171,14 +171,14 @@ def _wrapper(names: list[Any]) -> str:
     return prefix
 
 
-def _plain(v: Any, where: str) -> Any:
+def plain(v: Any, where: str) -> Any:
     """A copy made of plain Python values only; anything else is refused, naming it."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, (list, tuple)):
-        items = [_plain(x, where) for x in v]
+        items = [plain(x, where) for x in v]
         return tuple(items) if isinstance(v, tuple) else items
     if isinstance(v, dict):
-        return {k: _plain(x, f"{where}.{k}") for k, x in v.items()}
+        return {k: plain(x, f"{where}.{k}") for k, x in v.items()}
     raise UnsupportedError(f"{where} holds a {getattr(v, 'qualname', type(v).__name__)}, not a "
                            "plain value: ckpt cannot carry it")
