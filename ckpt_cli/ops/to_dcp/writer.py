@@ -280,7 +280,7 @@ def _cause(e: BaseException) -> BaseException:
     """The error a rank raised inside ``dcp.save`` (ckpt's own, an ``OSError``), unwrapped
     from DCP's ``CheckpointException`` so that it reaches the user as one line."""
     for failure in getattr(e, "failures", {}).values():
-        inner = getattr(failure, "exception", failure)
+        inner = failure[0] if isinstance(failure, tuple) and failure else failure
         if isinstance(inner, BaseException):
             return inner
     return e
