@@ -43,17 +43,22 @@ SOURCES: dict[str, Callable[[Path], TrainingState]] = {
 ``hf-trainer``) -> the reader giving its :class:`TrainingState`."""
 
 
-def source_format(src: Path, input_format: str | None) -> str:
+def source_format(src: Path, input_format: str | None) -> tuple[str, Path]:
     """The :data:`SOURCES` key for ``src``: the flavor detected (``lightning``,
-    ``hf-trainer``...) where a reader knows it, else the format.
+    ``hf-trainer``...) where a reader knows it, else the format; and the path to read (a
+    step directory holding one torch file: that file).
 
     Raises:
         UnsupportedError: No reader moves this format's training state.
     """
     index = read_index(src, input_format)
+    if index.format == "dir" and index.flavor is None and len(index.files) == 1 and \
+            index.files[0].format == "torch":
+        src = index.path_of(index.files[0].path)  # step_000300/checkpoint.pt
+        index = read_index(src, "torch")
     for key in (input_format, index.flavor, index.format):
         if key is not None and key in SOURCES:
-            return key
+            return key, src
     raise UnsupportedError(f"{src}: --to dcp cannot read the training state of a "
                            f"{index.flavor or index.format} checkpoint (it reads: "
                            f"{', '.join(sorted(SOURCES))})")
@@ -105,7 +110,7 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
     from ckpt_cli.storage.atomic import check_destination
 
     check_destination(out, kind="dir", overwrite=opts.overwrite, parents=True)
-    fmt = source_format(src, opts.input_format)
+    fmt, src = source_format(src, opts.input_format)
     state = SOURCES[fmt](src)
     tree = layout_state(state, opts.dcp_layout)
     written = write_dcp(tree, out, overwrite=opts.overwrite, on_progress=on_progress,

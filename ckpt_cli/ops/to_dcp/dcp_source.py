@@ -71,7 +71,10 @@ def read_dcp(path: Path) -> TrainingState:
     state.optimizer = optim.optimizer_name(per, groups)
     sched = tree.get("lr_scheduler")
     state.lr_scheduler = sched if isinstance(sched, dict) else None
-    step = _dict(tree.get("train_state", {})).get("step", tree.get("step"))
+    train = _dict(tree.get("train_state", {}))
+    state.extra = {str(k): v for k, v in train.items() if k != "step" and isinstance(
+        v, (int, float, str)) and not isinstance(v, bool)}
+    step = train.get("step", tree.get("step"))
     if isinstance(step, LazyTensor) and step.shape == ():
         step = int(step.load())
     state.step = step if isinstance(step, int) and not isinstance(step, bool) else None

@@ -92,8 +92,10 @@ def read_torch(path: Path) -> TrainingState:
     rng_key = _first(tree, _RNG, lambda v: isinstance(v, TensorRecord))
     if rng_key is not None:
         state.rng = {"cpu": lazy(tree[rng_key])}
-    left = sorted(str(k) for k in tree if k not in {model_key, opt_key, sched_key, step_key,
-                                                    rng_key})
+    used = {model_key, opt_key, sched_key, step_key, rng_key}
+    state.extra = {str(k): v for k, v in tree.items() if k not in used and isinstance(
+        v, (int, float, str)) and not isinstance(v, bool)}  # epoch, loss...: in train_state
+    left = sorted(str(k) for k in tree if k not in used and str(k) not in state.extra)
     if left:
         state.notes.append("not carried: " + ", ".join(left))
     return state

@@ -14,7 +14,8 @@ Layouts (the loading side's state dict, as ``dcp.load`` sees it):
 - ``torchtitan``: the model's FQNs at the top level, ``optimizer`` flattened as
   ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` gives it
   (``state.<fqn>.<key>``, ``param_groups.<fqn>.<hyperparameter>``), ``lr_scheduler``,
-  ``train_state`` (``step`` as an int32 tensor) and ``rng`` where known.
+  ``train_state`` (``step`` as an int32 tensor, as torchtitan's ``TrainState``; the source's
+  other plain values such as ``epoch`` beside it) and ``rng`` where known.
 - ``recipe``: ``model`` (FQN -> tensor) and ``optim`` in ``get_state_dict``'s nested form
   (``state`` -> FQN -> key, ``param_groups`` with FQNs in ``params``), plus ``lr_scheduler``,
   ``train_state`` (``step`` as an int) and ``rng`` where known.
@@ -68,9 +69,11 @@ def layout_state(state: TrainingState, layout: str) -> dict[str, Any]:
             out["optim"] = optim
     if state.lr_scheduler is not None:
         out["lr_scheduler"] = state.lr_scheduler
+    train: dict[str, Any] = dict(state.extra)
     if state.step is not None:
-        step = state.step
-        out["train_state"] = {"step": _int32(step) if layout == "torchtitan" else step}
+        train["step"] = _int32(state.step) if layout == "torchtitan" else state.step
+    if train:
+        out["train_state"] = train
     if state.rng:
         out["rng"] = dict(state.rng)
     return out
