@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 from ckpt_cli import storage
 from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
+from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.to_dcp.state import TrainingState
 from ckpt_cli.resolve import resolve
 from ckpt_cli.storage.atomic import check_not_input
+from ckpt_cli.tensors.select import hostile_warnings
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.convert import ConvertOptions, ConvertResult
@@ -43,10 +45,11 @@ SOURCES: dict[str, Callable[[Path], TrainingState]] = {
 ``hf-trainer``) -> the reader giving its :class:`TrainingState`."""
 
 
-def source_format(src: Path, input_format: str | None) -> tuple[str, Path]:
+def source_format(src: Path, input_format: str | None
+                  ) -> tuple[str, Path, CheckpointIndex]:
     """The :data:`SOURCES` key for ``src``: the flavor detected (``lightning``,
     ``hf-trainer``...) where a reader knows it, else the format; and the path to read (a
-    step directory holding one torch file: that file).
+    step directory holding one torch file: that file), with its index (headers only).
 
     Raises:
         UnsupportedError: No reader moves this format's training state.
@@ -58,7 +61,7 @@ def source_format(src: Path, input_format: str | None) -> tuple[str, Path]:
         index = read_index(src, "torch")
     for key in (input_format, index.flavor, index.format):
         if key is not None and key in SOURCES:
-            return key, src
+            return key, src, index
     raise UnsupportedError(f"{src}: --to dcp cannot read the training state of a "
                            f"{index.flavor or index.format} checkpoint (it reads: "
                            f"{', '.join(sorted(SOURCES))})")
@@ -110,7 +113,7 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
     from ckpt_cli.storage.atomic import check_destination
 
     check_destination(out, kind="dir", overwrite=opts.overwrite, parents=True)
-    fmt, src = source_format(src, opts.input_format)
+    fmt, src, index = source_format(src, opts.input_format)
     state = SOURCES[fmt](src)
     tree = layout_state(state, opts.dcp_layout)
     written = write_dcp(tree, out, overwrite=opts.overwrite, on_progress=on_progress,
@@ -124,4 +127,5 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
     if not state.optimizer_state:
         notes.append("the output holds no optimizer state")
     return ConvertResult(storage.locate(source), fmt, out, written, tensors, [], {}, {}, {}, {},
-                         False, meta, notes, time.perf_counter() - t0, followed=followed)
+                         False, meta, notes, time.perf_counter() - t0,
+                         warnings=hostile_warnings(index), followed=followed)

@@ -192,6 +192,7 @@ def test_never_runs_pickled_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     r = ckpt_cli.convert(src, tmp_path / "out", to="dcp")
     assert not (tmp_path / "BOOM").exists()
     assert any("not carried: extra" in n for n in r.notes)
+    assert any("system" in w.message for w in r.warnings)  # said, as convert says it
     # The same object where a value must be carried: refused by name, never run.
     sd = opt.state_dict()
     sd["param_groups"][0]["lr"] = Boom()
