@@ -26,7 +26,12 @@ stage report. Target: fp8 within 1.5x of bf16's time, peak RSS as for every conv
 ``--kernels``: FP32 -> FP16 per core, one thread each, ckpt's compiled and numpy kernels
 against torch's, in cache and from memory. Target: the compiled kernel at least torch's rate.
 
-Run: python -m bench.bench_convert [--quick | --big] [--fp8 | --fp8-memory | --kernels]
+``--dcp``: ``convert --to dcp`` (the training state: weights, Adam moments, step, into a
+torch.distributed.checkpoint directory) beside ``convert --to fp32 --keep-optimizer`` (every
+tensor into safetensors) of the same training checkpoint, interleaved (``--rounds N``,
+default 3). Target (issue 48): within 1.3x of the latter's time, peak RSS alike.
+
+Run: python -m bench.bench_convert [--quick | --big] [--fp8 | --fp8-memory | --kernels | --dcp]
      [--rounds N]
 """
 
@@ -126,7 +131,9 @@ def main() -> None:
     src = bc.big_train_checkpoint() if big else bc.train_checkpoint(
         **({"n_layers": 2, "dim": 512} if quick else {}))
     try:
-        if "--fp8-memory" in sys.argv:
+        if "--dcp" in sys.argv:
+            run_dcp(src)
+        elif "--fp8-memory" in sys.argv:
             run_fp8_memory()
         elif "--fp8" in sys.argv:
             run_fp8(src)
@@ -288,6 +295,33 @@ def run_fp8_memory() -> None:
         for k, r in best.items()])
     for d in outs.values():
         shutil.rmtree(d, ignore_errors=True)
+
+
+def run_dcp(src: Path) -> None:
+    """``convert --to dcp`` against ``convert --to fp32 --keep-optimizer`` (issue 48)."""
+    bc.warm(src)
+    outs = {"dcp": bc.DATA / "convert-dcp", "fp32": bc.DATA / "convert-fp32-all"}
+    runs = {"dcp": bc.ckpt_argv("convert", str(src), "--to", "dcp", "-o", str(outs["dcp"]),
+                                "--quiet"),
+            "fp32": bc.ckpt_argv("convert", str(src), "--to", "fp32", "--keep-optimizer",
+                                 "-o", str(outs["fp32"]), "--quiet")}
+    best = bc.timed_interleaved(runs, setup=lambda k: shutil.rmtree(outs[k], ignore_errors=True),
+                                repeat=_rounds(3))
+    sizes = {k: sum(p.stat().st_size for p in o.iterdir()) for k, o in outs.items()}
+    dcp, f32 = best["dcp"], best["fp32"]
+    bc.report(f"convert --to dcp of a {bc.human_bytes(src.stat().st_size)} training checkpoint", [
+        ("ckpt convert --to dcp", f"{dcp.spread}, peak RSS {bc.human_bytes(dcp.peak_rss)}, "
+                                  f"CPU {dcp.cpu_seconds:.1f} s, {bc.human_bytes(sizes['dcp'])}"),
+        ("ckpt convert --to fp32 --keep-optimizer",
+         f"{f32.spread}, peak RSS {bc.human_bytes(f32.peak_rss)}, CPU {f32.cpu_seconds:.1f} s, "
+         f"{bc.human_bytes(sizes['fp32'])}"),
+        ("time vs --keep-optimizer", f"{dcp.seconds / f32.seconds:.2f}x best, "
+                                     f"{_median(dcp) / _median(f32):.2f}x median  "
+                                     "(target <= 1.3x)"),
+        ("peak RSS vs --keep-optimizer", f"{dcp.peak_rss / f32.peak_rss:.2f}x"),
+    ])
+    for o in outs.values():
+        shutil.rmtree(o, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,12 @@ OutputFormat = Literal["safetensors", "pt"]
 CastTarget = Literal["fp16", "bf16", "fp32", "keep"]
 """``to`` of ``consolidate``: the floating dtype written (``keep``: as stored)."""
 
-ConvertTarget = Literal["fp16", "bf16", "fp32", "fp8", "keep"]
-"""``to`` of ``convert``: ``CastTarget`` or ``fp8`` (weight-only FP8 E4M3 with scales)."""
+ConvertTarget = Literal["fp16", "bf16", "fp32", "fp8", "keep", "dcp"]
+"""``to`` of ``convert``: ``CastTarget``, ``fp8`` (weight-only FP8 E4M3 with scales) or ``dcp``
+(the training state as a torch.distributed.checkpoint directory)."""
+
+DcpLayout = Literal["torchtitan", "recipe"]
+"""``dcp_layout`` of ``convert --to dcp``: torchtitan's top-level keys or the DCP recipe's."""
 
 Fp8Layout = Literal["block", "channel", "tensor"]
 """``fp8_layout`` of ``convert --to fp8``: one scale per 128x128 block, per row or per tensor."""
@@ -43,6 +47,6 @@ Precision = Literal["fp32", "bf16", "mixed"]
 Optimizer = Literal["adam", "adamw", "sgd", "adafactor"]
 """``optimizer`` of ``plan``: what its state weighs per parameter."""
 
-__all__ = ["CastTarget", "ConvertTarget", "Fp8Activations", "Fp8Layout", "InputFormat",
+__all__ = ["CastTarget", "ConvertTarget", "DcpLayout", "Fp8Activations", "Fp8Layout", "InputFormat",
            "InspectSort", "ManifestHash", "MetricMode", "Optimizer", "OutputFormat", "Precision",
            "ThinDtype"]

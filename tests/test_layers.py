@@ -116,7 +116,10 @@ def test_ops_do_not_import_each_other() -> None:
 # ops/plan/ and ops/prune/; see the report of #14 item 3).
 # prune keeps what resume-path would resume from (ops/resume.py, the engine).
 # watch is the op that drives others: it validates each checkpoint and applies retention.
-OPS_KNOWN = {("ckpt_cli.ops.plan", "ckpt_cli.ops.inspect"),
+# convert --to dcp is convert's: one dispatch into to_dcp, which returns convert's result.
+OPS_KNOWN = {("ckpt_cli.ops.convert", "ckpt_cli.ops.to_dcp"),
+             ("ckpt_cli.ops.to_dcp", "ckpt_cli.ops.convert"),
+             ("ckpt_cli.ops.plan", "ckpt_cli.ops.inspect"),
              ("ckpt_cli.ops.prune", "ckpt_cli.ops.validate"),
              ("ckpt_cli.ops.prune", "ckpt_cli.ops.resume"),
              ("ckpt_cli.ops.watch", "ckpt_cli.ops.validate"),

@@ -24,6 +24,7 @@ from ckpt_cli.api.trust import watch_once as watch_once
 from ckpt_cli.choices import (
     CastTarget,
     ConvertTarget,
+    DcpLayout,
     Fp8Activations,
     Fp8Layout,
     InputFormat,
@@ -283,7 +284,8 @@ def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
 
 def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
             fp8_layout: Fp8Layout = "block", fp8_activations: Fp8Activations = "dynamic",
-            dequantize: bool = False, format: OutputFormat | None = None,
+            dequantize: bool = False, dcp_layout: DcpLayout = "torchtitan",
+            format: OutputFormat | None = None,
             max_shard_size: int | str | None = None, keep_optimizer: bool = False,
             keep_prefix: bool = False, keep_fp32: str | Iterable[str] | None = None,
             clamp: bool = False, container: str | None = None, force: bool = False,
@@ -299,12 +301,14 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
         output: A ``.safetensors``/``.pt``/``.bin`` file, or a directory (a trailing ``/``
             says a directory whatever the name).
         to: Cast floating-point model tensors: ``fp16``, ``bf16``, ``fp32``, ``fp8`` or
-            ``keep``.
+            ``keep``; or ``dcp``: move the training state (weights, optimizer, LR schedule,
+            step) into a torch.distributed.checkpoint directory (docs/migrate.md).
         fp8_layout: With ``to="fp8"``: ``block``, ``channel`` or ``tensor`` scales.
         fp8_activations: With ``to="fp8"`` and a channel/tensor layout: ``dynamic`` or
             ``none``.
         dequantize: With ``to`` bf16/fp16/fp32: turn FP8 weights with a scale into
             weight x scale.
+        dcp_layout: With ``to="dcp"``: ``torchtitan`` or ``recipe`` top-level keys.
         format: Output file format, ``safetensors`` or ``pt`` (default: from the suffix).
         max_shard_size: Split into HF-style shards of at most this size (bytes or ``"5GB"``).
         keep_optimizer: Keep every tensor, optimizer state included (a pure format change).
@@ -345,7 +349,8 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
             keep_fp32=_args.names(keep_fp32), clamp=clamp, overwrite=force,
             container=container, input_format=input_format, part=_args.part(part),
             finalize=finalize, max_memory=_args.size(max_memory, "max_memory"),
-            fp8_layout=fp8_layout, fp8_activations=fp8_activations, dequantize=dequantize)
+            fp8_layout=fp8_layout, fp8_activations=fp8_activations, dequantize=dequantize,
+            dcp_layout=dcp_layout)
         return run(_args.located(source), _args.output(output), options,
                    progress=on_progress)
 

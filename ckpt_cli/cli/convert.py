@@ -23,7 +23,11 @@ from ckpt_cli.cli.options import (
 
 
 def _targets(incomplete: str) -> list[str]:
-    return [t for t in ("fp16", "bf16", "fp32", "fp8", "keep") if t.startswith(incomplete)]
+    return [t for t in ("fp16", "bf16", "fp32", "fp8", "keep", "dcp") if t.startswith(incomplete)]
+
+
+def _dcp_layouts(incomplete: str) -> list[str]:
+    return [t for t in ("torchtitan", "recipe") if t.startswith(incomplete)]
 
 
 def _layouts(incomplete: str) -> list[str]:
@@ -42,9 +46,11 @@ def convert_cmd(
                                "model.safetensors or HF-style shards.", show_default=False,
         parser=output_location)],
     to: Annotated[str, typer.Option(
-        "--to", metavar="fp16|bf16|fp32|fp8|keep",
+        "--to", metavar="fp16|bf16|fp32|fp8|keep|dcp",
         help="Cast floating-point model tensors (fp8: quantize Linear weights to E4M3 with "
-             "scales, the rest to BF16; see --fp8-layout).",
+             "scales, the rest to BF16; see --fp8-layout). dcp: move the training state "
+             "(weights, optimizer moments, LR schedule, step) into a "
+             "torch.distributed.checkpoint directory; see --dcp-layout.",
         autocompletion=_targets)] = "keep",
     fp8_layout: Annotated[str, typer.Option(
         "--fp8-layout", metavar="block|channel|tensor",
@@ -60,6 +66,11 @@ def convert_cmd(
         "--dequantize", help="With --to bf16|fp16|fp32: turn FP8 weights with a scale "
                              "(weight_scale_inv, weight_scale, scale_weight) into weight * "
                              "scale; drop the scales and quantization_config.")] = False,
+    dcp_layout: Annotated[str, typer.Option(
+        "--dcp-layout", metavar="torchtitan|recipe",
+        help="With --to dcp: torchtitan's top-level keys (model FQNs, optimizer, "
+             "lr_scheduler, train_state) or the PyTorch DCP recipe's {model, optim}.",
+        autocompletion=_dcp_layouts)] = "torchtitan",
     fmt: OutputFormatOpt = None,
     max_shard_size: Annotated[int | None, typer.Option(
         "--max-shard-size", metavar="SIZE",
@@ -100,6 +111,7 @@ def convert_cmd(
       ckpt convert dcp_dir/ --max-shard-size 5GB -o export/
       ckpt convert model.bin --keep-fp32 '*norm*' --to fp16 -o model.safetensors
       ckpt convert dcp/ --to bf16 -o out/ --part auto
+      ckpt convert train.pt --to dcp -o run-dcp/
     """
     with common.handled() as outcome:
         from ckpt_cli.ops.convert import ConvertOptions, convert
@@ -109,7 +121,7 @@ def convert_cmd(
                 keep_prefix=keep_prefix, keep_fp32=tuple(keep_fp32 or ()), clamp=clamp,
                 overwrite=force, container=container, input_format=input_format, part=part,
                 finalize=finalize, max_memory=common.max_memory, fp8_layout=fp8_layout,
-                fp8_activations=fp8_activations, dequantize=dequantize)
+                fp8_activations=fp8_activations, dequantize=dequantize, dcp_layout=dcp_layout)
             result = convert(source, output, options, progress=bar)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.convert import show

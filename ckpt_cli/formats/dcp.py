@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
-from ckpt_cli.formats import allowlist, containers, zipshape
+from ckpt_cli.formats import allowlist, containers, dcp_train, zipshape
 from ckpt_cli.formats.base import (
     DirectoryLayout,
     contained_path,
@@ -212,7 +212,7 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         index.flavor = "megatron-dist"
         index.files.append(FileInfo("metadata.json", file_size(path / "metadata.json"),
                                     "metadata", "json"))
-    meta = containers.extract_metadata(_nested(index.objects))
+    meta = containers.extract_metadata(_nested(index.objects) | dcp_train.train_step(index))
     for k, v in meta.items():
         index.metadata.setdefault(k, v)
 

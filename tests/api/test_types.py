@@ -23,7 +23,7 @@ from ckpt_cli import choices as types
     ("OutputFormat", lambda: __import__("ckpt_cli.writers.plan", fromlist=["x"]).FORMATS),
     ("CastTarget", lambda: __import__("ckpt_cli.tensors.cast", fromlist=["x"]).TARGETS),
     ("ConvertTarget",
-     lambda: [*__import__("ckpt_cli.tensors.cast", fromlist=["x"]).TARGETS, "fp8"]),
+     lambda: [*__import__("ckpt_cli.tensors.cast", fromlist=["x"]).TARGETS, "fp8", "dcp"]),
     ("Fp8Layout", lambda: __import__("ckpt_cli.fp8.scheme", fromlist=["x"]).LAYOUTS),
     ("Fp8Activations", lambda: __import__("ckpt_cli.fp8.config", fromlist=["x"]).ACTIVATIONS),
     ("ManifestHash", lambda: __import__("ckpt_cli.manifest", fromlist=["x"]).ALGORITHMS),

@@ -74,6 +74,10 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
         CkptError: Bad input, unsupported layouts, existing output, values out of FP16 range.
     """
     opts = options_of(ConvertOptions, options, fields)
+    if target_name(opts.to) == "dcp":  # a run's training state, not a cast (issue 48)
+        from ckpt_cli.ops.to_dcp import convert_to_dcp
+
+        return convert_to_dcp(source, output, opts, progress=progress)
     to, fmt = target_name(opts.to), opts.fmt
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)

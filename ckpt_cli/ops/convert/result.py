@@ -93,7 +93,8 @@ class ConvertOptions:
     """What :func:`convert` does (``ckpt convert``'s flags; the defaults are theirs).
 
     Attributes:
-        to: ``fp16``, ``bf16``, ``fp32`` or ``keep``: cast of floating-point model tensors.
+        to: ``fp16``, ``bf16``, ``fp32`` or ``keep``: cast of floating-point model tensors;
+            ``dcp``: the training state as a DCP directory (:mod:`ckpt_cli.ops.to_dcp`).
         fmt: ``safetensors`` or ``pt``; None infers it from ``output``'s suffix.
         max_shard_size: Largest output shard in bytes (None: one file).
         keep_optimizer: Keep every tensor (optimizer state included) under its own name: a
@@ -119,6 +120,8 @@ class ConvertOptions:
             ``weight * scale`` in the target dtype; the scales and ``quantization_config``
             are dropped. A weight without its scale, or a scale of no known shape, is an
             error naming the tensors (nothing written).
+        dcp_layout: With ``to="dcp"``: ``torchtitan`` or ``recipe`` top-level keys (see
+            :mod:`ckpt_cli.ops.to_dcp.writer`).
     """
 
     # What is kept, and how it is cast.
@@ -139,3 +142,4 @@ class ConvertOptions:
     fp8_layout: str = "block"
     fp8_activations: str = "dynamic"
     dequantize: bool = False
+    dcp_layout: str = "torchtitan"
