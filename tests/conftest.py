@@ -203,16 +203,16 @@ def _parsed(path: str) -> ast.Module:
 
 
 # The full suite's slowest parts (per-test times of a full run, docs/development.md): whole
-# modules that train, spawn training processes, start an S3 endpoint, fuzz or lint, and tests
+# modules that train, spawn training processes, start an S3 endpoint or fuzz, and tests
 # that ask for DeepSpeed's checkpoints or the S3 endpoint. They are the `slow` tier;
 # `pytest -m "not slow"` is the fast tier, and README's test command runs both.
 SLOW_MODULES = frozenset({
-    "test_docs_examples.py", "test_lint.py", "test_fuzz.py", "test_big_tensors.py",
-    "test_s3.py", "test_api_s3.py", "test_thinning_converges.py", "test_integrations.py",
-    "test_watch.py", "test_watch_s3.py", "test_thinning_s3.py", "test_thinning_s3_dcp.py",
-    "test_careful_adversary.py", "test_rollback_retention.py", "test_verdicts.py",
-    "test_thinning_kills.py", "test_thinning_settles.py", "test_prune_concurrent.py",
-    "test_resumes.py"})
+    "test_docs_examples.py", "test_fuzz.py", "test_big_tensors.py", "test_s3.py",
+    "test_s3_outputs.py", "test_s3_torch_zips.py", "test_api_s3.py",
+    "test_thinning_converges.py", "test_integrations.py", "test_watch.py", "test_watch_s3.py",
+    "test_thinning_s3.py", "test_thinning_s3_dcp.py", "test_careful_adversary.py",
+    "test_rollback_retention.py", "test_verdicts.py", "test_thinning_kills.py",
+    "test_thinning_settles.py", "test_prune_concurrent.py", "test_resumes.py"})
 SLOW_FIXTURES = frozenset({"ds_dir", "endpoint", "bucket_run", "s3env"})
 
 
