@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,26 @@ def _dcp_load(path: Path, dtype: torch.dtype = torch.float32) -> dict:
     with third_party_quiet():
         dcp.load(fresh, checkpoint_id=str(path), no_dist=True)
     return fresh
+
+
+def _hf_sharded_run(run: Path) -> Any:
+    """Two HF Trainer-style ``checkpoint-N`` directories with sharded safetensors weights
+    (transformers' ``save_pretrained``), AdamW state and trainer_state.json. Returns the
+    model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                       n_head=2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    opt.step()
+    for step in (2, 4):
+        d = run / f"checkpoint-{step}"
+        with third_party_quiet():
+            model.save_pretrained(d, max_shard_size="20KB")
+        torch.save(opt.state_dict(), d / "optimizer.pt")
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": step,
+                                                          "log_history": []}))
+    assert len(list((run / "checkpoint-2").glob("model-*.safetensors"))) > 1
+    return model

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from tests.trust.conftest import (
     _dcp_load,
     _dcp_model,
     _dcp_run,
+    _hf_sharded_run,
 )
 
 pytestmark = pytest.mark.requires_torch
@@ -216,29 +216,6 @@ def test_thin_hf_trainer_checkpoint_to_bf16(hf_trainer_dir: Path, tmp_path: Path
     r = run_cli("watch", run, "--once", "--settle", "0")
     assert r.exit_code == 0 and "bad" not in r.stderr, r.stderr
     assert not [p.name for p in run.iterdir() if "ckpt-tmp" in p.name or "ckpt-trash" in p.name]
-
-
-def _hf_sharded_run(run: Path) -> Any:
-    """Two HF Trainer-style ``checkpoint-N`` directories with sharded safetensors weights
-    (transformers' ``save_pretrained``), AdamW state and trainer_state.json. Returns the
-    model."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
-                                       n_head=2))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
-    opt.step()
-    for step in (2, 4):
-        d = run / f"checkpoint-{step}"
-        with third_party_quiet():
-            model.save_pretrained(d, max_shard_size="20KB")
-        torch.save(opt.state_dict(), d / "optimizer.pt")
-        (d / "trainer_state.json").write_text(json.dumps({"global_step": step,
-                                                          "log_history": []}))
-    assert len(list((run / "checkpoint-2").glob("model-*.safetensors"))) > 1
-    return model
 
 
 def test_thin_hf_sharded_checkpoint_to_bf16(tmp_path: Path) -> None:
