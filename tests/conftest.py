@@ -48,10 +48,21 @@ def cli() -> Callable[..., Result]:
 
 @pytest.fixture(scope="session")
 def sample_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``ckpt sample`` output: torch step dirs, a 4-rank DCP checkpoint, an HF export."""
+    """``ckpt sample``'s layout, written without training (tests/helpers/sample_files.py):
+    torch step dirs, a 4-rank DCP checkpoint, an HF export, ``latest``."""
+    from tests.helpers.sample_files import write_sample_files
+
+    with third_party_quiet():
+        return write_sample_files(tmp_path_factory.mktemp("sample") / "run")
+
+
+@pytest.fixture(scope="session")
+def trained_sample_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``ckpt sample``'s own output (400 training steps): for the tests of ``ckpt sample`` and
+    those that need its real loss curve. In the slow tier (:data:`SLOW_FIXTURES`)."""
     from ckpt_cli.ops.sample import write_sample
 
-    dest = tmp_path_factory.mktemp("sample") / "run"
+    dest = tmp_path_factory.mktemp("trained-sample") / "run"
     with third_party_quiet():
         write_sample(dest)
     return dest
@@ -213,7 +224,7 @@ SLOW_MODULES = frozenset({
     "test_thinning_s3.py", "test_thinning_s3_dcp.py", "test_careful_adversary.py",
     "test_rollback_retention.py", "test_verdicts.py", "test_thinning_kills.py",
     "test_thinning_settles.py", "test_prune_concurrent.py", "test_resumes.py"})
-SLOW_FIXTURES = frozenset({"ds_dir", "endpoint", "bucket_run", "s3env"})
+SLOW_FIXTURES = frozenset({"ds_dir", "endpoint", "bucket_run", "s3env", "trained_sample_run"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
