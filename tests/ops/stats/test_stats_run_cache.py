@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers.train_loop import Loop, injected_run, load_model
-from tests.ops.stats.conftest import close, model_bytes, stats_json, torch_modules
+from tests.ops.stats.run_helpers import close, model_bytes, stats_json, torch_modules
 
 pytestmark = [pytest.mark.requires_torch,
               # botocore and moto call datetime.utcnow() and friends; not ckpt's code.

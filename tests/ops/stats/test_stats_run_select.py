@@ -18,7 +18,7 @@ import torch
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers import s3
 from tests.helpers.train_loop import Loop, injected_run, load_model
-from tests.ops.stats.conftest import found, model_bytes, stats_json
+from tests.ops.stats.run_helpers import found, model_bytes, stats_json
 
 pytestmark = [pytest.mark.requires_torch,
               # botocore and moto call datetime.utcnow() and friends; not ckpt's code.
