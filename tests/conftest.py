@@ -48,10 +48,21 @@ def cli() -> Callable[..., Result]:
 
 @pytest.fixture(scope="session")
 def sample_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``ckpt sample`` output: torch step dirs, a 4-rank DCP checkpoint, an HF export."""
+    """``ckpt sample``'s layout, written without training (tests/helpers/sample_files.py):
+    torch step dirs, a 4-rank DCP checkpoint, an HF export, ``latest``."""
+    from tests.helpers.sample_files import write_sample_files
+
+    with third_party_quiet():
+        return write_sample_files(tmp_path_factory.mktemp("sample") / "run")
+
+
+@pytest.fixture(scope="session")
+def trained_sample_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``ckpt sample``'s own output (400 training steps): for the tests of ``ckpt sample`` and
+    those that need its real loss curve. In the slow tier (:data:`SLOW_FIXTURES`)."""
     from ckpt_cli.ops.sample import write_sample
 
-    dest = tmp_path_factory.mktemp("sample") / "run"
+    dest = tmp_path_factory.mktemp("trained-sample") / "run"
     with third_party_quiet():
         write_sample(dest)
     return dest
@@ -220,17 +231,19 @@ def _parsed(path: str) -> ast.Module:
 
 
 # The full suite's slowest parts (per-test times of a full run, docs/development.md): whole
-# modules that train, spawn training processes, start an S3 endpoint, fuzz or lint, and tests
+# modules that train, spawn training processes, start an S3 endpoint or fuzz, and tests
 # that ask for DeepSpeed's checkpoints or the S3 endpoint. They are the `slow` tier;
 # `pytest -m "not slow"` is the fast tier, and README's test command runs both.
 SLOW_MODULES = frozenset({
-    "test_docs_examples.py", "test_lint.py", "test_fuzz.py", "test_big_tensors.py",
-    "test_s3.py", "test_api_s3.py", "test_thinning_converges.py", "test_integrations.py",
-    "test_watch.py", "test_watch_s3.py", "test_thinning_s3.py", "test_thinning_s3_dcp.py",
-    "test_careful_adversary.py", "test_rollback_retention.py", "test_verdicts.py",
-    "test_thinning_kills.py", "test_thinning_settles.py", "test_prune_concurrent.py",
-    "test_resumes.py", "test_sources_deepspeed.py"})
-SLOW_FIXTURES = frozenset({"ds_dir", "ds_view_dir", "endpoint", "bucket_run", "s3env"})
+    "test_docs_examples.py", "test_fuzz.py", "test_big_tensors.py", "test_s3.py",
+    "test_s3_outputs.py", "test_s3_torch_zips.py", "test_api_s3.py",
+    "test_thinning_converges.py", "test_integrations.py", "test_watch.py", "test_watch_s3.py",
+    "test_thinning_s3.py", "test_thinning_s3_dcp.py", "test_careful_adversary.py",
+    "test_rollback_retention.py", "test_verdicts.py", "test_thinning_kills.py",
+    "test_thinning_settles.py", "test_prune_concurrent.py", "test_resumes.py",
+    "test_sources_deepspeed.py"})
+SLOW_FIXTURES = frozenset({"ds_dir", "ds_view_dir", "endpoint", "bucket_run", "s3env",
+                           "trained_sample_run"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

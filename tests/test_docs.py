@@ -154,3 +154,19 @@ def _anchors(page: Path) -> set[str]:
             title = line.lstrip("#").strip().lower()
             out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
     return out
+
+
+def test_ci_runs_the_linters_then_the_readme_test_command() -> None:
+    """``.ci/run`` lints (ruff over the package, tests and benchmarks; mypy --strict) after
+    installing, then ends with the test command README.md states, as written there; no test
+    module runs the linters."""
+    blocks = re.findall(r"```bash\n(.*?)\n```", README, re.S)
+    readme_cmd = blocks[blocks.index("./.ci/run") + 1]
+    lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    assert lines[-1] == readme_cmd == "python -m pytest -q", (lines[-1], readme_cmd)
+    install = max(i for i, ln in enumerate(lines) if "pip install" in ln)
+    ruff = lines.index("python -m ruff check ckpt_cli tests bench")
+    mypy = lines.index("python -m mypy")
+    assert install < ruff < len(lines) - 1 and install < mypy < len(lines) - 1
+    assert not list((ROOT / "tests").rglob("test_lint*.py"))

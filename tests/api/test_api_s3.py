@@ -17,7 +17,7 @@ from tests.api.test_api import stable
 from tests.helpers import s3
 
 # moto's S3 server and the sample run uploaded to it: test_s3.py's session fixtures.
-from tests.storage.test_s3 import bucket_run, endpoint  # noqa: F401
+from tests.storage.conftest import bucket_run, endpoint  # noqa: F401
 
 pytestmark = [pytest.mark.requires_torch,  # the sample run is written with torch
               # botocore and moto call datetime.utcnow() and friends; not ckpt's code.

@@ -60,7 +60,7 @@ def _hf(run: Path) -> None:
 
 
 def _dcp(run: Path) -> None:
-    from tests.trust.test_thinning import _dcp_run
+    from tests.trust.conftest import _dcp_run
 
     _dcp_run(run, (100, 200, 300))
 

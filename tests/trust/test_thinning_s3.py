@@ -17,7 +17,7 @@ from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers import s3
 from tests.helpers.loads import holds_optimizer_state
-from tests.trust.test_thinning import _training_run
+from tests.trust.conftest import _training_run
 
 pytestmark = [pytest.mark.requires_torch, pytest.mark.filterwarnings(
     "ignore::DeprecationWarning")]

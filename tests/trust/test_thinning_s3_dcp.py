@@ -18,7 +18,7 @@ import torch
 from ckpt_cli.trust import ledger
 from tests.conftest import run_cli, third_party_quiet
 from tests.helpers import s3
-from tests.trust.test_thinning import _dcp_load, _dcp_run, _hf_sharded_run
+from tests.trust.conftest import _dcp_load, _dcp_run, _hf_sharded_run
 from tests.trust.test_thinning_s3 import bucket
 
 pytestmark = [pytest.mark.requires_torch, pytest.mark.filterwarnings(

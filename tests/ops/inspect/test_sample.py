@@ -147,3 +147,27 @@ def test_step_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     with progress.step_progress("sample") as report:
         report("training", 150, 400)
     assert "sample: training" in buf.getvalue() and "150/400" in buf.getvalue()
+
+
+@pytest.mark.requires_torch
+def test_the_untrained_sample_files_have_the_trained_sample_layout(
+        trained_sample_run: Path, sample_run: Path) -> None:
+    """The fast tier's ``sample_run`` (tests/helpers/sample_files.py, no training) stands for
+    ``ckpt sample``'s output: the same files, and in each checkpoint the same tensor names,
+    dtypes and shapes; only the values differ. ``ckpt sample``'s own loss falls."""
+    import torch
+
+    from ckpt_cli.formats import read_index
+
+    def files(root: Path) -> list[str]:
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+    assert files(sample_run) == files(trained_sample_run)
+    for ckpt in ("step_000100", "step_000200", "step_000300", "step_000400", "export"):
+        want, got = read_index(trained_sample_run / ckpt), read_index(sample_run / ckpt)
+        assert got.format == want.format, ckpt
+        assert {n: (t.dtype, t.shape) for n, t in got.tensors.items()} == {
+            n: (t.dtype, t.shape) for n, t in want.tensors.items()}, ckpt
+    losses = [torch.load(trained_sample_run / f"step_{s:06d}" / "checkpoint.pt",
+                         weights_only=True)["loss"] for s in (100, 200, 300)]
+    assert losses[-1] < losses[0], losses
