@@ -97,8 +97,10 @@ def test_layer_rules(name: str, path: Path) -> None:
 
 
 def test_ops_do_not_import_each_other() -> None:
-    """No command's op module imports another command's op module."""
-    ops = {n for n, _ in MODULES if n.startswith("ckpt_cli.ops.") and n.count(".") == 2}
+    """No command's op module imports another command's op module (``ops.options`` holds
+    the options dataclasses, which every op and the command line import, and is no op)."""
+    ops = {n for n, _ in MODULES if n.startswith("ckpt_cli.ops.") and n.count(".") == 2
+           and n != "ckpt_cli.ops.options"}
     bad = []
     for name, path in MODULES:
         if not _under(name, "ckpt_cli.ops"):

@@ -4,10 +4,12 @@ does in errors, the progress adapters, and the store settings."""
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ckpt_cli.errors import CkptError, UsageError, with_builtin
 
@@ -16,6 +18,47 @@ if TYPE_CHECKING:
 
 PathLike = str | os.PathLike[str]
 """A local path (``str`` or :class:`os.PathLike`) or a URL (``s3://bucket/key``)."""
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def deprecated_keywords(options: type | None = None, **renamed: str
+                        ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Keep a function's old keywords working for one release, each with a
+    :class:`DeprecationWarning` naming the new one.
+
+    Args:
+        options: An options dataclass whose fields list their ``old_keywords``
+            (:func:`ckpt_cli.optionspec.option`).
+        renamed: More old keyword -> new keyword (for keywords that are no field).
+    """
+    from ckpt_cli.optionspec import options_of
+
+    olds = dict(renamed)
+    if options is not None:
+        olds.update((old, f.name) for f, s in options_of(options) for old in s.old_keywords)
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            for old, new in olds.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise TypeError(f"{fn.__name__}() got both {old}= and {new}= "
+                                    f"({old} is the old name of {new})")
+                warnings.warn(f"{fn.__name__}({old}=...) is deprecated and will be removed in "
+                              f"the next release; use {new}=...", DeprecationWarning,
+                              stacklevel=2)
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        call.deprecated_keywords = dict(olds)  # type: ignore[attr-defined]
+        return call
+
+    return decorate
+
 
 ProgressCallback = Callable[[str, int, int], None]
 """``on_progress(phase, done, total)``: ``done`` of ``total`` (bytes, or checkpoints for

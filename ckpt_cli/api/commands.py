@@ -35,6 +35,8 @@ from ckpt_cli.choices import (
     Precision,
     ThinDtype,
 )
+from ckpt_cli.ops.options.inspect import InspectOptions
+from ckpt_cli.optionspec import documented
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.consolidate import ConsolidateResult
@@ -52,7 +54,9 @@ __all__ = ["PathLike", "ProgressCallback", "consolidate", "convert", "diff", "in
            "prune", "resume_path", "stats", "validate", "watch_once"]
 
 
-def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
+@_args.deprecated_keywords(InspectOptions)
+@documented(InspectOptions)
+def inspect(path: PathLike, *, tensors: bool = False, name_glob: str | None = None,
             sort: InspectSort = "name", tree: bool = False, depth: int = 3,
             pattern: str | None = None, input_format: InputFormat | None = None,
             allow_global: str | Iterable[str] | None = None,
@@ -61,15 +65,7 @@ def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
 
     Args:
         path: A checkpoint file or directory, a run directory, or a URL.
-        tensors: List every tensor (``result.tensors``).
-        filter: Only tensors whose name matches this glob (``"*.attn.*"``); implies ``tensors``.
-        sort: Order of the tensors: ``name`` (file order), ``size`` (largest first).
-        tree: Group parameters by module prefix (``result.tree``).
-        depth: Levels of the tree.
-        pattern: Run directories: a regex saying which entries are checkpoints.
-        input_format: Skip detection: ``safetensors``, ``hf-index``, ``torch``, ``dcp``,
-            ``deepspeed``, ``megatron`` or ``dir``.
-        allow_global: Pickle globals to trust (``"module.name"``, one or several).
+        {options}
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``).
 
     Returns:
@@ -88,9 +84,10 @@ def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
 
     with _args.api_names():
         _args.use_storage(storage_options, None)
-        return run(_args.located(path), fmt=input_format, tensors=tensors, filter_glob=filter,
-                   sort=sort, tree=tree, depth=depth, pattern=pattern,
-                   allow_globals=_args.names(allow_global))
+        options = InspectOptions(tensors=tensors, name_glob=name_glob, sort=sort, tree=tree,
+                                 depth=depth, pattern=pattern, input_format=input_format,
+                                 allow_global=_args.names(allow_global))
+        return run(_args.located(path), options)
 
 
 def validate(path: PathLike, *, latest: bool = False, values: bool = False,

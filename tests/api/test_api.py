@@ -39,9 +39,9 @@ def _json(result: Result, code: int = 0) -> Any:
 
 
 def test_inspect_is_the_cli_document(sample_run: Path, cli: Callable[..., Result]) -> None:
-    r = ckpt_cli.inspect(sample_run, tree=True, depth=2, filter="*.attn.*", sort="size")
+    r = ckpt_cli.inspect(sample_run, tree=True, depth=2, name_glob="*.attn.*", sort="size")
     doc = r.to_dict()
-    assert doc == _json(cli("inspect", sample_run, "--tree", "--depth", "2", "--filter",
+    assert doc == _json(cli("inspect", sample_run, "--tree", "--depth", "2", "--name-glob",
                             "*.attn.*", "--sort", "size", "--json"))
     assert (doc["schema_version"], doc["command"], doc["kind"]) == (1, "inspect", "run")
     assert r.index is not None and doc["num_parameters"] == r.index.num_parameters > 0

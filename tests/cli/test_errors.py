@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from ckpt_cli.cli.app import build
 from ckpt_cli.errors import UsageError
 from ckpt_cli.ops.convert import convert
-from ckpt_cli.ops.inspect import inspect
+from ckpt_cli.ops.inspect import InspectOptions, inspect
 from ckpt_cli.ops.prune.retention import PrunePolicy
 from ckpt_cli.ops.validate import validate
 from ckpt_cli.ops.watch.wake import make_waker
@@ -59,7 +59,8 @@ def test_library_errors_name_the_parameter(good: Path, tmp_path: Path) -> None:
         (lambda: memory_budget(1000),
          "max_memory must be at least 64MiB (one piece of a tensor), not 1,000 bytes",
          ("max_memory",)),
-        (lambda: inspect(good, sort="bogus"), "sort must be name or size, not 'bogus'", ("sort",)),
+        (lambda: inspect(good, InspectOptions(sort="bogus")),  # type: ignore[arg-type]
+         "sort must be name or size, not 'bogus'", ("sort",)),
         (lambda: parse_part("0/4"), "part 0/4: K must be between 1 and N (parts count from 1)",
          ("part",)),
         (lambda: parse_options(["novalue"]), "storage_options wants KEY=VALUE, not 'novalue'",

@@ -50,9 +50,9 @@ def size_from_checkpoint(path: str | Path, fmt: str | None = None) -> Checkpoint
         CkptError: Missing or unreadable input, or a run directory without a complete
             checkpoint.
     """
-    from ckpt_cli.ops.inspect import inspect
+    from ckpt_cli.ops.inspect import InspectOptions, inspect
 
-    result = inspect(path, fmt=fmt)
+    result = inspect(path, InspectOptions(input_format=fmt))  # type: ignore[arg-type]
     index = result.index
     if index is None:
         raise CkptError(result.describe_error or "no complete checkpoint in this run directory",
