@@ -45,6 +45,7 @@ class Spec:
         kind: How text given for the value is read (see :data:`Kind`); None: as the type says.
         cli: False for an option the command line does not take (a Python object).
         min: The smallest number the command line accepts.
+        allow_zero: A size or duration of 0 is accepted (it means "none").
     """
 
     help: str
@@ -56,13 +57,14 @@ class Spec:
     kind: Kind | None = None
     cli: bool = True
     min: int | None = None
+    allow_zero: bool = False
 
 
 def option(default: Any = MISSING, *, help: str, metavar: str | None = None,
            short: str | None = None, aliases: tuple[str, ...] = (),
            hidden_aliases: tuple[str, ...] = (), old_keywords: tuple[str, ...] = (),
            kind: Kind | None = None, cli: bool = True, min: int | None = None,
-           default_factory: Callable[[], Any] | Any = MISSING) -> Any:
+           allow_zero: bool = False, default_factory: Callable[[], Any] | Any = MISSING) -> Any:
     """A dataclass field that declares an option (see :class:`Spec` for the arguments).
 
     Returns:
@@ -70,7 +72,7 @@ def option(default: Any = MISSING, *, help: str, metavar: str | None = None,
     """
     spec = Spec(help=help, metavar=metavar, short=short, aliases=aliases,
                 hidden_aliases=hidden_aliases, old_keywords=old_keywords, kind=kind, cli=cli,
-                min=min)
+                min=min, allow_zero=allow_zero)
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={_KEY: spec})
     return dataclasses.field(default=default, metadata={_KEY: spec})

@@ -22,7 +22,7 @@ FORMATS_MAY_IMPORT = ("ckpt_cli.formats", "ckpt_cli.model", "ckpt_cli.errors",
 # The bottom layer: plain data, exceptions, dtype table, units, and storage (where bytes live,
 # positioned reads, atomic outputs, stage timing). It imports only itself, at any level.
 BOTTOM = ("ckpt_cli.storage", "ckpt_cli.model", "ckpt_cli.errors", "ckpt_cli.dtypes",
-          "ckpt_cli.units", "ckpt_cli.documents")
+          "ckpt_cli.units", "ckpt_cli.documents", "ckpt_cli.optionspec")
 # Known exceptions, (module, imported): none left.
 KNOWN: set[tuple[str, str]] = set()
 # Lazy (function-level) imports from formats/ that reach up: none left (the tie finder,
@@ -302,7 +302,8 @@ def test_the_api_sits_above_ops() -> None:
 # op, which holds its result types itself), and the plain bottom modules.
 # storage.atomic is the one door out: a report or plot render writes goes through it.
 RENDER_MAY_IMPORT = ("ckpt_cli.render", "ckpt_cli.model", "ckpt_cli.errors", "ckpt_cli.units",
-                     "ckpt_cli.dtypes", "ckpt_cli.documents", "ckpt_cli.storage.atomic")
+                     "ckpt_cli.dtypes", "ckpt_cli.documents", "ckpt_cli.storage.atomic",
+                     "ckpt_cli.optionspec")
 # The rest, known and each for one job: render/prune words remote paths (storage) and names
 # trash (formats.names) and shows the plan (retention's Decision/PrunePlan); junit redacts
 # URLs; convert/consolidate summarise kept dtypes (cast, lazily);

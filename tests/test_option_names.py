@@ -18,12 +18,14 @@ from safetensors.numpy import save_file
 import ckpt_cli
 from ckpt_cli.cli.app import app
 from ckpt_cli.ops.options.inspect import InspectOptions
+from ckpt_cli.ops.options.plan import PlanOptions
 from ckpt_cli.optionspec import docstring_args, flag, options_of, spelled, word
 from tests.conftest import run_cli
 
 # (command, API function, its options dataclass): the commands whose options are declared.
 DECLARED: list[tuple[str, Any, type]] = [
     ("inspect", ckpt_cli.inspect, InspectOptions),
+    ("plan", ckpt_cli.plan, PlanOptions),
 ]
 
 # API keywords that are no option of the command line, each for a reason.
@@ -137,3 +139,108 @@ def test_the_docs_table_rows_are_the_declarations(name: str, api: Any, options: 
     missing = [table_row(params[f.name]) for f, _ in options_of(options)
                if table_row(params[f.name]) not in page]
     assert not missing, "\n".join(missing)
+
+
+def _run(tmp_path: Path) -> Path:
+    import numpy as np
+
+    run = tmp_path / "run"
+    for step in (1, 2, 3):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        save_file({"w": np.ones(4, np.float32)},
+                  str(run / f"checkpoint-{step}" / "model.safetensors"))
+    return run
+
+
+def test_prune_reasons_name_options_as_the_caller_does(tmp_path: Path) -> None:
+    run = _run(tmp_path)
+    python = [r for c in ckpt_cli.prune(run, keep=1, grace=0).to_dict()["checkpoints"]
+              for r in c["reasons"]]
+    assert any("(keep=1)" in r for r in python) and not any("--" in r for r in python)
+    r = run_cli("prune", run, "--keep", "1", "--grace", "0", "--dry-run", "--json")
+    cli = [x for c in json.loads(r.stdout)["checkpoints"] for x in c["reasons"]]
+    assert cli == [x.replace("(keep=1)", "(--keep 1)") for x in python]
+    human = run_cli("prune", run, "--keep", "1", "--grace", "0", "--dry-run").stdout
+    assert "(--keep 1)" in human and "`" not in human and "keep=1" not in human
+
+
+def test_the_overwrite_hint_names_one_option(tmp_path: Path) -> None:
+    src = _model(tmp_path)
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"x")
+    with pytest.raises(FileExistsError) as e:
+        ckpt_cli.convert(src, out)
+    assert e.value.hint == "pass overwrite to replace it"  # type: ignore[attr-defined]
+    r = run_cli("convert", src, "-o", out)
+    assert r.exit_code == 2 and r.stderr.splitlines()[-1] == "hint: pass --overwrite to replace it"
+    with pytest.warns(DeprecationWarning, match=r"convert\(force=...\).*overwrite="):
+        ckpt_cli.convert(src, out, force=True)  # type: ignore[call-arg]
+    assert out.stat().st_size > 1
+    for flag_ in ("--overwrite", "--force"):
+        assert run_cli("convert", src, "-o", out, flag_).exit_code == 0
+
+
+@pytest.mark.parametrize(("command", "old", "new", "value"), [
+    ("stats", "filter", "name_glob", "*.attn.*"), ("stats", "all", "all_tensors", True),
+    ("diff", "filter", "name_glob", "*.attn.*"), ("diff", "all", "all_tensors", True),
+    ("convert", "format", "output_format", "safetensors"),
+    ("convert", "force", "overwrite", True),
+    ("consolidate", "format", "output_format", "safetensors"),
+    ("consolidate", "force", "overwrite", True), ("plan", "measure", "measure_dir", "x"),
+])
+def test_no_keyword_shadows_a_builtin_and_old_ones_still_work(command: str, old: str,
+                                                              new: str, value: Any) -> None:
+    api = getattr(ckpt_cli, command)
+    keywords = inspect.signature(api).parameters
+    assert new in keywords and old not in keywords
+    assert api.deprecated_keywords[old] == new
+    cli = _cli_options(command)
+    assert flag(new) in cli[new]
+
+
+def test_no_api_keyword_shadows_a_builtin() -> None:
+    import builtins
+
+    for name in ("inspect", "validate", "diff", "stats", "convert", "consolidate", "prune",
+                 "plan", "resume_path", "watch_once"):
+        shadowing = [k for k in inspect.signature(getattr(ckpt_cli, name)).parameters
+                     if hasattr(builtins, k)]
+        assert not shadowing, (name, shadowing)
+
+
+def _every_command() -> list[tuple[str, str]]:
+    return [(c, a) for c, a in (("inspect", "inspect"), ("validate", "validate"),
+                                ("diff", "diff"), ("stats", "stats"), ("convert", "convert"),
+                                ("consolidate", "consolidate"), ("prune", "prune"),
+                                ("plan", "plan"), ("resume-path", "resume_path"),
+                                ("watch", "watch_once"))]
+
+
+# Flags of a command that are no keyword of its API function yet, or the other way round,
+# each for a reason (beyond CLI_ONLY and API_ONLY).
+NOT_SHARED = {
+    ("validate", "junit"): "a report file the command line writes; the API returns the result",
+    ("diff", "exit_zero"): "the exit status: the API returns the result (result.identical)",
+    ("diff", "top"): "rows per table of the human report",
+    ("stats", "top"): "rows per table of the human report",
+    ("stats", "sort"): "order of the human report's rows",
+    ("stats", "plot"): "a figure file the command line draws from the result",
+    ("convert", "output"): "the API's second argument (-o on the command line)",
+    ("consolidate", "output"): "the API's second argument (-o on the command line)",
+    ("watch", "once"): "watch_once() is one pass; the command line loops without --once",
+    ("watch", "interval"): "time between passes of the loop, which the API leaves to its caller",
+    ("watch", "wake"): "what wakes the loop between passes (see interval)",
+}
+
+
+@pytest.mark.parametrize(("command", "api_name"), _every_command())
+def test_every_keyword_is_a_flag_of_the_same_name(command: str, api_name: str) -> None:
+    keywords = {k for k, p in inspect.signature(getattr(ckpt_cli, api_name)).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY} - API_ONLY
+    cli = _cli_options(command)
+    for k, opts in cli.items():
+        assert flag(k) in opts, (command, k, opts)  # the flag is the parameter's name
+    shared = {k for (c, k) in NOT_SHARED if c == command}
+    assert all((k in keywords) != (k in cli) for k in shared), "NOT_SHARED is out of date"
+    assert keywords - set(cli) - shared == set(), command
+    assert set(cli) - keywords - set(CLI_ONLY) - shared == set(), command

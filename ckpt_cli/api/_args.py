@@ -66,9 +66,9 @@ ProgressCallback = Callable[[str, int, int], None]
 unknown."""
 
 # The ops' parameter names -> the API's keywords (named like the CLI's options), for errors.
-_COMMON = {"allow_globals": "allow_global", "filter_glob": "filter",
-           "manifest_algorithm": "manifest_hash", "overwrite": "force", "measure_dir": "measure",
-           "strip_prefixes": "strip_prefix", "everything": "all"}
+_COMMON = {"allow_globals": "allow_global", "filter_glob": "name_glob",
+           "manifest_algorithm": "manifest_hash", "strip_prefixes": "strip_prefix",
+           "everything": "all_tensors"}
 
 
 @contextmanager
@@ -77,7 +77,8 @@ def api_names(fmt: str = "input_format") -> Iterator[None]:
     raised as the builtin a caller catches too (:func:`ckpt_cli.errors.with_builtin`).
 
     Args:
-        fmt: The keyword the ops' ``fmt`` is (``input_format``, or ``format`` for an output).
+        fmt: The keyword the ops' ``fmt`` is (``input_format``, or ``output_format`` for an
+            output).
     """
     try:
         yield

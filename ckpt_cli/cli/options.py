@@ -159,7 +159,7 @@ KeepAbandonedOpt = Annotated[bool, typer.Option(
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n",
                                          help="Show what would be done and stop.")]
-ForceOpt = Annotated[bool, typer.Option("--force", "--overwrite",
+ForceOpt = Annotated[bool, typer.Option("--overwrite", "--force",
                                         help="Replace an existing output.")]
 
 
@@ -174,7 +174,7 @@ CastToOpt = Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
                                         help="Cast floating-point model tensors.",
                                         autocompletion=_cast_targets)]
 OutputFormatOpt = Annotated[str | None, typer.Option(
-    "--format", "-f", metavar="safetensors|pt",
+    "--output-format", "-f", "--format", metavar="safetensors|pt",
     help="Output file format (default: from the output's suffix, else safetensors).")]
 PartOpt = Annotated[Any, typer.Option(
     "--part", metavar="K/N|auto", parser=part_parser,
@@ -371,11 +371,11 @@ def _cli_type(hint: Any) -> tuple[Any, bool]:
     return (base | None if optional else base), False
 
 
-_KIND_PARSERS: dict[str, Callable[[str], Callable[[Any], Any]]] = {
-    "size": lambda flag: size_parser(flag, empty_is_none=True),
-    "duration": duration_parser,
-    "count": whole_parser,
-    "rate": rate_parser,
+_KIND_PARSERS: dict[str, Callable[[str, bool], Callable[[Any], Any]]] = {
+    "size": lambda flag, zero: size_parser(flag, empty_is_none=True, allow_zero=zero),
+    "duration": lambda flag, zero: duration_parser(flag, allow_zero=zero),
+    "count": lambda flag, zero: whole_parser(flag),
+    "rate": lambda flag, zero: rate_parser(flag),
 }
 
 
@@ -397,7 +397,7 @@ def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
     if spec.min is not None:
         how["min"] = spec.min
     if spec.kind in _KIND_PARSERS:
-        how["parser"] = _KIND_PARSERS[spec.kind](flag_of(f.name))
+        how["parser"] = _KIND_PARSERS[spec.kind](flag_of(f.name), spec.allow_zero)
     elif spec.kind == "part":
         annotation, how["parser"] = Any, part_parser
     elif spec.kind == "path":
