@@ -40,7 +40,6 @@ class Spec:
         short: A short flag (``-t``), if any.
         aliases: Older flags that still work (``--filter`` for ``--name-glob``), listed in
             ``--help`` after the flag.
-        hidden_aliases: Older flags that still work but are not listed.
         old_keywords: Older Python keywords that still work, with a DeprecationWarning.
         kind: How text given for the value is read (see :data:`Kind`); None: as the type says.
         cli: False for an option the command line does not take (a Python object).
@@ -52,7 +51,6 @@ class Spec:
     metavar: str | None = None
     short: str | None = None
     aliases: tuple[str, ...] = ()
-    hidden_aliases: tuple[str, ...] = ()
     old_keywords: tuple[str, ...] = ()
     kind: Kind | None = None
     cli: bool = True
@@ -62,7 +60,7 @@ class Spec:
 
 def option(default: Any = MISSING, *, help: str, metavar: str | None = None,
            short: str | None = None, aliases: tuple[str, ...] = (),
-           hidden_aliases: tuple[str, ...] = (), old_keywords: tuple[str, ...] = (),
+           old_keywords: tuple[str, ...] = (),
            kind: Kind | None = None, cli: bool = True, min: int | None = None,
            allow_zero: bool = False, default_factory: Callable[[], Any] | Any = MISSING) -> Any:
     """A dataclass field that declares an option (see :class:`Spec` for the arguments).
@@ -71,7 +69,7 @@ def option(default: Any = MISSING, *, help: str, metavar: str | None = None,
         A ``dataclasses.field`` with the default and the :class:`Spec` as metadata.
     """
     spec = Spec(help=help, metavar=metavar, short=short, aliases=aliases,
-                hidden_aliases=hidden_aliases, old_keywords=old_keywords, kind=kind, cli=cli,
+                old_keywords=old_keywords, kind=kind, cli=cli,
                 min=min, allow_zero=allow_zero)
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={_KEY: spec})

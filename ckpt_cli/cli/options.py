@@ -380,19 +380,16 @@ _KIND_PARSERS: dict[str, Callable[[str, bool], Callable[[Any], Any]]] = {
 
 
 def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
-                      name: str, flags: list[str], hidden: bool = False) -> inspect.Parameter:
-    """The typer parameter of one declared option (or of one hidden alias of it)."""
+                      flags: list[str]) -> inspect.Parameter:
+    """The typer parameter of one declared option."""
     from ckpt_cli.optionspec import flag as flag_of
     from ckpt_cli.optionspec import word
 
     annotation, _ = _cli_type(hint)
     default = f.default if f.default is not dataclasses.MISSING else None
-    if hidden:
-        default = None if annotation is not bool else False
-    elif isinstance(default, tuple):
+    if isinstance(default, tuple):
         default = None
     how: dict[str, Any] = {"help": word(spec.help, "cli"), "metavar": spec.metavar,
-                           "hidden": hidden,
                            "show_default": default is not None and default not in ((), False)}
     if spec.min is not None:
         how["min"] = spec.min
@@ -407,34 +404,24 @@ def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
     if choices:
         how["autocompletion"] = lambda incomplete: [c for c in choices
                                                     if c.startswith(incomplete)]
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                              annotation=Annotated[annotation, typer.Option(*flags, **how)])
 
 
-def from_options(cls: type, *, module_globals: dict[str, Any] | None = None
-                 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def from_options(cls: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a command one option per field :func:`ckpt_cli.optionspec.option` declares in
     the options dataclass ``cls``: flag ``--`` + the field's name with dashes, its short flag
     and aliases, its default and help. The command declares a keyword-only ``options: cls``
     parameter and gets the values as one ``cls`` instance.
-
-    An option's hidden aliases are hidden options of their own, whose value is taken when
-    given.
     """
     from ckpt_cli.optionspec import flag as flag_of
     from ckpt_cli.optionspec import options_of
 
-    hints = typing.get_type_hints(cls, globalns=module_globals)
+    hints = typing.get_type_hints(cls)
     declared = [(f, s) for f, s in options_of(cls) if s.cli]
-    added: list[inspect.Parameter] = []
-    hidden: dict[str, str] = {}  # hidden alias parameter -> the field it sets
-    for f, s in declared:
-        flags = [flag_of(f.name), *([s.short] if s.short else []), *s.aliases]
-        added.append(_option_parameter(f, s, hints[f.name], f.name, flags))
-        for i, alias in enumerate(s.hidden_aliases):
-            key = f"{f.name}__alias{i}"
-            hidden[key] = f.name
-            added.append(_option_parameter(f, s, hints[f.name], key, [alias], hidden=True))
+    added = [_option_parameter(f, s, hints[f.name],
+                               [flag_of(f.name), *([s.short] if s.short else []), *s.aliases])
+             for f, s in declared]
     tuples = {f.name for f, _ in declared if _cli_type(hints[f.name])[1]}
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
@@ -447,10 +434,6 @@ def from_options(cls: type, *, module_globals: dict[str, Any] | None = None
         @functools.wraps(command)
         def run(**kwargs: Any) -> None:
             values = {f.name: kwargs.pop(f.name) for f, _ in declared}
-            for key, name in hidden.items():
-                given = kwargs.pop(key)
-                if given not in (None, False):
-                    values[name] = given
             for name in tuples:
                 values[name] = tuple(values[name] or ())
             command(**kwargs, options=cls(**values))
