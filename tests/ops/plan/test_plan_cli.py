@@ -197,7 +197,7 @@ def test_measure(tmp_path: Path) -> None:
     (("--params", "7B", "--mtbf", "4h", "--gpus", "8", "--gpu-mtbf", "5y"), "not both"),
     (("--params", "7B", "--bandwidth", "10MB/s", "--mtbf", "1h"),
      "write time (2h 43m) is at least twice the MTBF (1h): Daly's formula does not apply"),
-    (("--params", "7B", "--snapshot-bandwidth", "5GB/s"), "only matters with --async"),
+    (("--params", "7B", "--snapshot-bandwidth", "5GB/s"), "only matters with --async-save"),
     (("--params", "7B", "--measure-size", "1GB"), "need --measure-dir DIR"),
     (("--params", "7B", "--measure", "/nonexistent-dir"), "no such directory"),
     (("--from", "/nonexistent/ckpt"), "no such file or directory"),
