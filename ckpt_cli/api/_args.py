@@ -4,10 +4,12 @@ does in errors, the progress callback's type, and the store settings."""
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ckpt_cli.errors import CkptError, UsageError, with_builtin
 from ckpt_cli.progress import Progress
@@ -18,6 +20,47 @@ if TYPE_CHECKING:
 PathLike = str | os.PathLike[str]
 """A local path (``str`` or :class:`os.PathLike`) or a URL (``s3://bucket/key``)."""
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def deprecated_keywords(options: type | None = None, **renamed: str
+                        ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Keep a function's old keywords working for one release, each with a
+    :class:`DeprecationWarning` naming the new one.
+
+    Args:
+        options: An options dataclass whose fields list their ``old_keywords``
+            (:func:`ckpt_cli.optionspec.option`).
+        renamed: More old keyword -> new keyword (for keywords that are no field).
+    """
+    from ckpt_cli.optionspec import options_of
+
+    olds = dict(renamed)
+    if options is not None:
+        olds.update((old, f.name) for f, s in options_of(options) for old in s.old_keywords)
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            for old, new in olds.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise TypeError(f"{fn.__name__}() got both {old}= and {new}= "
+                                    f"({old} is the old name of {new})")
+                warnings.warn(f"{fn.__name__}({old}=...) is deprecated and will be removed in "
+                              f"the next release; use {new}=...", DeprecationWarning,
+                              stacklevel=2)
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        call.deprecated_keywords = dict(olds)  # type: ignore[attr-defined]
+        return call
+
+    return decorate
+
+
 ProgressCallback = Progress
 """``on_progress(phase, done, total)``: ``done`` of ``total`` (bytes, or checkpoints for
 ``prune``) in the phase named (``crc32``, ``comparing``, ``writing``...); ``total`` is 0 while
@@ -25,9 +68,9 @@ unknown. The ops' one progress contract (:class:`ckpt_cli.progress.Progress`): t
 the callback to the op as it is."""
 
 # The ops' parameter names -> the API's keywords (named like the CLI's options), for errors.
-_COMMON = {"allow_globals": "allow_global", "filter_glob": "filter",
-           "manifest_algorithm": "manifest_hash", "overwrite": "force", "measure_dir": "measure",
-           "strip_prefixes": "strip_prefix", "everything": "all"}
+_COMMON = {"allow_globals": "allow_global", "filter_glob": "name_glob",
+           "manifest_algorithm": "manifest_hash", "strip_prefixes": "strip_prefix",
+           "everything": "all_tensors"}
 
 
 @contextmanager
@@ -36,7 +79,8 @@ def api_names(fmt: str = "input_format") -> Iterator[None]:
     raised as the builtin a caller catches too (:func:`ckpt_cli.errors.with_builtin`).
 
     Args:
-        fmt: The keyword the ops' ``fmt`` is (``input_format``, or ``format`` for an output).
+        fmt: The keyword the ops' ``fmt`` is (``input_format``, or ``output_format`` for an
+            output).
     """
     try:
         yield

@@ -36,6 +36,9 @@ from ckpt_cli.choices import (
     Precision,
     ThinDtype,
 )
+from ckpt_cli.ops.options.inspect import InspectOptions
+from ckpt_cli.ops.options.plan import PlanOptions
+from ckpt_cli.optionspec import documented
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.consolidate import ConsolidateResult
@@ -53,7 +56,9 @@ __all__ = ["PathLike", "ProgressCallback", "consolidate", "convert", "diff", "in
            "prune", "resume_path", "stats", "validate", "watch_once"]
 
 
-def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
+@_args.deprecated_keywords(InspectOptions)
+@documented(InspectOptions)
+def inspect(path: PathLike, *, tensors: bool = False, name_glob: str | None = None,
             sort: InspectSort = "name", tree: bool = False, depth: int = 3,
             pattern: str | None = None, input_format: InputFormat | None = None,
             allow_global: str | Iterable[str] | None = None,
@@ -62,15 +67,7 @@ def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
 
     Args:
         path: A checkpoint file or directory, a run directory, or a URL.
-        tensors: List every tensor (``result.tensors``).
-        filter: Only tensors whose name matches this glob (``"*.attn.*"``); implies ``tensors``.
-        sort: Order of the tensors: ``name`` (file order), ``size`` (largest first).
-        tree: Group parameters by module prefix (``result.tree``).
-        depth: Levels of the tree.
-        pattern: Run directories: a regex saying which entries are checkpoints.
-        input_format: Skip detection: ``safetensors``, ``hf-index``, ``torch``, ``dcp``,
-            ``deepspeed``, ``megatron`` or ``dir``.
-        allow_global: Pickle globals to trust (``"module.name"``, one or several).
+        {options}
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``).
 
     Returns:
@@ -89,9 +86,10 @@ def inspect(path: PathLike, *, tensors: bool = False, filter: str | None = None,
 
     with _args.api_names():
         _args.use_storage(storage_options, None)
-        return run(_args.located(path), fmt=input_format, tensors=tensors, filter_glob=filter,
-                   sort=sort, tree=tree, depth=depth, pattern=pattern,
-                   allow_globals=_args.names(allow_global))
+        options = InspectOptions(tensors=tensors, name_glob=name_glob, sort=sort, tree=tree,
+                                 depth=depth, pattern=pattern, input_format=input_format,
+                                 allow_global=_args.names(allow_global))
+        return run(_args.located(path), options)
 
 
 def validate(path: PathLike, *, latest: bool = False, values: bool = False,
@@ -163,9 +161,10 @@ def validate(path: PathLike, *, latest: bool = False, values: bool = False,
     return result
 
 
-def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all: bool = False,
+@_args.deprecated_keywords(all="all_tensors", filter="name_glob")
+def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all_tensors: bool = False,
          strip_prefix: str | Iterable[str] | None = None, exact_names: bool = False,
-         rtol: float | None = None, atol: float | None = None, filter: str | None = None,
+         rtol: float | None = None, atol: float | None = None, name_glob: str | None = None,
          by_module: bool = False, depth: int | None = None, metadata: bool = True,
          input_format_a: InputFormat | None = None, input_format_b: InputFormat | None = None,
          max_memory: int | str | None = None,
@@ -177,13 +176,14 @@ def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all: bool = 
         a: Checkpoint A (file, shard set or directory, any format), or a URL.
         b: Checkpoint B.
         structure_only: Compare names, shapes and dtypes only; read no tensor data.
-        all: Compare every tensor (optimizer state...), not only model weights and buffers.
+        all_tensors: Compare every tensor (optimizer state...), not only model weights and
+            buffers.
         strip_prefix: Prefixes removed from names on both sides before matching.
         exact_names: Do not strip wrapper prefixes (``module.``, ``_orig_mod.``...).
         rtol: Relative tolerance for floats (default: exact for one dtype, else the coarser
             dtype's epsilon).
         atol: Absolute tolerance for floats.
-        filter: Only tensors whose name (after prefix stripping) matches this glob.
+        name_glob: Only tensors whose name (after prefix stripping) matches this glob.
         by_module: Add a roll-up of changes per module (``to_dict()["modules"]``).
         depth: Name components per module of that roll-up.
         metadata: Compare non-tensor values (step, epoch, lr, hyper-parameters).
@@ -211,16 +211,18 @@ def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all: bool = 
 
     with _args.api_names():
         _args.use_storage(storage_options, concurrency)
-        options = DiffOptions(everything=all, values=not structure_only, rtol=rtol, atol=atol,
+        options = DiffOptions(everything=all_tensors, values=not structure_only, rtol=rtol,
+                              atol=atol,
                               strip_prefixes=_args.names(strip_prefix),
-                              auto_names=not exact_names, metadata=metadata, filter_glob=filter,
+                              auto_names=not exact_names, metadata=metadata, filter_glob=name_glob,
                               by_module=by_module, depth=depth)
         return run(_args.located(a), _args.located(b), options, fmt_a=input_format_a,
                    fmt_b=input_format_b, progress=on_progress,
                    max_memory=_args.size(max_memory, "max_memory"))
 
 
-def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
+@_args.deprecated_keywords(all="all_tensors", filter="name_glob")
+def stats(path: PathLike, *, all_tensors: bool = False, name_glob: str | None = None,
           depth: int | None = None, hist: bool = False, every: int | None = None,
           last: int | None = None, jump: float = 2.0, no_cache: bool = False,
           cache_dir: PathLike | None = None, jobs: int | None = None,
@@ -233,8 +235,8 @@ def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
 
     Args:
         path: A checkpoint (file, directory) or a run directory, or a URL.
-        all: Every tensor (optimizer state...), not only model weights and buffers.
-        filter: Only tensors whose name matches this glob.
+        all_tensors: Every tensor (optimizer state...), not only model weights and buffers.
+        name_glob: Only tensors whose name matches this glob.
         depth: Name components per module of the roll-up (default: the tensor's own module).
         hist: Put the histogram of ``|x|`` by binade into ``to_dict()``.
         every: Run directory: every Nth checkpoint, counted back from the newest.
@@ -274,7 +276,8 @@ def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
         _args.use_storage(storage_options, concurrency)
         where = _args.located(cache_dir) if cache_dir is not None else None
         _args.local_only(where, "cache_dir", "cache_dir")
-        options = StatsOptions(everything=all, filter_glob=filter, depth=depth, hist=hist,
+        options = StatsOptions(everything=all_tensors, filter_glob=name_glob, depth=depth,
+                               hist=hist,
                                every=every, last=last, jump=jump, cache=not no_cache,
                                cache_dir=where, fmt=input_format, pattern=pattern, jobs=jobs,
                                max_memory=_args.size(max_memory, "max_memory"),
@@ -282,13 +285,14 @@ def stats(path: PathLike, *, all: bool = False, filter: str | None = None,
         return run(_args.located(path), options, progress=on_progress)
 
 
+@_args.deprecated_keywords(format="output_format", force="overwrite")
 def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
             fp8_layout: Fp8Layout = "block", fp8_activations: Fp8Activations = "dynamic",
             dequantize: bool = False, dcp_layout: DcpLayout = "torchtitan",
-            format: OutputFormat | None = None,
+            output_format: OutputFormat | None = None,
             max_shard_size: int | str | None = None, keep_optimizer: bool = False,
             keep_prefix: bool = False, keep_fp32: str | Iterable[str] | None = None,
-            clamp: bool = False, container: str | None = None, force: bool = False,
+            clamp: bool = False, container: str | None = None, overwrite: bool = False,
             part: Part | str | None = None, finalize: bool = False,
             input_format: InputFormat | None = None, max_memory: int | str | None = None,
             storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
@@ -309,14 +313,15 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
         dequantize: With ``to`` bf16/fp16/fp32: turn FP8 weights with a scale into
             weight x scale.
         dcp_layout: With ``to="dcp"``: ``torchtitan`` or ``recipe`` top-level keys.
-        format: Output file format, ``safetensors`` or ``pt`` (default: from the suffix).
+        output_format: Output file format, ``safetensors`` or ``pt`` (default: from the
+            suffix).
         max_shard_size: Split into HF-style shards of at most this size (bytes or ``"5GB"``).
         keep_optimizer: Keep every tensor, optimizer state included (a pure format change).
         keep_prefix: Keep wrapper prefixes (``module.``, ``_orig_mod.``).
         keep_fp32: Keep tensors matching these globs in FP32 (``"*norm*"``).
         clamp: Clamp values beyond FP16's range instead of refusing.
         container: Which top-level container holds the weights (``model``, ``ema``...).
-        force: Replace an existing output.
+        overwrite: Replace an existing output.
         part: Do only part ``"K/N"`` (or ``"auto"``) of the work; the last part completes it.
         finalize: Complete a job split with ``part``.
         input_format: Skip detection and read the input as this format.
@@ -330,7 +335,7 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
         ``casts``, ``dropped``...); ``to_dict()`` is ``ckpt convert --json``'s document.
 
     Raises:
-        DestinationExistsError: ``output`` exists and ``force`` is False.
+        DestinationExistsError: ``output`` exists and ``overwrite`` is False.
         CkptError: Bad input, unsupported layouts, values out of FP16 range.
         UsageError: Contradictory options.
 
@@ -341,12 +346,12 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
     from ckpt_cli.ops.convert import ConvertOptions
     from ckpt_cli.ops.convert import convert as run
 
-    with _args.api_names("format"):
+    with _args.api_names("output_format"):
         _args.use_storage(storage_options, concurrency)
         options = ConvertOptions(
-            to=to, fmt=format, max_shard_size=_args.size(max_shard_size, "max_shard_size"),
+            to=to, fmt=output_format, max_shard_size=_args.size(max_shard_size, "max_shard_size"),
             keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
-            keep_fp32=_args.names(keep_fp32), clamp=clamp, overwrite=force,
+            keep_fp32=_args.names(keep_fp32), clamp=clamp, overwrite=overwrite,
             container=container, input_format=input_format, part=_args.part(part),
             finalize=finalize, max_memory=_args.size(max_memory, "max_memory"),
             fp8_layout=fp8_layout, fp8_activations=fp8_activations, dequantize=dequantize,
@@ -355,10 +360,12 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
                    progress=on_progress)
 
 
-def consolidate(source: PathLike, output: PathLike, *, format: OutputFormat | None = None,
+@_args.deprecated_keywords(format="output_format", force="overwrite")
+def consolidate(source: PathLike, output: PathLike, *,
+                output_format: OutputFormat | None = None,
                 max_shard_size: int | str | None = "5GB", with_optimizer: bool = False,
                 to: CastTarget = "keep", clamp: bool = False, verify: bool = False,
-                manifest: bool = True, force: bool = False, part: Part | str | None = None,
+                manifest: bool = True, overwrite: bool = False, part: Part | str | None = None,
                 finalize: bool = False, max_memory: int | str | None = None,
                 storage_options: Mapping[str, Any] | None = None,
                 concurrency: int | None = None,
@@ -370,14 +377,14 @@ def consolidate(source: PathLike, output: PathLike, *, format: OutputFormat | No
         source: A DCP directory, a DeepSpeed checkpoint (``global_stepN/`` or its save
             directory), HF-style shards, or a directory of per-rank files; or a URL.
         output: The output directory (or a single ``.safetensors``/``.pt`` file).
-        format: Output file format, ``safetensors`` or ``pt``.
+        output_format: Output file format, ``safetensors`` or ``pt``.
         max_shard_size: Largest output file (bytes or ``"5GB"``); 0 or None for one file.
         with_optimizer: Keep the optimizer state too (to resume on another world size).
         to: Cast floating-point model tensors: ``fp16``, ``bf16``, ``fp32`` or ``keep``.
         clamp: With ``to="fp16"``: clamp values beyond FP16's range instead of refusing.
         verify: Re-read every output tensor and compare it with its source chunks.
         manifest: Write an integrity manifest that :func:`validate` checks.
-        force: Replace an existing output.
+        overwrite: Replace an existing output.
         part: Do only part ``"K/N"`` (or ``"auto"``) of the work.
         finalize: Complete a job split with ``part``.
         max_memory: Budget for data read ahead and written behind (bytes or ``"512MB"``).
@@ -390,7 +397,7 @@ def consolidate(source: PathLike, output: PathLike, *, format: OutputFormat | No
         ``ckpt consolidate --json``'s document.
 
     Raises:
-        DestinationExistsError: ``output`` exists and ``force`` is False.
+        DestinationExistsError: ``output`` exists and ``overwrite`` is False.
         CkptError: Bad or incomplete input (missing rank files, truncated chunks...).
 
     Example:
@@ -400,12 +407,12 @@ def consolidate(source: PathLike, output: PathLike, *, format: OutputFormat | No
     from ckpt_cli.ops.consolidate import ConsolidateOptions
     from ckpt_cli.ops.consolidate import consolidate as run
 
-    with _args.api_names("format"):
+    with _args.api_names("output_format"):
         _args.use_storage(storage_options, concurrency)
         options = ConsolidateOptions(
-            fmt=format,
+            fmt=output_format,
             max_shard_size=_args.size(max_shard_size, "max_shard_size", allow_zero=True),
-            with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=force, verify=verify,
+            with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=overwrite, verify=verify,
             manifest=manifest, part=_args.part(part), finalize=finalize,
             max_memory=_args.size(max_memory, "max_memory"))
         return run(_args.located(source), _args.output(output), options,
@@ -489,10 +496,12 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
                    dry_run=dry_run, any_dir=any_dir, progress=on_progress)
 
 
+@_args.deprecated_keywords(PlanOptions)
+@documented(PlanOptions)
 def plan(*, params: int | str | None = None, precision: Precision | None = None,
          optimizer: Optimizer | None = None, from_path: PathLike | None = None,
          input_format: InputFormat | None = None, bandwidth: float | str | None = None,
-         measure: PathLike | None = None, measure_size: int | str | None = None,
+         measure_dir: PathLike | None = None, measure_size: int | str | None = None,
          measure_streams: int | None = None, mtbf: float | str | None = None,
          gpus: int | None = None, gpu_mtbf: float | str | None = None,
          ranks: int | None = None, keep: int | None = None, thin_after: int | None = None,
@@ -501,29 +510,10 @@ def plan(*, params: int | str | None = None, precision: Precision | None = None,
          restart: float | str | None = None,
          on_progress: ProgressCallback | None = None) -> PlanResult:
     """Plan checkpointing: checkpoint size, write time, optimal interval, storage and files
-    (``ckpt plan``; ``--from`` is ``from_path``, ``--async`` is ``async_save``).
+    (``ckpt plan``).
 
     Args:
-        params: Model parameters (``175_000_000_000`` or ``"175B"``).
-        precision: With ``params``: ``fp32``, ``bf16`` or ``mixed`` (default).
-        optimizer: With ``params``: ``adam``, ``adamw`` (default), ``sgd`` or ``adafactor``.
-        from_path: Take the sizes from an existing checkpoint (a run: its latest one).
-        input_format: Read ``from_path`` as this format.
-        bandwidth: Aggregate storage write bandwidth (bytes/s or ``"10GB/s"``).
-        measure: Measure the write bandwidth by writing and fsyncing a file in this directory.
-        measure_size: Bytes ``measure`` writes (default 1GB).
-        measure_streams: Parallel writers of ``measure`` (default 4).
-        mtbf: The job's mean time between failures (seconds or ``"4h"``).
-        gpus: Devices in the job; with ``gpu_mtbf``, job MTBF = gpu_mtbf / gpus.
-        gpu_mtbf: One device's mean time between failures (seconds or ``"5y"``).
-        ranks: Ranks writing in parallel, one file each.
-        keep: Checkpoints retained: steady-state storage and files.
-        thin_after: Storage per day when all but the newest N checkpoints are thinned.
-        thin_to: ``bf16``: thinned checkpoints keep BF16 weights.
-        async_save: Asynchronous saves: only the copy to host memory blocks training.
-        snapshot_bandwidth: With ``async_save``: device-to-host copy rate of each rank.
-        interval: Your current interval, to compare (seconds or ``"30m"``).
-        restart: Time to restart after a failure, counted as lost (seconds or ``"5m"``).
+        {options}
         on_progress: Called as ``("measuring", bytes_written, bytes_total)``.
 
     Returns:
@@ -539,16 +529,15 @@ def plan(*, params: int | str | None = None, precision: Precision | None = None,
         >>> r.daly.seconds if r.daly else None
     """
     from ckpt_cli.ops.plan import plan as run
-    from ckpt_cli.ops.plan.options import PlanOptions
 
     with _args.api_names():
-        _args.local_only(_args.located(measure) if measure is not None else None, "measure",
-                         "measure")
+        _args.local_only(_args.located(measure_dir) if measure_dir is not None else None,
+                         "measure_dir", "measure_dir")
         options = PlanOptions(
             params=_args.count(params, "params"), precision=precision, optimizer=optimizer,
             from_path=_args.located(from_path) if from_path is not None else None,
             input_format=input_format, bandwidth=_args.rate(bandwidth, "bandwidth"),
-            measure_dir=_args.located(measure) if measure is not None else None,
+            measure_dir=_args.located(measure_dir) if measure_dir is not None else None,
             measure_size=_args.size(measure_size, "measure_size"),
             measure_streams=_args.count(measure_streams, "measure_streams"),
             mtbf=_args.duration(mtbf, "mtbf"), gpus=_args.count(gpus, "gpus"),

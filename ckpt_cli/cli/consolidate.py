@@ -30,7 +30,7 @@ def consolidate_cmd(
     output: Annotated[Location, typer.Option(
         "--output", "-o", help="Output directory (or a single .safetensors/.pt file).",
         show_default=False, parser=output_location)],
-    fmt: OutputFormatOpt = None,
+    output_format: OutputFormatOpt = None,
     # Any: the default is text, and typer parses it as it parses a given value (int | None).
     max_shard_size: Annotated[Any, typer.Option(
         "--max-shard-size", metavar="SIZE", help="Largest output file; 0 for one file.",
@@ -49,7 +49,7 @@ def consolidate_cmd(
     manifest: Annotated[bool, typer.Option(
         "--manifest/--no-manifest", help="Write an integrity manifest that 'ckpt validate' "
                                          "checks.")] = True,
-    force: ForceOpt = False,
+    overwrite: ForceOpt = False,
     part: PartOpt = None,
     finalize: FinalizeOpt = False,
     *,
@@ -73,8 +73,9 @@ def consolidate_cmd(
         from ckpt_cli.ops.consolidate import ConsolidateOptions, consolidate
         with common.progress("consolidating") as bar:
             options = ConsolidateOptions(
-                fmt=fmt, max_shard_size=max_shard_size, with_optimizer=with_optimizer, to=to,
-                clamp=clamp, overwrite=force, verify=verify, manifest=manifest, part=part,
+                fmt=output_format, max_shard_size=max_shard_size,
+                with_optimizer=with_optimizer, to=to,
+                clamp=clamp, overwrite=overwrite, verify=verify, manifest=manifest, part=part,
                 finalize=finalize, max_memory=common.max_memory)
             r = consolidate(source, output, options, progress=bar)
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary

@@ -71,7 +71,7 @@ def convert_cmd(
         help="With --to dcp: torchtitan's top-level keys (model FQNs, optimizer, "
              "lr_scheduler, train_state) or the PyTorch DCP recipe's {model, optim}.",
         autocompletion=_dcp_layouts)] = "torchtitan",
-    fmt: OutputFormatOpt = None,
+    output_format: OutputFormatOpt = None,
     max_shard_size: Annotated[int | None, typer.Option(
         "--max-shard-size", metavar="SIZE",
         parser=size_parser("--max-shard-size", empty_is_none=True),
@@ -91,7 +91,7 @@ def convert_cmd(
     container: Annotated[str | None, typer.Option(
         "--container", metavar="NAME", help="Which top-level container holds the weights "
                                             "when there are several (model, ema...).")] = None,
-    force: ForceOpt = False,
+    overwrite: ForceOpt = False,
     part: PartOpt = None,
     finalize: FinalizeOpt = False,
     input_format: InputFormatOpt = None,
@@ -103,7 +103,7 @@ def convert_cmd(
     Keeps the model weights and buffers (found inside model/state_dict/module containers,
     wrapper prefixes stripped), drops optimizer state, schedulers and RNG state, casts, and
     writes safetensors (or a torch zip). Streams one tensor at a time; the output appears
-    only when complete, and an existing one is replaced only with --force.
+    only when complete, and an existing one is replaced only with --overwrite.
 
     Examples:
       ckpt convert run/step_9000 --to fp16 -o model/
@@ -117,9 +117,10 @@ def convert_cmd(
         from ckpt_cli.ops.convert import ConvertOptions, convert
         with common.progress("converting") as bar:
             options = ConvertOptions(
-                to=to, fmt=fmt, max_shard_size=max_shard_size, keep_optimizer=keep_optimizer,
+                to=to, fmt=output_format, max_shard_size=max_shard_size,
+                keep_optimizer=keep_optimizer,
                 keep_prefix=keep_prefix, keep_fp32=tuple(keep_fp32 or ()), clamp=clamp,
-                overwrite=force, container=container, input_format=input_format, part=part,
+                overwrite=overwrite, container=container, input_format=input_format, part=part,
                 finalize=finalize, max_memory=common.max_memory, fp8_layout=fp8_layout,
                 fp8_activations=fp8_activations, dequantize=dequantize, dcp_layout=dcp_layout)
             result = convert(source, output, options, progress=bar)

@@ -19,9 +19,9 @@ def diff_cmd(
     structure_only: Annotated[bool, typer.Option(
         "--structure-only", help="Compare names, shapes and dtypes only; read no tensor "
                                  "data.")] = False,
-    everything: Annotated[bool, typer.Option(
-        "--all", help="Compare every tensor (optimizer state, RNG state...), not only model "
-                      "weights and buffers.")] = False,
+    all_tensors: Annotated[bool, typer.Option(
+        "--all-tensors", "--all", help="Compare every tensor (optimizer state, RNG "
+        "state...), not only model weights and buffers.")] = False,
     strip_prefix: Annotated[list[str] | None, typer.Option(
         "--strip-prefix", metavar="PREFIX", help="Remove PREFIX from tensor names on both "
                                                  "sides before matching (repeatable).")] = None,
@@ -38,9 +38,9 @@ def diff_cmd(
         help="Absolute tolerance for floats. Default: 0 for the same dtype, the coarser "
              "dtype's smallest subnormal across dtypes.",
         show_default=False)] = None,
-    filter_glob: Annotated[str | None, typer.Option(
-        "--filter", metavar="GLOB", help="Only tensors whose name (after prefix stripping) "
-                                         "matches GLOB, e.g. 'layers.*.attn.*'.")] = None,
+    name_glob: Annotated[str | None, typer.Option(
+        "--name-glob", "--filter", metavar="GLOB", help="Only tensors whose name (after "
+        "prefix stripping) matches GLOB, e.g. 'layers.*.attn.*'.")] = None,
     top: Annotated[int, typer.Option("--top", min=0, metavar="N",
                                      help="Rows per table; 0 shows all.")] = 20,
     by_module: Annotated[bool, typer.Option(
@@ -79,10 +79,10 @@ def diff_cmd(
     from ckpt_cli.render import diff as rd
 
     with common.handled() as outcome:
-        options = DiffOptions(everything=everything, values=not structure_only, rtol=rtol,
+        options = DiffOptions(everything=all_tensors, values=not structure_only, rtol=rtol,
                               atol=atol, strip_prefixes=tuple(strip_prefix or ()),
                               auto_names=not exact_names, metadata=metadata,
-                              filter_glob=filter_glob, by_module=by_module, depth=depth)
+                              filter_glob=name_glob, by_module=by_module, depth=depth)
         with common.progress("comparing") as bar:
             result = diff(a, b, options, fmt_a=input_format_a, fmt_b=input_format_b,
                           progress=bar, max_memory=common.max_memory)

@@ -122,10 +122,12 @@ class _JsonErrors:
 # whose flag click knows ("*": every command). Every other library name is the command's
 # parameter of that name.
 _CLI_NAMES: dict[str, dict[str, str]] = {
-    "*": {"storage_options": "storage_option", "allow_globals": "allow_global"},
+    "*": {"storage_options": "storage_option", "allow_globals": "allow_global",
+          "filter_glob": "name_glob", "everything": "all_tensors"},
     "validate": {"manifest_algorithm": "manifest_hash", "fmt": "input_format"},
     "inspect": {"fmt": "input_format"},
-    "plan": {"measure_dir": "measure"},
+    "convert": {"fmt": "output_format"},
+    "consolidate": {"fmt": "output_format"},
 }
 
 # Library parameters the messages word by a short flag.
@@ -136,10 +138,10 @@ def _flags(command: Any, names: Iterable[str]) -> dict[str, str]:
     """Library parameter name -> the flag that sets it, for a click command (else empty).
 
     A name in ``names`` the command has no option for (a hint naming another command's flag:
-    ``--force`` beside ``--overwrite``, prune's ``--keep-best`` in a retention rule ``watch``
-    shares) is worded by the rule the options follow: ``--`` and the name with dashes
-    (``keep_best`` -> ``--keep-best``), after the aliases every command shares. (A run builds
-    only the command it names: the others' options cannot be asked.)
+    prune's ``--keep-best`` in a retention rule ``watch`` shares) is worded by the rule the
+    options follow: ``--`` and the name with dashes (``keep_best`` -> ``--keep-best``), after
+    the aliases every command shares. (A run builds only the command it names: the others'
+    options cannot be asked.)
     """
     if command is None:
         return {}

@@ -6,38 +6,20 @@ from typing import Annotated
 import typer
 
 from ckpt_cli.cli.errors import EXIT_OK
-from ckpt_cli.cli.options import (
-    AllowGlobalOpt,
-    CheckpointArg,
-    Common,
-    InputFormatOpt,
-    RunPatternOpt,
-    common_options,
-)
+from ckpt_cli.cli.options import CheckpointArg, Common, common_options, from_options
+from ckpt_cli.ops.options.inspect import InspectOptions
 
 
 @common_options("storage_option", "json")
+@from_options(InspectOptions)
 def inspect_cmd(
     path: CheckpointArg,
-    tensors: Annotated[bool, typer.Option(
-        "--tensors", "-t", help="List the tensors (over 1,000: the first and last 500 and a "
-                                "row counting the rest; --all lists every one).")] = False,
-    filter_glob: Annotated[str | None, typer.Option(
-        "--filter", metavar="GLOB", help="Only tensors whose name matches GLOB "
-                                         "(e.g. '*.attn.*'); implies --tensors.")] = None,
-    sort: Annotated[str, typer.Option("--sort", metavar="size|name",
-                                      help="Order of --tensors rows.")] = "name",
-    tree: Annotated[bool, typer.Option("--tree", help="Parameters grouped by module "
-                                                      "prefix.")] = False,
-    depth: Annotated[int, typer.Option("--depth", min=1, help="Levels of --tree.")] = 3,
-    pattern: RunPatternOpt = None,
     all_rows: Annotated[bool, typer.Option(
-        "--all", help="A row for every checkpoint of a run directory and every tensor of "
-                      "--tensors (by default a long list shows its first and last rows).")
-    ] = False,
-    input_format: InputFormatOpt = None,
-    allow_global: AllowGlobalOpt = None,
+        "--all-rows", "--all", help="A row for every checkpoint of a run directory and every "
+                                    "tensor of --tensors (by default a long list shows its "
+                                    "first and last rows).")] = False,
     *,
+    options: InspectOptions,
     common: Common,
 ) -> None:
     """Show what is in a checkpoint: format, tensors, parameters, dtypes, bytes, step.
@@ -50,7 +32,7 @@ def inspect_cmd(
     Examples:
       ckpt inspect model.safetensors
       ckpt inspect run/step_1000 --tree --depth 2
-      ckpt inspect train.pt --tensors --filter '*.attn.*' --sort size
+      ckpt inspect train.pt --tensors --name-glob '*.attn.*' --sort size
       ckpt inspect run/ --json
       ckpt inspect run/ --all
       ckpt inspect model-fp8/
@@ -58,9 +40,7 @@ def inspect_cmd(
     from ckpt_cli.ops.inspect import inspect
 
     with common.handled() as outcome:
-        result = inspect(path, fmt=input_format, tensors=tensors, filter_glob=filter_glob,
-                         sort=sort, tree=tree, depth=depth, pattern=pattern,
-                         allow_globals=allow_global or ())
+        result = inspect(path, options)
         outcome.exit_code = EXIT_OK
         from ckpt_cli.render.inspect import show
 

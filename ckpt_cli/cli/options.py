@@ -159,7 +159,7 @@ KeepAbandonedOpt = Annotated[bool, typer.Option(
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", "-n",
                                          help="Show what would be done and stop.")]
-ForceOpt = Annotated[bool, typer.Option("--force", "--overwrite",
+ForceOpt = Annotated[bool, typer.Option("--overwrite", "--force",
                                         help="Replace an existing output.")]
 
 
@@ -174,7 +174,7 @@ CastToOpt = Annotated[str, typer.Option("--to", metavar="fp16|bf16|fp32|keep",
                                         help="Cast floating-point model tensors.",
                                         autocompletion=_cast_targets)]
 OutputFormatOpt = Annotated[str | None, typer.Option(
-    "--format", "-f", metavar="safetensors|pt",
+    "--output-format", "-f", "--format", metavar="safetensors|pt",
     help="Output file format (default: from the output's suffix, else safetensors).")]
 PartOpt = Annotated[Any, typer.Option(
     "--part", metavar="K/N|auto", parser=part_parser,
@@ -348,6 +348,95 @@ def common_options(*names: str) -> Callable[[Callable[..., None]], Callable[...,
         def run(**kwargs: Any) -> None:
             common = Common(**{name: kwargs.pop(name) for name in names})
             command(**kwargs, common=common)
+
+        run.__signature__ = signature  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+        run.__annotations__["return"] = signature.return_annotation
+        return run
+
+    return decorate
+
+
+def _cli_type(hint: Any) -> tuple[Any, bool]:
+    """The type typer parses an option's value as, from the field's type: ``Literal`` values
+    as text (the op checks them), repeatable options (a tuple) as a list; and whether the
+    field is a tuple."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = len(args) < len(typing.get_args(hint))
+    base = args[0] if optional and len(args) == 1 else hint
+    if typing.get_origin(base) is typing.Literal:
+        base = type(typing.get_args(base)[0])
+    if typing.get_origin(base) is tuple:
+        return list[str] | None, True
+    return (base | None if optional else base), False
+
+
+_KIND_PARSERS: dict[str, Callable[[str, bool], Callable[[Any], Any]]] = {
+    "size": lambda flag, zero: size_parser(flag, empty_is_none=True, allow_zero=zero),
+    "duration": lambda flag, zero: duration_parser(flag, allow_zero=zero),
+    "count": lambda flag, zero: whole_parser(flag),
+    "rate": lambda flag, zero: rate_parser(flag),
+}
+
+
+def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
+                      flags: list[str]) -> inspect.Parameter:
+    """The typer parameter of one declared option."""
+    from ckpt_cli.optionspec import flag as flag_of
+    from ckpt_cli.optionspec import word
+
+    annotation, _ = _cli_type(hint)
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if isinstance(default, tuple):
+        default = None
+    how: dict[str, Any] = {"help": word(spec.help, "cli"), "metavar": spec.metavar,
+                           "show_default": default is not None and default not in ((), False)}
+    if spec.min is not None:
+        how["min"] = spec.min
+    if spec.kind in _KIND_PARSERS:
+        how["parser"] = _KIND_PARSERS[spec.kind](flag_of(f.name), spec.allow_zero)
+    elif spec.kind == "part":
+        annotation, how["parser"] = Any, part_parser
+    elif spec.kind == "path":
+        annotation, how["parser"] = Location, location
+    choices = typing.get_args(next((a for a in typing.get_args(hint) or (hint,)
+                                    if typing.get_origin(a) is typing.Literal), None))
+    if choices:
+        how["autocompletion"] = lambda incomplete: [c for c in choices
+                                                    if c.startswith(incomplete)]
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[annotation, typer.Option(*flags, **how)])
+
+
+def from_options(cls: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command one option per field :func:`ckpt_cli.optionspec.option` declares in
+    the options dataclass ``cls``: flag ``--`` + the field's name with dashes, its short flag
+    and aliases, its default and help. The command declares a keyword-only ``options: cls``
+    parameter and gets the values as one ``cls`` instance.
+    """
+    from ckpt_cli.optionspec import flag as flag_of
+    from ckpt_cli.optionspec import options_of
+
+    hints = typing.get_type_hints(cls)
+    declared = [(f, s) for f, s in options_of(cls) if s.cli]
+    added = [_option_parameter(f, s, hints[f.name],
+                               [flag_of(f.name), *([s.short] if s.short else []), *s.aliases])
+             for f, s in declared]
+    tuples = {f.name for f, _ in declared if _cli_type(hints[f.name])[1]}
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own = inspect.signature(command, eval_str=True)
+        rest = [p for p in own.parameters.values() if p.name != "options"]
+        positional = [p for p in rest if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        keyword = [p for p in rest if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        signature = own.replace(parameters=[*positional, *added, *keyword])
+
+        @functools.wraps(command)
+        def run(**kwargs: Any) -> None:
+            values = {f.name: kwargs.pop(f.name) for f, _ in declared}
+            for name in tuples:
+                values[name] = tuple(values[name] or ())
+            command(**kwargs, options=cls(**values))
 
         run.__signature__ = signature  # type: ignore[attr-defined]
         run.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}

@@ -70,7 +70,8 @@ def prune_cmd(
         "--any-dir", help="Prune even /, $HOME or a directory that does not look like a run "
         "directory.")] = False,
     old_force: Annotated[bool, typer.Option(
-        "--force", hidden=True, help="Deprecated name of --any-dir.")] = False,
+        "--force", hidden=True, help="Refused: --force replaces an output in every command; "
+        "prune's old --force is --any-dir.")] = False,
     dry_run: DryRunOpt = False,
     yes: YesOpt = False,
     *,
@@ -99,9 +100,12 @@ def prune_cmd(
         from ckpt_cli.ops.prune import execute, plan
 
         if old_force:
-            sys.stderr.write("ckpt: warning: prune --force is deprecated; use --any-dir (same "
-                             "meaning)\n")
-            any_dir = True
+            # --force means one thing in every command (replace an existing output); prune's
+            # old --force, deprecated for a release, now stops rather than guess: nothing is
+            # deleted.
+            raise UsageError("prune has no --force: --force replaces an existing output, and "
+                             "prune's old --force is now --any-dir", hint="use --any-dir to "
+                             "prune /, $HOME or a directory that does not look like a run")
         if common.json and not yes and not dry_run:
             raise UsageError("--json never asks for confirmation: add --yes to delete, or "
                              "--dry-run to only see the plan")
@@ -136,6 +140,7 @@ def prune_cmd(
         if common.json:
             from ckpt_cli.render import json as rj
 
+            result.caller = "cli"
             rj.emit_result(result)
         else:
             view.finish(result)
@@ -233,7 +238,13 @@ class _View:
                     _plain(plan_line(d, dry_run=self.dry_run))
             for line in leftover_lines(plan, dry_run=self.dry_run):
                 _plain(line)
-        human.print_findings([*plan.listing.findings, *plan.findings])
+        from dataclasses import replace
+
+        from ckpt_cli.optionspec import word
+
+        human.print_findings([*plan.listing.findings,
+                              *(replace(f, message=word(f.message, "cli"))
+                                for f in plan.findings)])
 
     def ask(self, plan: "PrunePlan") -> bool:
         """Ask whether to delete (the plan is on screen already); end of input means no."""

@@ -30,12 +30,12 @@ def _sort_keys(incomplete: str) -> list[str]:
 @common_options(*STREAMING)
 def stats_cmd(
     path: CheckpointArg,
-    everything: Annotated[bool, typer.Option(
-        "--all", help="Every tensor (optimizer state: exp_avg, exp_avg_sq...), not only model "
-                      "weights and buffers.")] = False,
-    filter_glob: Annotated[str | None, typer.Option(
-        "--filter", metavar="GLOB", help="Only tensors whose name matches GLOB, e.g. "
-                                         "'layers.*.attn.*'.")] = None,
+    all_tensors: Annotated[bool, typer.Option(
+        "--all-tensors", "--all", help="Every tensor (optimizer state: exp_avg, "
+        "exp_avg_sq...), not only model weights and buffers.")] = False,
+    name_glob: Annotated[str | None, typer.Option(
+        "--name-glob", "--filter", metavar="GLOB", help="Only tensors whose name matches "
+        "GLOB, e.g. 'layers.*.attn.*'.")] = None,
     depth: Annotated[int | None, typer.Option(
         "--depth", min=1, metavar="N", help="Name components per module of the roll-up "
                                             "(default: the tensor's own module).",
@@ -110,7 +110,7 @@ def stats_cmd(
             from ckpt_cli.render.stats_plot import check_plot
 
             check_plot(plot)
-        options = StatsOptions(everything=everything, filter_glob=filter_glob, depth=depth,
+        options = StatsOptions(everything=all_tensors, filter_glob=name_glob, depth=depth,
                                hist=hist, every=every, last=last, jump=jump,
                                cache=not no_cache, cache_dir=cache_dir, fmt=input_format,
                                pattern=pattern, jobs=jobs, max_memory=common.max_memory,

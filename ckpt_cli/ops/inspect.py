@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from ckpt_cli.formats import allowlist, check_exists, read_index
 from ckpt_cli.formats.directory import NESTED_CHECKPOINTS
 from ckpt_cli.fp8 import scheme
 from ckpt_cli.model import GROUPS, CheckpointIndex, RunListing, TensorInfo, parameters_of
+from ckpt_cli.ops.options.inspect import InspectOptions as InspectOptions
 from ckpt_cli.resolve import resolve
 from ckpt_cli.runs import list_run
 
@@ -114,22 +114,14 @@ class InspectResult(documents.Documented):
 
 # -- the op ----------------------------------------------------------------------------------------
 
-def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
-            filter_glob: str | None = None, sort: str = "name", tree: bool = False,
-            depth: int = 3, pattern: str | None = None,
-            allow_globals: Iterable[str] = ()) -> InspectResult:
+def inspect(path: str | Path, options: InspectOptions | None = None, *,
+            progress: object = None) -> InspectResult:
     """Describe a checkpoint or a run directory, reading metadata only.
 
     Args:
         path: A checkpoint file or directory, or a run directory.
-        fmt: Force a format (skips run-directory detection).
-        tensors: Select tensors for a per-tensor listing.
-        filter_glob: Keep tensors whose name matches this glob (implies ``tensors``).
-        sort: ``name`` (file order), ``size`` (largest first) or ``name-alpha``.
-        tree: Build a module tree.
-        depth: Levels of the module tree.
-        pattern: For run directories, a regex overriding checkpoint-name recognition.
-        allow_globals: Pickle globals the user trusts: their findings become notes.
+        options: What to show (:class:`InspectOptions`; default: the summary).
+        progress: Unused (inspect reads headers only); the ops' common signature.
 
     Returns:
         The :class:`InspectResult`.
@@ -138,6 +130,9 @@ def inspect(path: str | Path, *, fmt: str | None = None, tensors: bool = False,
         CkptError: Missing path, unknown format, corrupt input.
         UsageError: Bad ``sort`` or ``depth``.
     """
+    o = options if options is not None else InspectOptions()
+    fmt, tensors, filter_glob, sort = o.input_format, o.tensors, o.name_glob, o.sort
+    tree, depth, pattern, allow_globals = o.tree, o.depth, o.pattern, o.allow_global
     p = storage.locate(path)
     check_exists(p)
     if sort not in ("name", "size", "name-alpha"):

@@ -162,7 +162,7 @@ def tensors_table(tensors: list[TensorInfo], limit: int | None = None) -> Table:
         out.add_row(t.name, t.dtype, shape(t), f"{t.numel:,}", size(t.nbytes), t.group)
     if hidden:
         rest = tensors[head:head + hidden]
-        out.add_row(Text(f"... {hidden:,} more (--all lists every one)", style="dim"), "", "",
+        out.add_row(Text(f"... {hidden:,} more (--all-rows lists every one)", style="dim"), "", "",
                     f"{sum(t.numel for t in rest):,}", size(sum(t.nbytes for t in rest)), "")
         for t in tensors[head + hidden:]:
             out.add_row(t.name, t.dtype, shape(t), f"{t.numel:,}", size(t.nbytes), t.group)

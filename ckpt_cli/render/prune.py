@@ -15,6 +15,7 @@ from rich.text import Text
 from ckpt_cli.formats.names import TRASH_PREFIX
 from ckpt_cli.ops.prune.result import PruneEvent, PruneResult
 from ckpt_cli.ops.prune.retention import Decision, PrunePlan
+from ckpt_cli.optionspec import word
 from ckpt_cli.render import human
 from ckpt_cli.render.human import size
 
@@ -23,6 +24,11 @@ def prune_doc(result: PruneResult) -> dict[str, Any]:
     """The ``--json`` document of a prune, without ``schema_version`` and ``command``:
     ``result.json_body()`` (see docs/json-schema.md, section ``prune``)."""
     return result.json_body()
+
+
+def _reasons(d: Decision) -> str:
+    """A decision's reasons, options named as the command line's flags (``--keep 2``)."""
+    return "; ".join(word(r, "cli") for r in d.reasons)
 
 
 def decisions_table(plan: PrunePlan) -> Table:
@@ -37,7 +43,7 @@ def decisions_table(plan: PrunePlan) -> Table:
         action = (Text("delete", style="red") if d.delete else Text("thin", style="yellow")
                   if d.thin else Text("keep", style="green"))
         table.add_row(e.name, "-" if e.step is None else f"{e.step:,}", when, size(e.bytes),
-                      action, "; ".join(d.reasons))
+                      action, _reasons(d))
     return table
 
 
@@ -47,7 +53,7 @@ def plan_line(d: Decision, *, dry_run: bool) -> str:
     verb = ("delete" if d.delete else "thin" if d.thin else "keep")
     if dry_run and verb != "keep":
         verb = f"would {verb}"
-    return f"{verb} {d.entry.name} ({size(d.entry.bytes)}): {'; '.join(d.reasons)}"
+    return f"{verb} {d.entry.name} ({size(d.entry.bytes)}): {_reasons(d)}"
 
 
 def leftover_lines(plan: PrunePlan, *, dry_run: bool) -> list[str]:
@@ -73,18 +79,18 @@ def event_line(event: PruneEvent) -> str | None:
     if event.kind == "trash":
         return f"removed leftover trash {event.name} (from an interrupted prune)"
     if event.kind == "thinned":
-        return f"thinned {event.name}: {event.detail}"
+        return f"thinned {event.name}: {word(event.detail or '', 'cli')}"
     if event.kind == "thin-skipped":
-        return f"left {event.name} whole: {event.detail}"
+        return f"left {event.name} whole: {word(event.detail or '', 'cli')}"
     d = event.decision
     if event.kind not in ("deleted", "skipped", "failed"):
         return None
     what = f"{event.name} ({size(d.entry.bytes)})" if d else str(event.name)
     if event.kind == "deleted":
-        return f"deleted {what}: {'; '.join(d.reasons)}" if d else f"deleted {what}"
+        return f"deleted {what}: {_reasons(d)}" if d else f"deleted {what}"
     if event.kind == "skipped":
-        return f"skipped {what}: kept after all, {event.detail}"
-    return f"FAILED to delete {what}: {event.detail}"
+        return f"skipped {what}: kept after all, {word(event.detail or '', 'cli')}"
+    return f"FAILED to delete {what}: {word(event.detail or '', 'cli')}"
 
 
 def headline(plan: PrunePlan) -> str:

@@ -197,8 +197,8 @@ def check_destination(dest: Path, *, kind: Literal["file", "dir"] = "file",
                                          hint="remove it yourself, or give a new name")
         if not overwrite and not (is_dir and _is_empty_dir(dest)):
             raise DestinationExistsError("already exists", path=dest,
-                                         hint="pass overwrite (or force) to replace it",
-                                         param=("overwrite", "force"))
+                                         hint="pass overwrite to replace it",
+                                         param="overwrite")
     _check_parent(dest, parents)
 
 

@@ -14,8 +14,7 @@ import ckpt_cli
 ORDER = ("inspect", "validate", "diff", "stats", "convert", "consolidate", "prune", "plan",
          "resume_path", "watch_once")
 # Keywords whose option is not ``--`` and the keyword with dashes.
-FLAGS = {"from_path": "--from", "async_save": "--async",
-         "storage_options": "--storage-option KEY=VALUE", "dry_run": "--dry-run (default here)",
+FLAGS = {"storage_options": "--storage-option KEY=VALUE", "dry_run": "--dry-run (default here)",
          "metadata": "--metadata/--no-metadata", "manifest": "--manifest/--no-manifest",
          "with_optimizer": "--with-optimizer/--model-only"}
 NOT_FLAGS = {"on_progress": "(the progress bar)", "on_event": "(the lines printed)"}

@@ -39,9 +39,9 @@ def _json(result: Result, code: int = 0) -> Any:
 
 
 def test_inspect_is_the_cli_document(sample_run: Path, cli: Callable[..., Result]) -> None:
-    r = ckpt_cli.inspect(sample_run, tree=True, depth=2, filter="*.attn.*", sort="size")
+    r = ckpt_cli.inspect(sample_run, tree=True, depth=2, name_glob="*.attn.*", sort="size")
     doc = r.to_dict()
-    assert doc == _json(cli("inspect", sample_run, "--tree", "--depth", "2", "--filter",
+    assert doc == _json(cli("inspect", sample_run, "--tree", "--depth", "2", "--name-glob",
                             "*.attn.*", "--sort", "size", "--json"))
     assert (doc["schema_version"], doc["command"], doc["kind"]) == (1, "inspect", "run")
     assert r.index is not None and doc["num_parameters"] == r.index.num_parameters > 0
@@ -86,7 +86,7 @@ def test_diff_is_the_cli_document(sample_run: Path, cli: Callable[..., Result]) 
     assert doc == _json(cli("diff", a, b, "--by-module", "--depth", "2", "--rtol", "1e-3",
                             "--json"), code=1)
     assert doc["modules"] and doc["equal"] is False
-    same = ckpt_cli.diff(a, a, structure_only=True, all=True)
+    same = ckpt_cli.diff(a, a, structure_only=True, all_tensors=True)
     assert same.equal
     assert same.to_dict() == _json(cli("diff", a, a, "--structure-only", "--all", "--json"))
 
@@ -104,7 +104,7 @@ def test_stats_is_the_cli_document(sample_run: Path, cli: Callable[..., Result],
                                                 "cached_tensors": 0, "computed_tensors":
                                                 doc["read"]["computed_tensors"]}})
     assert again["read"]["bytes"] == 0  # the API's call filled the cache
-    one = ckpt_cli.stats(sample_run / "step_000300", all=True, filter="*exp_avg_sq",
+    one = ckpt_cli.stats(sample_run / "step_000300", all_tensors=True, name_glob="*exp_avg_sq",
                          no_cache=True)
     assert one.to_dict() | {"read": None} == _json(cli(
         "stats", sample_run / "step_000300", "--all", "--filter", "*exp_avg_sq", "--no-cache",
@@ -145,8 +145,14 @@ def test_prune_is_the_cli_document(sample_copy: Path, cli: Callable[..., Result]
     r = ckpt_cli.prune(sample_copy, keep=1, grace=0)  # a dry run by default
     assert r.dry_run and r.deleted == [] and r.ok
     doc = r.to_dict()
-    assert doc == _json(cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--dry-run",
-                            "--json"))
+    cli_doc = _json(cli("prune", sample_copy, "--keep", "1", "--grace", "0", "--dry-run",
+                        "--json"))
+    # The reasons name options as each caller spells them: keep=1 here, --keep 1 there.
+    reasons = [c.pop("reasons") for c in doc["checkpoints"]]
+    cli_reasons = [c.pop("reasons") for c in cli_doc["checkpoints"]]
+    assert doc == cli_doc
+    assert any("newest 1 complete (keep=1)" in rs for rs in reasons)
+    assert [[r.replace("keep=1", "--keep 1") for r in rs] for rs in reasons] == cli_reasons
     assert sorted(p.name for p in sample_copy.iterdir()) == before
     doomed = [c["name"] for c in doc["checkpoints"] if c["action"] == "delete"]
     assert doomed

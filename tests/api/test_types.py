@@ -38,9 +38,10 @@ def test_each_alias_lists_what_the_op_accepts(alias: str, runtime: object) -> No
 
 
 def test_literal_keywords_are_the_aliases() -> None:
-    hints = {n: ckpt_cli.convert.__annotations__[n] for n in ("to", "fp8_layout", "format")}
+    hints = {n: ckpt_cli.convert.__annotations__[n]
+             for n in ("to", "fp8_layout", "output_format")}
     assert hints == {"to": "ConvertTarget", "fp8_layout": "Fp8Layout",
-                     "format": "OutputFormat | None"}
+                     "output_format": "OutputFormat | None"}
     assert ckpt_cli.inspect.__annotations__["input_format"] == "InputFormat | None"
 
 

@@ -45,7 +45,7 @@ def test_completion_offers_the_cast_targets(command: str) -> None:
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                            text=True, timeout=60)
         answers.append(r.stdout.split())
-    every = ["fp16", "bf16", "fp32", "fp8", "keep"] if command == "convert" else [
+    every = ["fp16", "bf16", "fp32", "fp8", "keep", "dcp"] if command == "convert" else [
         "fp16", "bf16", "fp32", "keep"]
     assert answers == [every, ["bf16"]]
 

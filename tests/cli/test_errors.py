@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from ckpt_cli.cli.app import build
 from ckpt_cli.errors import UsageError
 from ckpt_cli.ops.convert import convert
-from ckpt_cli.ops.inspect import inspect
+from ckpt_cli.ops.inspect import InspectOptions, inspect
 from ckpt_cli.ops.prune.retention import PrunePolicy
 from ckpt_cli.ops.validate import validate
 from ckpt_cli.ops.watch.wake import make_waker
@@ -59,7 +59,8 @@ def test_library_errors_name_the_parameter(good: Path, tmp_path: Path) -> None:
         (lambda: memory_budget(1000),
          "max_memory must be at least 64MiB (one piece of a tensor), not 1,000 bytes",
          ("max_memory",)),
-        (lambda: inspect(good, sort="bogus"), "sort must be name or size, not 'bogus'", ("sort",)),
+        (lambda: inspect(good, InspectOptions(sort="bogus")),  # type: ignore[arg-type]
+         "sort must be name or size, not 'bogus'", ("sort",)),
         (lambda: parse_part("0/4"), "part 0/4: K must be between 1 and N (parts count from 1)",
          ("part",)),
         (lambda: parse_options(["novalue"]), "storage_options wants KEY=VALUE, not 'novalue'",
@@ -101,7 +102,7 @@ CLI_CASES = [
     (["convert", "{good}", "--dequantize", "-o", "{tmp}/o.safetensors"],
      "--dequantize needs --to bf16, fp16 or fp32", None),
     (["convert", "{good}", "--to", "fp8", "--format", "pt", "-o", "{tmp}/o"],
-     "--to fp8 writes safetensors (an HF directory); not --format pt", None),
+     "--to fp8 writes safetensors (an HF directory); not --output-format pt", None),
     # The library's manifest_algorithm is validate's --manifest-hash.
     (["validate", "{good}", "--manifest-hash", "bogus"],
      "--manifest-hash must be one of xxh3_128, blake3, sha256, not 'bogus'", None),
@@ -110,25 +111,25 @@ CLI_CASES = [
      "--require: unknown requirement 'nothing'; choose from optimizer, step", None),
     (["inspect", "{good}", "--sort", "bogus"], "--sort must be name or size, not 'bogus'", None),
     (["diff", "{good}", "{good}", "--filter", "nomatch*"],
-     "--filter 'nomatch*' matches no tensor on either side", None),
+     "--name-glob 'nomatch*' matches no tensor on either side", None),
     # "to keep:" and "a part" are English, not the parameters keep and part.
     (["prune", "{run}", "--dry-run"],
      "say what to keep: --keep N, --keep-every STEPS, --keep-best N --metric NAME, "
      "--older-than AGE or --max-total-size SIZE (or what to thin: --thin-after N)", None),
     (["validate", "{good}", "--part", "0/2"],
      "--part 0/2: K must be between 1 and N (parts count from 1)", None),
-    # plan's measure_dir is --measure, from_path --from, async_save --async.
+    # Each flag is its parameter's name: --measure-dir, --from-path, --async-save.
     (["plan", "--params", "7B", "--measure-size", "1GB"],
-     "--measure-size and --measure-streams need --measure DIR", None),
-    (["plan", "--params", "7B", "--input-format", "dcp"], "--input-format applies to --from PATH",
-     None),
+     "--measure-size and --measure-streams need --measure-dir DIR", None),
+    (["plan", "--params", "7B", "--input-format", "dcp"],
+     "--input-format applies to --from-path PATH", None),
     (["plan", "--params", "7B", "--bandwidth", "10MB/s", "--mtbf", "1h"],
      "the checkpoint write time (2h 43m) is at least twice the MTBF (1h): Daly's formula "
      "does not apply there and the run would spend most of its time saving and redoing work; "
-     "use faster storage, --async, or a more reliable job", None),
-    # A hint naming flags; --overwrite is sample's, --force convert's own.
+     "use faster storage, --async-save, or a more reliable job", None),
+    # A hint naming a flag: --overwrite in every command (--force is its alias).
     (["convert", "{good}", "-o", "{tmp}/exists.safetensors"], "already exists",
-     "pass --overwrite (or --force) to replace it"),
+     "pass --overwrite to replace it"),
     (["sample", "{tmp}/notes"], "already exists", "pass --overwrite to replace it"),
 ]
 

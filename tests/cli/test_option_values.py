@@ -55,7 +55,8 @@ def test_keep_full_every_takes_suffixes(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     reasons = {c["step"]: c["reasons"] for c in doc["checkpoints"]}
-    assert "kept whole: step 20,000 is a multiple of 20,000 (--keep-full-every)" in reasons[20_000]
+    assert ("kept whole: step 20,000 is a multiple of 20,000 (--keep-full-every 20000)"
+            in reasons[20_000])
     assert not any("--keep-full-every" in why for why in reasons[10_000])
     assert run_cli("prune", run, "--keep-full-every", "0", "--dry-run").exit_code == 2
 

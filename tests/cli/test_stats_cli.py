@@ -94,7 +94,7 @@ def test_exit_codes(clean: Path, sick: Path, tmp_path: Path, cache: Path) -> Non
     (("--part", "3/2"), "--part"),
     (("--part", "1/2", "--no-cache"), "--part"),
     (("--cache-dir", "s3://bucket/cache"), "--cache-dir"),
-    (("--filter", "nothing.matches.*"), "--filter"),
+    (("--filter", "nothing.matches.*"), "--name-glob"),  # the old flag, the new name
     (("--pattern", "("), "--pattern"),
 ])
 def test_bad_values_are_one_line_errors(clean: Path, cache: Path, args: tuple[str, ...],

@@ -346,7 +346,7 @@ def test_validate_without_fp8_has_no_quantization_check(llama: Path) -> None:
 def test_fp8_refuses_pt_and_fp8_sources(quantized: dict[str, Path], llama: Path,
                                         tmp_path: Path) -> None:
     r = run_cli("convert", llama, "--to", "fp8", "--format", "pt", "-o", tmp_path / "o")
-    assert r.exit_code == 2 and "--format pt" in r.output
+    assert r.exit_code == 2 and "--output-format pt" in r.output
     r = run_cli("convert", quantized["block"], "--to", "fp8", "-o", tmp_path / "o")
     assert r.exit_code == 2 and "already holds 8 FP8 tensor(s)" in " ".join(r.output.split())
     assert not (tmp_path / "o").exists()

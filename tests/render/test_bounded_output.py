@@ -37,7 +37,7 @@ def test_inspect_tensors_lists_the_first_and_last_rows_of_a_long_list(tmp_path: 
     assert len(every_row) == n
     half = TENSOR_ROWS // 2
     assert rows == every_row[:half] + every_row[-half:]
-    more = [x for x in r.stdout.splitlines() if "more (--all lists every one)" in x]
+    more = [x for x in r.stdout.splitlines() if "more (--all-rows lists every one)" in x]
     assert len(more) == 1 and "... 1,500 more" in more[0]
     assert "3,000" in more[0]  # the parameters of the rows left out: 1,500 tensors of 2
     assert len(r.stdout.splitlines()) < TENSOR_ROWS + 40

@@ -50,9 +50,9 @@ def size_from_checkpoint(path: str | Path, fmt: str | None = None) -> Checkpoint
         CkptError: Missing or unreadable input, or a run directory without a complete
             checkpoint.
     """
-    from ckpt_cli.ops.inspect import inspect
+    from ckpt_cli.ops.inspect import InspectOptions, inspect
 
-    result = inspect(path, fmt=fmt)
+    result = inspect(path, InspectOptions(input_format=fmt))  # type: ignore[arg-type]
     index = result.index
     if index is None:
         raise CkptError(result.describe_error or "no complete checkpoint in this run directory",
@@ -147,7 +147,7 @@ def plan(options: PlanOptions | None = None, *,
     if opts.interval is not None:
         result.current = result.figures_at(opts.interval)
     if result.bandwidth is None:
-        result.notes.append("give --bandwidth or --measure DIR for the write time and the "
+        result.notes.append("give --bandwidth or --measure-dir DIR for the write time and the "
                             "optimal interval")
     if result.mtbf is None:
         result.notes.append("give --mtbf, or --gpus with --gpu-mtbf, for the optimal interval "
@@ -190,8 +190,8 @@ def _optimum(result: PlanResult) -> None:
     if result.async_save and daly < write:
         # Past the write time the loss grows with the interval, and below it the saves queue
         # up behind each other, so the best feasible interval is the write time itself.
-        result.notes.append("with --async the optimum is raised to the write time: a save must "
-                            "reach storage before the next one starts")
+        result.notes.append("with --async-save the optimum is raised to the write time: a save "
+                            "must reach storage before the next one starts")
         young, daly = max(young, write), max(daly, write)
     if result.async_save and write >= mtbf:
         result.notes.append("a checkpoint takes longer to reach storage than the MTBF: most "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import documents, storage
+from ckpt_cli.optionspec import word
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.prune.result import PruneResult
@@ -26,7 +27,8 @@ def prune_doc(result: PruneResult) -> dict[str, Any]:
     doc: dict[str, Any] = {"path": str(result.path), "dry_run": result.dry_run,
                            "declined": result.declined}
     doc.update(documents.run_dict(plan.listing))
-    doc["run_warnings"] += [f.to_dict() for f in plan.findings]
+    doc["run_warnings"] += [{**f.to_dict(), "message": word(f.message, result.caller)}
+                            for f in plan.findings]
     doc["checkpoints"] = [_decision_dict(result, d) for d in plan.decisions]
     pol = plan.policy
     doc["policy"] = {"keep": pol.keep, "keep_every": pol.keep_every, "keep_best": pol.keep_best,
@@ -77,7 +79,9 @@ def _decision_dict(result: PruneResult, d: Decision) -> dict[str, Any]:
     out = documents.run_entry_dict(d.entry)
     outcome = result.outcomes.get(d.entry.name)
     out.update({"action": "delete" if d.delete else "keep", "status": result.status(d),
-                "kept_by": d.kept_by, "protected_by": d.protected_by, "reasons": d.reasons,
+                "kept_by": d.kept_by, "protected_by": d.protected_by,
+                "reasons": [word(r, result.caller) for r in d.reasons],
                 "metric": d.metric, "valid": d.valid,
-                "detail": outcome.detail if outcome else None})
+                "detail": word(outcome.detail, result.caller) if outcome and outcome.detail
+                else None})
     return out

@@ -392,7 +392,7 @@ def recheck(root: Path, entry: RunEntry, plan: PrunePlan, now: float,
         return (f"it changed since planning ({entry.files:,} -> {scan.files:,} files, "
                 f"{entry.bytes:,} -> {scan.bytes:,} bytes, or newer times)")
     if plan.policy.grace and now - scan.changed < plan.policy.grace:
-        return "it changed within --grace"
+        return "it changed within `grace`"
     why = (pointers or PointerWatch(root, plan)).protects(entry)
     if why:
         return why

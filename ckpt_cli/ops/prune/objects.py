@@ -179,7 +179,7 @@ def _recheck_prefix(root: storage.ObjectPath, entry: RunEntry, plan: PrunePlan,
         return (f"it changed since planning ({entry.files:,} -> {scan.files:,} objects, "
                 f"{entry.bytes:,} -> {scan.bytes:,} bytes, or newer times)")
     if plan.policy.grace and now - scan.mtime < plan.policy.grace:
-        return "it changed within --grace"
+        return "it changed within `grace`"
     pointers, _ = read_pointers(run)
     named = [p for p, target in pointers.items() if target == entry.name]
     if named:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.documents import Documented
+from ckpt_cli.optionspec import Caller
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.prune.retention import Decision, PrunePlan
@@ -80,6 +81,9 @@ class PruneResult(Documented):
         thin_failed: Checkpoints a killed prune began thinning that this one could not settle
             (unreadable, or their manifest could not be written), and why; also in
             ``thin_skipped``. The prune is not ``ok`` then.
+        caller: Whom ``to_dict()`` names options for in reasons and messages: ``python``
+            (``keep=2``) or ``cli`` (``--keep 2``, set by ``ckpt prune``). The decisions keep
+            them neutral, between backticks (:func:`ckpt_cli.optionspec.word`).
     """
 
     path: Path
@@ -99,6 +103,7 @@ class PruneResult(Documented):
     thinned: dict[str, Any] = field(default_factory=dict)
     thin_skipped: dict[str, str] = field(default_factory=dict)
     thin_failed: dict[str, str] = field(default_factory=dict)
+    caller: Caller = "python"
 
     @property
     def bytes_saved(self) -> int:

@@ -212,11 +212,11 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
         abandoned = facts.abandoned.get(e.name)
         if abandoned and policy.keep_abandoned:
             d.kept_by.append("keep-abandoned")
-            d.reasons.append(f"{abandoned}; kept (--keep-abandoned), not counted")
+            d.reasons.append(f"{abandoned}; kept (`keep_abandoned`), not counted")
         # Thinning alone (--thin-after without a retention rule) deletes nothing.
         d.delete = bool(policy.rules()) and not d.kept_by and not d.protected_by
         if d.delete and abandoned:
-            d.reasons = [f"{abandoned} (--keep-abandoned keeps it)"]
+            d.reasons = [f"{abandoned} (`keep_abandoned` keeps it)"]
         elif d.delete:
             why_not = [rule_sets[rule][e.name][1] for rule in RULES
                        if rule in rule_sets and e.name in rule_sets[rule]]
@@ -237,8 +237,9 @@ def plan_prune(listing: RunListing, policy: PrunePolicy, now: float,
         if after > policy.max_total_size:
             findings.append(Finding(
                 "warning", "over-budget",
-                f"{format_size(after)} stay after pruning, more than --max-total-size "
-                f"{format_size(policy.max_total_size)}: other rules or protections keep the rest"))
+                f"{format_size(after)} stay after pruning, more than "
+                f"`max_total_size={format_size(policy.max_total_size)}`: other rules or "
+                "protections keep the rest"))
     return plan
 
 
@@ -332,18 +333,18 @@ def _mark_thinning(ranked: list[RunEntry], policy: PrunePolicy,
             counted += e.name not in uncounted
             if not d.reasons:  # thinning alone: no retention rule said anything
                 d.reasons.append(f"among the newest {k} complete: kept whole "
-                                 f"(--thin-after {k})")
+                                 f"(`thin_after={k}`)")
             continue
         if d.delete or e.name in uncounted or any(p in _NO_THIN for p in d.protected_by):
             continue
         if every and e.step is not None and e.step % every == 0:
             d.reasons.append(f"kept whole: step {e.step:,} is a multiple of {every:,} "
-                             "(--keep-full-every)")
+                             f"(`keep_full_every={every}`)")
             continue
         d.thin = True
         d.reasons.append(f"older than the newest {k} complete: its optimizer state goes "
-                         f"(--thin-after {k}"
-                         + (f", --thin-to {policy.thin_to})" if policy.thin_to else ")"))
+                         f"(`thin_after={k}`"
+                         + (f", `thin_to={policy.thin_to}`)" if policy.thin_to else ")"))
 
 
 def _not_counted(e: RunEntry, protections: list[tuple[str, str]], facts: RunFacts) -> str | None:
@@ -393,7 +394,7 @@ def _protections(listing: RunListing, policy: PrunePolicy, now: float,
         if age < 0:  # a clock ahead of ours (NFS): its age is unknown, so it may be in use
             add(e.name, "recent", f"changed {ago(age)}: may still be being written")
         elif policy.grace and age < policy.grace:
-            add(e.name, "recent", f"changed {ago(age)}, within --grace {dur(policy.grace)}: "
+            add(e.name, "recent", f"changed {ago(age)}, within `grace={dur(policy.grace)}`: "
                                   "may still be being written")
         if e.name in facts.locks:
             add(e.name, "locked", f"lock file {facts.locks[e.name]} present: a writer may hold "
@@ -420,7 +421,7 @@ def _newest_valid_reason(ranked: list[RunEntry], newest: RunEntry, facts: RunFac
                     for e in newer[-3:])
     more = f" and {len(newer) - 3} more" if len(newer) > 3 else ""
     dropped = "keep" in keep_sets and not keep_sets["keep"][newest.name][0]
-    note = ", kept although --keep would drop it" if dropped else ""
+    note = ", kept although `keep` would drop it" if dropped else ""
     return (f"the newest valid checkpoint{note}: the {len(newer)} newer one(s) are incomplete "
             f"or invalid ({why}{more})")
 
@@ -434,7 +435,7 @@ def _halt_reason(listing: RunListing, ranked: list[RunEntry],
     dangling = [f for f in listing.findings if f.code == DANGLING_POINTER]
     if dangling:
         return (f"nothing is deleted: {dangling[0].message}, so what training resumes from is "
-                "unknown (--pattern if it is a checkpoint ckpt does not recognise)")
+                "unknown (`pattern` if it is a checkpoint ckpt does not recognise)")
     if ranked and newest_valid is None and any(e.complete for e in ranked):
         return ("nothing is deleted: no checkpoint passed quick validation, so there is no "
                 "known-good checkpoint to fall back on")

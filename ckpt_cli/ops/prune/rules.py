@@ -140,18 +140,18 @@ def keep_sets(ranked: list[RunEntry], entries: list[RunEntry], policy: PrunePoli
                 # Fewer than N counted ones are newer: it sits among (or before) the newest
                 # N, not necessarily newer than all of them.
                 keep_set[e.name] = (True, f"fewer than {n} complete ones are newer "
-                                          f"(--keep {n}); not counted: {why}")
+                                          f"(`keep={n}`); not counted: {why}")
             else:
                 counted += 1
-                keep_set[e.name] = (True, f"newest {n} complete (--keep {n})")
+                keep_set[e.name] = (True, f"newest {n} complete (`keep={n}`)")
         out["keep"] = keep_set
     if policy.keep_every is not None:
         k = policy.keep_every
         out["keep-every"] = {
-            e.name: (True, f"step {e.step:,} is a multiple of {k:,} (--keep-every)")
+            e.name: (True, f"step {e.step:,} is a multiple of {k:,} (`keep_every={k}`)")
             if e.step is not None and e.step % k == 0 else
             (False, f"step {e.step:,} is not a multiple of {k:,}" if e.step is not None
-             else "no step to compare with --keep-every")
+             else "no step to compare with `keep_every`")
             for e in ranked}
     if policy.keep_best is not None:
         out["keep-best"] = _best(ranked, policy, metrics)
@@ -159,7 +159,7 @@ def keep_sets(ranked: list[RunEntry], entries: list[RunEntry], policy: PrunePoli
         limit = policy.older_than
         out["older-than"] = {
             e.name: (now - e.mtime < limit,
-                     f"modified {ago(now - e.mtime)}, within --older-than {dur(limit)}"
+                     f"modified {ago(now - e.mtime)}, within `older_than={dur(limit)}`"
                      if now - e.mtime < limit else
                      f"modified {ago(now - e.mtime)}, older than {dur(limit)}")
             for e in ranked}
@@ -173,8 +173,8 @@ def keep_sets(ranked: list[RunEntry], entries: list[RunEntry], policy: PrunePoli
             used += e.bytes
             fits = fits and used <= budget
             verdict[e.name] = (fits, f"the newest checkpoints up to here fit in "
-                                     f"--max-total-size {format_size(budget)}" if fits else
-                               f"beyond --max-total-size {format_size(budget)} (newest kept first)")
+                                     f"`max_total_size={format_size(budget)}`" if fits else
+                               f"beyond `max_total_size={format_size(budget)}` (newest kept first)")
         out["max-total-size"] = verdict
     return out
 
@@ -193,7 +193,7 @@ def _best(ranked: list[RunEntry], policy: PrunePolicy,
         value = metrics.get(e.name)
         if e.name in best:
             out[e.name] = (True, f"best {n} by {metric} ({policy.mode}): {value:.6g} "
-                                 f"(--keep-best)")
+                                 f"(`keep_best={n}`)")
         elif value is None:
             out[e.name] = (False, f"no {metric} value")
         else:

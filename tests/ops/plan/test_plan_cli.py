@@ -174,7 +174,7 @@ def test_measure(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args,fragment", [
-    ((), "give the model size with --params N or --from PATH"),
+    ((), "give the model size with --params N or --from-path PATH"),
     (("--params", "0"), "--params must be positive, not '0'"),
     (("--params", "-5B"), "cannot parse --params '-5B'"),
     (("--params", "175Q"), "unknown suffix 'Q'"),
@@ -197,8 +197,8 @@ def test_measure(tmp_path: Path) -> None:
     (("--params", "7B", "--mtbf", "4h", "--gpus", "8", "--gpu-mtbf", "5y"), "not both"),
     (("--params", "7B", "--bandwidth", "10MB/s", "--mtbf", "1h"),
      "write time (2h 43m) is at least twice the MTBF (1h): Daly's formula does not apply"),
-    (("--params", "7B", "--snapshot-bandwidth", "5GB/s"), "only matters with --async"),
-    (("--params", "7B", "--measure-size", "1GB"), "need --measure DIR"),
+    (("--params", "7B", "--snapshot-bandwidth", "5GB/s"), "only matters with --async-save"),
+    (("--params", "7B", "--measure-size", "1GB"), "need --measure-dir DIR"),
     (("--params", "7B", "--measure", "/nonexistent-dir"), "no such directory"),
     (("--from", "/nonexistent/ckpt"), "no such file or directory"),
     (("--from", "/nonexistent/ckpt", "--precision", "fp32"), "--precision and --optimizer"),

@@ -446,17 +446,21 @@ def test_refuses_roots_that_cannot_be_meant(sample_copy: Path, tmp_path: Path,
         assert doc["summary"]["to_delete"] == 3
 
 
-def test_old_force_still_prunes_any_dir_and_warns(sample_copy: Path, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_old_force_is_refused_naming_any_dir(sample_copy: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """--force replaces an output in every command; prune's old --force (deprecated for a
+    release) now stops, deleting nothing, and names --any-dir."""
     home = tmp_path / "home"
     shutil.copytree(sample_copy, home)
+    before = sorted(str(p) for p in home.rglob("*"))
     monkeypatch.setenv("HOME", str(home))
-    r = run_cli("prune", home, "--keep", "1", "--grace", "0", "--dry-run", "--json", "--force")
-    assert r.exit_code == 0, r.stderr
-    assert json.loads(r.stdout)["summary"]["to_delete"] == 3
-    warned = [line for line in r.stderr.splitlines() if "deprecated" in line]
-    assert warned == ["ckpt: warning: prune --force is deprecated; use --any-dir (same "
-                      "meaning)"]
+    r = run_cli("prune", home, "--keep", "1", "--grace", "0", "--yes", "--force")
+    assert r.exit_code == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == ("ckpt: error: prune has no --force: --force replaces an existing "
+                        "output, and prune's old --force is now --any-dir")
+    assert "--any-dir" in lines[-1] and "Traceback" not in r.stderr
+    assert sorted(str(p) for p in home.rglob("*")) == before
     assert "--force" not in run_cli("prune", "--help").stdout
 
 

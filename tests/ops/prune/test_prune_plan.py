@@ -117,7 +117,7 @@ def test_keep_counts_only_complete_valid_checkpoints() -> None:
     assert plan.newest_valid == "step_2" and not two.delete
     assert two.reasons == ["the newest valid checkpoint: the 2 newer one(s) are incomplete or "
                            "invalid (step_3: corrupt header, step_4: no .metadata)",
-                           "newest 1 complete (--keep 1)"]
+                           "newest 1 complete (`keep=1`)"]
     # The corrupt and the incomplete one are newer than the one --keep 1 counts: kept, not
     # counted; what is older than it goes.
     assert "not counted: failed quick validation" in plan.decisions[2].reasons[-1]
@@ -308,8 +308,8 @@ def test_keep_wording_for_an_uncounted_one_between_counted_ones() -> None:
     by = {d.entry.name: d for d in plan.decisions}
     three = by["step_3"].reasons
     assert not by["step_3"].delete
-    assert three[-1] == ("fewer than 2 complete ones are newer (--keep 2); not counted: "
+    assert three[-1] == ("fewer than 2 complete ones are newer (`keep=2`); not counted: "
                          "its run ledger verdict is bad")
     assert not any("newer than the newest" in r for d in plan.decisions for r in d.reasons)
-    assert by["step_2"].reasons[-1] == "newest 2 complete (--keep 2)"
+    assert by["step_2"].reasons[-1] == "newest 2 complete (`keep=2`)"
     assert by["step_1"].delete and "not among the newest 2 complete" in by["step_1"].reasons[-1]
