@@ -14,7 +14,6 @@ and :func:`crc32_parallel` checksums a large piece in blocks on a pool and combi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -33,6 +32,9 @@ from typing import Generic, TypeVar
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.storage import access, stages
 from ckpt_cli.storage.access import Handle
+from ckpt_cli.storage.threads import default_jobs as default_jobs
+from ckpt_cli.storage.threads import usable_cpus as usable_cpus
+from ckpt_cli.storage.threads import worker_threads as worker_threads
 
 _crc32_combine: Callable[[int, int, int], int] | None
 try:  # ISA-L's CRC-32 (x86 PCLMUL / ARM PMULL) is ~20x zlib's; zlib is the fallback.
@@ -93,31 +95,6 @@ C = TypeVar("C")
 
 ProgressFn = Callable[[str, int, int], None]
 """``on_progress(label, bytes_done, bytes_total)``: called from the calling thread only."""
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask), or the machine's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def worker_threads() -> int:
-    """Threads per parallel stage (casting blocks): ``CKPT_THREADS`` if set to a positive
-    integer, else the usable CPUs, at most 64."""
-    raw = os.environ.get("CKPT_THREADS", "").strip()
-    if raw.isdigit() and int(raw) > 0:
-        return min(int(raw), 256)
-    return max(1, min(64, usable_cpus()))
-
-
-def default_jobs() -> int:
-    """Threads for reading and checksumming: ``CKPT_THREADS`` if set, else the usable CPUs,
-    at most 8."""
-    if os.environ.get("CKPT_THREADS", "").strip().isdigit():
-        return worker_threads()
-    return max(1, min(8, usable_cpus()))
 
 
 def crc32(data: memoryview | bytes, value: int = 0) -> int:
