@@ -443,7 +443,7 @@ def tiling_problems(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...],
             for k, d in enumerate(shape)]
     if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
         return _pairwise(good, numel)
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     # Cut every axis at every chunk boundary: each cell of the resulting grid is either wholly
     # inside a chunk or wholly outside, so counting chunks per cell decides the tiling.
@@ -579,7 +579,7 @@ def assemble_chunks(t: TensorInfo, locate: Callable[[Chunk], TensorInfo],
     Returns:
         The tensor's values, shaped ``t.shape``.
     """
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     dt = dtypes.numpy_dtype(t.dtype)
     out = np.empty(t.shape, dtype=dt)
