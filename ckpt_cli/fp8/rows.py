@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
+
+from ckpt_cli.storage import stages
+from ckpt_cli.tensors.cast import cast_pool, cast_threads
 
 SUB = 1 << 16
 """Elements per pass of the encoder: its few temporaries stay in the L2 cache (measured on
@@ -28,8 +29,6 @@ class _Scratch(threading.local):
 
     def get(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """FP32 values, two uint32 and one bool buffer of at least ``n`` elements."""
-        import numpy as np
-
         if n > self.size:
             self.size = max(n, SUB)
             self.q = np.empty(self.size, dtype=np.float32)
@@ -59,8 +58,6 @@ def row_groups(pieces: Iterator[np.ndarray], rows: int, cols: int,
     Yields:
         ``(first row, rows x cols array)``.
     """
-    import numpy as np
-
     total = rows * cols
     group = unit * cols
     done = 0  # elements yielded
@@ -100,9 +97,6 @@ def row_groups(pieces: Iterator[np.ndarray], rows: int, cols: int,
 def run_jobs(jobs: list[Callable[[], None]], nbytes: int, stage: str = "quantize") -> None:
     """Run ``jobs`` on the cast threads (inline when one thread or one job), their time
     counted as ``stage`` (see :mod:`ckpt_cli.storage.stages`)."""
-    from ckpt_cli.storage import stages
-    from ckpt_cli.tensors.cast import cast_pool, cast_threads
-
     each = nbytes // max(1, len(jobs))
 
     def job(f: Callable[[], None]) -> None:
