@@ -14,8 +14,8 @@ from ckpt_cli.storage import stages
 from ckpt_cli.tensors.cast import cast_pool, cast_threads
 
 SUB = 1 << 16
-"""Elements per pass of the encoder: its few temporaries stay in the L2 cache (measured on
-the 2-core VM: 64K elements per pass ran ~0.3-0.4 G elements/s per core, 1M 0.07)."""
+"""Elements per pass of the encoder: its few temporaries stay in the L2 cache (the figures
+are in docs/benchmarks/tuning.md)."""
 JOB = 1 << 20
 """Elements per pool task for the channel and tensor layouts (the block layout's task is one
 row of 128x128 blocks)."""

@@ -328,7 +328,7 @@ def module_table(mods: list[ModuleDiff]) -> Table:
 def _meta_title(r: DiffResult) -> str:
     """``Metadata (16: 1 difference, 15 not: ...)``: only changed values both sides have make a
     difference; one-sided values, provenance and a dtype that follows the tensors are listed
-    but are not one (issue 39: the heading called them all differences)."""
+    but are not one, and the heading says so."""
     n = len(r.metadata)
     real = len(r.metadata_changes)
     one_sided = sum(1 for m in r.metadata if m.status != "changed" and not m.provenance)

@@ -47,10 +47,8 @@ except ImportError:  # pragma: no cover - isal has wheels for the platforms ckpt
 
 BUFFER_SIZE = 512 << 10
 """Bytes per positioned read where one thread reads and checksums: the copy and the checksum
-both run on L2-resident bytes (measured: 512 KiB reads hash at ~83% of a bare read's speed,
-4 MiB ones at ~75%; one helper thread reading ahead was slower still on a busy 2-core
-machine). Several readers ahead of one hasher (:func:`read_ahead`, 8 MiB reads) beat it for
-one large file: 4.7 GB hashed in 0.69-0.72 s with two readers against 0.97 s."""
+both run on L2-resident bytes. For one large file, several readers ahead of one hasher
+(:func:`read_ahead`, 8 MiB reads) are faster (docs/benchmarks/tuning.md has the figures)."""
 
 PIECE_BYTES = 64 << 20
 """Bytes of one piece of a tensor streamed through ``convert``/``consolidate``/``diff``: tensors
