@@ -30,7 +30,7 @@ import numpy as np
 from ckpt_cli.errors import CkptError
 from ckpt_cli.fp8.rows import JOB, SCRATCH, row_groups, rows_per_pass, run_jobs
 from ckpt_cli.fp8.scheme import BLOCK, FP8_MAX, scale_shape
-from ckpt_cli.tensors.cast import cast_threads
+from ckpt_cli.tensors import cast
 
 # FP32 bit patterns and constants of the E4M3 encoder (see :func:`_encode`).
 _ABS = 0x7FFFFFFF
@@ -179,7 +179,7 @@ def _tensor_amax(pieces: Iterator[np.ndarray]) -> np.ndarray:
             flat = flat.astype(np.float32)
         if not flat.size:
             continue
-        n = max(JOB, -(-flat.size // max(1, 2 * cast_threads())))
+        n = max(JOB, -(-flat.size // max(1, 2 * cast.cast_threads())))
         found = [np.zeros(1, dtype=np.uint32) for _ in range(0, flat.size, n)]
         run_jobs([functools.partial(_amax_into, flat[i:i + n], found[k])
                   for k, i in enumerate(range(0, flat.size, n))], flat.nbytes)

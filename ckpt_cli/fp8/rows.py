@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from ckpt_cli.storage import stages
-from ckpt_cli.tensors.cast import cast_pool, cast_threads
+from ckpt_cli.tensors import cast
 
 SUB = 1 << 16
 """Elements per pass of the encoder: its few temporaries stay in the L2 cache (the figures
@@ -103,11 +103,11 @@ def run_jobs(jobs: list[Callable[[], None]], nbytes: int, stage: str = "quantize
         with stages.stage(stage, each):
             f()
 
-    if len(jobs) == 1 or cast_threads() <= 1:
+    if len(jobs) == 1 or cast.cast_threads() <= 1:
         for f in jobs:
             job(f)
         return
-    for _ in cast_pool().map(job, jobs):
+    for _ in cast.cast_pool().map(job, jobs):
         pass
 
 

@@ -27,7 +27,7 @@ from ckpt_cli.formats import dcp
 from ckpt_cli.model import CheckpointIndex, Chunk, TensorInfo
 from ckpt_cli.storage import Handle, open_regular, read_full, reads
 from ckpt_cli.storage.reads import crc32_parallel, crc32_range
-from ckpt_cli.tensors.cast import CAST_THREAD, cast_pool, cast_threads
+from ckpt_cli.tensors import cast
 
 _MAX_OPEN = 64
 _MAP_MIN = 1 << 20  # below this a copy is as cheap as setting up a mapping
@@ -376,9 +376,9 @@ def _crc32(data: memoryview, value: int = 0) -> int:
     """CRC-32 of a piece being read, on the cast threads at once (it is a stage of its own
     beside the cast: on many cores one thread's checksum would pace the reading); on one
     thread when called from a cast thread (which must not wait on its own pool)."""
-    if threading.current_thread().name.startswith(CAST_THREAD):
+    if threading.current_thread().name.startswith(cast.CAST_THREAD):
         return crc32_parallel(data, value, None, 1)
-    return crc32_parallel(data, value, cast_pool(), cast_threads())
+    return crc32_parallel(data, value, cast.cast_pool(), cast.cast_threads())
 
 
 def split_pieces(arr: np.ndarray, piece_bytes: int | None = None) -> Iterator[np.ndarray]:

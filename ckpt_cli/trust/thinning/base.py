@@ -31,7 +31,8 @@ from ckpt_cli.manifest import (
     write_manifest,
 )
 from ckpt_cli.runs import tree_scan
-from ckpt_cli.storage.atomic import exchange, fsync_path, fsync_tree, tmp_sibling
+from ckpt_cli.storage import atomic
+from ckpt_cli.storage.atomic import fsync_path, fsync_tree, tmp_sibling
 
 # Top-level keys that hold optimizer state in the training files of the frameworks ckpt reads:
 # Lightning (optimizer_states), plain training loops (optimizer, optimizer_state_dict, optim).
@@ -345,7 +346,7 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
                         "whole", path=path)
     on_start(dropped, to, bytes_before)
     try:
-        exchange(tmp, path)
+        atomic.exchange(tmp, path)
     except OSError as e:
         raise CkptError(f"the file system cannot swap directories atomically ({e.strerror}); "
                         "left whole", path=path) from None
@@ -366,7 +367,7 @@ def _cannot_exchange(parent: Path) -> str | None:
     try:
         a.mkdir()
         b.mkdir()
-        exchange(a, b)
+        atomic.exchange(a, b)
     except OSError as e:
         return e.strerror or str(e)
     finally:
