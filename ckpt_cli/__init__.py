@@ -76,7 +76,7 @@ COMMANDS = ("consolidate", "convert", "diff", "inspect", "plan", "prune", "resum
 def _version() -> str:
     """The installed distribution's version (``pyproject.toml``'s, through the package
     metadata), so that ``ckpt --version`` and a manifest's ``tool`` cannot drift from it."""
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, version  # lazy: ~0.1 s, on first use
 
     try:
         return version("ckpt-cli")
@@ -89,18 +89,18 @@ def __getattr__(name: str) -> Any:
     that ``import ckpt_cli`` (and ``ckpt --help``, which imports this package) stays cheap;
     ``__version__`` reads the package metadata on first use."""
     if name in ("detect", "read_index"):
-        from ckpt_cli import formats
+        from ckpt_cli import formats  # lazy: keeps import ckpt_cli (and ckpt --help) cheap
 
         return getattr(formats, name)
     if name == "__version__":
         globals()["__version__"] = v = _version()
         return v
     if name in ("open", "Checkpoint", "TensorEntry"):
-        from ckpt_cli.api import checkpoint
+        from ckpt_cli.api import checkpoint  # lazy: keeps import ckpt_cli (and ckpt --help) cheap
 
         return getattr(checkpoint, name)
     if name in COMMANDS or name in ("PathLike", "ProgressCallback"):
-        from ckpt_cli.api import commands
+        from ckpt_cli.api import commands  # lazy: keeps import ckpt_cli (and ckpt --help) cheap
 
         return getattr(commands, name)
     raise AttributeError(f"module 'ckpt_cli' has no attribute {name!r}")

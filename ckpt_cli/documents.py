@@ -9,8 +9,11 @@ module imports no rich, typer or torch (the Python API's results use it).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, ClassVar
+
+import orjson
 
 from ckpt_cli.model import CheckpointIndex, RunEntry, RunListing, TensorInfo
 
@@ -59,8 +62,6 @@ def dumps(doc: dict[str, Any]) -> bytes:
     File names that are not valid UTF-8 (Python keeps their bytes as lone surrogates) are
     written with ``\\xNN`` escapes instead of failing, and integers beyond 64 bits in full.
     """
-    import orjson
-
     option = (orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
               | orjson.OPT_NON_STR_KEYS)
     try:
@@ -72,8 +73,6 @@ def dumps(doc: dict[str, Any]) -> bytes:
     except orjson.JSONEncodeError:
         # Integers beyond 64 bits (a crafted shape's element count): orjson cannot write
         # them, the standard library can.
-        import json
-
         return (json.dumps(clean, sort_keys=True, indent=2, default=_default,
                            ensure_ascii=False) + "\n").encode()
 
@@ -81,8 +80,6 @@ def dumps(doc: dict[str, Any]) -> bytes:
 def plain(doc: dict[str, Any]) -> dict[str, Any]:
     """``doc`` as :func:`dumps` writes it, read back: JSON types only (paths as text, tuples
     as lists, non-finite floats as None, as the CLI prints them)."""
-    import json
-
     parsed: dict[str, Any] = json.loads(dumps(doc))
     return parsed
 

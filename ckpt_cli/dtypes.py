@@ -154,14 +154,14 @@ def numpy_dtype(code: str) -> np.dtype[Any]:
     Raises:
         KeyError: If numpy cannot represent the code (F4, F6).
     """
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     name = DTYPES[code].numpy_name
     if name is None:
         raise KeyError(code)
     if hasattr(np, name):
         return np.dtype(name)
-    import ml_dtypes
+    import ml_dtypes  # heavy: ml_dtypes
 
     out: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
     return out
@@ -179,7 +179,7 @@ def torch_dtype(code: str) -> Any:
     Raises:
         KeyError: If torch has no such dtype.
     """
-    import torch
+    import torch  # heavy: torch
 
     name = DTYPES[code].torch_name
     if name is None or not hasattr(torch, name):
@@ -206,8 +206,8 @@ def to_torch(arr: Any, code: str) -> Any:
     Returns:
         A ``torch.Tensor`` of ``arr``'s shape.
     """
-    import numpy as np
-    import torch
+    import numpy as np  # heavy: numpy
+    import torch  # heavy: torch
 
     if not arr.flags.c_contiguous:
         arr = arr.copy(order="C")

@@ -7,6 +7,7 @@ destination) is a :class:`CkptError`. The CLI turns it into one line on stderr a
 
 from __future__ import annotations
 
+import errno
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -253,8 +254,6 @@ def with_builtin(error: CkptError) -> CkptError:
     out.__dict__.update(error.__dict__)
     out.args = error.args
     if isinstance(out, OSError):
-        import errno
-
         out.errno = errno.EEXIST if isinstance(out, FileExistsError) else errno.ENOENT
         out.strerror, out.filename = error.message, error.path
     return out

@@ -19,9 +19,8 @@ concern. Files are hashed in parallel threads, each streaming its file through a
 where there are fewer large files than threads, each has its bytes copied ahead of its
 (sequential) digest by several more threads (:func:`ckpt_cli.storage.reads.read_ahead`).
 
-Writers (``ckpt validate --write-manifest`` now, ``ckpt consolidate`` later) either hash an
-existing checkpoint with :func:`write_manifest`, or feed :func:`new_hasher` while writing
-and save a :class:`Manifest` they fill themselves.
+Writers hash an existing checkpoint (:func:`write_manifest`: ``validate --write-manifest``)
+or fill a :class:`Manifest` from :func:`new_hasher` while they write (``consolidate``).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import hashlib
+import os
 import stat
 import time
 from collections.abc import Callable
@@ -37,9 +37,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
+import xxhash
 
+import ckpt_cli
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
+from ckpt_cli.formats.names import MANIFEST_NAME as MANIFEST_NAME
+from ckpt_cli.formats.names import MANIFEST_SUFFIX as MANIFEST_SUFFIX
 from ckpt_cli.formats.names import OWN_TEMP_MARKERS, TRASH_PREFIX
 from ckpt_cli.model import Finding
 from ckpt_cli.progress import Progress
@@ -53,10 +57,6 @@ from ckpt_cli.storage.reads import (
     run_parallel,
 )
 
-MANIFEST_NAME = "ckpt-manifest.json"
-"""The manifest's name inside a checkpoint directory."""
-MANIFEST_SUFFIX = ".ckpt-manifest.json"
-"""Appended to a single-file checkpoint's name for its manifest."""
 FORMAT_VERSION = 1
 """Value of the ``ckpt_manifest`` key; bumped only for incompatible changes."""
 ALGORITHMS = ("xxh3_128", "blake3", "sha256")
@@ -89,15 +89,13 @@ def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Hasher:
         UsageError: For an unknown algorithm, or ``blake3`` when the package is missing.
     """
     if algorithm == "xxh3_128":
-        import xxhash
-
         h: Hasher = xxhash.xxh3_128()
         return h
     if algorithm == "sha256":
         return hashlib.sha256()
     if algorithm == "blake3":
         try:
-            import blake3
+            import blake3  # lazy: the optional blake3 extra; missing is an error here
         except ImportError:
             raise UsageError("the blake3 checksum needs the blake3 package "
                              "(pip install 'ckpt-cli[blake3]')") from None
@@ -151,10 +149,9 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The manifest file's content."""
-        from ckpt_cli import __version__
-
+        version = ckpt_cli.__version__
         doc = {"ckpt_manifest": FORMAT_VERSION, "algorithm": self.algorithm,
-               "created": self.created or _now(), "tool": self.tool or f"ckpt {__version__}",
+               "created": self.created or _now(), "tool": self.tool or f"ckpt {version}",
                "files": [{"path": f.path, "size": f.size, "digest": f.digest}
                          for f in sorted(self.files.values(), key=lambda f: f.path)],
                **({"stamps": dict(sorted(self.stamps.items()))} if self.stamps else {})}
@@ -233,11 +230,7 @@ def _str_or_none(v: Any) -> str | None:
 
 
 def _is_hex(s: str) -> bool:
-    try:
-        int(s, 16)
-    except ValueError:
-        return False
-    return True
+    return all(c in "0123456789abcdefABCDEF" for c in s)  # int(s, 16) takes " 0x1_f" too
 
 
 def _safe_rel(rel: str) -> bool:
@@ -275,6 +268,13 @@ def manifest_path(checkpoint: Path) -> Path:
     if checkpoint.is_dir():
         return checkpoint / MANIFEST_NAME
     return checkpoint.parent / (checkpoint.name + MANIFEST_SUFFIX)
+
+
+def manifest_digest(checkpoint: str | os.PathLike[str]) -> str | None:
+    """SHA-256 (hex) of a checkpoint's manifest file as it is now, what a ledger line's
+    ``manifest_digest`` records; None when it has none. Raises CkptError if it is unreadable."""
+    data = storage.read_side(manifest_path(storage.locate(checkpoint)), "manifest")
+    return None if data is None else hashlib.sha256(data).hexdigest()
 
 
 def _base_and_files(checkpoint: Path) -> tuple[Path, list[str]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field
 from typing import Any, Literal, TypeVar
@@ -130,8 +131,6 @@ def docstring_args(cls: type, caller_names: Mapping[str, str] | None = None,
         indent: The indentation of an ``Args:`` entry.
         width: The longest line.
     """
-    import textwrap
-
     lines: list[str] = []
     for f, s in options_of(cls):
         if caller_names is not None and f.name in caller_names:

@@ -6,12 +6,14 @@ left (:func:`stale_temporaries`). :mod:`ckpt_cli.runs` re-exports them.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 from pathlib import Path
 from typing import NamedTuple
 
 from ckpt_cli import storage
+from ckpt_cli.formats.names import MANIFEST_NAME, TRASH_PREFIX, is_own_temporary
 
 LOCK_SUFFIX = ".lock"
 
@@ -108,9 +110,6 @@ def tree_scan(path: Path, *, own_times: bool = False) -> TreeScan:
 def _ckpt_sidecar(name: str) -> bool:
     """Whether a name at a checkpoint directory's top is what ckpt itself writes there: its
     manifest, or one of its temporaries."""
-    from ckpt_cli.formats.names import is_own_temporary
-    from ckpt_cli.manifest import MANIFEST_NAME
-
     return name == MANIFEST_NAME or is_own_temporary(name)
 
 
@@ -141,8 +140,7 @@ def stale_temporaries(root: Path, now: float) -> list[Path]:
     Returns:
         The paths to remove.
     """
-    from ckpt_cli.formats.names import TRASH_PREFIX, is_own_temporary
-    from ckpt_cli.storage.atomic import temp_writer_gone
+    from ckpt_cli.storage.atomic import temp_writer_gone  # lazy: keeps writes off start-up
 
     out: list[Path] = []
     try:
@@ -173,8 +171,6 @@ def _stale_prune_lock(path: Path) -> bool:
     """Whether ``path`` is a ``.ckpt-prune.lock`` nobody holds: then it is removed (a prune
     once aimed inside a checkpoint left it; it is no writer's). Held, or not ours to tell: kept.
     """
-    import fcntl
-
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 from ckpt_cli import storage
 from ckpt_cli.dtypes import strict_int
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
-from ckpt_cli.formats import dcp, deepspeed, hf_index, megatron
+from ckpt_cli.formats import dcp, deepspeed, detect, hf_index, megatron, read_index
+from ckpt_cli.formats.directory import checkpoint_files
 from ckpt_cli.formats.names import (
     FILE_EXTENSIONS,
     is_last_copy,
@@ -291,8 +293,6 @@ def one_checkpoint(path: Path) -> bool:
     Returns:
         Whether it is one checkpoint.
     """
-    from ckpt_cli.formats import detect
-
     if not path.is_dir():
         return False
     try:
@@ -309,8 +309,6 @@ def one_checkpoint(path: Path) -> bool:
 def _only_numbered_files(path: Path) -> bool:
     """Whether every checkpoint-like file at the top of ``path`` has a number in its name and
     is no part of a checkpoint (no ``rank``, ``-of-``, ``optim``...), with no JSON state."""
-    from ckpt_cli.formats.directory import checkpoint_files
-
     if any((path / n).exists() for n in ("trainer_state.json", "config.json")):
         return False
     files = checkpoint_files(path)
@@ -459,15 +457,13 @@ _SLOW_ENTRY = 0.5e-3
 
 def _entries(found: list[tuple[str, int | None, bool]]) -> list[RunEntry]:
     """The run entries of ``(path, step, is_file)``, in the order given."""
-    import time
-
     out: list[RunEntry] = []
     t0 = time.perf_counter()
     for i, (p, step, is_file) in enumerate(found):
         out.append(_entry(p, step, is_file))
         if (i + 1 == _PROBE and len(found) > 2 * _PROBE
                 and time.perf_counter() - t0 > _PROBE * _SLOW_ENTRY):
-            from concurrent.futures import ThreadPoolExecutor
+            from concurrent.futures import ThreadPoolExecutor  # lazy: only slow listings use a pool
 
             with ThreadPoolExecutor(max_workers=16) as pool:
                 out.extend(pool.map(lambda f: _entry(*f), found[i + 1:], chunksize=64))
@@ -560,8 +556,6 @@ def _fill_steps(listing: RunListing, from_metadata: bool) -> None:
 
 
 def _step_from_metadata(path: Path) -> int | None:
-    from ckpt_cli.formats import read_index
-
     try:
         index = read_index(path)
     except CkptError:

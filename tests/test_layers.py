@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -129,11 +130,14 @@ OPS_KNOWN = {("ckpt_cli.ops.convert", "ckpt_cli.ops.to_dcp"),
              ("ckpt_cli.ops.watch", "ckpt_cli.ops.prune")}
 
 
-def test_the_check_sees_imports() -> None:
+def test_the_check_sees_imports(tmp_path: Path) -> None:
     """The checker itself finds relative, lazy and ``from ckpt_cli import x`` imports."""
-    found = dict(_imports("ckpt_cli.formats", ROOT / "formats" / "__init__.py"))
+    probe = tmp_path / "__init__.py"
+    probe.write_text("from .base import Reader\n\n\ndef f():\n"
+                     "    from ckpt_cli import units  # lazy: a probe\n")
+    found = dict(_imports("ckpt_cli.formats", probe))
     assert found["ckpt_cli.formats.base"] is True
-    assert found["ckpt_cli.formats.ties"] is False
+    assert found["ckpt_cli.units"] is False
 
 
 def test_the_bottom_layer_imports_nothing_above_it() -> None:
@@ -317,8 +321,8 @@ RENDER_MAY_IMPORT = ("ckpt_cli.render", "ckpt_cli.model", "ckpt_cli.errors", "ck
                      "ckpt_cli.optionspec")
 # The rest, known and each for one job: render/prune words remote paths (storage) and names
 # trash (formats.names) and shows the plan (retention's Decision/PrunePlan); junit redacts
-# URLs; convert/consolidate summarise kept dtypes (cast, lazily);
-# validate describes --part (parts, lazily); diff words FP8 schemes (fp8.scheme).
+# URLs; convert/consolidate summarise kept dtypes (cast);
+# validate describes --part (parts); diff words FP8 schemes (fp8.scheme).
 RENDER_KNOWN = {("ckpt_cli.render.prune", "ckpt_cli.storage"),
                 ("ckpt_cli.render.prune", "ckpt_cli.formats.names"),
                 ("ckpt_cli.render.prune", "ckpt_cli.ops.prune.retention"),
@@ -411,3 +415,121 @@ def test_no_import_cycle(typing: bool) -> None:
     if typing:
         cycles = [c for c in cycles if tuple(c) not in KNOWN_TYPING_CYCLES]
     assert not cycles, cycles
+
+
+# -- every import counted: no circle, and each lazy import says why --------------------------------
+
+# Packages that other engineers are rewriting now; their lazy imports are neither moved nor
+# marked yet (issue 47), so the marker rule skips them. Not a permanent exception: empty it as
+# each lands. resume.py is moving into ops/.
+NOT_YET = ("ckpt_cli.cli", "ckpt_cli.api", "ckpt_cli.ops", "ckpt_cli.resume")
+# The heavy imports, the only ones that may be lazy without another reason (docs/architecture.md,
+# "Imports"): each costs tens of milliseconds to seconds at start-up (numpy ~0.1 s, ml_dtypes
+# more), and ``ckpt --help`` and ``ckpt inspect x.safetensors`` load none of them.
+HEAVY = ("torch", "rich", "typer", "fsspec", "matplotlib", "numpy", "ml_dtypes",
+         "safetensors.torch", "ckpt_cli.tensors._f16c", "ckpt_cli.tensors._moments")
+_MARK = re.compile(r"#\s*(heavy|lazy):\s*(\S.*)$")
+
+
+def _runtime_and_lazy(name: str, path: Path) -> tuple[set[str], list[ast.stmt]]:
+    """The ckpt_cli modules ``name`` imports when it runs, at module level and in functions
+    (``if TYPE_CHECKING:`` blocks aside; ``from P import a`` is ``P.a`` when that is a module),
+    and its imports that are not at module level."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for s in tree.body if isinstance(s, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(s.test) for b in s.body
+                   for n in ast.walk(b)}
+    # Module level: the body, and the bodies of its top-level if/try statements.
+    top = {id(n) for n in tree.body}
+    for s in tree.body:
+        if isinstance(s, ast.If | ast.Try):
+            top |= {id(n) for n in [*s.body, *getattr(s, "orelse", [])]}
+            top |= {id(n) for h in getattr(s, "handlers", []) for n in h.body}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names = {n for n, _ in MODULES}
+    edges: set[str] = set()
+    lazy: list[ast.stmt] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Import | ast.ImportFrom) or id(node) in typing_only:
+            continue
+        if id(node) not in top:
+            lazy.append(node)
+        if isinstance(node, ast.Import):
+            edges |= {a.name for a in node.names}
+        else:
+            mod = _from_module(node, package)
+            edges |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in names else mod
+                      for a in node.names}
+    return {m for m in edges if m in names and m not in ("ckpt_cli", name)}, lazy
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per back edge of a depth-first walk, as module names, first repeated last."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(n: str, trail: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                cycles.append([*trail[trail.index(m):], m])
+            elif m not in state:
+                visit(m, [*trail, m])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    return cycles
+
+
+def test_no_import_cycle_counting_lazy_imports() -> None:
+    """No ckpt_cli module imports, at module level or inside a function, a module that imports
+    it back: a lazy import hides a circle from the interpreter, not from the design. Circles
+    wholly inside the packages not yet reworked (NOT_YET) are reported apart."""
+    graph = {n: _runtime_and_lazy(n, p)[0] for n, p in MODULES}
+    cycles = [c for c in _cycles(graph)
+              if not all(any(_under(m, x) for x in NOT_YET) for m in c)]
+    assert not cycles, [" -> ".join(c) for c in cycles]
+    # The check itself finds a circle made only of lazy imports.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def _lazy_problems(name: str, path: Path) -> list[str]:
+    lines = path.read_text().splitlines()
+    bad = []
+    for node in _runtime_and_lazy(name, path)[1]:
+        text = " ".join(lines[node.lineno - 1:node.end_lineno])
+        if isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        else:
+            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            mods = [_from_module(node, package)]
+        mark = _MARK.search(text)
+        where = f"{name}:{node.lineno} ({', '.join(mods)})"
+        if mark is None:
+            bad.append(f"{where}: neither '# heavy: <module>' nor '# lazy: <reason>'")
+        elif mark[1] == "heavy":
+            named = mark[2].split()[0].rstrip(",;")
+            if named not in HEAVY or not all(_under(m, named) for m in mods):
+                bad.append(f"{where}: '# heavy: {named}' names no heavy module it imports")
+        elif len(mark[2].split()) < 3:
+            bad.append(f"{where}: '# lazy:' needs a reason, got {mark[2]!r}")
+    return bad
+
+
+def test_every_lazy_import_is_heavy_or_says_why(tmp_path: Path) -> None:
+    """Imports live at module level, so the import graph shows what depends on what. A lazy
+    (in-function) import is either a heavy one, marked ``# heavy: <module>`` with a module of
+    HEAVY, or marked ``# lazy: <reason>`` (say a module that would pull rich or torch into
+    ``ckpt --help``, or an optional extra). The packages in NOT_YET are skipped for now."""
+    bad = [p for name, path in MODULES if not any(_under(name, x) for x in NOT_YET)
+           for p in _lazy_problems(name, path)]
+    assert not bad, bad
+    # The check itself: an unmarked lazy import, a wrong heavy name and a bare lazy mark fail.
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    import json\n    import numpy  # heavy: torch\n"
+                     "    import os  # lazy: x\n    import torch  # heavy: torch\n"
+                     "    from ckpt_cli import units  # lazy: cheap, but a test needs it\n")
+    got = _lazy_problems("probe", probe)
+    assert [g.split(":")[1].split()[0] for g in got] == ["2", "3", "4"], got

@@ -123,6 +123,10 @@ def test_writer_fills_a_manifest_itself(tmp_path: Path) -> None:
     ('{"ckpt_manifest": 1, "algorithm": "md5", "files": []}', "unknown manifest checksum"),
     ('{"ckpt_manifest": 1, "algorithm": "sha256", "files": [{"path": "a", "size": 1, '
      '"digest": "00"}]}', "malformed manifest entry"),
+    # Not hex digits, though int(s, 16) reads them: a prefix, an underscore, a space.
+    *[('{"ckpt_manifest": 1, "algorithm": "xxh3_128", "files": [{"path": "a", "size": 1, '
+       f'"digest": "{d}"}}]}}', "malformed manifest entry")
+      for d in ("0x" + "0" * 30, "0_" + "0" * 30, " " + "0" * 31)],
     ('{"ckpt_manifest": 1, "algorithm": "xxh3_128", "files": [{"path": "../x", "size": 1, '
      f'"digest": "{"0" * 32}"}}]}}', "not a path inside the checkpoint"),
     ('{"ckpt_manifest": 1, "algorithm": "xxh3_128", "files": [{"path": "/etc/passwd", '

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CheckpointNotFoundError, CkptError, UnknownFormatError
+from ckpt_cli.formats import containers
 from ckpt_cli.formats.base import Reader
 from ckpt_cli.formats.dcp import DCPReader
 from ckpt_cli.formats.deepspeed import DeepSpeedReader
@@ -19,6 +20,7 @@ from ckpt_cli.formats.hf_index import INDEX_SUFFIXES, HFIndexReader
 from ckpt_cli.formats.megatron import MegatronReader
 from ckpt_cli.formats.names import step_from_name
 from ckpt_cli.formats.safetensors import SafetensorsReader
+from ckpt_cli.formats.ties import find_ties
 from ckpt_cli.formats.torchfile import TorchReader
 from ckpt_cli.model import CheckpointIndex, Finding
 
@@ -188,8 +190,6 @@ def _complete(index: CheckpointIndex) -> None:
     """What every format shares once read: training facts from nested leaves (the same
     names whatever the reader), the step the checkpoint's name gives, and tied weights that
     no storage sharing records (found the same way for every format)."""
-    from ckpt_cli.formats import containers
-
     for k, v in containers.training_facts(index.objects, index.tensors).items():
         index.metadata.setdefault(k, v)
     root = index.root
@@ -197,7 +197,6 @@ def _complete(index: CheckpointIndex) -> None:
     names = [root.name] if root.is_dir() else [root.name, root.parent.name]
     index.name_step = next((s for n in names if (s := step_from_name(n, strict=True))
                             is not None), None)
-    from ckpt_cli.formats.ties import find_ties
 
     find_ties(index)
 

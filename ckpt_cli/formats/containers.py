@@ -250,7 +250,7 @@ def numpy_scalar(obj: Opaque) -> float | int | None:
     code = dt.args[0]
     if not isinstance(code, str) or not re.fullmatch(r"[<>=|]?[fiub]\d{1,2}", code):
         return None
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     st = dt.state
     order = st[1] if isinstance(st, tuple) and len(st) > 1 and st[1] in ("<", ">") else ""

@@ -212,8 +212,8 @@ def read_into(index: CheckpointIndex, path: Path) -> None:
         index.flavor = "megatron-dist"
         index.files.append(FileInfo("metadata.json", file_size(path / "metadata.json"),
                                     "metadata", "json"))
-    meta = containers.extract_metadata(_nested(index.objects) | dcp_train.train_step(index))
-    for k, v in meta.items():
+    step = dcp_train.train_step(index, locate_chunk)
+    for k, v in containers.extract_metadata(_nested(index.objects) | step).items():
         index.metadata.setdefault(k, v)
 
 
@@ -443,7 +443,7 @@ def tiling_problems(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...],
             for k, d in enumerate(shape)]
     if math.prod(len(c) - 1 for c in cuts) > _MAX_CELLS:
         return _pairwise(good, numel)
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     # Cut every axis at every chunk boundary: each cell of the resulting grid is either wholly
     # inside a chunk or wholly outside, so counting chunks per cell decides the tiling.
@@ -579,7 +579,7 @@ def assemble_chunks(t: TensorInfo, locate: Callable[[Chunk], TensorInfo],
     Returns:
         The tensor's values, shaped ``t.shape``.
     """
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     dt = dtypes.numpy_dtype(t.dtype)
     out = np.empty(t.shape, dtype=dt)

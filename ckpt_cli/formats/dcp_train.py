@@ -7,6 +7,9 @@ step. Reading the tensor's value is one small positioned read of its chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.model import CheckpointIndex
@@ -14,17 +17,17 @@ from ckpt_cli.model import CheckpointIndex
 KEY = "train_state.step"
 
 
-def train_step(index: CheckpointIndex) -> dict[str, int]:
+def train_step(index: CheckpointIndex, locate_chunk: Callable[..., Any]) -> dict[str, int]:
     """``{"step": N}`` from ``train_state.step`` (object or 0-d integer tensor), else ``{}``.
 
     Args:
         index: A DCP checkpoint's index, its tensors and objects read.
+        locate_chunk: :func:`ckpt_cli.formats.dcp.locate_chunk` (passed in: the DCP reader
+            imports this module).
 
     Returns:
         The step, for :func:`ckpt_cli.formats.containers.extract_metadata`'s input.
     """
-    from ckpt_cli.formats.dcp import locate_chunk
-
     value = index.objects.get(KEY)
     if isinstance(value, int) and not isinstance(value, bool):
         return {"step": value}

@@ -19,6 +19,7 @@ from ckpt_cli.errors import (
 )
 from ckpt_cli.formats import provenance, safetensors, torchfile
 from ckpt_cli.formats.base import contained_path, file_size, present, read_head, rel_to
+from ckpt_cli.formats.ties import find_ties
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding
 
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json", ".pt.index.json")
@@ -130,8 +131,6 @@ def count_parameters(base: Path, shards: list[str]) -> int:
     Raises:
         CkptError: A shard cannot be read.
     """
-    from ckpt_cli.formats.ties import find_ties
-
     index = CheckpointIndex(format="hf-index", root=base, base=base)
     for shard in shards:
         _read_shard(index, base / shard, "shard", "model")

@@ -1,11 +1,12 @@
-"""Names that checkpoint writers give: the step a name encodes, "last" copies, and the
-temporary and trash names of saves in progress.
+"""Names that checkpoint writers give: the step a name encodes, "last" copies, the
+temporary and trash names of saves in progress, and the name of ckpt's own manifest.
 
 Readers and the run listing (:mod:`ckpt_cli.runs`) share these conventions.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 from ckpt_cli.dtypes import strict_int
@@ -32,6 +33,10 @@ _NAME_MAX = 255
 OWN_TEMP_MARKERS = (".ckpt-tmp-", ".ckpt-old-")
 """What ckpt's own temporary names hold (``storage.atomic.tmp_sibling``, swaps)."""
 _PARTS_STAGING = ".ckpt-tmp-parts"  # a --part job's staging: its own lifecycle and lock
+MANIFEST_NAME = "ckpt-manifest.json"
+"""The integrity manifest's name inside a checkpoint directory (:mod:`ckpt_cli.manifest`)."""
+MANIFEST_SUFFIX = ".ckpt-manifest.json"
+"""Appended to a single-file checkpoint's name for its manifest."""
 
 
 WRAPPERS: tuple[str, ...] = ("module.", "_orig_mod.")
@@ -53,8 +58,6 @@ def is_own_temporary(name: str) -> bool:
 
 def fit_name(name: str, suffix: str = "") -> str:
     """Shorten a name so that with ``suffix`` it fits the 255-byte limit of file names."""
-    import os
-
     # fsencode keeps undecodable bytes of odd names (surrogateescape) instead of failing.
     raw = os.fsencode(name)
     room = _NAME_MAX - len(os.fsencode(suffix))

@@ -22,9 +22,10 @@ import orjson
 from ckpt_cli import dtypes, storage
 from ckpt_cli.dtypes import strict_int
 from ckpt_cli.errors import CorruptCheckpointError
-from ckpt_cli.formats import provenance
+from ckpt_cli.formats import allowlist, provenance
 from ckpt_cli.formats.base import read_head, rel_to, wrong_kind
 from ckpt_cli.formats.containers import group_of
+from ckpt_cli.formats.unpickler import looks_like_pickle, scan_stream
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
 
 if TYPE_CHECKING:
@@ -467,9 +468,6 @@ def _check_end(index: CheckpointIndex, rel: str, pos: int, data_len: int) -> Non
 def _pickle_note(fd: Handle, size: int) -> str:
     """For a file that is not safetensors after all: torch.load would read it as a pickle
     (its first eight bytes can be pickle opcodes), so say what that pickle would run."""
-    from ckpt_cli.formats import allowlist
-    from ckpt_cli.formats.unpickler import looks_like_pickle, scan_stream
-
     head = storage.pread(fd, min(size, 1 << 24), 0)
     if not looks_like_pickle(head[:4096]):
         return ""

@@ -69,7 +69,7 @@ def find_ties(index: CheckpointIndex) -> None:
     if not groups:
         return
     # Most checkpoints have no candidate pair: the read machinery loads only when one does.
-    from ckpt_cli.storage.reads import OpenFiles
+    from ckpt_cli.storage.reads import OpenFiles  # lazy: read pools only for tie candidates
 
     with OpenFiles() as files:
         def fd_of(rel: str) -> Handle:
@@ -92,7 +92,7 @@ def find_ties(index: CheckpointIndex) -> None:
 def _fingerprint(index: CheckpointIndex, fd_of: Callable[[str], Handle],
                  t: TensorInfo) -> bytes | None:
     """A digest of a tensor's sampled bytes (and chunk layout), or None if unreadable."""
-    import hashlib
+    import hashlib  # lazy: only for tie candidates
 
     h = hashlib.blake2b(digest_size=16)
     try:

@@ -89,7 +89,7 @@ _TAR_MAX_MEMBERS = 4096
 def _tar_members(path: Path) -> dict[str, tuple[int, int]] | None:
     """The members of a tar file (``name -> (data offset, size)``), or None if it is not
     one: what ``torch.load`` tries first (``tarfile.open(mode="r:")``) on a non-zip file."""
-    import tarfile  # the legacy format only: a zip checkpoint never loads it
+    import tarfile  # lazy: legacy tar format only
 
     try:
         with open_stream(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:

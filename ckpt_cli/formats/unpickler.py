@@ -483,7 +483,7 @@ def static_globals(data: bytes) -> dict[str, str]:
     Returns:
         Each global found, with its classification.
     """
-    import pickletools  # only for messages about refused pickles
+    import pickletools  # lazy: messages about refused pickles only
 
     found: dict[str, str] = {}
     recent: list[Any] = []

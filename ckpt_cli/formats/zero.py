@@ -479,7 +479,7 @@ class PieceReader:
         Raises:
             CorruptCheckpointError: A piece runs past the end of its file.
         """
-        import numpy as np
+        import numpy as np  # heavy: numpy
 
         dt = dtypes.numpy_dtype(t.dtype)
         total = sum(p.count for p in t.pieces)

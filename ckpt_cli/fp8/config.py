@@ -7,8 +7,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ckpt_cli.errors import UsageError
-from ckpt_cli.fp8.scheme import BLOCK
+from ckpt_cli.fp8 import groups
+from ckpt_cli.fp8.scheme import (
+    BLOCK,
+    FP8_DTYPES,
+    pair_scales,
+    read_model_config,
+    read_quantization_config,
+    scale_values_problem,
+    skip_reason,
+)
+from ckpt_cli.model import Finding
+from ckpt_cli.tensors.source import TensorSource
 
 ACTIVATIONS = ("dynamic", "none")
 """``--fp8-activations`` choices for the channel/tensor layouts."""
@@ -74,19 +87,6 @@ def check_quantized(index: Any) -> tuple[list[Any], str] | None:
     Args:
         index: The :class:`~ckpt_cli.model.CheckpointIndex`.
     """
-    import numpy as np
-
-    from ckpt_cli.fp8 import groups
-    from ckpt_cli.fp8.scheme import (
-        FP8_DTYPES,
-        pair_scales,
-        read_quantization_config,
-        scale_values_problem,
-        skip_reason,
-    )
-    from ckpt_cli.model import Finding
-    from ckpt_cli.tensors.source import TensorSource
-
     tensors = index.tensors
     weights = [t for t in tensors.values() if t.dtype in FP8_DTYPES]
     if not weights:
@@ -149,9 +149,6 @@ def _check_families(index: Any, pairing: Any, qc: dict[str, Any] | None, bad: An
     sources): GPT-2 ``Conv1D`` weights (any scaled FP8 one), and where a
     ``quantization_config`` addresses the engines, GPT-NeoX's per-head ``query_key_value``
     in block layout and MoE ``experts`` modules."""
-    from ckpt_cli.fp8 import groups
-    from ckpt_cli.fp8.scheme import FP8_DTYPES, read_model_config
-
     model = read_model_config(index)
     two_d = {t.name: tuple(t.shape) for t in index.tensors.values()
              if t.name.endswith(".weight") and len(t.shape) == 2}
@@ -202,8 +199,6 @@ def _check_config(qc: dict[str, Any], weights: list[Any], kinds: dict[str, int],
                   found: list[Any]) -> None:
     """The ``quantization_config`` against the tensors: ignored modules unquantized, the
     block size, and block-wise weights the engines can load."""
-    from ckpt_cli.model import Finding
-
     ignore = qc.get("modules_to_not_convert") or qc.get("ignore") or []
     fp8_modules = {w.name.rpartition(".")[0] for w in weights}
     for m in ignore if isinstance(ignore, list) else []:

@@ -10,13 +10,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
 from ckpt_cli.fp8.rows import JOB, SCRATCH, row_groups, rows_per_pass, run_jobs
 from ckpt_cli.fp8.scheme import BLOCK, scale_kind
+from ckpt_cli.storage import reads
+from ckpt_cli.tensors.cast import f16_overflow, f32_to_f16
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from ckpt_cli.tensors.cast import CastStats
 
 
@@ -35,10 +38,6 @@ def _dequantize_rows(w8: np.ndarray, lut: np.ndarray, s: np.ndarray, out: np.nda
                      dst: str, overflow: Overflow | None) -> None:
     """Rows of FP8 codes (uint8, 2-D) times ``s`` (broadcast) in FP32, rounded once into
     ``out`` (``dst``), a few rows per pass."""
-    import numpy as np
-
-    from ckpt_cli.tensors.cast import f16_overflow, f32_to_f16
-
     rows, cols = w8.shape
     step = rows_per_pass(rows, cols)
     buf = SCRATCH.get(min(rows, step) * cols)[0]
@@ -67,8 +66,6 @@ def _dequantize_jobs(codes: np.ndarray, r0: int, lut: np.ndarray, s: np.ndarray,
     block ``[rb, cb]``, channel ``[rows, 1]``, tensor ``[1]``)."""
     rows, cols = codes.shape
     if kind == "block":
-        import numpy as np
-
         return [functools.partial(_dequantize_rows, codes[r:r + BLOCK], lut,
                                   np.repeat(s[(r0 + r) // BLOCK], BLOCK)[:cols],
                                   out[r:r + BLOCK], dst, overflow)
@@ -83,8 +80,6 @@ def _dequantize_jobs(codes: np.ndarray, r0: int, lut: np.ndarray, s: np.ndarray,
 def _dequantize_setup(dtype: Any, shape: tuple[int, ...], scale: np.ndarray
                       ) -> tuple[str, np.ndarray, np.ndarray]:
     """The scale's kind, the FP8 codes' FP32 table and the scale as FP32, reshaped."""
-    import numpy as np
-
     kind = scale_kind(tuple(shape), tuple(scale.shape))
     if kind is None:
         raise CkptError(f"scale shape {list(scale.shape)} fits no convention for a weight of "
@@ -106,9 +101,6 @@ def dequantize(weight: np.ndarray, scale: np.ndarray, dst: str,
     holds the output and a few rows of FP32, not the FP32 product and the repeated scale whole.
     To FP16, values beyond its range are counted (or clamped) through ``overflow``; without
     it they become inf, as a plain cast makes them."""
-    import numpy as np
-
-    from ckpt_cli import dtypes
     kind, lut, s = _dequantize_setup(weight.dtype, tuple(weight.shape), scale)
     rows, cols = int(weight.shape[0]), int(weight.shape[1])
     codes = np.ascontiguousarray(weight).view(np.uint8).reshape(rows, cols)
@@ -129,11 +121,6 @@ def dequantize_pieces(pieces: Iterator[np.ndarray], scale: np.ndarray,
         Flat arrays of ``dst``, together the dequantized tensor in row-major order (each at
         most :data:`ckpt_cli.storage.reads.PIECE_BYTES`, or one row of 128x128 blocks).
     """
-    import numpy as np
-
-    from ckpt_cli import dtypes
-    from ckpt_cli.storage import reads
-
     rows, cols = int(shape[0]), int(shape[1])
     it = iter(pieces)
     first = next(it, None)

@@ -24,14 +24,13 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ckpt_cli.errors import CkptError
 from ckpt_cli.fp8.rows import JOB, SCRATCH, row_groups, rows_per_pass, run_jobs
 from ckpt_cli.fp8.scheme import BLOCK, FP8_MAX, scale_shape
-
-if TYPE_CHECKING:
-    import numpy as np
+from ckpt_cli.tensors import cast
 
 # FP32 bit patterns and constants of the E4M3 encoder (see :func:`_encode`).
 _ABS = 0x7FFFFFFF
@@ -59,8 +58,6 @@ def _encode(q: np.ndarray, out: np.ndarray, careful: bool) -> None:
             (``|x| <= amax`` and ``scale = amax / 448`` rounded once), which rounds to ±448
             without clamping.
     """
-    import numpy as np
-
     u32 = np.uint32
     if careful:
         np.clip(q, np.float32(-FP8_MAX), np.float32(FP8_MAX), out=q)
@@ -100,8 +97,6 @@ def _scales(amax_bits: np.ndarray) -> np.ndarray:
     inverted). With the floor every code stays within ±448 and the group dequantizes to
     its values rounded to E4M3 steps of 2**-126 (to 0 for the tiny or zero values).
     """
-    import numpy as np
-
     if amax_bits.size and int(amax_bits.max()) >= 0x7F800000:
         raise _non_finite()
     amax = amax_bits.view(np.float32)
@@ -111,16 +106,12 @@ def _scales(amax_bits: np.ndarray) -> np.ndarray:
 
 
 def _careful(s: np.ndarray) -> bool:
-    import numpy as np
-
     return bool(s.size) and bool(float(np.min(s)) < _TINY)
 
 
 def _divide_encode(x: np.ndarray, s: np.ndarray, out: np.ndarray, careful: bool) -> None:
     """Encode rows ``x`` (2-D FP32) divided by ``s`` (broadcast to ``x``) into ``out``
     (uint8, ``x``'s shape), a few rows per pass."""
-    import numpy as np
-
     rows, cols = x.shape
     step = rows_per_pass(rows, cols)
     buf = SCRATCH.get(min(rows, step) * cols)[0]
@@ -137,8 +128,6 @@ def _divide_encode(x: np.ndarray, s: np.ndarray, out: np.ndarray, careful: bool)
 def _abs_max_bits(x: np.ndarray, axis: int | None) -> np.ndarray:
     """The largest ``|x|`` as FP32 bits (uint32), over ``axis`` of 2-D FP32 ``x`` (None: all),
     a few rows per pass. A NaN's bits exceed every finite value's (and inf's)."""
-    import numpy as np
-
     u32 = np.uint32
     rows, cols = x.shape
     step = rows_per_pass(rows, cols)
@@ -161,8 +150,6 @@ def _abs_max_bits(x: np.ndarray, axis: int | None) -> np.ndarray:
 def _block_row(x: np.ndarray, out: np.ndarray, scale_row: np.ndarray) -> None:
     """One row of 128x128 blocks (``x``: up to 128 rows of FP32): scales into ``scale_row``,
     codes into ``out``."""
-    import numpy as np
-
     cols = x.shape[1]
     nb = scale_row.size
     colmax = np.zeros(nb * BLOCK, dtype=np.uint32)
@@ -185,10 +172,6 @@ def _amax_into(chunk: np.ndarray, found: np.ndarray) -> None:
 
 def _tensor_amax(pieces: Iterator[np.ndarray]) -> np.ndarray:
     """The per-tensor layout's first pass: the largest ``|x|`` over all pieces, as bits."""
-    import numpy as np
-
-    from ckpt_cli.tensors.cast import cast_threads
-
     best = np.zeros(1, dtype=np.uint32)
     for p in pieces:
         flat = np.asarray(p).reshape(-1)
@@ -196,7 +179,7 @@ def _tensor_amax(pieces: Iterator[np.ndarray]) -> np.ndarray:
             flat = flat.astype(np.float32)
         if not flat.size:
             continue
-        n = max(JOB, -(-flat.size // max(1, 2 * cast_threads())))
+        n = max(JOB, -(-flat.size // max(1, 2 * cast.cast_threads())))
         found = [np.zeros(1, dtype=np.uint32) for _ in range(0, flat.size, n)]
         run_jobs([functools.partial(_amax_into, flat[i:i + n], found[k])
                   for k, i in enumerate(range(0, flat.size, n))], flat.nbytes)
@@ -228,8 +211,7 @@ def quantize_pieces(pieces: Callable[[], Iterator[np.ndarray]], shape: tuple[int
     Raises:
         CkptError: A NaN or an infinity in the values (nothing sensible to scale).
     """
-    import ml_dtypes
-    import numpy as np
+    import ml_dtypes  # heavy: ml_dtypes
 
     rows, cols = shape
     tensor_scale: np.ndarray | None = None
@@ -263,8 +245,6 @@ def quantize_pieces(pieces: Callable[[], Iterator[np.ndarray]], shape: tuple[int
 def scales_only(pieces: Iterator[np.ndarray], shape: tuple[int, ...],
                 layout: str) -> np.ndarray:
     """The scales :func:`quantize_pieces` gives, without encoding (one pass of amax)."""
-    import numpy as np
-
     rows, cols = shape
     scale = np.empty(scale_shape(shape, layout), dtype=np.float32)
     if layout == "tensor":
@@ -300,8 +280,7 @@ def quantize(arr: np.ndarray, layout: str) -> tuple[np.ndarray, np.ndarray]:
     Raises:
         CkptError: NaN or infinite values.
     """
-    import ml_dtypes
-    import numpy as np
+    import ml_dtypes  # heavy: ml_dtypes
 
     if arr.ndim != 2:
         raise CkptError(f"only 2-D weights are quantized, not shape {list(arr.shape)}")
@@ -361,8 +340,6 @@ class Quantized:
 
     def weight_pieces(self) -> Iterator[np.ndarray]:
         """The FP8 weight, as flat ``float8_e4m3fn`` pieces in row-major order."""
-        import numpy as np
-
         shape = self._shape_of()
         scale = np.empty(scale_shape(shape, self._layout), dtype=np.float32)
         try:
@@ -374,8 +351,6 @@ class Quantized:
 
     def weight(self) -> np.ndarray:
         """The FP8 weight, whole."""
-        import numpy as np
-
         shape = self._shape_of()
         parts = list(self.weight_pieces())
         out = np.concatenate(parts) if len(parts) != 1 else parts[0]

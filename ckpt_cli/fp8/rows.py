@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
+
+from ckpt_cli.storage import stages
+from ckpt_cli.tensors import cast
 
 SUB = 1 << 16
-"""Elements per pass of the encoder: its few temporaries stay in the L2 cache (measured on
-the 2-core VM: 64K elements per pass ran ~0.3-0.4 G elements/s per core, 1M 0.07)."""
+"""Elements per pass of the encoder: its few temporaries stay in the L2 cache (the figures
+are in docs/benchmarks/tuning.md)."""
 JOB = 1 << 20
 """Elements per pool task for the channel and tensor layouts (the block layout's task is one
 row of 128x128 blocks)."""
@@ -28,8 +29,6 @@ class _Scratch(threading.local):
 
     def get(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """FP32 values, two uint32 and one bool buffer of at least ``n`` elements."""
-        import numpy as np
-
         if n > self.size:
             self.size = max(n, SUB)
             self.q = np.empty(self.size, dtype=np.float32)
@@ -59,8 +58,6 @@ def row_groups(pieces: Iterator[np.ndarray], rows: int, cols: int,
     Yields:
         ``(first row, rows x cols array)``.
     """
-    import numpy as np
-
     total = rows * cols
     group = unit * cols
     done = 0  # elements yielded
@@ -100,20 +97,17 @@ def row_groups(pieces: Iterator[np.ndarray], rows: int, cols: int,
 def run_jobs(jobs: list[Callable[[], None]], nbytes: int, stage: str = "quantize") -> None:
     """Run ``jobs`` on the cast threads (inline when one thread or one job), their time
     counted as ``stage`` (see :mod:`ckpt_cli.storage.stages`)."""
-    from ckpt_cli.storage import stages
-    from ckpt_cli.tensors.cast import cast_pool, cast_threads
-
     each = nbytes // max(1, len(jobs))
 
     def job(f: Callable[[], None]) -> None:
         with stages.stage(stage, each):
             f()
 
-    if len(jobs) == 1 or cast_threads() <= 1:
+    if len(jobs) == 1 or cast.cast_threads() <= 1:
         for f in jobs:
             job(f)
         return
-    for _ in cast_pool().map(job, jobs):
+    for _ in cast.cast_pool().map(job, jobs):
         pass
 
 

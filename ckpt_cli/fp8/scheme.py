@@ -196,7 +196,7 @@ def scale_values_problem(values: Any, dtype: str) -> str | None:
         ``dtype`` (a subnormal scale is no quantizer's output: damage, or values that lose
         their precision), else what is wrong, counted.
     """
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     v = np.asarray(values, dtype=np.float32)
     with np.errstate(invalid="ignore"):

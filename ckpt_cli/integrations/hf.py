@@ -54,6 +54,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ckpt_cli.ops.resume import latest_verified
 from ckpt_cli.ops.watch import verify_checkpoint
 from ckpt_cli.trust import ledger
 
@@ -148,8 +149,6 @@ def _resumed_from(args: Any, state: Any) -> str | None:
 
 def _newest_verified(args: Any) -> str | None:
     """The newest checkpoint the run ledger verified (and still matches), as a path."""
-    from ckpt_cli.ops.resume import latest_verified
-
     newest = latest_verified(args.output_dir) if os.path.isdir(args.output_dir) else None
     if newest is None or not newest.name.startswith("checkpoint-"):
         return None
@@ -162,7 +161,7 @@ def _distributed(args: Any) -> bool:
 
 
 def _wait_for_everyone() -> None:
-    from accelerate import PartialState
+    from accelerate import PartialState  # lazy: distributed runs only (Trainer's dependency)
 
     PartialState().wait_for_everyone()
 
@@ -177,6 +176,6 @@ def _saves(args: Any, state: Any) -> bool:
 
 def _any_process(flag: bool) -> bool:
     """Whether ``flag`` is set on any process (every process must call this)."""
-    from accelerate.utils import gather_object
+    from accelerate.utils import gather_object  # lazy: distributed runs only (Trainer's dependency)
 
     return any(bool(f) for f in gather_object([flag]))

@@ -29,6 +29,7 @@ loops and schedulers restored), with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -37,6 +38,8 @@ from typing import Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ckpt_cli.formats.names import is_last_copy, step_from_name
+from ckpt_cli.manifest import manifest_path
+from ckpt_cli.ops.resume import choose
 from ckpt_cli.ops.watch import verify_checkpoint
 from ckpt_cli.trust import ledger
 
@@ -67,8 +70,6 @@ class VerifiedModelCheckpoint(ModelCheckpoint):
         resumed run) is the one rotation must keep until a newer save is verified."""
         super().setup(trainer, pl_module, stage)
         if self.last_verified is None and self.dirpath and os.path.isdir(self.dirpath):
-            from ckpt_cli.ops.resume import choose
-
             choice = choose(self.dirpath)
             if choice is not None and not is_last_copy(choice.path.name):
                 self.last_verified = os.path.abspath(choice.path)
@@ -118,10 +119,6 @@ class VerifiedModelCheckpoint(ModelCheckpoint):
             return
         super()._remove_checkpoint(trainer, filepath)
         if trainer.is_global_zero:
-            import contextlib
-
-            from ckpt_cli.manifest import manifest_path
-
             with contextlib.suppress(OSError):  # its manifest goes with it
                 if not os.path.exists(filepath):
                     manifest_path(Path(filepath)).unlink(missing_ok=True)

@@ -4,26 +4,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckpt_cli.render import json as rj
+from ckpt_cli.tensors.cast import kept_summary
+
 if TYPE_CHECKING:
     from ckpt_cli.ops.convert.result import ConvertResult
 
 
 def show(r: ConvertResult, *, json: bool, quiet: bool) -> None:
     """Print the result: warnings and notes on stderr, the summary or JSON on stdout."""
-    from ckpt_cli.render.human import show_written
+    from ckpt_cli.render.human import show_written  # lazy: pulls rich; --json output never does
 
     show_written(r, json=json, quiet=quiet, emit=_emit_json, summary=_render)
 
 
 def _emit_json(r: ConvertResult) -> None:
-    from ckpt_cli.render import json as rj
-
     rj.emit_result(r)
 
 
 def _render(r: ConvertResult, quiet: bool) -> None:
-    from ckpt_cli.render import human
-    from ckpt_cli.tensors.cast import kept_summary
+    from ckpt_cli.render import human  # lazy: pulls rich; --json output never does
 
     out = human.stdout()
     files = len(r.write.files)

@@ -22,6 +22,8 @@ from ckpt_cli.ops.diff.result import (
     rel_l2_of,
 )
 from ckpt_cli.render import human
+from ckpt_cli.render.human import note_followed
+from ckpt_cli.render.json import emit_result
 
 _STATUS_STYLE = {"equal": "bold green", "different": "bold red"}
 
@@ -326,7 +328,7 @@ def module_table(mods: list[ModuleDiff]) -> Table:
 def _meta_title(r: DiffResult) -> str:
     """``Metadata (16: 1 difference, 15 not: ...)``: only changed values both sides have make a
     difference; one-sided values, provenance and a dtype that follows the tensors are listed
-    but are not one (issue 39: the heading called them all differences)."""
+    but are not one, and the heading says so."""
     n = len(r.metadata)
     real = len(r.metadata_changes)
     one_sided = sum(1 for m in r.metadata if m.status != "changed" and not m.provenance)
@@ -399,14 +401,10 @@ def show(r: DiffResult, a: str, b: str, *, json: bool, quiet: bool, top: int, by
          depth: int | None) -> None:
     """Print the result: notes and warnings on stderr, the tables or JSON on stdout."""
     if not quiet:
-        from ckpt_cli.render.human import note_followed
-
         note_followed(r.followed_a, "A")
         note_followed(r.followed_b, "B")
         print_warnings(r)
     if json:
-        from ckpt_cli.render.json import emit_result
-
         emit_result(r)
     else:
         render(r, a, b, top=top, by_module=by_module, depth=depth)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ckpt_cli.model import Finding
+from ckpt_cli.render import json as rj
+
 if TYPE_CHECKING:
-    from ckpt_cli.model import Finding
     from ckpt_cli.ops.inspect import InspectResult
     from ckpt_cli.render.human import FitTable
 
@@ -19,16 +21,14 @@ def show(result: InspectResult, *, json: bool, all_rows: bool = False) -> None:
 
 
 def _emit_json(result: InspectResult) -> None:
-    from ckpt_cli.render import json as rj
-
     rj.emit_result(result)
 
 
 def _render(result: InspectResult, all_rows: bool = False) -> None:
-    from rich.text import Text
+    from rich.text import Text  # heavy: rich
 
-    from ckpt_cli.render import human
-    from ckpt_cli.render import inspect_tables as tables
+    from ckpt_cli.render import human  # lazy: pulls rich; --json output never does
+    from ckpt_cli.render import inspect_tables as tables  # lazy: pulls rich, unlike --json
 
     out = human.stdout()
     if result.run is not None:
@@ -77,15 +77,13 @@ def _render(result: InspectResult, all_rows: bool = False) -> None:
 
 
 def _problems(q: dict[str, Any]) -> list[Finding]:
-    from ckpt_cli.model import Finding
-
     return [Finding(p["severity"], p["code"], p["message"], p["file"], p["location"])
             for p in q["problems"]]
 
 
 def quantization_grid(q: dict[str, Any]) -> FitTable:
     """The quantization scheme of :func:`ckpt_cli.fp8.scheme.describe` as a grid."""
-    from ckpt_cli.render import human
+    from ckpt_cli.render import human  # lazy: pulls rich; --json output never does
 
     g = human.grid()
     layout = q["layout"]

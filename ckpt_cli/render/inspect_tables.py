@@ -4,6 +4,7 @@ module tree, and a run directory's checkpoints. Built with :func:`.human.table` 
 
 from __future__ import annotations
 
+import datetime as _dt
 from typing import Any
 
 from rich.table import Table
@@ -226,8 +227,6 @@ def run_table(run: RunListing, limit: int | None = None) -> Table:
     Returns:
         The table.
     """
-    import datetime as _dt
-
     out = table(Col("Checkpoint", kind="name"), Col("Step", "right", drop=4),
                 Col("Modified", drop=2), Col("Size", "right", drop=3),
                 Col("Files", "right", drop=0), Col("Format", drop=1),

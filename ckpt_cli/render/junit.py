@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ckpt_cli.errors import CkptError, visible
 from ckpt_cli.model import Finding
+from ckpt_cli.storage import redact
 from ckpt_cli.storage.atomic import atomic_file
 
 if TYPE_CHECKING:
@@ -112,8 +113,6 @@ def error_junit_xml(path: Path | str, kind: str, message: str, detail: str = "")
     Returns:
         UTF-8 XML with a declaration.
     """
-    from ckpt_cli.storage import redact
-
     message, detail = redact(message), redact(detail)
     name = redact(str(path))
     root = ET.Element("testsuites", {"name": f"ckpt validate {name}", "tests": "1",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from ckpt_cli.render import json as rj
+
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
@@ -16,13 +18,11 @@ if TYPE_CHECKING:
 def show(result: PlanResult, *, json: bool, quiet: bool, err: Console | None = None) -> None:
     """Print the plan (stdout) and its notes (stderr, unless ``quiet``)."""
     if json:
-        from ckpt_cli.render import json as rj
-
         rj.emit_result(result)
     else:
         _render(result)
         if not quiet:
-            from ckpt_cli.render import human
+            from ckpt_cli.render import human  # lazy: pulls rich; --json output never does
 
             err = err or human.stderr()
             for note in result.notes:
@@ -38,9 +38,9 @@ _OPTIMIZER_LABEL = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD with momentum"
 
 
 def _render(r: PlanResult) -> None:
-    from rich.text import Text
+    from rich.text import Text  # heavy: rich
 
-    from ckpt_cli.render import human
+    from ckpt_cli.render import human  # lazy: pulls rich; --json output never does
 
     out = human.stdout()
     s = r.size
@@ -122,7 +122,7 @@ def _render(r: PlanResult) -> None:
 
 def _interval_table(r: PlanResult, cols: list[tuple[str, IntervalFigures]]) -> Table:
 
-    from ckpt_cli.render import human
+    from ckpt_cli.render import human  # lazy: pulls rich; --json output never does
 
     table = human.table(human.Col("Checkpoint every", kind="name"),
                         *(human.Col(name, "right") for name, _f in cols))
@@ -147,7 +147,7 @@ def _interval_table(r: PlanResult, cols: list[tuple[str, IntervalFigures]]) -> T
 
 def _d(seconds: float | None) -> str:
     """Every duration in plan's output in one form: ``0.573s``, ``3m 30s``, ``4h``."""
-    from ckpt_cli.render import human
+    from ckpt_cli.render import human  # lazy: pulls rich; --json output never does
 
     return human.duration(seconds, short=True)
 
@@ -157,9 +157,9 @@ def _pct(x: float | None) -> str:
 
 
 def _plot(r: PlanResult, optimum: IntervalFigures, best: float, columns: int) -> Text:
-    from rich.text import Text
+    from rich.text import Text  # heavy: rich
 
-    from ckpt_cli.render.plot import Mark, log_x_plot
+    from ckpt_cli.render.plot import Mark, log_x_plot  # lazy: pulls rich; --json output never does
 
     lo, hi = r.curve_range()
     # Room above the optimum (and above --interval) so the bottom of the curve is visible.

@@ -23,6 +23,7 @@ from ckpt_cli.ops.stats.result import (
     hist_bins,
 )
 from ckpt_cli.render import human
+from ckpt_cli.render.json import emit_result
 
 _Col = human.Col
 _add = human.add_row
@@ -442,8 +443,6 @@ def show(r: StatsResult, *, json: bool, quiet: bool, top: int, sort: str) -> Non
     if not quiet:
         human.print_findings(r.findings)  # what the reads found unsafe, as inspect says it
     if json:
-        from ckpt_cli.render.json import emit_result
-
         emit_result(r)
     else:
         render(r, top=top, sort=sort, hist=r.hist)

@@ -70,10 +70,10 @@ def build_figure(r: StatsResult) -> Figure:
     """
     if not r.run:
         raise UsageError("--plot draws a run directory's trends; this is one checkpoint")
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     slots = timeline(r)
     xs = [s.step if s.step is not None else i for i, s in enumerate(slots)]
@@ -109,7 +109,7 @@ def build_figure(r: StatsResult) -> Figure:
                     markersize=3, zorder=2)
         handles.append(h)
     if grey:
-        from matplotlib.lines import Line2D
+        from matplotlib.lines import Line2D  # heavy: matplotlib
 
         deepest = max(len(n.split(".")) for n in names)
         fewer = deepest - 1 if r.depth is None else min(r.depth, deepest) - 1
@@ -177,7 +177,7 @@ def write_plot(r: StatsResult, dest: Path) -> None:
         raise UsageError("--plot draws a run directory's trends; this is one checkpoint",
                          path=dest)
     fig = build_figure(r)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     try:
         with atomic_file(dest, overwrite=True, parents=True) as tmp:

@@ -13,7 +13,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ckpt_cli.parts import describe_parts
 from ckpt_cli.render import human
+from ckpt_cli.render import json as rj
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.validate.result import (
@@ -89,8 +91,6 @@ def render(result: ValidateResult, console: Console, *, verbose: bool = False) -
 
 def part_line(p: PartStatus) -> str:
     """One line: which part this was, and what is left to do."""
-    from ckpt_cli.parts import describe_parts
-
     share = (f"part {p.index}/{p.count}: {p.files} of {p.total_files} file(s), "
              f"{human.size(p.bytes)}" if p.index is not None else
              f"finalize: {p.count} part(s)")
@@ -170,8 +170,6 @@ def show(result: ValidateResult, *, json: bool, verbose: bool) -> None:
     """The command's output: the JSON document (``result.to_dict()``'s, ``strict`` as the
     result says), or the human report on stdout."""
     if json:
-        from ckpt_cli.render import json as rj
-
         rj.emit_result(result)
     else:
         render(result, human.stdout(), verbose=verbose)

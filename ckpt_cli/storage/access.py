@@ -258,7 +258,7 @@ def file_stamp(path: str | Path) -> Stamp:
         OSError: It cannot be stat-ed (gone, permissions).
     """
     if isinstance(path, ObjectPath):
-        import hashlib
+        import hashlib  # lazy: object stamps only; local reads skip hashlib
 
         e = path._entry()
         if e is None:
@@ -381,7 +381,7 @@ def write_whole(path: Path, data: bytes) -> None:
     if isinstance(path, ObjectPath):
         path.write_bytes(data)
         return
-    from ckpt_cli.storage.atomic import atomic_file
+    from ckpt_cli.storage.atomic import atomic_file  # lazy: keeps writes off inspect's start-up
 
     with atomic_file(path, overwrite=True) as tmp:
         tmp.write_bytes(data)
@@ -397,7 +397,7 @@ def remove(path: Path) -> None:
     if isinstance(path, ObjectPath):
         path.unlink()
         return
-    from ckpt_cli.storage.atomic import fsync_path
+    from ckpt_cli.storage.atomic import fsync_path  # lazy: keeps writes off inspect's start-up
 
     os.unlink(path)
     fsync_path(path.parent)

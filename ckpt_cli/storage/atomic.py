@@ -18,8 +18,13 @@ destination, never the temporary.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import hashlib
 import os
+import re
 import shutil
+import socket
 import stat
 import uuid
 from collections.abc import Iterable, Iterator
@@ -27,15 +32,13 @@ from pathlib import Path
 from typing import Literal
 
 from ckpt_cli.errors import CkptError, DestinationError, DestinationExistsError, UsageError
+from ckpt_cli.storage.objectpath import ObjectPath
 
 TMP_MARK = ".ckpt-tmp-"
 _NAME_MAX = 255  # bytes in one file name (Linux, macOS)
 
 
 def _host_tag() -> str:
-    import hashlib
-    import socket
-
     return hashlib.blake2s(socket.gethostname().encode(), digest_size=4).hexdigest()
 
 
@@ -52,8 +55,6 @@ def tmp_sibling(dest: Path) -> Path:
 def temp_writer_gone(name: str) -> bool:
     """Whether a temporary name made by :func:`tmp_sibling` names a writer of this host that
     is no longer running (False when it is running, of another host, or not told)."""
-    import re
-
     m = re.search(r"\.ckpt-tmp-([0-9a-f]{8})-(\d+)-[0-9a-f]{8}\Z", name)
     if m is None or m.group(1) != _host_tag():
         return False
@@ -156,8 +157,6 @@ def _lstat(dest: Path) -> os.stat_result | None:
 
 
 def _is_local(dest: object) -> bool:
-    from ckpt_cli.storage.objectpath import ObjectPath
-
     return not isinstance(dest, ObjectPath)
 
 
@@ -466,9 +465,6 @@ def exchange(a: Path, b: Path) -> None:
             ``EOPNOTSUPP``), or either path is missing.
         DestinationError: Either is a link, FIFO, device or socket (never swapped).
     """
-    import ctypes
-    import errno
-
     for p in (a, b):
         st = _lstat(Path(p))
         if st is not None:

@@ -170,7 +170,7 @@ def redact(text: str) -> str:
 
 def _import_fsspec(scheme: str) -> Any:
     try:
-        import fsspec  # type: ignore[import-untyped]  # only URLs pay for it
+        import fsspec  # type: ignore[import-untyped]  # heavy: fsspec (only URLs pay for it)
     except ImportError:
         raise UsageError(f"{scheme}:// URLs need fsspec: {install_hint(scheme)}") from None
     return fsspec

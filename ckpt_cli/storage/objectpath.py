@@ -12,6 +12,7 @@ import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from fnmatch import fnmatchcase
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -288,8 +289,6 @@ class ObjectPath(PurePosixPath):
 
     def glob(self, pattern: str) -> Iterator[ObjectPath]:
         """Children matching a one-level ``pattern`` (``*.safetensors``)."""
-        from fnmatch import fnmatchcase
-
         if "/" in pattern or "**" in pattern:
             raise UsageError(f"{self}: glob {pattern!r} across levels is not supported")
         for child in self.iterdir():

@@ -14,6 +14,7 @@ import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ckpt_cli.errors import CkptError, StorageError, UsageError
@@ -90,8 +91,6 @@ class Entry(NamedTuple):
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
-    from datetime import datetime
-
     for k in ("LastModified", "mtime", "last_modified", "updated", "created", "timeCreated"):
         v = info.get(k)
         if isinstance(v, datetime):
@@ -241,7 +240,7 @@ class ObjectStore:
 
     def submit(self, key: str, start: int, end: int) -> Future[bytes]:
         """Fetch ``[start, end)`` of ``key`` in the background (read-ahead)."""
-        from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import ThreadPoolExecutor  # lazy: store listings only
 
         with self._lock:
             if self._pool is None:
@@ -289,7 +288,7 @@ class ObjectStore:
         with its retries, as a :class:`StorageError` naming ``key`` when it fails. For what
         fsspec's own calls do not offer: exact-key deletes, parallel parts, upload listings.
         Only when :attr:`is_s3`."""
-        from fsspec.asyn import sync  # type: ignore[import-untyped]
+        from fsspec.asyn import sync  # type: ignore[import-untyped]  # heavy: fsspec
 
         return self.call(key, sync, self.fs.loop, self.fs._call_s3, op, **kw)
 
@@ -369,7 +368,7 @@ class ObjectStore:
         """Blocks of ``key`` (of ``size`` bytes), from the cache or fetched: runs of
         neighbouring missing blocks are one GET each, all runs concurrently. A block another
         thread is fetching is waited for, not fetched twice."""
-        from concurrent.futures import Future
+        from concurrent.futures import Future  # lazy: store uploads only
 
         mine: list[int] = []
         waits: dict[int, Future[None]] = {}
@@ -497,7 +496,7 @@ class Upload:
         return n
 
     def _send(self, body: bytes) -> None:
-        from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import ThreadPoolExecutor  # lazy: store deletes only
 
         if self._mpu is None:
             self._mpu = self._req("create_multipart_upload")["UploadId"]

@@ -14,7 +14,6 @@ and :func:`crc32_parallel` checksums a large piece in blocks on a pool and combi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -34,6 +33,9 @@ from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.progress import Progress
 from ckpt_cli.storage import access, stages
 from ckpt_cli.storage.access import Handle
+from ckpt_cli.storage.threads import default_jobs as default_jobs
+from ckpt_cli.storage.threads import usable_cpus as usable_cpus
+from ckpt_cli.storage.threads import worker_threads as worker_threads
 
 _crc32_combine: Callable[[int, int, int], int] | None
 try:  # ISA-L's CRC-32 (x86 PCLMUL / ARM PMULL) is ~20x zlib's; zlib is the fallback.
@@ -46,10 +48,8 @@ except ImportError:  # pragma: no cover - isal has wheels for the platforms ckpt
 
 BUFFER_SIZE = 512 << 10
 """Bytes per positioned read where one thread reads and checksums: the copy and the checksum
-both run on L2-resident bytes (measured: 512 KiB reads hash at ~83% of a bare read's speed,
-4 MiB ones at ~75%; one helper thread reading ahead was slower still on a busy 2-core
-machine). Several readers ahead of one hasher (:func:`read_ahead`, 8 MiB reads) beat it for
-one large file: 4.7 GB hashed in 0.69-0.72 s with two readers against 0.97 s."""
+both run on L2-resident bytes. For one large file, several readers ahead of one hasher
+(:func:`read_ahead`, 8 MiB reads) are faster (docs/benchmarks/tuning.md has the figures)."""
 
 PIECE_BYTES = 64 << 20
 """Bytes of one piece of a tensor streamed through ``convert``/``consolidate``/``diff``: tensors
@@ -91,31 +91,6 @@ def memory_budget(max_memory: int | None) -> int:
 T = TypeVar("T")
 K = TypeVar("K")
 C = TypeVar("C")
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask), or the machine's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def worker_threads() -> int:
-    """Threads per parallel stage (casting blocks): ``CKPT_THREADS`` if set to a positive
-    integer, else the usable CPUs, at most 64."""
-    raw = os.environ.get("CKPT_THREADS", "").strip()
-    if raw.isdigit() and int(raw) > 0:
-        return min(int(raw), 256)
-    return max(1, min(64, usable_cpus()))
-
-
-def default_jobs() -> int:
-    """Threads for reading and checksumming: ``CKPT_THREADS`` if set, else the usable CPUs,
-    at most 8."""
-    if os.environ.get("CKPT_THREADS", "").strip().isdigit():
-        return worker_threads()
-    return max(1, min(8, usable_cpus()))
 
 
 def crc32(data: memoryview | bytes, value: int = 0) -> int:

@@ -17,7 +17,12 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from ckpt_cli.errors import CkptError
+from ckpt_cli.storage.atomic import atomic_file
+from ckpt_cli.storage.threads import worker_threads
 
 _PATH = os.environ.get("CKPT_STAGE_REPORT") or None
 _LOCK = threading.Lock()
@@ -70,12 +75,6 @@ def snapshot() -> dict[str, dict[str, Any]]:
 def _dump() -> None:  # pragma: no cover - runs at exit of a benchmarked process
     if _PATH is None:
         return
-    from pathlib import Path
-
-    from ckpt_cli.errors import CkptError
-    from ckpt_cli.storage.atomic import atomic_file
-    from ckpt_cli.storage.reads import worker_threads
-
     try:  # through the one door out, as every file ckpt writes
         with atomic_file(Path(_PATH), overwrite=True) as tmp:
             tmp.write_text(json.dumps({"stages": snapshot(),

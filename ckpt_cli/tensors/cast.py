@@ -32,14 +32,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
 from ckpt_cli.storage import stages
-
-if TYPE_CHECKING:
-    import numpy as np
+from ckpt_cli.storage.reads import worker_threads
+from ckpt_cli.tensors.extensions import load
 
 FP16_MAX = 65504.0
 TORCH_WORTH_IT = 4_000_000_000
@@ -88,7 +89,7 @@ class _TorchLoader:
 
     def _load(self) -> None:
         try:
-            import torch
+            import torch  # heavy: torch
         except (ImportError, OSError, MemoryError):
             # Not installed, or it cannot load (its libraries need more address space than
             # `ulimit -v` leaves): casts stay on numpy.
@@ -156,8 +157,6 @@ def cast_array(arr: np.ndarray, dst: str, *, name: str = "", clamp: bool = False
     Returns:
         A new array of the target dtype and the same shape.
     """
-    import numpy as np
-
     out = np.empty(arr.shape, dtype=dtypes.numpy_dtype(dst))
     src_flat, out_flat = arr.reshape(-1), out.reshape(-1)
     torch = _TORCH.torch
@@ -214,8 +213,6 @@ def f16_overflow(wide: np.ndarray, half: np.ndarray, clamp: bool) -> int:
     that overflowed to inf; with ``clamp`` they are set to ±65504 instead. Costs one integer
     pass over ``half`` when nothing overflowed (the FP8 dequantizer's check, as
     :func:`cast_array` checks its own casts)."""
-    import numpy as np
-
     if not _any_inf_or_nan(half):
         return 0
     with np.errstate(invalid="ignore"):
@@ -232,16 +229,12 @@ def _any_inf_or_nan(half: np.ndarray) -> bool:
     Integer ops on the bits run about 3x faster than ``np.isinf`` on float16, which numpy
     evaluates one element at a time; only blocks that hit go on to exact counting.
     """
-    import numpy as np
-
     bits = np.bitwise_and(half.view(np.uint16), 0x7FFF)
     return bool(bits.size) and int(bits.max()) >= 0x7C00
 
 
 def _any_nan_bf16(bf: np.ndarray) -> bool:
     """Whether a BF16 block holds a NaN: its magnitude bits exceed 0x7F80 (inf)."""
-    import numpy as np
-
     bits = np.bitwise_and(bf.view(np.uint16), 0x7FFF)
     return bool(bits.size) and int(bits.max()) > 0x7F80
 
@@ -254,8 +247,6 @@ def _numpy_nans(s: np.ndarray, o: np.ndarray) -> None:
     to FP16 the loop quiets signalling NaNs); numpy's do not. So a cast gives the same bytes
     whichever backend, and however many threads, cast a block.
     """
-    import numpy as np
-
     nan = np.isnan(s)
     if nan.any():
         with np.errstate(invalid="ignore"):
@@ -264,8 +255,6 @@ def _numpy_nans(s: np.ndarray, o: np.ndarray) -> None:
 
 def _torch_copy(torch: Any, s: np.ndarray, o: np.ndarray, dst: str) -> None:
     """``o[...] = s`` with torch's kernels (both are plain buffers; bf16 travels as int16)."""
-    import numpy as np
-
     def as_tensor(a: np.ndarray) -> Any:
         if a.dtype.name == "bfloat16":
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
@@ -301,8 +290,6 @@ def cast_threads() -> int:
 @functools.cache
 def _pool_threads() -> int:
     """How many cast threads (``CKPT_THREADS``, else one per usable CPU), fixed per process."""
-    from ckpt_cli.storage.reads import worker_threads
-
     return worker_threads()
 
 
@@ -313,8 +300,6 @@ _SUB = 1 << 16  # elements per pass of f32_to_f16: its temporaries stay in the L
 def _compiled_f16() -> Callable[[Any, Any], None] | None:
     """The compiled F16C kernel's function (``ckpt_cli.tensors._f16c``), or None where it was
     not built, the CPU lacks F16C, or ``CKPT_NO_F16C`` is set (numpy's kernel then)."""
-    from ckpt_cli.tensors.extensions import load
-
     f16c = load("_f16c", "CKPT_NO_F16C")
     kernel: Callable[[Any, Any], None] | None = None if f16c is None else f16c.f32_to_f16
     return kernel
@@ -335,8 +320,6 @@ def f32_to_f16(src: np.ndarray, out: np.ndarray) -> None:
         src: 1-D FP32 values.
         out: 1-D FP16 array of the same size, written in place.
     """
-    import numpy as np
-
     compiled = _compiled_f16()
     if compiled is not None and src.flags.c_contiguous and out.flags.c_contiguous:
         compiled(src, out.view(np.uint16))
@@ -357,8 +340,6 @@ def f32_to_f16_numpy(src: np.ndarray, out: np.ndarray) -> None:
         src: 1-D FP32 values.
         out: 1-D FP16 array of the same size, written in place.
     """
-    import numpy as np
-
     u32 = np.uint32
     for i in range(0, src.size, _SUB):
         u = src[i:i + _SUB].view(np.uint32)

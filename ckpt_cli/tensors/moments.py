@@ -46,10 +46,13 @@ import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from ckpt_cli.tensors.extensions import load
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    import numpy as np
 
 BLOCK = 1 << 16
 """Elements per block of the numpy kernel (its float64 copy stays in the L2 cache)."""
@@ -321,8 +324,6 @@ _KERNEL_DTYPES = ("float32", "float64", "float16", "bfloat16")
 def _compiled() -> Any:
     """The compiled module (``ckpt_cli.tensors._moments``), or None where it was not built or
     ``CKPT_NO_COMPILED_MOMENTS`` is set."""
-    from ckpt_cli.tensors.extensions import load
-
     return load("_moments", "CKPT_NO_COMPILED_MOMENTS")
 
 
@@ -341,8 +342,6 @@ def moments_kernel() -> str:
 def _as_kernel_input(arr: np.ndarray) -> np.ndarray:
     """``arr`` as a flat array of a dtype the kernels take (others widened exactly: FP8 and
     integers up to 2**24 to float32, larger integers to float64)."""
-    import numpy as np
-
     flat = np.ascontiguousarray(arr).reshape(-1)
     if _name(flat.dtype) in _KERNEL_DTYPES:
         return flat
@@ -368,8 +367,6 @@ def piece_moments(arr: np.ndarray) -> Moments:
     big = max(abs(out.min), abs(out.max)) if out.count else 0.0
     if flat.dtype.itemsize == 8 and big and not _SAFE_LO <= big <= _SAFE_HI:
         # Squares past float64's range: sum again divided by 2**k (exact), keep k.
-        import numpy as np
-
         k = math.frexp(big)[1]
         again = _kernel(np.ldexp(flat, -k))
         out.mean, out.m2, out.sumsq = math.ldexp(again.mean, k), again.m2, again.sumsq
@@ -435,14 +432,10 @@ def _kernel(flat: np.ndarray) -> Moments:
 def _buffer(flat: np.ndarray) -> np.ndarray:
     """``flat`` as the compiled kernel reads it: 16-bit floats as their bits (numpy exports no
     buffer of an ml_dtypes bfloat16 array)."""
-    import numpy as np
-
     return flat.view(np.uint16) if flat.dtype.itemsize == 2 else flat
 
 
 def _hist_array() -> np.ndarray:
-    import numpy as np
-
     return np.zeros(HIST_BINS, dtype=np.int64)
 
 
@@ -455,8 +448,6 @@ def numpy_piece_moments(arr: np.ndarray) -> Moments:
     Returns:
         Their :class:`Moments`.
     """
-    import numpy as np
-
     out = Moments(numel=arr.size)
     if arr.size == 0:
         return out
@@ -499,8 +490,6 @@ def _set_hist(out: Moments, hist: np.ndarray) -> None:
 
 def _binades(x: np.ndarray, hist: np.ndarray) -> None:
     """Add the binades of ``|x|`` (finite float32 or float64 values) to ``hist``."""
-    import numpy as np
-
     if x.dtype == np.float32:
         field_ = (x.view(np.uint32) >> 23) & 0xFF
         bias, width = 127, 256
@@ -534,8 +523,6 @@ def diff_sumsq(a: np.ndarray, b: np.ndarray) -> float:
     Raises:
         ValueError: When the sizes differ.
     """
-    import numpy as np
-
     if np.iscomplexobj(a) or np.iscomplexobj(b):  # |a - b|, not |a| - |b|
         ca, cb = (np.asarray(v, dtype=np.complex128).reshape(-1) for v in (a, b))
         if ca.size != cb.size:

@@ -17,17 +17,17 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import dcp
 from ckpt_cli.model import CheckpointIndex, Chunk, TensorInfo
-from ckpt_cli.storage import Handle, open_regular, read_full
+from ckpt_cli.storage import Handle, open_regular, read_full, reads
 from ckpt_cli.storage.reads import crc32_parallel, crc32_range
-
-if TYPE_CHECKING:
-    import numpy as np
+from ckpt_cli.tensors import cast
 
 _MAX_OPEN = 64
 _MAP_MIN = 1 << 20  # below this a copy is as cheap as setting up a mapping
@@ -86,8 +86,6 @@ class TensorSource:
         Raises:
             CorruptCheckpointError: The file ends before the rows do.
         """
-        import numpy as np
-
         row = math.prod(t.shape[1:])
         try:
             dt = dtypes.numpy_dtype(t.dtype)
@@ -143,8 +141,6 @@ class TensorSource:
             CorruptCheckpointError: Truncated files or chunks that do not decode.
             UnsupportedError: Compressed DCP chunks, tensors without data.
         """
-        import numpy as np
-
         if t.chunks:
             return self._read_chunks(t)
         if t.file is None or t.offset is None:
@@ -204,8 +200,6 @@ class TensorSource:
             CorruptCheckpointError: Truncated files, chunks that do not decode, CRC mismatch.
             UnsupportedError: Compressed DCP chunks, tensors without data.
         """
-        from ckpt_cli.storage import reads
-
         piece = piece_bytes or reads.PIECE_BYTES
         if t.chunks:
             subs = dcp.row_chunks(t, functools.partial(self._locate, t))
@@ -223,8 +217,6 @@ class TensorSource:
     def _contiguous_pieces(self, t: TensorInfo, piece: int,
                            mapped: bool) -> Iterator[np.ndarray]:
         """Pieces of a tensor stored as one contiguous byte range (see :meth:`iter_pieces`)."""
-        import numpy as np
-
         assert t.file is not None and t.offset is not None
         if t.nbytes <= piece or t.dtype not in dtypes.DTYPES or (
                 dtypes.DTYPES[t.dtype].numpy_name is None):
@@ -273,8 +265,6 @@ class TensorSource:
         (``torch.serialization.set_crc32_options(False)``) has none to compare with
         (``crc`` None).
         """
-        import numpy as np
-
         s = t.storage
         if s is None or s.crc is None or s.start is None or not s.crc_len:
             return
@@ -305,8 +295,6 @@ class TensorSource:
 
     def _map_range(self, rel: str, offset: int, count: int, dt: np.dtype[Any]) -> np.ndarray:
         """``count`` values of file ``rel`` from ``offset``, as a read-only mapped array."""
-        import numpy as np
-
         fd = self._fd(rel)
         if not isinstance(fd, int):  # an object on a store: read, there is nothing to map
             arr = np.empty(count, dtype=dt)
@@ -340,8 +328,6 @@ class TensorSource:
         return t.offset + lo * item, t.offset + (hi + 1) * item
 
     def _read_strided(self, t: TensorInfo, dt: np.dtype[Any]) -> np.ndarray:
-        import numpy as np
-
         assert t.stride is not None and t.file is not None and t.offset is not None
         if any(d == 0 for d in t.shape):
             return np.empty(t.shape, dtype=dt)
@@ -390,11 +376,9 @@ def _crc32(data: memoryview, value: int = 0) -> int:
     """CRC-32 of a piece being read, on the cast threads at once (it is a stage of its own
     beside the cast: on many cores one thread's checksum would pace the reading); on one
     thread when called from a cast thread (which must not wait on its own pool)."""
-    from ckpt_cli.tensors.cast import CAST_THREAD, cast_pool, cast_threads
-
-    if threading.current_thread().name.startswith(CAST_THREAD):
+    if threading.current_thread().name.startswith(cast.CAST_THREAD):
         return crc32_parallel(data, value, None, 1)
-    return crc32_parallel(data, value, cast_pool(), cast_threads())
+    return crc32_parallel(data, value, cast.cast_pool(), cast.cast_threads())
 
 
 def split_pieces(arr: np.ndarray, piece_bytes: int | None = None) -> Iterator[np.ndarray]:
@@ -407,8 +391,6 @@ def split_pieces(arr: np.ndarray, piece_bytes: int | None = None) -> Iterator[np
     Yields:
         1-D views that together cover ``arr`` (one empty view for an empty array).
     """
-    from ckpt_cli.storage import reads
-
     flat = arr.reshape(-1)
     step = max(1, (piece_bytes or reads.PIECE_BYTES) // max(flat.itemsize, 1))
     if flat.size <= step:

@@ -27,8 +27,20 @@ import orjson
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, DestinationError
+from ckpt_cli.formats import first_error
+from ckpt_cli.formats.dcp import metadata_file
+from ckpt_cli.formats.names import is_last_copy
+from ckpt_cli.manifest import (
+    HashStats,
+    checkpoint_files,
+    hash_files,
+    read_manifest,
+    verify_manifest,
+)
+from ckpt_cli.manifest import manifest_digest as manifest_digest
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.storage.atomic import open_append
+from ckpt_cli.trust.thinning.base import lone_torch_file, thinned_line
 
 Stamp = tuple[int, ...]
 """A file as verified: ``(size, mtime_ns, inode, change)`` (:func:`ckpt_cli.storage.file_stamp`);
@@ -295,24 +307,6 @@ def _append_object(path: Path, data: bytes) -> None:
         raise CkptError(f"cannot write the run ledger: {e}", path=path) from e
 
 
-def manifest_digest(checkpoint: str | os.PathLike[str]) -> str | None:
-    """SHA-256 (hex) of a checkpoint's manifest file as it is now, or None when it has none.
-
-    This is what a ledger line's ``manifest_digest`` records: a later reader compares it with
-    the file to learn that the manifest is still the one written with the verdict.
-
-    Raises:
-        CkptError: If the manifest exists but cannot be read.
-    """
-    import hashlib
-
-    from ckpt_cli.manifest import manifest_path
-
-    path = manifest_path(storage.locate(checkpoint))
-    data = storage.read_side(path, "manifest")
-    return None if data is None else hashlib.sha256(data).hexdigest()
-
-
 def stamp(checkpoint: Path) -> dict[str, Stamp]:
     """The stamp of each file of a checkpoint (the files its manifest covers), by name
     relative to the checkpoint (:func:`ckpt_cli.storage.file_stamp`); empty when it is gone.
@@ -320,8 +314,6 @@ def stamp(checkpoint: Path) -> dict[str, Stamp]:
     Raises:
         CkptError: If the checkpoint cannot be listed.
     """
-    from ckpt_cli.manifest import checkpoint_files
-
     if not checkpoint.exists():
         return {}
     base = checkpoint if checkpoint.is_dir() else checkpoint.parent
@@ -355,14 +347,12 @@ def commit_marker(path: Path) -> str | None:
     file; None when the layout has none."""
     if not path.is_dir():
         return path.name
-    from ckpt_cli.formats.dcp import metadata_file
 
     meta = metadata_file(path)
     if meta is not None:
         return meta.name
     if (path / "trainer_state.json").is_file():
         return "trainer_state.json"
-    from ckpt_cli.trust.thinning.base import lone_torch_file
 
     lone = lone_torch_file(path)
     return lone.name if lone is not None else None
@@ -376,8 +366,6 @@ def saved_again(path: Path, line: LedgerEntry, now: Mapping[str, Stamp]) -> bool
     file leaves the marker alone, and a copy keeps its bytes; a layout without a marker, and a
     single file without checksums of its own (safetensors), never count as saved again.
     """
-    from ckpt_cli.manifest import hash_files, read_manifest
-
     marker = commit_marker(path)
     cur = now.get(marker) if marker is not None else None
     if marker is None or cur is None:
@@ -452,8 +440,6 @@ def recheck(path: Path, line: LedgerEntry, *, full: bool,
         full: Hash every file.
         now: Its files' stamps as :func:`stamp` gives them, when the caller has them.
     """
-    from ckpt_cli.manifest import HashStats, hash_files, read_manifest, verify_manifest
-
     if not path.exists():
         return Recheck(["gone"])
     try:
@@ -501,8 +487,6 @@ def recheck_trusted(path: Path, line: LedgerEntry, *, full: bool,
     (a forged line cannot send training into a hostile pickle, nor keep a watcher quiet
     about one). Metadata only beyond the hashes :func:`recheck` needs.
     """
-    from ckpt_cli.formats import first_error
-
     r = recheck(path, line, full=full, now=now)
     if r.problems:
         return r
@@ -520,8 +504,6 @@ def abandoned(book: Ledger) -> dict[str, LedgerEntry]:
     verdicts recorded; lines without one, ``last.ckpt``-style copies and checkpoints ever
     thinned (a rewrite, not a save) take no part.
     """
-    from ckpt_cli.formats.names import is_last_copy
-
     thinned = {e.path for e in book.entries if e.event == THINNED}
     known = sorted((e for e in book.latest().values() if e.event == VERIFIED
                     and e.step is not None and e.committed is not None
@@ -550,8 +532,6 @@ def thinned_on_purpose(path: Path) -> bool:
     """Whether the run ledger beside a checkpoint records that ``prune --thin-after`` thinned
     it: its newest ``thinned`` line confirms a thinning (neither the intent nor the record of
     one not carried out, :func:`ckpt_cli.trust.thinning.thinned_line`)."""
-    from ckpt_cli.trust.thinning.base import thinned_line
-
     try:
         book = read_ledger(storage.locate(path).parent)
     except CkptError:

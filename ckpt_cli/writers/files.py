@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from ckpt_cli.formats.hf_index import count_parameters
 from ckpt_cli.storage import stages
 from ckpt_cli.writers.pipeline import Flusher, Prefetch, Syncer, tensor_bytes
 from ckpt_cli.writers.plan import OutTensor, ShardPlan
@@ -94,8 +95,6 @@ def index_bytes(root: Path, fmt: str, tensors: Sequence[OutTensor], plan: ShardP
     Returns:
         The index as indented JSON, newline-terminated.
     """
-    from ckpt_cli.formats.hf_index import count_parameters
-
     weight_map: dict[str, str] = {}
     for fname, members in zip(plan.files, plan.members, strict=True):
         for i in members:

@@ -17,14 +17,14 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import OutOfMemoryError
 from ckpt_cli.storage import stages
 from ckpt_cli.storage.reads import MEMORY_BUDGET, PIECE_BYTES
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from ckpt_cli.writers.plan import OutTensor
 
 
@@ -110,8 +110,6 @@ class Flusher:
 
 def tensor_bytes(source: Prefetch, i: int, t: OutTensor) -> Iterator[memoryview]:
     """The bytes of tensor ``i``, piece by piece, checked against its dtype and shape."""
-    import numpy as np
-
     if t.pieces is None:
         for arr in source.pieces(i):
             yield _bytes_of(arr, t)
@@ -159,8 +157,6 @@ def _mib(n: int) -> str:
 
 def _bytes_of(arr: np.ndarray, t: OutTensor) -> memoryview:
     """The tensor's bytes as a flat memoryview, after checking dtype and shape."""
-    import numpy as np
-
     # Sub-byte types (F4) travel as packed bytes whose shape differs from the logical one.
     if arr.nbytes != t.nbytes or (tuple(arr.shape) != t.shape and t.dtype != "F4"):
         raise ValueError(f"{t.name}: produced {arr.dtype}{list(arr.shape)}, expected "

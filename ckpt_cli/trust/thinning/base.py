@@ -20,6 +20,18 @@ from typing import Any
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats import first_error
+from ckpt_cli.formats.dcp import metadata_file
+from ckpt_cli.formats.names import MANIFEST_NAME, TRASH_PREFIX, fit_name
+from ckpt_cli.manifest import (
+    DEFAULT_ALGORITHM,
+    manifest_digest,
+    manifest_path,
+    read_manifest,
+    write_manifest,
+)
+from ckpt_cli.runs import tree_scan
+from ckpt_cli.storage import atomic
 from ckpt_cli.storage.atomic import fsync_path, fsync_tree, tmp_sibling
 
 # Top-level keys that hold optimizer state in the training files of the frameworks ckpt reads:
@@ -121,16 +133,12 @@ def can_thin(path: Path) -> str | None:
 
 
 def _is_dcp(path: Path) -> bool:
-    from ckpt_cli.formats.dcp import metadata_file
-
     return metadata_file(path) is not None
 
 
 def lone_torch_file(path: Path) -> Path | None:
     """The one torch file of a step directory that holds nothing else (the sample run's
     ``step_000100/checkpoint.pt``; its manifest aside), or None."""
-    from ckpt_cli.manifest import MANIFEST_NAME
-
     found: list[Path] = []
     try:
         children = list(path.iterdir())
@@ -149,8 +157,6 @@ def quick_check(path: Path) -> str | None:
     """Why a (thinned) checkpoint does not read cleanly, or None: its index read through the
     allowlist (:func:`ckpt_cli.formats.first_error`). Thinning rewrites no layout with rank
     files, so this is prune's quick validation for what it writes."""
-    from ckpt_cli.formats import first_error
-
     return first_error(path)[1]
 
 
@@ -161,8 +167,6 @@ def _set_manifest_aside(path: Path) -> str | None:
     thinned checkpoint fail ``validate``. Removed first, a crash at any later point leaves a
     checkpoint without a manifest (which validates) rather than one contradicting its files.
     """
-    from ckpt_cli.manifest import DEFAULT_ALGORITHM, manifest_path, read_manifest
-
     mp = manifest_path(path)
     if mp.is_symlink() or not mp.is_file():
         return None
@@ -179,15 +183,13 @@ def _manifest_again(path: Path, algorithm: str | None) -> str | None:
     """Write the thinned checkpoint's manifest when it had one; its digest for the ledger."""
     if algorithm is None:
         return None
-    from ckpt_cli.manifest import write_manifest
-    from ckpt_cli.trust.ledger import manifest_digest
 
     write_manifest(path, algorithm=algorithm)
     return manifest_digest(path)
 
 
 def _load(path: Path) -> dict[str, Any]:
-    import torch
+    import torch  # heavy: torch
 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -211,7 +213,7 @@ def _is_optimizer_state(value: Any) -> bool:
 
 
 def _cast(obj: Any) -> Any:
-    import torch
+    import torch  # heavy: torch
 
     if isinstance(obj, torch.Tensor):
         return obj.to(torch.bfloat16) if obj.is_floating_point() else obj
@@ -289,8 +291,6 @@ def _work_name(path: Path) -> Path:
     name of prune's trash (``.ckpt-trash-NAME.thin-*``), which no reader takes for a checkpoint
     and which the next prune removes when a kill left it behind. Only prune thins, under its
     lock, so no other prune removes it while it is being written."""
-    from ckpt_cli.formats.names import TRASH_PREFIX, fit_name
-
     return path.parent / fit_name(f"{TRASH_PREFIX}{path.name}", f".thin-{uuid.uuid4().hex[:8]}")
 
 
@@ -324,10 +324,6 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
     trash name ``tmp`` had (see :func:`_work_name`) and is removed (by the next prune, when a
     kill interrupts this).
     """
-    from ckpt_cli.manifest import DEFAULT_ALGORITHM, manifest_path, read_manifest
-    from ckpt_cli.runs import tree_scan
-    from ckpt_cli.storage.atomic import exchange
-
     problem = quick_check(tmp)
     if problem:
         raise CkptError(f"the thinned copy does not validate ({problem}); left whole",
@@ -350,7 +346,7 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
                         "whole", path=path)
     on_start(dropped, to, bytes_before)
     try:
-        exchange(tmp, path)
+        atomic.exchange(tmp, path)
     except OSError as e:
         raise CkptError(f"the file system cannot swap directories atomically ({e.strerror}); "
                         "left whole", path=path) from None
@@ -367,13 +363,11 @@ def _swap_in(path: Path, tmp: Path, on_start: OnStart, dropped: list[str], to: s
 def _cannot_exchange(parent: Path) -> str | None:
     """Why two directories in ``parent`` cannot be swapped atomically (None: they can), tried
     on two empty ones before anything is recorded or changed."""
-    from ckpt_cli.storage.atomic import exchange
-
     a, b = tmp_sibling(parent / "swap-a"), tmp_sibling(parent / "swap-b")
     try:
         a.mkdir()
         b.mkdir()
-        exchange(a, b)
+        atomic.exchange(a, b)
     except OSError as e:
         return e.strerror or str(e)
     finally:

@@ -3,12 +3,21 @@ checkpoint keeps when thinned (also for a DCP prefix on object storage)."""
 
 from __future__ import annotations
 
+import io
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats import read_index
+from ckpt_cli.formats.dcp import metadata_file, parse_metadata, storage_map
+from ckpt_cli.formats.names import MANIFEST_NAME
+from ckpt_cli.runs import tree_scan
+from ckpt_cli.storage import open_regular, read_full
+from ckpt_cli.tensors.cast import cast_array
+from ckpt_cli.tensors.source import TensorSource
 from ckpt_cli.trust.thinning import base
 from ckpt_cli.trust.thinning.base import (
     OPTIMIZER_KEYS,
@@ -73,10 +82,8 @@ def _thin_dcp_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | No
     """A torch.distributed.checkpoint directory: read with ckpt's own reader (never unpickling
     anything but tensors and plain values, ``weights_only``), what is kept saved again with
     DCP's own writer (no process group) into a trash-named sibling directory, swapped in."""
-    import warnings
-
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter  # heavy: torch
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save  # heavy: torch
 
     newest = _newest_ns(path)
     picked = _dcp_thinned_state(path, to)
@@ -108,17 +115,7 @@ def _dcp_thinned_state(path: Path, to: str | None
 
     The kept tensors are held in memory (one copy, cast when ``to`` says so): the weights and
     training metadata, about a third of an Adam checkpoint (a sixth with ``bf16``)."""
-    import io
-
-    import torch
-
-    from ckpt_cli.formats import read_index
-    from ckpt_cli.formats.dcp import metadata_file, parse_metadata, storage_map
-    from ckpt_cli.manifest import MANIFEST_NAME
-    from ckpt_cli.runs import tree_scan
-    from ckpt_cli.storage import open_regular, read_full
-    from ckpt_cli.tensors.cast import cast_array
-    from ckpt_cli.tensors.source import TensorSource
+    import torch  # heavy: torch
 
     meta = metadata_file(path)
     if meta is None:

@@ -4,14 +4,22 @@ its per-parameter state; with ``--thin-to bf16`` its safetensors weights cast)."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats import read_index
+from ckpt_cli.formats.names import MANIFEST_NAME
+from ckpt_cli.runs import tree_scan
 from ckpt_cli.storage.atomic import fsync_path, rename_onto, tmp_sibling
+from ckpt_cli.tensors.cast import cast_array
+from ckpt_cli.tensors.source import TensorSource
 from ckpt_cli.trust.thinning import base
 from ckpt_cli.trust.thinning.base import (
     HF_OPTIMIZER_FILES,
@@ -23,6 +31,7 @@ from ckpt_cli.trust.thinning.base import (
     _work_name,
     quick_check,
 )
+from ckpt_cli.writers.safetensors import header_bytes, write_all
 
 
 def _thin_hf_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | None:
@@ -41,8 +50,6 @@ def _thin_hf_dir(path: Path, to: str | None, on_start: OnStart) -> Thinned | Non
     ``config.json``'s dtype and the index's ``total_size`` updated, the optimizer file
     thinned) and swapped in with one atomic exchange.
     """
-    from ckpt_cli.runs import tree_scan
-
     files = [n for n in HF_OPTIMIZER_FILES
              if (path / n).is_file() and not (path / n).is_symlink()]
     if not files:
@@ -88,7 +95,7 @@ def _ident(p: Path) -> tuple[int, int, int]:
 def _save_like(obj: dict[str, Any], dest: Path, like: Path) -> None:
     """``torch.save`` ``obj`` to ``dest`` with the mode and times of ``like`` (retention by age
     must not take a thinned checkpoint for a new one), fsynced and checked to read back."""
-    import torch
+    import torch  # heavy: torch
 
     st = like.stat()
     torch.save(obj, dest)
@@ -103,10 +110,6 @@ def _save_like(obj: dict[str, Any], dest: Path, like: Path) -> None:
 
 def _hf_to_bf16(path: Path, thin: dict[str, dict[str, Any]], victims: list[str],
                 on_start: OnStart, bytes_before: int) -> Thinned:
-    import json
-
-    from ckpt_cli.manifest import MANIFEST_NAME
-
     newest = _newest_ns(path)
     children = list(path.iterdir())
     if any(c.is_symlink() or not c.is_file() for c in children):
@@ -163,13 +166,6 @@ def _hf_to_bf16(path: Path, thin: dict[str, dict[str, Any]], victims: list[str],
 def _safetensors_to_bf16(src: Path, dest: Path) -> int:
     """Write ``src`` to ``dest`` with its FP32/FP16/FP64 tensors cast to BF16 (one tensor in
     memory at a time); returns the bytes of tensor data written."""
-    import numpy as np
-
-    from ckpt_cli.formats import read_index
-    from ckpt_cli.tensors.cast import cast_array
-    from ckpt_cli.tensors.source import TensorSource
-    from ckpt_cli.writers.safetensors import header_bytes, write_all
-
     index = read_index(src)
     order = sorted(index.tensors.values(), key=lambda t: t.offset or 0)
     codes = {t.name: ("BF16" if t.dtype in ("F32", "F64", "F16") else t.dtype) for t in order}

@@ -5,13 +5,22 @@ upload, an HF prefix's optimizer object replaced by one without its state, DCP a
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
 import re
+import tempfile
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats import read_index
+from ckpt_cli.formats.dcp import METADATA, metadata_file, parse_metadata, storage_map
+from ckpt_cli.formats.names import MANIFEST_NAME
+from ckpt_cli.runs import tree_scan
 from ckpt_cli.trust.thinning import base
 from ckpt_cli.trust.thinning.base import (
     HF_OPTIMIZER_FILES,
@@ -47,12 +56,7 @@ def _thin_object(obj: Path, to: str | None, on_start: OnStart, checkpoint: Path
                  ) -> Thinned | None:
     """One torch file object: read whole, thinned in memory, validated from a local temporary
     copy, and stored over the original with one upload (which replaces it atomically)."""
-    import io
-    import tempfile
-
-    import torch
-
-    from ckpt_cli.runs import tree_scan
+    import torch  # heavy: torch
 
     before = obj.stat()
     try:
@@ -96,8 +100,6 @@ def _thin_hf_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned | 
     per-parameter state (one PUT; its ``param_groups`` kept, see
     :func:`ckpt_cli.trust.thinning.hf._thin_hf_dir`); with ``to="bf16"`` its weights cast too
     (see :func:`_hf_prefix_to_bf16`)."""
-    from ckpt_cli.runs import tree_scan
-
     tidy(path, ours_only=True)  # a killed --thin-to's uploads, never named by the index
     files = [n for n in HF_OPTIMIZER_FILES if (path / n).is_file()]
     if not files:
@@ -124,9 +126,7 @@ def _thin_hf_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned | 
 def _thin_optimizer_object(obj: Path) -> bytes | None:
     """An optimizer object (``optimizer.pt``) saved again without its per-parameter state (its
     ``param_groups`` kept), or None when its state is empty already."""
-    import io
-
-    import torch
+    import torch  # heavy: torch
 
     try:
         state = torch.load(io.BytesIO(obj.read_bytes()), map_location="cpu", weights_only=True)
@@ -164,9 +164,7 @@ def _dcp_writer(directory: Path, prefix: str) -> Any:
     name, so files written under other names need nothing rewritten: the writer's global plan
     carries the name prefix (``prepare_global_plan`` sets ``__<i>_`` per rank), replaced here.
     """
-    import dataclasses
-
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter  # heavy: torch
 
     class _Named(FileSystemWriter):
         def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
@@ -180,8 +178,6 @@ def _dcp_writer(directory: Path, prefix: str) -> Any:
 def _referenced(path: Path) -> set[str] | None:
     """The files a remote checkpoint's commit record names: a DCP ``.metadata``'s data files,
     or an HF index's shards (None: neither can be read)."""
-
-    from ckpt_cli.formats.dcp import metadata_file, parse_metadata, storage_map
 
     meta = metadata_file(path)
     try:
@@ -203,8 +199,6 @@ def _referenced(path: Path) -> set[str] | None:
 def _unreferenced(path: Path, ours_only: bool) -> list[str]:
     """Data objects of a remote DCP or HF checkpoint that its commit record does not name:
     with ``ours_only`` only those whose name carries a thinning's tag (:data:`THIN_TAG`)."""
-    from ckpt_cli.formats.dcp import metadata_file
-
     named = _referenced(path)
     if named is None:
         return []
@@ -268,8 +262,6 @@ def _unchanged(path: Path, before: dict[str, tuple[int, float]]) -> bool:
 
 
 def _sizes(path: Path) -> dict[str, tuple[int, float]]:
-    from ckpt_cli.manifest import MANIFEST_NAME
-
     out = {}
     for c in path.iterdir():
         if c.name != MANIFEST_NAME and c.is_file():
@@ -290,13 +282,7 @@ def _thin_dcp_prefix(path: Path, to: str | None, on_start: OnStart) -> Thinned |
     files. A kill in between leaves objects the ``.metadata`` does not name; the next prune
     removes them (:func:`tidy`) and finishes the thinning.
     """
-    import tempfile
-    import warnings
-
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    from ckpt_cli.formats.dcp import METADATA
-    from ckpt_cli.runs import tree_scan
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save  # heavy: torch
 
     tidy(path, ours_only=True)  # a killed thinning's uploads, never named by .metadata
     before = _sizes(path)
@@ -350,12 +336,6 @@ def _hf_prefix_to_bf16(path: Path, thin: dict[str, bytes], victims: list[str],
     between leaves shards the index does not name, which the next prune removes (:func:`tidy`)
     before finishing the work.
     """
-    import json
-    import tempfile
-
-    from ckpt_cli.formats import read_index
-    from ckpt_cli.runs import tree_scan
-
     children = list(path.iterdir())
     if any(not c.is_file() for c in children):
         raise CkptError("holds sub-prefixes; --thin-to bf16 leaves it whole", path=path)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ckpt_cli.errors import CkptError
+from ckpt_cli.runs import tree_scan
 from ckpt_cli.storage.atomic import fsync_path, rename_onto, tmp_sibling
 from ckpt_cli.trust.thinning import base
 from ckpt_cli.trust.thinning.base import (
@@ -26,9 +27,7 @@ def _thin_torch(path: Path, to: str | None, on_start: OnStart,
     """One torch file (``checkpoint`` is itself, or the step directory holding it): rewritten
     under a trash or temporary name (see :func:`_work_name`), renamed over the original in one
     ``rename``."""
-    import torch
-
-    from ckpt_cli.runs import tree_scan
+    import torch  # heavy: torch
 
     before = path.stat()
     newest = _newest_ns(checkpoint) if checkpoint != path else None
