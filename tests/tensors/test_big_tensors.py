@@ -7,6 +7,7 @@ stream in many pieces; one slow test converts a 1.25 GiB tensor under an address
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import resource
@@ -191,8 +192,10 @@ def test_memory_error_names_the_tensor_and_budget(tmp_path: Path,
     src = tmp_path / "m.safetensors"
     save_file({"emb": _values(1000), "b": np.zeros(3, dtype=np.float32)}, str(src))
 
-    from ckpt_cli.ops.convert import build as convert_op
     from ckpt_cli.tensors import cast
+
+    # The module (the package also has a function named build).
+    convert_op = importlib.import_module("ckpt_cli.ops.convert.build")
 
     real = cast.cast_array
 

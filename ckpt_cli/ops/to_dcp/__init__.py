@@ -84,7 +84,7 @@ def source_format(src: Path, input_format: str | None
     for key in (input_format, index.flavor, index.format):
         if key is not None and key in SOURCES:
             return key, src, index
-    raise UnsupportedError(f"{src}: --to dcp cannot read the training state of a "
+    raise UnsupportedError(f"{src}: a DCP conversion cannot read the training state of a "
                            f"{index.flavor or index.format} checkpoint (it reads: "
                            f"{', '.join(sorted(SOURCES))})")
 
@@ -122,11 +122,11 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
     defaults = ConvertOptions()
     for f in fields(ConvertOptions):
         if f.name in _NOT_FOR_DCP and getattr(opts, f.name) != getattr(defaults, f.name):
-            raise UsageError(f"{f.name} does not apply to --to dcp", param=f.name)
+            raise UsageError(f"{f.name} does not apply to a DCP output", param=f.name)
     src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
     if isinstance(out, ObjectPath):
-        raise UsageError("--to dcp writes a local directory", param="output")
+        raise UsageError("a DCP output is a local directory, not a URL", param="output")
     given = resolve(src, input_format=opts.input_format)
     followed, src = given.followed, given.checkpoint()
     check_not_input(out, src)

@@ -152,8 +152,8 @@ def lazy_of(index: CheckpointIndex, info: TensorInfo) -> LazyTensor:
 
 def _tree(path: Path) -> Any:
     if not read_head(path, 4).startswith(ZIP_MAGIC):
-        raise UnsupportedError(f"{path}: --to dcp reads torch.save's zip format (torch >= 1.6)"
-                               ", not a legacy pickle")
+        raise UnsupportedError(f"{path}: a DCP conversion reads torch.save's zip format "
+                               "(torch >= 1.6), not a legacy pickle")
     fd = storage.open_regular(path)
     try:
         return parse_zip(fd, 0, path.stat().st_size, str(path)).pickle.obj
