@@ -75,6 +75,8 @@ def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
     if r.scope_note:
         scope += f" ({r.scope_note})"
     _add(grid, "Scope", scope)
+    if r.optimizer_ids:
+        _add(grid, "Optimizer", r.optimizer_ids)
     _add(grid, "Tensors", _tensor_line(r))
     if r.same_checkpoint and r.options.values:
         _add(grid, "Values", f"not read: {r.same_checkpoint}")

@@ -11,7 +11,10 @@ sides are :class:`~ckpt_cli.model.CheckpointIndex` objects. Steps:
 2. **Names.** Explicit prefixes are stripped from both sides first; then, unless turned off,
    well-known wrappers (``module.``, ``_orig_mod.``, ``model.``, ``state_dict.``,
    ``model_state_dict.``) are stripped from the side that carries them on all its weights,
-   but only when that makes more names match. Every rename is reported.
+   but only when that makes more names match. Every rename is reported. An optimizer
+   named by integer ids on one side and by FQNs on the other (a ``torch.save`` training dict
+   and its ``convert --to dcp`` output) is matched by the model's parameter order
+   (:mod:`ckpt_cli.ops.diff.optim_ids`), and the result says so.
 3. **Structure.** Tensors only in A or only in B (a tied alias that one side omits is noted,
    not counted as a difference), shape changes, dtype changes (:mod:`ckpt_cli.ops.diff.match`).
 4. **Values.** Each common pair is streamed block by block (:mod:`ckpt_cli.ops.diff.compare`). A
@@ -41,6 +44,7 @@ from ckpt_cli.ops.diff.match import choose_scope, match, pair_quantized
 from ckpt_cli.ops.diff.match import renamed as renamed  # re-exported
 from ckpt_cli.ops.diff.metadata import diff_metadata, mark_dtype_follows
 from ckpt_cli.ops.diff.names import normalise
+from ckpt_cli.ops.diff.optim_ids import match_ids
 from ckpt_cli.ops.diff.result import DiffOptions as DiffOptions  # re-exported: the public name
 from ckpt_cli.ops.diff.result import DiffResult
 from ckpt_cli.ops.diff.values import _compare_all, comparable, on_side
@@ -166,7 +170,9 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
     scope_a, scope_b, scope, note = choose_scope(index_a, index_b, opts.everything)
     names_a, names_b, renames = normalise(index_a, index_b, scope_a, scope_b,
                                           opts.strip_prefixes, auto=opts.auto_names)
-    result = DiffResult(index_a, index_b, opts, scope, note, renames, same_checkpoint=same)
+    ids_note = match_ids(index_a, index_b, names_a, names_b, scope_a, scope_b)
+    result = DiffResult(index_a, index_b, opts, scope, note, renames, same_checkpoint=same,
+                        optimizer_ids=ids_note)
     match(result, names_a, names_b, scope_a, scope_b)
     pair_quantized(result)
     # A side whose readers found damage in the files being compared (a missing shard, a

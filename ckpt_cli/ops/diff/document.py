@@ -114,6 +114,7 @@ def document(r: DiffResult) -> dict[str, Any]:
         "differences": r.differences(),
         "scope": r.scope,
         "scope_note": r.scope_note,
+        "optimizer_ids": r.optimizer_ids,
         "values_compared": o.values,
         "metadata_compared": o.metadata,
         "same_checkpoint": r.same_checkpoint,

@@ -254,6 +254,9 @@ class DiffResult(Documented):
             line each, ``A: ...``/``B: ...``, saying why).
         path_a: A as given (the document's ``a.path``; empty: the checkpoint's root).
         path_b: B as given.
+        optimizer_ids: How one side's optimizer ids were matched to the other side's
+            parameter names (by the model's parameter order), or why they were not; None
+            when neither side names its optimizer state by id against names.
     """
 
     index_a: CheckpointIndex
@@ -277,6 +280,7 @@ class DiffResult(Documented):
     fp8_unpaired: list[str] = field(default_factory=list)
     path_a: str = ""
     path_b: str = ""
+    optimizer_ids: str | None = None
 
     command = "diff"
 

@@ -119,6 +119,50 @@ def test_cli_json_validate_inspect_diff(trained: Any, tmp_path: Path,
     assert d.exit_code == 0, d.output
 
 
+@pytest.mark.parametrize("layout", ["torchtitan", "recipe"])
+def test_diff_source_against_output(trained: Any, tmp_path: Path, layout: str,
+                                    cli: Callable[..., Any]) -> None:
+    """``ckpt diff SRC OUT --all``: the source's optimizer ids (``optimizer.state.0.exp_avg``)
+    meet the output's FQNs (``optimizer.``/``optim.state.0.weight.exp_avg``) by parameter
+    order, so every weight and moment is compared, and identical (issue 48)."""
+    src, model, opt, _ = trained
+    out = tmp_path / "out"
+    assert cli("convert", src, "--to", "dcp", "--dcp-layout", layout, "-o", out).exit_code == 0
+    for a, b in ((src, out), (out, src)):
+        doc = json.loads(cli("diff", a, b, "--all", "--json").stdout)
+        status = {t["name"]: t["status"] for t in doc["tensors"]}
+        prefix = "optimizer." if layout == "torchtitan" else "optim."
+        want = {f"{prefix}state.{fqn}.{key}" for fqn in fr.by_fqn(model, opt)
+                for key in ("exp_avg", "exp_avg_sq", "step")}
+        weights = {n if layout == "torchtitan" else f"model.{n}" for n in model.state_dict()}
+        assert want | weights <= set(status)
+        assert all(status[n] == "identical" for n in want | weights), status
+        one_sided = {o["name"] for o in doc["only_in_a"] + doc["only_in_b"]}
+        # Left one-sided: rng_state vs rng.cpu, train_state.step (the source's step is a number).
+        assert not {n for n in one_sided if n.startswith(("optimizer.", "optim."))
+                    or n in weights}, one_sided
+        assert "matched" in doc["optimizer_ids"] and "parameter order" in doc["optimizer_ids"]
+    # The default scope (weights only) is as before: no optimizer matching.
+    doc = json.loads(cli("diff", src, out, "--json").stdout)
+    assert doc["optimizer_ids"] is None and doc["equal"], doc["differences"]
+
+
+def test_diff_ids_unmatched_says_why(tmp_path: Path, cli: Callable[..., Any]) -> None:
+    """Two param groups: the ids cannot be named; diff leaves them one-sided and says why."""
+    model, opt, _ = fr.source_run(1)
+    out = tmp_path / "out"
+    ckpt_cli.convert(_save(tmp_path / "one.pt", model, opt), out, to="dcp")
+    ps = list(model.parameters())
+    two = torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}])
+    two.load_state_dict({**opt.state_dict(), "param_groups": [
+        {**opt.state_dict()["param_groups"][0], "params": [0, 1]},
+        {**opt.state_dict()["param_groups"][0], "params": [2, 3, 4, 5]}]})
+    doc = json.loads(cli("diff", _save(tmp_path / "two.pt", model, two), out, "--all",
+                         "--json").stdout)
+    assert "not matched" in doc["optimizer_ids"] and "2 param groups" in doc["optimizer_ids"]
+    assert any(o["name"].startswith("optimizer.state.0.") for o in doc["only_in_a"])
+
+
 def test_sgd_momentum(tmp_path: Path) -> None:
     model = fr.tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
