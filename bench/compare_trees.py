@@ -61,7 +61,7 @@ def default_rev() -> str:
 def inputs(quick: bool) -> dict[str, Path]:
     """The files both trees read, written by torch and safetensors, made once."""
     layers, dim = (2, 512) if quick else (4, 1024)
-    train = bc.train_checkpoint("compare-train.pt", n_layers=layers, dim=dim)
+    train = bc.train_checkpoint(f"compare-train-{layers}x{dim}.pt", n_layers=layers, dim=dim)
     model = bc.DATA / f"compare-model-{layers}x{dim}.safetensors"
     if not model.exists():
         bc.in_subprocess("bench.compare_trees.write_model", model, str(train))
