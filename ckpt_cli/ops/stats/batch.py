@@ -41,7 +41,7 @@ _RUN_BYTES = 4 << 20
 _DT: dict[str, Any] = {}
 
 
-def _dtype(code: str) -> Any:
+def numpy_dtype_or_none(code: str) -> Any:
     """The numpy dtype of a dtype code, or None where numpy cannot hold it (packed F4/F6)."""
     dt = _DT.get(code)
     if dt is None and code not in _DT:
@@ -62,7 +62,7 @@ def _plain(target: _Target, window: int) -> bool:
     s = t.storage
     if s is not None and s.crc is not None:
         return False
-    dt = _dtype(t.dtype)
+    dt = numpy_dtype_or_none(t.dtype)
     return dt is not None and t.nbytes == t.numel * dt.itemsize
 
 
@@ -152,7 +152,7 @@ def _read_runs(sources: _Src, i: int, rel: str, items: list[tuple[int, int, int]
             continue
         for off, nb, k in items[start:stop]:
             t = works[i].targets[names[k]].tensor
-            dt = _dtype(t.dtype)
+            dt = numpy_dtype_or_none(t.dtype)
             part = buf[off - lo:off - lo + nb]
             if (off - lo) % dt.itemsize:
                 part = part.copy()  # an aligned copy: the kernels read whole values

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
+from ckpt_cli.ops.stats.batch import numpy_dtype_or_none
 from ckpt_cli.tensors.moments import Moments, piece_moments, run_moments
 
 if TYPE_CHECKING:
@@ -43,19 +43,6 @@ RUN_TENSORS = 1 << 16
 """Most tensors in one run (the jobs of a header of a million tiny ones spread over threads)."""
 
 _KERNEL = frozenset(("float32", "float64", "float16", "bfloat16"))
-_DT: dict[str, Any] = {}
-
-
-def _dtype(code: str) -> Any:
-    """The numpy dtype of a dtype code, or None where numpy cannot hold it (packed F4/F6)."""
-    dt = _DT.get(code)
-    if dt is None and code not in _DT:
-        try:
-            dt = dtypes.numpy_dtype(code)
-        except KeyError:
-            dt = None
-        _DT[code] = dt
-    return dt
 
 
 @dataclass(slots=True)
@@ -123,7 +110,7 @@ def take_plain(works: list[_Work], sources: _Src, select: Callable[[str], bool] 
                 continue
             size = sizes.get(code)
             if size is None:
-                dt = _dtype(code)
+                dt = numpy_dtype_or_none(code)
                 size = sizes[code] = 0 if dt is None else dt.itemsize
             if not size or nb != prod(t.shape) * size:
                 continue
@@ -193,7 +180,7 @@ def run_plain(works: list[_Work], sources: _Src, run: Run, meter: Meter) -> int 
     offs = np.array(run.offsets, dtype=np.int64) - lo
     sizes = np.array(run.sizes, dtype=np.int64)
     for code in groups:
-        dt = _dtype(code)
+        dt = numpy_dtype_or_none(code)
         if len(groups) == 1:
             pick: list[int] | None = None
             o, s = offs, sizes
