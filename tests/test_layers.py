@@ -399,21 +399,7 @@ def test_no_import_cycle(typing: bool) -> None:
     ``if TYPE_CHECKING:`` count too (known loops aside)."""
     names = {n for n, _ in MODULES}
     graph = {n: _module_edges(n, p, names, typing) for n, p in MODULES}
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    cycles: list[list[str]] = []
-
-    def visit(n: str, trail: list[str]) -> None:
-        state[n] = 1
-        for m in sorted(graph[n]):
-            if state.get(m) == 1:
-                cycles.append([*trail[trail.index(m):], m])
-            elif m not in state:
-                visit(m, [*trail, m])
-        state[n] = 2
-
-    for n in sorted(graph):
-        if n not in state:
-            visit(n, [n])
+    cycles = _cycles(graph)
     if typing:
         cycles = [c for c in cycles if tuple(c) not in KNOWN_TYPING_CYCLES]
     assert not cycles, cycles

@@ -34,12 +34,13 @@ from ckpt_cli.formats.unpickler import (
 if TYPE_CHECKING:
     from ckpt_cli.storage import Handle
 
-_EOCD = b"PK\x05\x06"
-_Z64_LOCATOR = b"PK\x06\x07"
-_Z64_EOCD = b"PK\x06\x06"
-_CENTRAL = b"PK\x01\x02"
-_LOCAL = b"PK\x03\x04"
-_DESCRIPTOR = b"PK\x07\x08"
+EOCD = _EOCD = b"PK\x05\x06"
+Z64_LOCATOR = _Z64_LOCATOR = b"PK\x06\x07"
+Z64_EOCD = _Z64_EOCD = b"PK\x06\x06"
+CENTRAL = _CENTRAL = b"PK\x01\x02"
+LOCAL = _LOCAL = b"PK\x03\x04"
+DESCRIPTOR = _DESCRIPTOR = b"PK\x07\x08"
+"""The zip record signatures (validate's structure checks use these too)."""
 _FLAG_DESCRIPTOR = 0x8
 _U32 = struct.Struct("<I")
 

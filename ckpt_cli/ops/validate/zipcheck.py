@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckpt_cli import storage
+from ckpt_cli.formats import zipshape
 from ckpt_cli.model import Finding, Severity
 from ckpt_cli.progress import Progress
 from ckpt_cli.storage import Handle
@@ -28,12 +29,8 @@ from ckpt_cli.storage.reads import (
     run_parallel,
 )
 
-_EOCD = b"PK\x05\x06"
-_Z64_LOCATOR = b"PK\x06\x07"
-_Z64_EOCD = b"PK\x06\x06"
-_CENTRAL = b"PK\x01\x02"
-_LOCAL = b"PK\x03\x04"
-_DESCRIPTOR = b"PK\x07\x08"
+_EOCD, _Z64_LOCATOR, _Z64_EOCD = zipshape.EOCD, zipshape.Z64_LOCATOR, zipshape.Z64_EOCD
+_CENTRAL, _LOCAL, _DESCRIPTOR = zipshape.CENTRAL, zipshape.LOCAL, zipshape.DESCRIPTOR
 _FLAG_ENCRYPTED = 0x1
 _FLAG_DESCRIPTOR = 0x8
 _FLAG_UTF8 = 0x800
