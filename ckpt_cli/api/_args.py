@@ -11,8 +11,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, UsageError, with_builtin
+from ckpt_cli.optionspec import options_of
+from ckpt_cli.parts import parse_part
 from ckpt_cli.progress import Progress
+from ckpt_cli.units import parse_count, parse_duration, parse_rate, parse_size
 
 if TYPE_CHECKING:
     from ckpt_cli.parts import Part
@@ -34,7 +38,6 @@ def deprecated_keywords(options: type | None = None, **renamed: str
             (:func:`ckpt_cli.optionspec.option`).
         renamed: More old keyword -> new keyword (for keywords that are no field).
     """
-    from ckpt_cli.optionspec import options_of
 
     olds = dict(renamed)
     if options is not None:
@@ -94,7 +97,6 @@ def api_names(fmt: str = "input_format") -> Iterator[None]:
 
 def located(path: str | os.PathLike[str]) -> Any:
     """A path or URL as the ops take it: a ``Path`` or an ``ObjectPath``."""
-    from ckpt_cli import storage
 
     return storage.locate(os.fspath(path))
 
@@ -112,8 +114,6 @@ def size(value: int | str | None, name: str, *, allow_zero: bool = False) -> int
     if value is None:
         return None
     if isinstance(value, str):
-        from ckpt_cli.units import parse_size
-
         return parse_size(value, what=name, allow_zero=allow_zero) or None
     _number(value, name, allow_zero=allow_zero)
     return int(value) or None
@@ -124,8 +124,6 @@ def duration(value: float | str | None, name: str, *, allow_zero: bool = False) 
     if value is None:
         return None
     if isinstance(value, str):
-        from ckpt_cli.units import parse_duration
-
         return parse_duration(value, what=name, allow_zero=allow_zero)
     _number(value, name, allow_zero=allow_zero)
     return float(value)
@@ -136,8 +134,6 @@ def count(value: int | str | None, name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, str):
-        from ckpt_cli.units import parse_count
-
         return parse_count(value, what=name, whole=True)
     _number(value, name)
     return int(value)
@@ -148,8 +144,6 @@ def rate(value: float | str | None, name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, str):
-        from ckpt_cli.units import parse_rate
-
         return parse_rate(value, what=name)
     _number(value, name)
     return float(value)
@@ -167,7 +161,6 @@ def part(value: Part | str | None) -> Part | None:
     """A part of a split job: ``"K/N"``, ``"auto"`` or a :class:`~ckpt_cli.parts.Part`."""
     if value is None or not isinstance(value, str):
         return value
-    from ckpt_cli.parts import parse_part
 
     return parse_part(value)
 
@@ -187,7 +180,6 @@ def local_only(path: Any, what: str, param: str) -> None:
     Raises:
         UsageError: If ``path`` is on an object store.
     """
-    from ckpt_cli import storage
 
     if path is not None and not storage.has_file_system(path):
         raise UsageError(f"{what} must be a local path, not a URL ({path} is on object "
@@ -202,6 +194,5 @@ def use_storage(storage_options: Mapping[str, Any] | None, concurrency: int | No
     """
     if storage_options is None and concurrency is None:
         return
-    from ckpt_cli import storage
 
     storage.configure(dict(storage_options or {}), concurrency)

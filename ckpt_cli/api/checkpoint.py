@@ -15,11 +15,20 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, overload
 
+from ckpt_cli import (
+    dtypes,  # imports torch: only when torch tensors are asked for
+    fp8,
+    storage,
+)
 from ckpt_cli.api import _args
 from ckpt_cli.api._args import PathLike
 from ckpt_cli.choices import InputFormat
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import UsageError, with_builtin
+from ckpt_cli.formats import allowlist, check_exists, read_index
+from ckpt_cli.fp8 import scheme
 from ckpt_cli.model import CheckpointIndex, FileInfo, Finding, TensorInfo
+from ckpt_cli.resolve import resolve
+from ckpt_cli.tensors.source import TensorSource
 
 if TYPE_CHECKING:
     import numpy as np
@@ -194,8 +203,6 @@ class Checkpoint:
 
     def _src(self) -> TensorSource:
         if self._source is None:
-            from ckpt_cli.tensors.source import TensorSource
-
             self._source = TensorSource(self.index)
         return self._source
 
@@ -203,8 +210,6 @@ class Checkpoint:
         arr = self._src().read(t)
         if not dequantize or not t.dtype.startswith("F8"):
             return arr
-        from ckpt_cli import fp8
-        from ckpt_cli.fp8 import scheme
 
         qc, _ = scheme.read_quantization_config(self.index)
         pair = scheme.pair_scales(self._by_name, qc).pairs.get(t.name)
@@ -220,14 +225,11 @@ def _framework(arr: np.ndarray, code: str, framework: str) -> Any:
     if framework != "torch":
         raise _args_error(f"framework must be numpy or torch, not {framework!r}",
                          param="framework")
-    from ckpt_cli import dtypes  # imports torch: only when torch tensors are asked for
 
     return dtypes.to_torch(arr, code)
 
 
 def _args_error(message: str, *, param: str) -> BaseException:
-    from ckpt_cli.errors import with_builtin
-
     return with_builtin(UsageError(message, param=param))
 
 
@@ -258,9 +260,6 @@ def open(path: PathLike, *, input_format: InputFormat | None = None,
         ...     w = ck.read("model.wte.weight")
         ...     ck.step, [f.code for f in ck.findings]
     """
-    from ckpt_cli import storage
-    from ckpt_cli.formats import allowlist, check_exists, read_index
-    from ckpt_cli.resolve import resolve
 
     with _args.api_names():
         _args.use_storage(storage_options, None)

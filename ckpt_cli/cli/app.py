@@ -2,15 +2,22 @@
 
 
 import functools
+import importlib
 import inspect
+import os
 import re
+import signal
+import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from typer.core import TyperArgument, TyperCommand
 
-from ckpt_cli.cli.errors import json_errors, refused, worded
+from ckpt_cli import storage
+from ckpt_cli.cli.errors import json_errors, note_terminated, refused, worded
 from ckpt_cli.cli.options import Refused
+from ckpt_cli.errors import CkptError
 
 # Each subcommand, in --help's order: its name, and the module and function that implement it.
 COMMANDS: tuple[tuple[str, str, str], ...] = (
@@ -81,7 +88,7 @@ class CkptCommand(TyperCommand):
         abc``) is one ``ckpt: error:`` line, exit 2, like every other usage error, and for
         ``validate --junit FILE`` a JUnit file naming the error is written as well."""
         # typer 0.27+ carries its own copy of click: its exceptions, not click's, are raised.
-        from typer._click import exceptions as click_errors
+        from typer._click import exceptions as click_errors  # heavy: typer
 
         raw = list(args)
         try:
@@ -104,7 +111,7 @@ class CkptCommand(TyperCommand):
             raise
 
     def _refused(self, raw: list[str], message: str) -> None:
-        from ckpt_cli.storage import redact
+        from ckpt_cli.storage import redact  # lazy: not loaded by ckpt --help
 
         if self.name == "validate":
             self._write_junit(raw, message)
@@ -127,14 +134,14 @@ class CkptCommand(TyperCommand):
             elif not arg.startswith("-") and not path:
                 path = arg
             i += 1
-        from ckpt_cli import storage
 
         if not junit or junit == "-" or not storage.names_local_path(junit):
             return  # ("-" is refused as a --junit file: no file named "-" either)
-        from pathlib import Path
 
-        from ckpt_cli.errors import CkptError
-        from ckpt_cli.render.junit import error_junit_xml, write_junit_bytes
+        from ckpt_cli.render.junit import (  # lazy: not loaded by ckpt --help
+            error_junit_xml,
+            write_junit_bytes,
+        )
 
         try:
             write_junit_bytes(error_junit_xml(path, "usage", message), Path(junit))
@@ -163,12 +170,12 @@ _TYPE_METAVARS = {"location": "PATH", "output_location": "OUT", "output_file": "
 
 def _print_parameters(ctx: typer.Context, params: list[Any]) -> None:
     """The Arguments and the Options panels of a command's help."""
-    from rich.console import Console
-    from rich.panel import Panel
-    from rich.text import Text
-    from typer import rich_utils
+    from rich.console import Console  # heavy: rich
+    from rich.panel import Panel  # heavy: rich
+    from rich.text import Text  # heavy: rich
+    from typer import rich_utils  # heavy: typer
 
-    from ckpt_cli.render.human import Col, table
+    from ckpt_cli.render.human import Col, table  # lazy: not loaded by ckpt --help
 
     console = Console(width=rich_utils.MAX_WIDTH, force_terminal=rich_utils.FORCE_TERMINAL,
                       color_system=rich_utils.COLOR_SYSTEM, highlight=False)
@@ -197,7 +204,7 @@ def _print_parameters(ctx: typer.Context, params: list[Any]) -> None:
 
 def _version(value: bool) -> None:
     if value:
-        from ckpt_cli import __version__
+        from ckpt_cli import __version__  # lazy: reads package metadata, only for --version
 
         typer.echo(f"ckpt {__version__}")
         raise typer.Exit()
@@ -218,7 +225,6 @@ def build(only: str | None = None) -> typer.Typer:
     command builds that one alone. The group, its root options and the command's usage,
     help and errors are the same either way.
     """
-    import importlib
 
     app = typer.Typer(
         name="ckpt",
@@ -254,7 +260,6 @@ def __getattr__(name: str) -> Any:
 def named_command(argv: list[str]) -> str | None:
     """The subcommand a command line names first (``ckpt inspect ...``), else None: root
     options first, no command, an unknown one or shell completion need the whole app."""
-    import os
 
     if not argv or any(k.startswith("_CKPT_COMPLETE") for k in os.environ):
         return None
@@ -263,13 +268,9 @@ def named_command(argv: list[str]) -> str | None:
 
 def main() -> None:
     """Console-script entry point (also ``python -m ckpt_cli``)."""
-    import signal
-    import sys
 
     # SIGTERM (from cron, a scheduler or `kill`) unwinds like Ctrl-C, so writers clean up.
     def _term(signum: int, frame: object) -> None:
-        from ckpt_cli.cli.errors import note_terminated
-
         note_terminated()  # exit 143, not Ctrl-C's 130
         raise KeyboardInterrupt
 
@@ -291,8 +292,6 @@ def main() -> None:
 
 def _stdout_is_devnull() -> bool:
     """Whether stdout was pointed at /dev/null (what a closed pipe's handler does)."""
-    import os
-    import sys
 
     try:
         st, null = os.fstat(sys.__stdout__.fileno()), os.stat(os.devnull)  # type: ignore[union-attr]

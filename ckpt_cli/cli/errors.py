@@ -95,7 +95,7 @@ class _JsonErrors:
         self.command = _JSON_COMMAND.get()
         self.before = 0
         if self.command is not None:
-            from ckpt_cli.render import json as rj
+            from ckpt_cli.render import json as rj  # lazy: not loaded by ckpt --help
 
             self.before = rj.emitted()
 
@@ -103,7 +103,7 @@ class _JsonErrors:
              side: str | None = None, hint: str | None = None, text: str | None = None) -> None:
         if self.command is None:
             return
-        from ckpt_cli.render import json as rj
+        from ckpt_cli.render import json as rj  # lazy: not loaded by ckpt --help
 
         if rj.emitted() != self.before:
             return  # its document is out (or half out): a second one would break the output
@@ -169,7 +169,7 @@ def _worded(text: str | None, names: Iterable[str], flags: dict[str, str]) -> st
 def _current_context() -> Any:
     """The click context running now, if any."""
     # typer 0.27+ carries its own copy of click: its context, not click's, is the current one.
-    from typer._click.globals import get_current_context
+    from typer._click.globals import get_current_context  # heavy: typer
 
     return get_current_context(silent=True)
 

@@ -37,11 +37,11 @@ def inspect_cmd(
       ckpt inspect run/ --all
       ckpt inspect model-fp8/
     """
-    from ckpt_cli.ops.inspect import inspect
+    from ckpt_cli.ops.inspect import inspect  # lazy: not loaded by ckpt --help
 
     with common.handled() as outcome:
         result = inspect(path, options)
         outcome.exit_code = EXIT_OK
-        from ckpt_cli.render.inspect import show
+        from ckpt_cli.render.inspect import show  # lazy: not loaded by ckpt --help
 
         show(result, json=common.json, all_rows=all_rows)

@@ -16,8 +16,10 @@ import typer
 from typer._click.exceptions import BadParameter
 
 from ckpt_cli import storage
-from ckpt_cli.cli.errors import worded
+from ckpt_cli.cli.errors import handled, worded
 from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.optionspec import flag as flag_of
+from ckpt_cli.optionspec import options_of, word
 
 if TYPE_CHECKING:
     from ckpt_cli.cli.errors import Outcome
@@ -69,7 +71,7 @@ def size_parser(flag: str, *, empty_is_none: bool = False,
     """
 
     def parse(text: str) -> int | None:
-        from ckpt_cli.units import parse_size
+        from ckpt_cli.units import parse_size  # lazy: not loaded by ckpt --help
 
         if empty_is_none and not text:
             return None
@@ -82,7 +84,7 @@ def _units_parser(kind: str, flag: str, **how: bool) -> Callable[[Any], Any]:
     """A parser calling ``ckpt_cli.units.parse_<kind>`` (imported only when a value comes)."""
 
     def parse(text: str) -> Any:
-        from ckpt_cli import units
+        from ckpt_cli import units  # lazy: not loaded by ckpt --help
 
         return getattr(units, f"parse_{kind}")(text, what=flag, **how)
 
@@ -125,7 +127,7 @@ def valued(flag: str, metavar: str, help: str,
 
 
 def _part(text: str) -> Part | None:
-    from ckpt_cli.parts import parse_part
+    from ckpt_cli.parts import parse_part  # lazy: not loaded by ckpt --help
 
     return parse_part(text)
 
@@ -165,7 +167,7 @@ ForceOpt = Annotated[bool, typer.Option("--overwrite", "--force",
 
 def _cast_targets(incomplete: str) -> list[str]:
     """Shell completion of ``--to``: the cast targets (imported only when completing)."""
-    from ckpt_cli.tensors.cast import TARGETS
+    from ckpt_cli.tensors.cast import TARGETS  # lazy: not loaded by ckpt --help
 
     return [t for t in TARGETS if t.startswith(incomplete)]
 
@@ -304,7 +306,6 @@ class Common:
     @contextmanager
     def handled(self) -> Iterator[Outcome]:
         """A command body's ``handled()`` block, the stores opened first."""
-        from ckpt_cli.cli.errors import handled
 
         with handled() as outcome:
             self.use_storage()
@@ -312,7 +313,7 @@ class Common:
 
     def progress(self, description: str) -> AbstractContextManager[ProgressSink]:
         """A byte-progress bar, off with ``--quiet`` or ``--json``."""
-        from ckpt_cli.cli.progress import byte_progress
+        from ckpt_cli.cli.progress import byte_progress  # lazy: not loaded by ckpt --help
 
         return byte_progress(description, enabled=not (self.quiet or self.json))
 
@@ -382,8 +383,6 @@ _KIND_PARSERS: dict[str, Callable[[str, bool], Callable[[Any], Any]]] = {
 def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
                       flags: list[str]) -> inspect.Parameter:
     """The typer parameter of one declared option."""
-    from ckpt_cli.optionspec import flag as flag_of
-    from ckpt_cli.optionspec import word
 
     annotation, _ = _cli_type(hint)
     default = f.default if f.default is not dataclasses.MISSING else None
@@ -414,8 +413,6 @@ def from_options(cls: type) -> Callable[[Callable[..., None]], Callable[..., Non
     and aliases, its default and help. The command declares a keyword-only ``options: cls``
     parameter and gets the values as one ``cls`` instance.
     """
-    from ckpt_cli.optionspec import flag as flag_of
-    from ckpt_cli.optionspec import options_of
 
     hints = typing.get_type_hints(cls)
     declared = [(f, s) for f, s in options_of(cls) if s.cli]

@@ -39,10 +39,10 @@ def plan_cmd(
       ckpt plan --params 7B --bandwidth 2GB/s --mtbf 12h --keep 5 --interval 30m
       ckpt plan --from-path run/step_1 --bandwidth 2GB/s --mtbf 12h --async-save
     """
-    from rich.markup import escape
+    from rich.markup import escape  # heavy: rich
 
-    from ckpt_cli.ops.plan import plan
-    from ckpt_cli.render.human import size as human_size
+    from ckpt_cli.ops.plan import plan  # lazy: not loaded by ckpt --help
+    from ckpt_cli.render.human import size as human_size  # lazy: not loaded by ckpt --help
 
     with handled() as outcome:
         local_only(options.measure_dir, '--measure-dir')  # type: ignore[arg-type]
@@ -55,11 +55,11 @@ def plan_cmd(
 
         result = plan(options, progress=progress)
         outcome.exit_code = EXIT_OK
-        from ckpt_cli.render.plan import show
+        from ckpt_cli.render.plan import show  # lazy: not loaded by ckpt --help
 
         show(result, json=json, quiet=quiet, err=err)
 
 def _stderr() -> "Console":
-    from ckpt_cli.render import human
+    from ckpt_cli.render import human  # lazy: not loaded by ckpt --help
 
     return human.stderr()

@@ -530,7 +530,7 @@ def _verify(out: Path, job: _Job, names: Sequence[str] | None = None) -> int:
 
 def _same_bytes(a: Iterator[np.ndarray], b: Iterator[np.ndarray]) -> bool:
     """Whether two streams of pieces hold the same bytes (piece boundaries may differ)."""
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     def stream(pieces: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
         for p in pieces:

@@ -22,7 +22,10 @@ from pathlib import Path
 from typing import Literal
 
 from ckpt_cli import storage
+from ckpt_cli.formats.containers import holds_optimizer_state
 from ckpt_cli.trust import ledger
+from ckpt_cli.trust.ledger import links_in, recheck_trusted
+from ckpt_cli.trust.thinning import pending, thinned_line
 
 Verify = Literal["sizes", "full"]
 
@@ -91,9 +94,6 @@ def survey(run_dir: str | os.PathLike[str], *, verify: Verify = "sizes") -> Resu
         ValueError: An unknown ``verify``.
         CkptError: The ledger cannot be read.
     """
-    from ckpt_cli.formats.containers import holds_optimizer_state
-    from ckpt_cli.trust.ledger import links_in, recheck_trusted
-    from ckpt_cli.trust.thinning import pending, thinned_line
 
     if verify not in ("sizes", "full"):
         raise ValueError(f"verify must be 'sizes' or 'full', not {verify!r}")

@@ -176,7 +176,7 @@ def _check_is_a_sample(dest: Path) -> None:
 
 
 def _export(model: TinyGPT, out: Path) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # heavy: safetensors.torch
 
     out.mkdir()
     sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()
@@ -215,8 +215,8 @@ def _free_port() -> int:
 
 def _save_dcp(model: TinyGPT, opt: torch.optim.Optimizer, out: Path,
               extra: dict[str, Any]) -> None:
-    import torch.multiprocessing as mp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import torch.multiprocessing as mp  # heavy: torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # heavy: torch
 
     msd, osd = get_state_dict(model, opt)
     with tempfile.TemporaryDirectory(prefix="ckpt-sample-") as td:
@@ -243,15 +243,15 @@ def _save_dcp(model: TinyGPT, opt: torch.optim.Optimizer, out: Path,
 
 def _dcp_worker(rank: int, world: int, full_path: str, out: str, port: int,
                 extra: dict[str, Any]) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
+    import torch.distributed as dist  # heavy: torch
+    import torch.distributed.checkpoint as dcp  # heavy: torch
+    from torch.distributed.checkpoint.state_dict import (  # heavy: torch
         StateDictOptions,
         get_state_dict,
         set_state_dict,
     )
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh  # heavy: torch
+    from torch.distributed.fsdp import fully_shard  # heavy: torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

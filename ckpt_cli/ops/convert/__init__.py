@@ -75,7 +75,8 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
     """
     opts = options_of(ConvertOptions, options, fields)
     if target_name(opts.to) == "dcp":  # a run's training state, not a cast (issue 48)
-        from ckpt_cli.ops.to_dcp import convert_to_dcp
+        # to_dcp imports convert.result, which runs this package's __init__ first.
+        from ckpt_cli.ops.to_dcp import convert_to_dcp  # lazy: to_dcp imports convert.result
 
         return convert_to_dcp(source, output, opts, progress=progress)
     to, fmt = target_name(opts.to), opts.fmt

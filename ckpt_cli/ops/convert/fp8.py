@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import fp8
 from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.fp8 import groups
+from ckpt_cli.fp8.decode import Overflow
 from ckpt_cli.writers import OutTensor
 
 if TYPE_CHECKING:
@@ -74,7 +76,6 @@ def choose(plan: Plan, layout: str, src: Path, *, activations: str = "dynamic",
     Raises:
         UsageError: The source already holds FP8 tensors.
     """
-    from ckpt_cli.fp8 import groups
 
     held = [s.name for s in plan.steps if s.plain in FP8_DTYPES]
     if held:
@@ -175,9 +176,7 @@ def _dequantized_outs(built: Built, target: str, src: Path, stats: CastStats,
                       clamp: bool, config: dict[str, Any] | None) -> None:
     """Replace each FP8 weight and its scale by the dequantized weight, in place; refuse
     (nothing written) what would write a wrong model (see :func:`dequantized`)."""
-    import numpy as np
-
-    from ckpt_cli.fp8.decode import Overflow
+    import numpy as np  # heavy: numpy
 
     by_name = {o.name: o for o in built.outs}
     drop: set[str] = set()

@@ -69,7 +69,7 @@ _COMPONENT = {"C64": "F32", "C128": "F64"}
 
 def _finfo(code: str) -> tuple[float, float] | None:
     """``(eps, smallest_subnormal)`` of a float dtype, or None if numpy cannot represent it."""
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     if dtypes.DTYPES[code].kind != "float":
         return None
@@ -80,7 +80,7 @@ def _finfo(code: str) -> tuple[float, float] | None:
     if dt.kind == "f":
         fi = np.finfo(dt.type)
         return float(fi.eps), float(fi.smallest_subnormal)
-    import ml_dtypes
+    import ml_dtypes  # heavy: ml_dtypes
 
     mfi = ml_dtypes.finfo(dt)  # type: ignore[no-untyped-call]
     return float(mfi.eps), float(mfi.smallest_subnormal)
@@ -218,7 +218,7 @@ class _Flat:
     """
 
     def __init__(self, src: TensorSource, t: TensorInfo, block: int):
-        import numpy as np
+        import numpy as np  # heavy: numpy
 
         self.src, self.t = src, t
         self.whole: np.ndarray | None = None
@@ -316,7 +316,7 @@ def compare_values(src_a: TensorSource, ta: TensorInfo, src_b: TensorSource, tb:
         ValueError: If the tensors have different element counts.
         CkptError: If either tensor cannot be read (the message names its file).
     """
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     n = ta.numel
     if tb.numel != n:
@@ -363,7 +363,7 @@ def compare_arrays(x: np.ndarray, y: np.ndarray, tol: Tolerance, *,
     Returns:
         The :class:`DiffStats`.
     """
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     xf, yf = x.reshape(-1), y.reshape(-1)
     n = xf.shape[0]
@@ -382,7 +382,7 @@ class _Buffers:
     """Reused work arrays of one block (upcast A, upcast B, difference, scratch)."""
 
     def __init__(self, work: np.dtype[Any], size: int):
-        import numpy as np
+        import numpy as np  # heavy: numpy
 
         self.work = work
         self.x = np.empty(size, dtype=work)
@@ -392,7 +392,7 @@ class _Buffers:
 
 
 def _upcast(v: np.ndarray, buf: np.ndarray) -> np.ndarray:
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     if v.dtype == buf.dtype:
         return v
@@ -403,7 +403,7 @@ def _upcast(v: np.ndarray, buf: np.ndarray) -> np.ndarray:
 
 def _float_block(x: np.ndarray, y: np.ndarray, bufs: _Buffers, tol: Tolerance,
                  acc: _Acc) -> None:
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     m = x.shape[0]
     xa, ya = _upcast(x, bufs.x), _upcast(y, bufs.y)
@@ -440,7 +440,7 @@ def _unless_underflow(ss: float, v: np.ndarray) -> float:
 def _count_outside(ad: np.ndarray, xa: np.ndarray, ya: np.ndarray, big: float,
                    tol: Tolerance) -> int:
     """Elements with ``|a-b| > atol + rtol * max(|a|, |b|)`` (``ad`` holds ``|a-b|``)."""
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     if big <= tol.atol:
         return 0
@@ -459,7 +459,7 @@ def _careful_block(xa: np.ndarray, ya: np.ndarray, tol: Tolerance, acc: _Acc) ->
     not depend on which block it fell in; only a difference that overflows the work dtype is
     redone in float64. Sums are float64.
     """
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     fin = np.isfinite(xa) & np.isfinite(ya)
     x, y = xa, ya
@@ -493,7 +493,7 @@ def _careful_block(xa: np.ndarray, ya: np.ndarray, tol: Tolerance, acc: _Acc) ->
 
 def _sumsq(v: np.ndarray) -> float:
     """Sum of squared magnitudes, in float64 (no overflow for any float32 input)."""
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     m = np.abs(v).astype(np.float64)
     return float(np.dot(m, m))
@@ -501,7 +501,7 @@ def _sumsq(v: np.ndarray) -> float:
 
 def _exact_block(x: np.ndarray, y: np.ndarray, acc: _Acc) -> None:
     """Integers and booleans: equality decided on the stored values, statistics in float64."""
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     ne = int(np.count_nonzero(x != y))
     acc.changed += ne
@@ -520,7 +520,7 @@ def _exact_block(x: np.ndarray, y: np.ndarray, acc: _Acc) -> None:
 def _compare_raw(fa: _Flat, fb: _Flat, n: int,
                  on_block: Callable[[int], None] | None) -> DiffStats:
     """Dtypes numpy cannot decode (F4, F6): equal only if the packed bytes are."""
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     if fa.whole is None or fb.whole is None or fa.t.dtype != fb.t.dtype:
         raise ValueError("raw comparison needs the same packed dtype on both sides")

@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckpt_cli.model import CheckpointIndex
-from ckpt_cli.ops.diff.result import (
-    DiffResult,
-    MetaDiff,
-    ModuleDiff,
-    OnlyIn,
-    TensorDiff,
-    error_bound,
-    quantized_side,
-    rel_l2_of,
-)
+if TYPE_CHECKING:
+    from ckpt_cli.model import CheckpointIndex
+    from ckpt_cli.ops.diff.result import DiffResult, MetaDiff, ModuleDiff, OnlyIn, TensorDiff
 
 
 def _num(x: float) -> float | None:
@@ -140,13 +132,13 @@ def document(r: DiffResult) -> dict[str, Any]:
 def quantization_json(r: DiffResult) -> dict[str, Any]:
     """The ``quantization`` object: the FP8 weights compared dequantized and their errors."""
     rows = [t for t in r.tensors if t.name in r.dequantized]
-    errors = sorted(x for t in rows if (x := rel_l2_of(t)) is not None)
+    errors = sorted(x for t in rows if (x := t.finite_rel_l2()) is not None)
     tensors = []
     above = []
     for t in rows:
         dq = r.dequantized[t.name]
-        bound = error_bound(dq)
-        rel = rel_l2_of(t)
+        bound = dq.error_bound()
+        rel = t.finite_rel_l2()
         if rel is not None and rel > bound:
             above.append(t.name)
         tensors.append({"name": t.name,
@@ -158,7 +150,7 @@ def quantization_json(r: DiffResult) -> dict[str, Any]:
                         "max_abs": _num(t.stats.max_abs) if t.stats else None,
                         "bound": bound})
     return {"dequantized": len(rows),
-            "quantized_side": quantized_side(r),
+            "quantized_side": r.quantized_side(),
             "rel_l2_median": errors[len(errors) // 2] if errors else None,
             "rel_l2_max": errors[-1] if errors else None,
             "above_bound": above,

@@ -3,7 +3,9 @@ hyper-parameters) of each side, compared by canonical name."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.formats import provenance
@@ -119,8 +121,6 @@ def mark_dtype_follows(metadata: list[MetaDiff], tensors: list[TensorDiff]) -> l
     Returns:
         ``metadata`` with those entries' ``follows`` set.
     """
-    import dataclasses
-    from collections import Counter
 
     # FP8 weights are quantized, not cast: the config's dtype names what the rest became
     pairs = Counter((t.dtype_a, t.dtype_b) for t in tensors if t.dtype_changed

@@ -18,6 +18,8 @@ from typing import Any
 from ckpt_cli.errors import UnsupportedError
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.diff.names import _chain
+from ckpt_cli.ops.to_dcp import optim
+from ckpt_cli.ops.to_dcp.state import LazyTensor
 
 _BY_ID = re.compile(r"^((?:[^.]+\.)*?)state\.(\d+)\.([^.]+)$")
 _BY_FQN = re.compile(r"^((?:[^.]+\.)*?)state\.(.+)\.([^.]+)$")
@@ -95,9 +97,6 @@ def match_ids(index_a: CheckpointIndex, index_b: CheckpointIndex, names_a: dict[
 def _match(side: str, ix: CheckpointIndex, ids: dict[str, Entry], fqns: dict[str, Entry],
            names: dict[str, str], peer: dict[str, str]) -> str | None:
     # Lazy: only for an id/FQN pair.
-    from ckpt_cli.ops.to_dcp import optim
-    from ckpt_cli.ops.to_dcp.state import LazyTensor
-
     containers = {c for c, _, _ in ids.values()}
     other = "B" if side == "A" else "A"
     if len(containers) != 1 or len({c for c, _, _ in fqns.values()}) != 1:

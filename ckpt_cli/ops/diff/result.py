@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.documents import Documented
+from ckpt_cli.fp8.scheme import expected_error
 from ckpt_cli.model import CheckpointIndex
 from ckpt_cli.ops.diff.compare import BLOCK_ELEMENTS, relative_l2
 from ckpt_cli.units import natural_key
@@ -117,6 +118,10 @@ class Dequantized:
         got = [x for x in (self.layout_a, self.layout_b) if x is not None]
         return max(got, key=order.index) if got else None
 
+    def error_bound(self) -> float:
+        """The README's error bound for this pair (:func:`error_bound`)."""
+        return error_bound(self)
+
 
 @dataclass(slots=True)
 class TensorDiff:
@@ -164,6 +169,10 @@ class TensorDiff:
     def rel_l2(self) -> float:
         """Relative L2 change (0 without statistics)."""
         return self.stats.rel_l2 if self.stats is not None else 0.0
+
+    def finite_rel_l2(self) -> float | None:
+        """The relative L2 error, or None (:func:`rel_l2_of`)."""
+        return rel_l2_of(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +295,7 @@ class DiffResult(Documented):
 
     def json_body(self) -> dict[str, Any]:
         """The ``diff --json`` document without ``schema_version`` and ``command``."""
-        from ckpt_cli.ops.diff.document import document
+        from ckpt_cli.ops.diff.document import document  # lazy: document.py types against it
 
         return document(self)
 
@@ -390,6 +399,10 @@ class DiffResult(Documented):
             mod(o.name).only_in_b += 1
         return sorted(mods.values(), key=lambda m: natural_key(m.name))
 
+    def quantized_side(self) -> str:
+        """Which sides hold FP8 weights compared dequantized (:func:`quantized_side`)."""
+        return quantized_side(self)
+
 
 def rel_l2_of(t: TensorDiff) -> float | None:
     """A compared tensor's relative L2 error, or None (not compared, raw bytes only, or not
@@ -403,8 +416,6 @@ def rel_l2_of(t: TensorDiff) -> float | None:
 def error_bound(dq: Dequantized) -> float:
     """The README's error bound for one E4M3 rounding in the pair's (coarser) layout; two
     independent roundings (both sides quantized) add in quadrature: sqrt(2) times it."""
-    from ckpt_cli.fp8.scheme import expected_error
-
     return expected_error(dq.layout) * (math.sqrt(2) if dq.scale_a and dq.scale_b else 1.0)
 
 

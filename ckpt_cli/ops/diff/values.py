@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from ckpt_cli import dtypes
+from ckpt_cli import dtypes, fp8
 from ckpt_cli.errors import (
     CkptError,
     OutOfMemoryError,
@@ -89,9 +89,7 @@ def _dequantized_values(src: TensorSource, t: TensorInfo,
                         scale: TensorInfo | None) -> tuple[np.ndarray, float]:
     """A tensor's values in float32 (``weight * scale`` for an FP8 weight with its scale),
     and its largest scale (0 when not quantized)."""
-    import numpy as np
-
-    from ckpt_cli import fp8
+    import numpy as np  # heavy: numpy
 
     if scale is None:
         return np.asarray(src.read(t), dtype=np.float32), 0.0
@@ -117,7 +115,7 @@ def fp8_tolerance(ta: TensorInfo, tb: TensorInfo, max_scale: float, *,
     Returns:
         The :class:`Tolerance` (source ``fp8:<CODE>``, or ``user``).
     """
-    import ml_dtypes
+    import ml_dtypes  # heavy: ml_dtypes
 
     codes = [t.dtype for t in (ta, tb) if t.dtype in fp8_scheme.FP8_DTYPES]
     infos = [(ml_dtypes.finfo(dtypes.numpy_dtype(c)), c)  # type: ignore[no-untyped-call]

@@ -15,6 +15,7 @@ from typing import Any
 
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.ops import options_of
+from ckpt_cli.ops.inspect import InspectOptions, inspect
 from ckpt_cli.ops.plan.cadence import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
@@ -50,7 +51,6 @@ def size_from_checkpoint(path: str | Path, fmt: str | None = None) -> Checkpoint
         CkptError: Missing or unreadable input, or a run directory without a complete
             checkpoint.
     """
-    from ckpt_cli.ops.inspect import InspectOptions, inspect
 
     result = inspect(path, InspectOptions(input_format=fmt))  # type: ignore[arg-type]
     index = result.index

@@ -60,6 +60,7 @@ from ckpt_cli.ops.prune.retention import (
     ranked_entries,
 )
 from ckpt_cli.ops.prune.timelines import abandoned_checkpoints
+from ckpt_cli.ops.resume import choose
 from ckpt_cli.ops.validate.layoutcheck import rank_findings
 from ckpt_cli.progress import Progress
 from ckpt_cli.resolve import holds_runs
@@ -214,8 +215,6 @@ def gather_facts(listing: RunListing, policy: PrunePolicy,
         # What training resumes from is never deleted nor thinned, also when it is not the
         # newest by step (a run resumed from an earlier step: the higher steps left behind
         # are another timeline).
-        from ckpt_cli.ops.resume import choose
-
         choice = choose(listing.root)
         if choice is not None and choice.path.name in names:
             facts.pinned[choice.path.name] = ("resume-path answers it: the newest verified "

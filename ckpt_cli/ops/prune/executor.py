@@ -18,6 +18,7 @@ from typing import Protocol
 from ckpt_cli.model import RunEntry
 from ckpt_cli.ops.prune.result import Outcome, PruneEvent, PruneResult
 from ckpt_cli.ops.prune.retention import Decision, PrunePlan
+from ckpt_cli.ops.prune.thin import thin
 from ckpt_cli.progress import Progress
 
 Report = Callable[[PruneEvent], None]
@@ -134,7 +135,6 @@ def execute(planned: PlannedPrune, *,
     Raises:
         CkptError: A local run's renames cannot be made durable (nothing is removed then).
     """
-    from ckpt_cli.ops.prune.thin import thin
 
     def report(event: PruneEvent) -> None:
         if on_event is not None:

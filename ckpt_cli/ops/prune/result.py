@@ -155,6 +155,6 @@ class PruneResult(Documented):
 
     def json_body(self) -> dict[str, Any]:
         """The ``prune --json`` document without ``schema_version`` and ``command``."""
-        from ckpt_cli.ops.prune.document import prune_doc
+        from ckpt_cli.ops.prune.document import prune_doc  # lazy: document.py types against it
 
         return prune_doc(self)

@@ -13,6 +13,7 @@ again (its inode-change time, new since the swap, keeps it within ``--grace``; n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,11 +21,23 @@ from typing import TYPE_CHECKING
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats import read_index
+from ckpt_cli.formats.containers import holds_optimizer_state
+from ckpt_cli.manifest import manifest_path, verify_manifest, write_manifest
 from ckpt_cli.model import RunEntry
 from ckpt_cli.ops.prune.result import PruneEvent, PruneResult
 from ckpt_cli.ops.prune.retention import PrunePlan
 from ckpt_cli.runs import tree_scan
-from ckpt_cli.trust.ledger import Ledger, LedgerEntry, read_ledger
+from ckpt_cli.trust.ledger import (
+    THINNED,
+    VERIFIED,
+    Ledger,
+    LedgerEntry,
+    append,
+    manifest_digest,
+    read_ledger,
+)
+from ckpt_cli.trust.thinning import PENDING, UNDONE, Thinned, can_thin, pending, thin_file, tidy
 
 if TYPE_CHECKING:
     from ckpt_cli.trust.thinning import Thinned
@@ -36,8 +49,6 @@ def thin(root: Path, plan: PrunePlan, result: PruneResult,
     """Rewrite the checkpoints the plan thins (``--thin-after``), each re-checked first
     (``recheck_one``: the site's re-check), and append a ``thinned`` line to the run ledger for
     each."""
-    from ckpt_cli.trust.ledger import THINNED, append
-    from ckpt_cli.trust.thinning import PENDING, can_thin, thin_file, tidy
 
     book = read_ledger(root) if any(d.thin for d in plan.decisions) else None
     # Checkpoints that had a manifest (a killed thinning may have set it aside already).
@@ -79,9 +90,6 @@ def thin(root: Path, plan: PrunePlan, result: PruneResult,
             result.thin_skipped[name] = "no optimizer state to drop (thinned already?)"
             continue  # a killed prune's thinning of it: finished by settle() below
         if done.manifest_digest is None and name in manifested:
-            from ckpt_cli.manifest import write_manifest
-            from ckpt_cli.trust.ledger import manifest_digest
-
             with contextlib.suppress(CkptError):  # watch writes it when it verifies it
                 write_manifest(d.entry.path)
                 done.manifest_digest = manifest_digest(d.entry.path)
@@ -99,8 +107,6 @@ def thin(root: Path, plan: PrunePlan, result: PruneResult,
 
 def _killed_thinning(book: Ledger, name: str) -> bool:
     """Whether the newest ``thinned`` line of checkpoint ``name`` is a pending intent."""
-    from ckpt_cli.trust.ledger import THINNED
-    from ckpt_cli.trust.thinning import pending
 
     line = next((e for e in reversed(book.entries) if e.path == name and e.event == THINNED),
                 None)
@@ -128,8 +134,6 @@ def settle(root: Path, plan: PrunePlan, result: PruneResult,
     and ``watch`` judge it as before the intent). A manifest that cannot be written is a
     failure (``result.thin_failed``): the prune does not exit 0.
     """
-    from ckpt_cli.trust.ledger import THINNED
-    from ckpt_cli.trust.thinning import pending
 
     try:
         book = read_ledger(root)
@@ -173,13 +177,6 @@ def _settle_one(root: Path, entry: RunEntry, line: LedgerEntry, book: Ledger) ->
     Raises:
         CkptError: It cannot be read, or its manifest cannot be written.
     """
-    import dataclasses
-
-    from ckpt_cli.formats import read_index
-    from ckpt_cli.formats.containers import holds_optimizer_state
-    from ckpt_cli.manifest import manifest_path, verify_manifest, write_manifest
-    from ckpt_cli.trust.ledger import THINNED, VERIFIED, append, manifest_digest
-    from ckpt_cli.trust.thinning import PENDING, UNDONE, Thinned, tidy
 
     path, name = entry.path, entry.name
     if not storage.has_file_system(path):

@@ -43,6 +43,7 @@ from ckpt_cli.ops.stats.result import (
     module_of,
 )
 from ckpt_cli.ops.stats.scope import WEIGHT_GROUPS, Scope, scope_of
+from ckpt_cli.parts import assign
 from ckpt_cli.progress import Progress
 from ckpt_cli.resolve import resolve
 from ckpt_cli.runs import list_run
@@ -275,7 +276,6 @@ def _covered(ckpts: list[_Checkpoint], works: list[Work]) -> int:
 def _part_select(ckpts: list[_Checkpoint], opts: StatsOptions) -> Callable[[str], bool] | None:
     if opts.part is None:
         return None
-    from ckpt_cli.parts import assign
 
     sizes: dict[str, int] = {}
     for c in ckpts:

@@ -128,7 +128,7 @@ def _read_runs(sources: _Src, i: int, rel: str, items: list[tuple[int, int, int]
                failed: set[int]) -> None:
     """Read the tensors ``items`` of file ``rel`` of checkpoint ``i`` by runs, into
     ``values[(i, job)]``; the jobs of a run that cannot be read go to ``failed``."""
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     src = sources.sources.get(i)
     items.sort()

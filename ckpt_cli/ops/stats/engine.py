@@ -18,18 +18,21 @@ whole from the ranks' partitions, then taken window by window.
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ckpt_cli import fp8
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats.zero import PieceReader
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.ops.stats.batch import run_batch
 from ckpt_cli.ops.stats.plain import run_plain, take_plain
 from ckpt_cli.progress import Progress
 from ckpt_cli.storage.reads import PIECE_BYTES, Meter, PerThread, run_bounded
 from ckpt_cli.tensors.moments import Moments, diff_sumsq, piece_moments
-from ckpt_cli.tensors.source import TensorSource
+from ckpt_cli.tensors.source import TensorSource, split_pieces
 
 if TYPE_CHECKING:
     import numpy as np
@@ -111,8 +114,6 @@ class _Sources:
 
 
 def _piece_reader() -> PieceReader:
-    from ckpt_cli.formats.zero import PieceReader
-
     return PieceReader()
 
 
@@ -124,7 +125,7 @@ class _Window:
         self.rest: np.ndarray | None = None
 
     def take(self, n: int) -> np.ndarray:
-        import numpy as np
+        import numpy as np  # heavy: numpy
 
         parts: list[np.ndarray] = []
         have = 0
@@ -155,7 +156,6 @@ def _pieces(sources: _Sources, i: int, target: Target,
     if target.scale is None:
         yield from src.iter_pieces(t, piece_bytes=piece_bytes, mapped=True)
         return
-    from ckpt_cli import fp8
 
     scale = src.read(target.scale)
     yield from fp8.dequantize_pieces(src.iter_pieces(t, piece_bytes=piece_bytes, mapped=True),
@@ -166,7 +166,6 @@ def _gathered(reader: PieceReader, plan: ParamPlan,
               piece_bytes: int) -> Iterator[np.ndarray]:
     """A ZeRO-3 parameter's values, gathered whole from the ranks' partitions (positioned
     reads of its pieces, padding trimmed: as ``consolidate`` and zero_to_fp32 rebuild it)."""
-    from ckpt_cli.tensors.source import split_pieces
 
     yield from split_pieces(reader.read(plan), piece_bytes)
 
@@ -391,8 +390,6 @@ def _enough_files(needed: int) -> None:
     """Raise the soft limit on open files to what the jobs may hold (each thread keeps each
     checkpoint's files open while it reads them in lockstep), as far as the hard limit allows."""
     try:
-        import resource
-
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         want = needed + 256
         if soft != resource.RLIM_INFINITY and soft < want:

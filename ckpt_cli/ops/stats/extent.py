@@ -81,7 +81,7 @@ def _union(starts: list[int], ends: list[int], cap: int | None) -> int:
                 covered += b - a
                 end = b
         return covered
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     lo: np.ndarray = np.array(starts, dtype=np.int64)
     hi: np.ndarray = np.array(ends, dtype=np.int64)

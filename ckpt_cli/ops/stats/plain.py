@@ -162,7 +162,7 @@ def run_plain(works: list[_Work], sources: _Src, run: Run, meter: Meter) -> int 
     Returns:
         Bytes read, or None when the run could not be read (nothing was computed).
     """
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     lo, hi = run.lo, run.hi
     buf = np.empty(hi - lo, dtype=np.uint8)

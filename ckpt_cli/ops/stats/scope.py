@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats import deepspeed
+from ckpt_cli.formats.zero import plan_zero
 from ckpt_cli.fp8 import scheme as fp8_scheme
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.ops.stats.engine import Target
@@ -165,12 +167,10 @@ class _Zero3:
 def _zero3(index: CheckpointIndex, everything: bool) -> _Zero3:
     """A ZeRO-3 checkpoint's parameters as gathered from its partitions (see the module
     notes); the index's entries of the placeholders become the gathered parameters'."""
-    from ckpt_cli.formats import deepspeed
 
     out = _Zero3()
     if not deepspeed.is_zero3(index):
         return out
-    from ckpt_cli.formats.zero import plan_zero
 
     if not everything:
         stems = [PurePosixPath(f.path).stem + "." for f in index.files

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,43 +17,41 @@ from ckpt_cli import storage
 from ckpt_cli.errors import UnsupportedError, UsageError
 from ckpt_cli.formats import check_exists, read_index
 from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.ops.convert.result import ConvertOptions, ConvertResult
+from ckpt_cli.ops.to_dcp.dcp_source import read_dcp
+from ckpt_cli.ops.to_dcp.deepspeed import read_deepspeed
+from ckpt_cli.ops.to_dcp.hf_trainer import read_hf_trainer
+from ckpt_cli.ops.to_dcp.lightning import read_lightning
 from ckpt_cli.ops.to_dcp.state import TrainingState
+from ckpt_cli.ops.to_dcp.torch_dict import read_torch
+from ckpt_cli.ops.to_dcp.writer import count_tensors, layout_state, write_dcp
 from ckpt_cli.progress import Progress, Tally
 from ckpt_cli.resolve import resolve
-from ckpt_cli.storage.atomic import check_not_input
+from ckpt_cli.storage.atomic import check_destination, check_not_input
+from ckpt_cli.storage.objectpath import ObjectPath
 from ckpt_cli.tensors.select import hostile_warnings
 
 if TYPE_CHECKING:
-    from ckpt_cli.ops.convert import ConvertOptions, ConvertResult
+    from ckpt_cli.ops.convert.result import ConvertOptions, ConvertResult
 
 
 def _read_torch(path: Path) -> TrainingState:
-    from ckpt_cli.ops.to_dcp.torch_dict import read_torch
-
     return read_torch(path)
 
 
 def _read_dcp(path: Path) -> TrainingState:
-    from ckpt_cli.ops.to_dcp.dcp_source import read_dcp
-
     return read_dcp(path)
 
 
 def _read_deepspeed(path: Path) -> TrainingState:
-    from ckpt_cli.ops.to_dcp.deepspeed import read_deepspeed
-
     return read_deepspeed(path)
 
 
 def _read_hf_trainer(path: Path) -> TrainingState:
-    from ckpt_cli.ops.to_dcp.hf_trainer import read_hf_trainer
-
     return read_hf_trainer(path)
 
 
 def _read_lightning(path: Path) -> TrainingState:
-    from ckpt_cli.ops.to_dcp.lightning import read_lightning
-
     return read_lightning(path)
 
 
@@ -112,11 +111,6 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
         UsageError: Options that mean nothing for a DCP output, an object-storage output.
         UnsupportedError: A source whose training state cannot be moved (named).
     """
-    from dataclasses import fields
-
-    from ckpt_cli.ops.convert import ConvertOptions, ConvertResult
-    from ckpt_cli.ops.to_dcp.writer import count_tensors, layout_state, write_dcp
-    from ckpt_cli.storage.objectpath import ObjectPath
 
     t0 = time.perf_counter()
     defaults = ConvertOptions()
@@ -130,7 +124,6 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
     given = resolve(src, input_format=opts.input_format)
     followed, src = given.followed, given.checkpoint()
     check_not_input(out, src)
-    from ckpt_cli.storage.atomic import check_destination
 
     check_destination(out, kind="dir", overwrite=opts.overwrite, parents=True)
     fmt, src, index = source_format(src, opts.input_format)

@@ -8,16 +8,22 @@ positioned reads, so a source's memory stays bounded by its largest tensor.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpt_cli import storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, UnsupportedError
 from ckpt_cli.formats import containers
+from ckpt_cli.formats.base import file_size
 from ckpt_cli.formats.standins import Opaque, TensorRecord
 from ckpt_cli.formats.torchfile import read_into
+from ckpt_cli.formats.torchzip import parse_zip
 from ckpt_cli.model import CheckpointIndex, TensorInfo
 from ckpt_cli.ops.to_dcp.state import LazyTensor
+from ckpt_cli.tensors.select import hostile_warnings
+from ckpt_cli.tensors.source import TensorSource
 
 if TYPE_CHECKING:
     import numpy as np
@@ -28,8 +34,6 @@ _MAX_PLAIN = 100_000  # values a plain copy may hold (a scheduler or RNG state i
 def lazy_of(index: CheckpointIndex, info: TensorInfo) -> LazyTensor:
     """A :class:`LazyTensor` reading ``info`` from ``index``'s files when loaded."""
     def load() -> np.ndarray:
-        from ckpt_cli.tensors.source import TensorSource
-
         with TensorSource(index) as src:
             return src.read(info)
     return LazyTensor(info.dtype, tuple(info.shape), load)
@@ -81,9 +85,6 @@ def read_torch(path: Path) -> TorchTree:
         CkptError: The file is not a readable torch checkpoint, or its tensors are damaged
             (the reader's first such finding).
     """
-    import pickle
-
-    from ckpt_cli.tensors.select import hostile_warnings
 
     index = CheckpointIndex(format="torch", root=path, base=path.parent)
     read_into(index, path, role="other", prefix="")
@@ -91,9 +92,6 @@ def read_torch(path: Path) -> TorchTree:
     if bad:
         where = f" ({bad[0].location})" if bad[0].location else ""
         raise CorruptCheckpointError(f"{bad[0].message}{where}", path=path)
-    from ckpt_cli import storage
-    from ckpt_cli.formats.base import file_size
-    from ckpt_cli.formats.torchzip import parse_zip
 
     fd = storage.open_regular(path)
     try:
@@ -135,7 +133,7 @@ def ndarray_of(obj: Any) -> np.ndarray | None:
         return None
     code = dt.args[0]
     order = dt.state[1] if isinstance(dt.state, tuple) and len(dt.state) > 1 else "<"
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     try:
         kind = np.dtype((order if order in "<>" else "") + code)

@@ -201,7 +201,7 @@ def _lazy(reader: PieceReader, t: ParamPlan, *, to_f32: bool = False) -> LazyTen
         arr = reader.read(t)
         if not cast:
             return arr
-        import numpy as np
+        import numpy as np  # heavy: numpy
 
         return arr.astype(np.float32)  # exact: every BF16/FP16 value is an FP32 value
     return LazyTensor("F32" if cast else t.dtype, t.shape, load)

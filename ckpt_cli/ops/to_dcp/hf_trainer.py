@@ -150,9 +150,9 @@ def _trainer_groups(path: Path) -> tuple[list[list[str]], dict[str, tuple[int, .
                         "of the optimizer's parameter ids cannot be known",
                         path=path / "config.json")
     try:
-        import torch
-        import transformers
-        from transformers import AutoConfig, Trainer
+        import torch  # heavy: torch
+        import transformers  # lazy: optional extra, not required
+        from transformers import AutoConfig, Trainer  # lazy: optional extra, not required
     except ImportError:
         raise CkptError("transformers is not installed: the order of the optimizer's "
                         "parameter ids cannot be known", path=path,
@@ -161,7 +161,7 @@ def _trainer_groups(path: Path) -> tuple[list[list[str]], dict[str, tuple[int, .
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
         raise UnsupportedError(f"config.json's model class {arch} is not one transformers "
                                f"{transformers.__version__} has", path=path / "config.json")
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # lazy: optional extra, not required
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)  # its remarks on the config are not ours

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -157,11 +158,11 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
             than its reader declared.
         DestinationExistsError: ``out`` exists and ``overwrite`` is False.
     """
-    import torch
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
+    import torch  # heavy: torch
+    from torch.distributed.checkpoint.api import CheckpointException  # heavy: torch
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # heavy: torch
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter  # heavy: torch
+    from torch.distributed.checkpoint.state_dict_saver import save  # heavy: torch
 
     lazies: dict[int, tuple[str, LazyTensor]] = {}
 
@@ -200,9 +201,7 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
         most ``bucket_bytes``; each larger tensor gets a file of its own."""
 
         def write_data(self, plan: Any, planner: Any) -> Any:
-            from dataclasses import replace
-
-            from torch.futures import Future
+            from torch.futures import Future  # heavy: torch
 
             buckets = _buckets(plan.items, bucket_bytes)
             prefix = plan.storage_data.prefix
@@ -233,7 +232,7 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
 
 
 def _loaded(name: str, lz: LazyTensor) -> Any:
-    import torch
+    import torch  # heavy: torch
 
     arr = np.asarray(lz.load())
     if tuple(arr.shape) != tuple(lz.shape):
@@ -255,7 +254,7 @@ def _loaded(name: str, lz: LazyTensor) -> Any:
 def _buckets(items: list[Any], limit: int) -> list[list[Any]]:
     """Group write items into files: the non-tensor values and the tensors under ``limit``
     bytes packed into files of at most ``limit`` bytes, each larger tensor alone."""
-    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.planner import WriteItemType  # heavy: torch
 
     small: list[list[Any]] = [[]]
     size = 0

@@ -32,6 +32,7 @@ from ckpt_cli.ops.validate.options import Options, Split, ValidateOptions
 from ckpt_cli.ops.validate.partrun import validate_split
 from ckpt_cli.ops.validate.result import ValidateResult
 from ckpt_cli.ops.validate.run import check_one, validate_run
+from ckpt_cli.parts import parse_part
 from ckpt_cli.progress import Progress
 from ckpt_cli.resolve import resolve
 from ckpt_cli.runs import is_final_model_only
@@ -116,8 +117,6 @@ def validate(path: str | Path, options: ValidateOptions | None = None, *,
                    allow_globals=allowlist.parse_names(allow_globals))
     split = None
     if part is not None or finalize:
-        from ckpt_cli.parts import parse_part
-
         split = Split(parse_part(part) if isinstance(part, str) else part, finalize,
                       Path(parts_dir) if parts_dir is not None else None)
     elif parts_dir is not None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt_cli import storage
+from ckpt_cli import dtypes, storage
 from ckpt_cli.errors import CkptError, CorruptCheckpointError, ZipConflictError
 from ckpt_cli.formats import allowlist, dcp
 from ckpt_cli.formats.standins import TensorRecord
@@ -318,7 +318,6 @@ def _chunk_problem(tz: TorchZip, pair: tuple[TensorInfo, Chunk], length: int) ->
     if entry.size < rec.storage.nbytes:
         return (f"its storage record holds {entry.size:,} bytes, the pickle says "
                 f"{rec.storage.nbytes:,}")
-    from ckpt_cli import dtypes
 
     extent = view_extent(rec.shape, rec.stride, rec.storage_offset) * dtypes.DTYPES[
         rec.dtype].itemsize

@@ -22,6 +22,7 @@ from ckpt_cli.formats.names import is_leftover
 from ckpt_cli.formats.provenance import written_by_ckpt
 from ckpt_cli.model import CheckpointIndex, Finding
 from ckpt_cli.runs import POINTER_FILES, PointerError, read_pointer
+from ckpt_cli.trust.ledger import thinned_on_purpose
 
 
 def rank_findings(index: CheckpointIndex, path: Path) -> tuple[list[Finding], str] | None:
@@ -177,8 +178,6 @@ def directory_pointers(directory: Path, prefix: str = "") -> tuple[list[Finding]
 
 
 def _thinned(path: Path) -> bool:
-    from ckpt_cli.trust.ledger import thinned_on_purpose
-
     return thinned_on_purpose(path)
 
 

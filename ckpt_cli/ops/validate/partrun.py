@@ -5,12 +5,15 @@ merging are :mod:`.split`'s; it and :mod:`ckpt_cli.parts` load only when a split
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 from ckpt_cli.model import RunEntry
+from ckpt_cli.ops.validate import split as sp
 from ckpt_cli.ops.validate.checkpoint import validate_checkpoint
 from ckpt_cli.ops.validate.options import Options, Split
 from ckpt_cli.ops.validate.result import CheckpointReport, PartStatus
+from ckpt_cli.parts import PartsIncompleteError, PartStore, fingerprint, staging_dir
 
 
 def validate_split(path: Path, opts: Options, split: Split, *,
@@ -35,10 +38,6 @@ def validate_split(path: Path, opts: Options, split: Split, *,
         PartsIncompleteError: Another plan is staged (other options, files or part count),
             or ``--finalize`` found parts missing.
     """
-    import shutil
-
-    from ckpt_cli.ops.validate import split as sp
-    from ckpt_cli.parts import PartsIncompleteError, PartStore, fingerprint, staging_dir
 
     files = sp.plan_files(path)
     plan = sp.make_plan(path, files, {

@@ -280,6 +280,6 @@ class ValidateResult(Documented):
 
     def json_body(self) -> dict[str, Any]:
         """The ``validate --json`` document without ``schema_version`` and ``command``."""
-        from ckpt_cli.ops.validate.document import result_dict
+        from ckpt_cli.ops.validate.document import result_dict  # lazy: document.py types against it
 
         return {**result_dict(self), "strict": self.strict}

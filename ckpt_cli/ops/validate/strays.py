@@ -15,6 +15,7 @@ from ckpt_cli import storage
 from ckpt_cli.errors import CkptError
 from ckpt_cli.formats import allowlist, torchfile
 from ckpt_cli.formats.base import rel_to
+from ckpt_cli.formats.unpickler import scan_stream
 from ckpt_cli.model import CheckpointIndex, Finding
 from ckpt_cli.storage import open_regular
 
@@ -74,7 +75,6 @@ def stray_pickle_findings(index: CheckpointIndex, path: Path) -> list[Finding]:
 def _names_refused_globals(path: Path) -> bool:
     """Whether a file's pickles (a zip's ``.pkl`` records by their local headers, or the
     pickles of a plain stream) name a global no allowlist accepts, or modify one."""
-    from ckpt_cli.formats.unpickler import scan_stream
 
     fd = open_regular(path)
     try:

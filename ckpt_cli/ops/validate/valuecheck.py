@@ -63,7 +63,7 @@ class _Counts:
     nonzero: bool = False
 
     def add(self, arr: np.ndarray) -> None:
-        import numpy as np
+        import numpy as np  # heavy: numpy
 
         flat = arr.reshape(-1)
         self.numel += flat.size

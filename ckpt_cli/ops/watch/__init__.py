@@ -21,6 +21,7 @@ killed mid-save) is recorded bad as abandoned, never good.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -29,12 +30,26 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats.names import is_last_copy, is_own_temporary
+from ckpt_cli.manifest import compute_manifest, manifest_path, read_manifest, write_manifest
 from ckpt_cli.model import RunEntry
+from ckpt_cli.ops.prune import prune, sweep
 from ckpt_cli.ops.prune.retention import PrunePolicy
+from ckpt_cli.ops.validate import Options, validate_checkpoint
 from ckpt_cli.ops.watch.hooks import HookResult, run_on_bad
 from ckpt_cli.ops.watch.wake import PollWaker, Waker
+from ckpt_cli.resolve import runs_below
+from ckpt_cli.runs import (
+    ITSELF,
+    holds_final_model,
+    is_run_dir,
+    list_run,
+    run_dir_problem,
+    run_entry,
+    tree_scan,
+    writer_lock,
+)
 from ckpt_cli.trust import ledger
 from ckpt_cli.trust.thinning import pending
 
@@ -151,9 +166,6 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
     Returns:
         The :class:`~ckpt_cli.trust.ledger.LedgerEntry` (appended when ``write``).
     """
-    from ckpt_cli.manifest import compute_manifest, write_manifest
-    from ckpt_cli.ops.validate import Options, validate_checkpoint
-    from ckpt_cli.runs import tree_scan
 
     rel = _rel(run_dir, path)
     problems: list[str] = []
@@ -161,8 +173,6 @@ def verify_checkpoint(run_dir: Path, path: Path, *, crc: bool = False, values: b
     stamps: dict[str, ledger.Stamp] = {}
     try:
         if fresh:
-            from ckpt_cli.manifest import manifest_path
-
             manifest_path(path).unlink(missing_ok=True)
         # Before validating: a file written while it is validated then differs from its record.
         stamps = ledger.stamp(path)
@@ -229,7 +239,6 @@ class RunWatcher:
         Returns:
             The events of this pass (also given to ``emit``).
         """
-        from ckpt_cli.runs import list_run
 
         out: list[WatchEvent] = []
         for note in self._refresh_known():
@@ -256,8 +265,6 @@ class RunWatcher:
                 storage.has_file_system(self.root)):
             # What a killed write left (a thinning's or a manifest's temporary): removed by
             # the sweep every prune starts with, under its lock.
-            from ckpt_cli.ops.prune import sweep
-
             sweep(self.root)
         return out
 
@@ -347,7 +354,6 @@ class RunWatcher:
             return self._pending(e, rel, "settling",
                                  f"changed {_secs(max(0.0, now - sig[2]))} ago, within "
                                  f"--settle {_secs(self.opts.settle)}")
-        from ckpt_cli.runs import writer_lock
 
         lock = writer_lock(e.path)
         if lock is not None:
@@ -392,9 +398,6 @@ class RunWatcher:
         copy, a ``touch``), in its manifest and a new ledger line: the verdict, the digests
         and the commit time stay. ``files`` were taken before the hashing, so a write since
         shows as a change next time."""
-        import dataclasses
-
-        from ckpt_cli.manifest import read_manifest, write_manifest
 
         digest = line.manifest_digest
         try:
@@ -421,8 +424,6 @@ class RunWatcher:
         self.known[rel] = entry
         if entry.good or sig is None:
             # As it is now, with its manifest: the next pass must not take that for a change.
-            from ckpt_cli.runs import run_entry
-
             sig = _signature(run_entry(e.path))
         self.seen[e.name] = (sig, entry.verdict)
         return WatchEvent(ledger.VERIFIED, str(self.root), rel, entry.step, entry.verdict,
@@ -446,8 +447,6 @@ class RunWatcher:
                           problems=problems)
 
     def _retain(self) -> WatchEvent | None:
-        from ckpt_cli.ops.prune import prune
-
         assert self.opts.policy is not None
         try:
             result = prune(self.root, self.opts.policy, pattern=self.opts.pattern)
@@ -476,9 +475,6 @@ def run_dirs(root: Path) -> list[Path]:
         UsageError: ``root`` is itself a checkpoint (its ledger and manifests would be
             written inside it); the message names its run directory.
     """
-    from ckpt_cli.errors import UsageError
-    from ckpt_cli.resolve import runs_below
-    from ckpt_cli.runs import ITSELF, holds_final_model, is_run_dir, run_dir_problem
 
     if is_run_dir(root) or holds_final_model(root):
         return [root]

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ckpt_cli import storage
+from ckpt_cli.errors import UsageError
+from ckpt_cli.manifest import MANIFEST_NAME, MANIFEST_SUFFIX
 from ckpt_cli.trust import ledger
 
 
@@ -44,9 +47,7 @@ class EventWaker:
     events = True
 
     def __init__(self, root: Path, *, debounce_ms: int = 200, tick_ms: int = 250) -> None:
-        import threading
-
-        import watchfiles
+        import watchfiles  # lazy: optional extra (ckpt[watch])
 
         self._stop = threading.Event()
         # One watch for the watcher's life (nothing is missed between waits); it hands back
@@ -79,8 +80,6 @@ _DONE: Any = object()
 
 
 def _not_own_write(_change: Any, path: str) -> bool:
-    from ckpt_cli.manifest import MANIFEST_NAME, MANIFEST_SUFFIX
-
     name = os.path.basename(path)
     return not (name.startswith(ledger.LEDGER_NAME) or name == MANIFEST_NAME
                 or name.endswith(MANIFEST_SUFFIX) or ".ckpt-tmp-" in name)
@@ -100,7 +99,6 @@ def make_waker(mode: str, root: Path) -> tuple[Waker, str | None]:
     Raises:
         UsageError: ``events`` where they cannot be had, or an unknown mode.
     """
-    from ckpt_cli.errors import UsageError
 
     if mode not in WAKE_MODES:
         raise UsageError(f"wake must be one of {', '.join(WAKE_MODES)}, not {mode!r}",
