@@ -21,6 +21,7 @@ from ckpt_cli.progress import Progress, Tally
 from ckpt_cli.resolve import resolve
 from ckpt_cli.storage.atomic import check_not_input
 from ckpt_cli.tensors.select import hostile_warnings
+from ckpt_cli.writers.dcp import check_dcp_output
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.convert import ConvertOptions, ConvertResult
@@ -109,14 +110,13 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
         by its DCP key; ``metadata``: the layout, optimizer and step; ``notes``).
 
     Raises:
-        UsageError: Options that mean nothing for a DCP output, an object-storage output.
+        UsageError: Options that mean nothing for a DCP output.
         UnsupportedError: A source whose training state cannot be moved (named).
     """
     from dataclasses import fields
 
     from ckpt_cli.ops.convert import ConvertOptions, ConvertResult
     from ckpt_cli.ops.to_dcp.writer import count_tensors, layout_state, write_dcp
-    from ckpt_cli.storage.objectpath import ObjectPath
 
     t0 = time.perf_counter()
     defaults = ConvertOptions()
@@ -125,14 +125,10 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
             raise UsageError(f"{f.name} does not apply to a DCP output", param=f.name)
     src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
-    if isinstance(out, ObjectPath):
-        raise UsageError("a DCP output is a local directory, not a URL", param="output")
     given = resolve(src, input_format=opts.input_format)
     followed, src = given.followed, given.checkpoint()
     check_not_input(out, src)
-    from ckpt_cli.storage.atomic import check_destination
-
-    check_destination(out, kind="dir", overwrite=opts.overwrite, parents=True)
+    check_dcp_output(out, overwrite=opts.overwrite)  # a local directory or a store's prefix
     fmt, src, index = source_format(src, opts.input_format)
     state = SOURCES[fmt](src)
     tree = layout_state(state, opts.dcp_layout)
