@@ -92,7 +92,7 @@ def source_format(src: Path, input_format: str | None
 
 # Options that shape a safetensors/pt output and mean nothing for a DCP directory.
 _NOT_FOR_DCP = ("fmt", "max_shard_size", "keep_optimizer", "keep_prefix", "keep_fp32", "clamp",
-                "container", "part", "finalize", "dequantize")
+                "container", "dequantize")
 
 
 def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions, *,
@@ -128,14 +128,31 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
     given = resolve(src, input_format=opts.input_format)
     followed, src = given.followed, given.checkpoint()
     check_not_input(out, src)
-    check_dcp_output(out, overwrite=opts.overwrite)  # a local directory or a store's prefix
+    split = opts.part is not None or opts.finalize
+    if split:
+        from ckpt_cli.ops.to_dcp.parts import check_part_output
+
+        check_part_output(out)
+    # A local directory or a store's prefix; a split job's existing output is its parts' work.
+    check_dcp_output(out, overwrite=opts.overwrite or split)
     fmt, src, index = source_format(src, opts.input_format)
     state = SOURCES[fmt](src)
     tree = layout_state(state, opts.dcp_layout)
     tally = Tally.of(progress, "writing")
-    written = write_dcp(tree, out, overwrite=opts.overwrite,
-                        on_progress=tally.advance if tally else None,
-                        on_start=tally.start if tally else None)
+    if split:  # each part its share of the .distcp files; the last one the .metadata
+        from ckpt_cli.ops.to_dcp.parts import write_dcp_part
+        from ckpt_cli.parts import source_identity
+
+        written = write_dcp_part(tree, out, part=opts.part, finalize=opts.finalize,
+                                 source_id=source_identity(index.base,
+                                                           [f.path for f in index.files]),
+                                 overwrite=opts.overwrite,
+                                 on_progress=tally.advance if tally else None,
+                                 on_start=tally.start if tally else None)
+    else:
+        written = write_dcp(tree, out, overwrite=opts.overwrite,
+                            on_progress=tally.advance if tally else None,
+                            on_start=tally.start if tally else None)
     tensors = count_tensors(tree)
     meta = {"ckpt.conversion": f"{fmt} -> dcp ({opts.dcp_layout})",
             "ckpt.optimizer": state.optimizer or ("none" if not state.optimizer_state
