@@ -121,9 +121,11 @@ def test_ops_do_not_import_each_other() -> None:
 # prune keeps what resume-path would resume from (ops/resume.py, the engine).
 # watch is the op that drives others: it validates each checkpoint and applies retention.
 # convert --to dcp is convert's: one dispatch into to_dcp, which returns convert's result.
-# diff names a training dict's optimizer ids the way convert --to dcp does (one map_by_order).
+# diff names a training dict's optimizer ids the way convert --to dcp does (one map_by_order),
+# and reads a source with convert --to dcp's own readers to meet its output's names.
 OPS_KNOWN = {("ckpt_cli.ops.convert", "ckpt_cli.ops.to_dcp"),
              ("ckpt_cli.ops.diff.optim_ids", "ckpt_cli.ops.to_dcp"),
+             ("ckpt_cli.ops.diff.converted", "ckpt_cli.ops.to_dcp"),
              ("ckpt_cli.ops.to_dcp", "ckpt_cli.ops.convert"),
              ("ckpt_cli.ops.plan", "ckpt_cli.ops.inspect"),
              ("ckpt_cli.ops.prune", "ckpt_cli.ops.validate"),

@@ -245,7 +245,7 @@ def _dcp_worker(rank: int, world: int, full_path: str, out: str, port: int,
                 extra: dict[str, Any]) -> None:
     import torch.distributed as dist  # heavy: torch
     import torch.distributed.checkpoint as dcp  # heavy: torch
-    from torch.distributed.checkpoint.state_dict import (  # heavy: torch
+    from torch.distributed.checkpoint.state_dict import (  # heavy: torch  # heavy: torch
         StateDictOptions,
         get_state_dict,
         set_state_dict,

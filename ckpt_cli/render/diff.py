@@ -218,7 +218,7 @@ def _meta_line(r: DiffResult) -> str:
         if keys:
             parts.append(f"{len(keys)} only in {side}" + (f" ({keys[0]})" if len(keys) == 1
                                                           else ""))
-    parts.extend(f"{m.key} {_short(m.a, 16)} → {_short(m.b, 16)} as the tensors' dtypes "
+    parts.extend(f"{m.key} {_short(m.a, 16)} → {_short(m.b, 16)} {_as_tensors(m)} "
                  f"({m.follows}; not a difference)" for m in r.metadata_notes)
     keys = r.provenance_differences
     if keys:
@@ -297,7 +297,7 @@ def meta_table(items: list[MetaDiff], top: int | None) -> Table:
     for m in order[:top] if top else order:
         style = None if m.status == "changed" and not quiet(m) else "dim"
         tag = (" (provenance)" if m.provenance else
-               " (as the tensors' dtypes)" if m.follows is not None else "")
+               f" ({_as_tensors(m)})" if m.follows is not None else "")
         _add(table, m.key + tag, _short(m.a), _short(m.b), style=style)
     return table
 
@@ -327,6 +327,14 @@ def module_table(mods: list[ModuleDiff]) -> Table:
     return table
 
 
+def _as_tensors(m: MetaDiff) -> str:
+    """How a value that follows the tensors follows them: a config's dtype as their dtypes,
+    the RNG states' list as their names (``diff`` across ``convert --to dcp``)."""
+    if m.key.rpartition(".")[2] in ("dtype", "torch_dtype"):
+        return "as the tensors' dtypes"
+    return "as the tensors"
+
+
 def _meta_title(r: DiffResult) -> str:
     """``Metadata (16: 1 difference, 15 not: ...)``: only changed values both sides have make a
     difference; one-sided values, provenance and a dtype that follows the tensors are listed
@@ -336,9 +344,11 @@ def _meta_title(r: DiffResult) -> str:
     one_sided = sum(1 for m in r.metadata if m.status != "changed" and not m.provenance)
     prov = sum(1 for m in r.metadata if m.provenance)
     follows = len(r.metadata_notes)
-    kinds = [f"{k} {what}" for k, what in ((one_sided, "on one side only"),
-                                           (prov, "provenance"),
-                                           (follows, "following the tensors' dtypes")) if k]
+    dtypes_only = all(_as_tensors(m).endswith("dtypes") for m in r.metadata_notes)
+    kinds = [f"{k} {what}" for k, what in (
+        (one_sided, "on one side only"), (prov, "provenance"),
+        (follows, "following the tensors' dtypes" if dtypes_only else "following the tensors"))
+        if k]
     head = f"{real} difference{'s' if real != 1 else ''}"
     return f"Metadata ({n:,}: {head}" + (f"; not differences: {', '.join(kinds)}" if kinds
                                          else "") + ")"

@@ -40,6 +40,7 @@ from ckpt_cli.errors import (
 from ckpt_cli.formats import deepspeed, read_index
 from ckpt_cli.formats.base import refuse_damaged, refuse_incomplete
 from ckpt_cli.model import CheckpointIndex
+from ckpt_cli.ops.diff.converted import match_converted
 from ckpt_cli.ops.diff.match import choose_scope, match, pair_quantized
 from ckpt_cli.ops.diff.match import renamed as renamed  # re-exported
 from ckpt_cli.ops.diff.metadata import diff_metadata, mark_dtype_follows
@@ -170,10 +171,17 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
     scope_a, scope_b, scope, note = choose_scope(index_a, index_b, opts.everything)
     names_a, names_b, renames = normalise(index_a, index_b, scope_a, scope_b,
                                           opts.strip_prefixes, auto=opts.auto_names)
-    ids_note = match_ids(index_a, index_b, names_a, names_b, scope_a, scope_b)
+    # --all across convert --to dcp: the source's tensors under the names the conversion
+    # gives them; else an optimizer's ids met with FQNs by parameter order.
+    converted = match_converted(index_a, index_b, names_a, names_b) if scope == "all" \
+        else None
+    ids_note = converted.note if converted else match_ids(index_a, index_b, names_a,
+                                                           names_b, scope_a, scope_b)
     result = DiffResult(index_a, index_b, opts, scope, note, renames, same_checkpoint=same,
                         optimizer_ids=ids_note)
     match(result, names_a, names_b, scope_a, scope_b)
+    if converted and opts.values and not same:
+        converted.settle(result)
     pair_quantized(result)
     # A side whose readers found damage in the files being compared (a missing shard, a
     # truncated file) cannot be called equal or different: say what is wrong instead.
@@ -204,6 +212,8 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
     if opts.metadata:
         result.metadata = mark_dtype_follows(
             diff_metadata(index_a, index_b, everything=scope == "all"), result.tensors)
+        if converted:
+            result.metadata = converted.mark_rng(result.metadata, result)
     return result
 
 

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ckpt_cli import storage
 from ckpt_cli.errors import UnsupportedError, UsageError
@@ -22,17 +21,16 @@ from ckpt_cli.ops.to_dcp.dcp_source import read_dcp
 from ckpt_cli.ops.to_dcp.deepspeed import read_deepspeed
 from ckpt_cli.ops.to_dcp.hf_trainer import read_hf_trainer
 from ckpt_cli.ops.to_dcp.lightning import read_lightning
+from ckpt_cli.ops.to_dcp.parts import check_part_output, write_dcp_part
 from ckpt_cli.ops.to_dcp.state import TrainingState
 from ckpt_cli.ops.to_dcp.torch_dict import read_torch
 from ckpt_cli.ops.to_dcp.writer import count_tensors, layout_state, write_dcp
+from ckpt_cli.parts import source_identity
 from ckpt_cli.progress import Progress, Tally
 from ckpt_cli.resolve import resolve
-from ckpt_cli.storage.atomic import check_destination, check_not_input
-from ckpt_cli.storage.objectpath import ObjectPath
+from ckpt_cli.storage.atomic import check_not_input
 from ckpt_cli.tensors.select import hostile_warnings
-
-if TYPE_CHECKING:
-    from ckpt_cli.ops.convert.result import ConvertOptions, ConvertResult
+from ckpt_cli.writers.dcp import check_dcp_output
 
 
 def _read_torch(path: Path) -> TrainingState:
@@ -90,7 +88,7 @@ def source_format(src: Path, input_format: str | None
 
 # Options that shape a safetensors/pt output and mean nothing for a DCP directory.
 _NOT_FOR_DCP = ("fmt", "max_shard_size", "keep_optimizer", "keep_prefix", "keep_fp32", "clamp",
-                "container", "part", "finalize", "dequantize")
+                "container", "dequantize")
 
 
 def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions, *,
@@ -108,10 +106,9 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
         by its DCP key; ``metadata``: the layout, optimizer and step; ``notes``).
 
     Raises:
-        UsageError: Options that mean nothing for a DCP output, an object-storage output.
+        UsageError: Options that mean nothing for a DCP output.
         UnsupportedError: A source whose training state cannot be moved (named).
     """
-
     t0 = time.perf_counter()
     defaults = ConvertOptions()
     for f in fields(ConvertOptions):
@@ -119,20 +116,29 @@ def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions,
             raise UsageError(f"{f.name} does not apply to a DCP output", param=f.name)
     src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
-    if isinstance(out, ObjectPath):
-        raise UsageError("a DCP output is a local directory, not a URL", param="output")
     given = resolve(src, input_format=opts.input_format)
     followed, src = given.followed, given.checkpoint()
     check_not_input(out, src)
-
-    check_destination(out, kind="dir", overwrite=opts.overwrite, parents=True)
+    split = opts.part is not None or opts.finalize
+    if split:
+        check_part_output(out)
+    # A local directory or a store's prefix; a split job's existing output is its parts' work.
+    check_dcp_output(out, overwrite=opts.overwrite or split)
     fmt, src, index = source_format(src, opts.input_format)
     state = SOURCES[fmt](src)
     tree = layout_state(state, opts.dcp_layout)
     tally = Tally.of(progress, "writing")
-    written = write_dcp(tree, out, overwrite=opts.overwrite,
-                        on_progress=tally.advance if tally else None,
-                        on_start=tally.start if tally else None)
+    if split:  # each part its share of the .distcp files; the last one the .metadata
+        written = write_dcp_part(tree, out, part=opts.part, finalize=opts.finalize,
+                                 source_id=source_identity(index.base,
+                                                           [f.path for f in index.files]),
+                                 overwrite=opts.overwrite,
+                                 on_progress=tally.advance if tally else None,
+                                 on_start=tally.start if tally else None)
+    else:
+        written = write_dcp(tree, out, overwrite=opts.overwrite,
+                            on_progress=tally.advance if tally else None,
+                            on_start=tally.start if tally else None)
     tensors = count_tensors(tree)
     meta = {"ckpt.conversion": f"{fmt} -> dcp ({opts.dcp_layout})",
             "ckpt.optimizer": state.optimizer or ("none" if not state.optimizer_state

@@ -31,12 +31,28 @@ if TYPE_CHECKING:
 _MAX_PLAIN = 100_000  # values a plain copy may hold (a scheduler or RNG state is far smaller)
 
 
+@dataclass(frozen=True, eq=False)
+class IndexedLoad:
+    """A loader reading one tensor of a checkpoint as its index describes it: which stored
+    tensor a :class:`LazyTensor` is can then be told (``diff`` pairs a source's tensors with
+    their names in its ``convert --to dcp`` output by it).
+
+    Attributes:
+        index: The checkpoint (one file's index, or a directory's).
+        info: The tensor.
+    """
+
+    index: CheckpointIndex
+    info: TensorInfo
+
+    def __call__(self) -> np.ndarray:
+        with TensorSource(self.index) as src:
+            return src.read(self.info)
+
+
 def lazy_of(index: CheckpointIndex, info: TensorInfo) -> LazyTensor:
     """A :class:`LazyTensor` reading ``info`` from ``index``'s files when loaded."""
-    def load() -> np.ndarray:
-        with TensorSource(index) as src:
-            return src.read(info)
-    return LazyTensor(info.dtype, tuple(info.shape), load)
+    return LazyTensor(info.dtype, tuple(info.shape), IndexedLoad(index, info))
 
 
 @dataclass

@@ -19,9 +19,8 @@ from ckpt_cli.formats.names import WRAPPERS
 from ckpt_cli.formats.standins import TensorRecord
 from ckpt_cli.formats.torchzip import ZIP_MAGIC, parse_zip
 from ckpt_cli.model import CheckpointIndex, TensorInfo
-from ckpt_cli.ops.to_dcp import optim
+from ckpt_cli.ops.to_dcp import _trees, optim
 from ckpt_cli.ops.to_dcp.state import LazyTensor, TrainingState
-from ckpt_cli.tensors.source import TensorSource
 
 _MODEL = ("model", "state_dict", "model_state_dict", "model_state", "module", "net", "network")
 _OPTIM = ("optimizer", "optimizer_state_dict", "optim", "optimizer_state", "opt")
@@ -143,11 +142,8 @@ def _parameters(model_sd: dict[str, Any], prefix: str) -> list[tuple[str, tuple[
 
 
 def lazy_of(index: CheckpointIndex, info: TensorInfo) -> LazyTensor:
-    def load() -> Any:
-        with TensorSource(index) as src:
-            return src.read(info)
-
-    return LazyTensor(info.dtype, tuple(info.shape), load)
+    """A :class:`LazyTensor` reading ``info`` from ``index``'s files when loaded."""
+    return _trees.lazy_of(index, info)
 
 
 def _tree(path: Path) -> Any:

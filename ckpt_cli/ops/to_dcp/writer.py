@@ -7,7 +7,7 @@ is done, so the storage writer here puts each large tensor in a file of its own 
 small ones (and the non-tensor values) into files of at most ``bucket_bytes``: memory stays
 bounded by the larger of the largest tensor and that bucket (64 MiB). The directory is built
 in a temporary sibling and renamed into place (:func:`ckpt_cli.storage.atomic.atomic_dir`),
-``.metadata`` written last.
+or uploaded under an object-storage prefix (:mod:`ckpt_cli.writers.dcp`), ``.metadata`` last.
 
 Layouts (the loading side's state dict, as ``dcp.load`` sees it):
 
@@ -33,10 +33,9 @@ import numpy as np
 
 from ckpt_cli import dtypes
 from ckpt_cli.errors import CorruptCheckpointError, UsageError
-from ckpt_cli.model import WrittenFile
 from ckpt_cli.ops.to_dcp.state import LazyTensor, TrainingState
-from ckpt_cli.storage.atomic import atomic_dir
 from ckpt_cli.writers import WriteResult
+from ckpt_cli.writers.dcp import dcp_destination
 
 LAYOUTS = ("torchtitan", "recipe")
 """``--dcp-layout`` values: the top-level keys the output is written under."""
@@ -215,20 +214,20 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
             done.set_result(results)
             return done
 
-    with atomic_dir(out, overwrite=overwrite, parents=True) as tmp:
+    # A local directory or a prefix on object storage (writers/dcp.py): every file bounded
+    # by the whole checkpoint's bytes (plus the pickled values), which sizes upload parts.
+    with dcp_destination(out, overwrite=overwrite, expected=total + bucket_bytes) as dest:
         # sync_files=False: atomic_dir fsyncs the whole tree before the rename.
-        writer = BucketWriter(str(tmp), single_file_per_rank=True, sync_files=False,
+        writer = BucketWriter(dest.root, single_file_per_rank=True, sync_files=False,
                               thread_count=1)
+        dest.attach(writer)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's notes on single-process saves
             try:
                 save(sd, storage_writer=writer, planner=LazyPlanner(), no_dist=True)
             except CheckpointException as e:
                 raise _cause(e) from None
-        files = sorted((p for p in tmp.rglob("*") if p.is_file()), key=lambda p: (
-            p.name == ".metadata", p.name))
-        written = [WrittenFile(p.relative_to(tmp).as_posix(), p.stat().st_size) for p in files]
-    return WriteResult(Path(out), written, ".metadata", total, len(lazies))
+    return WriteResult(out, dest.files, ".metadata", total, len(lazies))
 
 
 def _loaded(name: str, lz: LazyTensor) -> Any:
