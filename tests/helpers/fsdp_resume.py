@@ -10,7 +10,7 @@ slice of it), :func:`make_optimizer` (AdamW) and :func:`make_scheduler` (linear 
 Run under torchrun (gloo, CPU), any world size::
 
     torchrun --standalone --nproc-per-node N tests/helpers/fsdp_resume.py DCP OUT \
-        --layout torchtitan|recipe --steps K [--weights-only]
+        --layout torchtitan|recipe --steps K [--weights-only] [--bf16]
 
 Each rank joins a gloo group, shards the model with ``fully_shard``, builds the state dict
 the layout names (``get_state_dict``), ``dcp.load``\\ s it, ``set_state_dict``\\ s it, loads
@@ -18,12 +18,19 @@ the LR scheduler, then trains K steps. Rank 0 saves ``{"model", "optim", "lrs", 
 OUT: full FP32 parameters and the optimizer state by FQN after the K steps, the LR each
 resumed step used, the step it resumed at. ``--weights-only`` loads everything but the
 optimizer state (a fresh AdamW on the same schedule and data), as a run that kept only the
-weights would: the difference it makes is the moments' alone.
+weights would: the difference it makes is the moments' alone. ``--bf16`` computes in BF16
+(``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, inputs cast by
+FSDP2), as a BF16 source (DeepSpeed's ``bf16`` mode) did, on the FP32 sharded parameters.
+
+:func:`launch` starts a helper of this directory under torchrun for the tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -69,7 +76,7 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer,
     for s in range(first, first + steps):
         x, y = batch(s, world, rank)
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x).float(), y).backward()  # float: BF16 runs
         lrs.append(float(opt.param_groups[0]["lr"]))
         opt.step()
         sched.step()
@@ -92,6 +99,20 @@ def by_fqn(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict
     return {names[i]: v for i, v in opt.state_dict()["state"].items()}
 
 
+def launch(n: int, script: Path, *argv: str) -> None:
+    """Run ``script`` under ``torchrun --standalone`` with ``n`` CPU processes (one thread
+    each, this checkout importable); fail showing the end of its output."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               PYTHONPATH=str(Path(__file__).parents[2]))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    p = subprocess.run([str(torchrun), "--standalone", f"--nproc-per-node={n}", str(script),
+                        *argv], capture_output=True, text=True, env=env, timeout=900,
+                       check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+
 def main() -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -104,7 +125,7 @@ def main() -> None:
         set_state_dict,
     )
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     ap = argparse.ArgumentParser()
     ap.add_argument("dcp")
@@ -112,12 +133,15 @@ def main() -> None:
     ap.add_argument("--layout", default="torchtitan")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--weights-only", action="store_true")
+    ap.add_argument("--bf16", action="store_true")
     a = ap.parse_args()
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     model = tiny_model()
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if a.bf16 else MixedPrecisionPolicy())
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)), mp_policy=mp)
     opt = make_optimizer(model)
     sched = make_scheduler(opt)
     titan = a.layout == "torchtitan"
