@@ -6,7 +6,8 @@ Run under torchrun (world 2, gloo, CPU)::
 
     torchrun --standalone --nproc-per-node 2 tests/helpers/ds_resume.py OUT K0 K CONFIG...
 
-CONFIG is ``z<stage>-<fp32|bf16>`` (``z2-bf16``). For each, a ZeRO engine trains steps
+CONFIG is ``z<stage>-<fp32|bf16>`` (``z2-bf16``), ``+clip`` to clip gradients (DeepSpeed's
+``gradient_clipping`` = :data:`CLIP`). For each, a ZeRO engine trains steps
 ``0..K0-1`` (rank r's half of :func:`fsdp_resume.batch`) and saves OUT/CONFIG with
 ``engine.save_checkpoint``; a fresh engine ``load_checkpoint``\\ s it and trains steps
 ``K0..K0+K-1``. Rank 0 then saves OUT/CONFIG.cont.pt: ``{"model", "optim", "lrs", "step"}``
@@ -16,7 +17,7 @@ step, the LR each continued step used and the step the engine resumed at.
 
 The optimizer is torch's AdamW (``torch_adam``: the math the FSDP2 loop does; DeepSpeed's
 CPU Adam needs an op built), the schedule a client ``LambdaLR`` (DeepSpeed saves its
-``state_dict()``, which the FSDP2 loop loads), no gradient clipping. BF16 runs cast the model
+``state_dict()``, which the FSDP2 loop loads). BF16 runs cast the model
 to BF16 (DeepSpeed's ``bf16`` mode, FP32 master weights in the optimizer) and the inputs too.
 All configs run in one pair of processes, so deepspeed is imported once.
 """
@@ -31,9 +32,14 @@ from typing import Any
 
 from tests.helpers import fsdp_resume as fr
 
+#: The global gradient norm a ``+clip`` config clips to: this run's norms are 1.0-1.6, so
+#: about half the steps are clipped and half are not.
+CLIP = 1.25
+
 
 def _config(name: str) -> tuple[dict[str, Any], bool]:
-    stage_s, dtype = name.split("-")
+    base, *flags = name.split("+")
+    stage_s, dtype = base.split("-")
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": fr.GLOBAL_BATCH // 2,
         "gradient_accumulation_steps": 1,
@@ -41,7 +47,10 @@ def _config(name: str) -> tuple[dict[str, Any], bool]:
         "optimizer": {"type": "AdamW", "params": {
             "lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1,
             "torch_adam": True}},
-        "gradient_clipping": 0.0}
+        "gradient_clipping": CLIP if "clip" in flags else 0.0}
+    if "cpuadam" in flags:  # DeepSpeed's own C++ Adam, on the offloaded optimizer state
+        del cfg["optimizer"]["params"]["torch_adam"]
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     bf16 = dtype == "bf16"
     if bf16:
         cfg["bf16"] = {"enabled": True}
