@@ -7,18 +7,19 @@ Run under torchrun (world 2, gloo, CPU)::
     torchrun --standalone --nproc-per-node 2 tests/helpers/ds_resume.py OUT K0 K CONFIG...
 
 CONFIG is ``z<stage>-<fp32|bf16>`` (``z2-bf16``), ``+clip`` to clip gradients (DeepSpeed's
-``gradient_clipping`` = :data:`CLIP`). For each, a ZeRO engine trains steps
-``0..K0-1`` (rank r's half of :func:`fsdp_resume.batch`) and saves OUT/CONFIG with
-``engine.save_checkpoint``; a fresh engine ``load_checkpoint``\\ s it and trains steps
+``gradient_clipping`` = :data:`CLIP`), ``+cpuadam`` for DeepSpeed's own CPU Adam
+(``offload_optimizer`` to the CPU, the op built on first use). For each, a ZeRO engine
+trains steps ``0..K0-1`` (rank r's half of :func:`fsdp_resume.batch`) and saves OUT/CONFIG
+with ``engine.save_checkpoint``; a fresh engine ``load_checkpoint``\\ s it and trains steps
 ``K0..K0+K-1``. Rank 0 then saves OUT/CONFIG.cont.pt: ``{"model", "optim", "lrs", "step"}``
 as :mod:`fsdp_resume` saves them: every parameter's full FP32 master weight and Adam
 moments (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``), the optimizer's
 step, the LR each continued step used and the step the engine resumed at.
 
-The optimizer is torch's AdamW (``torch_adam``: the math the FSDP2 loop does; DeepSpeed's
-CPU Adam needs an op built), the schedule a client ``LambdaLR`` (DeepSpeed saves its
-``state_dict()``, which the FSDP2 loop loads). BF16 runs cast the model
-to BF16 (DeepSpeed's ``bf16`` mode, FP32 master weights in the optimizer) and the inputs too.
+The optimizer is otherwise torch's AdamW (``torch_adam``: the math the FSDP2 loop does),
+the schedule a client ``LambdaLR`` (DeepSpeed saves its ``state_dict()``, which the FSDP2
+loop loads). BF16 runs cast the model to BF16 (DeepSpeed's ``bf16`` mode, FP32 master
+weights in the optimizer) and the inputs too.
 All configs run in one pair of processes, so deepspeed is imported once.
 """
 
