@@ -37,6 +37,14 @@ if TYPE_CHECKING:
 #: FusedAdam/CPUAdam keep it).
 ADAM_KEYS = frozenset({"step", *MOMENTS})
 
+#: The hyperparameters torch's Adam/AdamW keep in every param group besides ``lr``,
+#: ``betas``, ``eps`` and ``weight_decay``, with torch's defaults. DeepSpeed's own Adam
+#: (CPUAdam, FusedAdam) records none of them, and the state dict of the torch optimizer that
+#: resumes asks ``dcp.load`` for each one.
+TORCH_ADAM_DEFAULTS: dict[str, bool | None] = {
+    "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+    "differentiable": False, "fused": None}
+
 #: Model-states entries carried in ``extra`` when present.
 _EXTRA = ("global_samples", "skipped_steps", "ds_version", "dp_world_size", "mp_world_size",
           "epoch", "iteration")
@@ -117,6 +125,7 @@ def read_deepspeed(path: Path) -> TrainingState:
                 fqns.append(str(name))
         state.param_groups.append({**hyper, "params": fqns})
     state.optimizer = _optimizer_name(top.get("ds_config"), state.param_groups, state)
+    _torch_groups(state)
     sched = top.get("lr_scheduler")
     if sched is not None:
         state.lr_scheduler = plain(sched, "lr_scheduler", model.path)
@@ -226,6 +235,29 @@ def _optimizer_name(cfg: Any, groups: list[dict[str, Any]], state: TrainingState
     state.notes.append("optimizer: not named in the checkpoint (a client optimizer); taken to "
                        "be AdamW from its state")
     return "AdamW"
+
+
+def _torch_groups(state: TrainingState) -> None:
+    """Give each param group the keys torch's Adam/AdamW keep (:data:`TORCH_ADAM_DEFAULTS`,
+    ``decoupled_weight_decay``), which DeepSpeed's own Adam lacks, and ``betas`` as a tuple;
+    drop its ``bias_correction`` when true (torch's Adam always corrects), else note it."""
+    filled: set[str] = set()
+    for g, group in enumerate(state.param_groups):
+        defaults = {**TORCH_ADAM_DEFAULTS, "decoupled_weight_decay": state.optimizer == "AdamW"}
+        for k, v in defaults.items():
+            if k not in group:
+                group[k] = v
+                filled.add(k)
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+        if group.get("bias_correction", True) is True:
+            group.pop("bias_correction", None)
+        else:
+            state.notes.append(f"param group {g}: DeepSpeed's Adam ran without bias correction; "
+                               "torch's Adam always corrects, so resumed updates differ")
+    if filled:
+        state.notes.append(f"param groups: torch's Adam defaults filled in for "
+                           f"{', '.join(sorted(filled))} (DeepSpeed's own Adam records none)")
 
 
 def _notes(state: TrainingState, plan_notes: list[str], unsafe: dict[Path, list[str]],

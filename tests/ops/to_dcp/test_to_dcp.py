@@ -1,7 +1,7 @@
 """``ckpt convert SRC --to dcp`` (issue 48), in one process: what is written loads back bit for
 bit through ``dcp.load`` + ``set_state_dict``, the CLI and the other commands read it, and what
 ckpt cannot map is refused by name with nothing written. The multi-process FSDP2 resumes are
-in test_resume.py."""
+in test_resume.py (plain torch) and test_resume_deepspeed.py."""
 
 from __future__ import annotations
 
@@ -303,3 +303,24 @@ def test_a_tensor_unlike_its_description_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match="w: read shape"):
         write_dcp(tree, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_deepspeed_own_adam_groups_get_torch_adam_keys() -> None:
+    """DeepSpeed's CPU Adam / FusedAdam groups hold lr, betas (a list), eps, weight_decay and
+    bias_correction; a torch AdamW's state dict asks dcp.load for each of its group keys
+    (``Missing key ... maximize`` before), so torch's defaults are filled in."""
+    from ckpt_cli.ops.to_dcp.deepspeed import _torch_groups
+    from ckpt_cli.ops.to_dcp.state import TrainingState
+
+    ds = {"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}
+    st = TrainingState("deepspeed", {}, optimizer="AdamW", param_groups=[
+        {**ds, "bias_correction": True, "params": ["a"]},
+        {**ds, "bias_correction": False, "params": ["b"]}])
+    _torch_groups(st)
+    want = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, betas=(0.9, 0.99),
+                             weight_decay=0.1).param_groups[0]
+    first, second = st.param_groups
+    assert first == {**want, "params": ["a"]}  # every key, torch's values
+    assert second == {**want, "bias_correction": False, "params": ["b"]}
+    assert any("without bias correction" in n for n in st.notes)
+    assert any("torch's Adam defaults filled in for amsgrad, capturable" in n for n in st.notes)
