@@ -31,6 +31,9 @@ the difference it makes is the moments' alone.
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,6 +144,21 @@ def by_fqn(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict
     """A plain optimizer's state keyed by parameter FQN (ids in ``model.parameters()`` order)."""
     names = [n for n, _ in model.named_parameters()]
     return {names[i]: v for i, v in opt.state_dict()["state"].items()}
+
+
+def resume(dcp: Path, out: Path, world: int, *, layout: str, steps: int,
+           recipe: str = "plain", weights_only: bool = False) -> dict[str, Any]:
+    """Run this module under torchrun (gloo, ``world`` ranks, one thread each) on ``dcp``;
+    what rank 0 saved to ``out``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
+    argv = [str(Path(sys.executable).with_name("torchrun")), "--standalone",
+            f"--nproc-per-node={world}", __file__, str(dcp), str(out), "--layout", layout,
+            "--steps", str(steps), "--recipe", recipe, *(["--weights-only"] * weights_only)]
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return dict(torch.load(out, weights_only=True))
 
 
 def copied(tree: Any) -> Any:

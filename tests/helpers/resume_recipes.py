@@ -3,9 +3,10 @@ FSDP2 loop of :mod:`tests.helpers.fsdp_resume`.
 
 Each framework trains from a fixed start on data in a fixed order, saves its own checkpoint
 after ``K0`` steps, then continues from it (``resume_from_checkpoint`` / ``ckpt_path``),
-recording through a callback the LRs of every step (one per param group) and the parameters
-and optimizer state (by FQN) after every step, and the param groups (with FQNs) it restored. The recipe (:data:`HF`, :data:`LIGHTNING`) builds
-the same model, param groups, schedule and per-rank loss for the FSDP2 run.
+recording through callbacks the param groups (with FQNs) it restored, the LRs of every step
+(one per group) and the parameters and optimizer state (by FQN) after every step. The recipe
+(:data:`HF`, :data:`LIGHTNING`) builds the same model, param groups, schedule and per-rank loss
+for the FSDP2 run.
 
 - HF Trainer: a tiny GPT-2 from a config (no download, no dropout), Trainer's own optimizer
   (``adamw_torch_fused``, the default) with its two groups (weight decay on the matrices, none
@@ -84,7 +85,8 @@ def hf_loss(model: torch.nn.Module, step: int, world: int = 1, rank: int = 0) ->
     n = HF_BATCH // world
     x = hf_tokens()[step * HF_BATCH + rank * n: step * HF_BATCH + (rank + 1) * n]
     shifts = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
-    out = model(input_ids=x, labels=x, num_items_in_batch=(x[:, 1:] if shifts else x).ne(-100).sum())
+    counted = (x[:, 1:] if shifts else x).ne(-100).sum()
+    out = model(input_ids=x, labels=x, num_items_in_batch=counted)
     loss: torch.Tensor = out.loss
     return loss
 
@@ -220,25 +222,32 @@ def _pl_module(record: dict[str, Any] | None = None) -> Any:
     return Mod()
 
 
-def _pl_fit(module: Any, steps: int, ckpt: Path | None = None) -> Any:
+def _pl_fit(module: Any, steps: int, ckpt: Path | None = None, save_to: Path | None = None
+            ) -> Any:
     import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     xs, ys = zip(*(fr.batch(s) for s in range(PL_K0)), strict=True)
     data = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
     loader = torch.utils.data.DataLoader(data, batch_size=fr.GLOBAL_BATCH, shuffle=False)
+    saves = [] if save_to is None else [
+        ModelCheckpoint(dirpath=save_to, every_n_train_steps=PL_K0, filename="{step}")]
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False)
+                        enable_checkpointing=bool(saves), callbacks=saves)
     trainer.fit(module, loader, ckpt_path=str(ckpt) if ckpt is not None else None)
     return trainer
 
 
 def pl_source(out: Path) -> Path:
-    """Lightning's ``.ckpt`` after ``PL_K0`` steps (one epoch)."""
-    trainer = _pl_fit(_pl_module(), PL_K0)
-    path = out / f"step={PL_K0}.ckpt"
-    trainer.save_checkpoint(path)
-    return path
+    """The ``.ckpt`` ``ModelCheckpoint(every_n_train_steps=PL_K0)`` saves after one epoch.
+
+    Saved from the training-batch hook, it resumes at the next epoch's first batch. A
+    ``trainer.save_checkpoint`` after ``fit`` returned (or an epoch-end save) resumes with
+    one more batch of the finished epoch, the data restarted: batch 0 twice (measured with
+    Lightning 2.6)."""
+    _pl_fit(_pl_module(), PL_K0, save_to=out)
+    return out / f"step={PL_K0}.ckpt"
 
 
 def pl_continue(ckpt: Path) -> dict[str, Any]:
