@@ -15,9 +15,10 @@ Run under torchrun (gloo, CPU), any world size::
 
 Each rank joins a gloo group, shards the model with ``fully_shard``, builds the state dict
 the layout names (``get_state_dict``), ``dcp.load``\\ s it, ``set_state_dict``\\ s it, loads
-the LR scheduler, then trains K steps. Rank 0 saves ``{"model", "optim", "lrs", "step"}`` to
-OUT: full FP32 parameters and the optimizer state by FQN after the K steps, the LR each
-resumed step used (one per param group), the step it resumed at.
+the LR scheduler, then trains K steps. Rank 0 saves ``{"model", "optim", "trace", "lrs",
+"step", "param_groups"}`` to OUT: full FP32 parameters and the optimizer state by FQN after the
+K steps (``trace``: after each step), the LRs each resumed step used (one per param group), the
+step it resumed at, and the groups' hyperparameters at the end.
 
 The resuming optimizer is built with the recipe's param groups (the same FQNs in each) but
 :data:`PLACEHOLDER` hyperparameters: ``set_state_dict`` must bring each group's ``lr``,

@@ -22,6 +22,7 @@ way to do so; an ambiguous match, or none, is refused with the reason (a
 
 from __future__ import annotations
 
+from itertools import permutations
 from pathlib import Path
 from typing import Any
 
@@ -163,23 +164,18 @@ def _match_ids(tt: TorchTree, osd: Any, cands: list[str],
     if order != sorted(order):
         state.notes.append(f"param groups: follow the model in the order {order} (the only "
                            "order the moments' shapes allow)")
-    names = iter(cands[j] for j in chosen)
-    out: list[list[str]] = [[] for _ in sizes]
-    for g in order:
-        out[g] = [next(names) for _ in range(sizes[g])]
-    return out
+    return [[cands[j] for j in ix] for ix in chosen]
 
 
 def _group_order(want: list[tuple[int, ...] | None], sizes: list[int],
-                 have: list[tuple[int, ...]], path: Path) -> tuple[list[int], list[int]]:
+                 have: list[tuple[int, ...]], path: Path) -> tuple[list[int], list[list[int]]]:
     """The one order of the param groups whose ids, group after group, match ``have`` in
-    order (see :func:`_align`), and that match. ``configure_optimizers`` may list the groups
-    in any order (a head group first), and the file does not say which: an order is used only
-    when no other order of the groups also fits the shapes."""
-    from itertools import permutations
-
+    order (see :func:`_align`), and per group the indices into ``have`` it matched.
+    ``configure_optimizers`` may list the groups in any order (a head group first), and the
+    file does not say which: an order is used only when no other order of the groups names
+    the parameters otherwise (empty groups, say, change nothing)."""
     starts = [sum(sizes[:g]) for g in range(len(sizes))]
-    fits: list[tuple[list[int], list[int]]] = []
+    fits: dict[tuple[tuple[int, ...], ...], list[int]] = {}
     first: CkptError | None = None
     # Several groups: every order (up to 4 groups, 24 orders), the saved one first; more
     # groups are taken in the saved order only (each order costs a match).
@@ -187,17 +183,24 @@ def _group_order(want: list[tuple[int, ...] | None], sizes: list[int],
     for order in orders:
         w = [x for g in order for x in want[starts[g]:starts[g] + sizes[g]]]
         try:
-            fits.append((list(order), _align(w, have, path)))
+            chosen = iter(_align(w, have, path))
         except CkptError as e:
             first = first or e
+            continue
+        per_group: list[tuple[int, ...]] = [() for _ in sizes]
+        for g in order:
+            per_group[g] = tuple(next(chosen) for _ in range(sizes[g]))
+        fits.setdefault(tuple(per_group), list(order))
         if len(fits) > 1:
+            a, b = fits.values()
             raise CkptError(f"the optimizer's {len(sizes)} param groups fit state_dict's "
-                            f"floating tensors in more than one order (groups {fits[0][0]} and "
-                            f"{fits[1][0]}) by shape: which parameters each group holds "
-                            "cannot be known", path=path)
+                            f"floating tensors in more than one order (groups {a} and {b}) by "
+                            "shape: which parameters each group holds cannot be known",
+                            path=path)
     if not fits:
         raise first or CkptError("the optimizer's parameter ids cannot be named", path=path)
-    return fits[0]
+    (per, saved), = fits.items()
+    return saved, [list(ix) for ix in per]
 
 
 def _align(want: list[tuple[int, ...] | None], have: list[tuple[int, ...]],

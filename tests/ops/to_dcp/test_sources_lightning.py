@@ -191,13 +191,15 @@ def test_a_compiled_wrapped_model_loses_its_wrapper_too(lightning_dir: Path,
     assert st.param_groups[0]["params"] == ["weight", "bias"]
 
 
-def _grouped(src: Path, dest: Path, head_out: int, head_first: bool) -> Path:
+def _grouped(src: Path, dest: Path, head_out: int, head_first: bool, empty: bool = False
+             ) -> Path:
     """``src`` with a two-layer net trained by Adam in two groups (the head's own LR), the
-    head's group listed first or second in ``configure_optimizers``."""
+    head's group listed first or second in ``configure_optimizers`` (then an empty group)."""
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, head_out))
     head, body = list(net[1].parameters()), list(net[0].parameters())
     groups = [{"params": head, "lr": 0.1}, {"params": body}]
-    opt = torch.optim.Adam(groups if head_first else groups[::-1], lr=0.01)
+    extra = [{"params": [], "lr": 0.5}] if empty else []
+    opt = torch.optim.Adam((groups if head_first else groups[::-1]) + extra, lr=0.01)
     net(torch.randn(2, 8)).sum().backward()
     opt.step()
     ck = _load(src)
@@ -228,3 +230,11 @@ def test_param_groups_that_fit_in_two_orders_are_refused(lightning_dir: Path,
     path = _grouped(lightning_dir / "last.ckpt", tmp_path / "g.ckpt", 8, head_first=True)
     with pytest.raises(CkptError, match="more than one order"):
         read_lightning(path)
+
+
+def test_an_empty_param_group_makes_no_order_ambiguous(lightning_dir: Path,
+                                                       tmp_path: Path) -> None:
+    path = _grouped(lightning_dir / "last.ckpt", tmp_path / "g.ckpt", 4, True, empty=True)
+    st = read_lightning(path)
+    assert [g["params"] for g in st.param_groups] == [["1.weight", "1.bias"],
+                                                      ["0.weight", "0.bias"], []]
