@@ -67,7 +67,7 @@ def _engine(deepspeed: Any, torch: Any, cfg: dict[str, Any]) -> Any:
 
 
 def _train(torch: Any, engine: Any, first: int, steps: int, bf16: bool, rank: int
-           ) -> list[float]:
+           ) -> list[list[float]]:
     lrs = []
     for s in range(first, first + steps):
         x, y = fr.batch(s, 2, rank)
@@ -75,7 +75,7 @@ def _train(torch: Any, engine: Any, first: int, steps: int, bf16: bool, rank: in
             x = x.to(torch.bfloat16)
         loss = torch.nn.functional.mse_loss(engine(x).float(), y)
         engine.backward(loss)
-        lrs.append(float(engine.get_lr()[0]))
+        lrs.append([float(lr) for lr in engine.get_lr()])  # one per param group, as fsdp_resume
         engine.step()
     return lrs
 

@@ -2,28 +2,39 @@
 it is compared with (issue 48: ``ckpt convert --to dcp``, proven by resuming).
 
 The model, data, optimizer and LR schedule are fixed here, so that a source framework's run
-(plain torch here; DeepSpeed, HF Trainer, Lightning in their tests) and the resumed FSDP2 run
-do the same math: :func:`tiny_model`, :func:`batch` (global batch of step ``s``, a rank's
-slice of it), :func:`make_optimizer` (AdamW) and :func:`make_scheduler` (linear warmup
-``LambdaLR``).
+(plain torch here; DeepSpeed in its tests) and the resumed FSDP2 run do the same math:
+:func:`tiny_model`, :func:`batch` (global batch of step ``s``, a rank's slice of it),
+:func:`make_optimizer` (AdamW) and :func:`make_scheduler` (linear warmup ``LambdaLR``), with
+the MSE loss of :func:`mse`: together the :class:`Recipe` ``plain``. The HF Trainer and
+Lightning runs have recipes of their own (``tests/helpers/resume_recipes.py``).
 
 Run under torchrun (gloo, CPU), any world size::
 
     torchrun --standalone --nproc-per-node N tests/helpers/fsdp_resume.py DCP OUT \
         --layout torchtitan|recipe --steps K [--weights-only] [--bf16] [--clip C]
+        [--recipe plain|hf|lightning]
 
 Each rank joins a gloo group, shards the model with ``fully_shard``, builds the state dict
 the layout names (``get_state_dict``), ``dcp.load``\\ s it, ``set_state_dict``\\ s it, loads
-the LR scheduler, then trains K steps. Rank 0 saves ``{"model", "optim", "lrs", "step"}`` to
-OUT: full FP32 parameters and the optimizer state by FQN after the K steps, the LR each
-resumed step used, the step it resumed at. ``--weights-only`` loads everything but the
-optimizer state (a fresh AdamW on the same schedule and data), as a run that kept only the
-weights would: the difference it makes is the moments' alone. ``--bf16`` computes in BF16
-and reduces the gradients in BF16 (``MixedPrecisionPolicy(param_dtype=reduce_dtype=
-bfloat16)``, inputs cast by FSDP2) on the FP32 sharded parameters, as DeepSpeed's ``bf16``
-mode does by default; ``--clip C`` clips the gradients' global norm to C before each step.
+the LR scheduler, then trains K steps. Rank 0 saves ``{"model", "optim", "trace", "lrs",
+"step", "param_groups"}`` to OUT: full FP32 parameters and the optimizer state by FQN after the
+K steps (``trace``: after each step), the LRs each resumed step used (one per param group), the
+step it resumed at, and the groups' hyperparameters at the end.
 
-:func:`launch` starts a helper of this directory under torchrun for the tests.
+The resuming optimizer is built with the recipe's param groups (the same FQNs in each) but
+:data:`PLACEHOLDER` hyperparameters: ``set_state_dict`` must bring each group's ``lr``,
+``betas``, ``eps``, ``weight_decay`` (and flags such as ``fused``) from the checkpoint, so a
+converted group that lost or mixed up its hyperparameters shows in the result.
+``--weights-only`` loads everything but the optimizer state (a fresh AdamW with the real
+hyperparameters, on the same schedule and data), as a run that kept only the weights would:
+the difference it makes is the moments' alone.
+``--bf16`` computes in BF16 and reduces the gradients in BF16
+(``MixedPrecisionPolicy(param_dtype=reduce_dtype=bfloat16)``, inputs cast by FSDP2) on the
+FP32 sharded parameters, as DeepSpeed's ``bf16`` mode does by default; ``--clip C`` clips the
+gradients' global norm to C before each step.
+
+:func:`launch` starts a helper of this directory under torchrun for the tests;
+:func:`resume` runs this one.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +70,23 @@ def batch(step: int, world: int = 1, rank: int = 0) -> tuple[torch.Tensor, torch
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+PLACEHOLDER: dict[str, Any] = {"lr": 1.0, "betas": (0.5, 0.5), "eps": 0.5, "weight_decay": 0.5}
+"""Hyperparameters no recipe trains with: what a resuming optimizer's groups hold until the
+checkpoint's ``param_groups`` replace them."""
+
+Groups = list[tuple[list[torch.nn.Parameter], dict[str, Any]]]
+
+
+def adamw(groups: Groups, placeholder: bool = False, **flags: Any) -> torch.optim.Optimizer:
+    """AdamW over ``groups`` (parameters, hyperparameters), or with :data:`PLACEHOLDER`
+    hyperparameters in every group."""
+    return torch.optim.AdamW([{"params": ps, **(PLACEHOLDER if placeholder else hp)}
+                              for ps, hp in groups], **flags)
+
+
+def make_optimizer(model: torch.nn.Module, placeholder: bool = False) -> torch.optim.Optimizer:
+    hp = {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1}
+    return adamw([(list(model.parameters()), hp)], placeholder)
 
 
 def warmup(step: int) -> float:
@@ -69,22 +97,49 @@ def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSch
     return torch.optim.lr_scheduler.LambdaLR(opt, warmup)
 
 
+def mse(model: torch.nn.Module, step: int, world: int = 1, rank: int = 0) -> torch.Tensor:
+    """The plain run's loss on rank ``rank``'s slice of step ``step``'s batch."""
+    x, y = batch(step, world, rank)
+    return torch.nn.functional.mse_loss(model(x).float(), y)  # float: BF16 runs
+
+
+Loss = Callable[[torch.nn.Module, int, int, int], torch.Tensor]
+
+
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer,
           sched: torch.optim.lr_scheduler.LRScheduler, first: int, steps: int,
-          world: int = 1, rank: int = 0, clip: float = 0.0) -> list[float]:
-    """Train steps ``first..first+steps-1``; the LR each step used. ``clip`` > 0 clips the
-    gradients' global norm to it before each step."""
+          world: int = 1, rank: int = 0, loss: Loss = mse,
+          on_step: Callable[[], None] | None = None, clip: float = 0.0) -> list[list[float]]:
+    """Train steps ``first..first+steps-1``; the LRs (one per param group) each step used.
+    ``on_step`` is called after each optimizer step; ``clip`` > 0 clips the gradients' global
+    norm to it before each step."""
     lrs = []
     for s in range(first, first + steps):
-        x, y = batch(s, world, rank)
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x).float(), y).backward()  # float: BF16 runs
+        loss(model, s, world, rank).backward()
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        lrs.append(float(opt.param_groups[0]["lr"]))
+        lrs.append([float(g["lr"]) for g in opt.param_groups])
         opt.step()
         sched.step()
+        if on_step is not None:
+            on_step()
     return lrs
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a source run and its FSDP2 resumption share: how to build the model, the optimizer
+    (``placeholder``: see :data:`PLACEHOLDER`) and the LR schedule, and the loss of a step on
+    one rank's slice of its batch (a mean over that slice: FSDP2 averages the ranks)."""
+
+    model: Callable[[], torch.nn.Module]
+    optimizer: Callable[[torch.nn.Module, bool], torch.optim.Optimizer]
+    scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+    loss: Loss
+
+
+PLAIN = Recipe(tiny_model, make_optimizer, make_scheduler, mse)
 
 
 def source_run(k0: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,
@@ -117,6 +172,24 @@ def launch(n: int, script: Path, *argv: str) -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
 
+def resume(dcp: Path, out: Path, world: int, *, layout: str, steps: int,
+           recipe: str = "plain", weights_only: bool = False) -> dict[str, Any]:
+    """Run this module under torchrun (gloo, ``world`` ranks, one thread each) on ``dcp``;
+    what rank 0 saved to ``out``."""
+    launch(world, Path(__file__), str(dcp), str(out), "--layout", layout, "--steps", str(steps),
+           "--recipe", recipe, *(["--weights-only"] * weights_only))
+    return dict(torch.load(out, weights_only=True))
+
+
+def copied(tree: Any) -> Any:
+    """``tree`` with every tensor cloned."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: copied(v) for k, v in tree.items()}
+    return tree
+
+
 def main() -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -139,16 +212,23 @@ def main() -> None:
     ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--recipe", default="plain", choices=("plain", "hf", "lightning"))
     a = ap.parse_args()
     warnings.simplefilter("ignore")
+    if a.recipe == "plain":
+        recipe = PLAIN
+    else:
+        from tests.helpers import resume_recipes
+
+        recipe = getattr(resume_recipes, a.recipe.upper())
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    model = tiny_model()
+    model = recipe.model()
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
           if a.bf16 else MixedPrecisionPolicy())
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)), mp_policy=mp)
-    opt = make_optimizer(model)
-    sched = make_scheduler(opt)
+    opt = recipe.optimizer(model, not a.weights_only)
+    sched = recipe.scheduler(opt)
     titan = a.layout == "torchtitan"
     opts = StateDictOptions(flatten_optimizer_state_dict=titan)
     msd, osd = get_state_dict(model, opt, options=opts)
@@ -168,13 +248,20 @@ def main() -> None:
     for group, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
         group["lr"] = lr  # a fresh optimizer's groups: the schedule's LR, as the source had
     step = int(state["train_state"]["step"])
-    lrs = train(model, opt, sched, step, a.steps, world, rank, a.clip)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(model, options=full)
-    optim_sd = get_optimizer_state_dict(model, opt, options=full)
+    trace: list[dict[str, Any]] = []
+
+    def record() -> None:  # every rank joins the gathers; rank 0 keeps the full tensors
+        model_sd = get_model_state_dict(model, options=full)
+        optim_sd = get_optimizer_state_dict(model, opt, options=full)
+        # copies: at world 1 the "gathered" tensors are the live ones
+        trace.append(copied({"model": model_sd, "optim": optim_sd.get("state", {})}))
+
+    lrs = train(model, opt, sched, step, a.steps, world, rank, recipe.loss, record, a.clip)
     if rank == 0:
-        torch.save({"model": model_sd, "optim": optim_sd["state"], "lrs": lrs, "step": step},
-                   Path(a.out))
+        torch.save({**trace[-1], "trace": trace, "lrs": lrs, "step": step,
+                    "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                     for g in opt.param_groups]}, Path(a.out))
     dist.barrier()  # no rank tears gloo down while another still works
     dist.destroy_process_group()
 

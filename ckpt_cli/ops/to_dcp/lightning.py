@@ -11,7 +11,10 @@ number the parameters of ``configure_optimizers`` in order, across the groups. L
 saves nothing else about them, and the module's code is never run, so the ids are matched
 to ``state_dict``'s floating-point tensors in order (``state_dict`` lists each module's
 parameters before its buffers, and ``self.parameters()`` follows the same module order),
-every moment's shape checked against its tensor. Normalisation statistics (``running_mean``,
+every moment's shape checked against its tensor. Several param groups are taken group after
+group, in the one order of the groups (up to four) that the shapes allow (a head group listed
+first); when two orders fit, the file cannot say which parameters each group holds, and the
+conversion is refused. Normalisation statistics (``running_mean``,
 ``running_var``) are known buffers; any other buffer is skipped only where the shapes leave one
 way to do so; an ambiguous match, or none, is refused with the reason (a
 ``configure_optimizers`` that reorders parameters gives no match).
@@ -19,6 +22,7 @@ way to do so; an ambiguous match, or none, is refused with the reason (a
 
 from __future__ import annotations
 
+from itertools import permutations
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +153,7 @@ def _match_ids(tt: TorchTree, osd: Any, cands: list[str],
                     isinstance(s.get(k), TensorRecord)), None)
         want.append(tuple(rec.shape) if rec is not None else None)
     have = [state.model[n].shape for n in cands]
-    chosen = _align(want, have, tt.path)
+    order, chosen = _group_order(want, sizes, have, tt.path)
     if len(ids) != len(cands):
         state.notes.append(f"parameter ids: {len(ids)} matched in order to the floating "
                            f"tensors of state_dict ({len(cands) - len(ids)} skipped as "
@@ -157,12 +161,46 @@ def _match_ids(tt: TorchTree, osd: Any, cands: list[str],
     else:
         state.notes.append("parameter ids: matched in order to state_dict's floating tensors "
                            "(every moment's shape checked)")
-    names = [cands[j] for j in chosen]
-    out, pos = [], 0
-    for n in sizes:
-        out.append(names[pos:pos + n])
-        pos += n
-    return out
+    if order != sorted(order):
+        state.notes.append(f"param groups: follow the model in the order {order} (the only "
+                           "order the moments' shapes allow)")
+    return [[cands[j] for j in ix] for ix in chosen]
+
+
+def _group_order(want: list[tuple[int, ...] | None], sizes: list[int],
+                 have: list[tuple[int, ...]], path: Path) -> tuple[list[int], list[list[int]]]:
+    """The one order of the param groups whose ids, group after group, match ``have`` in
+    order (see :func:`_align`), and per group the indices into ``have`` it matched.
+    ``configure_optimizers`` may list the groups in any order (a head group first), and the
+    file does not say which: an order is used only when no other order of the groups names
+    the parameters otherwise (empty groups, say, change nothing)."""
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    fits: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+    first: CkptError | None = None
+    # Several groups: every order (up to 4 groups, 24 orders), the saved one first; more
+    # groups are taken in the saved order only (each order costs a match).
+    orders = permutations(range(len(sizes))) if len(sizes) <= 4 else [tuple(range(len(sizes)))]
+    for order in orders:
+        w = [x for g in order for x in want[starts[g]:starts[g] + sizes[g]]]
+        try:
+            chosen = iter(_align(w, have, path))
+        except CkptError as e:
+            first = first or e
+            continue
+        per_group: list[tuple[int, ...]] = [() for _ in sizes]
+        for g in order:
+            per_group[g] = tuple(next(chosen) for _ in range(sizes[g]))
+        fits.setdefault(tuple(per_group), list(order))
+        if len(fits) > 1:
+            a, b = fits.values()
+            raise CkptError(f"the optimizer's {len(sizes)} param groups fit state_dict's "
+                            f"floating tensors in more than one order (groups {a} and {b}) by "
+                            "shape: which parameters each group holds cannot be known",
+                            path=path)
+    if not fits:
+        raise first or CkptError("the optimizer's parameter ids cannot be named", path=path)
+    (per, saved), = fits.items()
+    return saved, [list(ix) for ix in per]
 
 
 def _align(want: list[tuple[int, ...] | None], have: list[tuple[int, ...]],

@@ -189,3 +189,52 @@ def test_a_compiled_wrapped_model_loses_its_wrapper_too(lightning_dir: Path,
     st = read_lightning(tmp_path / "c.ckpt")
     assert list(st.model) == ["weight", "bias"]
     assert st.param_groups[0]["params"] == ["weight", "bias"]
+
+
+def _grouped(src: Path, dest: Path, head_out: int, head_first: bool, empty: bool = False
+             ) -> Path:
+    """``src`` with a two-layer net trained by Adam in two groups (the head's own LR), the
+    head's group listed first or second in ``configure_optimizers`` (then an empty group)."""
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, head_out))
+    head, body = list(net[1].parameters()), list(net[0].parameters())
+    groups = [{"params": head, "lr": 0.1}, {"params": body}]
+    extra = [{"params": [], "lr": 0.5}] if empty else []
+    opt = torch.optim.Adam((groups if head_first else groups[::-1]) + extra, lr=0.01)
+    net(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    ck = _load(src)
+    ck["state_dict"] = OrderedDict((f"net.{k}", v) for k, v in net.state_dict().items())
+    ck["optimizer_states"] = [opt.state_dict()]
+    torch.save(ck, dest)
+    return dest
+
+
+@pytest.mark.parametrize("head_first", [True, False])
+def test_param_groups_in_another_order_than_the_model(lightning_dir: Path, tmp_path: Path,
+                                                      head_first: bool) -> None:
+    path = _grouped(lightning_dir / "last.ckpt", tmp_path / "g.ckpt", 4, head_first)
+    st = read_lightning(path)
+    head = next(g for g in st.param_groups if g["lr"] == 0.1)
+    body = next(g for g in st.param_groups if g["lr"] == 0.01)
+    assert head["params"] == ["1.weight", "1.bias"] and body["params"] == ["0.weight", "0.bias"]
+    assert ([g["lr"] for g in st.param_groups] == [0.1, 0.01]) is head_first
+    assert st.optimizer_state["1.weight"]["exp_avg"].shape == (4, 8)
+    assert any("param groups: follow the model in the order [1, 0]" in n
+               for n in st.notes) is head_first
+
+
+def test_param_groups_that_fit_in_two_orders_are_refused(lightning_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """Both layers 8x8: the head's group first fits the shapes as well as the body's, so
+    naming them in the saved order would swap the two layers' moments and LRs."""
+    path = _grouped(lightning_dir / "last.ckpt", tmp_path / "g.ckpt", 8, head_first=True)
+    with pytest.raises(CkptError, match="more than one order"):
+        read_lightning(path)
+
+
+def test_an_empty_param_group_makes_no_order_ambiguous(lightning_dir: Path,
+                                                       tmp_path: Path) -> None:
+    path = _grouped(lightning_dir / "last.ckpt", tmp_path / "g.ckpt", 4, True, empty=True)
+    st = read_lightning(path)
+    assert [g["params"] for g in st.param_groups] == [["1.weight", "1.bias"],
+                                                      ["0.weight", "0.bias"], []]
