@@ -151,7 +151,8 @@ def table_row(param: Any) -> str:
                                          *long[1:]])
     metavar = f" `{param.metavar}`" if param.metavar and not param.is_flag else ""
     default = f" Default: `{param.default}`." if param.show_default else ""
-    return f"| {names}{metavar} | {param.help}{default} |"
+    text = param.help.replace("|", "\\|")  # a pipe in a cell ends it, unless escaped
+    return f"| {names}{metavar} | {text}{default} |"
 
 
 @pytest.mark.parametrize(("name", "api", "options"), DECLARED, ids=[d[0] for d in DECLARED])
@@ -267,3 +268,36 @@ def test_every_keyword_is_a_flag_of_the_same_name(command: str, api_name: str) -
     assert all((k in keywords) != (k in cli) for k in shared), "NOT_SHARED is out of date"
     assert keywords - set(cli) - shared == set(), command
     assert set(cli) - keywords - set(CLI_ONLY) - shared == set(), command
+
+
+def test_diff_and_stats_old_names_still_work(tmp_path: Path) -> None:
+    path = _model(tmp_path)
+    new = ckpt_cli.stats(path, name_glob="*.attn.*", no_cache=True).to_dict()
+    with pytest.warns(DeprecationWarning, match=r"stats\(filter=...\) is deprecated"):
+        old = ckpt_cli.stats(path, filter="*.attn.*", no_cache=True)  # type: ignore[call-arg]
+    assert [t["name"] for t in old.to_dict()["tensors"]] == \
+        [t["name"] for t in new["tensors"]] == ["a.attn.w"]
+    with pytest.warns(DeprecationWarning, match=r"diff\(all=...\) is deprecated"):
+        assert ckpt_cli.diff(path, path, all=True).equal  # type: ignore[call-arg]
+    docs = [json.loads(run_cli("diff", path, path, *how, "--json").stdout)
+            for how in (("--name-glob", "b.*", "--all-tensors"), ("--filter", "b.*", "--all"))]
+    assert docs[0] == docs[1] and docs[0]["summary"]["identical"] == 1
+
+
+def test_a_switch_on_by_default_has_its_no_flag(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    import numpy as np
+
+    for path, step in ((a, "1"), (b, "2")):
+        save_file({"w": np.ones(2, np.float32)}, str(path), metadata={"step": step})
+    assert run_cli("diff", a, b, "--metadata").exit_code == 1
+    assert run_cli("diff", a, b, "--no-metadata").exit_code == 0
+    assert ckpt_cli.diff(a, b, metadata=False).equal
+
+
+def test_a_duration_default_is_shown_and_read_as_typed() -> None:
+    command = typer.main.get_command(app).commands["watch"]  # type: ignore[attr-defined]
+    params = {p.name: p for p in command.params}
+    assert (params["settle"].default, params["grace"].default) == ("1s", "10m")
+    assert WatchOptions().grace == 600.0 and params["grace"].type_cast_value(
+        typer.main.get_command(app).make_context("ckpt", ["watch", "x"]), "10m") == 600.0
