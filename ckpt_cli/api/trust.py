@@ -62,7 +62,9 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
                storage_options: Mapping[str, Any] | None = None,
                on_event: Callable[[WatchEvent], None] | None = None) -> WatchResult:
     """One pass of ``ckpt watch --once``: verify each committed checkpoint of a run, record
-    the verdicts in its ledger, apply retention. Durations take seconds or text (``"10m"``).
+    the verdicts in its ledger, apply retention.
+
+    Durations take seconds or text (``"10m"``); counts, numbers or text (``"10K"``).
 
     Args:
         run_dir: The run directory (or a directory of runs, or an object-store prefix).

@@ -61,7 +61,7 @@ def test_training_checkpoint_against_inference_file(tmp_path: Path) -> None:
     doc = _json(tmp_path / "train.pt", tmp_path / "model.safetensors")
     assert doc["renames"] == [{"side": "a", "prefix": "model.", "tensors": 4, "source": "auto"}]
     out = run_cli("diff", tmp_path / "train.pt", tmp_path / "model.safetensors").stdout
-    assert "stripped 'model.'" in out and "--all compares them" in out
+    assert "stripped 'model.'" in out and "--all-tensors compares them" in out
 
 
 def test_dcp_against_its_consolidated_file(sample_run: Path, tmp_path: Path) -> None:
