@@ -17,15 +17,26 @@ from safetensors.numpy import save_file
 
 import ckpt_cli
 from ckpt_cli.cli.app import app
+from ckpt_cli.ops.options.diff import DiffOptions
 from ckpt_cli.ops.options.inspect import InspectOptions
 from ckpt_cli.ops.options.plan import PlanOptions
+from ckpt_cli.ops.options.sample import SampleOptions
+from ckpt_cli.ops.options.stats import StatsOptions
+from ckpt_cli.ops.options.validate import ValidateOptions
+from ckpt_cli.ops.options.watch import WatchOptions
 from ckpt_cli.optionspec import docstring_args, flag, options_of, spelled, word
 from tests.conftest import run_cli
 
-# (command, API function, its options dataclass): the commands whose options are declared.
+# (command, API function, its options dataclass): the commands whose options are declared
+# (sample has no API function: it trains a model for the other commands to read).
 DECLARED: list[tuple[str, Any, type]] = [
     ("inspect", ckpt_cli.inspect, InspectOptions),
     ("plan", ckpt_cli.plan, PlanOptions),
+    ("validate", ckpt_cli.validate, ValidateOptions),
+    ("diff", ckpt_cli.diff, DiffOptions),
+    ("stats", ckpt_cli.stats, StatsOptions),
+    ("watch", ckpt_cli.watch_once, WatchOptions),
+    ("sample", None, SampleOptions),
 ]
 
 # API keywords that are no option of the command line, each for a reason.
@@ -56,22 +67,25 @@ def _cli_options(name: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize(("name", "api", "options"), DECLARED, ids=[d[0] for d in DECLARED])
 def test_every_keyword_is_a_field_and_a_flag_of_the_same_name(name: str, api: Any,
                                                                options: type) -> None:
-    keywords = {k: p for k, p in inspect.signature(api).parameters.items()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in API_ONLY}
     fields = {f.name: f for f, _ in options_of(options)}
-    assert set(keywords) == set(fields)
-    for k, p in keywords.items():
-        default = fields[k].default
-        assert p.default == (None if default == () else default), k
+    if api is not None:
+        keywords = {k: p for k, p in inspect.signature(api).parameters.items()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in API_ONLY}
+        assert set(keywords) == set(fields)
+        for k, p in keywords.items():
+            default = fields[k].default
+            assert p.default == (None if default == () else default), k
     cli = _cli_options(name)
-    assert set(cli) - set(CLI_ONLY) == set(fields)
+    own = {k for (c, k) in NOT_SHARED if c == name}  # the command line's own, each for a reason
+    assert set(cli) - set(CLI_ONLY) - own == set(fields)
     for k, opts in cli.items():
         assert flag(k) in opts, (k, opts)
 
 
 @pytest.mark.parametrize(("name", "api", "options"), DECLARED, ids=[d[0] for d in DECLARED])
 def test_the_help_is_written_once(name: str, api: Any, options: type) -> None:
-    assert docstring_args(options).strip() in api.__doc__
+    if api is not None:
+        assert docstring_args(options).strip() in api.__doc__
     command = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
     helps = {p.name: p.help for p in command.params}
     for f, s in options_of(options):
@@ -115,9 +129,18 @@ def test_a_renamed_flag_keeps_its_old_name_as_an_alias(tmp_path: Path) -> None:
     assert docs[0] == docs[1] and [t["name"] for t in docs[0]["tensors"]] == ["a.attn.w"]
 
 
-def test_declarations_are_dataclass_fields() -> None:
-    assert [f.name for f, _ in options_of(InspectOptions)] == \
-        [f.name for f in dataclasses.fields(InspectOptions)]
+# Fields of an options dataclass that are no option, each for a reason.
+NOT_OPTIONS = {
+    (DiffOptions, "block"): "elements per block of the value comparison: a knob for tests",
+    (WatchOptions, "report_pending"): "set by --once and watch_once(), not an option",
+    (WatchOptions, "caller"): "who the messages name options for: set by the caller",
+}
+
+
+@pytest.mark.parametrize("options", [d[2] for d in DECLARED], ids=[d[0] for d in DECLARED])
+def test_declarations_are_dataclass_fields(options: type) -> None:
+    assert [f.name for f, _ in options_of(options)] == \
+        [f.name for f in dataclasses.fields(options) if (options, f.name) not in NOT_OPTIONS]
 
 
 def table_row(param: Any) -> str:
@@ -128,7 +151,8 @@ def table_row(param: Any) -> str:
                                          *long[1:]])
     metavar = f" `{param.metavar}`" if param.metavar and not param.is_flag else ""
     default = f" Default: `{param.default}`." if param.show_default else ""
-    return f"| {names}{metavar} | {param.help}{default} |"
+    text = param.help.replace("|", "\\|")  # a pipe in a cell ends it, unless escaped
+    return f"| {names}{metavar} | {text}{default} |"
 
 
 @pytest.mark.parametrize(("name", "api", "options"), DECLARED, ids=[d[0] for d in DECLARED])
@@ -244,3 +268,36 @@ def test_every_keyword_is_a_flag_of_the_same_name(command: str, api_name: str) -
     assert all((k in keywords) != (k in cli) for k in shared), "NOT_SHARED is out of date"
     assert keywords - set(cli) - shared == set(), command
     assert set(cli) - keywords - set(CLI_ONLY) - shared == set(), command
+
+
+def test_diff_and_stats_old_names_still_work(tmp_path: Path) -> None:
+    path = _model(tmp_path)
+    new = ckpt_cli.stats(path, name_glob="*.attn.*", no_cache=True).to_dict()
+    with pytest.warns(DeprecationWarning, match=r"stats\(filter=...\) is deprecated"):
+        old = ckpt_cli.stats(path, filter="*.attn.*", no_cache=True)  # type: ignore[call-arg]
+    assert [t["name"] for t in old.to_dict()["tensors"]] == \
+        [t["name"] for t in new["tensors"]] == ["a.attn.w"]
+    with pytest.warns(DeprecationWarning, match=r"diff\(all=...\) is deprecated"):
+        assert ckpt_cli.diff(path, path, all=True).equal  # type: ignore[call-arg]
+    docs = [json.loads(run_cli("diff", path, path, *how, "--json").stdout)
+            for how in (("--name-glob", "b.*", "--all-tensors"), ("--filter", "b.*", "--all"))]
+    assert docs[0] == docs[1] and docs[0]["summary"]["identical"] == 1
+
+
+def test_a_switch_on_by_default_has_its_no_flag(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    import numpy as np
+
+    for path, step in ((a, "1"), (b, "2")):
+        save_file({"w": np.ones(2, np.float32)}, str(path), metadata={"step": step})
+    assert run_cli("diff", a, b, "--metadata").exit_code == 1
+    assert run_cli("diff", a, b, "--no-metadata").exit_code == 0
+    assert ckpt_cli.diff(a, b, metadata=False).equal
+
+
+def test_a_duration_default_is_shown_and_read_as_typed() -> None:
+    command = typer.main.get_command(app).commands["watch"]  # type: ignore[attr-defined]
+    params = {p.name: p for p in command.params}
+    assert (params["settle"].default, params["grace"].default) == ("1s", "10m")
+    assert WatchOptions().grace == 600.0 and params["grace"].type_cast_value(
+        typer.main.get_command(app).make_context("ckpt", ["watch", "x"]), "10m") == 600.0

@@ -36,8 +36,11 @@ from ckpt_cli.choices import (
     Precision,
     ThinDtype,
 )
+from ckpt_cli.ops.options.diff import DiffOptions
 from ckpt_cli.ops.options.inspect import InspectOptions
 from ckpt_cli.ops.options.plan import PlanOptions
+from ckpt_cli.ops.options.stats import StatsOptions
+from ckpt_cli.ops.options.validate import ValidateOptions
 from ckpt_cli.optionspec import documented
 
 if TYPE_CHECKING:
@@ -92,39 +95,25 @@ def inspect(path: PathLike, *, tensors: bool = False, name_glob: str | None = No
         return run(_args.located(path), options)
 
 
+@_args.deprecated_keywords(ValidateOptions)
+@documented(ValidateOptions)
 def validate(path: PathLike, *, latest: bool = False, values: bool = False,
              require: str | Iterable[str] | None = None, quick: bool = False,
              write_manifest: bool = False, manifest_hash: ManifestHash = "xxh3_128",
-             strict: bool = False,
-             jobs: int | None = None, pattern: str | None = None,
+             strict: bool = False, jobs: int | None = None, pattern: str | None = None,
              part: Part | str | None = None, finalize: bool = False,
              parts_dir: PathLike | None = None, input_format: InputFormat | None = None,
              allow_global: str | Iterable[str] | None = None,
-             max_memory: int | str | None = None,
-             storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
+             max_memory: int | str | None = None, concurrency: int | None = None,
+             storage_options: Mapping[str, Any] | None = None,
              on_progress: ProgressCallback | None = None) -> ValidateResult:
     """Check that a checkpoint (or every checkpoint of a run) is complete, consistent and
     uncorrupted (``ckpt validate``).
 
     Args:
         path: A checkpoint file or directory, a run directory, or a URL.
-        latest: Run directory: validate only the checkpoint training resumes from.
-        values: Also read every floating tensor: NaN, Inf, all-zero.
-        require: Missing training state that is an error: ``"optimizer,step"`` or a list.
-        quick: Structure only: no CRC-32 pass or chunk decoding.
-        write_manifest: Record size and checksum of every file of a valid checkpoint.
-        manifest_hash: Checksum of ``write_manifest``: ``xxh3_128``, ``blake3`` or ``sha256``.
-        strict: Warnings fail too (``result.ok`` False, as exit status 1).
-        jobs: Threads for checksums (default: CPUs, at most 8).
-        pattern: Run directories: a regex saying which entries are checkpoints.
-        part: Do only part ``"K/N"`` (or ``"auto"``) of the work; the last part merges.
-        finalize: Complete a job split with ``part`` from every part's receipt.
-        parts_dir: Where the parts keep their receipts (default: beside the checkpoint).
-        input_format: Skip detection and read the input as this format.
-        allow_global: Pickle globals to trust (``"module.name"``, one or several).
-        max_memory: Budget for data read ahead, in bytes or as text (``"512MB"``).
-        storage_options: fsspec options for URLs.
-        concurrency: URLs: ranged GETs in flight per object streamed.
+        {options}
+        storage_options: fsspec options for URLs (``{"endpoint_url": ...}``).
         on_progress: Called as ``(phase, bytes_done, bytes_total)``.
 
     Returns:
@@ -141,57 +130,40 @@ def validate(path: PathLike, *, latest: bool = False, values: bool = False,
         >>> r.ok, [f.message for f in r.findings if f.severity == "error"]
     """
     from ckpt_cli.ops.validate import validate as run
-    from ckpt_cli.ops.validate.options import ValidateOptions
 
     with _args.api_names():
         _args.use_storage(storage_options, concurrency)
         options = ValidateOptions(
-            fmt=input_format, latest=latest, quick=quick, values=values, require=require,
-            write_manifest=write_manifest, manifest_algorithm=manifest_hash, jobs=jobs,
-            pattern=pattern, part=part, finalize=finalize,
+            latest=latest, values=values, require=",".join(_args.names(require)) or None,
+            quick=quick, write_manifest=write_manifest, manifest_hash=manifest_hash,
+            strict=strict, jobs=jobs, pattern=pattern, part=part, finalize=finalize,
             parts_dir=_args.located(parts_dir) if parts_dir is not None else None,
-            max_memory=_args.size(max_memory, "max_memory"),
-            allow_globals=_args.names(allow_global))
+            input_format=input_format, allow_global=_args.names(allow_global),
+            max_memory=_args.size(max_memory, "max_memory"), concurrency=concurrency)
         where = _args.located(path)
         _args.local_only(where if write_manifest else None, "write_manifest's checkpoint",
                          "write_manifest")
         _args.local_only(options.parts_dir, "parts_dir", "parts_dir")
-        result = run(where, options, progress=on_progress)
-    result.strict = strict
-    return result
+        return run(where, options, progress=on_progress)
 
 
-@_args.deprecated_keywords(all="all_tensors", filter="name_glob")
+@_args.deprecated_keywords(DiffOptions)
+@documented(DiffOptions)
 def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all_tensors: bool = False,
          strip_prefix: str | Iterable[str] | None = None, exact_names: bool = False,
          rtol: float | None = None, atol: float | None = None, name_glob: str | None = None,
          by_module: bool = False, depth: int | None = None, metadata: bool = True,
          input_format_a: InputFormat | None = None, input_format_b: InputFormat | None = None,
-         max_memory: int | str | None = None,
-         storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
+         max_memory: int | str | None = None, concurrency: int | None = None,
+         storage_options: Mapping[str, Any] | None = None,
          on_progress: ProgressCallback | None = None) -> DiffResult:
     """Compare two checkpoints: tensors, shapes, dtypes, values, metadata (``ckpt diff``).
 
     Args:
         a: Checkpoint A (file, shard set or directory, any format), or a URL.
         b: Checkpoint B.
-        structure_only: Compare names, shapes and dtypes only; read no tensor data.
-        all_tensors: Compare every tensor (optimizer state...), not only model weights and
-            buffers.
-        strip_prefix: Prefixes removed from names on both sides before matching.
-        exact_names: Do not strip wrapper prefixes (``module.``, ``_orig_mod.``...).
-        rtol: Relative tolerance for floats (default: exact for one dtype, else the coarser
-            dtype's epsilon).
-        atol: Absolute tolerance for floats.
-        name_glob: Only tensors whose name (after prefix stripping) matches this glob.
-        by_module: Add a roll-up of changes per module (``to_dict()["modules"]``).
-        depth: Name components per module of that roll-up.
-        metadata: Compare non-tensor values (step, epoch, lr, hyper-parameters).
-        input_format_a: Read A as this format instead of detecting it.
-        input_format_b: Read B as this format.
-        max_memory: Budget for the tensors compared at once, in bytes or as text.
-        storage_options: fsspec options for URLs.
-        concurrency: URLs: ranged GETs in flight per object streamed.
+        {options}
+        storage_options: fsspec options for URLs (``{"endpoint_url": ...}``).
         on_progress: Called as ``("comparing", bytes_done, bytes_total)``.
 
     Returns:
@@ -207,53 +179,36 @@ def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all_tensors:
         >>> r.equal, r.to_dict()["summary"]["changed"]
     """
     from ckpt_cli.ops.diff import diff as run
-    from ckpt_cli.ops.diff.result import DiffOptions
 
     with _args.api_names():
         _args.use_storage(storage_options, concurrency)
-        options = DiffOptions(everything=all_tensors, values=not structure_only, rtol=rtol,
-                              atol=atol,
-                              strip_prefixes=_args.names(strip_prefix),
-                              auto_names=not exact_names, metadata=metadata, filter_glob=name_glob,
-                              by_module=by_module, depth=depth)
-        return run(_args.located(a), _args.located(b), options, fmt_a=input_format_a,
-                   fmt_b=input_format_b, progress=on_progress,
-                   max_memory=_args.size(max_memory, "max_memory"))
+        options = DiffOptions(
+            structure_only=structure_only, all_tensors=all_tensors,
+            strip_prefix=_args.names(strip_prefix), exact_names=exact_names, rtol=rtol,
+            atol=atol, name_glob=name_glob, by_module=by_module, depth=depth,
+            metadata=metadata, input_format_a=input_format_a, input_format_b=input_format_b,
+            max_memory=_args.size(max_memory, "max_memory"), concurrency=concurrency)
+        return run(_args.located(a), _args.located(b), options, progress=on_progress)
 
 
-@_args.deprecated_keywords(all="all_tensors", filter="name_glob")
+@_args.deprecated_keywords(StatsOptions)
+@documented(StatsOptions)
 def stats(path: PathLike, *, all_tensors: bool = False, name_glob: str | None = None,
           depth: int | None = None, hist: bool = False, every: int | None = None,
           last: int | None = None, jump: float = 2.0, no_cache: bool = False,
           cache_dir: PathLike | None = None, jobs: int | None = None,
           part: Part | str | None = None, pattern: str | None = None,
-          input_format: InputFormat | None = None, max_memory: int | str | None = None,
-          storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
+          input_format: InputFormat | None = None,
           allow_global: str | Iterable[str] | None = None,
+          max_memory: int | str | None = None, concurrency: int | None = None,
+          storage_options: Mapping[str, Any] | None = None,
           on_progress: ProgressCallback | None = None) -> StatsResult:
     """Figures of the weights of a checkpoint, or of every checkpoint of a run (``ckpt stats``).
 
     Args:
         path: A checkpoint (file, directory) or a run directory, or a URL.
-        all_tensors: Every tensor (optimizer state...), not only model weights and buffers.
-        name_glob: Only tensors whose name matches this glob.
-        depth: Name components per module of the roll-up (default: the tensor's own module).
-        hist: Put the histogram of ``|x|`` by binade into ``to_dict()``.
-        every: Run directory: every Nth checkpoint, counted back from the newest.
-        last: Run directory: only the newest N checkpoints.
-        jump: Run directory: flag a module whose norm grows more than this factor from one
-            checkpoint to the next.
-        no_cache: Read every value again; keep nothing in the cache.
-        cache_dir: Where figures are kept (default ``$CKPT_CACHE_DIR``, else
-            ``~/.cache/ckpt``).
-        jobs: Tensors read at once (default: the usable CPUs).
-        part: Compute only part ``"K/N"`` (or ``"auto"``) of the figures into the cache.
-        pattern: Run directory: a regex choosing which entries are checkpoints.
-        input_format: Read the input as this format instead of detecting it.
-        max_memory: Budget for the values being read, in bytes or as text.
-        storage_options: fsspec options for URLs.
-        concurrency: URLs: ranged GETs in flight per object streamed.
-        allow_global: Pickle globals to trust (``"module.name"``, one or several).
+        {options}
+        storage_options: fsspec options for URLs (``{"endpoint_url": ...}``).
         on_progress: Called as ``("values", bytes_done, bytes_total)``.
 
     Returns:
@@ -269,19 +224,18 @@ def stats(path: PathLike, *, all_tensors: bool = False, name_glob: str | None = 
         >>> r = ckpt_cli.stats("demo-run")
         >>> [(a.step, a.module, a.kind) for a in r.anomalies]
     """
-    from ckpt_cli.ops.stats import StatsOptions
     from ckpt_cli.ops.stats import stats as run
 
     with _args.api_names():
         _args.use_storage(storage_options, concurrency)
         where = _args.located(cache_dir) if cache_dir is not None else None
         _args.local_only(where, "cache_dir", "cache_dir")
-        options = StatsOptions(everything=all_tensors, filter_glob=name_glob, depth=depth,
-                               hist=hist,
-                               every=every, last=last, jump=jump, cache=not no_cache,
-                               cache_dir=where, fmt=input_format, pattern=pattern, jobs=jobs,
-                               max_memory=_args.size(max_memory, "max_memory"),
-                               part=_args.part(part), allow_globals=_args.names(allow_global))
+        options = StatsOptions(
+            all_tensors=all_tensors, name_glob=name_glob, depth=depth, hist=hist, every=every,
+            last=last, jump=jump, no_cache=no_cache, cache_dir=where, jobs=jobs,
+            part=_args.part(part), pattern=pattern, input_format=input_format,
+            allow_global=_args.names(allow_global),
+            max_memory=_args.size(max_memory, "max_memory"), concurrency=concurrency)
         return run(_args.located(path), options, progress=on_progress)
 
 

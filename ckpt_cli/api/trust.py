@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli.api import _args
 from ckpt_cli.api._args import PathLike
 from ckpt_cli.choices import ThinDtype
+from ckpt_cli.ops.options.watch import WatchOptions
+from ckpt_cli.optionspec import documented
 
 if TYPE_CHECKING:
     from ckpt_cli.api.results import ResumePathResult, WatchResult
@@ -49,38 +51,25 @@ def resume_path(run_dir: PathLike, *, full: bool = False,
         return ResumePathResult(run, found, "full" if full else "sizes")
 
 
+@documented(WatchOptions)
 def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
-               settle: float | str = "1s", abandon_after: float | str = "10m",
+               settle: float | str = 1.0, abandon_after: float | str = 600.0,
                keep: int | None = None, keep_every: int | str | None = None,
-               grace: float | str = "10m", thin_after: int | None = None,
-               thin_to: ThinDtype | None = None, keep_full_every: int | None = None,
-               keep_abandoned: bool = False,
-               pattern: str | None = None, on_bad: str | None = None,
-               on_bad_timeout: float | str = "5m",
+               grace: float | str = 600.0, thin_after: int | None = None,
+               thin_to: ThinDtype | None = None, keep_full_every: int | str | None = None,
+               keep_abandoned: bool = False, pattern: str | None = None,
+               on_bad: str | None = None, on_bad_timeout: float | str = 300.0,
                storage_options: Mapping[str, Any] | None = None,
                on_event: Callable[[WatchEvent], None] | None = None) -> WatchResult:
     """One pass of ``ckpt watch --once``: verify each committed checkpoint of a run, record
     the verdicts in its ledger, apply retention.
 
+    Durations take seconds or text (``"10m"``); counts, numbers or text (``"10K"``).
+
     Args:
         run_dir: The run directory (or a directory of runs, or an object-store prefix).
-        crc: Read every byte (CRC-32, DCP items), not just the structure.
-        values: Also scan tensors for NaN, Inf and all-zero.
-        settle: A committed checkpoint must be unchanged this long before it is validated.
-        abandon_after: An incomplete checkpoint unchanged this long is reported abandoned.
-        keep: Retention after each verified checkpoint: keep the newest N (as :func:`prune`).
-        keep_every: Retention: also keep milestones.
-        grace: Retention never deletes anything changed within this age.
-        thin_after: Retention: thin checkpoints older than the newest N.
-        thin_to: ``bf16``: also cast thinned weights to BF16.
-        keep_full_every: Never thin checkpoints whose step is a multiple of this.
-        keep_abandoned: Retention keeps checkpoints of a timeline a rollback abandoned (by
-            default they are deleted; they never count towards ``keep`` or ``keep_every``).
-        pattern: A regex saying which entries are checkpoints.
-        on_bad: A command run for each bad checkpoint (split like a shell would, never run
-            by one) with its path in ``$CKPT_BAD_PATH``.
-        on_bad_timeout: Kill an ``on_bad`` command still running after this long.
-        storage_options: fsspec options for URLs.
+        {options}
+        storage_options: fsspec options for URLs (``{"endpoint_url": ...}``).
         on_event: Called with each :class:`~ckpt_cli.ops.watch.WatchEvent` as it happens.
 
     Returns:
@@ -96,29 +85,23 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
         >>> r.ok, r.verified
     """
     from ckpt_cli.api.results import WatchResult
-    from ckpt_cli.errors import CkptError, UsageError
-    from ckpt_cli.ops.prune.retention import PrunePolicy
-    from ckpt_cli.ops.watch import Watcher, WatchOptions
+    from ckpt_cli.errors import CkptError
+    from ckpt_cli.ops.watch import Watcher, retention
 
     with _args.api_names():
         _args.use_storage(storage_options, None)
-        policy = None
-        if (keep, keep_every, thin_after, thin_to, keep_full_every) != (None,) * 5:
-            if pattern is not None and not pattern.strip():
-                raise UsageError(f"pattern {pattern!r} is empty", param="pattern")
-            policy = PrunePolicy(keep=keep, keep_every=_args.count(keep_every, "keep_every"),
-                                 grace=_args.duration(grace, "grace", allow_zero=True) or 0.0,
-                                 thin_after=thin_after, thin_to=thin_to,
-                                 keep_full_every=keep_full_every,
-                                 keep_abandoned=keep_abandoned)
-            policy.check()
         options = WatchOptions(
             crc=crc, values=values,
             settle=_args.duration(settle, "settle", allow_zero=True) or 0.0,
             abandon_after=_args.duration(abandon_after, "abandon_after") or 0.0,
-            policy=policy, pattern=pattern, on_bad=on_bad,
+            keep=keep, keep_every=_args.count(keep_every, "keep_every"),
+            grace=_args.duration(grace, "grace", allow_zero=True) or 0.0,
+            thin_after=thin_after, thin_to=thin_to,
+            keep_full_every=_args.count(keep_full_every, "keep_full_every"),
+            keep_abandoned=keep_abandoned, pattern=pattern, on_bad=on_bad,
             on_bad_timeout=_args.duration(on_bad_timeout, "on_bad_timeout") or 0.0,
             report_pending=True)
+        retention(options)  # bad retention options first, before looking at the directory
         root = _args.located(run_dir)
         if not root.is_dir():
             raise CkptError("not a directory", path=root)
@@ -131,4 +114,3 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
 
         Watcher(root, options, emit).run_pass()
         return result
-

@@ -390,6 +390,14 @@ def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
         default = None
     how: dict[str, Any] = {"help": word(spec.help, "cli"), "metavar": spec.metavar,
                            "show_default": default is not None and default not in ((), False)}
+    if spec.kind == "duration" and isinstance(default, (int, float)) and default:
+        from ckpt_cli.units import format_duration  # lazy: only where a duration is declared
+
+        # The default as typed (10m, not 600.0), which the parser reads as a given value.
+        annotation, default = Any, format_duration(default)
+    if default is True:  # a switch on by default: --metadata/--no-metadata, which say it
+        flags = [f"{flags[0]}/--no-{f.name.replace('_', '-')}", *flags[1:]]
+        how["show_default"] = False
     if spec.min is not None:
         how["min"] = spec.min
     if spec.kind in _KIND_PARSERS:

@@ -3,23 +3,24 @@
 
 from typing import Annotated
 
-import typer
-
 from ckpt_cli.cli.errors import EXIT_OK, handled
 from ckpt_cli.cli.options import (
     JsonOpt,
     Location,
     QuietOpt,
+    from_options,
     local_only,
     path_argument,
 )
 from ckpt_cli.errors import DestinationExistsError
+from ckpt_cli.ops.options.sample import SampleOptions
 
 
+@from_options(SampleOptions)
 def sample_cmd(
     dest: Annotated[Location, path_argument("Directory to create.")],
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DEST if it "
-                                                                "exists.")] = False,
+    *,
+    options: SampleOptions,
     quiet: QuietOpt = False,
     json: JsonOpt = False,
 ) -> None:
@@ -37,7 +38,7 @@ def sample_cmd(
     """
     with handled() as outcome:
         local_only(dest, 'the sample run')
-        if dest.exists() and not overwrite:
+        if dest.exists() and not options.overwrite:
             # Before importing torch (1.5 s, 230 MB) for nothing; write_sample checks again.
             raise DestinationExistsError("already exists", path=dest,
                                          hint="pass --overwrite to replace it")
@@ -45,7 +46,7 @@ def sample_cmd(
         from ckpt_cli.ops.sample import write_sample
 
         with step_progress("sample", enabled=not (quiet or json)) as progress:
-            written = write_sample(dest, overwrite=overwrite, progress=progress)
+            written = write_sample(dest, options, progress=progress)
         outcome.exit_code = EXIT_OK
         from ckpt_cli.render.sample import show
 

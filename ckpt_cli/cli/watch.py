@@ -10,29 +10,27 @@ import typer
 from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, interrupted_code
 from ckpt_cli.cli.options import (
     Common,
-    KeepAbandonedOpt,
-    KeepFullEveryOpt,
     Location,
-    ThinAfterOpt,
-    ThinToOpt,
     common_options,
     duration_parser,
+    from_options,
     path_argument,
 )
+from ckpt_cli.ops.options.watch import WatchOptions
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.watch import WatchEvent
 
 
 @common_options("storage_option", "json")
+@from_options(WatchOptions)
 def watch_cmd(
     run_dir: Annotated[Location, path_argument(
         "The run directory (or a directory of runs, or an object-store prefix) to follow.")],
     once: Annotated[bool, typer.Option(
         "--once", help="One pass, then exit (for cron): 1 if a bad checkpoint was found. "
         "Checkpoints not judged yet (settling, locked, being written) are named.")] = False,
-    # The AGE options are Any: their defaults are text, parsed by typer as a given value is
-    # (seconds, a float).
+    # Any: the default is text, parsed by typer as a given value is (seconds, a float).
     interval: Annotated[Any, typer.Option(
         "--interval", metavar="AGE", parser=duration_parser("--interval"),
         help="Time between passes (the longest, with file "
@@ -41,43 +39,8 @@ def watch_cmd(
         "--wake", metavar="MODE", help="auto: also run a pass as soon as files change, where "
         "the optional watchfiles package can tell (local directories), else poll; events: "
         "require that; poll: only every --interval.")] = "auto",
-    crc: Annotated[bool, typer.Option(
-        "--crc", help="Read every byte (CRC-32, DCP items), not just the structure.")] = False,
-    values: Annotated[bool, typer.Option(
-        "--values", help="Also scan tensors for NaN, Inf and all-zero.")] = False,
-    settle: Annotated[Any, typer.Option(
-        "--settle", metavar="AGE", parser=duration_parser("--settle", allow_zero=True),
-        help="A committed checkpoint must be unchanged this long "
-        "before it is validated.")] = "1s",
-    abandon_after: Annotated[Any, typer.Option(
-        "--abandon-after", metavar="AGE", parser=duration_parser("--abandon-after"),
-        help="A checkpoint still incomplete this long after "
-        "its last change is reported as abandoned (a save killed midway).")] = "10m",
-    keep: Annotated[int | None, typer.Option(
-        "--keep", metavar="N", help="Retention after each verified checkpoint: keep the newest "
-        "N (as ckpt prune --keep).", show_default=False)] = None,
-    keep_every: Annotated[str | None, typer.Option(
-        "--keep-every", metavar="STEPS", help="Retention: also keep milestones (as ckpt prune)."
-    )] = None,
-    grace: Annotated[str, typer.Option(
-        "--grace", metavar="AGE", help="Retention never deletes anything changed within AGE.")
-    ] = "10m",
-    thin_after: ThinAfterOpt = None,
-    thin_to: ThinToOpt = None,
-    keep_full_every: KeepFullEveryOpt = None,
-    keep_abandoned: KeepAbandonedOpt = False,
-    pattern: Annotated[str | None, typer.Option(
-        "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts."
-    )] = None,
-    on_bad: Annotated[str | None, typer.Option(
-        "--on-bad", metavar="CMD", help="Run CMD for each bad checkpoint (split like a shell "
-        "would, never run by one) with its path in $CKPT_BAD_PATH; its output goes to "
-        "stderr. One that cannot start, fails or times out is reported as an error.")] = None,
-    on_bad_timeout: Annotated[Any, typer.Option(
-        "--on-bad-timeout", metavar="AGE", parser=duration_parser("--on-bad-timeout"),
-        help="Kill an --on-bad command (and what it "
-        "started) still running after AGE, and report it.")] = "5m",
     *,
+    options: WatchOptions,
     common: Common,
 ) -> None:
     """Verify each checkpoint of a run as training writes it; record verdicts in the run ledger.
@@ -96,22 +59,10 @@ def watch_cmd(
       ckpt watch s3://bucket/run --interval 30s
     """
     with common.handled() as outcome:
-        from ckpt_cli.cli.prune import _policy
-        from ckpt_cli.ops.watch import Watcher, WatchOptions
+        from ckpt_cli.ops.watch import Watcher, retention
 
-        policy = None
-        thinning = (thin_after, thin_to, keep_full_every) != (None, None, None)
-        if keep is not None or keep_every is not None or thinning:
-            policy = dataclasses.replace(
-                _policy(keep, keep_every, None, None, "min", None, None, grace, pattern),
-                thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every,
-                keep_abandoned=keep_abandoned)
-            policy.check()
-        opts = WatchOptions(crc=crc, values=values,
-                            settle=settle, abandon_after=abandon_after,
-                            policy=policy, pattern=pattern, on_bad=on_bad,
-                            on_bad_timeout=on_bad_timeout,
-                            report_pending=once)
+        opts = dataclasses.replace(options, report_pending=once, caller="cli")
+        retention(opts)  # bad retention options first, before looking at the directory
         every: float = interval
         from ckpt_cli.ops.watch.wake import WAKE_MODES
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ckpt_cli.errors import CkptError, DestinationExistsError
+from ckpt_cli.ops.options.sample import SampleOptions as SampleOptions
 from ckpt_cli.progress import Progress
 from ckpt_cli.storage.atomic import atomic_dir, honour_umask
 
@@ -104,13 +105,14 @@ def _config() -> dict[str, Any]:
             "tie_word_embeddings": True, "torch_dtype": "float32"}
 
 
-def write_sample(dest: Path, *, overwrite: bool = False,
+def write_sample(dest: Path, options: SampleOptions | None = None, *,
                  progress: Progress | None = None) -> list[Path]:
     """Write the sample run directory.
 
     Args:
         dest: Directory to create.
-        overwrite: Replace ``dest`` if it exists.
+        options: How (:class:`SampleOptions`): ``overwrite`` replaces ``dest`` if it exists
+            (an earlier sample run only).
         progress: Called as ``progress(stage, step, total)`` before each training step
             (``training``, step of 400), after the last, and at each later stage (``saving
             step 400 with torch.distributed.checkpoint from 4 processes``, the export), with
@@ -123,6 +125,7 @@ def write_sample(dest: Path, *, overwrite: bool = False,
     Raises:
         DestinationExistsError: If ``dest`` exists and ``overwrite`` is False.
     """
+    overwrite = (options or SampleOptions()).overwrite
     if dest.exists() and not overwrite:
         raise DestinationExistsError("already exists", path=dest,
                                      hint="pass overwrite to replace it", param="overwrite")

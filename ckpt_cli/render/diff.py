@@ -66,19 +66,19 @@ def summary(r: DiffResult, path_a: str, path_b: str) -> Table:
     scope = ("model weights and buffers" if r.scope == "weights" else "all tensors")
     excluded = [f"{side} " + ", ".join(f"{n:,} {g}" for g, n in sorted(ex.items()))
                 for side, ex in (("A", r.excluded_a), ("B", r.excluded_b)) if ex]
-    if r.options.filter_glob:
-        scope += f" matching {r.options.filter_glob!r}"
+    if r.options.name_glob:
+        scope += f" matching {r.options.name_glob!r}"
     if excluded:
         scope += "; not compared: " + "; ".join(excluded)
         if r.scope == "weights":
-            scope += " (--all compares them)"
+            scope += " (--all-tensors compares them)"
     if r.scope_note:
         scope += f" ({r.scope_note})"
     _add(grid, "Scope", scope)
     if r.optimizer_ids:
         _add(grid, "Optimizer", r.optimizer_ids)
     _add(grid, "Tensors", _tensor_line(r))
-    if r.same_checkpoint and r.options.values:
+    if r.same_checkpoint and not r.options.structure_only:
         _add(grid, "Values", f"not read: {r.same_checkpoint}")
     for line in _dtype_lines(r):
         _add(grid, "Dtypes", line)
@@ -375,7 +375,7 @@ def render(r: DiffResult, path_a: str, path_b: str, *, top: int | None = 20,
     def shown(n: int) -> int:
         return min(n, top) if top else n
 
-    if r.dequantized and r.options.values:
+    if r.dequantized and not r.options.structure_only:
         n = len([t for t in r.tensors if t.name in r.dequantized])
         _section(out, f"Dequantized FP8 weights ({n:,}, largest error first)", n, shown(n),
                  quant_table(r, top))

@@ -53,9 +53,9 @@ def test_library_errors_name_the_parameter(good: Path, tmp_path: Path) -> None:
     cases = [
         (lambda: convert(good, tmp_path / "o.safetensors", to="fp12"),
          "to must be fp16, bf16, fp32, fp8 or keep, not 'fp12'", ("to",)),
-        (lambda: validate(good, manifest_algorithm="bogus"),
-         "manifest_algorithm must be one of xxh3_128, blake3, sha256, not 'bogus'",
-         ("manifest_algorithm",)),
+        (lambda: validate(good, manifest_hash="bogus"),
+         "manifest_hash must be one of xxh3_128, blake3, sha256, not 'bogus'",
+         ("manifest_hash",)),
         (lambda: memory_budget(1000),
          "max_memory must be at least 64MiB (one piece of a tensor), not 1,000 bytes",
          ("max_memory",)),
@@ -103,7 +103,7 @@ CLI_CASES = [
      "--dequantize needs --to bf16, fp16 or fp32", None),
     (["convert", "{good}", "--to", "fp8", "--format", "pt", "-o", "{tmp}/o"],
      "--to fp8 writes safetensors (an HF directory); not --output-format pt", None),
-    # The library's manifest_algorithm is validate's --manifest-hash.
+    # The library's manifest_hash is validate's --manifest-hash.
     (["validate", "{good}", "--manifest-hash", "bogus"],
      "--manifest-hash must be one of xxh3_128, blake3, sha256, not 'bogus'", None),
     # A parameter before a colon is worded too.

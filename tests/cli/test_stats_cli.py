@@ -125,7 +125,7 @@ def test_a_fifo_in_a_run_is_skipped_not_waited_on(clean: Path, cache: Path) -> N
 
 def test_part_without_the_cache_names_the_flags(clean: Path, cache: Path) -> None:
     line = _one_line_error(run_cli("stats", clean, "--part", "1/2", "--no-cache"))
-    assert "--part" in line and "--cache-dir" in line
+    assert "--part" in line and "--no-cache" in line and "--cache-dir" in line
     assert "cache=False" not in line and "cache_dir" not in line
 
 

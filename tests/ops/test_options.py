@@ -34,7 +34,7 @@ def test_options_are_frozen_with_the_flags_defaults() -> None:
     assert ConvertOptions().to == "keep"
     assert ConsolidateOptions().max_shard_size == 5_000_000_000
     assert ConsolidateOptions().manifest is True
-    assert ValidateOptions().manifest_algorithm == "xxh3_128"
+    assert ValidateOptions().manifest_hash == "xxh3_128"
 
 
 @pytest.mark.requires_torch

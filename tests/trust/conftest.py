@@ -26,12 +26,10 @@ def _training_run(run: Path, steps: tuple[int, ...]) -> None:
 def _watch_thinning(run: Path) -> list[Any]:
     """Three passes of a watcher over ``run`` that thins all but the 2 newest checkpoints (no
     grace period); the events it reported."""
-    from ckpt_cli.ops.prune.retention import PrunePolicy
     from ckpt_cli.ops.watch import Watcher, WatchOptions
 
     events: list[Any] = []
-    w = Watcher(run, WatchOptions(settle=0, policy=PrunePolicy(thin_after=2, grace=0)),
-                events.append)
+    w = Watcher(run, WatchOptions(settle=0, thin_after=2, grace=0), events.append)
     for _ in w.loop(0, passes=3):
         pass
     return events

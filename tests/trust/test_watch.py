@@ -299,9 +299,15 @@ def test_an_on_bad_command_that_fails_is_reported_with_its_status(tmp_path: Path
                                                          ("error", "step_2")]
     assert events[1]["on_bad"] == {"command": sys.executable, "status": 3,
                                    "timed_out": False, "error": None}
-    assert f"{sys.executable!r} exited with status 3" in err
+    assert f"--on-bad command {sys.executable!r} exited with status 3" in err
     # The hook's own output goes to stderr: stdout carries only the JSON lines.
     assert "hook says hi" in err
+    # From Python the message names the keyword, not the flag.
+    from ckpt_cli.ops.watch.hooks import HookResult
+
+    said = HookResult("x", 3).describe("python")
+    assert said == "on_bad command 'x' exited with status 3"
+    assert HookResult("x", 3).describe("cli") == f"--{said.replace('_', '-', 1)}"
 
 
 def test_an_on_bad_command_that_succeeds_adds_nothing(tmp_path: Path) -> None:
@@ -373,6 +379,13 @@ def test_once_within_settle_names_what_is_settling_and_exits_0(tmp_path: Path) -
     assert len(lines) == 2 and all("pending" in s and "settling" in s for s in lines)
     assert lines[0].startswith(f"ckpt watch: pending: {run}/step_2: settling (changed ")
     assert lines[0].endswith("; not checked in this pass")
+    # From Python the same detail names the keyword: settle=..., not --settle.
+    import ckpt_cli
+
+    python = ckpt_cli.watch_once(run, settle="1h").to_dict()["events"]
+    assert [e["event"] for e in python] == ["pending", "pending"]
+    detail = python[0]["pending"]["detail"]
+    assert "within settle=60m00s" in detail and "--" not in detail
 
     # Once settled, the next --once judges both and names nothing pending.
     code, events, _ = watch_once(run)

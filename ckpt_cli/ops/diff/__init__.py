@@ -60,20 +60,18 @@ STATUSES: tuple[str, ...] = ("identical", "within_tolerance", "changed", "shape_
 
 
 def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
-         fmt_a: str | None = None, fmt_b: str | None = None,
-         progress: Progress | None = None, max_memory: int | None = None) -> DiffResult:
+         progress: Progress | None = None) -> DiffResult:
     """Compare two checkpoints given by path.
 
     Args:
         a: Side A: a checkpoint file or directory (any format ckpt reads).
         b: Side B.
-        options: What to compare (default :class:`DiffOptions`).
-        fmt_a: Force A's format instead of detecting it.
-        fmt_b: Force B's format.
+        options: What to compare (default :class:`DiffOptions`): ``input_format_a`` and
+            ``input_format_b`` force a side's format; ``max_memory`` is the budget in bytes
+            for the tensors compared at once (default 256 MiB; a tensor whose layout is read
+            whole may add its size).
         progress: Called as values are compared: ``("comparing", bytes_done, bytes_total)``
             (:class:`ckpt_cli.progress.Progress`).
-        max_memory: Memory budget in bytes for the tensors being compared at once (default
-            256 MiB; a tensor whose layout is read whole may add its size).
 
     Returns:
         The :class:`DiffResult`.
@@ -82,13 +80,14 @@ def diff(a: str | Path, b: str | Path, options: DiffOptions | None = None, *,
         CkptError: For unreadable input; the message starts with ``A:`` or ``B:``.
         UsageError: For contradictory options.
     """
-    if options is not None and options.depth is not None and options.depth < 1:
-        raise UsageError(f"depth must be at least 1, not {options.depth}", param="depth")
-    index_a, followed_a = _read_side(a, fmt_a, "A")
-    index_b, followed_b = _read_side(b, fmt_b, "B")
+    opts = options or DiffOptions()
+    if opts.depth is not None and opts.depth < 1:
+        raise UsageError(f"depth must be at least 1, not {opts.depth}", param="depth")
+    index_a, followed_a = _read_side(a, opts.input_format_a, "A")
+    index_b, followed_b = _read_side(b, opts.input_format_b, "B")
     same = same_checkpoint(index_a, index_b)
-    result = diff_indexes(index_a, index_b, options, progress=progress, same=same,
-                          max_memory=max_memory)
+    result = diff_indexes(index_a, index_b, opts, progress=progress, same=same,
+                          max_memory=opts.max_memory)
     result.followed_a, result.followed_b = followed_a, followed_b
     result.path_a, result.path_b = str(a), str(b)
     return result
@@ -158,7 +157,7 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
         CkptError: When tensor data cannot be read, or a side's readers found damage in the
             files compared (missing shards, truncation); the message starts with ``A:`` or
             ``B:``.
-        UsageError: When ``strip_prefixes`` would give two tensors of one side the same name,
+        UsageError: When ``strip_prefix`` would give two tensors of one side the same name,
             or a tolerance is negative.
     """
     opts = options or DiffOptions()
@@ -168,9 +167,9 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
             raise UsageError(f"{name} must be a finite number >= 0, not {val}", param=name)
     for label, ix in (("A", index_a), ("B", index_b)):
         _refuse_zero3(ix, label)
-    scope_a, scope_b, scope, note = choose_scope(index_a, index_b, opts.everything)
+    scope_a, scope_b, scope, note = choose_scope(index_a, index_b, opts.all_tensors)
     names_a, names_b, renames = normalise(index_a, index_b, scope_a, scope_b,
-                                          opts.strip_prefixes, auto=opts.auto_names)
+                                          opts.strip_prefix, auto=not opts.exact_names)
     # --all across convert --to dcp: the source's tensors under the names the conversion
     # gives them; else an optimizer's ids met with FQNs by parameter order.
     converted = match_converted(index_a, index_b, names_a, names_b) if scope == "all" \
@@ -180,7 +179,7 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
     result = DiffResult(index_a, index_b, opts, scope, note, renames, same_checkpoint=same,
                         optimizer_ids=ids_note)
     match(result, names_a, names_b, scope_a, scope_b)
-    if converted and opts.values and not same:
+    if converted and not opts.structure_only and not same:
         converted.settle(result)
     pair_quantized(result)
     # A side whose readers found damage in the files being compared (a missing shard, a
@@ -190,11 +189,11 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
         in_scope = {n for n in names if n in (scope_a if label == "A" else scope_b)}
         try:
             refuse_incomplete(ix)
-            if opts.values:
+            if not opts.structure_only:
                 refuse_damaged(ix, in_scope)
         except CkptError as e:
             raise on_side(e, label) from None
-    if opts.values and same:
+    if not opts.structure_only and same:
         # Reading every byte of one file twice can only find it equal to itself.
         # What could not be compared with another checkpoint (no data, meta or sparse
         # tensors) is not called identical to itself either.
@@ -203,7 +202,7 @@ def diff_indexes(index_a: CheckpointIndex, index_b: CheckpointIndex,
                 continue
             why = comparable(index_a.tensors[t.name_a], index_b.tensors[t.name_b])
             t.status, t.reason = ("skipped", why) if why else ("identical", same)
-    elif opts.values:
+    elif not opts.structure_only:
         _compare_all(result, progress, budget)
     else:
         for t in result.tensors:

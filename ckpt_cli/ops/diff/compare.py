@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import dtypes
 from ckpt_cli.model import TensorInfo
+from ckpt_cli.ops.options.diff import BLOCK_ELEMENTS as BLOCK_ELEMENTS
 from ckpt_cli.storage import stages
 
 if TYPE_CHECKING:
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
 
     from ckpt_cli.tensors.source import TensorSource
 
-BLOCK_ELEMENTS = 1 << 18
-"""Elements per block: 1 MB of float32, small enough to stay in cache."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,12 +57,12 @@ def match(result: DiffResult, names_a: dict[str, str], names_b: dict[str, str],
     # A name is in scope if either side puts it there: groups are guessed from paths, and a
     # weight one reader calls "other" must still meet its counterpart.
     in_scope = {names_a[n] for n in scope_a} | {names_b[n] for n in scope_b}
-    glob = result.options.filter_glob
+    glob = result.options.name_glob
     if glob:
         in_scope = {n for n in in_scope if fnmatch.fnmatchcase(n, glob)}
         if not in_scope:
-            raise UsageError(f"filter_glob {glob!r} matches no tensor on either side",
-                             param="filter_glob")
+            raise UsageError(f"name_glob {glob!r} matches no tensor on either side",
+                             param="name_glob")
     for ix, names, excluded in ((ia, names_a, result.excluded_a),
                                 (ib, names_b, result.excluded_b)):
         for orig, norm in names.items():

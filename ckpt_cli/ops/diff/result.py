@@ -11,43 +11,13 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli.documents import Documented
 from ckpt_cli.fp8.scheme import expected_error
 from ckpt_cli.model import CheckpointIndex
-from ckpt_cli.ops.diff.compare import BLOCK_ELEMENTS, relative_l2
+from ckpt_cli.ops.diff.compare import relative_l2
+from ckpt_cli.ops.options.diff import DiffOptions as DiffOptions
 from ckpt_cli.units import natural_key
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.diff.compare import DiffStats, Tolerance
     from ckpt_cli.runs import Followed
-
-
-@dataclass(frozen=True, slots=True)
-class DiffOptions:
-    """What to compare and how.
-
-    Attributes:
-        everything: Compare every tensor (optimizer, RNG, ...), not only model weights/buffers.
-        values: Compare values (False: names, shapes and dtypes only).
-        rtol: Relative tolerance for floats (None: the default for the pair's dtypes).
-        atol: Absolute tolerance for floats (None: likewise).
-        strip_prefixes: Prefixes removed from names on both sides, in order, before matching.
-        auto_names: Strip well-known wrapper prefixes where that makes more names match.
-        metadata: Compare non-tensor values (step, epoch, lr, hyper-parameters...).
-        filter_glob: Only tensors whose (normalised) name matches this shell pattern.
-        block: Elements per block when comparing values.
-        by_module: Add the per-module roll-up to the document (``modules``).
-        depth: Name components per module of that roll-up (None: the tensor's own module).
-    """
-
-    everything: bool = False
-    values: bool = True
-    rtol: float | None = None
-    atol: float | None = None
-    strip_prefixes: tuple[str, ...] = ()
-    auto_names: bool = True
-    metadata: bool = True
-    filter_glob: str | None = None
-    block: int = BLOCK_ELEMENTS
-    by_module: bool = False
-    depth: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +318,7 @@ class DiffResult(Documented):
                         (len(self.shape_changes), "with a different shape")):
             if n:
                 out.append(f"{n} tensor{'s' if n != 1 else ''} {what}")
-        if not self.options.values and self.dtype_changes:
+        if self.options.structure_only and self.dtype_changes:
             n = len(self.dtype_changes)
             out.append(f"{n} tensor{'s' if n != 1 else ''} with a different dtype")
         if self.metadata_changes:

@@ -61,10 +61,10 @@ def _check(opts: StatsOptions) -> None:
             raise UsageError(f"{name} must be at least 1, not {v}", param=name)
     if not (math.isfinite(opts.jump) and opts.jump > 1):
         raise UsageError(f"jump must be a number above 1, not {opts.jump}", param="jump")
-    if opts.part is not None and not opts.cache:
-        raise UsageError("part cannot run without the cache: the parts meet in the cache "
+    if opts.part is not None and opts.no_cache:
+        raise UsageError("part cannot run with no_cache: the parts meet in the cache "
                          "directory (give them all the same cache_dir)",
-                         param=("part", "cache_dir"))
+                         param=("part", "no_cache", "cache_dir"))
 
 
 class _Checkpoint:
@@ -102,13 +102,14 @@ def _stats(path: str | Path, options: StatsOptions | None,
     t0 = time.perf_counter()
     opts = options or StatsOptions()
     _check(opts)
-    allowed = allowlist.parse_names(opts.allow_globals)
+    allowed = allowlist.parse_names(opts.allow_global)
     where = storage.locate(path)
-    target = resolve(where, input_format=opts.fmt)
+    target = resolve(where, input_format=opts.input_format)
     run = target.is_run  # with a resume pointer too: every checkpoint of the run is read
     skipped: dict[str, str] = {}
     broken: list[Anomaly] = []
-    cache = FigureCache(cache_root(opts.cache_dir) if opts.cache else None, enabled=opts.cache,
+    cache = FigureCache(cache_root(opts.cache_dir) if not opts.no_cache else None,
+                        enabled=not opts.no_cache,
                         tighten=is_default(opts.cache_dir))
     ckpts = _run_checkpoints(where, opts, skipped, broken, cache) if run else [
         _one_checkpoint(target.checkpoint(), opts, cache)]
@@ -154,7 +155,7 @@ def _stats(path: str | Path, options: StatsOptions | None,
     any_scope = ckpts[0].scope if ckpts else None
     return StatsResult(
         path=where, run=run, checkpoints=shown, anomalies=anomalies,
-        scope="all" if opts.everything or (any_scope is not None and any_scope.widened)
+        scope="all" if opts.all_tensors or (any_scope is not None and any_scope.widened)
         else "weights", depth=opts.depth, hist=opts.hist, jump=opts.jump, skipped=skipped,
         bytes_read=read, files_bytes=sum(files_bytes(c.index) for c in ckpts),
         seconds=time.perf_counter() - t0, kernel=moments_kernel(),
@@ -175,18 +176,18 @@ def _findings(ckpts: list[_Checkpoint], run: bool, allowed: tuple[str, ...]) -> 
 
 def _open(path: Path, opts: StatsOptions, cache: FigureCache) -> tuple[CheckpointIndex,
                                                                        Scope, Entry]:
-    index = read_index(path, opts.fmt)
-    scope = scope_of(index, everything=opts.everything, filter_glob=opts.filter_glob)
+    index = read_index(path, opts.input_format)
+    scope = scope_of(index, everything=opts.all_tensors, filter_glob=opts.name_glob)
     entry = cache.load(key_of(identity(index)), index.tensors) if cache.enabled else Entry("")
     return index, scope, entry
 
 
 def _one_checkpoint(path: Path, opts: StatsOptions, cache: FigureCache) -> _Checkpoint:
     index, scope, entry = _open(path, opts, cache)
-    if opts.filter_glob is not None and not scope.targets and not scope.skipped \
+    if opts.name_glob is not None and not scope.targets and not scope.skipped \
             and not scope.aliases:
-        raise UsageError(f"filter_glob {opts.filter_glob!r} matches no tensor in scope",
-                         param="filter_glob", path=path)
+        raise UsageError(f"name_glob {opts.name_glob!r} matches no tensor in scope",
+                         param="name_glob", path=path)
     step = index.metadata.get("step")
     return _Checkpoint(path.name, path, step if isinstance(step, int) else index.name_step,
                        index, scope, entry)
@@ -234,9 +235,9 @@ def _run_checkpoints(where: Path, opts: StatsOptions, skipped: dict[str, str],
         why = f" ({broken[0].message})" if broken else ""
         raise UsageError(f"a run directory with no complete checkpoint to read{why}",
                          path=where)
-    if opts.filter_glob is not None and not any(c.scope.targets for c in out):
-        raise UsageError(f"filter_glob {opts.filter_glob!r} matches no tensor in scope",
-                         param="filter_glob", path=where)
+    if opts.name_glob is not None and not any(c.scope.targets for c in out):
+        raise UsageError(f"name_glob {opts.name_glob!r} matches no tensor in scope",
+                         param="name_glob", path=where)
     return out
 
 

@@ -82,7 +82,7 @@ def validate(path: str | Path, options: ValidateOptions | None = None, *,
             :func:`ckpt_cli.ops.options_of`).
 
     Returns:
-        The :class:`ValidateResult` (with ``part`` set when split).
+        The :class:`ValidateResult` (with ``part`` set when split, ``strict`` as given).
 
     Raises:
         CkptError: The path does not exist or cannot be read, or (for a single checkpoint) its
@@ -91,17 +91,22 @@ def validate(path: str | Path, options: ValidateOptions | None = None, *,
         PartsIncompleteError: Finalizing with parts missing or planned differently.
     """
     given = options_of(ValidateOptions, options, fields)
-    fmt, latest, quick, values = given.fmt, given.latest, given.quick, given.values
+    result = _validate(storage.locate(path), given, progress)
+    result.strict = given.strict
+    return result
+
+
+def _validate(p: Path, given: ValidateOptions, progress: Progress | None) -> ValidateResult:
+    fmt, latest, quick, values = given.input_format, given.latest, given.quick, given.values
     require, write_manifest, jobs = given.require, given.write_manifest, given.jobs
-    manifest_algorithm, pattern, max_memory = (given.manifest_algorithm, given.pattern,
+    manifest_algorithm, pattern, max_memory = (given.manifest_hash, given.pattern,
                                                given.max_memory)
     part, finalize, parts_dir = given.part, given.finalize, given.parts_dir
-    allow_globals = given.allow_globals
-    p = storage.locate(path)
+    allow_globals = given.allow_global
     check_exists(p)
     if manifest_algorithm not in ALGORITHMS:
-        raise UsageError(f"manifest_algorithm must be one of {', '.join(ALGORITHMS)}, "
-                         f"not {manifest_algorithm!r}", param="manifest_algorithm")
+        raise UsageError(f"manifest_hash must be one of {', '.join(ALGORITHMS)}, "
+                         f"not {manifest_algorithm!r}", param="manifest_hash")
     if jobs is not None and jobs < 1:
         raise UsageError("jobs must be at least 1", param="jobs")
     if quick and write_manifest:

@@ -34,11 +34,13 @@ from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats.names import is_last_copy, is_own_temporary
 from ckpt_cli.manifest import compute_manifest, manifest_path, read_manifest, write_manifest
 from ckpt_cli.model import RunEntry
+from ckpt_cli.ops.options.watch import WatchOptions as WatchOptions
 from ckpt_cli.ops.prune import prune, sweep
 from ckpt_cli.ops.prune.retention import PrunePolicy
 from ckpt_cli.ops.validate import Options, validate_checkpoint
 from ckpt_cli.ops.watch.hooks import HookResult, run_on_bad
 from ckpt_cli.ops.watch.wake import PollWaker, Waker
+from ckpt_cli.optionspec import word
 from ckpt_cli.resolve import runs_below
 from ckpt_cli.runs import (
     ITSELF,
@@ -57,36 +59,25 @@ ABANDONED = "abandoned"
 IGNORED = "ignored"
 
 
-@dataclass(frozen=True, slots=True)
-class WatchOptions:
-    """How to watch.
+def retention(opts: WatchOptions) -> PrunePolicy | None:
+    """The retention a watcher applies after a pass that verified something: None unless
+    ``keep``, ``keep_every`` or thinning is asked for.
 
-    Attributes:
-        crc: Read every byte (CRC-32 of zips, DCP item decoding) instead of structure only.
-        values: Also scan floating tensors for NaN / Inf / all zero.
-        settle: Seconds a complete checkpoint must stay unchanged before it is examined.
-        abandon_after: Seconds after its last change that an incomplete checkpoint is
-            recorded as abandoned.
-        policy: Retention to apply after a pass that verified something (None: none).
-        pattern: Regex choosing checkpoint entries (as ``prune --pattern``).
-        on_bad: A command (split with :func:`shlex.split`, never run by a shell) run for
-            each bad checkpoint, with its path in ``CKPT_BAD_PATH``.
-        on_bad_timeout: Seconds ``on_bad`` may run before it (and what it started) is killed.
-        report_pending: Emit a ``pending`` event for each checkpoint not judged yet in this
-            pass (still settling, locked by a writer, not committed yet): ``--once`` says what
-            it left for the next run.
+    Raises:
+        UsageError: A policy that cannot be meant (as :meth:`PrunePolicy.check` says), or an
+            empty ``pattern``.
     """
-
-    crc: bool = False
-    values: bool = False
-    settle: float = 1.0
-    abandon_after: float = 600.0
-    policy: PrunePolicy | None = None
-    pattern: str | None = None
-    on_bad: str | None = None
-    on_bad_timeout: float = 300.0
-    report_pending: bool = False
-
+    if (opts.keep, opts.keep_every, opts.thin_after, opts.thin_to,
+            opts.keep_full_every) == (None,) * 5:
+        return None
+    if opts.pattern is not None and not opts.pattern.strip():
+        raise UsageError(f"pattern {opts.pattern!r} is empty", param="pattern")
+    policy = PrunePolicy(keep=opts.keep, keep_every=opts.keep_every, grace=opts.grace,
+                         thin_after=opts.thin_after, thin_to=opts.thin_to,
+                         keep_full_every=opts.keep_full_every,
+                         keep_abandoned=opts.keep_abandoned)
+    policy.check()
+    return policy
 
 
 @dataclass(slots=True)
@@ -219,9 +210,11 @@ class RunWatcher:
     """The state of watching one run directory."""
 
     def __init__(self, root: Path, opts: WatchOptions, emit: Callable[[WatchEvent], None],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 policy: PrunePolicy | None = None) -> None:
         self.root = root
         self.opts = opts
+        self.policy = policy
         self.emit = emit
         self.clock = clock
         self.seen: dict[str, tuple[Signature, str]] = {}  # name -> (signature, verdict)
@@ -257,7 +250,7 @@ class RunWatcher:
             if ev is not None:
                 self._say(ev, out)  # at once, not at the end of the pass
                 verified_any = verified_any or ev.verdict == ledger.GOOD
-        if verified_any and self.opts.policy is not None:
+        if verified_any and self.policy is not None:
             ev = self._retain()  # its prune sweeps too
             if ev is not None:
                 self._say(ev, out)
@@ -316,7 +309,7 @@ class RunWatcher:
                               timeout=self.opts.on_bad_timeout)
             if not hook.ok:
                 failed = WatchEvent("error", str(self.root), ev.path, ev.step,
-                                    problems=[hook.describe()], on_bad=hook)
+                                    problems=[hook.describe(self.opts.caller)], on_bad=hook)
                 out.append(failed)
                 self.emit(failed)
 
@@ -352,8 +345,9 @@ class RunWatcher:
             due = sig[2] + self.opts.settle
             self.next_due = due if self.next_due is None else min(self.next_due, due)
             return self._pending(e, rel, "settling",
-                                 f"changed {_secs(max(0.0, now - sig[2]))} ago, within "
-                                 f"--settle {_secs(self.opts.settle)}")
+                                 word(f"changed {_secs(max(0.0, now - sig[2]))} ago, "
+                                      f"within `settle={_secs(self.opts.settle)}`",
+                                      self.opts.caller))
 
         lock = writer_lock(e.path)
         if lock is not None:
@@ -447,9 +441,9 @@ class RunWatcher:
                           problems=problems)
 
     def _retain(self) -> WatchEvent | None:
-        assert self.opts.policy is not None
+        assert self.policy is not None
         try:
-            result = prune(self.root, self.opts.policy, pattern=self.opts.pattern)
+            result = prune(self.root, self.policy, pattern=self.opts.pattern)
         except CkptError as e:
             # Another prune (cron) holds the lock, or the run cannot be pruned now: the next
             # pass that verifies something tries again.
@@ -488,12 +482,18 @@ def run_dirs(root: Path) -> list[Path]:
 
 
 class Watcher:
-    """Watch a root: one run directory, or a directory of runs (new runs are picked up)."""
+    """Watch a root: one run directory, or a directory of runs (new runs are picked up).
+
+    Raises:
+        UsageError: On construction, for retention options that cannot be meant (see
+            :func:`retention`).
+    """
 
     def __init__(self, root: Path, opts: WatchOptions,
                  emit: Callable[[WatchEvent], None]) -> None:
         self.root = root
         self.opts = opts
+        self.policy = retention(opts)
         self.emit = emit
         self.runs: dict[str, RunWatcher] = {}
 
@@ -503,7 +503,8 @@ class Watcher:
         for run in run_dirs(self.root):
             w = self.runs.get(str(run))
             if w is None:
-                w = self.runs[str(run)] = RunWatcher(run, self.opts, self.emit)
+                w = self.runs[str(run)] = RunWatcher(run, self.opts, self.emit,
+                                                     policy=self.policy)
             try:
                 out += w.run_pass()
             except CkptError as e:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpt_cli.optionspec import Caller, spelled
+
 BAD_ENV = "CKPT_BAD_PATH"
 
 
@@ -41,15 +43,18 @@ class HookResult:
         """It started, finished in time and exited 0."""
         return self.status == 0 and not self.timed_out and self.error is None
 
-    def describe(self) -> str:
-        """One phrase saying what went wrong (or that it exited 0)."""
+    def describe(self, caller: Caller = "python") -> str:
+        """One phrase saying what went wrong (or that it exited 0), naming the option as
+        ``caller`` does (``--on-bad`` or ``on_bad``)."""
         if self.error is not None:
-            return f"--on-bad command {self.command!r} could not be started: {self.error}"
-        if self.timed_out:
-            return f"--on-bad command {self.command!r} timed out and was killed"
-        if self.status is not None and self.status < 0:
-            return f"--on-bad command {self.command!r} was ended by signal {-self.status}"
-        return f"--on-bad command {self.command!r} exited with status {self.status}"
+            text = f"`on_bad` command {self.command!r} could not be started: {self.error}"
+        elif self.timed_out:
+            text = f"`on_bad` command {self.command!r} timed out and was killed"
+        elif self.status is not None and self.status < 0:
+            text = f"`on_bad` command {self.command!r} was ended by signal {-self.status}"
+        else:
+            text = f"`on_bad` command {self.command!r} exited with status {self.status}"
+        return text.replace("`on_bad`", spelled("on_bad", caller), 1)
 
     def to_json(self) -> dict[str, Any]:
         """The outcome as a JSON object."""

@@ -142,7 +142,8 @@ def test_diff_is_symmetric(pair: tuple[dict[str, torch.Tensor], dict[str, torch.
                            everything: bool, values: bool,
                            tol: tuple[float | None, float | None]) -> None:
     a, b = pair
-    opts = DiffOptions(everything=everything, values=values, rtol=tol[0], atol=tol[1], block=3)
+    opts = DiffOptions(all_tensors=everything, structure_only=not values, rtol=tol[0],
+                       atol=tol[1], block=3)
     with tempfile.TemporaryDirectory() as d:
         pa, pb = Path(d) / "a.pt", Path(d) / "b.safetensors"
         torch.save({**a, "step": 1}, pa)
@@ -192,6 +193,6 @@ def test_values_compared_chunk_by_chunk_from_dcp(sample_run: Path, tmp_path: Pat
     # A copy: the same directory on both sides would be answered without reading.
     copy = tmp_path / "copy"
     shutil.copytree(sample_run / "step_000400", copy)
-    r = diff(sample_run / "step_000400", copy, DiffOptions(everything=True, block=100))
+    r = diff(sample_run / "step_000400", copy, DiffOptions(all_tensors=True, block=100))
     assert r.equal and all(t.status == "identical" for t in r.tensors)
     assert any(len(r.index_a.tensors[t.name_a].chunks) > 1 for t in r.tensors)

@@ -55,13 +55,13 @@ def test_training_checkpoint_against_inference_file(tmp_path: Path) -> None:
     assert r.excluded_a == {"optimizer": n_opt} and r.excluded_b == {}
     # --all compares the optimizer state too, which the inference file does not have.
     r_all = diff(tmp_path / "train.pt", tmp_path / "model.safetensors",
-                 DiffOptions(everything=True))
+                 DiffOptions(all_tensors=True))
     assert not r_all.equal and len(r_all.only_a) == n_opt
     assert all(o.group == "optimizer" for o in r_all.only_a)
     doc = _json(tmp_path / "train.pt", tmp_path / "model.safetensors")
     assert doc["renames"] == [{"side": "a", "prefix": "model.", "tensors": 4, "source": "auto"}]
     out = run_cli("diff", tmp_path / "train.pt", tmp_path / "model.safetensors").stdout
-    assert "stripped 'model.'" in out and "--all compares them" in out
+    assert "stripped 'model.'" in out and "--all-tensors compares them" in out
 
 
 def test_dcp_against_its_consolidated_file(sample_run: Path, tmp_path: Path) -> None:
@@ -69,7 +69,7 @@ def test_dcp_against_its_consolidated_file(sample_run: Path, tmp_path: Path) -> 
 
     with third_party_quiet():
         dcp_to_torch_save(sample_run / "step_000400", tmp_path / "full.pt")
-    r = diff(sample_run / "step_000400", tmp_path / "full.pt", DiffOptions(everything=True))
+    r = diff(sample_run / "step_000400", tmp_path / "full.pt", DiffOptions(all_tensors=True))
     assert r.equal, r.differences()
     assert r.index_a.format == "dcp" and r.index_b.format == "torch"
     assert len(r.tensors) == len(r.index_a.tensors) == len(r.index_b.tensors)
@@ -124,7 +124,7 @@ def test_tie_seen_from_either_name(tmp_path: Path) -> None:
     for other, missing, kept in (("wte", "lm_head.weight", "wte.weight"),
                                  ("head", "wte.weight", "lm_head.weight")):
         r = diff(tmp_path / "tied.pt", tmp_path / f"{other}.safetensors",
-                 DiffOptions(values=False))
+                 DiffOptions(structure_only=True))
         assert [(o.name, o.tied_to, o.tie) for o in r.only_a] == [(missing, kept, "storage")]
         assert r.equal
 
@@ -153,10 +153,10 @@ def test_wrapper_prefixes_are_stripped_automatically(tmp_path: Path) -> None:
     assert [(x.prefix, x.source) for x in r.renames] == [("module.", "auto"),
                                                          ("_orig_mod.", "auto")]
     exact = diff(tmp_path / "ddp.pt", tmp_path / "plain.safetensors",
-                 DiffOptions(auto_names=False))
+                 DiffOptions(exact_names=True))
     assert not exact.tensors and len(exact.only_a) == len(exact.only_b) == len(sd)
     given = diff(tmp_path / "ddp.pt", tmp_path / "plain.safetensors",
-                 DiffOptions(auto_names=False, strip_prefixes=("module.", "_orig_mod.")))
+                 DiffOptions(exact_names=True, strip_prefix=("module.", "_orig_mod.")))
     assert given.equal and {x.source for x in given.renames} == {"option"}
     r2 = run_cli("diff", tmp_path / "ddp.pt", tmp_path / "plain.safetensors", "--exact-names",
                  "--strip-prefix", "module.", "--strip-prefix", "_orig_mod.")
@@ -186,7 +186,7 @@ def test_strip_prefix_collision_is_a_usage_error(tmp_path: Path) -> None:
     save_file({"w": torch.ones(2)}, str(tmp_path / "b.safetensors"))
     with pytest.raises(UsageError, match="same name"):
         diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors",
-             DiffOptions(strip_prefixes=("module.",)))
+             DiffOptions(strip_prefix=("module.",)))
     r = run_cli("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors",
                 "--strip-prefix", "module.")
     assert r.exit_code == 2 and "A's names" in r.stderr and "Traceback" not in r.stderr
@@ -231,7 +231,7 @@ def test_bf16_copy_and_structure_only(tmp_path: Path) -> None:
     assert r.tensors[0].tolerance.source == "dtype:BF16"
     # Without values a dtype change cannot be shown harmless: it is a difference.
     s = diff(tmp_path / "fp32.safetensors", tmp_path / "bf16.safetensors",
-             DiffOptions(values=False))
+             DiffOptions(structure_only=True))
     assert not s.equal and s.tensors[0].status == "not_compared" and s.tensors[0].stats is None
     assert s.differences() == ["1 tensor with a different dtype"]
 
@@ -336,7 +336,7 @@ def test_filter_narrows_the_scope(tmp_path: Path) -> None:
     save_file(a, str(tmp_path / "a.safetensors"))
     save_file(b, str(tmp_path / "b.safetensors"))
     r = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors",
-             DiffOptions(filter_glob="layers.*.attn.*"))
+             DiffOptions(name_glob="layers.*.attn.*"))
     assert {t.name for t in r.tensors} == {"layers.0.attn.q_proj.weight",
                                            "layers.0.attn.q_proj.bias"}
     assert sum(r.excluded_a.values()) == len(a) - 2

@@ -50,7 +50,7 @@ def test_lightning_checkpoints(lightning_dir: Path) -> None:
     assert not any(k.startswith("hyper_parameters") for k in keys)
     assert not any(k.startswith("loops.") for k in keys)
     r_all = diff(lightning_dir / "epoch=0-step=2.ckpt", lightning_dir / "epoch=0-step=4.ckpt",
-                 DiffOptions(everything=True))
+                 DiffOptions(all_tensors=True))
     assert any(m.key.startswith("loops.") for m in r_all.metadata_changes)
 
 
@@ -71,7 +71,7 @@ def test_deepspeed_fp32_against_bf16_run(ds_dir: Path) -> None:
     # Optimizer files' scalars (loss scaler, partition counts) are optimizer state: --all only.
     assert r.excluded_a.get("optimizer") and not any("optim_states" in m.key
                                                      for m in r.metadata)
-    r_all = diff(a, b, DiffOptions(everything=True))
+    r_all = diff(a, b, DiffOptions(all_tensors=True))
     assert any("optim_states" in m.key for m in r_all.metadata)
 
 

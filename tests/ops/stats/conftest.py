@@ -93,7 +93,7 @@ def module_docs(doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 def stats_doc(path: Path, **opts: Any) -> dict[str, Any]:
     """``stats()``'s ``--json`` document (no cache)."""
-    res = stats(path, StatsOptions(cache=False, **opts))
+    res = stats(path, StatsOptions(no_cache=True, **opts))
     return res.json_body()
 
 

@@ -58,7 +58,7 @@ def test_stats_of_a_dcp_declaring_2_62_elements_ends(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     d = huge_dcp(tmp_path / "ckpt")
     monkeypatch.setattr(engine, "range", _bounded_range(1000), raising=False)
-    res = stats(d, StatsOptions(cache=False))
+    res = stats(d, StatsOptions(no_cache=True))
     assert res.exit_code == 1
     [a] = res.anomalies
     assert a.kind == "unreadable" and "F32[2147483648, 2147483648]" in a.message

@@ -34,7 +34,7 @@ def _mixed(path: Path) -> Path:
 
 
 def _doc(path: Path, **kw: Any) -> dict[str, Any]:
-    r = run_stats(path, StatsOptions(cache=False, everything=True, hist=True, **kw))
+    r = run_stats(path, StatsOptions(no_cache=True, all_tensors=True, hist=True, **kw))
     return json.loads(json.dumps(r.to_dict(), default=str))
 
 
@@ -128,7 +128,7 @@ def test_no_garbage_collection_while_it_builds_its_records(tmp_path: Path) -> No
         if phase == "start":
             collections.append(info["generation"])
 
-    opts = StatsOptions(cache=False)
+    opts = StatsOptions(no_cache=True)
     gc.collect()
     gc.callbacks.append(seen)
     try:
@@ -140,7 +140,7 @@ def test_no_garbage_collection_while_it_builds_its_records(tmp_path: Path) -> No
     assert gc.isenabled()
     gc.disable()
     try:
-        run_stats(path, StatsOptions(cache=False))
+        run_stats(path, StatsOptions(no_cache=True))
         assert not gc.isenabled()  # as it was
     finally:
         gc.enable()
@@ -174,7 +174,7 @@ def test_a_run_of_tiny_tensors_is_one_kernel_call(
     monkeypatch.setattr(plain, "piece_moments",
                         lambda arr: calls.append(-1) or real_piece(arr))
     try:
-        r = run_stats(path, StatsOptions(cache=False))
+        r = run_stats(path, StatsOptions(no_cache=True))
         assert sorted(calls) == [599, 2400]  # the F16 tensors, the F32 ones (l.9.p3: none)
         got = {t.name: t.moments for t in r.checkpoints[0].tensors}
         for name, values in tensors.items():

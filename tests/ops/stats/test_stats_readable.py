@@ -65,7 +65,7 @@ def _modules(doc_or_result: object) -> set[str]:
 def test_depth_1_of_a_lightning_run_gives_the_models_top_modules(lightning_dir: Path) -> None:
     """Lightning keeps the LightningModule's weights under ``state_dict.``: depth 1 is its
     module ``net``, not one ``state_dict`` row; tensor names stay whole."""
-    res = stats(lightning_dir, StatsOptions(cache=False, depth=1))
+    res = stats(lightning_dir, StatsOptions(no_cache=True, depth=1))
     assert _modules(res) == {"net"}
     names = {t.name for t in res.checkpoints[0].tensors}
     assert names == {"state_dict.net.weight", "state_dict.net.bias"}
@@ -80,9 +80,9 @@ def test_depth_2_of_a_training_dict_has_no_model_row(tmp_path: Path) -> None:
     the model, L2 0); now depth 1 is the model's top modules and depth 2 one level below."""
     injected_run(tmp_path / "run", checkpoints=2, jump_at=None, nan_at=None, freeze_from=None)
     one = tmp_path / "run" / "step_2.pt"
-    d1 = stats(one, StatsOptions(cache=False, depth=1))
+    d1 = stats(one, StatsOptions(no_cache=True, depth=1))
     assert _modules(d1) == {"emb", "norm", "layers", "head", "causal_mask"}
-    d2 = stats(one, StatsOptions(cache=False, depth=2))
+    d2 = stats(one, StatsOptions(no_cache=True, depth=2))
     assert _modules(d2) == {"emb", "norm", "layers.0", "layers.1", "layers.2", "head",
                             "causal_mask"}
     assert "model" not in _modules(d2)
@@ -97,7 +97,7 @@ def test_ddp_and_compile_wrappers_are_stripped_too(tmp_path: Path) -> None:
     inner.add_module("dec", torch.nn.Linear(4, 2))
     sd = {f"_orig_mod.module.{k}": v for k, v in inner.state_dict().items()}
     torch.save({"model": sd}, tmp_path / "ddp.pt")
-    assert _modules(stats(tmp_path / "ddp.pt", StatsOptions(cache=False, depth=1))) == {
+    assert _modules(stats(tmp_path / "ddp.pt", StatsOptions(no_cache=True, depth=1))) == {
         "enc", "dec"}
 
 
@@ -117,7 +117,7 @@ def test_bytes_read_never_exceed_the_files(tmp_path: Path) -> None:
     big = torch.randn(500, 500, generator=torch.manual_seed(2))
     views = tmp_path / "views.pt"
     torch.save({"a": big, "b": big[:200], "c": big.t()}, views)
-    res = stats(views, StatsOptions(cache=False))
+    res = stats(views, StatsOptions(no_cache=True))
     size = views.stat().st_size
     assert 500 * 500 * 4 <= res.bytes_read <= size  # was 2.4 MB: each view counted
     assert res.files_bytes == size
@@ -132,7 +132,7 @@ def test_bytes_read_never_exceed_the_files(tmp_path: Path) -> None:
     cut = tmp_path / "cut.safetensors"
     raw = full.read_bytes()
     cut.write_bytes(raw[:int(len(raw) * 0.97)])  # emb whole, the layers cut off
-    res = stats(cut, StatsOptions(cache=False))
+    res = stats(cut, StatsOptions(no_cache=True))
     assert res.bytes_read == 200 * 1000 * 4 <= cut.stat().st_size == res.files_bytes
 
 
@@ -209,7 +209,7 @@ def test_plot_of_21_modules_has_a_legend_outside_and_labels_apart(tmp_path: Path
     from ckpt_cli.render.stats_plot import COLOURED, build_figure
 
     run = wide_run(tmp_path / "run", boost={2: [1, 2, 3, 4, 5], 3: [7], 4: [9]})
-    res = stats(run, StatsOptions(cache=False))
+    res = stats(run, StatsOptions(no_cache=True))
     assert len(_modules(res)) == 21
     fig = build_figure(res)
     try:
@@ -242,7 +242,7 @@ def test_plot_labels_of_neighbouring_steps_are_stacked(tmp_path: Path) -> None:
 
     run = wide_run(tmp_path / "run", layers=4, saves=12,
                    boost={k: [k % 4] for k in range(1, 12)})
-    res = stats(run, StatsOptions(cache=False))
+    res = stats(run, StatsOptions(no_cache=True))
     fig = build_figure(res)
     try:
         renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]

@@ -41,7 +41,7 @@ def _tensors(seed: int) -> dict[str, np.ndarray]:
 
 
 def _doc(path: Path, **kw: Any) -> dict[str, Any]:
-    r = run_stats(path, StatsOptions(cache=False, everything=True, hist=True, jobs=2, **kw))
+    r = run_stats(path, StatsOptions(no_cache=True, all_tensors=True, hist=True, jobs=2, **kw))
     doc = json.loads(json.dumps(r.to_dict(), default=str))
     doc.pop("read")  # seconds and rates
     for c in doc.get("checkpoints", [doc]):

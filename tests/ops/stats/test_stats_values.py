@@ -175,7 +175,7 @@ def test_hf_trainer_checkpoint_with_all(hf_trainer_dir: Path) -> None:
     state = {f"optimizer.state.{i}.{k}": v for i, s in opt["state"].items()
              for k, v in s.items()}
     rng = torch.load(ck / "rng_state.pth", weights_only=False)
-    full = stats_doc(ck, everything=True)
+    full = stats_doc(ck, all_tensors=True)
     assert full["scope"] == "all"
     check_tensors(full, {**model, **state, "rng_state.cpu": rng["cpu"]})
     sq = {k: v for k, v in state.items() if k.endswith("exp_avg_sq")}

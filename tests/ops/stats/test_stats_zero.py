@@ -72,7 +72,7 @@ def test_deepspeed_zero12_weights_and_adam_state(ds_dir: Path, cfg: str) -> None
         check_tensors(doc, fp32)
     else:
         assert tensor_docs(doc)["module.0.weight"]["dtype"] == "BF16"
-    full = stats_doc(tag, everything=True)
+    full = stats_doc(tag, all_tensors=True)
     state: dict[str, torch.Tensor] = {}
     for stem, ck in _ds_states(tag, "*optim_states.pt").items():
         osd = ck["optimizer_state_dict"]
@@ -183,7 +183,7 @@ def test_other_dtypes_in_small_windows(tmp_path: Path, monkeypatch: pytest.Monke
     sd["a.f64"][1, 1] = float("inf")
     save_file(sd, tmp_path / "d.safetensors")
     sizes = _small_windows(monkeypatch, 4000)
-    doc = stats_doc(tmp_path / "d.safetensors", everything=True)
+    doc = stats_doc(tmp_path / "d.safetensors", all_tensors=True)
     ref = load_file(tmp_path / "d.safetensors")
     check_tensors(doc, ref)
     check_modules(doc, ref, None)
@@ -196,7 +196,7 @@ def test_deepspeed_zero3_run_updates(ds3: Path) -> None:
     and each module's update norm ``||W_t - W_{t-1}||``, equal torch's on zero_to_fp32's
     consolidation of each tag."""
     run = ds3 / "z3-fp32+each"
-    doc = stats(run, StatsOptions(cache=False)).json_body()
+    doc = stats(run, StatsOptions(no_cache=True)).json_body()
     assert doc["mode"] == "run" and doc["anomalies"] == []
     tags = [c["name"] for c in doc["checkpoints"]]
     assert tags == ["global_step1", "global_step2", "global_step3"]

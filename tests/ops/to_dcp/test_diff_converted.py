@@ -1,4 +1,4 @@
-"""``ckpt diff SRC OUT --all`` where OUT is ``convert SRC --to dcp``'s output (issue 48): every
+"""``ckpt diff SRC OUT --all-tensors`` where OUT is ``convert SRC --to dcp``'s output (issue 48): every
 weight, moment, the step and the RNG state compare equal and diff exits 0, for each source the
 conversion reads (a ``torch.save`` training dict, an HF Trainer ``checkpoint-N``, a Lightning
 ``.ckpt``), in both layouts and both directions; a source that is not the output's still
@@ -30,7 +30,7 @@ def _train_pt(path: Path, steps: int) -> Path:
 
 
 def _diff(cli: Callable[..., Any], a: Path, b: Path, code: int = 0) -> dict[str, Any]:
-    r = cli("diff", a, b, "--all", "--json")
+    r = cli("diff", a, b, "--all-tensors", "--json")
     assert r.exit_code == code, r.output
     doc: dict[str, Any] = json.loads(r.stdout)
     return doc
@@ -62,7 +62,7 @@ def test_torch_dict(tmp_path: Path, cli: Callable[..., Any], layout: str) -> Non
         if layout == "torchtitan":  # an int32 tensor the conversion made from step=3
             assert "train_state.step equals" in doc["optimizer_ids"]
     # The human summary says it too.
-    r = cli("diff", src, out, "--all")
+    r = cli("diff", src, out, "--all-tensors")
     assert r.exit_code == 0 and "equal" in r.stdout
 
 

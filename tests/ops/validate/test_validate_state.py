@@ -169,7 +169,7 @@ def test_manifest_not_written_for_invalid_checkpoint(pt_file: Path) -> None:
 
 def test_manifest_of_a_single_file_with_other_checksums(pt_file: Path) -> None:
     for algo in ("sha256", "blake3"):
-        r = report(pt_file, write_manifest=True, manifest_algorithm=algo)
+        r = report(pt_file, write_manifest=True, manifest_hash=algo)
         assert r.manifest is not None and r.manifest.algorithm == algo
         assert r.manifest.action == "written"
     mf = pt_file.parent / "train.pt.ckpt-manifest.json"
@@ -326,13 +326,13 @@ def test_dcp_nested_in_a_checkpoint_directory(sample_run: Path, tmp_path: Path) 
     d.mkdir()
     torch.save({"last_epoch": 3, "_step_count": 4}, d / "scheduler.pt")
     shutil.copytree(sample_run / "step_000400", d / "pytorch_model_fsdp_0")
-    assert_clean(report(d, fmt="dir"))
+    assert_clean(report(d, input_format="dir"))
     nested = d / "pytorch_model_fsdp_0"
     damage.edit_dcp_metadata(nested, lambda md: md.state_dict_metadata[
         "model.wpe.weight"].chunks.pop(0))
     chunk = next(iter(sorted(nested.glob("__*.distcp"))))
     damage.flip(chunk, chunk.stat().st_size // 3)
-    r = report(d, fmt="dir")
+    r = report(d, input_format="dir")
     assert found(r, "chunk-tiling")
     assert any(f.file and f.file.startswith("pytorch_model_fsdp_0/")
                for f in r.findings if f.severity == "error")
