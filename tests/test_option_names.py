@@ -17,6 +17,8 @@ from safetensors.numpy import save_file
 
 import ckpt_cli
 from ckpt_cli.cli.app import app
+from ckpt_cli.ops.options.consolidate import ConsolidateOptions
+from ckpt_cli.ops.options.convert import ConvertOptions
 from ckpt_cli.ops.options.inspect import InspectOptions
 from ckpt_cli.ops.options.plan import PlanOptions
 from ckpt_cli.optionspec import docstring_args, flag, options_of, spelled, word
@@ -26,6 +28,8 @@ from tests.conftest import run_cli
 DECLARED: list[tuple[str, Any, type]] = [
     ("inspect", ckpt_cli.inspect, InspectOptions),
     ("plan", ckpt_cli.plan, PlanOptions),
+    ("convert", ckpt_cli.convert, ConvertOptions),
+    ("consolidate", ckpt_cli.consolidate, ConsolidateOptions),
 ]
 
 # API keywords that are no option of the command line, each for a reason.
@@ -64,7 +68,7 @@ def test_every_keyword_is_a_field_and_a_flag_of_the_same_name(name: str, api: An
         default = fields[k].default
         assert p.default == (None if default == () else default), k
     cli = _cli_options(name)
-    assert set(cli) - set(CLI_ONLY) == set(fields)
+    assert set(cli) - set(CLI_ONLY) - {k for (c, k) in NOT_SHARED if c == name} == set(fields)
     for k, opts in cli.items():
         assert flag(k) in opts, (k, opts)
 

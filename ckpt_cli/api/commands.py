@@ -36,6 +36,8 @@ from ckpt_cli.choices import (
     Precision,
     ThinDtype,
 )
+from ckpt_cli.ops.options.consolidate import DEFAULT_MAX_SHARD, ConsolidateOptions
+from ckpt_cli.ops.options.convert import ConvertOptions
 from ckpt_cli.ops.options.inspect import InspectOptions
 from ckpt_cli.ops.options.plan import PlanOptions
 from ckpt_cli.optionspec import documented
@@ -285,7 +287,8 @@ def stats(path: PathLike, *, all_tensors: bool = False, name_glob: str | None = 
         return run(_args.located(path), options, progress=on_progress)
 
 
-@_args.deprecated_keywords(format="output_format", force="overwrite")
+@_args.deprecated_keywords(ConvertOptions)
+@documented(ConvertOptions)
 def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
             fp8_layout: Fp8Layout = "block", fp8_activations: Fp8Activations = "dynamic",
             dequantize: bool = False, dcp_layout: DcpLayout = "torchtitan",
@@ -295,39 +298,17 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
             clamp: bool = False, container: str | None = None, overwrite: bool = False,
             part: Part | str | None = None, finalize: bool = False,
             input_format: InputFormat | None = None, max_memory: int | str | None = None,
-            storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
+            concurrency: int | None = None, storage_options: Mapping[str, Any] | None = None,
             on_progress: ProgressCallback | None = None) -> ConvertResult:
     """Convert a checkpoint: training -> inference, FP32 -> FP16/BF16/FP8, torch ->
-    safetensors (``ckpt convert``).
+    safetensors (``ckpt convert``; ``to="dcp"``: docs/migrate.md).
 
     Args:
         source: The checkpoint to convert (file or directory), or a URL.
         output: A ``.safetensors``/``.pt``/``.bin`` file, or a directory (a trailing ``/``
             says a directory whatever the name).
-        to: Cast floating-point model tensors: ``fp16``, ``bf16``, ``fp32``, ``fp8`` or
-            ``keep``; or ``dcp``: move the training state (weights, optimizer, LR schedule,
-            step) into a torch.distributed.checkpoint directory (docs/migrate.md).
-        fp8_layout: With ``to="fp8"``: ``block``, ``channel`` or ``tensor`` scales.
-        fp8_activations: With ``to="fp8"`` and a channel/tensor layout: ``dynamic`` or
-            ``none``.
-        dequantize: With ``to`` bf16/fp16/fp32: turn FP8 weights with a scale into
-            weight x scale.
-        dcp_layout: With ``to="dcp"``: ``torchtitan`` or ``recipe`` top-level keys.
-        output_format: Output file format, ``safetensors`` or ``pt`` (default: from the
-            suffix).
-        max_shard_size: Split into HF-style shards of at most this size (bytes or ``"5GB"``).
-        keep_optimizer: Keep every tensor, optimizer state included (a pure format change).
-        keep_prefix: Keep wrapper prefixes (``module.``, ``_orig_mod.``).
-        keep_fp32: Keep tensors matching these globs in FP32 (``"*norm*"``).
-        clamp: Clamp values beyond FP16's range instead of refusing.
-        container: Which top-level container holds the weights (``model``, ``ema``...).
-        overwrite: Replace an existing output.
-        part: Do only part ``"K/N"`` (or ``"auto"``) of the work; the last part completes it.
-        finalize: Complete a job split with ``part``.
-        input_format: Skip detection and read the input as this format.
-        max_memory: Budget for data read ahead and written behind (bytes or ``"512MB"``).
+        {options}
         storage_options: fsspec options for URLs.
-        concurrency: URLs: ranged GETs in flight per object streamed.
         on_progress: Called as ``("writing", bytes_done, bytes_total)``.
 
     Returns:
@@ -343,32 +324,33 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
         >>> r = ckpt_cli.convert("demo-run", "model-bf16/", to="bf16")
         >>> [f["path"] for f in r.to_dict()["files"]]
     """
-    from ckpt_cli.ops.convert import ConvertOptions
     from ckpt_cli.ops.convert import convert as run
 
     with _args.api_names("output_format"):
         _args.use_storage(storage_options, concurrency)
         options = ConvertOptions(
-            to=to, fmt=output_format, max_shard_size=_args.size(max_shard_size, "max_shard_size"),
+            to=to, fp8_layout=fp8_layout, fp8_activations=fp8_activations,
+            dequantize=dequantize, dcp_layout=dcp_layout, output_format=output_format,
+            max_shard_size=_args.size(max_shard_size, "max_shard_size"),
             keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
-            keep_fp32=_args.names(keep_fp32), clamp=clamp, overwrite=overwrite,
-            container=container, input_format=input_format, part=_args.part(part),
-            finalize=finalize, max_memory=_args.size(max_memory, "max_memory"),
-            fp8_layout=fp8_layout, fp8_activations=fp8_activations, dequantize=dequantize,
-            dcp_layout=dcp_layout)
+            keep_fp32=_args.names(keep_fp32), clamp=clamp, container=container,
+            overwrite=overwrite, part=_args.part(part), finalize=finalize,
+            input_format=input_format, max_memory=_args.size(max_memory, "max_memory"),
+            concurrency=concurrency)
         return run(_args.located(source), _args.output(output), options,
                    progress=on_progress)
 
 
-@_args.deprecated_keywords(format="output_format", force="overwrite")
+@_args.deprecated_keywords(ConsolidateOptions)
+@documented(ConsolidateOptions)
 def consolidate(source: PathLike, output: PathLike, *,
                 output_format: OutputFormat | None = None,
-                max_shard_size: int | str | None = "5GB", with_optimizer: bool = False,
-                to: CastTarget = "keep", clamp: bool = False, verify: bool = False,
-                manifest: bool = True, overwrite: bool = False, part: Part | str | None = None,
-                finalize: bool = False, max_memory: int | str | None = None,
+                max_shard_size: int | str | None = DEFAULT_MAX_SHARD,
+                with_optimizer: bool = False, to: CastTarget = "keep", clamp: bool = False,
+                verify: bool = False, manifest: bool = True, overwrite: bool = False,
+                part: Part | str | None = None, finalize: bool = False,
+                max_memory: int | str | None = None, concurrency: int | None = None,
                 storage_options: Mapping[str, Any] | None = None,
-                concurrency: int | None = None,
                 on_progress: ProgressCallback | None = None) -> ConsolidateResult:
     """Merge a rank-sharded checkpoint (DCP, DeepSpeed ZeRO, per-rank files) into few files
     (``ckpt consolidate``).
@@ -377,19 +359,8 @@ def consolidate(source: PathLike, output: PathLike, *,
         source: A DCP directory, a DeepSpeed checkpoint (``global_stepN/`` or its save
             directory), HF-style shards, or a directory of per-rank files; or a URL.
         output: The output directory (or a single ``.safetensors``/``.pt`` file).
-        output_format: Output file format, ``safetensors`` or ``pt``.
-        max_shard_size: Largest output file (bytes or ``"5GB"``); 0 or None for one file.
-        with_optimizer: Keep the optimizer state too (to resume on another world size).
-        to: Cast floating-point model tensors: ``fp16``, ``bf16``, ``fp32`` or ``keep``.
-        clamp: With ``to="fp16"``: clamp values beyond FP16's range instead of refusing.
-        verify: Re-read every output tensor and compare it with its source chunks.
-        manifest: Write an integrity manifest that :func:`validate` checks.
-        overwrite: Replace an existing output.
-        part: Do only part ``"K/N"`` (or ``"auto"``) of the work.
-        finalize: Complete a job split with ``part``.
-        max_memory: Budget for data read ahead and written behind (bytes or ``"512MB"``).
+        {options}
         storage_options: fsspec options for URLs.
-        concurrency: URLs: ranged GETs in flight per object streamed.
         on_progress: Called as ``("writing", bytes_done, bytes_total)``.
 
     Returns:
@@ -404,17 +375,16 @@ def consolidate(source: PathLike, output: PathLike, *,
         >>> r = ckpt_cli.consolidate("demo-run/step_000400", "step400-full/")
         >>> r.tensors, r.lost_elements
     """
-    from ckpt_cli.ops.consolidate import ConsolidateOptions
     from ckpt_cli.ops.consolidate import consolidate as run
 
     with _args.api_names("output_format"):
         _args.use_storage(storage_options, concurrency)
         options = ConsolidateOptions(
-            fmt=output_format,
+            output_format=output_format,
             max_shard_size=_args.size(max_shard_size, "max_shard_size", allow_zero=True),
-            with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=overwrite, verify=verify,
-            manifest=manifest, part=_args.part(part), finalize=finalize,
-            max_memory=_args.size(max_memory, "max_memory"))
+            with_optimizer=with_optimizer, to=to, clamp=clamp, verify=verify,
+            manifest=manifest, overwrite=overwrite, part=_args.part(part), finalize=finalize,
+            max_memory=_args.size(max_memory, "max_memory"), concurrency=concurrency)
         return run(_args.located(source), _args.output(output), options,
                    progress=on_progress)
 

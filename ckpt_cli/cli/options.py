@@ -379,6 +379,19 @@ _KIND_PARSERS: dict[str, Callable[[str, bool], Callable[[Any], Any]]] = {
 }
 
 
+_UNITS = {"size": (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)),
+          "duration": (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))}
+
+
+def _as_typed(kind: str, value: float) -> str:
+    """A size or duration default as a user types it: ``5GB``, ``10m`` (the largest unit
+    that divides it; else the plain number, bytes or seconds)."""
+    for unit, factor in _UNITS[kind]:
+        if value % factor == 0:
+            return f"{int(value // factor)}{unit}"
+    return f"{value:g}"
+
+
 def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
                       flags: list[str]) -> inspect.Parameter:
     """The typer parameter of one declared option."""
@@ -389,6 +402,9 @@ def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
     default = f.default if f.default is not dataclasses.MISSING else None
     if isinstance(default, tuple):
         default = None
+    if spec.kind in ("size", "duration") and default:
+        # Shown as typed (--grace 10m, not 600.0); the parser reads it like a given value.
+        annotation, default = Any, _as_typed(spec.kind, default)
     how: dict[str, Any] = {"help": word(spec.help, "cli"), "metavar": spec.metavar,
                            "show_default": default is not None and default not in ((), False)}
     if spec.min is not None:
@@ -420,7 +436,8 @@ def from_options(cls: type) -> Callable[[Callable[..., None]], Callable[..., Non
     hints = typing.get_type_hints(cls)
     declared = [(f, s) for f, s in options_of(cls) if s.cli]
     added = [_option_parameter(f, s, hints[f.name],
-                               [flag_of(f.name), *([s.short] if s.short else []), *s.aliases])
+                               [flag_of(f.name) + (f"/{s.off}" if s.off else ""),
+                                *([s.short] if s.short else []), *s.aliases])
              for f, s in declared]
     tuples = {f.name for f, _ in declared if _cli_type(hints[f.name])[1]}
 

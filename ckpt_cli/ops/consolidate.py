@@ -37,6 +37,10 @@ from ckpt_cli.manifest import Manifest, hash_files, manifest_path, write_manifes
 from ckpt_cli.manifest import checkpoint_files as manifest_files
 from ckpt_cli.model import CheckpointIndex, Finding, WrittenFile
 from ckpt_cli.ops import options_of
+
+# Declared in a light module (``ckpt consolidate --help`` builds its flags from it); re-exported.
+from ckpt_cli.ops.options.consolidate import DEFAULT_MAX_SHARD as DEFAULT_MAX_SHARD
+from ckpt_cli.ops.options.consolidate import ConsolidateOptions as ConsolidateOptions
 from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.progress import Progress, Tally
 from ckpt_cli.resolve import resolve
@@ -154,9 +158,6 @@ class ConsolidateResult(Documented):
 
 # -- the op ----------------------------------------------------------------------------------------
 
-DEFAULT_MAX_SHARD = 5_000_000_000
-
-
 @dataclass(slots=True)
 class _Job:
     kind: str
@@ -220,43 +221,6 @@ def detect_kind(path: Path) -> str:
                      f"for a single checkpoint use: ckpt convert {path} -o OUT")
 
 
-@dataclass(frozen=True, slots=True)
-class ConsolidateOptions:
-    """What :func:`consolidate` does (``ckpt consolidate``'s flags; the defaults are theirs).
-
-    Attributes:
-        fmt: ``safetensors`` or ``pt``; None infers it from ``output``'s suffix.
-        max_shard_size: Largest output shard in bytes (None: one file).
-        with_optimizer: Keep optimizer state too (DCP and rank files), under the flattened
-            names DCP uses, with non-tensor values in ``__metadata__["ckpt.objects"]``.
-        to: ``keep``, ``fp32``, ``fp16`` or ``bf16`` for floating model tensors.
-        clamp: Clamp values beyond FP16's range instead of refusing.
-        overwrite: Replace an existing output.
-        verify: Re-read every output tensor and compare it with its source.
-        manifest: Write an integrity manifest (``ckpt-manifest.json``, or
-            ``<file>.ckpt-manifest.json`` beside a single-file output) that ``ckpt validate``
-            checks.
-        part: Write only this part's share of the output shards (``--part K/N``): each
-            part verifies and hashes its own shards; the last part to finish writes the
-            index and the manifest (see :mod:`ckpt_cli.writers.parts`).
-        finalize: Finalize a split consolidation now (an error naming the parts missing).
-        max_memory: Memory budget in bytes for data read and cast ahead of the writer
-            (default 256 MiB; the largest tensor may add to it).
-    """
-
-    fmt: str | None = None
-    max_shard_size: int | None = DEFAULT_MAX_SHARD
-    with_optimizer: bool = False
-    to: str = "keep"
-    clamp: bool = False
-    overwrite: bool = False
-    verify: bool = False
-    manifest: bool = True
-    part: Part | None = None
-    finalize: bool = False
-    max_memory: int | None = None
-
-
 def consolidate(source: str | Path, output: str | Path,
                 options: ConsolidateOptions | None = None, *,
                 progress: Progress | None = None, **fields: Any) -> ConsolidateResult:
@@ -279,7 +243,7 @@ def consolidate(source: str | Path, output: str | Path,
     """
     opts = options_of(ConsolidateOptions, options, fields)
     opts = dataclasses.replace(opts, to=target_name(opts.to))
-    fmt = opts.fmt
+    fmt = opts.output_format
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
     if opts.to not in TARGETS:

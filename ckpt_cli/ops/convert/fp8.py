@@ -50,8 +50,8 @@ def check_usage(quant: bool, dequantize: bool, target: str | None, fmt: str) -> 
     if dequantize and (quant or target is None):
         raise UsageError("dequantize needs to bf16, fp16 or fp32", param=("dequantize", "to"))
     if quant and fmt != "safetensors":
-        raise UsageError("to fp8 writes safetensors (an HF directory); not fmt pt",
-                         param=("to", "fmt"))
+        raise UsageError("to fp8 writes safetensors (an HF directory); not output_format pt",
+                         param=("to", "output_format"))
 
 
 def choose(plan: Plan, layout: str, src: Path, *, activations: str = "dynamic",
