@@ -21,6 +21,8 @@ from ckpt_cli.ops.options.consolidate import ConsolidateOptions
 from ckpt_cli.ops.options.convert import ConvertOptions
 from ckpt_cli.ops.options.inspect import InspectOptions
 from ckpt_cli.ops.options.plan import PlanOptions
+from ckpt_cli.ops.options.prune import PruneOptions
+from ckpt_cli.ops.options.resume import ResumePathOptions
 from ckpt_cli.optionspec import docstring_args, flag, options_of, spelled, word
 from tests.conftest import run_cli
 
@@ -30,6 +32,8 @@ DECLARED: list[tuple[str, Any, type]] = [
     ("plan", ckpt_cli.plan, PlanOptions),
     ("convert", ckpt_cli.convert, ConvertOptions),
     ("consolidate", ckpt_cli.consolidate, ConsolidateOptions),
+    ("prune", ckpt_cli.prune, PruneOptions),
+    ("resume-path", ckpt_cli.resume_path, ResumePathOptions),
 ]
 
 # API keywords that are no option of the command line, each for a reason.
@@ -39,6 +43,12 @@ API_ONLY = {
     "storage_options",
     # Python callables: no command line can give one.
     "on_progress", "on_event",
+}
+# A keyword and a flag of the same name that are no option of the op, each for a reason.
+NOT_OPTIONS = {
+    ("prune", "dry_run"): "whether the call deletes, with defaults of its own: the API never "
+                          "asks, so it only plans unless told dry_run=False; the command line "
+                          "asks (or --yes), and --dry-run stops after the plan",
 }
 # Command-line flags that are no API keyword, each for a reason.
 CLI_ONLY = {
@@ -60,15 +70,18 @@ def _cli_options(name: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize(("name", "api", "options"), DECLARED, ids=[d[0] for d in DECLARED])
 def test_every_keyword_is_a_field_and_a_flag_of_the_same_name(name: str, api: Any,
                                                                options: type) -> None:
+    own = {k for (c, k) in NOT_OPTIONS if c == name}
     keywords = {k: p for k, p in inspect.signature(api).parameters.items()
-                if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in API_ONLY}
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in API_ONLY | own}
     fields = {f.name: f for f, _ in options_of(options)}
     assert set(keywords) == set(fields)
     for k, p in keywords.items():
         default = fields[k].default
         assert p.default == (None if default == () else default), k
     cli = _cli_options(name)
-    assert set(cli) - set(CLI_ONLY) - {k for (c, k) in NOT_SHARED if c == name} == set(fields)
+    assert own <= set(cli) and own <= set(inspect.signature(api).parameters)
+    not_shared = {k for (c, k) in NOT_SHARED if c == name}
+    assert set(cli) - set(CLI_ONLY) - not_shared - own == set(fields)
     for k, opts in cli.items():
         assert flag(k) in opts, (k, opts)
 

@@ -40,6 +40,7 @@ from ckpt_cli.ops.options.consolidate import DEFAULT_MAX_SHARD, ConsolidateOptio
 from ckpt_cli.ops.options.convert import ConvertOptions
 from ckpt_cli.ops.options.inspect import InspectOptions
 from ckpt_cli.ops.options.plan import PlanOptions
+from ckpt_cli.ops.options.prune import DEFAULT_GRACE, PruneOptions
 from ckpt_cli.optionspec import documented
 
 if TYPE_CHECKING:
@@ -389,12 +390,14 @@ def consolidate(source: PathLike, output: PathLike, *,
                    progress=on_progress)
 
 
+@_args.deprecated_keywords(PruneOptions)
+@documented(PruneOptions)
 def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str | None = None,
           keep_best: int | None = None, metric: str | None = None, mode: MetricMode = "min",
-          metrics_file: PathLike | None = None, older_than: float | str | None = None,
-          max_total_size: int | str | None = None, grace: float | str = "10m",
-          thin_after: int | None = None, thin_to: ThinDtype | None = None,
-          keep_full_every: int | None = None, keep_abandoned: bool = False,
+          older_than: float | str | None = None, max_total_size: int | str | None = None,
+          grace: float | str = DEFAULT_GRACE, thin_after: int | None = None,
+          thin_to: ThinDtype | None = None, keep_full_every: int | str | None = None,
+          keep_abandoned: bool = False, metrics_file: PathLike | None = None,
           pattern: str | None = None, any_dir: bool = False, dry_run: bool = True,
           storage_options: Mapping[str, Any] | None = None,
           on_progress: ProgressCallback | None = None) -> PruneResult:
@@ -402,26 +405,12 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
 
     A checkpoint is kept if any rule keeps it. Never deleted: what a resume pointer names,
     anything that may still be being written, and the newest valid checkpoint. Nothing is
-    deleted unless ``dry_run=False``; no question is asked.
+    deleted unless ``dry_run=False``; no question is asked. Counts, sizes and ages take
+    numbers (steps, bytes, seconds) or text (``"10K"``, ``"2TB"``, ``"7d"``).
 
     Args:
         run_dir: The run directory (or an object-store prefix).
-        keep: Keep the newest N complete (and, with a run ledger, verified) checkpoints.
-        keep_every: Keep checkpoints whose step is a multiple of this (``10000`` or ``"10K"``).
-        keep_best: Keep the N best checkpoints by ``metric``.
-        metric: The metric of ``keep_best`` (``eval_loss``...).
-        mode: ``min`` (lower is better) or ``max``.
-        metrics_file: Metrics by step (CSV, JSON lines or JSON) for ``keep_best``.
-        older_than: Keep checkpoints modified within this age (seconds or ``"7d"``).
-        max_total_size: Keep the newest checkpoints that fit in this size (bytes or ``"2TB"``).
-        grace: Never delete anything changed within this age (seconds or ``"10m"``; 0: off).
-        thin_after: Rewrite checkpoints older than the newest N without optimizer state.
-        thin_to: ``bf16``: also cast thinned checkpoints' weights to BF16.
-        keep_full_every: Never thin checkpoints whose step is a multiple of this.
-        keep_abandoned: Keep the checkpoints of a timeline a rollback abandoned (by default
-            they are deleted; they never count towards ``keep`` or ``keep_every``).
-        pattern: A regex saying which entries are checkpoints.
-        any_dir: Prune even ``/``, ``$HOME`` or a directory that does not look like a run.
+        {options}
         dry_run: Only plan (the default); False deletes.
         storage_options: fsspec options for URLs.
         on_progress: Called as ``("deleting", checkpoints_done, checkpoints_to_delete)``.
@@ -438,31 +427,23 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
         >>> r = ckpt_cli.prune("demo-run", keep=2)  # a dry run
         >>> [c["name"] for c in r.to_dict()["checkpoints"] if c["action"] == "delete"]
     """
-    from ckpt_cli.errors import UsageError
     from ckpt_cli.ops.prune import prune as run
-    from ckpt_cli.ops.prune.retention import PrunePolicy
 
     with _args.api_names():
         _args.use_storage(storage_options, None)
-        if metrics_file is not None and keep_best is None:
-            raise UsageError("metrics_file only feeds keep_best; give keep_best and metric too",
-                             param=("metrics_file", "keep_best", "metric"))
-        for value, what in ((metric, "metric"), (pattern, "pattern")):
-            if value is not None and not value.strip():
-                raise UsageError(f"{what} {value!r} is empty", param=what)
-        if mode not in ("min", "max"):
-            raise UsageError(f"mode must be min or max, not {mode!r}", param="mode")
-        policy = PrunePolicy(
+        metrics = _args.located(metrics_file) if metrics_file is not None else None
+        options = PruneOptions(
             keep=keep, keep_every=_args.count(keep_every, "keep_every"), keep_best=keep_best,
-            metric=metric, mode="max" if mode == "max" else "min",
-            older_than=_args.duration(older_than, "older_than"),
+            metric=metric, mode=mode, older_than=_args.duration(older_than, "older_than"),
             max_total_size=_args.size(max_total_size, "max_total_size"),
             grace=_args.duration(grace, "grace", allow_zero=True) or 0.0,
-            thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every,
-            keep_abandoned=keep_abandoned)
-        metrics = _args.located(metrics_file) if metrics_file is not None else None
+            thin_after=thin_after, thin_to=thin_to,
+            keep_full_every=_args.count(keep_full_every, "keep_full_every"),
+            keep_abandoned=keep_abandoned, metrics_file=metrics, pattern=pattern,
+            any_dir=any_dir)
+        options.check()
         _args.local_only(metrics, "metrics_file", "metrics_file")
-        return run(_args.located(run_dir), policy, pattern=pattern, metrics_file=metrics,
+        return run(_args.located(run_dir), options, pattern=pattern, metrics_file=metrics,
                    dry_run=dry_run, any_dir=any_dir, progress=on_progress)
 
 

@@ -372,7 +372,9 @@ def _cli_type(hint: Any) -> tuple[Any, bool]:
 
 
 _KIND_PARSERS: dict[str, Callable[[str, bool], Callable[[Any], Any]]] = {
-    "size": lambda flag, zero: size_parser(flag, empty_is_none=True, allow_zero=zero),
+    # An empty value is refused, as the API refuses it (--max-total-size "" must not drop
+    # a rule).
+    "size": lambda flag, zero: size_parser(flag, allow_zero=zero),
     "duration": lambda flag, zero: duration_parser(flag, allow_zero=zero),
     "count": lambda flag, zero: whole_parser(flag),
     "rate": lambda flag, zero: rate_parser(flag),

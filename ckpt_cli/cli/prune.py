@@ -10,17 +10,14 @@ from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, EXIT_REFUSED, handled
 from ckpt_cli.cli.options import (
     Common,
     DryRunOpt,
-    KeepAbandonedOpt,
-    KeepFullEveryOpt,
     Location,
-    ThinAfterOpt,
-    ThinToOpt,
     YesOpt,
     common_options,
+    from_options,
     local_only,
-    location,
     path_argument,
 )
+from ckpt_cli.ops.options.prune import PruneOptions
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -30,51 +27,16 @@ if TYPE_CHECKING:
 
 
 @common_options("storage_option", "json")
+@from_options(PruneOptions)
 def prune_cmd(
     run_dir: Annotated[Location, path_argument("The run directory whose checkpoints to prune.")],
-    keep: Annotated[int | None, typer.Option(
-        "--keep", metavar="N", help="Keep the newest N complete (and, with a run ledger, "
-        "verified) checkpoints; others newer than the N-th of them are kept but not counted.",
-        show_default=False)] = None,
-    keep_every: Annotated[str | None, typer.Option(
-        "--keep-every", metavar="STEPS",
-        help="Keep milestones: checkpoints whose step is a multiple of STEPS (e.g. 10K).")] = None,
-    keep_best: Annotated[int | None, typer.Option(
-        "--keep-best", metavar="N", help="Keep the N best checkpoints by --metric.")] = None,
-    metric: Annotated[str | None, typer.Option(
-        "--metric", metavar="NAME", help="Metric for --keep-best (eval_loss, val_loss...): from "
-        "trainer_state.json, Lightning file names or --metrics-file.")] = None,
-    mode: Annotated[str, typer.Option("--mode", metavar="min|max",
-                                      help="Whether lower (min) or higher (max) --metric values "
-                                           "are better.")] = "min",
-    metrics_file: Annotated[Location | None, typer.Option(
-        "--metrics-file", metavar="FILE", help="Metrics by step: CSV with a step column "
-        "(Lightning CSVLogger), JSON lines, or JSON.", parser=location)] = None,
-    older_than: Annotated[str | None, typer.Option(
-        "--older-than", metavar="AGE", help="Keep checkpoints modified within AGE (e.g. 7d); "
-        "older ones may go.")] = None,
-    max_total_size: Annotated[str | None, typer.Option(
-        "--max-total-size", metavar="SIZE", help="Keep the newest checkpoints that fit in SIZE "
-        "together (e.g. 2TB); older ones may go.")] = None,
-    grace: Annotated[str, typer.Option(
-        "--grace", metavar="AGE", help="Never delete anything changed within AGE: it may still "
-        "be being written (0 turns this off).")] = "10m",
-    thin_after: ThinAfterOpt = None,
-    thin_to: ThinToOpt = None,
-    keep_full_every: KeepFullEveryOpt = None,
-    keep_abandoned: KeepAbandonedOpt = False,
-    pattern: Annotated[str | None, typer.Option(
-        "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts "
-        "(a 'step' group gives the step).")] = None,
-    any_dir: Annotated[bool, typer.Option(
-        "--any-dir", help="Prune even /, $HOME or a directory that does not look like a run "
-        "directory.")] = False,
+    *,
+    options: PruneOptions,
     old_force: Annotated[bool, typer.Option(
         "--force", hidden=True, help="Refused: --force replaces an output in every command; "
         "prune's old --force is --any-dir.")] = False,
     dry_run: DryRunOpt = False,
     yes: YesOpt = False,
-    *,
     common: Common,
 ) -> None:
     """Delete old checkpoints of a run directory by retention rules, safely, even from cron.
@@ -94,7 +56,7 @@ def prune_cmd(
       ckpt prune runs/gpt --keep 5 --json --yes
     """
     with handled() as outcome:
-        local_only(metrics_file, '--metrics-file')
+        local_only(options.metrics_file, '--metrics-file')  # type: ignore[arg-type]
         common.use_storage()
         from ckpt_cli.errors import UsageError
         from ckpt_cli.ops.prune import execute, plan
@@ -109,22 +71,13 @@ def prune_cmd(
         if common.json and not yes and not dry_run:
             raise UsageError("--json never asks for confirmation: add --yes to delete, or "
                              "--dry-run to only see the plan")
-        if metrics_file is not None and keep_best is None:
-            raise UsageError("--metrics-file only feeds --keep-best; give --keep-best N "
-                             "--metric NAME too")
-        policy = _policy(keep, keep_every, keep_best, metric, mode, older_than, max_total_size,
-                         grace, pattern, keep_abandoned)
-        if thin_after is not None or thin_to is not None or keep_full_every is not None:
-            import dataclasses
-
-            policy = dataclasses.replace(policy, thin_after=thin_after, thin_to=thin_to,
-                                         keep_full_every=keep_full_every)
-            policy.check()
+        options.check()
         view = _View(tty=_is_terminal(), quiet=common.json, dry_run=dry_run)
         try:
             # The plan, shown; the question (not for --yes, --json or cron); then the deletions.
-            with plan(run_dir, policy, pattern=pattern, metrics_file=metrics_file,
-                      dry_run=dry_run, any_dir=any_dir) as planned:
+            with plan(run_dir, options, pattern=options.pattern,
+                      metrics_file=options.metrics_file, dry_run=dry_run,
+                      any_dir=options.any_dir) as planned:
                 view.show(planned.plan)
                 if (planned.asks and not (yes or common.json or not _interactive())
                         and not view.ask(planned.plan)):
@@ -151,6 +104,8 @@ def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
             metric: str | None, mode: str, older_than: str | None, max_total_size: str | None,
             grace: str, pattern: str | None = None,
             keep_abandoned: bool = False) -> "PrunePolicy":
+    """``ckpt watch``'s retention policy from its flags' text (prune's own flags are
+    declared in :class:`~ckpt_cli.ops.options.prune.PruneOptions`)."""
     from ckpt_cli.errors import UsageError
     from ckpt_cli.ops.prune.retention import PrunePolicy
     from ckpt_cli.units import parse_count, parse_duration, parse_size

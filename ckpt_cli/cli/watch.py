@@ -17,8 +17,10 @@ from ckpt_cli.cli.options import (
     ThinToOpt,
     common_options,
     duration_parser,
+    from_options,
     path_argument,
 )
+from ckpt_cli.ops.options.resume import ResumePathOptions
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.watch import WatchEvent
@@ -104,7 +106,8 @@ def watch_cmd(
         if keep is not None or keep_every is not None or thinning:
             policy = dataclasses.replace(
                 _policy(keep, keep_every, None, None, "min", None, None, grace, pattern),
-                thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every,
+                thin_after=thin_after, keep_full_every=keep_full_every,
+                thin_to=thin_to,  # type: ignore[arg-type]  # policy.check() refuses others
                 keep_abandoned=keep_abandoned)
             policy.check()
         opts = WatchOptions(crc=crc, values=values,
@@ -193,12 +196,11 @@ def _emit(ev: "WatchEvent", json: bool) -> None:
 
 
 @common_options("storage_option", "json")
+@from_options(ResumePathOptions)
 def resume_path_cmd(
     run_dir: Annotated[Location, path_argument("The run directory.")],
-    full: Annotated[bool, typer.Option(
-        "--full", help="Hash every file against the manifest (default: only files changed "
-        "since the verdict).")] = False,
     *,
+    options: ResumePathOptions,
     common: Common,
 ) -> None:
     """Print the newest verified checkpoint of a run: the one to resume from.
@@ -216,7 +218,7 @@ def resume_path_cmd(
     with common.handled() as outcome:
         from ckpt_cli.ops.resume import survey
 
-        found = survey(run_dir, verify="full" if full else "sizes")
+        found = survey(run_dir, verify=options.verify)
         choice = found.choice
         outcome.exit_code = EXIT_OK if choice is not None else EXIT_FINDINGS
         if common.json:
@@ -224,7 +226,7 @@ def resume_path_cmd(
 
             from ckpt_cli.api.results import ResumePathResult
 
-            doc = ResumePathResult(run_dir, found, "full" if full else "sizes").document()
+            doc = ResumePathResult(run_dir, found, options.verify).document()
             sys.stdout.buffer.write(orjson.dumps(doc) + b"\n")
         from ckpt_cli.errors import visible
 

@@ -242,8 +242,10 @@ def consolidate(source: str | Path, output: str | Path,
             world sizes), existing output, values outside FP16's range.
     """
     opts = options_of(ConsolidateOptions, options, fields)
-    opts = dataclasses.replace(opts, to=target_name(opts.to))
-    fmt = opts.output_format
+    # The canonical name of a value given in any case or by dtype name; refused below if no
+    # target.
+    opts = dataclasses.replace(opts, to=target_name(opts.to))  # type: ignore[arg-type]
+    fmt: str | None = opts.output_format
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
     if opts.to not in TARGETS:

@@ -78,7 +78,8 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
         from ckpt_cli.ops.to_dcp import convert_to_dcp
 
         return convert_to_dcp(source, output, opts, progress=progress)
-    to, fmt = target_name(opts.to), opts.output_format
+    to = target_name(opts.to)
+    fmt: str | None = opts.output_format
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
