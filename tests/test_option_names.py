@@ -261,3 +261,36 @@ def test_every_keyword_is_a_flag_of_the_same_name(command: str, api_name: str) -
     assert all((k in keywords) != (k in cli) for k in shared), "NOT_SHARED is out of date"
     assert keywords - set(cli) - shared == set(), command
     assert set(cli) - keywords - set(CLI_ONLY) - shared == set(), command
+
+
+def test_plan_notes_name_options_as_the_caller_does() -> None:
+    python = ckpt_cli.plan(params="7B").to_dict()["notes"]
+    assert "give bandwidth or measure_dir for the write time and the optimal interval" in python
+    assert not any("--" in n for n in python)
+    r = run_cli("plan", "--params", "7B", "--json")
+    assert json.loads(r.stdout)["notes"] == [
+        n.replace("bandwidth or measure_dir", "--bandwidth or --measure-dir")
+        .replace("mtbf, or gpus with gpu_mtbf", "--mtbf, or --gpus with --gpu-mtbf")
+        for n in python]
+    human = run_cli("plan", "--params", "7B").stderr
+    assert "note: give --bandwidth or --measure-dir for" in human and "`" not in human
+
+
+def test_convert_notes_name_options_as_the_caller_does(tmp_path: Path) -> None:
+    src = _model(tmp_path)
+    python = ckpt_cli.convert(src, tmp_path / "a.safetensors", to="fp16",
+                              keep_fp32="*norm*").to_dict()["notes"]
+    assert "keep_fp32 '*norm*' matched no tensor of the output" in python
+    r = run_cli("convert", src, "-o", tmp_path / "b.safetensors", "--to", "fp16",
+                "--keep-fp32", "*norm*", "--json")
+    assert json.loads(r.stdout)["notes"] == [n.replace("keep_fp32", "--keep-fp32")
+                                              for n in python]
+
+
+def test_the_old_format_keyword_and_flag_still_work(tmp_path: Path) -> None:
+    src = _model(tmp_path)
+    with pytest.warns(DeprecationWarning, match=r"convert\(format=...\).*output_format="):
+        ckpt_cli.convert(src, tmp_path / "x", format="pt")  # type: ignore[call-arg]
+    assert (tmp_path / "x" / "pytorch_model.bin").is_file()
+    r = run_cli("convert", src, "-o", tmp_path / "y", "--format", "pt", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["files"][0]["path"] == "pytorch_model.bin"

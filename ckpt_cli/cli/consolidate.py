@@ -51,6 +51,7 @@ def consolidate_cmd(
 
         with common.progress("consolidating") as bar:
             r = consolidate(source, output, options, progress=bar)
+        r.caller = "cli"  # its notes name --flags, in the --json document too
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.consolidate import show
 

@@ -51,6 +51,7 @@ def convert_cmd(
 
         with common.progress("converting") as bar:
             result = convert(source, output, options, progress=bar)
+        result.caller = "cli"  # its notes name --flags, in the --json document too
         outcome.exit_code = EXIT_OK  # written: a closed pipe only loses the summary
         from ckpt_cli.render.convert import show
 

@@ -41,6 +41,7 @@ from ckpt_cli.ops import options_of
 # Declared in a light module (``ckpt consolidate --help`` builds its flags from it); re-exported.
 from ckpt_cli.ops.options.consolidate import DEFAULT_MAX_SHARD as DEFAULT_MAX_SHARD
 from ckpt_cli.ops.options.consolidate import ConsolidateOptions as ConsolidateOptions
+from ckpt_cli.optionspec import Caller, word
 from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.progress import Progress, Tally
 from ckpt_cli.resolve import resolve
@@ -110,6 +111,9 @@ class ConsolidateResult(Documented):
             ``source`` was a run directory.
         kept: Quantized tensors (FP8...) ``--to`` left as they are, by dtype.
         kept_scales: Their scales, left as they are too, by dtype.
+        caller: Whom ``to_dict()`` names options for in ``notes`` (kept neutral, between
+            backticks): ``python`` (``with_optimizer``) or ``cli`` (``--with-optimizer``, set
+            by ``ckpt consolidate``); see :func:`ckpt_cli.optionspec.word`.
     """
 
     source: Path
@@ -131,6 +135,7 @@ class ConsolidateResult(Documented):
     followed: Followed | None = None
     kept: dict[str, int] = field(default_factory=dict)
     kept_scales: dict[str, int] = field(default_factory=dict)
+    caller: Caller = "python"
 
     command = "consolidate"
 
@@ -150,7 +155,8 @@ class ConsolidateResult(Documented):
             "elements_out": self.elements_out, "lost_elements": self.lost_elements,
             "aliases": self.aliases, "dropped": self.dropped, "details": self.details,
             "verified": self.verified, "kept": self.kept, "kept_scales": self.kept_scales,
-            "notes": self.notes, "seconds": round(self.seconds, 3),
+            "notes": [word(n, self.caller) for n in self.notes],
+            "seconds": round(self.seconds, 3),
             "warnings": [w.to_dict() for w in self.warnings],
             "followed": self.followed.to_dict() if self.followed else None,
             **self.write.document()}
@@ -376,7 +382,7 @@ def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool, stats: C
                "tag": resolve_tag(src).name}
     meta = zero_metadata(plan, src, choice(target))
     notes = list(plan.notes) + ([] if with_optimizer else [
-        "optimizer moments are not part of the output (--with-optimizer keeps them)"])
+        "optimizer moments are not part of the output (`with_optimizer` keeps them)"])
     return _Job("deepspeed", zero.outs, zero.loads, sum(t.numel for t in plan.tensors),
                 plan.aliases, {}, meta, details, [zero.reader.close], notes, stats,
                 zero.cast_elements,

@@ -131,7 +131,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
         if config_dtype is not None and kept32:
             # The loader casts every weight to the config's dtype unless told otherwise.
             notes.append(f"config.json says {config_dtype['to']}: from_pretrained loads the "
-                         f"{kept32} tensor(s) --keep-fp32 kept in FP32 as {config_dtype['to']} "
+                         f"{kept32} tensor(s) `keep_fp32` kept in FP32 as {config_dtype['to']} "
                          "too, unless the model keeps them (keep_in_fp32_modules) or is loaded "
                          "with dtype=torch.float32")
     fp8.config_files(side, quant_config, opts.dequantize, target, notes)

@@ -11,6 +11,7 @@ from ckpt_cli.model import Finding
 
 # Declared in a light module (``ckpt convert --help`` builds its flags from it); re-exported.
 from ckpt_cli.ops.options.convert import ConvertOptions as ConvertOptions
+from ckpt_cli.optionspec import Caller, word
 
 if TYPE_CHECKING:
     from ckpt_cli.runs import Followed
@@ -48,6 +49,9 @@ class ConvertResult(Documented):
             (``{file, keys, from, to}``), or None.
         kept_fp32: Each ``--keep-fp32`` glob and the output tensors it kept in FP32 (an empty
             list: it matched none).
+        caller: Whom ``to_dict()`` names options for in ``notes`` (kept neutral, between
+            backticks): ``python`` (``keep_fp32``) or ``cli`` (``--keep-fp32``, set by
+            ``ckpt convert``); see :func:`ckpt_cli.optionspec.word`.
     """
 
     source: Path
@@ -70,6 +74,7 @@ class ConvertResult(Documented):
     kept_scales: dict[str, int] = field(default_factory=dict)
     config_dtype: dict[str, Any] | None = None
     kept_fp32: dict[str, list[str]] = field(default_factory=dict)
+    caller: Caller = "python"
 
     command = "convert"
 
@@ -83,7 +88,8 @@ class ConvertResult(Documented):
             "renamed": self.renamed, "dropped": self.dropped, "casts": self.casts,
             "aliases": self.aliases, "overflow": self.overflow, "clamped": self.clamped,
             "kept": self.kept, "kept_scales": self.kept_scales, "kept_fp32": self.kept_fp32,
-            "config_dtype": self.config_dtype, "metadata": self.metadata, "notes": self.notes,
+            "config_dtype": self.config_dtype, "metadata": self.metadata,
+            "notes": [word(n, self.caller) for n in self.notes],
             "seconds": round(self.seconds, 3),
             "warnings": [w.to_dict() for w in self.warnings],
             "followed": self.followed.to_dict() if self.followed else None,
