@@ -417,8 +417,11 @@ def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
         annotation, how["parser"] = Any, part_parser
     elif spec.kind == "path":
         annotation, how["parser"] = Location, location
-    choices = typing.get_args(next((a for a in typing.get_args(hint) or (hint,)
-                                    if typing.get_origin(a) is typing.Literal), None))
+    # The Literal's values: the type itself (to: ConvertTarget), or one of a union's members
+    # (output_format: OutputFormat | None).
+    literal = next((a for a in (hint, *typing.get_args(hint))
+                    if typing.get_origin(a) is typing.Literal), None)
+    choices = typing.get_args(literal) if literal is not None else ()
     if choices:
         how["autocompletion"] = lambda incomplete: [c for c in choices
                                                     if c.startswith(incomplete)]
