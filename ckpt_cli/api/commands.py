@@ -302,7 +302,9 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
             concurrency: int | None = None, storage_options: Mapping[str, Any] | None = None,
             on_progress: ProgressCallback | None = None) -> ConvertResult:
     """Convert a checkpoint: training -> inference, FP32 -> FP16/BF16/FP8, torch ->
-    safetensors (``ckpt convert``; ``to="dcp"``: docs/migrate.md).
+    safetensors (``ckpt convert``).
+
+    ``to="dcp"`` moves the training state into a DCP directory instead (docs/migrate.md).
 
     Args:
         source: The checkpoint to convert (file or directory), or a URL.
