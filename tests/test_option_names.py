@@ -45,7 +45,7 @@ API_ONLY = {
     "on_progress", "on_event",
 }
 # A keyword and a flag of the same name that are no option of the op, each for a reason.
-NOT_OPTIONS = {
+NOT_FIELDS = {
     ("prune", "dry_run"): "whether the call deletes, with defaults of its own: the API never "
                           "asks, so it only plans unless told dry_run=False; the command line "
                           "asks (or --yes), and --dry-run stops after the plan",
@@ -70,7 +70,7 @@ def _cli_options(name: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize(("name", "api", "options"), DECLARED, ids=[d[0] for d in DECLARED])
 def test_every_keyword_is_a_field_and_a_flag_of_the_same_name(name: str, api: Any,
                                                                options: type) -> None:
-    own = {k for (c, k) in NOT_OPTIONS if c == name}
+    own = {k for (c, k) in NOT_FIELDS if c == name}
     keywords = {k: p for k, p in inspect.signature(api).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in API_ONLY | own}
     fields = {f.name: f for f, _ in options_of(options)}

@@ -381,17 +381,13 @@ _KIND_PARSERS: dict[str, Callable[[str, bool], Callable[[Any], Any]]] = {
 }
 
 
-_UNITS = {"size": (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)),
-          "duration": (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))}
-
-
-def _as_typed(kind: str, value: float) -> str:
-    """A size or duration default as a user types it: ``5GB``, ``10m`` (the largest unit
-    that divides it; else the plain number, bytes or seconds)."""
-    for unit, factor in _UNITS[kind]:
+def _size_as_typed(value: int) -> str:
+    """A size default as a user types it: ``5GB`` (the largest decimal unit that divides it;
+    else the plain number of bytes)."""
+    for unit, factor in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
         if value % factor == 0:
-            return f"{int(value // factor)}{unit}"
-    return f"{value:g}"
+            return f"{value // factor}{unit}"
+    return str(value)
 
 
 def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
@@ -404,11 +400,19 @@ def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
     default = f.default if f.default is not dataclasses.MISSING else None
     if isinstance(default, tuple):
         default = None
-    if spec.kind in ("size", "duration") and default:
-        # Shown as typed (--grace 10m, not 600.0); the parser reads it like a given value.
-        annotation, default = Any, _as_typed(spec.kind, default)
+    if spec.kind == "size" and isinstance(default, int) and default:
+        # Shown as typed (5GB, not 5000000000), which the parser reads as a given value.
+        annotation, default = Any, _size_as_typed(default)
     how: dict[str, Any] = {"help": word(spec.help, "cli"), "metavar": spec.metavar,
                            "show_default": default is not None and default not in ((), False)}
+    if spec.kind == "duration" and isinstance(default, (int, float)) and default:
+        from ckpt_cli.units import format_duration  # lazy: only where a duration is declared
+
+        # The default as typed (10m, not 600.0), which the parser reads as a given value.
+        annotation, default = Any, format_duration(default)
+    if default is True:  # a switch on by default: --metadata/--no-metadata, which say it
+        flags = [f"{flags[0]}/--no-{f.name.replace('_', '-')}", *flags[1:]]
+        how["show_default"] = False
     if spec.min is not None:
         how["min"] = spec.min
     if spec.kind in _KIND_PARSERS:

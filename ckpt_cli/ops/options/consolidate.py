@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpt_cli.choices import CastTarget, OutputFormat
-from ckpt_cli.ops.options import shared
+from ckpt_cli.ops.options import common
 from ckpt_cli.optionspec import option
 from ckpt_cli.parts import Part
 
@@ -28,7 +28,7 @@ class ConsolidateOptions:
     the index and the manifest (:mod:`ckpt_cli.writers.parts`).
     """
 
-    output_format: OutputFormat | None = shared.output_format()
+    output_format: OutputFormat | None = common.output_format()
     max_shard_size: int | None = option(DEFAULT_MAX_SHARD, metavar="SIZE", kind="size",
                                         allow_zero=True, help=(
         "Largest output file (e.g. 5GB); 0 for one file."))
@@ -42,10 +42,10 @@ class ConsolidateOptions:
     verify: bool = option(False, help=(
         "Re-read every output tensor and compare it with its source chunks before the output "
         "is put in place."))
-    manifest: bool = option(True, off="--no-manifest", help=(
+    manifest: bool = option(True, help=(
         "Write an integrity manifest that ckpt validate checks."))
-    overwrite: bool = shared.overwrite()
-    part: Part | None = shared.part()
-    finalize: bool = shared.finalize()
-    max_memory: int | None = shared.max_memory()
-    concurrency: int | None = shared.concurrency()
+    overwrite: bool = common.overwrite()
+    part: Part | None = common.part()
+    finalize: bool = common.finalize()
+    max_memory: int | None = common.max_memory("data read ahead and written behind")
+    concurrency: int | None = common.concurrency()

@@ -14,7 +14,7 @@ from ckpt_cli.choices import (
     InputFormat,
     OutputFormat,
 )
-from ckpt_cli.ops.options import shared
+from ckpt_cli.ops.options import common
 from ckpt_cli.optionspec import option
 from ckpt_cli.parts import Part
 
@@ -53,7 +53,7 @@ class ConvertOptions:
         "With `to=dcp`: torchtitan's top-level keys (model FQNs, optimizer, lr_scheduler, "
         "train_state) or the PyTorch DCP recipe's {model, optim}."))
     # The output.
-    output_format: OutputFormat | None = shared.output_format()
+    output_format: OutputFormat | None = common.output_format()
     max_shard_size: int | None = option(None, metavar="SIZE", kind="size", help=(
         "Split into HF-style shards of at most SIZE (e.g. 5GB) with an index."))
     keep_optimizer: bool = option(False, help=(
@@ -67,11 +67,9 @@ class ConvertOptions:
     container: str | None = option(None, metavar="NAME", help=(
         "Which top-level container holds the weights when there are several (model, "
         "ema...)."))
-    overwrite: bool = shared.overwrite()
-    part: Part | None = shared.part()
-    finalize: bool = shared.finalize()
-    input_format: InputFormat | None = option(None, short="-F", metavar="NAME", help=(
-        "Skip detection and read the input as this format: safetensors, hf-index, torch, "
-        "dcp, deepspeed, megatron or dir."))
-    max_memory: int | None = shared.max_memory()
-    concurrency: int | None = shared.concurrency()
+    overwrite: bool = common.overwrite()
+    part: Part | None = common.part()
+    finalize: bool = common.finalize()
+    input_format: InputFormat | None = common.input_format()
+    max_memory: int | None = common.max_memory("data read ahead and written behind")
+    concurrency: int | None = common.concurrency()
