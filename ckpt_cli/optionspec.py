@@ -39,6 +39,8 @@ class Spec:
         help: One or two sentences; other options between backticks (`` `tensors` ``).
         metavar: The value's name in ``--help`` (``GLOB``, ``SIZE``).
         short: A short flag (``-t``), if any.
+        off: The flag turning a bool option off (``--no-manifest``, ``--model-only``), if
+            any; ``--help`` shows it beside the flag.
         aliases: Older flags that still work (``--filter`` for ``--name-glob``), listed in
             ``--help`` after the flag.
         old_keywords: Older Python keywords that still work, with a DeprecationWarning.
@@ -51,6 +53,7 @@ class Spec:
     help: str
     metavar: str | None = None
     short: str | None = None
+    off: str | None = None
     aliases: tuple[str, ...] = ()
     old_keywords: tuple[str, ...] = ()
     kind: Kind | None = None
@@ -60,8 +63,8 @@ class Spec:
 
 
 def option(default: Any = MISSING, *, help: str, metavar: str | None = None,
-           short: str | None = None, aliases: tuple[str, ...] = (),
-           old_keywords: tuple[str, ...] = (),
+           short: str | None = None, off: str | None = None,
+           aliases: tuple[str, ...] = (), old_keywords: tuple[str, ...] = (),
            kind: Kind | None = None, cli: bool = True, min: int | None = None,
            allow_zero: bool = False, default_factory: Callable[[], Any] | Any = MISSING) -> Any:
     """A dataclass field that declares an option (see :class:`Spec` for the arguments).
@@ -69,7 +72,7 @@ def option(default: Any = MISSING, *, help: str, metavar: str | None = None,
     Returns:
         A ``dataclasses.field`` with the default and the :class:`Spec` as metadata.
     """
-    spec = Spec(help=help, metavar=metavar, short=short, aliases=aliases,
+    spec = Spec(help=help, metavar=metavar, short=short, off=off, aliases=aliases,
                 old_keywords=old_keywords, kind=kind, cli=cli,
                 min=min, allow_zero=allow_zero)
     if default_factory is not MISSING:

@@ -17,9 +17,13 @@ from safetensors.numpy import save_file
 
 import ckpt_cli
 from ckpt_cli.cli.app import app
+from ckpt_cli.ops.options.consolidate import ConsolidateOptions
+from ckpt_cli.ops.options.convert import ConvertOptions
 from ckpt_cli.ops.options.diff import DiffOptions
 from ckpt_cli.ops.options.inspect import InspectOptions
 from ckpt_cli.ops.options.plan import PlanOptions
+from ckpt_cli.ops.options.prune import PruneOptions
+from ckpt_cli.ops.options.resume import ResumePathOptions
 from ckpt_cli.ops.options.sample import SampleOptions
 from ckpt_cli.ops.options.stats import StatsOptions
 from ckpt_cli.ops.options.validate import ValidateOptions
@@ -37,6 +41,10 @@ DECLARED: list[tuple[str, Any, type]] = [
     ("stats", ckpt_cli.stats, StatsOptions),
     ("watch", ckpt_cli.watch_once, WatchOptions),
     ("sample", None, SampleOptions),
+    ("convert", ckpt_cli.convert, ConvertOptions),
+    ("consolidate", ckpt_cli.consolidate, ConsolidateOptions),
+    ("prune", ckpt_cli.prune, PruneOptions),
+    ("resume-path", ckpt_cli.resume_path, ResumePathOptions),
 ]
 
 # API keywords that are no option of the command line, each for a reason.
@@ -46,6 +54,12 @@ API_ONLY = {
     "storage_options",
     # Python callables: no command line can give one.
     "on_progress", "on_event",
+}
+# A keyword and a flag of the same name that are no option of the op, each for a reason.
+NOT_FIELDS = {
+    ("prune", "dry_run"): "whether the call deletes, with defaults of its own: the API never "
+                          "asks, so it only plans unless told dry_run=False; the command line "
+                          "asks (or --yes), and --dry-run stops after the plan",
 }
 # Command-line flags that are no API keyword, each for a reason.
 CLI_ONLY = {
@@ -67,17 +81,20 @@ def _cli_options(name: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize(("name", "api", "options"), DECLARED, ids=[d[0] for d in DECLARED])
 def test_every_keyword_is_a_field_and_a_flag_of_the_same_name(name: str, api: Any,
                                                                options: type) -> None:
+    own = {k for (c, k) in NOT_FIELDS if c == name}  # API keywords that are no field
     fields = {f.name: f for f, _ in options_of(options)}
     if api is not None:
         keywords = {k: p for k, p in inspect.signature(api).parameters.items()
-                    if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in API_ONLY}
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in API_ONLY | own}
+        assert own <= set(inspect.signature(api).parameters)
         assert set(keywords) == set(fields)
         for k, p in keywords.items():
             default = fields[k].default
             assert p.default == (None if default == () else default), k
     cli = _cli_options(name)
-    own = {k for (c, k) in NOT_SHARED if c == name}  # the command line's own, each for a reason
-    assert set(cli) - set(CLI_ONLY) - own == set(fields)
+    not_shared = {k for (c, k) in NOT_SHARED if c == name}  # the command line's own
+    assert set(cli) - set(CLI_ONLY) - not_shared - own == set(fields)
+    assert own <= set(cli)
     for k, opts in cli.items():
         assert flag(k) in opts, (k, opts)
 
@@ -301,3 +318,36 @@ def test_a_duration_default_is_shown_and_read_as_typed() -> None:
     assert (params["settle"].default, params["grace"].default) == ("1s", "10m")
     assert WatchOptions().grace == 600.0 and params["grace"].type_cast_value(
         typer.main.get_command(app).make_context("ckpt", ["watch", "x"]), "10m") == 600.0
+
+
+def test_plan_notes_name_options_as_the_caller_does() -> None:
+    python = ckpt_cli.plan(params="7B").to_dict()["notes"]
+    assert "give bandwidth or measure_dir for the write time and the optimal interval" in python
+    assert not any("--" in n for n in python)
+    r = run_cli("plan", "--params", "7B", "--json")
+    assert json.loads(r.stdout)["notes"] == [
+        n.replace("bandwidth or measure_dir", "--bandwidth or --measure-dir")
+        .replace("mtbf, or gpus with gpu_mtbf", "--mtbf, or --gpus with --gpu-mtbf")
+        for n in python]
+    human = run_cli("plan", "--params", "7B").stderr
+    assert "note: give --bandwidth or --measure-dir for" in human and "`" not in human
+
+
+def test_convert_notes_name_options_as_the_caller_does(tmp_path: Path) -> None:
+    src = _model(tmp_path)
+    python = ckpt_cli.convert(src, tmp_path / "a.safetensors", to="fp16",
+                              keep_fp32="*norm*").to_dict()["notes"]
+    assert "keep_fp32 '*norm*' matched no tensor of the output" in python
+    r = run_cli("convert", src, "-o", tmp_path / "b.safetensors", "--to", "fp16",
+                "--keep-fp32", "*norm*", "--json")
+    assert json.loads(r.stdout)["notes"] == [n.replace("keep_fp32", "--keep-fp32")
+                                              for n in python]
+
+
+def test_the_old_format_keyword_and_flag_still_work(tmp_path: Path) -> None:
+    src = _model(tmp_path)
+    with pytest.warns(DeprecationWarning, match=r"convert\(format=...\).*output_format="):
+        ckpt_cli.convert(src, tmp_path / "x", format="pt")  # type: ignore[call-arg]
+    assert (tmp_path / "x" / "pytorch_model.bin").is_file()
+    r = run_cli("convert", src, "-o", tmp_path / "y", "--format", "pt", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["files"][0]["path"] == "pytorch_model.bin"

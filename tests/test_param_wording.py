@@ -29,13 +29,6 @@ ALLOWED = {
     ("formats/__init__.py", "--input-format (diff: --input-format-a/-b)"),
     # A finding's hint (validate, inspect), not an error: reports print findings as they are.
     ("formats/allowlist.py", "--allow-global "),
-    # Raised while prune thins a checkpoint; prune reports the message as the reason it left
-    # that checkpoint whole (a result, not an error the CLI words).
-    ("trust/thinning/hf.py", "--thin-to bf16 leaves it whole"),
-    ("trust/thinning/hf.py", "--thin-to bf16 casts"),
-    ("trust/thinning/objects.py", "--thin-to bf16 leaves it whole"),
-    ("trust/thinning/objects.py", "--thin-to bf16 casts"),
-    ("trust/thinning/thin.py", "--thin-to must be one of"),
 }
 
 

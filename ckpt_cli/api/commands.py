@@ -36,11 +36,22 @@ from ckpt_cli.choices import (
     Precision,
     ThinDtype,
 )
+from ckpt_cli.ops.consolidate import consolidate as _ops_consolidate
+from ckpt_cli.ops.convert import convert as _ops_convert
+from ckpt_cli.ops.diff import diff as _ops_diff
+from ckpt_cli.ops.inspect import inspect as _ops_inspect
+from ckpt_cli.ops.options.consolidate import DEFAULT_MAX_SHARD, ConsolidateOptions
+from ckpt_cli.ops.options.convert import ConvertOptions
 from ckpt_cli.ops.options.diff import DiffOptions
 from ckpt_cli.ops.options.inspect import InspectOptions
 from ckpt_cli.ops.options.plan import PlanOptions
+from ckpt_cli.ops.options.prune import DEFAULT_GRACE, PruneOptions
 from ckpt_cli.ops.options.stats import StatsOptions
 from ckpt_cli.ops.options.validate import ValidateOptions
+from ckpt_cli.ops.plan import plan as _ops_plan
+from ckpt_cli.ops.prune import prune as _ops_prune
+from ckpt_cli.ops.stats import stats as _ops_stats
+from ckpt_cli.ops.validate import validate as _ops_validate
 from ckpt_cli.optionspec import documented
 
 if TYPE_CHECKING:
@@ -85,14 +96,13 @@ def inspect(path: PathLike, *, tensors: bool = False, name_glob: str | None = No
         >>> r = ckpt_cli.inspect("demo-run/step_000300/checkpoint.pt")
         >>> r.index.num_parameters, r.to_dict()["format"]
     """
-    from ckpt_cli.ops.inspect import inspect as run
 
     with _args.api_names():
         _args.use_storage(storage_options, None)
         options = InspectOptions(tensors=tensors, name_glob=name_glob, sort=sort, tree=tree,
                                  depth=depth, pattern=pattern, input_format=input_format,
                                  allow_global=_args.names(allow_global))
-        return run(_args.located(path), options)
+        return _ops_inspect(_args.located(path), options)
 
 
 @_args.deprecated_keywords(ValidateOptions)
@@ -129,7 +139,6 @@ def validate(path: PathLike, *, latest: bool = False, values: bool = False,
         >>> r = ckpt_cli.validate("demo-run")
         >>> r.ok, [f.message for f in r.findings if f.severity == "error"]
     """
-    from ckpt_cli.ops.validate import validate as run
 
     with _args.api_names():
         _args.use_storage(storage_options, concurrency)
@@ -144,7 +153,7 @@ def validate(path: PathLike, *, latest: bool = False, values: bool = False,
         _args.local_only(where if write_manifest else None, "write_manifest's checkpoint",
                          "write_manifest")
         _args.local_only(options.parts_dir, "parts_dir", "parts_dir")
-        return run(where, options, progress=on_progress)
+        return _ops_validate(where, options, progress=on_progress)
 
 
 @_args.deprecated_keywords(DiffOptions)
@@ -178,7 +187,6 @@ def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all_tensors:
         >>> r = ckpt_cli.diff("demo-run/step_000100", "demo-run/step_000200")
         >>> r.equal, r.to_dict()["summary"]["changed"]
     """
-    from ckpt_cli.ops.diff import diff as run
 
     with _args.api_names():
         _args.use_storage(storage_options, concurrency)
@@ -188,7 +196,7 @@ def diff(a: PathLike, b: PathLike, *, structure_only: bool = False, all_tensors:
             atol=atol, name_glob=name_glob, by_module=by_module, depth=depth,
             metadata=metadata, input_format_a=input_format_a, input_format_b=input_format_b,
             max_memory=_args.size(max_memory, "max_memory"), concurrency=concurrency)
-        return run(_args.located(a), _args.located(b), options, progress=on_progress)
+        return _ops_diff(_args.located(a), _args.located(b), options, progress=on_progress)
 
 
 @_args.deprecated_keywords(StatsOptions)
@@ -224,7 +232,6 @@ def stats(path: PathLike, *, all_tensors: bool = False, name_glob: str | None = 
         >>> r = ckpt_cli.stats("demo-run")
         >>> [(a.step, a.module, a.kind) for a in r.anomalies]
     """
-    from ckpt_cli.ops.stats import stats as run
 
     with _args.api_names():
         _args.use_storage(storage_options, concurrency)
@@ -236,10 +243,11 @@ def stats(path: PathLike, *, all_tensors: bool = False, name_glob: str | None = 
             part=_args.part(part), pattern=pattern, input_format=input_format,
             allow_global=_args.names(allow_global),
             max_memory=_args.size(max_memory, "max_memory"), concurrency=concurrency)
-        return run(_args.located(path), options, progress=on_progress)
+        return _ops_stats(_args.located(path), options, progress=on_progress)
 
 
-@_args.deprecated_keywords(format="output_format", force="overwrite")
+@_args.deprecated_keywords(ConvertOptions)
+@documented(ConvertOptions)
 def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
             fp8_layout: Fp8Layout = "block", fp8_activations: Fp8Activations = "dynamic",
             dequantize: bool = False, dcp_layout: DcpLayout = "torchtitan",
@@ -249,39 +257,19 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
             clamp: bool = False, container: str | None = None, overwrite: bool = False,
             part: Part | str | None = None, finalize: bool = False,
             input_format: InputFormat | None = None, max_memory: int | str | None = None,
-            storage_options: Mapping[str, Any] | None = None, concurrency: int | None = None,
+            concurrency: int | None = None, storage_options: Mapping[str, Any] | None = None,
             on_progress: ProgressCallback | None = None) -> ConvertResult:
     """Convert a checkpoint: training -> inference, FP32 -> FP16/BF16/FP8, torch ->
     safetensors (``ckpt convert``).
+
+    ``to="dcp"`` moves the training state into a DCP directory instead (docs/migrate.md).
 
     Args:
         source: The checkpoint to convert (file or directory), or a URL.
         output: A ``.safetensors``/``.pt``/``.bin`` file, or a directory (a trailing ``/``
             says a directory whatever the name).
-        to: Cast floating-point model tensors: ``fp16``, ``bf16``, ``fp32``, ``fp8`` or
-            ``keep``; or ``dcp``: move the training state (weights, optimizer, LR schedule,
-            step) into a torch.distributed.checkpoint directory (docs/migrate.md).
-        fp8_layout: With ``to="fp8"``: ``block``, ``channel`` or ``tensor`` scales.
-        fp8_activations: With ``to="fp8"`` and a channel/tensor layout: ``dynamic`` or
-            ``none``.
-        dequantize: With ``to`` bf16/fp16/fp32: turn FP8 weights with a scale into
-            weight x scale.
-        dcp_layout: With ``to="dcp"``: ``torchtitan`` or ``recipe`` top-level keys.
-        output_format: Output file format, ``safetensors`` or ``pt`` (default: from the
-            suffix).
-        max_shard_size: Split into HF-style shards of at most this size (bytes or ``"5GB"``).
-        keep_optimizer: Keep every tensor, optimizer state included (a pure format change).
-        keep_prefix: Keep wrapper prefixes (``module.``, ``_orig_mod.``).
-        keep_fp32: Keep tensors matching these globs in FP32 (``"*norm*"``).
-        clamp: Clamp values beyond FP16's range instead of refusing.
-        container: Which top-level container holds the weights (``model``, ``ema``...).
-        overwrite: Replace an existing output.
-        part: Do only part ``"K/N"`` (or ``"auto"``) of the work; the last part completes it.
-        finalize: Complete a job split with ``part``.
-        input_format: Skip detection and read the input as this format.
-        max_memory: Budget for data read ahead and written behind (bytes or ``"512MB"``).
+        {options}
         storage_options: fsspec options for URLs.
-        concurrency: URLs: ranged GETs in flight per object streamed.
         on_progress: Called as ``("writing", bytes_done, bytes_total)``.
 
     Returns:
@@ -297,32 +285,32 @@ def convert(source: PathLike, output: PathLike, *, to: ConvertTarget = "keep",
         >>> r = ckpt_cli.convert("demo-run", "model-bf16/", to="bf16")
         >>> [f["path"] for f in r.to_dict()["files"]]
     """
-    from ckpt_cli.ops.convert import ConvertOptions
-    from ckpt_cli.ops.convert import convert as run
 
     with _args.api_names("output_format"):
         _args.use_storage(storage_options, concurrency)
         options = ConvertOptions(
-            to=to, fmt=output_format, max_shard_size=_args.size(max_shard_size, "max_shard_size"),
+            to=to, fp8_layout=fp8_layout, fp8_activations=fp8_activations,
+            dequantize=dequantize, dcp_layout=dcp_layout, output_format=output_format,
+            max_shard_size=_args.size(max_shard_size, "max_shard_size"),
             keep_optimizer=keep_optimizer, keep_prefix=keep_prefix,
-            keep_fp32=_args.names(keep_fp32), clamp=clamp, overwrite=overwrite,
-            container=container, input_format=input_format, part=_args.part(part),
-            finalize=finalize, max_memory=_args.size(max_memory, "max_memory"),
-            fp8_layout=fp8_layout, fp8_activations=fp8_activations, dequantize=dequantize,
-            dcp_layout=dcp_layout)
-        return run(_args.located(source), _args.output(output), options,
+            keep_fp32=_args.names(keep_fp32), clamp=clamp, container=container,
+            overwrite=overwrite, part=_args.part(part), finalize=finalize,
+            input_format=input_format, max_memory=_args.size(max_memory, "max_memory"),
+            concurrency=concurrency)
+        return _ops_convert(_args.located(source), _args.output(output), options,
                    progress=on_progress)
 
 
-@_args.deprecated_keywords(format="output_format", force="overwrite")
+@_args.deprecated_keywords(ConsolidateOptions)
+@documented(ConsolidateOptions)
 def consolidate(source: PathLike, output: PathLike, *,
                 output_format: OutputFormat | None = None,
-                max_shard_size: int | str | None = "5GB", with_optimizer: bool = False,
-                to: CastTarget = "keep", clamp: bool = False, verify: bool = False,
-                manifest: bool = True, overwrite: bool = False, part: Part | str | None = None,
-                finalize: bool = False, max_memory: int | str | None = None,
+                max_shard_size: int | str | None = DEFAULT_MAX_SHARD,
+                with_optimizer: bool = False, to: CastTarget = "keep", clamp: bool = False,
+                verify: bool = False, manifest: bool = True, overwrite: bool = False,
+                part: Part | str | None = None, finalize: bool = False,
+                max_memory: int | str | None = None, concurrency: int | None = None,
                 storage_options: Mapping[str, Any] | None = None,
-                concurrency: int | None = None,
                 on_progress: ProgressCallback | None = None) -> ConsolidateResult:
     """Merge a rank-sharded checkpoint (DCP, DeepSpeed ZeRO, per-rank files) into few files
     (``ckpt consolidate``).
@@ -331,19 +319,8 @@ def consolidate(source: PathLike, output: PathLike, *,
         source: A DCP directory, a DeepSpeed checkpoint (``global_stepN/`` or its save
             directory), HF-style shards, or a directory of per-rank files; or a URL.
         output: The output directory (or a single ``.safetensors``/``.pt`` file).
-        output_format: Output file format, ``safetensors`` or ``pt``.
-        max_shard_size: Largest output file (bytes or ``"5GB"``); 0 or None for one file.
-        with_optimizer: Keep the optimizer state too (to resume on another world size).
-        to: Cast floating-point model tensors: ``fp16``, ``bf16``, ``fp32`` or ``keep``.
-        clamp: With ``to="fp16"``: clamp values beyond FP16's range instead of refusing.
-        verify: Re-read every output tensor and compare it with its source chunks.
-        manifest: Write an integrity manifest that :func:`validate` checks.
-        overwrite: Replace an existing output.
-        part: Do only part ``"K/N"`` (or ``"auto"``) of the work.
-        finalize: Complete a job split with ``part``.
-        max_memory: Budget for data read ahead and written behind (bytes or ``"512MB"``).
+        {options}
         storage_options: fsspec options for URLs.
-        concurrency: URLs: ranged GETs in flight per object streamed.
         on_progress: Called as ``("writing", bytes_done, bytes_total)``.
 
     Returns:
@@ -358,27 +335,27 @@ def consolidate(source: PathLike, output: PathLike, *,
         >>> r = ckpt_cli.consolidate("demo-run/step_000400", "step400-full/")
         >>> r.tensors, r.lost_elements
     """
-    from ckpt_cli.ops.consolidate import ConsolidateOptions
-    from ckpt_cli.ops.consolidate import consolidate as run
 
     with _args.api_names("output_format"):
         _args.use_storage(storage_options, concurrency)
         options = ConsolidateOptions(
-            fmt=output_format,
+            output_format=output_format,
             max_shard_size=_args.size(max_shard_size, "max_shard_size", allow_zero=True),
-            with_optimizer=with_optimizer, to=to, clamp=clamp, overwrite=overwrite, verify=verify,
-            manifest=manifest, part=_args.part(part), finalize=finalize,
-            max_memory=_args.size(max_memory, "max_memory"))
-        return run(_args.located(source), _args.output(output), options,
+            with_optimizer=with_optimizer, to=to, clamp=clamp, verify=verify,
+            manifest=manifest, overwrite=overwrite, part=_args.part(part), finalize=finalize,
+            max_memory=_args.size(max_memory, "max_memory"), concurrency=concurrency)
+        return _ops_consolidate(_args.located(source), _args.output(output), options,
                    progress=on_progress)
 
 
+@_args.deprecated_keywords(PruneOptions)
+@documented(PruneOptions)
 def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str | None = None,
           keep_best: int | None = None, metric: str | None = None, mode: MetricMode = "min",
-          metrics_file: PathLike | None = None, older_than: float | str | None = None,
-          max_total_size: int | str | None = None, grace: float | str = "10m",
-          thin_after: int | None = None, thin_to: ThinDtype | None = None,
-          keep_full_every: int | None = None, keep_abandoned: bool = False,
+          older_than: float | str | None = None, max_total_size: int | str | None = None,
+          grace: float | str = DEFAULT_GRACE, thin_after: int | None = None,
+          thin_to: ThinDtype | None = None, keep_full_every: int | str | None = None,
+          keep_abandoned: bool = False, metrics_file: PathLike | None = None,
           pattern: str | None = None, any_dir: bool = False, dry_run: bool = True,
           storage_options: Mapping[str, Any] | None = None,
           on_progress: ProgressCallback | None = None) -> PruneResult:
@@ -386,26 +363,12 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
 
     A checkpoint is kept if any rule keeps it. Never deleted: what a resume pointer names,
     anything that may still be being written, and the newest valid checkpoint. Nothing is
-    deleted unless ``dry_run=False``; no question is asked.
+    deleted unless ``dry_run=False``; no question is asked. Counts, sizes and ages take
+    numbers (steps, bytes, seconds) or text (``"10K"``, ``"2TB"``, ``"7d"``).
 
     Args:
         run_dir: The run directory (or an object-store prefix).
-        keep: Keep the newest N complete (and, with a run ledger, verified) checkpoints.
-        keep_every: Keep checkpoints whose step is a multiple of this (``10000`` or ``"10K"``).
-        keep_best: Keep the N best checkpoints by ``metric``.
-        metric: The metric of ``keep_best`` (``eval_loss``...).
-        mode: ``min`` (lower is better) or ``max``.
-        metrics_file: Metrics by step (CSV, JSON lines or JSON) for ``keep_best``.
-        older_than: Keep checkpoints modified within this age (seconds or ``"7d"``).
-        max_total_size: Keep the newest checkpoints that fit in this size (bytes or ``"2TB"``).
-        grace: Never delete anything changed within this age (seconds or ``"10m"``; 0: off).
-        thin_after: Rewrite checkpoints older than the newest N without optimizer state.
-        thin_to: ``bf16``: also cast thinned checkpoints' weights to BF16.
-        keep_full_every: Never thin checkpoints whose step is a multiple of this.
-        keep_abandoned: Keep the checkpoints of a timeline a rollback abandoned (by default
-            they are deleted; they never count towards ``keep`` or ``keep_every``).
-        pattern: A regex saying which entries are checkpoints.
-        any_dir: Prune even ``/``, ``$HOME`` or a directory that does not look like a run.
+        {options}
         dry_run: Only plan (the default); False deletes.
         storage_options: fsspec options for URLs.
         on_progress: Called as ``("deleting", checkpoints_done, checkpoints_to_delete)``.
@@ -422,31 +385,22 @@ def prune(run_dir: PathLike, *, keep: int | None = None, keep_every: int | str |
         >>> r = ckpt_cli.prune("demo-run", keep=2)  # a dry run
         >>> [c["name"] for c in r.to_dict()["checkpoints"] if c["action"] == "delete"]
     """
-    from ckpt_cli.errors import UsageError
-    from ckpt_cli.ops.prune import prune as run
-    from ckpt_cli.ops.prune.retention import PrunePolicy
 
     with _args.api_names():
         _args.use_storage(storage_options, None)
-        if metrics_file is not None and keep_best is None:
-            raise UsageError("metrics_file only feeds keep_best; give keep_best and metric too",
-                             param=("metrics_file", "keep_best", "metric"))
-        for value, what in ((metric, "metric"), (pattern, "pattern")):
-            if value is not None and not value.strip():
-                raise UsageError(f"{what} {value!r} is empty", param=what)
-        if mode not in ("min", "max"):
-            raise UsageError(f"mode must be min or max, not {mode!r}", param="mode")
-        policy = PrunePolicy(
+        metrics = _args.located(metrics_file) if metrics_file is not None else None
+        options = PruneOptions(
             keep=keep, keep_every=_args.count(keep_every, "keep_every"), keep_best=keep_best,
-            metric=metric, mode="max" if mode == "max" else "min",
-            older_than=_args.duration(older_than, "older_than"),
+            metric=metric, mode=mode, older_than=_args.duration(older_than, "older_than"),
             max_total_size=_args.size(max_total_size, "max_total_size"),
             grace=_args.duration(grace, "grace", allow_zero=True) or 0.0,
-            thin_after=thin_after, thin_to=thin_to, keep_full_every=keep_full_every,
-            keep_abandoned=keep_abandoned)
-        metrics = _args.located(metrics_file) if metrics_file is not None else None
+            thin_after=thin_after, thin_to=thin_to,
+            keep_full_every=_args.count(keep_full_every, "keep_full_every"),
+            keep_abandoned=keep_abandoned, metrics_file=metrics, pattern=pattern,
+            any_dir=any_dir)
+        options.check()
         _args.local_only(metrics, "metrics_file", "metrics_file")
-        return run(_args.located(run_dir), policy, pattern=pattern, metrics_file=metrics,
+        return _ops_prune(_args.located(run_dir), options, pattern=pattern, metrics_file=metrics,
                    dry_run=dry_run, any_dir=any_dir, progress=on_progress)
 
 
@@ -482,7 +436,6 @@ def plan(*, params: int | str | None = None, precision: Precision | None = None,
         >>> r = ckpt_cli.plan(params="7B", bandwidth="2GB/s", mtbf="12h")
         >>> r.daly.seconds if r.daly else None
     """
-    from ckpt_cli.ops.plan import plan as run
 
     with _args.api_names():
         _args.local_only(_args.located(measure_dir) if measure_dir is not None else None,
@@ -501,4 +454,4 @@ def plan(*, params: int | str | None = None, precision: Precision | None = None,
             snapshot_bandwidth=_args.rate(snapshot_bandwidth, "snapshot_bandwidth"),
             interval=_args.duration(interval, "interval"),
             restart=_args.duration(restart, "restart", allow_zero=True))
-        return run(options, progress=on_progress)
+        return _ops_plan(options, progress=on_progress)

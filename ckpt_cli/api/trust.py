@@ -8,8 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.api import _args
 from ckpt_cli.api._args import PathLike
+from ckpt_cli.api.results import ResumePathResult, WatchResult
 from ckpt_cli.choices import ThinDtype
+from ckpt_cli.errors import CkptError
+from ckpt_cli.ops.options.resume import ResumePathOptions
 from ckpt_cli.ops.options.watch import WatchOptions
+from ckpt_cli.ops.resume import survey
+from ckpt_cli.ops.watch import Watcher, retention
 from ckpt_cli.optionspec import documented
 
 if TYPE_CHECKING:
@@ -17,6 +22,8 @@ if TYPE_CHECKING:
     from ckpt_cli.ops.watch import WatchEvent
 
 
+@_args.deprecated_keywords(ResumePathOptions)
+@documented(ResumePathOptions)
 def resume_path(run_dir: PathLike, *, full: bool = False,
                 storage_options: Mapping[str, Any] | None = None) -> ResumePathResult:
     """The newest verified checkpoint of a run: the one to resume from (``ckpt resume-path``).
@@ -26,7 +33,7 @@ def resume_path(run_dir: PathLike, *, full: bool = False,
 
     Args:
         run_dir: The run directory, or a URL.
-        full: Hash every file against the manifest (default: sizes only).
+        {options}
         storage_options: fsspec options for URLs.
 
     Returns:
@@ -41,14 +48,12 @@ def resume_path(run_dir: PathLike, *, full: bool = False,
     Example:
         >>> ckpt_cli.resume_path("demo-run").path
     """
-    from ckpt_cli.api.results import ResumePathResult
-    from ckpt_cli.ops.resume import survey
 
     with _args.api_names():
         _args.use_storage(storage_options, None)
+        options = ResumePathOptions(full=full)
         run = _args.located(run_dir)
-        found = survey(run, verify="full" if full else "sizes")
-        return ResumePathResult(run, found, "full" if full else "sizes")
+        return ResumePathResult(run, survey(run, verify=options.verify), options.verify)
 
 
 @documented(WatchOptions)
@@ -84,9 +89,6 @@ def watch_once(run_dir: PathLike, *, crc: bool = False, values: bool = False,
         >>> r = ckpt_cli.watch_once("demo-run")
         >>> r.ok, r.verified
     """
-    from ckpt_cli.api.results import WatchResult
-    from ckpt_cli.errors import CkptError
-    from ckpt_cli.ops.watch import Watcher, retention
 
     with _args.api_names():
         _args.use_storage(storage_options, None)

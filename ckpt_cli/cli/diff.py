@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK
+from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, handled
 from ckpt_cli.cli.options import (
     Common,
     Location,
@@ -44,9 +44,8 @@ def diff_cmd(
       ckpt diff ddp.pt plain.pt --strip-prefix module. --structure-only
       ckpt diff model/ model-fp8/
     """
-    from ckpt_cli.cli.errors import handled
-    from ckpt_cli.ops.diff import diff
-    from ckpt_cli.render import diff as rd
+    from ckpt_cli.ops.diff import diff  # lazy: not loaded by ckpt --help
+    from ckpt_cli.render import diff as rd  # lazy: not loaded by ckpt --help
 
     with handled() as outcome:
         use_storage(common.storage_option, options.concurrency)

@@ -373,11 +373,22 @@ def _cli_type(hint: Any) -> tuple[Any, bool]:
 
 
 _KIND_PARSERS: dict[str, Callable[[str, bool], Callable[[Any], Any]]] = {
-    "size": lambda flag, zero: size_parser(flag, empty_is_none=True, allow_zero=zero),
+    # An empty value is refused, as the API refuses it (--max-total-size "" must not drop
+    # a rule).
+    "size": lambda flag, zero: size_parser(flag, allow_zero=zero),
     "duration": lambda flag, zero: duration_parser(flag, allow_zero=zero),
     "count": lambda flag, zero: whole_parser(flag),
     "rate": lambda flag, zero: rate_parser(flag),
 }
+
+
+def _size_as_typed(value: int) -> str:
+    """A size default as a user types it: ``5GB`` (the largest decimal unit that divides it;
+    else the plain number of bytes)."""
+    for unit, factor in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if value % factor == 0:
+            return f"{value // factor}{unit}"
+    return str(value)
 
 
 def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
@@ -388,6 +399,9 @@ def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
     default = f.default if f.default is not dataclasses.MISSING else None
     if isinstance(default, tuple):
         default = None
+    if spec.kind == "size" and isinstance(default, int) and default:
+        # Shown as typed (5GB, not 5000000000), which the parser reads as a given value.
+        annotation, default = Any, _size_as_typed(default)
     how: dict[str, Any] = {"help": word(spec.help, "cli"), "metavar": spec.metavar,
                            "show_default": default is not None and default not in ((), False)}
     if spec.kind == "duration" and isinstance(default, (int, float)) and default:
@@ -406,8 +420,11 @@ def _option_parameter(f: dataclasses.Field[Any], spec: Any, hint: Any,
         annotation, how["parser"] = Any, part_parser
     elif spec.kind == "path":
         annotation, how["parser"] = Location, location
-    choices = typing.get_args(next((a for a in typing.get_args(hint) or (hint,)
-                                    if typing.get_origin(a) is typing.Literal), None))
+    # The Literal's values: the type itself (to: ConvertTarget), or one of a union's members
+    # (output_format: OutputFormat | None).
+    literal = next((a for a in (hint, *typing.get_args(hint))
+                    if typing.get_origin(a) is typing.Literal), None)
+    choices = typing.get_args(literal) if literal is not None else ()
     if choices:
         how["autocompletion"] = lambda incomplete: [c for c in choices
                                                     if c.startswith(incomplete)]
@@ -425,7 +442,8 @@ def from_options(cls: type) -> Callable[[Callable[..., None]], Callable[..., Non
     hints = typing.get_type_hints(cls)
     declared = [(f, s) for f, s in options_of(cls) if s.cli]
     added = [_option_parameter(f, s, hints[f.name],
-                               [flag_of(f.name), *([s.short] if s.short else []), *s.aliases])
+                               [flag_of(f.name) + (f"/{s.off}" if s.off else ""),
+                                *([s.short] if s.short else []), *s.aliases])
              for f, s in declared]
     tuples = {f.name for f, _ in declared if _cli_type(hints[f.name])[1]}
 

@@ -54,6 +54,7 @@ def plan_cmd(
                           f"{escape(str(options.measure_dir))} and fsyncing ...")
 
         result = plan(options, progress=progress)
+        result.caller = "cli"  # its notes name --flags, in the --json document too
         outcome.exit_code = EXIT_OK
         from ckpt_cli.render.plan import show  # lazy: not loaded by ckpt --help
 

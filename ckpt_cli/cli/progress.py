@@ -56,7 +56,7 @@ def byte_progress(description: str, *, enabled: bool = True) -> Iterator[Progres
     if not (enabled and is_tty()):
         yield ProgressSink()
         return
-    from rich.progress import (  # heavy: rich
+    from rich.progress import (  # heavy: rich  # heavy: rich
         BarColumn,
         DownloadColumn,
         Progress,
@@ -106,7 +106,7 @@ def step_progress(prefix: str, *, enabled: bool = True, every: int = 50
 
         yield line
         return
-    from rich.progress import (  # heavy: rich
+    from rich.progress import (  # heavy: rich  # heavy: rich
         BarColumn,
         MofNCompleteColumn,
         Progress,

@@ -2,6 +2,7 @@
 
 
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -10,71 +11,35 @@ from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, EXIT_REFUSED, handled
 from ckpt_cli.cli.options import (
     Common,
     DryRunOpt,
-    KeepAbandonedOpt,
-    KeepFullEveryOpt,
     Location,
-    ThinAfterOpt,
-    ThinToOpt,
     YesOpt,
     common_options,
+    from_options,
     local_only,
-    location,
     path_argument,
 )
+from ckpt_cli.errors import UsageError, visible
+from ckpt_cli.ops.options.prune import PruneOptions
+from ckpt_cli.optionspec import word
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
     from ckpt_cli.ops.prune.result import PruneEvent, PruneResult
-    from ckpt_cli.ops.prune.retention import PrunePlan, PrunePolicy
+    from ckpt_cli.ops.prune.retention import PrunePlan
 
 
 @common_options("storage_option", "json")
+@from_options(PruneOptions)
 def prune_cmd(
     run_dir: Annotated[Location, path_argument("The run directory whose checkpoints to prune.")],
-    keep: Annotated[int | None, typer.Option(
-        "--keep", metavar="N", help="Keep the newest N complete (and, with a run ledger, "
-        "verified) checkpoints; others newer than the N-th of them are kept but not counted.",
-        show_default=False)] = None,
-    keep_every: Annotated[str | None, typer.Option(
-        "--keep-every", metavar="STEPS",
-        help="Keep milestones: checkpoints whose step is a multiple of STEPS (e.g. 10K).")] = None,
-    keep_best: Annotated[int | None, typer.Option(
-        "--keep-best", metavar="N", help="Keep the N best checkpoints by --metric.")] = None,
-    metric: Annotated[str | None, typer.Option(
-        "--metric", metavar="NAME", help="Metric for --keep-best (eval_loss, val_loss...): from "
-        "trainer_state.json, Lightning file names or --metrics-file.")] = None,
-    mode: Annotated[str, typer.Option("--mode", metavar="min|max",
-                                      help="Whether lower (min) or higher (max) --metric values "
-                                           "are better.")] = "min",
-    metrics_file: Annotated[Location | None, typer.Option(
-        "--metrics-file", metavar="FILE", help="Metrics by step: CSV with a step column "
-        "(Lightning CSVLogger), JSON lines, or JSON.", parser=location)] = None,
-    older_than: Annotated[str | None, typer.Option(
-        "--older-than", metavar="AGE", help="Keep checkpoints modified within AGE (e.g. 7d); "
-        "older ones may go.")] = None,
-    max_total_size: Annotated[str | None, typer.Option(
-        "--max-total-size", metavar="SIZE", help="Keep the newest checkpoints that fit in SIZE "
-        "together (e.g. 2TB); older ones may go.")] = None,
-    grace: Annotated[str, typer.Option(
-        "--grace", metavar="AGE", help="Never delete anything changed within AGE: it may still "
-        "be being written (0 turns this off).")] = "10m",
-    thin_after: ThinAfterOpt = None,
-    thin_to: ThinToOpt = None,
-    keep_full_every: KeepFullEveryOpt = None,
-    keep_abandoned: KeepAbandonedOpt = False,
-    pattern: Annotated[str | None, typer.Option(
-        "--pattern", metavar="REGEX", help="Which entries are checkpoints, for unusual layouts "
-        "(a 'step' group gives the step).")] = None,
-    any_dir: Annotated[bool, typer.Option(
-        "--any-dir", help="Prune even /, $HOME or a directory that does not look like a run "
-        "directory.")] = False,
+    *,
+    options: PruneOptions,
     old_force: Annotated[bool, typer.Option(
         "--force", hidden=True, help="Refused: --force replaces an output in every command; "
         "prune's old --force is --any-dir.")] = False,
     dry_run: DryRunOpt = False,
     yes: YesOpt = False,
-    *,
     common: Common,
 ) -> None:
     """Delete old checkpoints of a run directory by retention rules, safely, even from cron.
@@ -94,10 +59,9 @@ def prune_cmd(
       ckpt prune runs/gpt --keep 5 --json --yes
     """
     with handled() as outcome:
-        local_only(metrics_file, '--metrics-file')
+        local_only(options.metrics_file, '--metrics-file')  # type: ignore[arg-type]
         common.use_storage()
-        from ckpt_cli.errors import UsageError
-        from ckpt_cli.ops.prune import execute, plan
+        from ckpt_cli.ops.prune import execute, plan  # lazy: not loaded by ckpt --help
 
         if old_force:
             # --force means one thing in every command (replace an existing output); prune's
@@ -109,22 +73,13 @@ def prune_cmd(
         if common.json and not yes and not dry_run:
             raise UsageError("--json never asks for confirmation: add --yes to delete, or "
                              "--dry-run to only see the plan")
-        if metrics_file is not None and keep_best is None:
-            raise UsageError("--metrics-file only feeds --keep-best; give --keep-best N "
-                             "--metric NAME too")
-        policy = _policy(keep, keep_every, keep_best, metric, mode, older_than, max_total_size,
-                         grace, pattern, keep_abandoned)
-        if thin_after is not None or thin_to is not None or keep_full_every is not None:
-            import dataclasses
-
-            policy = dataclasses.replace(policy, thin_after=thin_after, thin_to=thin_to,
-                                         keep_full_every=keep_full_every)
-            policy.check()
+        options.check()
         view = _View(tty=_is_terminal(), quiet=common.json, dry_run=dry_run)
         try:
             # The plan, shown; the question (not for --yes, --json or cron); then the deletions.
-            with plan(run_dir, policy, pattern=pattern, metrics_file=metrics_file,
-                      dry_run=dry_run, any_dir=any_dir) as planned:
+            with plan(run_dir, options, pattern=options.pattern,
+                      metrics_file=options.metrics_file, dry_run=dry_run,
+                      any_dir=options.any_dir) as planned:
                 view.show(planned.plan)
                 if (planned.asks and not (yes or common.json or not _interactive())
                         and not view.ask(planned.plan)):
@@ -138,39 +93,13 @@ def prune_cmd(
         if result.note and not common.json:
             sys.stderr.write(f"ckpt: note: {result.path}: {result.note}\n")
         if common.json:
-            from ckpt_cli.render import json as rj
+            from ckpt_cli.render import json as rj  # lazy: not loaded by ckpt --help
 
             result.caller = "cli"
             rj.emit_result(result)
         else:
             view.finish(result)
         raise typer.Exit(code)
-
-
-def _policy(keep: int | None, keep_every: str | None, keep_best: int | None,
-            metric: str | None, mode: str, older_than: str | None, max_total_size: str | None,
-            grace: str, pattern: str | None = None,
-            keep_abandoned: bool = False) -> "PrunePolicy":
-    from ckpt_cli.errors import UsageError
-    from ckpt_cli.ops.prune.retention import PrunePolicy
-    from ckpt_cli.units import parse_count, parse_duration, parse_size
-
-    for value, what in ((metric, "--metric"), (pattern, "--pattern")):
-        if value is not None and not value.strip():
-            raise UsageError(f"{what} {value!r} is empty")
-    if mode not in ("min", "max"):
-        raise UsageError(f"--mode must be min or max, not {mode!r}")
-    return PrunePolicy(
-        keep=keep, keep_best=keep_best, metric=metric, mode="max" if mode == "max" else "min",
-        # "is not None", not truthiness: an empty value must be refused, not drop the rule.
-        keep_every=(parse_count(keep_every, what="--keep-every", whole=True)
-                    if keep_every is not None else None),
-        older_than=(parse_duration(older_than, what="--older-than")
-                    if older_than is not None else None),
-        max_total_size=(parse_size(max_total_size, what="--max-total-size")
-                        if max_total_size is not None else None),
-        grace=parse_duration(grace, what="--grace", allow_zero=True),
-        keep_abandoned=keep_abandoned)
 
 
 def _interactive() -> bool:
@@ -180,7 +109,7 @@ def _interactive() -> bool:
 
 def _is_terminal() -> bool:
     """Whether results go to a terminal (a table) or to a log such as cron mail (lines)."""
-    from ckpt_cli.render.human import is_tty
+    from ckpt_cli.render.human import is_tty  # lazy: not loaded by ckpt --help
 
     return is_tty() and sys.stdout.isatty()
 
@@ -194,7 +123,7 @@ class _View:
     """
 
     def __init__(self, *, tty: bool, quiet: bool, dry_run: bool) -> None:
-        from ckpt_cli.render import human
+        from ckpt_cli.render import human  # lazy: not loaded by ckpt --help
 
         self.tty, self.quiet, self.dry_run = tty, quiet, dry_run
         self.out, self.err = human.stdout(), human.stderr()
@@ -205,8 +134,7 @@ class _View:
         """Show one progress event."""
         if self.quiet:
             return
-        from ckpt_cli.errors import visible
-        from ckpt_cli.render.prune import event_line
+        from ckpt_cli.render.prune import event_line  # lazy: not loaded by ckpt --help
 
         line = event_line(event)
         if self.tty:
@@ -221,8 +149,13 @@ class _View:
         """Show the plan: a table on a terminal, else one line per decision kept."""
         if self.quiet:
             return
-        from ckpt_cli.render import human
-        from ckpt_cli.render.prune import decisions_table, headline, leftover_lines, plan_line
+        from ckpt_cli.render import human  # lazy: not loaded by ckpt --help
+        from ckpt_cli.render.prune import (  # lazy: not loaded by ckpt --help
+            decisions_table,
+            headline,
+            leftover_lines,
+            plan_line,
+        )
 
         if self.tty:
             self.out.print(human.Folded(headline(plan), style="bold"))
@@ -238,9 +171,6 @@ class _View:
                     _plain(plan_line(d, dry_run=self.dry_run))
             for line in leftover_lines(plan, dry_run=self.dry_run):
                 _plain(line)
-        from dataclasses import replace
-
-        from ckpt_cli.optionspec import word
 
         human.print_findings([*plan.listing.findings,
                               *(replace(f, message=word(f.message, "cli"))
@@ -248,7 +178,7 @@ class _View:
 
     def ask(self, plan: "PrunePlan") -> bool:
         """Ask whether to delete (the plan is on screen already); end of input means no."""
-        from ckpt_cli.render.human import size
+        from ckpt_cli.render.human import size  # lazy: not loaded by ckpt --help
 
         n = len(plan.to_delete)
         try:
@@ -258,7 +188,7 @@ class _View:
             return False
 
     def _advance(self, event: "PruneEvent") -> None:
-        from rich.progress import Progress
+        from rich.progress import Progress  # heavy: rich
 
         if self.progress is None:
             self.progress = Progress(console=self.err, transient=True)
@@ -275,13 +205,13 @@ class _View:
 
     def finish(self, result: "PruneResult") -> None:
         """The closing summary (stdout) and leftover-trash problems (stderr)."""
-        from ckpt_cli.render.prune import summary
+        from ckpt_cli.render.prune import summary  # lazy: not loaded by ckpt --help
 
         for name, err in result.trash_failed.items():
             self.err.print(f"ckpt: error: cannot remove leftover trash {name}: {err}",
                            soft_wrap=True, markup=False)
         if self.tty:
-            from ckpt_cli.render import human
+            from ckpt_cli.render import human  # lazy: not loaded by ckpt --help
 
             self.out.print(human.Folded(summary(result)))
         else:
@@ -289,8 +219,6 @@ class _View:
 
 
 def _plain(line: str, *, err: bool = False) -> None:
-    from ckpt_cli.errors import visible
-
     stream = sys.stderr if err else sys.stdout
     # One line per decision, whatever a checkpoint's name holds (a newline would forge a
     # line of a cron log, an escape sequence drive the terminal).

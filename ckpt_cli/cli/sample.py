@@ -42,12 +42,12 @@ def sample_cmd(
             # Before importing torch (1.5 s, 230 MB) for nothing; write_sample checks again.
             raise DestinationExistsError("already exists", path=dest,
                                          hint="pass --overwrite to replace it")
-        from ckpt_cli.cli.progress import step_progress
-        from ckpt_cli.ops.sample import write_sample
+        from ckpt_cli.cli.progress import step_progress  # lazy: not loaded by ckpt --help
+        from ckpt_cli.ops.sample import write_sample  # lazy: not loaded by ckpt --help
 
         with step_progress("sample", enabled=not (quiet or json)) as progress:
             written = write_sample(dest, options, progress=progress)
         outcome.exit_code = EXIT_OK
-        from ckpt_cli.render.sample import show
+        from ckpt_cli.render.sample import show  # lazy: not loaded by ckpt --help
 
         show(dest, written, json=json)

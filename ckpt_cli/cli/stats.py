@@ -16,11 +16,12 @@ from ckpt_cli.cli.options import (
     output_file,
     use_storage,
 )
+from ckpt_cli.errors import UsageError
 from ckpt_cli.ops.options.stats import StatsOptions
 
 
 def _sort_keys(incomplete: str) -> list[str]:
-    from ckpt_cli.render.stats import SORT_KEYS
+    from ckpt_cli.render.stats import SORT_KEYS  # lazy: not loaded by ckpt --help
 
     return [k for k in SORT_KEYS if k.startswith(incomplete)]
 
@@ -60,26 +61,24 @@ def stats_cmd(
       ckpt stats run/ --json | jq '.anomalies'
       ckpt stats run/ --plot trends.png --depth 3
     """
-    from ckpt_cli.ops.stats import stats
-    from ckpt_cli.render import stats as rs
+    from ckpt_cli.ops.stats import stats  # lazy: not loaded by ckpt --help
+    from ckpt_cli.render import stats as rs  # lazy: not loaded by ckpt --help
 
     with handled() as outcome:
         use_storage(common.storage_option, options.concurrency)
         local_only(plot, "--plot's file")
         local_only(options.cache_dir, "--cache-dir")
         if sort not in rs.SORT_KEYS:
-            from ckpt_cli.errors import UsageError
-
             raise UsageError(f"--sort must be one of {', '.join(rs.SORT_KEYS)}, not {sort!r}")
         if plot is not None:
-            from ckpt_cli.render.stats_plot import check_plot
+            from ckpt_cli.render.stats_plot import check_plot  # lazy: not loaded by ckpt --help
 
             check_plot(plot)
         with common.progress("reading") as bar:
             result = stats(path, options, progress=bar)
         outcome.exit_code = code = result.exit_code
         if plot is not None:
-            from ckpt_cli.render.stats_plot import write_plot
+            from ckpt_cli.render.stats_plot import write_plot  # lazy: not loaded by ckpt --help
 
             write_plot(result, plot)
         rs.show(result, json=common.json, quiet=common.quiet, top=top, sort=sort)

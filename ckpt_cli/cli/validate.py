@@ -16,7 +16,9 @@ from ckpt_cli.cli.options import (
     output_file,
     use_storage,
 )
+from ckpt_cli.errors import CkptError
 from ckpt_cli.ops.options.validate import ValidateOptions
+from ckpt_cli.storage.atomic import check_destination
 
 
 @common_options("quiet", "storage_option", "json")
@@ -47,13 +49,11 @@ def validate_cmd(
       ckpt validate export/ --write-manifest
       torchrun --nproc-per-node 8 -m ckpt_cli validate run/step_1000 --part auto
     """
-    from ckpt_cli.ops.validate import validate
+    from ckpt_cli.ops.validate import validate  # lazy: not loaded by ckpt --help
 
     with handled() as outcome:
         local_only(junit, '--junit')
         if junit is not None:  # before any work: a link, FIFO, device, unwritable place
-            from ckpt_cli.storage.atomic import check_destination
-
             check_destination(junit, overwrite=True, parents=True)
         try:
             use_storage(common.storage_option, options.concurrency)
@@ -68,10 +68,10 @@ def validate_cmd(
             raise
         outcome.exit_code = code = result.exit_code(strict=options.strict)
         if junit is not None:
-            from ckpt_cli.render.junit import write_junit
+            from ckpt_cli.render.junit import write_junit  # lazy: not loaded by ckpt --help
 
             write_junit(result, junit)
-        from ckpt_cli.render.validate import show
+        from ckpt_cli.render.validate import show  # lazy: not loaded by ckpt --help
 
         show(result, json=common.json, verbose=verbose)
     raise typer.Exit(code)
@@ -82,8 +82,10 @@ def _junit_of_error(dest: Location, path: Location, error: BaseException) -> Non
     the error, so that a CI step publishing it finds one. The error itself still goes to
     stderr and sets the exit code (``handled()``); a report that cannot be written is said
     on stderr too."""
-    from ckpt_cli.errors import CkptError
-    from ckpt_cli.render.junit import error_junit_xml, write_junit_bytes
+    from ckpt_cli.render.junit import (  # lazy: not loaded by ckpt --help
+        error_junit_xml,
+        write_junit_bytes,
+    )
 
     detail = ""
     if isinstance(error, CkptError):

@@ -5,6 +5,7 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
+import orjson
 import typer
 
 from ckpt_cli.cli.errors import EXIT_FINDINGS, EXIT_OK, interrupted_code
@@ -16,7 +17,10 @@ from ckpt_cli.cli.options import (
     from_options,
     path_argument,
 )
+from ckpt_cli.errors import CkptError, UsageError, visible
+from ckpt_cli.ops.options.resume import ResumePathOptions
 from ckpt_cli.ops.options.watch import WatchOptions
+from ckpt_cli.storage import redact
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.watch import WatchEvent
@@ -59,18 +63,15 @@ def watch_cmd(
       ckpt watch s3://bucket/run --interval 30s
     """
     with common.handled() as outcome:
-        from ckpt_cli.ops.watch import Watcher, retention
+        from ckpt_cli.ops.watch import Watcher, retention  # lazy: not loaded by ckpt --help
 
         opts = dataclasses.replace(options, report_pending=once, caller="cli")
         retention(opts)  # bad retention options first, before looking at the directory
         every: float = interval
-        from ckpt_cli.ops.watch.wake import WAKE_MODES
+        from ckpt_cli.ops.watch.wake import WAKE_MODES  # lazy: not loaded by ckpt --help
 
         if wake not in WAKE_MODES:
-            from ckpt_cli.errors import UsageError
-
             raise UsageError(f"--wake must be one of {', '.join(WAKE_MODES)}, not {wake!r}")
-        from ckpt_cli.errors import CkptError
 
         if not run_dir.is_dir():
             raise CkptError("not a directory", path=run_dir)
@@ -82,7 +83,7 @@ def watch_cmd(
             _emit(ev, common.json)
 
         watcher = Watcher(run_dir, opts, emit)
-        from ckpt_cli.ops.watch.wake import PollWaker, make_waker
+        from ckpt_cli.ops.watch.wake import PollWaker, make_waker  # lazy: not loaded by ckpt --help
 
         waker, note = make_waker(wake, run_dir) if not once else (PollWaker(), None)
         if note:
@@ -103,12 +104,7 @@ def watch_cmd(
 
 
 def _emit(ev: "WatchEvent", json: bool) -> None:
-    from ckpt_cli.errors import visible
-    from ckpt_cli.storage import redact
-
     if json:
-        import orjson
-
         sys.stdout.buffer.write(orjson.dumps(ev.to_json()) + b"\n")
         sys.stdout.flush()
         if not ev.bad:
@@ -144,12 +140,11 @@ def _emit(ev: "WatchEvent", json: bool) -> None:
 
 
 @common_options("storage_option", "json")
+@from_options(ResumePathOptions)
 def resume_path_cmd(
     run_dir: Annotated[Location, path_argument("The run directory.")],
-    full: Annotated[bool, typer.Option(
-        "--full", help="Hash every file against the manifest (default: only files changed "
-        "since the verdict).")] = False,
     *,
+    options: ResumePathOptions,
     common: Common,
 ) -> None:
     """Print the newest verified checkpoint of a run: the one to resume from.
@@ -165,19 +160,16 @@ def resume_path_cmd(
       python train.py --resume "$(ckpt resume-path runs/gpt)"
     """
     with common.handled() as outcome:
-        from ckpt_cli.ops.resume import survey
+        from ckpt_cli.ops.resume import survey  # lazy: not loaded by ckpt --help
 
-        found = survey(run_dir, verify="full" if full else "sizes")
+        found = survey(run_dir, verify=options.verify)
         choice = found.choice
         outcome.exit_code = EXIT_OK if choice is not None else EXIT_FINDINGS
         if common.json:
-            import orjson
+            from ckpt_cli.api.results import ResumePathResult  # lazy: not loaded by ckpt --help
 
-            from ckpt_cli.api.results import ResumePathResult
-
-            doc = ResumePathResult(run_dir, found, "full" if full else "sizes").document()
+            doc = ResumePathResult(run_dir, found, options.verify).document()
             sys.stdout.buffer.write(orjson.dumps(doc) + b"\n")
-        from ckpt_cli.errors import visible
 
         _say_ignored("ckpt", found.ignored, found.unreadable)
         for p, why in found.rejected:
@@ -194,7 +186,6 @@ def resume_path_cmd(
 def _say_ignored(who: str, ignored: "tuple[str, ...] | list[str]", unreadable: int) -> None:
     """The ledger lines passed over, one warning each on stderr (resume-path and watch say
     the same)."""
-    from ckpt_cli.errors import visible
 
     for p in ignored:
         sys.stderr.write(visible(f"{who}: warning: the ledger names {p!r}, which is not a "

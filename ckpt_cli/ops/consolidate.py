@@ -37,6 +37,11 @@ from ckpt_cli.manifest import Manifest, hash_files, manifest_path, write_manifes
 from ckpt_cli.manifest import checkpoint_files as manifest_files
 from ckpt_cli.model import CheckpointIndex, Finding, WrittenFile
 from ckpt_cli.ops import options_of
+
+# Declared in a light module (``ckpt consolidate --help`` builds its flags from it); re-exported.
+from ckpt_cli.ops.options.consolidate import DEFAULT_MAX_SHARD as DEFAULT_MAX_SHARD
+from ckpt_cli.ops.options.consolidate import ConsolidateOptions as ConsolidateOptions
+from ckpt_cli.optionspec import Caller, word
 from ckpt_cli.parts import Part, source_identity
 from ckpt_cli.progress import Progress, Tally
 from ckpt_cli.resolve import resolve
@@ -106,6 +111,9 @@ class ConsolidateResult(Documented):
             ``source`` was a run directory.
         kept: Quantized tensors (FP8...) ``--to`` left as they are, by dtype.
         kept_scales: Their scales, left as they are too, by dtype.
+        caller: Whom ``to_dict()`` names options for in ``notes`` (kept neutral, between
+            backticks): ``python`` (``with_optimizer``) or ``cli`` (``--with-optimizer``, set
+            by ``ckpt consolidate``); see :func:`ckpt_cli.optionspec.word`.
     """
 
     source: Path
@@ -127,6 +135,7 @@ class ConsolidateResult(Documented):
     followed: Followed | None = None
     kept: dict[str, int] = field(default_factory=dict)
     kept_scales: dict[str, int] = field(default_factory=dict)
+    caller: Caller = "python"
 
     command = "consolidate"
 
@@ -146,16 +155,14 @@ class ConsolidateResult(Documented):
             "elements_out": self.elements_out, "lost_elements": self.lost_elements,
             "aliases": self.aliases, "dropped": self.dropped, "details": self.details,
             "verified": self.verified, "kept": self.kept, "kept_scales": self.kept_scales,
-            "notes": self.notes, "seconds": round(self.seconds, 3),
+            "notes": [word(n, self.caller) for n in self.notes],
+            "seconds": round(self.seconds, 3),
             "warnings": [w.to_dict() for w in self.warnings],
             "followed": self.followed.to_dict() if self.followed else None,
             **self.write.document()}
 
 
 # -- the op ----------------------------------------------------------------------------------------
-
-DEFAULT_MAX_SHARD = 5_000_000_000
-
 
 @dataclass(slots=True)
 class _Job:
@@ -220,43 +227,6 @@ def detect_kind(path: Path) -> str:
                      f"for a single checkpoint use: ckpt convert {path} -o OUT")
 
 
-@dataclass(frozen=True, slots=True)
-class ConsolidateOptions:
-    """What :func:`consolidate` does (``ckpt consolidate``'s flags; the defaults are theirs).
-
-    Attributes:
-        fmt: ``safetensors`` or ``pt``; None infers it from ``output``'s suffix.
-        max_shard_size: Largest output shard in bytes (None: one file).
-        with_optimizer: Keep optimizer state too (DCP and rank files), under the flattened
-            names DCP uses, with non-tensor values in ``__metadata__["ckpt.objects"]``.
-        to: ``keep``, ``fp32``, ``fp16`` or ``bf16`` for floating model tensors.
-        clamp: Clamp values beyond FP16's range instead of refusing.
-        overwrite: Replace an existing output.
-        verify: Re-read every output tensor and compare it with its source.
-        manifest: Write an integrity manifest (``ckpt-manifest.json``, or
-            ``<file>.ckpt-manifest.json`` beside a single-file output) that ``ckpt validate``
-            checks.
-        part: Write only this part's share of the output shards (``--part K/N``): each
-            part verifies and hashes its own shards; the last part to finish writes the
-            index and the manifest (see :mod:`ckpt_cli.writers.parts`).
-        finalize: Finalize a split consolidation now (an error naming the parts missing).
-        max_memory: Memory budget in bytes for data read and cast ahead of the writer
-            (default 256 MiB; the largest tensor may add to it).
-    """
-
-    fmt: str | None = None
-    max_shard_size: int | None = DEFAULT_MAX_SHARD
-    with_optimizer: bool = False
-    to: str = "keep"
-    clamp: bool = False
-    overwrite: bool = False
-    verify: bool = False
-    manifest: bool = True
-    part: Part | None = None
-    finalize: bool = False
-    max_memory: int | None = None
-
-
 def consolidate(source: str | Path, output: str | Path,
                 options: ConsolidateOptions | None = None, *,
                 progress: Progress | None = None, **fields: Any) -> ConsolidateResult:
@@ -278,8 +248,10 @@ def consolidate(source: str | Path, output: str | Path,
             world sizes), existing output, values outside FP16's range.
     """
     opts = options_of(ConsolidateOptions, options, fields)
-    opts = dataclasses.replace(opts, to=target_name(opts.to))
-    fmt = opts.fmt
+    # The canonical name of a value given in any case or by dtype name; refused below if no
+    # target.
+    opts = dataclasses.replace(opts, to=target_name(opts.to))  # type: ignore[arg-type]
+    fmt: str | None = opts.output_format
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
     if opts.to not in TARGETS:
@@ -410,7 +382,7 @@ def _deepspeed_job(src: Path, target: str | None, with_optimizer: bool, stats: C
                "tag": resolve_tag(src).name}
     meta = zero_metadata(plan, src, choice(target))
     notes = list(plan.notes) + ([] if with_optimizer else [
-        "optimizer moments are not part of the output (--with-optimizer keeps them)"])
+        "optimizer moments are not part of the output (`with_optimizer` keeps them)"])
     return _Job("deepspeed", zero.outs, zero.loads, sum(t.numel for t in plan.tensors),
                 plan.aliases, {}, meta, details, [zero.reader.close], notes, stats,
                 zero.cast_elements,

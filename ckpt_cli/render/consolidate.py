@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckpt_cli.optionspec import word
 from ckpt_cli.render import json as rj
 from ckpt_cli.tensors.cast import kept_summary
 
@@ -49,7 +50,7 @@ def _render(r: ConsolidateResult, quiet: bool) -> None:
         out.print(f"Verified: {r.verified:,} tensors equal their sources")
     if not quiet:
         for note in r.notes:
-            human.stderr().print(f"note: {note}", soft_wrap=True)
+            human.stderr().print(f"note: {word(note, 'cli')}", soft_wrap=True)
 
 
 def kept_line(r: ConsolidateResult) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckpt_cli.optionspec import word
 from ckpt_cli.render import json as rj
 from ckpt_cli.tensors.cast import kept_summary
 
@@ -54,4 +55,4 @@ def _render(r: ConvertResult, quiet: bool) -> None:
     if not quiet:
         err = human.stderr()
         for note in r.notes:
-            err.print(f"note: {note}", soft_wrap=True)
+            err.print(f"note: {word(note, 'cli')}", soft_wrap=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from ckpt_cli.optionspec import word
 from ckpt_cli.render import json as rj
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ def show(result: PlanResult, *, json: bool, quiet: bool, err: Console | None = N
 
             err = err or human.stderr()
             for note in result.notes:
-                err.print(f"note: {note}", soft_wrap=True)
+                err.print(f"note: {word(note, 'cli')}", soft_wrap=True)
 
 
 _PRECISION_LABEL = {"fp32": "fp32", "bf16": "pure bf16",
@@ -121,7 +122,6 @@ def _render(r: PlanResult) -> None:
 
 
 def _interval_table(r: PlanResult, cols: list[tuple[str, IntervalFigures]]) -> Table:
-
     from ckpt_cli.render import human  # lazy: pulls rich; --json output never does
 
     table = human.table(human.Col("Checkpoint every", kind="name"),

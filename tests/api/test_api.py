@@ -120,8 +120,12 @@ def test_convert_is_the_cli_document(sample_run: Path, tmp_path: Path,
                          on_progress=lambda *a: seen.append(a))
     doc = r.to_dict()
     shutil.rmtree(out)
-    assert stable(doc) == stable(_json(cli("convert", src, "-o", str(out) + "/", "--to",
-                                             "bf16", "--keep-fp32", "*norm*", "--json")))
+    # The same document, its notes naming options as each caller does.
+    assert "keep_fp32 '*norm*' matched no tensor of the output" in doc["notes"]
+    r.caller = "cli"
+    assert stable(r.to_dict()) == stable(_json(cli(
+        "convert", src, "-o", str(out) + "/", "--to", "bf16", "--keep-fp32", "*norm*",
+        "--json")))
     assert doc["casts"] and (out / "model.safetensors").is_file()
     # Bytes written, counted up to the total announced first.
     assert seen[-1] == ("writing", seen[-1][2], seen[-1][2]) and seen[-1][2] > 0
@@ -245,7 +249,6 @@ def test_progress_drives_tqdm(sample_run: Path, tmp_path: Path) -> None:
 
     out = io.StringIO()
     with tqdm(unit="B", unit_scale=True, file=out, mininterval=0) as bar:
-
         def show(phase: str, done: int, total: int) -> None:
             bar.set_description(phase, refresh=False)
             bar.total = total

@@ -61,3 +61,19 @@ def test_completion_offers_the_fp8_choices(option: str, typed: str, want: list[s
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.stdout.split() == want
+
+
+@pytest.mark.parametrize(("command", "option", "want"), [
+    ("prune", "--mode", ["min", "max"]), ("inspect", "--sort", ["name", "size"]),
+    ("consolidate", "--output-format", ["safetensors", "pt"]),
+    ("prune", "--thin-to", ["bf16"])])
+def test_completion_offers_a_declared_options_values(command: str, option: str,
+                                                     want: list[str]) -> None:
+    """An option declared with a ``Literal`` type (or one in a union with None) completes to
+    its values (``ckpt_cli/optionspec.py``)."""
+    code = "from ckpt_cli.cli.app import main; main()"
+    env = {**os.environ, "_CKPT_COMPLETE": "complete_bash",
+           "COMP_WORDS": f"ckpt {command} x {option} ", "COMP_CWORD": "4"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout.split() == want

@@ -68,7 +68,7 @@ def test_keep_fp32_says_what_it_kept(model: Path, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     said = " ".join(r.output.split())
     assert "Kept in FP32: 1 matching '*ln_*' (enc.ln_1.weight); 0 matching '*norm*'" in said
-    assert "keep_fp32 '*norm*' matched no tensor of the output" in said
+    assert "--keep-fp32 '*norm*' matched no tensor of the output" in said
     doc = json.loads(run_cli("convert", model, "--to", "fp16", "--keep-fp32", "*ln_*",
                              "-o", tmp_path / "o2.safetensors", "--json").stdout)
     assert doc["kept_fp32"] == {"*ln_*": ["enc.ln_1.weight"]}

@@ -251,3 +251,34 @@ def test_thinning_drops_only_optimizer_state_and_keeps_age(tmp_path: Path) -> No
     assert (run / "step_100.pt").stat().st_mtime == old  # still as old as it was
     # No optimizer state to drop: --thin-to alone does not cast it.
     assert weights_only.read_bytes() == plain_bytes
+
+
+def test_a_checkpoint_left_whole_says_why_in_the_callers_words(hf_trainer_dir: Path,
+                                                               tmp_path: Path) -> None:
+    # The reason names thin_to as the caller spells it: thin_to=bf16 from Python,
+    # --thin-to bf16 on the command line (JSON and the log line).
+    import shutil
+
+    import ckpt_cli
+
+    runs = []
+    for name in ("py", "cli"):
+        run = tmp_path / name
+        shutil.copytree(hf_trainer_dir, run, symlinks=True)
+        oldest = min(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        (oldest / "extra").mkdir()
+        runs.append((run, oldest.name))
+    (run, oldest) = runs[0]
+    doc = ckpt_cli.prune(run, thin_after=1, thin_to="bf16", grace=0, dry_run=False).to_dict()
+    why = "holds links or subdirectories; thin_to=bf16 leaves it whole"
+    assert doc["thinning"]["skipped"] == {oldest: why}
+    (run, oldest) = runs[1]
+    r = run_cli("prune", run, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0",
+                "--yes", "--json")
+    assert r.exit_code == 0, r.stderr
+    cli_why = why.replace("thin_to=bf16", "--thin-to bf16")
+    assert json.loads(r.stdout)["thinning"]["skipped"] == {oldest: cli_why}
+    (run / oldest / "extra").rmdir()
+    (run / oldest / "extra2").mkdir()
+    r = run_cli("prune", run, "--thin-after", "1", "--thin-to", "bf16", "--grace", "0", "--yes")
+    assert f"left {oldest} whole: {cli_why}" in r.stdout, r.stdout

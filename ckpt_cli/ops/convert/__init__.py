@@ -79,7 +79,8 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
         from ckpt_cli.ops.to_dcp import convert_to_dcp  # lazy: to_dcp imports convert.result
 
         return convert_to_dcp(source, output, opts, progress=progress)
-    to, fmt = target_name(opts.to), opts.fmt
+    to = target_name(opts.to)
+    fmt: str | None = opts.output_format
     t0 = time.perf_counter()
     src, out = storage.locate(source), storage.locate(output)
     check_exists(src)
@@ -131,7 +132,7 @@ def convert(source: str | Path, output: str | Path, options: ConvertOptions | No
         if config_dtype is not None and kept32:
             # The loader casts every weight to the config's dtype unless told otherwise.
             notes.append(f"config.json says {config_dtype['to']}: from_pretrained loads the "
-                         f"{kept32} tensor(s) --keep-fp32 kept in FP32 as {config_dtype['to']} "
+                         f"{kept32} tensor(s) `keep_fp32` kept in FP32 as {config_dtype['to']} "
                          "too, unless the model keeps them (keep_in_fp32_modules) or is loaded "
                          "with dtype=torch.float32")
     fp8.config_files(side, quant_config, opts.dequantize, target, notes)

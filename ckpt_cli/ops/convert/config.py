@@ -23,7 +23,7 @@ def kept_fp32(outs: list[OutTensor], globs: tuple[str, ...],
     for g in globs:
         out[g] = [o.name for o in outs if o.dtype == "F32" and fnmatch.fnmatchcase(o.name, g)]
         if not out[g]:
-            notes.append(f"keep_fp32 {g!r} matched no tensor of the output")
+            notes.append(f"`keep_fp32` {g!r} matched no tensor of the output")
     return out
 
 

@@ -52,8 +52,8 @@ def check_usage(quant: bool, dequantize: bool, target: str | None, fmt: str) -> 
     if dequantize and (quant or target is None):
         raise UsageError("dequantize needs to bf16, fp16 or fp32", param=("dequantize", "to"))
     if quant and fmt != "safetensors":
-        raise UsageError("to fp8 writes safetensors (an HF directory); not fmt pt",
-                         param=("to", "fmt"))
+        raise UsageError("to fp8 writes safetensors (an HF directory); not output_format pt",
+                         param=("to", "output_format"))
 
 
 def choose(plan: Plan, layout: str, src: Path, *, activations: str = "dynamic",
@@ -102,8 +102,8 @@ def choose(plan: Plan, layout: str, src: Path, *, activations: str = "dynamic",
             f"{len(partial)} weight(s) end in a partial 128-row block (e.g. {partial[0]}), "
             "scaled per ceil(rows/128) as vLLM, SGLang and DeepSeek-V3's own checkpoints do; "
             "transformers' CPU dequantizing loader derives the block from the scale grid and "
-            "refuses or misreads them: load on an FP8 GPU, or dequantize with ckpt convert "
-            "--dequantize, or use --fp8-layout channel")
+            "refuses or misreads them: load on an FP8 GPU, or convert again with `dequantize`, "
+            "or use `fp8_layout=channel`")
     listed = ", ".join(ignore[:5]) + (f" and {len(ignore) - 5} more" if len(ignore) > 5
                                       else "")
     acts = ("weight-only (W8A16)" if activations == "none" else

@@ -189,7 +189,7 @@ def plan_zero_gather(src: Path, to: str, target: str | None, keep_fp32: tuple[st
             dst = cast.dtype(t.name, base)
         steps.append(Step(t.name, t, dst, dst))
     notes = list(zero.notes) + ([] if keep_optimizer else [
-        "optimizer moments are not part of the output (--keep-optimizer keeps them)"])
+        "optimizer moments are not part of the output (`keep_optimizer` keeps them)"])
     warnings = [hostile_warning(p, quals) for p, quals in zero.unsafe.items()]
     return Plan(steps, zero.aliases, cast, [], {}, zero_metadata(zero, src, to), notes,
                 warnings, zero=zero, keep_optimizer=keep_optimizer)

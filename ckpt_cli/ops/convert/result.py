@@ -1,4 +1,4 @@
-"""``convert``'s options and result (what render/ and the Python API load without the op)."""
+"""``convert``'s result and options (what render/ and the Python API load without the op)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.documents import Documented
 from ckpt_cli.model import Finding
-from ckpt_cli.parts import Part
+
+# Declared in a light module (``ckpt convert --help`` builds its flags from it); re-exported.
+from ckpt_cli.ops.options.convert import ConvertOptions as ConvertOptions
+from ckpt_cli.optionspec import Caller, word
 
 if TYPE_CHECKING:
     from ckpt_cli.runs import Followed
@@ -46,6 +49,9 @@ class ConvertResult(Documented):
             (``{file, keys, from, to}``), or None.
         kept_fp32: Each ``--keep-fp32`` glob and the output tensors it kept in FP32 (an empty
             list: it matched none).
+        caller: Whom ``to_dict()`` names options for in ``notes`` (kept neutral, between
+            backticks): ``python`` (``keep_fp32``) or ``cli`` (``--keep-fp32``, set by
+            ``ckpt convert``); see :func:`ckpt_cli.optionspec.word`.
     """
 
     source: Path
@@ -68,6 +74,7 @@ class ConvertResult(Documented):
     kept_scales: dict[str, int] = field(default_factory=dict)
     config_dtype: dict[str, Any] | None = None
     kept_fp32: dict[str, list[str]] = field(default_factory=dict)
+    caller: Caller = "python"
 
     command = "convert"
 
@@ -81,65 +88,9 @@ class ConvertResult(Documented):
             "renamed": self.renamed, "dropped": self.dropped, "casts": self.casts,
             "aliases": self.aliases, "overflow": self.overflow, "clamped": self.clamped,
             "kept": self.kept, "kept_scales": self.kept_scales, "kept_fp32": self.kept_fp32,
-            "config_dtype": self.config_dtype, "metadata": self.metadata, "notes": self.notes,
+            "config_dtype": self.config_dtype, "metadata": self.metadata,
+            "notes": [word(n, self.caller) for n in self.notes],
             "seconds": round(self.seconds, 3),
             "warnings": [w.to_dict() for w in self.warnings],
             "followed": self.followed.to_dict() if self.followed else None,
             **self.write.document()}
-
-
-@dataclass(frozen=True, slots=True)
-class ConvertOptions:
-    """What :func:`convert` does (``ckpt convert``'s flags; the defaults are theirs).
-
-    Attributes:
-        to: ``fp16``, ``bf16``, ``fp32`` or ``keep``: cast of floating-point model tensors;
-            ``dcp``: the training state as a DCP directory (:mod:`ckpt_cli.ops.to_dcp`).
-        fmt: ``safetensors`` or ``pt``; None infers it from ``output``'s suffix.
-        max_shard_size: Largest output shard in bytes (None: one file).
-        keep_optimizer: Keep every tensor (optimizer state included) under its own name: a
-            pure format change. Non-tensor values go to ``__metadata__["ckpt.objects"]``.
-        keep_prefix: Keep wrapper prefixes (``module.``, ``_orig_mod.``).
-        keep_fp32: Globs of tensor names kept in (or cast to) FP32.
-        clamp: Clamp values beyond FP16's range instead of refusing.
-        overwrite: Replace an existing output.
-        container: Which top-level container holds the weights when there are several.
-        input_format: Force the input format.
-        part: Write only this part's share of the output shards (``--part K/N``); the last
-            part to finish writes the index (see :mod:`ckpt_cli.writers.parts`).
-        finalize: Finalize a split conversion now (an error naming the parts missing).
-        max_memory: Memory budget in bytes for data read and cast ahead of the writer
-            (default 256 MiB; the largest tensor may add to it).
-        fp8_layout: With ``to="fp8"``: ``block``, ``channel`` or ``tensor`` (see
-            :mod:`ckpt_cli.fp8`); the tensors not quantized are cast to BF16.
-        fp8_activations: With ``to="fp8"`` in the channel/tensor layouts: ``dynamic``
-            (per-token FP8 activations at run time, W8A8: the engines' FP8 matmuls) or
-            ``none`` (weight-only, W8A16, for GPUs without FP8 matmuls).
-        dequantize: With ``to`` ``bf16``/``fp16``/``fp32``: FP8 weights with a recognised
-            scale (``weight_scale_inv``, ``weight_scale``, ``scale_weight``) become
-            ``weight * scale`` in the target dtype; the scales and ``quantization_config``
-            are dropped. A weight without its scale, or a scale of no known shape, is an
-            error naming the tensors (nothing written).
-        dcp_layout: With ``to="dcp"``: ``torchtitan`` or ``recipe`` top-level keys (see
-            :mod:`ckpt_cli.ops.to_dcp.writer`).
-    """
-
-    # What is kept, and how it is cast.
-    to: str = "keep"
-    keep_optimizer: bool = False
-    keep_prefix: bool = False
-    keep_fp32: tuple[str, ...] = ()
-    clamp: bool = False
-    container: str | None = None
-    input_format: str | None = None
-    # The output.
-    fmt: str | None = None
-    max_shard_size: int | None = None
-    overwrite: bool = False
-    part: Part | None = None
-    finalize: bool = False
-    max_memory: int | None = None
-    fp8_layout: str = "block"
-    fp8_activations: str = "dynamic"
-    dequantize: bool = False
-    dcp_layout: str = "torchtitan"

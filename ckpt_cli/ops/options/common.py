@@ -51,5 +51,27 @@ def concurrency() -> Any:
         "URLs: ranged GETs in flight per object streamed (default 8)."))
 
 
-__all__ = ["INPUT_FORMATS", "allow_global", "concurrency", "input_format", "max_memory",
-           "part", "pattern"]
+def finalize() -> Any:
+    """``finalize``: complete a split job from its parts' receipts."""
+    return option(False, help=(
+        "Complete a job split with `part` from every part's receipt (an error naming the parts "
+        "missing)."))
+
+
+def overwrite() -> Any:
+    """``overwrite``: replace an existing output (``--force`` is its old name, and means
+    nothing else in any command)."""
+    return option(False, aliases=("--force",), old_keywords=("force",),
+                  help="Replace an existing output.")
+
+
+def output_format() -> Any:
+    """``output_format``: the file format written (``format`` was its keyword, shadowing the
+    builtin)."""
+    return option(None, short="-f", aliases=("--format",), old_keywords=("format",),
+                  metavar="safetensors|pt", help=(
+        "Output file format (default: from the output's suffix, else safetensors)."))
+
+
+__all__ = ["INPUT_FORMATS", "allow_global", "concurrency", "finalize", "input_format",
+           "max_memory", "output_format", "overwrite", "part", "pattern"]

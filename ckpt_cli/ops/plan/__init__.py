@@ -147,10 +147,10 @@ def plan(options: PlanOptions | None = None, *,
     if opts.interval is not None:
         result.current = result.figures_at(opts.interval)
     if result.bandwidth is None:
-        result.notes.append("give --bandwidth or --measure-dir DIR for the write time and the "
+        result.notes.append("give `bandwidth` or `measure_dir` for the write time and the "
                             "optimal interval")
     if result.mtbf is None:
-        result.notes.append("give --mtbf, or --gpus with --gpu-mtbf, for the optimal interval "
+        result.notes.append("give `mtbf`, or `gpus` with `gpu_mtbf`, for the optimal interval "
                             "and the time lost")
     return result
 
@@ -190,7 +190,7 @@ def _optimum(result: PlanResult) -> None:
     if result.async_save and daly < write:
         # Past the write time the loss grows with the interval, and below it the saves queue
         # up behind each other, so the best feasible interval is the write time itself.
-        result.notes.append("with --async-save the optimum is raised to the write time: a save "
+        result.notes.append("with `async_save` the optimum is raised to the write time: a save "
                             "must reach storage before the next one starts")
         young, daly = max(young, write), max(daly, write)
     if result.async_save and write >= mtbf:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.documents import Documented
 from ckpt_cli.ops.plan.cadence import DAY, expected_overhead
+from ckpt_cli.optionspec import Caller, word
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.plan.cadence import CheckpointSize, Overhead
@@ -75,7 +76,10 @@ class PlanResult(Documented):
         young: Figures at Young's interval.
         daly: Figures at Daly's interval (the optimum).
         current: Figures at ``--interval``.
-        notes: Plain-words remarks on the figures (assumptions, what is missing).
+        notes: Plain-words remarks on the figures (assumptions, what is missing); options
+            named neutrally, between backticks (:func:`ckpt_cli.optionspec.word`).
+        caller: Whom ``to_dict()`` names options for in ``notes``: ``python``
+            (``measure_dir``) or ``cli`` (``--measure-dir``, set by ``ckpt plan``).
     """
 
     size: CheckpointSize
@@ -96,6 +100,7 @@ class PlanResult(Documented):
     daly: IntervalFigures | None = None
     current: IntervalFigures | None = None
     notes: list[str] = field(default_factory=list)
+    caller: Caller = "python"
 
     command = "plan"
 
@@ -280,5 +285,5 @@ class PlanResult(Documented):
                 "thin_after": self.thin_after, "thin_to": self.thin_to,
                 "thinned_bytes": self.thinned_bytes, "per_day": self.thinning_day()},
             "curve": [{"interval_seconds": t, "overhead": o} for t, o in self.curve()],
-            "notes": self.notes,
+            "notes": [word(n, self.caller) for n in self.notes],
         }

@@ -69,7 +69,7 @@ def prune_doc(result: PruneResult) -> dict[str, Any]:
         "thinned": {name: {"dropped": t.dropped, "dtype": t.dtype,
                            "bytes_before": t.bytes_before, "bytes_after": t.bytes_after}
                     for name, t in result.thinned.items()},
-        "skipped": result.thin_skipped,
+        "skipped": {name: word(why, result.caller) for name, why in result.thin_skipped.items()},
         "bytes_saved": result.bytes_saved,
     }
     return doc

@@ -7,104 +7,16 @@ Pure, as retention is: nothing here reads a file.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Literal
 
-from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.names import is_last_copy
 from ckpt_cli.model import RunEntry
+
+# Declared in a light module (``ckpt prune --help`` builds its flags from it); re-exported.
+from ckpt_cli.ops.options.prune import DEFAULT_GRACE as DEFAULT_GRACE
+from ckpt_cli.ops.options.prune import RULES as RULES
+from ckpt_cli.ops.options.prune import PrunePolicy as PrunePolicy
 from ckpt_cli.units import format_size
-
-DEFAULT_GRACE = 600.0
-"""Seconds: a checkpoint touched more recently than this may still be being written."""
-
-# Retention rules, in the order reports list them.
-RULES = ("keep", "keep-every", "keep-best", "older-than", "max-total-size")
-@dataclass(frozen=True, slots=True)
-class PrunePolicy:
-    """What to keep. Rules combine: a checkpoint is kept if any of them keeps it.
-
-    Attributes:
-        keep: Keep the newest N checkpoints.
-        keep_every: Keep checkpoints whose step is a multiple of this (milestones).
-        keep_best: Keep the N best checkpoints by ``metric``.
-        metric: The metric ``keep_best`` ranks by (``eval_loss``, ``val_loss``...).
-        mode: ``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy).
-        older_than: Seconds; checkpoints modified more recently are kept.
-        max_total_size: Bytes; the newest checkpoints that fit in it together are kept.
-        grace: Seconds; anything changed more recently may still be being written and is never
-            deleted. 0 turns this protection off (markers, locks and pointers still protect).
-        thin_after: Thin what stays beyond the newest N counted checkpoints (see
-            :mod:`ckpt_cli.trust.thinning`): rewrite it without optimizer state.
-        thin_to: ``bf16`` to cast the weights of thinned checkpoints too.
-        keep_full_every: Never thin checkpoints whose step is a multiple of this.
-        keep_abandoned: Keep the checkpoints of a timeline a rollback abandoned (they still
-            take no place of ``keep`` or ``keep_every``); by default they are deleted.
-    """
-
-    keep: int | None = None
-    keep_every: int | None = None
-    keep_best: int | None = None
-    metric: str | None = None
-    mode: Literal["min", "max"] = "min"
-    older_than: float | None = None
-    max_total_size: int | None = None
-    grace: float = DEFAULT_GRACE
-    thin_after: int | None = None
-    thin_to: str | None = None
-    keep_full_every: int | None = None
-    keep_abandoned: bool = False
-
-    def rules(self) -> list[str]:
-        """The retention rules this policy uses.
-
-        Returns:
-            Rule names from :data:`RULES`, in that order.
-        """
-        given = {"keep": self.keep, "keep-every": self.keep_every, "keep-best": self.keep_best,
-                 "older-than": self.older_than, "max-total-size": self.max_total_size}
-        return [r for r in RULES if given[r] is not None]
-
-    def check(self) -> None:
-        """Reject policies that cannot be meant.
-
-        Raises:
-            UsageError: No rule at all (that would delete everything unprotected), a count or
-                size below 1, ``keep_best`` without ``metric`` (or the reverse), a bad ``mode``,
-                or a negative ``grace``.
-        """
-        if not self.rules() and self.thin_after is None:
-            raise UsageError("say what to keep: keep N, keep_every STEPS, keep_best N "
-                             "metric NAME, older_than AGE or max_total_size SIZE (or "
-                             "what to thin: thin_after N)",
-                             param=("keep", "keep_every", "keep_best", "metric", "older_than",
-                                    "max_total_size", "thin_after"))
-        if self.thin_after is None and (self.thin_to or self.keep_full_every):
-            raise UsageError("thin_to and keep_full_every are used only with thin_after N",
-                             param=("thin_to", "keep_full_every", "thin_after"))
-        if self.thin_to is not None and self.thin_to != "bf16":
-            raise UsageError(f"thin_to must be bf16, not {self.thin_to!r}", param="thin_to")
-        for name, value in (("keep", self.keep), ("keep_every", self.keep_every),
-                            ("thin_after", self.thin_after),
-                            ("keep_full_every", self.keep_full_every),
-                            ("keep_best", self.keep_best),
-                            ("max_total_size", self.max_total_size)):
-            if value is not None and value < 1:
-                raise UsageError(f"{name} must be at least 1, not {value}", param=name)
-        if self.older_than is not None and not self.older_than > 0:
-            raise UsageError("older_than must be positive", param="older_than")
-        if self.keep_best is not None and not self.metric:
-            raise UsageError("keep_best needs metric NAME (e.g. metric eval_loss)",
-                             param=("keep_best", "metric"))
-        if self.metric and self.keep_best is None:
-            raise UsageError("metric is used only with keep_best N", param=("metric", "keep_best"))
-        if self.mode not in ("min", "max"):
-            raise UsageError(f"mode must be min or max, not {self.mode!r}", param="mode")
-        if not self.grace >= 0 or math.isinf(self.grace):
-            raise UsageError("grace must be a duration of 0 or more", param="grace")
-
 
 KeepSet = dict[str, tuple[bool, str]]
 """Per rule: checkpoint name -> (kept by this rule, the sentence saying why or why not)."""

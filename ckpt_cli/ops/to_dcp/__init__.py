@@ -87,8 +87,8 @@ def source_format(src: Path, input_format: str | None
 
 
 # Options that shape a safetensors/pt output and mean nothing for a DCP directory.
-_NOT_FOR_DCP = ("fmt", "max_shard_size", "keep_optimizer", "keep_prefix", "keep_fp32", "clamp",
-                "container", "dequantize")
+_NOT_FOR_DCP = ("output_format", "max_shard_size", "keep_optimizer", "keep_prefix",
+                "keep_fp32", "clamp", "container", "dequantize")
 
 
 def convert_to_dcp(source: str | Path, output: str | Path, opts: ConvertOptions, *,

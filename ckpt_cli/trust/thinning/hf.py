@@ -113,14 +113,14 @@ def _hf_to_bf16(path: Path, thin: dict[str, dict[str, Any]], victims: list[str],
     newest = _newest_ns(path)
     children = list(path.iterdir())
     if any(c.is_symlink() or not c.is_file() for c in children):
-        raise CkptError("holds links or subdirectories; --thin-to bf16 leaves it whole",
+        raise CkptError("holds links or subdirectories; `thin_to=bf16` leaves it whole",
                         path=path)
     weights = [c for c in children if c.name.startswith("model")
                and c.name.endswith(".safetensors")]
     if not weights:
         raise CkptError("no model*.safetensors weights to cast; left whole", path=path)
     if any(c.name.endswith((".bin", ".pt", ".pth")) and "model" in c.name for c in children):
-        raise CkptError("holds torch-pickle weights beside safetensors; --thin-to bf16 casts "
+        raise CkptError("holds torch-pickle weights beside safetensors; `thin_to=bf16` casts "
                         "only safetensors and leaves it whole", path=path)
     tmp = _work_name(path)
     tmp.mkdir(mode=path.stat().st_mode & 0o7777)

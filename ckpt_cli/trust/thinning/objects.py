@@ -338,9 +338,9 @@ def _hf_prefix_to_bf16(path: Path, thin: dict[str, bytes], victims: list[str],
     """
     children = list(path.iterdir())
     if any(not c.is_file() for c in children):
-        raise CkptError("holds sub-prefixes; --thin-to bf16 leaves it whole", path=path)
+        raise CkptError("holds sub-prefixes; `thin_to=bf16` leaves it whole", path=path)
     if any(c.name.endswith((".bin", ".pt", ".pth")) and "model" in c.name for c in children):
-        raise CkptError("holds torch-pickle weights beside safetensors; --thin-to bf16 casts "
+        raise CkptError("holds torch-pickle weights beside safetensors; `thin_to=bf16` casts "
                         "only safetensors and leaves it whole", path=path)
     idxs = [c for c in children if c.name.startswith("model")
             and c.name.endswith(".safetensors.index.json")]

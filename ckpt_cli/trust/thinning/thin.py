@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpt_cli import storage
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.trust.thinning.base import (
     THIN_DTYPES,
     OnStart,
@@ -40,7 +40,8 @@ def thin_file(path: Path, *, to: str | None = None,
             original is then left as it was).
     """
     if to is not None and to not in THIN_DTYPES:
-        raise CkptError(f"--thin-to must be one of {', '.join(THIN_DTYPES)}, not {to!r}")
+        raise UsageError(f"thin_to must be one of {', '.join(THIN_DTYPES)}, not {to!r}",
+                         param="thin_to")
     why = can_thin(path)
     if why:
         raise CkptError(why, path=path)

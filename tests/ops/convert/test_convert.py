@@ -151,7 +151,7 @@ def test_dcp_to_sharded_safetensors(sample_run: Path, tmp_path: Path) -> None:
 
 def test_pt_output_loads_with_torch(sample_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "model.pt"
-    convert(sample_run / "step_000200", out, fmt="pt")
+    convert(sample_run / "step_000200", out, output_format="pt")
     for mmap in (False, True):
         sd = torch.load(out, weights_only=True, mmap=mmap)
         ref = torch.load(sample_run / "step_000200" / "checkpoint.pt", weights_only=True)["model"]

@@ -158,7 +158,7 @@ def test_format_follows_the_file_name(tmp_path: Path) -> None:
     convert(src, tmp_path / "model.pt")
     assert torch.load(tmp_path / "model.pt", weights_only=True).keys() == tiny_state_dict().keys()
     with pytest.raises(UsageError, match="does not match the file name"):
-        convert(src, tmp_path / "x.safetensors", fmt="pt")
+        convert(src, tmp_path / "x.safetensors", output_format="pt")
 
 
 def test_dtypes_the_output_cannot_hold(tmp_path: Path) -> None:

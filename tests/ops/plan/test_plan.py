@@ -284,7 +284,7 @@ def test_plan_without_failure_rate_or_bandwidth_gives_what_it_can() -> None:
     assert r.current.checkpoints_per_day == 24
     assert r.current.files_per_day == 24 * 8
     assert r.inodes_per_checkpoint == 9  # 8 files in one directory
-    assert any("--bandwidth" in n for n in r.notes) and any("--mtbf" in n for n in r.notes)
+    assert any("`bandwidth`" in n for n in r.notes) and any("`mtbf`" in n for n in r.notes)
     assert r.curve() == []
 
 

@@ -1,8 +1,8 @@
-"""``ckpt diff SRC OUT --all-tensors`` where OUT is ``convert SRC --to dcp``'s output (issue 48): every
-weight, moment, the step and the RNG state compare equal and diff exits 0, for each source the
-conversion reads (a ``torch.save`` training dict, an HF Trainer ``checkpoint-N``, a Lightning
-``.ckpt``), in both layouts and both directions; a source that is not the output's still
-differs."""
+"""``ckpt diff SRC OUT --all-tensors`` where OUT is ``convert SRC --to dcp``'s output (issue
+48): every weight, moment, the step and the RNG state compare equal and diff exits 0, for
+each source the conversion reads (a ``torch.save`` training dict, an HF Trainer
+``checkpoint-N``, a Lightning ``.ckpt``), in both layouts and both directions; a source that
+is not the output's still differs."""
 
 from __future__ import annotations
 
