@@ -8,8 +8,11 @@ unpickler: no pickle code runs, tensor bytes are read from the archive when the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ckpt_cli import storage
 from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError
@@ -147,7 +150,11 @@ def lazy_of(index: CheckpointIndex, info: TensorInfo) -> LazyTensor:
         with TensorSource(index) as src:
             return src.read(info)
 
-    return LazyTensor(info.dtype, tuple(info.shape), load)
+    def pieces() -> Iterator[np.ndarray]:
+        with TensorSource(index) as src:
+            yield from src.iter_pieces(info)
+
+    return LazyTensor(info.dtype, tuple(info.shape), load, pieces)
 
 
 def _tree(path: Path) -> Any:
