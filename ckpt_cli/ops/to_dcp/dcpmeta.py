@@ -122,7 +122,7 @@ class _Obj:
         self.cls, self.state = cls, state
 
 
-class _MetaPickler(_Pickler):  # type: ignore[misc]
+class _MetaPickler(_Pickler):
     dispatch = _Pickler.dispatch.copy()
 
     def save_obj(self, obj: _Obj) -> None:

@@ -6,11 +6,11 @@ costs seconds and ~300 MB before the first byte): the state dict is flattened an
 ``FileSystemWriter`` would write (:mod:`.zipitem`), and ``.metadata`` is the pickle of the
 ``Metadata`` it would write (:mod:`.dcpmeta`). Tensors go through convert's write path: read
 (in pieces, where a reader gives :attr:`LazyTensor.pieces`) on a background thread within a
-memory budget (:class:`ckpt_cli.writers.pipeline.Prefetch`), each file synced in the
-background while the next is written. Each large tensor gets a file of its own; the small ones
-(and the non-tensor values) share files of at most ``bucket_bytes``. The directory is built in
-a temporary sibling and renamed into place (:func:`ckpt_cli.storage.atomic.atomic_dir`),
-``.metadata`` written last.
+memory budget (:class:`ckpt_cli.writers.pipeline.Prefetch`), the files synced in the
+background while the next ones are written (:class:`SyncBehind`). Each large tensor gets a
+file of its own; the small ones (and the non-tensor values) share files of at most
+``bucket_bytes``. The directory is built in a temporary sibling and renamed into place
+(:func:`ckpt_cli.storage.atomic.atomic_dir`), ``.metadata`` written last.
 
 Layouts (the loading side's state dict, as ``dcp.load`` sees it):
 
@@ -26,6 +26,8 @@ Layouts (the loading side's state dict, as ``dcp.load`` sees it):
 
 from __future__ import annotations
 
+import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,7 +45,7 @@ from ckpt_cli.storage import stages
 from ckpt_cli.storage.atomic import atomic_dir
 from ckpt_cli.storage.reads import MEMORY_BUDGET, crc32_parallel
 from ckpt_cli.writers import WriteResult
-from ckpt_cli.writers.pipeline import Flusher, Prefetch, Syncer, tensor_bytes
+from ckpt_cli.writers.pipeline import Flusher, Prefetch, tensor_bytes
 from ckpt_cli.writers.plan import OutTensor
 from ckpt_cli.writers.safetensors import write_all
 
@@ -185,19 +187,18 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
                       _checked_pieces(it.fqn, it.value)) for it in order]
     written: list[Item] = []
     with atomic_dir(out, overwrite=overwrite, parents=True) as tmp:
-        syncer = Syncer()  # each file syncs in the background while the next is written
-        with Prefetch(outs, max_memory or MEMORY_BUDGET) as source:
+        syncer = SyncBehind()
+        with syncer, Prefetch(outs, max_memory or MEMORY_BUDGET) as source:
             k = 0
             for n, bucket in enumerate(buckets):
                 name = f"__0_{n}0.distcp"  # DCP's names: rank 0, bucket n, its file 0
                 with storage.create(tmp / name, expected=0, buffering=0) as f:
-                    flusher = Flusher(f, syncer)
                     pos = 0
                     for it in [i for i in bucket if not i.is_tensor] + [
                             i for i in bucket if i.is_tensor]:
                         it.file, it.offset = name, pos
                         if it.is_tensor:
-                            it.length = _write_tensor(f, source, k, outs[k], flusher,
+                            it.length = _write_tensor(f, source, k, outs[k], syncer,
                                                       on_progress)
                             k += 1
                         else:
@@ -206,8 +207,8 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
                             it.length = len(data)
                         pos += it.length
                         written.append(it)
-                    flusher.finish()
-        syncer.wait()
+                    syncer.done(f)
+            syncer.finish()
         (tmp / ".metadata").write_bytes(metadata_bytes(items, written, str(tmp),
                                                        str(uuid.uuid4())))
         files = sorted((p for p in tmp.rglob("*") if p.is_file()), key=lambda p: (
@@ -216,7 +217,7 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
     return WriteResult(Path(out), done, ".metadata", total, len(tensors))
 
 
-def _write_tensor(f: Any, source: Prefetch, k: int, t: OutTensor, flusher: Flusher,
+def _write_tensor(f: Any, source: Prefetch, k: int, t: OutTensor, syncer: SyncBehind,
                   on_progress: Callable[[int], None] | None) -> int:
     """Write tensor ``k`` as ``torch.save`` of it, its bytes piece by piece; its length."""
     from ckpt_cli.tensors import cast
@@ -227,12 +228,92 @@ def _write_tensor(f: Any, source: Prefetch, k: int, t: OutTensor, flusher: Flush
         crc = crc32_parallel(data, z.crc, cast.cast_pool(), cast.cast_threads())
         with stages.stage("write", len(data)):
             z.data(data, crc)
-        flusher.wrote(len(data))
+        syncer.wrote(f, len(data))
         if on_progress is not None:
             on_progress(len(data))
         del data
     z.end()
     return z.finish()
+
+
+class SyncBehind:
+    """Makes the files of a write durable in the background, in batches of about
+    :attr:`ckpt_cli.writers.pipeline.Flusher.EVERY` bytes, while the next ones are written.
+
+    A DCP directory is many files of at most a bucket each (64 MiB): syncing each one as it
+    closes (as :class:`~ckpt_cli.writers.pipeline.Flusher` does a shard) would pay a journal
+    commit per file. Here the files written since the last batch (the one being written too,
+    when it grows past the interval alone) are synced together, one after another on a
+    background thread; the next batch waits for the previous, so dirty data stays within
+    about two intervals. :meth:`finish` syncs the rest and raises the first error any sync
+    met: the write then fails, nothing unsynced becomes the output.
+    """
+
+    def __init__(self) -> None:
+        self._fds: list[int] = []  # duplicates of the descriptors to sync, closed once synced
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._error: OSError | None = None
+
+    def __enter__(self) -> SyncBehind:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close what was not synced (after an error); wait for a sync under way."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def _add(self, f: Any) -> None:
+        self._fds.append(os.dup(f.fileno()))
+
+    def wrote(self, f: Any, n: int) -> None:
+        """``n`` more bytes written to the open file ``f``."""
+        self._pending += n
+        if self._pending >= Flusher.EVERY:
+            self._add(f)
+            self._start()
+
+    def done(self, f: Any) -> None:
+        """The file ``f`` is complete (about to close): sync it with the next batch."""
+        self._add(f)
+
+    def _start(self) -> None:
+        self._wait()
+        fds, self._fds, self._pending = self._fds, [], 0
+        self._thread = threading.Thread(target=self._sync, args=(fds,),
+                                        name="ckpt-fdatasync", daemon=True)
+        self._thread.start()
+
+    def _sync(self, fds: list[int]) -> None:
+        for fd in fds:
+            self._sync_one(fd)
+
+    def _sync_one(self, fd: int) -> None:
+        try:
+            if self._error is None:
+                with stages.stage("fsync"):
+                    os.fdatasync(fd)
+        except OSError as e:  # raised in the writer's thread by _wait()
+            self._error = e
+        finally:
+            os.close(fd)
+
+    def _wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+
+    def finish(self) -> None:
+        """Sync every file not yet synced, and wait."""
+        if self._fds:
+            self._start()
+        self._wait()
 
 
 def _dtype_of(name: str, code: str) -> np.dtype[Any]:

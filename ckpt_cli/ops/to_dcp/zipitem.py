@@ -26,7 +26,9 @@ from ckpt_cli.writers.torchzip import tensor_pkl
 ALIGN = 64
 _LOCAL, _CENTRAL, _DESCRIPTOR = 0x04034B50, 0x02014B50, 0x08074B50
 _END64, _LOCATOR, _END = 0x06064B50, 0x07064B50, 0x06054B50
-_FULL32 = 0xFFFFFFFF
+_FULL32 = 0xFFFFFFFF  # a 32-bit field that says: see the ZIP64 field
+LIMIT = _FULL32
+"""Sizes and offsets from this on take ZIP64 fields (a test lowers it)."""
 _DOS_DATE = 0x21  # 1980-01-01, the earliest a zip can say
 _DESCRIBED = 0x08  # flag bit 3: CRC-32 and sizes in a data descriptor after the payload
 
@@ -54,7 +56,7 @@ class ItemZip:
         """Open record ``archive/name`` of ``size`` bytes; :meth:`data` its bytes, then
         :meth:`end`."""
         raw = f"archive/{name}".encode()
-        zip64 = size >= _FULL32
+        zip64 = size >= LIMIT
         extra64 = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
         pad = -(self.length + 30 + len(raw) + len(extra64) + 4) % ALIGN
         extra = extra64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
@@ -83,7 +85,7 @@ class ItemZip:
         if self._got != size:
             raise ValueError(f"record {raw.decode()}: {self._got:,} bytes written, "
                              f"{size:,} declared")
-        fmt = "<IIQQ" if size >= _FULL32 else "<IIII"
+        fmt = "<IIQQ" if size >= LIMIT else "<IIII"
         self._out(struct.pack(fmt, _DESCRIPTOR, self._crc, size, size))
         self._entries.append((raw, self._crc, size, offset))
         self._open = None
@@ -108,21 +110,21 @@ class ItemZip:
         self.put(".data/serialization_id", str(uuid.uuid4().int).rjust(40, "0")[:40].encode())
         start = self.length
         for raw, crc, size, offset in self._entries:
-            big = [v for v in (size, size, offset) if v >= _FULL32]
+            big = [v for v in (size, size, offset) if v >= LIMIT]
             extra = struct.pack("<HH", 1, 8 * len(big)) + b"".join(
                 struct.pack("<Q", v) for v in big) if big else b""
             version = 45 if big else 20
-            s32 = _FULL32 if size >= _FULL32 else size
+            s32 = _FULL32 if size >= LIMIT else size
             self._out(struct.pack("<IHHHHHHIIIHHHHHII", _CENTRAL, version, version, _DESCRIBED,
                                   0, 0, _DOS_DATE, crc, s32, s32, len(raw), len(extra), 0, 0,
-                                  0, 0, min(offset, _FULL32)) + raw + extra)
+                                  0, 0, _FULL32 if offset >= LIMIT else offset) + raw + extra)
         n, size = len(self._entries), self.length - start
-        if n >= 0xFFFF or size >= _FULL32 or start >= _FULL32:
+        if n >= 0xFFFF or size >= LIMIT or start >= LIMIT:
             where = self.length
             self._out(struct.pack("<IQHHIIQQQQ", _END64, 44, 45, 45, 0, 0, n, n, size, start))
             self._out(struct.pack("<IIQI", _LOCATOR, 0, where, 1))
-        self._out(struct.pack("<IHHHHIIH", _END, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-                              min(size, _FULL32), min(start, _FULL32), 0))
+            n, size, start = min(n, 0xFFFF), _FULL32, _FULL32
+        self._out(struct.pack("<IHHHHIIH", _END, 0, 0, n, n, size, start, 0))
         return self.length
 
 
