@@ -32,12 +32,16 @@ class LazyTensor:
         pieces: Optionally, the same values as flat arrays in row-major order, a bounded
             piece at a time (the writer uses it instead of ``load``, so that a large tensor
             never sits in memory whole).
+        crc: The CRC-32 of the tensor's bytes (C order), where the source records it for
+            exactly these bytes and its reader checks it as it reads (a torch zip's storage
+            entry): the writer's archive takes it instead of computing it again.
     """
 
     dtype: str
     shape: tuple[int, ...]
     load: Loader
     pieces: Callable[[], Iterator[np.ndarray]] | None = None
+    crc: int | None = None
 
 
 @dataclass

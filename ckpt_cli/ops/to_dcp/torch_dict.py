@@ -154,7 +154,13 @@ def lazy_of(index: CheckpointIndex, info: TensorInfo) -> LazyTensor:
         with TensorSource(index) as src:
             yield from src.iter_pieces(info)
 
-    return LazyTensor(info.dtype, tuple(info.shape), load, pieces)
+    # TensorSource checks a storage entry's CRC-32 as it reads (and fails the read on a
+    # mismatch): a tensor that is its whole entry has that CRC.
+    s = info.storage
+    crc = s.crc if (s is not None and s.crc is not None and not info.chunks
+                    and info.stride is None and info.offset == s.start
+                    and info.nbytes == s.crc_len) else None
+    return LazyTensor(info.dtype, tuple(info.shape), load, pieces, crc)
 
 
 def _tree(path: Path) -> Any:

@@ -44,6 +44,7 @@ from ckpt_cli.ops.to_dcp.zipitem import ItemZip, object_item, tensor_header
 from ckpt_cli.storage import stages
 from ckpt_cli.storage.atomic import atomic_dir
 from ckpt_cli.storage.reads import MEMORY_BUDGET, crc32_parallel
+from ckpt_cli.tensors import cast
 from ckpt_cli.writers import WriteResult
 from ckpt_cli.writers.pipeline import Flusher, Prefetch, tensor_bytes
 from ckpt_cli.writers.plan import OutTensor
@@ -198,8 +199,8 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
                             i for i in bucket if i.is_tensor]:
                         it.file, it.offset = name, pos
                         if it.is_tensor:
-                            it.length = _write_tensor(f, source, k, outs[k], syncer,
-                                                      on_progress)
+                            it.length = _write_tensor(f, source, k, outs[k], it.value.crc,
+                                                      syncer, on_progress)
                             k += 1
                         else:
                             data = object_item(it.value)
@@ -217,15 +218,15 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
     return WriteResult(Path(out), done, ".metadata", total, len(tensors))
 
 
-def _write_tensor(f: Any, source: Prefetch, k: int, t: OutTensor, syncer: SyncBehind,
-                  on_progress: Callable[[int], None] | None) -> int:
-    """Write tensor ``k`` as ``torch.save`` of it, its bytes piece by piece; its length."""
-    from ckpt_cli.tensors import cast
-
+def _write_tensor(f: Any, source: Prefetch, k: int, t: OutTensor, known: int | None,
+                  syncer: SyncBehind, on_progress: Callable[[int], None] | None) -> int:
+    """Write tensor ``k`` as ``torch.save`` of it, its bytes piece by piece; its length.
+    ``known``: the CRC-32 of its bytes that the source's reader checks (else computed)."""
     z = ItemZip(lambda mv: write_all(f, mv))
     tensor_header(z, t.dtype, t.shape, t.nbytes)
     for data in tensor_bytes(source, k, t):
-        crc = crc32_parallel(data, z.crc, cast.cast_pool(), cast.cast_threads())
+        crc = known if known is not None else crc32_parallel(data, z.crc, cast.cast_pool(),
+                                                             cast.cast_threads())
         with stages.stage("write", len(data)):
             z.data(data, crc)
         syncer.wrote(f, len(data))

@@ -230,3 +230,46 @@ def test_writing_imports_no_torch(tmp_path: Path) -> None:
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     assert (tmp_path / "o" / ".metadata").is_file()
+
+
+def _from_torch_file(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    from ckpt_cli.ops.to_dcp.torch_dict import read_torch
+    from ckpt_cli.ops.to_dcp.writer import layout_state
+
+    model = torch.nn.Linear(64, 32)
+    src = tmp_path / "train.pt"
+    torch.save({"model": model.state_dict(), "step": 4}, src)
+    return src, layout_state(read_torch(src), "recipe")
+
+
+def test_the_sources_checksum_is_the_archives(tmp_path: Path) -> None:
+    """A torch file's tensors carry their storage entry's CRC-32 (checked as they are read),
+    which the archives take: every one is right."""
+    src, tree = _from_torch_file(tmp_path)
+    assert all(v.crc is not None for v in tree["model"].values())
+    write_dcp(tree, tmp_path / "o")
+    md = pickle.loads((tmp_path / "o" / ".metadata").read_bytes())
+    for info in md.storage_data.values():
+        raw = (tmp_path / "o" / info.relative_path).read_bytes()
+        zf = zipfile.ZipFile(io.BytesIO(raw[info.offset:info.offset + info.length]))
+        assert zf.testzip() is None
+
+
+def test_damaged_source_bytes_fail_the_write(tmp_path: Path) -> None:
+    from ckpt_cli.errors import CorruptCheckpointError
+
+    src, _ = _from_torch_file(tmp_path)
+    raw = bytearray(src.read_bytes())
+    zf = zipfile.ZipFile(io.BytesIO(bytes(raw)))
+    entry = next(i for i in zf.infolist() if i.filename.endswith("data/0"))
+    at = entry.header_offset + 30 + len(entry.filename) + len(
+        _local_extra(bytes(raw), entry.header_offset)) + 5
+    raw[at] ^= 0xFF
+    src.write_bytes(bytes(raw))
+    from ckpt_cli.ops.to_dcp.torch_dict import read_torch
+    from ckpt_cli.ops.to_dcp.writer import layout_state
+
+    tree = layout_state(read_torch(src), "recipe")
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        write_dcp(tree, tmp_path / "o")
+    assert not (tmp_path / "o").exists()
