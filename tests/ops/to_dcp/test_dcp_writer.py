@@ -245,7 +245,7 @@ def _from_torch_file(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
 def test_the_sources_checksum_is_the_archives(tmp_path: Path) -> None:
     """A torch file's tensors carry their storage entry's CRC-32 (checked as they are read),
     which the archives take: every one is right."""
-    src, tree = _from_torch_file(tmp_path)
+    _, tree = _from_torch_file(tmp_path)
     assert all(v.crc is not None for v in tree["model"].values())
     write_dcp(tree, tmp_path / "o")
     md = pickle.loads((tmp_path / "o" / ".metadata").read_bytes())
