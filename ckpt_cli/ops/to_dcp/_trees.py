@@ -17,6 +17,7 @@ from ckpt_cli.formats import containers
 from ckpt_cli.formats.standins import Opaque, TensorRecord
 from ckpt_cli.formats.torchfile import read_into
 from ckpt_cli.model import CheckpointIndex, TensorInfo
+from ckpt_cli.ops.to_dcp import torch_dict
 from ckpt_cli.ops.to_dcp.state import LazyTensor
 
 if TYPE_CHECKING:
@@ -26,13 +27,9 @@ _MAX_PLAIN = 100_000  # values a plain copy may hold (a scheduler or RNG state i
 
 
 def lazy_of(index: CheckpointIndex, info: TensorInfo) -> LazyTensor:
-    """A :class:`LazyTensor` reading ``info`` from ``index``'s files when loaded."""
-    def load() -> np.ndarray:
-        from ckpt_cli.tensors.source import TensorSource
-
-        with TensorSource(index) as src:
-            return src.read(info)
-    return LazyTensor(info.dtype, tuple(info.shape), load)
+    """A :class:`LazyTensor` reading ``info`` from ``index``'s files when loaded (whole or
+    in pieces; with its storage entry's CRC-32 where the reader checks it)."""
+    return torch_dict.lazy_of(index, info)
 
 
 @dataclass
