@@ -203,7 +203,7 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
                                                       syncer, on_progress)
                             k += 1
                         else:
-                            data = object_item(it.value)
+                            data = _object_item(it)
                             write_all(f, memoryview(data))
                             it.length = len(data)
                         pos += it.length
@@ -315,6 +315,17 @@ class SyncBehind:
         if self._fds:
             self._start()
         self._wait()
+
+
+def _object_item(it: Item) -> bytes:
+    """``torch.save`` of a non-tensor value; one that is not plain data is refused."""
+    import pickle  # lazy: only for the error it raises
+
+    try:
+        return object_item(it.value)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise UnsupportedError(f"{it.fqn}: a value DCP cannot hold "
+                               f"({type(it.value).__name__}: {e})") from None
 
 
 def _dtype_of(name: str, code: str) -> np.dtype[Any]:

@@ -273,3 +273,12 @@ def test_damaged_source_bytes_fail_the_write(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match="CRC-32"):
         write_dcp(tree, tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_value_that_is_not_plain_data_is_refused(tmp_path: Path) -> None:
+    from ckpt_cli.errors import UnsupportedError
+
+    lz = LazyTensor("F32", (2,), lambda: np.zeros(2, np.float32))
+    with pytest.raises(UnsupportedError, match="pair: a value DCP cannot hold"):
+        write_dcp({"pair": (lz, 1)}, tmp_path / "out")  # a tuple is a leaf, as DCP has it
+    assert not list(tmp_path.iterdir())
