@@ -120,6 +120,25 @@ def data_pkl(entries: list[tuple[str, str, tuple[int, ...]]],
     return buf.getvalue()
 
 
+def tensor_pkl(code: str, shape: tuple[int, ...]) -> bytes:
+    """The ``data.pkl`` of ``torch.save(tensor)`` of one contiguous tensor owning its storage
+    (``data/0``), as torch's pickler writes it (protocol 2).
+
+    Args:
+        code: The dtype code.
+        shape: The tensor's shape.
+
+    Returns:
+        The pickle bytes.
+    """
+    numel = 1
+    for d in shape:
+        numel *= d
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(_tensor_call("0", code, shape, numel))
+    return buf.getvalue()
+
+
 class TorchZipWriter:
     """Writes one torch.save zip, streaming each storage record.
 

@@ -9,6 +9,7 @@ positioned reads, so a source's memory stays bounded by its largest tensor.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,10 +50,23 @@ class IndexedLoad:
         with TensorSource(self.index) as src:
             return src.read(self.info)
 
+    def pieces(self) -> Iterator[np.ndarray]:
+        """The same values as flat arrays, a bounded piece at a time."""
+        with TensorSource(self.index) as src:
+            yield from src.iter_pieces(self.info)
+
 
 def lazy_of(index: CheckpointIndex, info: TensorInfo) -> LazyTensor:
-    """A :class:`LazyTensor` reading ``info`` from ``index``'s files when loaded."""
-    return LazyTensor(info.dtype, tuple(info.shape), IndexedLoad(index, info))
+    """A :class:`LazyTensor` reading ``info`` from ``index``'s files when loaded (whole or
+    in pieces; with its storage entry's CRC-32 where the reader checks it)."""
+    # TensorSource checks a storage entry's CRC-32 as it reads (and fails the read on a
+    # mismatch): a tensor that is its whole entry has that CRC.
+    s = info.storage
+    crc = s.crc if (s is not None and s.crc is not None and not info.chunks
+                    and info.stride is None and info.offset == s.start
+                    and info.nbytes == s.crc_len) else None
+    load = IndexedLoad(index, info)
+    return LazyTensor(info.dtype, tuple(info.shape), load, load.pieces, crc)
 
 
 @dataclass

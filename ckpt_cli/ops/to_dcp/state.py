@@ -9,7 +9,7 @@ bounded by the largest tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +29,19 @@ class LazyTensor:
         load: Returns the values as a numpy array of ``shape`` in the numpy dtype
             :func:`ckpt_cli.dtypes.numpy_dtype` maps ``dtype`` to (``ml_dtypes.bfloat16`` for
             BF16). A 0-d tensor loads as a 0-d array. Tied weights may share one loader.
+        pieces: Optionally, the same values as flat arrays in row-major order, a bounded
+            piece at a time (the writer uses it instead of ``load``, so that a large tensor
+            never sits in memory whole).
+        crc: The CRC-32 of the tensor's bytes (C order), where the source records it for
+            exactly these bytes and its reader checks it as it reads (a torch zip's storage
+            entry): the writer's archive takes it instead of computing it again.
     """
 
     dtype: str
     shape: tuple[int, ...]
     load: Loader
+    pieces: Callable[[], Iterator[np.ndarray]] | None = None
+    crc: int | None = None
 
 
 @dataclass

@@ -1,13 +1,18 @@
 """The one DCP writer: a :class:`TrainingState` -> a torch.distributed.checkpoint directory.
 
-The state dict handed to ``dcp.save`` holds *meta* tensors (shape and dtype, no bytes) for
-every lazy tensor; a save planner loads each one's values only when the storage writer asks
-for it (``resolve_data``). ``FileSystemWriter`` keeps every tensor of a file until the file
-is done, so the storage writer here puts each large tensor in a file of its own and packs the
-small ones (and the non-tensor values) into files of at most ``bucket_bytes``: memory stays
-bounded by the larger of the largest tensor and that bucket (64 MiB). The directory is built
-in a temporary sibling and renamed into place (:func:`ckpt_cli.storage.atomic.atomic_dir`),
-or uploaded under an object-storage prefix (:mod:`ckpt_cli.writers.dcp`), ``.metadata`` last.
+DCP's format is written directly, without torch (importing ``torch.distributed.checkpoint``
+costs seconds and ~300 MB before the first byte): the state dict is flattened and planned as
+``dcp.save`` with the ``DefaultSavePlanner`` plans it, each item is the ``torch.save`` archive
+``FileSystemWriter`` would write (:mod:`.zipitem`), and ``.metadata`` is the pickle of the
+``Metadata`` it would write (:mod:`.dcpmeta`). Tensors go through convert's write path: read
+(in pieces, where a reader gives :attr:`LazyTensor.pieces`) on a background thread within a
+memory budget (:class:`ckpt_cli.writers.pipeline.Prefetch`), the files synced in the
+background while the next ones are written (:class:`SyncBehind`). Each large tensor gets a
+file of its own; the small ones (and the non-tensor values) share files of at most
+``bucket_bytes``. The directory is built in a temporary sibling and renamed into place
+(:func:`ckpt_cli.storage.atomic.atomic_dir`), or uploaded under an object-storage prefix
+(:mod:`ckpt_cli.writers.dcp`: each file to its final key, nothing synced locally),
+``.metadata`` written last.
 
 Layouts (the loading side's state dict, as ``dcp.load`` sees it):
 
@@ -23,19 +28,28 @@ Layouts (the loading side's state dict, as ``dcp.load`` sees it):
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-from dataclasses import replace
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ckpt_cli import dtypes
-from ckpt_cli.errors import CorruptCheckpointError, UsageError
+from ckpt_cli import dtypes, storage
+from ckpt_cli.errors import CorruptCheckpointError, UnsupportedError, UsageError
+from ckpt_cli.ops.to_dcp.dcpmeta import Item, flatten, metadata_bytes
 from ckpt_cli.ops.to_dcp.state import LazyTensor, TrainingState
+from ckpt_cli.ops.to_dcp.zipitem import ItemZip, object_item, tensor_header
+from ckpt_cli.storage import stages
+from ckpt_cli.storage.reads import MEMORY_BUDGET, crc32_parallel
+from ckpt_cli.tensors import cast
 from ckpt_cli.writers import WriteResult
-from ckpt_cli.writers.dcp import dcp_destination
+from ckpt_cli.writers.dcp import DcpTarget, dcp_destination
+from ckpt_cli.writers.pipeline import Flusher, Prefetch, tensor_bytes
+from ckpt_cli.writers.plan import OutTensor
+from ckpt_cli.writers.safetensors import write_all
 
 LAYOUTS = ("torchtitan", "recipe")
 """``--dcp-layout`` values: the top-level keys the output is written under."""
@@ -136,18 +150,20 @@ def count_tensors(tree: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
 def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
               on_progress: Callable[[int], None] | None = None,
               on_start: Callable[[int], None] | None = None,
-              bucket_bytes: int = 64 << 20) -> WriteResult:
+              bucket_bytes: int = 64 << 20, max_memory: int | None = None) -> WriteResult:
     """Write a layout (:func:`layout_state`) as a DCP directory at ``out``, atomically.
 
     Args:
         tree: The state dict with :class:`LazyTensor` leaves.
         out: The directory to create.
         overwrite: Replace an existing ``out``.
-        on_progress: Called with tensor bytes as each tensor is written.
+        on_progress: Called with tensor bytes as each piece of a tensor is written.
         on_start: Called once with the total tensor bytes.
         bucket_bytes: Tensors smaller than this share files of at most this size (with the
-            non-tensor values); larger ones get a file each. Memory held: the larger of this
-            and the largest tensor.
+            non-tensor values); larger ones get a file each.
+        max_memory: Bytes of tensor data read ahead of the writer (default
+            :data:`ckpt_cli.storage.reads.MEMORY_BUDGET`); tensors that stream in pieces
+            (:attr:`LazyTensor.pieces`) never sit in memory whole.
 
     Returns:
         The files written (``.metadata`` is the index file).
@@ -155,117 +171,232 @@ def write_dcp(tree: dict[str, Any], out: Path, *, overwrite: bool = False,
     Raises:
         CorruptCheckpointError: A tensor read from the source has another shape or dtype
             than its reader declared.
+        UnsupportedError: A value DCP cannot hold (two leaves with one key, a dtype torch
+            lacks).
         DestinationExistsError: ``out`` exists and ``overwrite`` is False.
     """
-    import torch  # heavy: torch
-    from torch.distributed.checkpoint.api import CheckpointException  # heavy: torch
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # heavy: torch
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter  # heavy: torch
-    from torch.distributed.checkpoint.state_dict_saver import save  # heavy: torch
-
-    lazies: dict[int, tuple[str, LazyTensor]] = {}
-
-    def placeholders(node: Any, prefix: str) -> Any:
-        if isinstance(node, LazyTensor):
-            t = torch.empty(node.shape, dtype=dtypes.torch_dtype(node.dtype), device="meta")
-            lazies[id(t)] = (prefix, node)
-            return t
-        if isinstance(node, dict):
-            return {k: placeholders(v, f"{prefix}.{k}" if prefix else str(k))
-                    for k, v in node.items()}
-        return node
-
-    sd = placeholders(tree, "")
-    total = sum(dtypes.nbytes_of(lz.dtype, int(np.prod(lz.shape, dtype=np.int64)))
-                for _, lz in lazies.values())
+    items = flatten(tree)
+    tensors = [it for it in items if it.is_tensor]
+    for it in tensors:
+        _dtype_of(it.fqn, it.value.dtype)
+    total = sum(it.nbytes for it in tensors)
     if on_start is not None:
         on_start(total)
-
-    class LazyPlanner(DefaultSavePlanner):
-        """Reads each tensor's values when the storage writer asks for them."""
-
-        def resolve_data(self, write_item: Any) -> Any:
-            obj = self.lookup_object(write_item.index)
-            found = lazies.get(id(obj))
-            if found is None:
-                return self.transform_object(write_item, obj)
-            name, lz = found
-            tensor = _loaded(name, lz)
-            if on_progress is not None:
-                on_progress(tensor.numel() * tensor.element_size())
-            return tensor
-
-    class BucketWriter(FileSystemWriter):
-        """Small items (non-tensor values, tensors under ``bucket_bytes``) share files of at
-        most ``bucket_bytes``; each larger tensor gets a file of its own."""
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            from torch.futures import Future  # heavy: torch
-
-            buckets = _buckets(plan.items, bucket_bytes)
-            prefix = plan.storage_data.prefix
-            results: list[Any] = []
-            for n, items in enumerate(buckets):
-                # "__0_" + "{n}" + DCP's count "0": ranks parse as DCP names them.
-                part = replace(plan, items=items,
-                               storage_data=replace(plan.storage_data, prefix=f"{prefix}{n}"))
-                results += super().write_data(part, planner).wait()
-            done: Future[list[Any]] = Future()
-            done.set_result(results)
-            return done
-
+    buckets = _buckets(items, bucket_bytes)
+    # The tensors in the order they are written: each file's, in order (bytes items first).
+    order = [it for b in buckets for it in b if it.is_tensor]
+    outs = [OutTensor(it.fqn, it.value.dtype, it.value.shape, _checked(it.fqn, it.value),
+                      _checked_pieces(it.fqn, it.value)) for it in order]
+    written: list[Item] = []
     # A local directory or a prefix on object storage (writers/dcp.py): every file bounded
     # by the whole checkpoint's bytes (plus the pickled values), which sizes upload parts.
     with dcp_destination(out, overwrite=overwrite, expected=total + bucket_bytes) as dest:
-        # sync_files=False: atomic_dir fsyncs the whole tree before the rename.
-        writer = BucketWriter(dest.root, single_file_per_rank=True, sync_files=False,
-                              thread_count=1)
-        dest.attach(writer)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # DCP's notes on single-process saves
-            try:
-                save(sd, storage_writer=writer, planner=LazyPlanner(), no_dist=True)
-            except CheckpointException as e:
-                raise _cause(e) from None
-    return WriteResult(out, dest.files, ".metadata", total, len(lazies))
+        syncer = SyncBehind(local=dest.fs is None)
+        with syncer, Prefetch(outs, max_memory or MEMORY_BUDGET) as source:
+            k = 0
+            for n, bucket in enumerate(buckets):
+                name = f"__0_{n}0.distcp"  # DCP's names: rank 0, bucket n, its file 0
+                with _create(dest, name) as f:
+                    pos = 0
+                    for it in [i for i in bucket if not i.is_tensor] + [
+                            i for i in bucket if i.is_tensor]:
+                        it.file, it.offset = name, pos
+                        if it.is_tensor:
+                            it.length = _write_tensor(f, source, k, outs[k], it.value.crc,
+                                                      syncer, on_progress)
+                            k += 1
+                        else:
+                            data = _object_item(it)
+                            write_all(f, memoryview(data))
+                            it.length = len(data)
+                        pos += it.length
+                        written.append(it)
+                    syncer.done(f)
+            syncer.finish()
+        with _create(dest, ".metadata") as f:
+            write_all(f, memoryview(metadata_bytes(items, written, dest.root,
+                                                   str(uuid.uuid4()))))
+    return WriteResult(out, dest.files, ".metadata", total, len(tensors))
 
 
-def _loaded(name: str, lz: LazyTensor) -> Any:
-    import torch  # heavy: torch
-
-    arr = np.asarray(lz.load())
-    if tuple(arr.shape) != tuple(lz.shape):
-        raise CorruptCheckpointError(f"{name}: read shape {tuple(arr.shape)}, expected "
-                                     f"{lz.shape}")
-    want = dtypes.torch_dtype(lz.dtype)
-    if arr.dtype.kind in "ui" and want.is_floating_point:  # BF16/FP8 as integer bits
-        if arr.dtype.itemsize != want.itemsize:
-            raise CorruptCheckpointError(f"{name}: read {arr.dtype}, expected {lz.dtype}")
-        ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[arr.dtype.itemsize]
-        t = torch.from_numpy(np.ascontiguousarray(arr).view(ints)).view(want)
-    else:
-        t = dtypes.to_torch(arr, lz.dtype)
-        if t.dtype != want:  # never a silent cast
-            raise CorruptCheckpointError(f"{name}: read {t.dtype}, expected {lz.dtype}")
-    return t.reshape(lz.shape)
+def _create(dest: DcpTarget, name: str) -> Any:
+    """A new file ``name`` of the output, as a context manager (an upload on object storage)."""
+    if dest.fs is not None:
+        return dest.fs.create_stream(f"{dest.root}/{name}", "wb")
+    return storage.create(Path(dest.root) / name, expected=0, buffering=0)
 
 
-def _buckets(items: list[Any], limit: int) -> list[list[Any]]:
-    """Group write items into files: the non-tensor values and the tensors under ``limit``
+def _write_tensor(f: Any, source: Prefetch, k: int, t: OutTensor, known: int | None,
+                  syncer: SyncBehind, on_progress: Callable[[int], None] | None) -> int:
+    """Write tensor ``k`` as ``torch.save`` of it, its bytes piece by piece; its length.
+    ``known``: the CRC-32 of its bytes that the source's reader checks (else computed)."""
+    z = ItemZip(lambda mv: write_all(f, mv))
+    tensor_header(z, t.dtype, t.shape, t.nbytes)
+    for data in tensor_bytes(source, k, t):
+        crc = known if known is not None else crc32_parallel(data, z.crc, cast.cast_pool(),
+                                                             cast.cast_threads())
+        with stages.stage("write", len(data)):
+            z.data(data, crc)
+        syncer.wrote(f, len(data))
+        if on_progress is not None:
+            on_progress(len(data))
+        del data
+    z.end()
+    return z.finish()
+
+
+class SyncBehind:
+    """Makes the files of a write durable in the background, in batches of about
+    :attr:`ckpt_cli.writers.pipeline.Flusher.EVERY` bytes, while the next ones are written.
+
+    A DCP directory is many files of at most a bucket each (64 MiB): syncing each one as it
+    closes (as :class:`~ckpt_cli.writers.pipeline.Flusher` does a shard) would pay a journal
+    commit per file. Here the files written since the last batch (the one being written too,
+    when it grows past the interval alone) are synced together, one after another on a
+    background thread; the next batch waits for the previous, so dirty data stays within
+    about two intervals. :meth:`finish` syncs the rest and raises the first error any sync
+    met: the write then fails, nothing unsynced becomes the output.
+    """
+
+    def __init__(self, *, local: bool = True) -> None:
+        self._local = local  # uploads (object storage) have nothing to sync
+        self._fds: list[int] = []  # duplicates of the descriptors to sync, closed once synced
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._error: OSError | None = None
+
+    def __enter__(self) -> SyncBehind:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close what was not synced (after an error); wait for a sync under way."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def _add(self, f: Any) -> None:
+        if self._local:
+            self._fds.append(os.dup(f.fileno()))
+
+    def wrote(self, f: Any, n: int) -> None:
+        """``n`` more bytes written to the open file ``f``."""
+        self._pending += n
+        if self._pending >= Flusher.EVERY:
+            self._add(f)
+            self._start()
+
+    def done(self, f: Any) -> None:
+        """The file ``f`` is complete (about to close): sync it with the next batch."""
+        self._add(f)
+
+    def _start(self) -> None:
+        self._wait()
+        fds, self._fds, self._pending = self._fds, [], 0
+        self._thread = threading.Thread(target=self._sync, args=(fds,),
+                                        name="ckpt-fdatasync", daemon=True)
+        self._thread.start()
+
+    def _sync(self, fds: list[int]) -> None:
+        for fd in fds:
+            self._sync_one(fd)
+
+    def _sync_one(self, fd: int) -> None:
+        try:
+            if self._error is None:
+                with stages.stage("fsync"):
+                    os.fdatasync(fd)
+        except OSError as e:  # raised in the writer's thread by _wait()
+            self._error = e
+        finally:
+            os.close(fd)
+
+    def _wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+
+    def finish(self) -> None:
+        """Sync every file not yet synced, and wait."""
+        if self._fds:
+            self._start()
+        self._wait()
+
+
+def _object_item(it: Item) -> bytes:
+    """``torch.save`` of a non-tensor value; one that is not plain data is refused."""
+    import pickle  # lazy: only for the error it raises
+
+    try:
+        return object_item(it.value)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise UnsupportedError(f"{it.fqn}: a value DCP cannot hold "
+                               f"({type(it.value).__name__}: {e})") from None
+
+
+def _dtype_of(name: str, code: str) -> np.dtype[Any]:
+    """The numpy dtype of a tensor DCP can hold."""
+    if dtypes.DTYPES[code].torch_name is None:
+        raise UnsupportedError(f"{name}: torch has no dtype for {code}: DCP cannot hold it")
+    try:
+        return dtypes.numpy_dtype(code)
+    except KeyError:
+        raise UnsupportedError(f"{name}: ckpt cannot move {code} values into DCP") from None
+
+
+def _check(name: str, lz: LazyTensor, arr: np.ndarray) -> np.ndarray:
+    """``arr`` if its dtype is the declared one (or, for BF16/FP8, integers of its width:
+    the bits), else an error (never a silent cast)."""
+    want = _dtype_of(name, lz.dtype)
+    if arr.dtype != want and not (arr.dtype.kind in "ui" and dtypes.DTYPES[lz.dtype].is_floating
+                                  and arr.dtype.itemsize == want.itemsize):
+        raise CorruptCheckpointError(f"{name}: read {arr.dtype}, expected {lz.dtype}")
+    return arr
+
+
+def _checked(name: str, lz: LazyTensor) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        arr = np.asarray(lz.load())
+        if tuple(arr.shape) != tuple(lz.shape):
+            raise CorruptCheckpointError(f"{name}: read shape {tuple(arr.shape)}, expected "
+                                         f"{lz.shape}")
+        arr = _check(name, lz, arr)
+        return arr if arr.flags.c_contiguous else arr.copy(order="C")
+    return load
+
+
+def _checked_pieces(name: str, lz: LazyTensor) -> Callable[[], Iterator[np.ndarray]] | None:
+    if lz.pieces is None:
+        return None
+    pieces = lz.pieces
+
+    def gen() -> Iterator[np.ndarray]:
+        it = pieces()
+        try:
+            for arr in it:
+                yield _check(name, lz, arr).view(_dtype_of(name, lz.dtype))
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+    return gen
+
+
+def _buckets(items: list[Item], limit: int) -> list[list[Item]]:
+    """Group the leaves into files: the non-tensor values and the tensors under ``limit``
     bytes packed into files of at most ``limit`` bytes, each larger tensor alone."""
-    from torch.distributed.checkpoint.planner import WriteItemType  # heavy: torch
-
-    small: list[list[Any]] = [[]]
+    small: list[list[Item]] = [[]]
     size = 0
-    big: list[list[Any]] = []
+    big: list[list[Item]] = []
     for item in items:
-        if item.type == WriteItemType.BYTE_IO:
+        if not item.is_tensor:
             small[0].append(item)
             continue
-        props, n = item.tensor_data.properties, 1
-        for d in item.tensor_data.size:
-            n *= d
-        nbytes = n * props.dtype.itemsize
+        nbytes = item.nbytes
         if nbytes >= limit:
             big.append([item])
             continue
@@ -275,13 +406,3 @@ def _buckets(items: list[Any], limit: int) -> list[list[Any]]:
         small[-1].append(item)
         size += nbytes
     return [b for b in small if b] + big
-
-
-def _cause(e: BaseException) -> BaseException:
-    """The error a rank raised inside ``dcp.save`` (ckpt's own, an ``OSError``), unwrapped
-    from DCP's ``CheckpointException`` so that it reaches the user as one line."""
-    for failure in getattr(e, "failures", {}).values():
-        inner = failure[0] if isinstance(failure, tuple) and failure else failure
-        if isinstance(inner, BaseException):
-            return inner
-    return e

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 
 import ckpt_cli  # noqa: E402
 from ckpt_cli.errors import CkptError, CorruptCheckpointError  # noqa: E402
+from ckpt_cli.ops.to_dcp.dcpmeta import Item  # noqa: E402
 from ckpt_cli.ops.to_dcp.state import LazyTensor  # noqa: E402
 from ckpt_cli.ops.to_dcp.writer import _buckets, write_dcp  # noqa: E402
 from tests.helpers import fsdp_resume as fr  # noqa: E402
@@ -262,8 +263,9 @@ def test_options_and_destination(trained: Any, tmp_path: Path, cli: Callable[...
 
 
 def test_one_tensor_held_at_a_time(tmp_path: Path) -> None:
-    """Each tensor is read when its file is written and let go after: memory is bounded by
-    the largest tensor (with a bucket smaller than every tensor)."""
+    """Tensors are read ahead of the writer only within the memory budget and let go once
+    written: with a budget below one tensor, one is held at a time (with a bucket smaller than
+    every tensor: a file each)."""
     alive: list[weakref.ref[np.ndarray]] = []
     most = 0
 
@@ -277,24 +279,20 @@ def test_one_tensor_held_at_a_time(tmp_path: Path) -> None:
         return load
 
     tree = {f"w{i}": LazyTensor("F32", (64, 64), loader(i)) for i in range(12)}
-    res = write_dcp(tree, tmp_path / "out", bucket_bytes=1024)
+    res = write_dcp(tree, tmp_path / "out", bucket_bytes=1024, max_memory=1)
     assert len(alive) == 12 and most <= 1, most
     assert res.tensors == 12 and len(res.files) == 13  # a file per tensor, then .metadata
     assert res.files[-1].path == ".metadata"
 
 
 def test_buckets() -> None:
-    class Item:
-        def __init__(self, n: int | None) -> None:
-            from torch.distributed.checkpoint.planner import WriteItemType
+    def item(n: int | None) -> Item:
+        return Item("x", ("x",), 1.0 if n is None else LazyTensor("F32", (n,), np.zeros))
 
-            self.type = WriteItemType.BYTE_IO if n is None else WriteItemType.TENSOR
-            self.tensor_data = None if n is None else type("T", (), {
-                "properties": type("P", (), {"dtype": torch.float32})(), "size": (n,)})()
-
-    items = [Item(None), Item(10), Item(1000), Item(20), Item(None), Item(30)]
+    items = [item(None), item(10), item(1000), item(20), item(None), item(30)]
     got = _buckets(items, 200)  # 4 bytes an element: 40, 4000, 80, 120 bytes
     assert [len(b) for b in got] == [4, 1, 1]
+    assert got[0] == [items[0], items[1], items[3], items[4]]
     assert got[1] == [items[5]] and got[2] == [items[2]]
 
 
