@@ -17,16 +17,21 @@ one, which reports each in its own words; nothing is read past a file's end.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.errors import CkptError
+from ckpt_cli.formats import zipshape
 from ckpt_cli.ops.stats.batch import numpy_dtype_or_none
+from ckpt_cli.storage.reads import crc32
 from ckpt_cli.tensors.moments import Moments, piece_moments, run_moments
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ckpt_cli.storage.reads import Meter
 
 _Work = Any  # engine's Work and _Sources: engine imports this module
@@ -58,6 +63,9 @@ class Run:
         sizes: Each tensor's bytes (none zero).
         names: Each tensor's name.
         codes: Each tensor's dtype code.
+        values: Each tensor's bytes, for a run of DCP items (``offsets`` and ``sizes`` are
+            then the items'); None for a run of byte ranges (``sizes`` are the tensors').
+        rest: Names of a run of DCP items left to the engine (an item not recognised).
     """
 
     work: int
@@ -68,11 +76,13 @@ class Run:
     sizes: list[int]
     names: list[str]
     codes: list[str]
+    values: list[int] | None = None
+    rest: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the tensors."""
-        return sum(self.sizes)
+        return sum(self.sizes if self.values is None else self.values)
 
 
 def take_plain(works: list[_Work], sources: _Src, select: Callable[[str], bool] | None,
@@ -92,7 +102,8 @@ def take_plain(works: list[_Work], sources: _Src, select: Callable[[str], bool] 
         upd = w.updates | works[i + 1].updates if i + 1 < len(works) else w.updates
         targets = w.targets
         mine: set[str] = set()
-        files: dict[str, list[tuple[int, int, str, str]]] = {}
+        files: dict[str, list[tuple[int, int, str, str, int]]] = {}
+        items: dict[str, list[tuple[int, int, str, str, int]]] = {}  # DCP items, by file
         stats = w.stats
         every = len(stats) == len(targets)  # (stats are names of targets)
         # In the targets' order (the header's), not the set's: a million records are visited
@@ -105,8 +116,13 @@ def take_plain(works: list[_Work], sources: _Src, select: Callable[[str], bool] 
                 continue
             t = tg.tensor
             nb, rel, off, code = t.nbytes, t.file, t.offset, t.dtype
-            if (nb >= small or rel is None or off is None or t.stride is not None or t.chunks
+            chunk = _whole_item(t) if t.chunks else None
+            if chunk is not None:
+                rel, off = chunk.file, chunk.offset
+            elif (rel is None or off is None or t.stride is not None or t.chunks
                     or (t.storage is not None and t.storage.crc is not None)):
+                continue
+            if nb >= small:
                 continue
             size = sizes.get(code)
             if size is None:
@@ -114,29 +130,47 @@ def take_plain(works: list[_Work], sources: _Src, select: Callable[[str], bool] 
                 size = sizes[code] = 0 if dt is None else dt.itemsize
             if not size or nb != prod(t.shape) * size:
                 continue
+            if chunk is not None:  # an item of its own: read with its neighbours'
+                if nb:
+                    items.setdefault(rel, []).append((off, chunk.length, n, code, nb))
+                continue
             if not nb:  # no values: no read, as the engine gives them
                 w.got[n] = Moments()
                 mine.add(n)
                 continue
-            items = files.get(rel)
-            if items is None:
-                items = files[rel] = []
-            items.append((off, nb, n, code))
-        for rel, items in files.items():
-            try:
-                end = sources.sources.get(i).file_size(rel)
-            except (CkptError, OSError):
-                continue  # cannot be opened: the engine says why, tensor by tensor
-            items.sort()
-            inside = [it for it in items if 0 <= it[0] and it[0] + it[1] <= end]
-            _cut(i, rel, inside, runs)
-            mine.update([it[2] for it in inside])
+            here = files.get(rel)
+            if here is None:
+                here = files[rel] = []
+            here.append((off, nb, n, code, nb))
+        for dcp, by_file in ((False, files), (True, items)):
+            for rel, here in by_file.items():
+                try:
+                    end = sources.sources.get(i).file_size(rel)
+                except (CkptError, OSError):
+                    continue  # cannot be opened: the engine says why, tensor by tensor
+                here.sort()
+                inside = [it for it in here if 0 <= it[0] and it[0] + it[1] <= end]
+                _cut(i, rel, inside, runs, dcp)
+                mine.update([it[2] for it in inside])
         taken.append(mine)
     return taken, runs
 
 
-def _cut(i: int, rel: str, items: list[tuple[int, int, str, str]], runs: list[Run]) -> None:
-    """Cut a file's tensors (by offset) into runs of adjacent byte ranges."""
+def _whole_item(t: Any) -> Any:
+    """The DCP chunk that holds all of ``t`` in one small plain item, or None."""
+    if len(t.chunks) != 1:
+        return None
+    c = t.chunks[0]
+    if (c.transforms or not 0 < c.length <= zipshape.MAX_LENGTH or any(c.offsets)
+            or tuple(c.sizes) != tuple(t.shape)):
+        return None
+    return c
+
+
+def _cut(i: int, rel: str, items: list[tuple[int, int, str, str, int]], runs: list[Run],
+         dcp: bool) -> None:
+    """Cut a file's tensors (or DCP items, ``dcp``) by offset into runs of adjacent byte
+    ranges."""
     start = 0
     while start < len(items):
         lo = items[start][0]
@@ -151,8 +185,9 @@ def _cut(i: int, rel: str, items: list[tuple[int, int, str, str]], runs: list[Ru
             if end > hi:
                 hi = end
             stop += 1
-        offsets, sizes, names, codes = (list(c) for c in zip(*items[start:stop], strict=True))
-        runs.append(Run(i, rel, lo, hi, offsets, sizes, names, codes))
+        offsets, sizes, names, codes, values = (list(c) for c in zip(*items[start:stop],
+                                                                     strict=True))
+        runs.append(Run(i, rel, lo, hi, offsets, sizes, names, codes, values if dcp else None))
         start = stop
 
 
@@ -170,6 +205,8 @@ def run_plain(works: list[_Work], sources: _Src, run: Run, meter: Meter) -> int 
         sources.sources.get(run.work).read_into(run.file, lo, buf.data)
     except (CkptError, OSError):
         return None
+    if run.values is not None:
+        return _run_items(works, sources, run, meter, buf)
     got = works[run.work].got
     codes = run.codes
     first = codes[0]
@@ -200,5 +237,82 @@ def run_plain(works: list[_Work], sources: _Src, run: Run, meter: Meter) -> int 
                 part = part.copy()  # an aligned copy: the kernels read whole values
             got[name] = piece_moments(part.view(dt))
     read = int(sizes.sum())
+    meter.add(read)
+    return read
+
+
+_LEARN = 4
+"""Items of a run not recognised that are parsed in full here, to learn their layout (one
+layout serves thousands of items; beyond a few misses the run's items are the engine's)."""
+
+
+def _run_items(works: list[_Work], sources: _Src, run: Run, meter: Meter,
+               buf: np.ndarray) -> int:
+    """:func:`run_plain` of a run of DCP items, in ``buf``: each item recognised from memory
+    (:func:`~ckpt_cli.formats.zipshape.known_item`: a layout and a pickle seen sound before,
+    :func:`~ckpt_cli.formats.zipshape.chunk_info`'s checks, its storage's CRC-32), the figures
+    of all in one kernel call per dtype. Anything else (an item not recognised, a strided or
+    compressed storage, a CRC-32 that does not match) goes to ``run.rest``: the engine reads
+    it as before, and says what is wrong in its words.
+    """
+    import numpy as np
+
+    w = works[run.work]
+    targets, got = w.targets, w.got
+    blob = buf.tobytes()
+    lo = run.lo
+    misses = 0
+    spans: dict[str, tuple[list[str], list[tuple[int, int]]]] = {}
+    assert run.values is not None
+    read = 0
+    for off, length, name, code, nb in zip(run.offsets, run.sizes, run.names, run.codes,
+                                           run.values, strict=True):
+        t = targets[name].tensor
+        c = t.chunks[0]
+        at = off - lo
+        data = blob[at:at + length]
+        tz = zipshape.known_item(data, off)
+        if tz is None:
+            run.rest.append(name)
+            if misses < _LEARN:  # parsed in full (and learnt, if sound)
+                misses += 1
+                with contextlib.suppress(CkptError, OSError):
+                    zipshape.parse_item(sources.sources.get(run.work).fd_of(run.file), off,
+                                        length, "")
+            continue
+        try:
+            info = zipshape.chunk_info(t, c, tz, "")
+        except CkptError:
+            run.rest.append(name)
+            continue
+        s = info.storage
+        start = -1 if info.offset is None else info.offset - off
+        entry = tz.storage_entry(s.key) if s is not None else None
+        if (s is None or entry is None or entry.compressed or info.stride is not None
+                or start < 0 or start + nb > length or info.nbytes != nb or s.start is None):
+            run.rest.append(name)
+            continue
+        if s.crc is not None and s.crc_len:
+            first = s.start - off
+            if crc32(data[first:first + s.crc_len]) != s.crc:
+                run.rest.append(name)
+                continue
+        names, where = spans.setdefault(code, ([], []))
+        names.append(name)
+        where.append((at + start, nb))
+        read += nb
+    for code, (names, where) in spans.items():
+        dt = numpy_dtype_or_none(code)
+        assert dt is not None
+        if dt.name in _KERNEL and all(a % dt.itemsize == 0 for a, _ in where):
+            pairs = np.array(where, dtype=np.int64).reshape(-1, 2)
+            pairs[:, 1] //= dt.itemsize
+            got.update(zip(names, run_moments(buf, dt, pairs), strict=True))
+            continue
+        for name, (a, b) in zip(names, where, strict=True):
+            part = buf[a:a + b]
+            if a % dt.itemsize:
+                part = part.copy()
+            got[name] = piece_moments(part.view(dt))
     meter.add(read)
     return read
