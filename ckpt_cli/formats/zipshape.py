@@ -35,6 +35,7 @@ from ckpt_cli.formats.unpickler import (
     scan_globals,
 )
 from ckpt_cli.model import Chunk, StorageRef, TensorInfo
+from ckpt_cli.storage.reads import crc32
 
 if TYPE_CHECKING:
     from ckpt_cli.storage import Handle
@@ -313,6 +314,63 @@ def known_item(data: bytes, base: int) -> TorchZip | None:
     and a pickle unpickled before, else None (then :func:`parse_item` must read it)."""
     hit = _SHAPES.match(data)
     return None if hit is None else torch_zip(hit[0], hit[1], data, base, _PICKLES)
+
+
+class ItemValues:
+    """Where the values of DCP items lie, from their bytes: an item of a layout and pickle
+    seen sound before (:func:`known_item`) whose chunk checks (:func:`chunk_info`) passed
+    once for the same layout, pickle, dtype and sizes passes them again, at the same place
+    (they depend on nothing else); only its storage's CRC-32 is its own, and checked here.
+    """
+
+    __slots__ = ("_known",)
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[object, ...], tuple[int, int, int] | None] = {}
+
+    def find(self, data: bytes, t: TensorInfo, c: Chunk) -> tuple[int, int] | None:
+        """``(offset in data, bytes)`` of the values of ``t``'s one chunk ``c``, an item that
+        holds them contiguous and uncompressed, its storage's CRC-32 checked; None for any
+        other item (the caller's full path then reads it, and says what is wrong)."""
+        hit = _SHAPES.match(data)
+        if hit is None:
+            return None
+        shape, crcs = hit
+        pkl = shape.records[shape.pickle]
+        raw = data[pkl.data_offset:pkl.data_offset + pkl.size]
+        key = (shape, raw, t.dtype, c.sizes)
+        known = self._known.get(key, _MISSING)
+        if known is _MISSING:
+            known = self._learn(shape, crcs, data, t, c)
+            if len(self._known) < _MAX_PICKLES:
+                self._known[key] = known
+        if known is None:
+            return None
+        start, nbytes, i = known
+        r = shape.records[i]
+        if r.size and any(crcs[k] for k, x in enumerate(shape.records) if x.size):
+            # (a zip written with checksums off records 0 for every record: none to check)
+            if crc32(memoryview(data)[r.data_offset:r.data_offset + r.size]) != crcs[i]:
+                return None
+        return start, nbytes
+
+    @staticmethod
+    def _learn(shape: ZipShape, crcs: tuple[int, ...], data: bytes, t: TensorInfo,
+               c: Chunk) -> tuple[int, int, int] | None:
+        tz = torch_zip(shape, crcs, data, 0, _PICKLES)
+        if tz is None:
+            return None
+        try:
+            info = chunk_info(t, c, tz, "")
+        except CorruptCheckpointError:
+            return None
+        s = info.storage
+        entry = tz.storage_entry(s.key) if s is not None else None
+        if (s is None or entry is None or entry.compressed or info.stride is not None
+                or info.offset is None or info.offset + info.nbytes > len(data)):
+            return None
+        i = next(k for k, r in enumerate(shape.records) if r.name == entry.name)
+        return info.offset, info.nbytes, i
 
 
 def chunk_info(t: TensorInfo, c: Chunk, tz: TorchZip, where: str) -> TensorInfo:

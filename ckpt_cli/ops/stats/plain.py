@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 from ckpt_cli.errors import CkptError
 from ckpt_cli.formats import zipshape
 from ckpt_cli.ops.stats.batch import numpy_dtype_or_none
-from ckpt_cli.storage.reads import crc32
 from ckpt_cli.tensors.moments import Moments, piece_moments, run_moments
 
 if TYPE_CHECKING:
@@ -262,57 +261,47 @@ def _run_items(works: list[_Work], sources: _Src, run: Run, meter: Meter,
     blob = buf.tobytes()
     lo = run.lo
     misses = 0
-    spans: dict[str, tuple[list[str], list[tuple[int, int]]]] = {}
+    spans: dict[str, tuple[list[str], list[int], list[int]]] = {}
     assert run.values is not None
-    read = 0
-    for off, length, name, code, nb in zip(run.offsets, run.sizes, run.names, run.codes,
-                                           run.values, strict=True):
+    find = _ITEMS.find
+    for off, length, name, code in zip(run.offsets, run.sizes, run.names, run.codes,
+                                       strict=True):
         t = targets[name].tensor
-        c = t.chunks[0]
         at = off - lo
-        data = blob[at:at + length]
-        tz = zipshape.known_item(data, off)
-        if tz is None:
+        hit = find(blob[at:at + length], t, t.chunks[0])
+        if hit is None:
             run.rest.append(name)
-            if misses < _LEARN:  # parsed in full (and learnt, if sound)
+            if misses < _LEARN:  # parsed in full (and its layout learnt, if sound)
                 misses += 1
                 with contextlib.suppress(CkptError, OSError):
                     zipshape.parse_item(sources.sources.get(run.work).fd_of(run.file), off,
                                         length, "")
             continue
-        try:
-            info = zipshape.chunk_info(t, c, tz, "")
-        except CkptError:
-            run.rest.append(name)
-            continue
-        s = info.storage
-        start = -1 if info.offset is None else info.offset - off
-        entry = tz.storage_entry(s.key) if s is not None else None
-        if (s is None or entry is None or entry.compressed or info.stride is not None
-                or start < 0 or start + nb > length or info.nbytes != nb or s.start is None):
-            run.rest.append(name)
-            continue
-        if s.crc is not None and s.crc_len:
-            first = s.start - off
-            if crc32(data[first:first + s.crc_len]) != s.crc:
-                run.rest.append(name)
-                continue
-        names, where = spans.setdefault(code, ([], []))
+        names, starts, sizes = spans.setdefault(code, ([], [], []))
         names.append(name)
-        where.append((at + start, nb))
-        read += nb
-    for code, (names, where) in spans.items():
+        starts.append(at + hit[0])
+        sizes.append(hit[1])
+    read = 0
+    for code, (names, starts, sizes) in spans.items():
         dt = numpy_dtype_or_none(code)
         assert dt is not None
-        if dt.name in _KERNEL and all(a % dt.itemsize == 0 for a, _ in where):
-            pairs = np.array(where, dtype=np.int64).reshape(-1, 2)
-            pairs[:, 1] //= dt.itemsize
-            got.update(zip(names, run_moments(buf, dt, pairs), strict=True))
+        size = np.array(sizes, dtype=np.int64)
+        read += int(size.sum())
+        # The values, packed (items put them anywhere: the kernels read whole values).
+        ends = np.cumsum(size)
+        pick = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(
+            np.array(starts, dtype=np.int64) - (ends - size), size)
+        packed = buf[pick]
+        if dt.name in _KERNEL:
+            pairs = np.empty((len(names), 2), dtype=np.int64)
+            pairs[:, 0] = ends - size
+            pairs[:, 1] = size // dt.itemsize
+            got.update(zip(names, run_moments(packed, dt, pairs), strict=True))
             continue
-        for name, (a, b) in zip(names, where, strict=True):
-            part = buf[a:a + b]
-            if a % dt.itemsize:
-                part = part.copy()
-            got[name] = piece_moments(part.view(dt))
+        for name, a, b in zip(names, (ends - size).tolist(), sizes, strict=True):
+            got[name] = piece_moments(packed[a:a + b].view(dt))
     meter.add(read)
     return read
+
+
+_ITEMS = zipshape.ItemValues()
