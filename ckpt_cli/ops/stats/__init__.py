@@ -263,11 +263,13 @@ def _covered(ckpts: list[_Checkpoint], works: list[Work]) -> int:
     under several views counts once; never more than a checkpoint's files hold)."""
     total = 0
     for i, (c, w) in enumerate(zip(ckpts, works, strict=True)):
-        names = w.stats | w.updates
-        if i + 1 < len(works):
-            names |= works[i + 1].updates & set(w.targets)
-        # In the targets' order (the index's), not the set's: records visited as they lie.
-        read = [t for n, t in w.targets.items() if n in names]
+        later = works[i + 1].updates if i + 1 < len(works) else set()
+        if not (w.updates or later) and len(w.stats) == len(w.targets):
+            read = list(w.targets.values())  # every target (stats are names of targets)
+        else:
+            names = w.stats | w.updates | (later & set(w.targets))
+            # In the targets' order (the index's), not the set's: records visited as they lie.
+            read = [t for n, t in w.targets.items() if n in names]
         total += distinct_bytes(c.index, [t.tensor for t in read] + [
             t.scale for t in read if t.scale is not None])
     return total
