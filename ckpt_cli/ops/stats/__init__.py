@@ -411,7 +411,7 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
                 sq = mod_sq[mod]
                 ms.update = math.sqrt(sq) if sq is not None else None
                 ms.previous_l2 = math.sqrt(mod_prev[mod])
-        cs.modules = [mods[k] for k in sorted(mods, key=natural.module)]
+        cs.modules = [mods[k] for k in sorted(mods, key=natural)]
         # Nothing cached (the entry's figures are those computed): none came from the cache.
         cs.cached = 0 if c.entry.tensors is w.got else sum(
             1 for n in c.scope.targets if n not in w.got and n in c.entry.tensors)
@@ -449,8 +449,7 @@ class _Natural(dict[str, str]):
     strings compare in C. A part is tagged ``\x01`` (digits: then its length, then its
     digits without leading zeros) or ``\x02`` (any other, as it is), and parts are joined by
     ``\x00``, below every character a part holds (characters below ``\x03`` in a part are
-    escaped, in order, behind ``\x01``). Each part's encoding is made once, and each module's
-    once: its tensors' keys are its key and their last part's.
+    escaped, in order, behind ``\x01``). Each part's encoding is made once.
     """
 
     ties: bool
@@ -471,22 +470,10 @@ class _Natural(dict[str, str]):
 
     def __init__(self) -> None:
         super().__init__()
-        self.heads: dict[str, str] = {}
         self.ties = False  # a part of digits with leading zeros: two names may tie
 
     def __call__(self, name: str) -> str:
-        head, dot, last = name.rpartition(".")
-        if not dot:
-            return self[name]
-        key = self.heads.get(head)
-        if key is None:
-            key = self.heads[head] = self(head)
-        return f"{key}\x00{self[last]}"
-
-    def module(self, name: str) -> str:
-        """The key of a module's name (made once when it owns tensors whose keys were made)."""
-        key = self.heads.get(name)
-        return key if key is not None else self(name)
+        return "\x00".join(map(self.__getitem__, name.split(".")))
 
 
 _ESCAPE = {c: f"\x01{chr(c + 1)}" for c in range(3)}
