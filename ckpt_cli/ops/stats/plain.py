@@ -13,6 +13,14 @@ call of :func:`~ckpt_cli.tensors.moments.run_moments` per dtype in it. The figur
 :func:`.engine._run` computes: every such tensor fits one window, and the same values go to
 the same kernel. A run whose read fails hands its tensors to :func:`.engine._run` one by
 one, which reports each in its own words; nothing is read past a file's end.
+
+A DCP tensor of one small chunk holding all of it is one embedded torch.save zip (an item):
+items are cut into runs the same way, by their byte ranges, and each item of a run is
+recognised from memory (:class:`~ckpt_cli.formats.zipshape.ItemValues`: a layout and a
+pickle seen sound before, the chunk's checks passed once for them, its storage's CRC-32
+checked); its values are gathered aligned, and the run's figures come from one kernel call
+per dtype. An item not recognised (the first of a layout, a damaged one) goes to
+:func:`.engine._run` as before: a locate that parses it in full, and its errors in its words.
 """
 
 from __future__ import annotations
