@@ -30,10 +30,9 @@ from ckpt_cli.formats.base import (
     present,
 )
 from ckpt_cli.formats.standins import DTypeRef, Opaque, TensorRecord
-from ckpt_cli.formats.torchfile import contiguous_strides
 from ckpt_cli.formats.torchzip import parse_zip
 from ckpt_cli.formats.unpickler import UNPICKLE_ERRORS, PickleResult, safe_load
-from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, StorageRef, TensorInfo
+from ckpt_cli.model import CheckpointIndex, Chunk, FileInfo, Finding, TensorInfo
 
 if TYPE_CHECKING:
     import numpy as np
@@ -513,27 +512,7 @@ def locate_chunk(index: CheckpointIndex, fd_of: Callable[[str], Handle], t: Tens
     fd = fd_of(c.file)
     where = f"{index.path_of(c.file)}@{c.offset}"
     tz = zipshape.parse_item(fd, c.offset, c.length, where)  # parse_zip, once per layout
-    rec = tz.pickle.obj
-    if not isinstance(rec, TensorRecord) or rec.storage is None:
-        raise CorruptCheckpointError(f"chunk of {t.name!r} does not hold a tensor",
-                                     path=where)
-    if tuple(rec.shape) != tuple(c.sizes) or rec.dtype != t.dtype:
-        raise CorruptCheckpointError(
-            f"chunk of {t.name!r} holds {rec.dtype}{list(rec.shape)}, metadata says "
-            f"{t.dtype}{list(c.sizes)}", path=where)
-    entry = tz.storage_entry(rec.storage.key)
-    start = tz.storage_start(rec.storage.key)
-    if entry is None or start is None:
-        raise CorruptCheckpointError(f"chunk of {t.name!r} lacks its storage record",
-                                     path=where)
-    if entry.data_offset + entry.size > c.length:
-        raise CorruptCheckpointError(f"chunk of {t.name!r} is truncated", path=where)
-    item = dtypes.DTYPES[rec.dtype].itemsize
-    stride = None if rec.stride == contiguous_strides(rec.shape) else rec.stride
-    return TensorInfo(t.name, rec.dtype, rec.shape, dtypes.nbytes_of(rec.dtype, math.prod(
-        rec.shape)), t.group, c.file, start + rec.storage_offset * item, stride,
-        StorageRef(c.file, rec.storage.key, start, rec.storage.nbytes, rec.storage.dtype,
-                   tz.storage_crc(rec.storage.key), entry.size), rec.storage_offset)
+    return zipshape.chunk_info(t, c, tz, where)
 
 
 def row_chunks(t: TensorInfo, locate: Callable[[Chunk], TensorInfo]) -> list[TensorInfo] | None:

@@ -18,11 +18,15 @@ not judged here: :class:`PickleCache` memoises the safe unpickling of identical 
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli import storage
+from ckpt_cli import dtypes, storage
+from ckpt_cli.errors import CorruptCheckpointError
+from ckpt_cli.formats.standins import TensorRecord
+from ckpt_cli.formats.torchfile import contiguous_strides
 from ckpt_cli.formats.torchzip import TorchZip, ZipEntry, archive_prefix, parse_zip
 from ckpt_cli.formats.unpickler import (
     PickleLengthError,
@@ -30,6 +34,8 @@ from ckpt_cli.formats.unpickler import (
     check_lengths,
     scan_globals,
 )
+from ckpt_cli.model import Chunk, StorageRef, TensorInfo
+from ckpt_cli.storage.reads import crc32
 
 if TYPE_CHECKING:
     from ckpt_cli.storage import Handle
@@ -300,3 +306,98 @@ def parse_item(fd: Handle, start: int, length: int, where: str) -> TorchZip:
                                   1 if e.compressed else 0, e.data_offset + e.size)
                                  for e in tz.entries.values()]))
     return tz
+
+
+def known_item(data: bytes, base: int) -> TorchZip | None:
+    """:func:`parse_item`'s quick path on an item's bytes already read (``base``: where it
+    starts in its file): its :class:`TorchZip` when it has the shape of an item parsed before
+    and a pickle unpickled before, else None (then :func:`parse_item` must read it)."""
+    hit = _SHAPES.match(data)
+    return None if hit is None else torch_zip(hit[0], hit[1], data, base, _PICKLES)
+
+
+class ItemValues:
+    """Where the values of DCP items lie, from their bytes: an item of a layout and pickle
+    seen sound before (:func:`known_item`) whose chunk checks (:func:`chunk_info`) passed
+    once for the same layout, pickle, dtype and sizes passes them again, at the same place
+    (they depend on nothing else); only its storage's CRC-32 is its own, and checked here.
+    """
+
+    __slots__ = ("_known",)
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[object, ...], tuple[int, int, int] | None] = {}
+
+    def find(self, data: bytes, t: TensorInfo, c: Chunk) -> tuple[int, int] | None:
+        """``(offset in data, bytes)`` of the values of ``t``'s one chunk ``c``, an item that
+        holds them contiguous and uncompressed, its storage's CRC-32 checked; None for any
+        other item (the caller's full path then reads it, and says what is wrong)."""
+        hit = _SHAPES.match(data)
+        if hit is None:
+            return None
+        shape, crcs = hit
+        pkl = shape.records[shape.pickle]
+        raw = data[pkl.data_offset:pkl.data_offset + pkl.size]
+        key = (shape, raw, t.dtype, c.sizes)
+        known = self._known.get(key, _MISSING)
+        if known is _MISSING:
+            known = self._learn(shape, crcs, data, t, c)
+            if len(self._known) < _MAX_PICKLES:
+                self._known[key] = known
+        if known is None:
+            return None
+        start, nbytes, i = known
+        r = shape.records[i]
+        if r.size and any(crcs[k] for k, x in enumerate(shape.records) if x.size):
+            # (a zip written with checksums off records 0 for every record: none to check)
+            if crc32(memoryview(data)[r.data_offset:r.data_offset + r.size]) != crcs[i]:
+                return None
+        return start, nbytes
+
+    @staticmethod
+    def _learn(shape: ZipShape, crcs: tuple[int, ...], data: bytes, t: TensorInfo,
+               c: Chunk) -> tuple[int, int, int] | None:
+        tz = torch_zip(shape, crcs, data, 0, _PICKLES)
+        if tz is None:
+            return None
+        try:
+            info = chunk_info(t, c, tz, "")
+        except CorruptCheckpointError:
+            return None
+        s = info.storage
+        entry = tz.storage_entry(s.key) if s is not None else None
+        if (s is None or entry is None or entry.compressed or info.stride is not None
+                or info.offset is None or info.offset + info.nbytes > len(data)):
+            return None
+        i = next(k for k, r in enumerate(shape.records) if r.name == entry.name)
+        return info.offset, info.nbytes, i
+
+
+def chunk_info(t: TensorInfo, c: Chunk, tz: TorchZip, where: str) -> TensorInfo:
+    """Where the values of DCP chunk ``c`` of ``t`` lie, from its parsed item ``tz``
+    (:func:`ckpt_cli.formats.dcp.locate_chunk`'s checks, without reading).
+
+    Raises:
+        CorruptCheckpointError: If the item does not describe a matching tensor.
+    """
+    rec = tz.pickle.obj
+    if not isinstance(rec, TensorRecord) or rec.storage is None:
+        raise CorruptCheckpointError(f"chunk of {t.name!r} does not hold a tensor",
+                                     path=where)
+    if tuple(rec.shape) != tuple(c.sizes) or rec.dtype != t.dtype:
+        raise CorruptCheckpointError(
+            f"chunk of {t.name!r} holds {rec.dtype}{list(rec.shape)}, metadata says "
+            f"{t.dtype}{list(c.sizes)}", path=where)
+    entry = tz.storage_entry(rec.storage.key)
+    start = tz.storage_start(rec.storage.key)
+    if entry is None or start is None:
+        raise CorruptCheckpointError(f"chunk of {t.name!r} lacks its storage record",
+                                     path=where)
+    if entry.data_offset + entry.size > c.length:
+        raise CorruptCheckpointError(f"chunk of {t.name!r} is truncated", path=where)
+    item = dtypes.DTYPES[rec.dtype].itemsize
+    stride = None if rec.stride == contiguous_strides(rec.shape) else rec.stride
+    return TensorInfo(t.name, rec.dtype, rec.shape, dtypes.nbytes_of(rec.dtype, math.prod(
+        rec.shape)), t.group, c.file, start + rec.storage_offset * item, stride,
+        StorageRef(c.file, rec.storage.key, start, rec.storage.nbytes, rec.storage.dtype,
+                   tz.storage_crc(rec.storage.key), entry.size), rec.storage_offset)

@@ -74,6 +74,11 @@ class TensorSource:
             storage.close(old)
         return fd
 
+    def fd_of(self, rel: str) -> Handle:
+        """File ``rel`` (relative to the index's base), open for positioned reads (kept open
+        by this source: not to be closed by the caller)."""
+        return self._fd(rel)
+
     def file_size(self, rel: str) -> int:
         """Size of file ``rel`` (relative to the index's base), opening it if need be."""
         return storage.size_of(self._fd(rel))

@@ -34,6 +34,7 @@ from ckpt_cli.ops.stats.engine import Work, compute
 from ckpt_cli.ops.stats.extent import distinct_bytes, files_bytes
 from ckpt_cli.ops.stats.options import StatsOptions
 from ckpt_cli.ops.stats.result import (
+    WRAPPERS,
     Anomaly,
     CheckpointStats,
     ModuleStats,
@@ -264,11 +265,13 @@ def _covered(ckpts: list[_Checkpoint], works: list[Work]) -> int:
     under several views counts once; never more than a checkpoint's files hold)."""
     total = 0
     for i, (c, w) in enumerate(zip(ckpts, works, strict=True)):
-        names = w.stats | w.updates
-        if i + 1 < len(works):
-            names |= works[i + 1].updates & set(w.targets)
-        # In the targets' order (the index's), not the set's: records visited as they lie.
-        read = [t for n, t in w.targets.items() if n in names]
+        later = works[i + 1].updates if i + 1 < len(works) else set()
+        if not (w.updates or later) and len(w.stats) == len(w.targets):
+            read = list(w.targets.values())  # every target (stats are names of targets)
+        else:
+            names = w.stats | w.updates | (later & set(w.targets))
+            # In the targets' order (the index's), not the set's: records visited as they lie.
+            read = [t for n, t in w.targets.items() if n in names]
         total += distinct_bytes(c.index, [t.tensor for t in read] + [
             t.scale for t in read if t.scale is not None])
     return total
@@ -323,22 +326,33 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
         mod_sq: dict[str, float | None] = {}
         mod_prev: dict[str, float] = {}
         names_of: dict[str, str] = {}
-        prefix = container_prefix(
-            [n for n in c.scope.targets if c.index.tensors[n].group in WEIGHT_GROUPS],
-            [k for k, g in c.index.containers.items() if g == "model"])
+        prefix = _prefix(c)
         scope = c.scope
         targets, aliases, skipped = scope.targets, scope.aliases, scope.skipped
         got, errors, tensors = c.entry.tensors, c.entry.errors, c.index.tensors
-        every = set(targets)
+        every = list(targets)
         if aliases or skipped:
-            every |= set(aliases) | set(skipped)
+            every = list(dict.fromkeys([*every, *aliases, *skipped]))
+        # Visited in the order shown (names sorted once: a module's tensors one after the
+        # other), so its figures merge in that order too.
+        natural = _Natural()
+        every.sort(key=natural)
+        if natural.ties:  # names equal but for leading zeros: in name order, as always
+            every.sort()
+            every.sort(key=natural)
         kinds: dict[str, str | None] = {}  # dtype -> its kind (None: not known)
         append = cs.tensors.append
-        for name in sorted(every):
+        quick = opts.depth is None and not prefix
+        last_head = last_mod = ""
+        for name in every:
             t = tensors[name]
-            if opts.depth is None and not prefix:
+            if quick:
                 head = name.rpartition(".")[0] or name  # module_of's, said quickly
-                mod = names_of.setdefault(head, head)
+                if head == last_head:
+                    mod = last_mod
+                else:
+                    mod = last_mod = names_of.setdefault(head, head)
+                    last_head = head
             else:
                 mod = module_of(name, opts.depth, prefix)
                 mod = names_of.setdefault(mod, mod)  # one string per module, not per tensor
@@ -398,14 +412,26 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
                 sq = mod_sq[mod]
                 ms.update = math.sqrt(sq) if sq is not None else None
                 ms.previous_l2 = math.sqrt(mod_prev[mod])
-        natural = _Natural()
         cs.modules = [mods[k] for k in sorted(mods, key=natural)]
-        cs.tensors.sort(key=lambda t: natural(t.name))
-        cs.cached = sum(1 for n in c.scope.targets if n not in w.got and n in c.entry.tensors)
+        # Nothing cached (the entry's figures are those computed): none came from the cache.
+        cs.cached = 0 if c.entry.tensors is w.got else sum(
+            1 for n in c.scope.targets if n not in w.got and n in c.entry.tensors)
         cs.computed = len(w.got)
         out.append(cs)
         prev_c = c
     return out
+
+
+def _prefix(c: _Checkpoint) -> str:
+    """:func:`container_prefix` of a checkpoint's weights in scope; a million names are listed
+    only when the first of them starts with a prefix that could be everyone's."""
+    tensors = c.index.tensors
+    containers = [k for k, g in c.index.containers.items() if g == "model"]
+    first = next((n for n in c.scope.targets if tensors[n].group in WEIGHT_GROUPS), None)
+    if first is None or not any(first.startswith(p) for p in (*containers, *WRAPPERS)):
+        return ""  # what container_prefix finds then: no prefix is every name's
+    return container_prefix(
+        [n for n in c.scope.targets if tensors[n].group in WEIGHT_GROUPS], containers)
 
 
 def _copy(m: Moments) -> Moments:
@@ -415,31 +441,40 @@ def _copy(m: Moments) -> Moments:
     return out
 
 
-def _natural(name: str) -> list[tuple[int, int | str]]:
-    """Sort key putting ``layers.2`` before ``layers.10``."""
-    return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]
+class _Natural(dict[str, str]):
+    """Sort key putting ``layers.2`` before ``layers.10``: a string whose plain order is the
+    order of the list of ``(0, int(part))`` for a part of digits, ``(1, part)`` for another
+    (parts compared in turn, a name that is a prefix of another first; ties keep their order).
 
+    Strings, not lists of tuples: a header of a million tensors sorts a million keys, and
+    strings compare in C. A part is tagged ``\x01`` (digits: then its length, then its
+    digits without leading zeros) or ``\x02`` (any other, as it is), and parts are joined by
+    ``\x00``, below every character a part holds (characters below ``\x03`` in a part are
+    escaped, in order, behind ``\x01``). Each part's encoding is made once.
+    """
 
-class _Natural(dict[str, tuple[int, int | str]]):
-    """:func:`_natural`, each name component's key made once: a header of a million tensors
-    repeats a few thousand components, and the keys of a sort are all held at once."""
+    ties: bool
 
-    def __missing__(self, p: str) -> tuple[int, int | str]:
-        k: tuple[int, int | str] = (0, int(p)) if p.isdigit() else (1, p)
+    def __missing__(self, p: str) -> str:
+        k: str | None = None
+        if p.isdigit():
+            try:
+                digits = str(int(p))
+                k = f"\x01{chr(0x20 + len(digits))}{digits}"
+                self.ties = self.ties or digits != p
+            except ValueError:  # a digit int() does not take (a superscript): a word
+                pass
+        if k is None:
+            k = "\x02" + (p if not p or min(p) >= "\x03" else p.translate(_ESCAPE))
         self[p] = k
         return k
 
     def __init__(self) -> None:
         super().__init__()
-        self.heads: dict[str, list[tuple[int, int | str]]] = {}
+        self.ties = False  # a part of digits with leading zeros: two names may tie
 
-    def __call__(self, name: str) -> list[tuple[int, int | str]]:
-        # A tensor's key is its module's and its last part's: the module's, made once, serves
-        # its tensors and its own row.
-        head, dot, last = name.rpartition(".")
-        if not dot:
-            return [self[name]]
-        key = self.heads.get(head)
-        if key is None:
-            key = self.heads[head] = [self[p] for p in head.split(".")]
-        return [*key, self[last]]
+    def __call__(self, name: str) -> str:
+        return "\x00".join(map(self.__getitem__, name.split(".")))
+
+
+_ESCAPE = {c: f"\x01{chr(c + 1)}" for c in range(3)}

@@ -244,12 +244,13 @@ def _compute(works: list[Work], sources: _Sources, *, budget: int, threads: int,
         def some(meter: Meter) -> None:
             if meter.stop.is_set():
                 return
-            got = run_plain(works, sources, runs[r], meter)
+            run = runs[r]
+            got = run_plain(works, sources, run, meter)
             if got is not None:
                 plain_done[r] = got
-                return
-            run = runs[r]  # unreadable as a run: tensor by tensor, each error in its words
-            for n in run.names:
+            # Unreadable as a run (or, of DCP items, those not recognised): tensor by tensor,
+            # each error in its words.
+            for n in run.names if got is None else run.rest:
                 if meter.stop.is_set():
                     return
                 plain_done[r] += _run(works, n, (run.work,), one, sources, meter)
