@@ -262,7 +262,7 @@ def _run_items(works: list[_Work], sources: _Src, run: Run, meter: Meter,
     compressed storage, a CRC-32 that does not match) goes to ``run.rest``: the engine reads
     it as before, and says what is wrong in its words.
     """
-    import numpy as np
+    import numpy as np  # heavy: numpy
 
     w = works[run.work]
     targets, got = w.targets, w.got
