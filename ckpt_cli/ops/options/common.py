@@ -73,5 +73,33 @@ def output_format() -> Any:
         "Output file format (default: from the output's suffix, else safetensors)."))
 
 
+def thin_after() -> Any:
+    """``thin_after``: thin what stays beyond the newest N (prune, watch)."""
+    return option(None, metavar="N", help=(
+        "Rewrite checkpoints older than the newest N complete ones without optimizer state, "
+        "in place (torch and Lightning files, HF checkpoint-N)."))
+
+
+def thin_to() -> Any:
+    """``thin_to``: also cast thinned weights (prune, watch)."""
+    return option(None, metavar="bf16", help="Also cast thinned checkpoints' weights to BF16.")
+
+
+def keep_full_every() -> Any:
+    """``keep_full_every``: milestones thinning leaves whole (prune, watch)."""
+    return option(None, metavar="STEPS", kind="count", help=(
+        "Never thin checkpoints whose step is a multiple of STEPS (e.g. 10K, as "
+        "`keep_every`)."))
+
+
+def keep_abandoned() -> Any:
+    """``keep_abandoned``: keep an abandoned timeline's checkpoints (prune, watch)."""
+    return option(False, help=(
+        "Keep checkpoints of a timeline a rollback abandoned (higher steps a resume from an "
+        "earlier one left behind); by default they are deleted. They never count towards "
+        "`keep` or `keep_every`."))
+
+
 __all__ = ["INPUT_FORMATS", "allow_global", "concurrency", "finalize", "input_format",
-           "max_memory", "output_format", "overwrite", "part", "pattern"]
+           "keep_abandoned", "keep_full_every", "max_memory", "output_format", "overwrite",
+           "part", "pattern", "thin_after", "thin_to"]

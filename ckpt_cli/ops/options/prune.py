@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ckpt_cli.choices import MetricMode, ThinDtype
 from ckpt_cli.errors import UsageError
+from ckpt_cli.ops.options import common
 from ckpt_cli.optionspec import option
 
 DEFAULT_GRACE = 600.0
@@ -52,18 +53,10 @@ class PrunePolicy:
                           help=(
         "Never delete anything changed within AGE: it may still be being written (0 turns "
         "this off)."))
-    thin_after: int | None = option(None, metavar="N", help=(
-        "Rewrite checkpoints older than the newest N complete ones without optimizer state, "
-        "in place (torch and Lightning files, HF checkpoint-N)."))
-    thin_to: ThinDtype | None = option(None, metavar="bf16", help=(
-        "Also cast thinned checkpoints' weights to BF16."))
-    keep_full_every: int | None = option(None, metavar="STEPS", kind="count", help=(
-        "Never thin checkpoints whose step is a multiple of STEPS (e.g. 10K, as "
-        "`keep_every`)."))
-    keep_abandoned: bool = option(False, help=(
-        "Keep checkpoints of a timeline a rollback abandoned (higher steps a resume from an "
-        "earlier one left behind); by default they are deleted. They never count towards "
-        "`keep` or `keep_every`."))
+    thin_after: int | None = common.thin_after()
+    thin_to: ThinDtype | None = common.thin_to()
+    keep_full_every: int | None = common.keep_full_every()
+    keep_abandoned: bool = common.keep_abandoned()
 
     def rules(self) -> list[str]:
         """The retention rules this policy uses.

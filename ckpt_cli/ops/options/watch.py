@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpt_cli.choices import ThinDtype
+from ckpt_cli.ops.options import common
 from ckpt_cli.optionspec import Caller, option
 
 
@@ -40,18 +41,10 @@ class WatchOptions:
         "ckpt prune)."))
     grace: float = option(600.0, metavar="AGE", kind="duration", allow_zero=True, help=(
         "Retention never deletes anything changed within AGE (0: off)."))
-    thin_after: int | None = option(None, metavar="N", help=(
-        "Rewrite checkpoints older than the newest N complete ones without optimizer state, "
-        "in place (torch and Lightning files, HF checkpoint-N)."))
-    thin_to: ThinDtype | None = option(None, metavar="bf16", help=(
-        "Also cast thinned checkpoints' weights to BF16."))
-    keep_full_every: int | None = option(None, metavar="STEPS", kind="count", help=(
-        "Never thin checkpoints whose step is a multiple of STEPS (e.g. 10K, as "
-        "`keep_every`)."))
-    keep_abandoned: bool = option(False, help=(
-        "Keep checkpoints of a timeline a rollback abandoned (higher steps a resume from an "
-        "earlier one left behind); by default they are deleted. They never count towards "
-        "`keep` or `keep_every`."))
+    thin_after: int | None = common.thin_after()
+    thin_to: ThinDtype | None = common.thin_to()
+    keep_full_every: int | None = common.keep_full_every()
+    keep_abandoned: bool = common.keep_abandoned()
     pattern: str | None = option(None, metavar="REGEX", help=(
         "Which entries are checkpoints, for unusual layouts (a 'step' group gives the "
         "step)."))
