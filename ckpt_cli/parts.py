@@ -346,3 +346,21 @@ def _identity(base: Path, rel: str) -> tuple[str, int, int]:
     except OSError:
         return (rel, -1, -1)
     return (rel, st.st_size, st.st_mtime_ns)
+
+
+def staged_count(root: Path, dest: Path) -> int:
+    """How many parts the job staged under ``root`` for ``dest`` was split into (``finalize``
+    without ``part``), from its recorded plan.
+
+    Raises:
+        PartsIncompleteError: Nothing staged there, or a plan that cannot be read.
+    """
+    recorded = PartStore(root, "", 0, what=str(dest)).recorded_plan()
+    if recorded is None:
+        raise PartsIncompleteError(
+            f"nothing to finalize: no parts are staged for it (expected {root})", path=dest,
+            hint="run the parts with part K/N first (with the same options)", param="part")
+    count = recorded.get("parts")
+    if not isinstance(count, int) or count < 1:
+        raise PartsIncompleteError("the staged part plan is unreadable", path=root)
+    return count

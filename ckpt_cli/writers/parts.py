@@ -31,6 +31,7 @@ from ckpt_cli.parts import (
     assign,
     describe_parts,
     fingerprint,
+    staged_count,
     staging_dir,
 )
 from ckpt_cli.storage.atomic import (
@@ -111,7 +112,7 @@ class PartSink(Sink):
                           parents=True)
         self.job, self.as_file = job, as_file
         root = staging_dir(dest)
-        count = job.part.count if job.part else _staged_count(root, dest)
+        count = job.part.count if job.part else staged_count(root, dest)
         plan_id = fingerprint({"content": content_id, "source": job.source_id, "parts": count,
                                "dest": dest.name, "file": as_file, "files": plan.files})
         self.store = PartStore(root, plan_id, count, what=str(dest))
@@ -166,17 +167,6 @@ class PartSink(Sink):
                 raise
             self.outcome.finalized = True
 
-
-def _staged_count(root: Path, dest: Path) -> int:
-    recorded = PartStore(root, "", 0, what=str(dest)).recorded_plan()
-    if recorded is None:
-        raise PartsIncompleteError(
-            f"nothing to finalize: no parts are staged for it (expected {root})", path=dest,
-            hint="run the parts with part K/N first (with the same options)", param="part")
-    count = recorded.get("parts")
-    if not isinstance(count, int) or count < 1:
-        raise PartsIncompleteError("the staged part plan is unreadable", path=root)
-    return count
 
 
 def _settle(sink: PartSink, tail: Tail) -> None:

@@ -44,6 +44,7 @@ from ckpt_cli.parts import (
     assign,
     describe_parts,
     fingerprint,
+    staged_count,
     staging_dir,
 )
 from ckpt_cli.storage.atomic import (
@@ -154,7 +155,7 @@ def write_dcp_part(tree: dict[str, Any], out: Path, *, part: Part | None, finali
     check_destination(out, kind="dir", overwrite=overwrite, parents=True)
     leaves = _leaves(tree)
     root = staging_dir(out)
-    count = part.count if part else _staged_count(root, out)
+    count = part.count if part else staged_count(root, out)
     owner = _owners(leaves, count)
     store = PartStore(root, _plan_id(leaves, count, out, source_id), count, what=str(out))
     outcome = PartOutcome(part, count, [])
@@ -193,17 +194,6 @@ def write_dcp_part(tree: dict[str, Any], out: Path, *, part: Part | None, finali
 def _part_dir(k: int) -> str:
     return f"part-{k:05d}"
 
-
-def _staged_count(root: Path, dest: Path) -> int:
-    recorded = PartStore(root, "", 0, what=str(dest)).recorded_plan()
-    if recorded is None:
-        raise PartsIncompleteError(
-            f"nothing to finalize: no parts are staged for it (expected {root})", path=dest,
-            hint="run the parts with part K/N first (with the same options)", param="part")
-    count = recorded.get("parts")
-    if not isinstance(count, int) or count < 1:
-        raise PartsIncompleteError("the staged part plan is unreadable", path=root)
-    return count
 
 
 def _settle(store: PartStore, tree: dict[str, Any], leaves: list[tuple[tuple[str, ...], Any]],
