@@ -2,7 +2,8 @@
 restructuring must leave inspect, convert and stats as fast and as lean as before).
 
 Both trees run the same commands on the same files, as fresh processes, interleaved round by
-round (so both see the same machine), and the best round of each is kept:
+round (so both see the same machine; the tree that goes first alternates from one round to
+the next, so neither always follows the other's writes), and the best round of each is kept:
 
 - ``inspect`` of a safetensors file (metadata only: import time dominates), of the torch
   training checkpoint, and ``inspect --json`` of a run directory of 200 checkpoints;
@@ -13,7 +14,9 @@ The baseline is a git revision (``--baseline REV``, default the last release tag
 ``HEAD~1``), checked out with ``git worktree`` under the bench data directory, or a path to
 another checkout (``--baseline-path``). Its compiled kernels are built in place first, so the
 comparison is of the Python around them. Prints wall and CPU seconds and peak RSS of both and
-the ratio now/before (below 1.0 is faster); the verdict allows 10% for noise.
+the ratio now/before (below 1.0 is faster); the verdict allows 10% for noise. Beside them, the
+modules each command loads in each tree (one more, untimed run under ``-X importtime``): a
+count that the machine's load does not move.
 
 Run: python -m bench.compare_trees [--quick] [--baseline REV | --baseline-path DIR]
      [--rounds N]
@@ -22,6 +25,7 @@ Run: python -m bench.compare_trees [--quick] [--baseline REV | --baseline-path D
 from __future__ import annotations
 
 import argparse
+import compileall
 import shutil
 import subprocess
 import sys
@@ -49,6 +53,15 @@ def baseline_tree(rev: str) -> Path:
         subprocess.run([bc.PY, "setup.py", "-q", "build_ext", "--inplace"], cwd=dest,
                        check=True, capture_output=True)
     return dest
+
+
+def modules_loaded(root: Path, argv: list[str]) -> int:
+    """How many modules ``ckpt argv`` imports when run from the tree ``root``."""
+    p = subprocess.run([bc.PY, "-P", "-X", "importtime", "-m", "ckpt_cli", *argv],
+                       env=bc.child_env({"PYTHONPATH": str(root)}), capture_output=True,
+                       text=True, check=False)
+    return sum(1 for line in p.stderr.splitlines()
+               if line.startswith("import time:") and not line.endswith("imported package"))
 
 
 def default_rev() -> str:
@@ -119,21 +132,25 @@ def main() -> None:
     bc.DATA.mkdir(parents=True, exist_ok=True)
     base = (Path(args.baseline_path).resolve() if args.baseline_path
             else baseline_tree(args.baseline or default_rev()))
+    # As bc.child_env does for this checkout: no round of either tree pays for compiling.
+    compileall.compile_dir(str(base / "ckpt_cli"), quiet=1)
     rounds = args.rounds or (3 if args.quick else 5)
     files = inputs(args.quick)
     out = bc.fresh_dir(bc.DATA / "compare-out")
     cmds = commands(files, out)
     trees = {"now": bc.ROOT, "before": base}
     best: dict[tuple[str, str], bc.Run] = {}
-    for _ in range(rounds):
+    for i in range(rounds):
         for name, argv in cmds.items():
-            for tree, root in trees.items():
+            for tree, root in (trees.items() if i % 2 == 0 else reversed(trees.items())):
                 # -P: the current directory is not put first on sys.path; PYTHONPATH picks the tree.
                 r = bc.timed(f"ckpt {name}", [bc.PY, "-P", "-m", "ckpt_cli", *argv],
                              env={"PYTHONPATH": str(root)})
                 key = (name, tree)
                 if key not in best or r.seconds < best[key].seconds:
                     best[key] = r
+    loaded = {(name, tree): modules_loaded(root, argv)
+              for name, argv in cmds.items() for tree, root in trees.items()}
     rows: list[tuple[str, str]] = [("before", str(base)), ("rounds", f"{rounds}, best of each")]
     slower = []
     for name in cmds:
@@ -143,7 +160,8 @@ def main() -> None:
         rows.append((name, f"now {now.seconds:.2f} s wall, {now.cpu_seconds:.2f} s CPU, "
                            f"{bc.human_bytes(now.peak_rss)} | before {before.seconds:.2f} s, "
                            f"{before.cpu_seconds:.2f} s CPU, {bc.human_bytes(before.peak_rss)}"
-                           f" | CPU x{ratio:.2f}, RSS x{rss:.2f}"))
+                           f" | CPU x{ratio:.2f}, RSS x{rss:.2f} | modules "
+                           f"{loaded[(name, 'now')]} / {loaded[(name, 'before')]}"))
         if ratio > NOISE or rss > NOISE:
             slower.append(name)
     rows.append(("verdict", "unchanged or better (within 10%)" if not slower

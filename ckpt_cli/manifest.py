@@ -45,6 +45,7 @@ from ckpt_cli.errors import CkptError, CorruptCheckpointError, UsageError
 from ckpt_cli.formats.names import MANIFEST_NAME as MANIFEST_NAME
 from ckpt_cli.formats.names import MANIFEST_SUFFIX as MANIFEST_SUFFIX
 from ckpt_cli.formats.names import OWN_TEMP_MARKERS, TRASH_PREFIX
+from ckpt_cli.formats.names import manifest_path as manifest_path
 from ckpt_cli.model import Finding
 from ckpt_cli.progress import Progress
 from ckpt_cli.storage import open_regular, stages
@@ -260,14 +261,6 @@ class HashStats:
     def throughput(self) -> float:
         """Bytes per second (0 when nothing was timed)."""
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
-
-
-def manifest_path(checkpoint: Path) -> Path:
-    """Where the manifest of a checkpoint (directory or single file) lives."""
-    checkpoint = storage.locate(checkpoint)
-    if checkpoint.is_dir():
-        return checkpoint / MANIFEST_NAME
-    return checkpoint.parent / (checkpoint.name + MANIFEST_SUFFIX)
 
 
 def manifest_digest(checkpoint: str | os.PathLike[str]) -> str | None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
+from ckpt_cli import storage
 from ckpt_cli.dtypes import strict_int
 
 FILE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
@@ -37,6 +39,18 @@ MANIFEST_NAME = "ckpt-manifest.json"
 """The integrity manifest's name inside a checkpoint directory (:mod:`ckpt_cli.manifest`)."""
 MANIFEST_SUFFIX = ".ckpt-manifest.json"
 """Appended to a single-file checkpoint's name for its manifest."""
+
+
+def manifest_path(checkpoint: Path) -> Path:
+    """Where the manifest of a checkpoint (directory or single file) lives.
+
+    Here rather than in :mod:`ckpt_cli.manifest` (which re-exports it) so that a writer
+    dropping a stale manifest does not load the hashing module.
+    """
+    checkpoint = storage.locate(checkpoint)
+    if checkpoint.is_dir():
+        return checkpoint / MANIFEST_NAME
+    return checkpoint.parent / (checkpoint.name + MANIFEST_SUFFIX)
 
 
 WRAPPERS: tuple[str, ...] = ("module.", "_orig_mod.")

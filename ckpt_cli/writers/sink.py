@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ckpt_cli import storage
 from ckpt_cli.errors import DestinationExistsError
-from ckpt_cli.manifest import MANIFEST_NAME, manifest_path
+from ckpt_cli.formats.names import MANIFEST_NAME, manifest_path
 from ckpt_cli.storage.atomic import atomic_dir, atomic_file
 from ckpt_cli.writers.plan import NAMING
 

@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_cli import fp8
 from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.fp8 import groups
-from ckpt_cli.fp8.decode import Overflow
 from ckpt_cli.writers import OutTensor
 
 if TYPE_CHECKING:
@@ -76,6 +74,8 @@ def choose(plan: Plan, layout: str, src: Path, *, activations: str = "dynamic",
     Raises:
         UsageError: The source already holds FP8 tensors.
     """
+    # Only --to fp8 picks weights: a plain cast does not load the grouping rules (issue 47).
+    from ckpt_cli.fp8 import groups  # lazy: only --to fp8 picks weights
 
     held = [s.name for s in plan.steps if s.plain in FP8_DTYPES]
     if held:
@@ -177,6 +177,9 @@ def _dequantized_outs(built: Built, target: str, src: Path, stats: CastStats,
     """Replace each FP8 weight and its scale by the dequantized weight, in place; refuse
     (nothing written) what would write a wrong model (see :func:`dequantized`)."""
     import numpy as np  # heavy: numpy
+
+    # The decoder (and its row workers) load only for --dequantize, as fp8/__init__ defers them.
+    from ckpt_cli.fp8.decode import Overflow  # lazy: only --dequantize decodes FP8
 
     by_name = {o.name: o for o in built.outs}
     drop: set[str] = set()
