@@ -37,7 +37,7 @@ def small_dcp(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _doc(path: Path) -> dict[str, tuple[dict[str, object] | None, str | None]]:
-    res = stats(path, StatsOptions(cache=False))
+    res = stats(path, StatsOptions(no_cache=True))
     return {t.name: (figures(t.moments) if t.moments is not None else None, t.error)
             for t in res.checkpoints[0].tensors}
 
