@@ -249,6 +249,8 @@ class CheckpointIndex:
 
     def note_duplicates(self, rel: str, names: Iterable[str]) -> None:
         """One warning for the tensors of file ``rel`` whose names were taken (if any)."""
+        if not self.duplicates:  # the common case: no copy of a million names
+            return
         here = set(names)
         dup = [n for n in self.duplicates if n in here]  # in the order they were read
         if not dup:

@@ -247,6 +247,7 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, default_group: s
     spans: list[tuple[int, int, str]] = []
     pos = 0
     end_all: int | None = None  # what the quick status (formats.probe) computes, remembered
+    tensors = index.tensors
     for name in list(header):
         entry = header.pop(name)  # freed as it is read: the header and the index never peak
         info = _fast_info(name, entry, rel, data_start, grouper, shapes, prefix)
@@ -257,7 +258,10 @@ def read_into(index: CheckpointIndex, path: Path, *, role: str, default_group: s
             info = _tensor_info(name, entry, rel, data_start, index, default_group, prefix)
             if info is None:
                 continue
-        info = index.add_tensor(info)
+        if info.name in tensors:
+            info = index.add_tensor(info)  # a name taken: listed as name#N
+        else:
+            tensors[info.name] = info  # add_tensor's common case, without the call
         added.add(info.name)
         b, e = entry["data_offsets"]
         end_all = e if end_all is None else max(end_all, e)

@@ -134,6 +134,8 @@ def _stats(path: str | Path, options: StatsOptions | None,
                 "tensors": sum(len(w.got) for w in works)}
         if complete:
             ckpts, works = reloaded, left
+    for w in works:  # the names wanted were read: a million of them need not wait for the result
+        w.stats, w.updates = set(), set()
     shown = _assemble(ckpts, works, opts, run)
     if part is not None and not part["complete"]:
         for cs in shown:  # this part's share: the others' figures are not known yet
@@ -340,25 +342,40 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
         if natural.ties:  # names equal but for leading zeros: in name order, as always
             every.sort()
             every.sort(key=natural)
+        # Nothing cached (the entry's figures are those computed): none came from the cache.
+        cs.cached = 0 if c.entry.tensors is w.got else sum(
+            1 for n in targets if n not in w.got and n in c.entry.tensors)
         kinds: dict[str, str | None] = {}  # dtype -> its kind (None: not known)
         append = cs.tensors.append
         quick = opts.depth is None and not prefix
+        # Modules are met in the order shown unless one holds tensors and a submodule of it
+        # too (``a.b.c.w`` sorts before ``a.b.w``), or names tie: then they are sorted.
+        nested = not quick or natural.ties
         last_head = last_mod = ""
+        # The index's records and the targets are not needed once shown: freed as the result
+        # grows (a million of each), unless an alias may still look its target up.
+        take = tensors.pop
+        take_target = targets.get if aliases else targets.pop
         for name in every:
-            t = tensors[name]
+            t = take(name)
             if quick:
                 head = name.rpartition(".")[0] or name  # module_of's, said quickly
                 if head == last_head:
                     mod = last_mod
                 else:
-                    mod = last_mod = names_of.setdefault(head, head)
+                    if not nested and last_head.startswith(head) \
+                            and last_head[len(head):len(head) + 1] == ".":
+                        nested = True
+                    # One string per module, not per tensor: the module's own, once made.
+                    ms = mods.get(head)
+                    mod = last_mod = ms.name if ms is not None else head
                     last_head = head
             else:
                 mod = module_of(name, opts.depth, prefix)
                 mod = names_of.setdefault(mod, mod)  # one string per module, not per tensor
             alias = aliases.get(name) if aliases else None
             key = alias or name
-            target = targets.get(key)
+            target = take_target(key, None)
             m = got.get(key)
             err = (errors.get(key) if errors else None) or (
                 skipped.get(name) if skipped else None)
@@ -412,10 +429,10 @@ def _assemble(ckpts: list[_Checkpoint], works: list[Work], opts: StatsOptions,
                 sq = mod_sq[mod]
                 ms.update = math.sqrt(sq) if sq is not None else None
                 ms.previous_l2 = math.sqrt(mod_prev[mod])
-        cs.modules = [mods[k] for k in sorted(mods, key=natural)]
-        # Nothing cached (the entry's figures are those computed): none came from the cache.
-        cs.cached = 0 if c.entry.tensors is w.got else sum(
-            1 for n in c.scope.targets if n not in w.got and n in c.entry.tensors)
+        tensors.clear()
+        targets.clear()
+        cs.modules = [mods[k] for k in sorted(mods, key=natural)] if nested else list(
+            mods.values())
         cs.computed = len(w.got)
         out.append(cs)
         prev_c = c

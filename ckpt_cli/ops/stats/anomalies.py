@@ -100,14 +100,15 @@ def detect(checkpoints: list[CheckpointStats], *, jump: float) -> list[Anomaly]:
         pm = {m.name: m for m in prev.modules} if prev is not None else {}
         pt = {t.name: t for t in prev.tensors} if prev is not None else {}
         for m in c.modules:
-            old = pm.get(m.name)
+            old = pm.get(m.name) if pm else None
             mo = m.moments
-            if m.suspect_nan and (old is None or not old.suspect_nan):
+            # ModuleStats' suspect_nan and suspect_inf, said inline: a million modules.
+            if mo.nan != m.state_nan and (old is None or not old.suspect_nan):
                 out.append(_nonfinite("nan", c, m.name, m.suspect_nan, mo.numel))
-            if m.suspect_inf and (old is None or not old.suspect_inf):
+            if mo.posinf + mo.neginf != m.masks + m.state_inf \
+                    and (old is None or not old.suspect_inf):
                 out.append(_nonfinite("inf", c, m.name, m.suspect_inf, mo.numel))
-            now = m.float_l2
-            if now == 0.0 and c.step is not None:
+            if c.step is not None and m.float_sumsq == 0.0:  # float_l2 is 0.0 exactly then
                 zero_at[m.name] = c.step
             if old is None:
                 continue
