@@ -41,7 +41,7 @@ def status():
 
 op, args, budget = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 from ckpt_cli.ops.convert import convert
-from ckpt_cli.ops.diff import diff
+from ckpt_cli.ops.diff import DiffOptions, diff
 from ckpt_cli.ops.validate import validate
 import numpy  # noqa: F401
 with open("/proc/self/clear_refs", "w") as f:
@@ -55,7 +55,7 @@ elif op == "validate":
     c = r.checkpoints[0]
     out = [[k.id, k.status, [f.code for f in k.findings]] for k in c.checks]
 else:
-    r = diff(args[0], args[1], max_memory=budget)
+    r = diff(args[0], args[1], DiffOptions(max_memory=budget))
     out = [[t.name, t.status, t.stats.max_abs if t.stats else None] for t in r.tensors]
 _, peak = status()
 print(json.dumps({"rise": peak - before, "out": out}))
