@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -14,6 +16,20 @@ def safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
     for f in sorted(d.glob("*.safetensors")):
         out.update(load_file(f))
     return out
+
+
+def dcp_dir(path: Path) -> dict[str, Any]:
+    """Everything a DCP directory holds, as ``dcp.load`` gives it (no template needed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _load_state_dict(sd, storage_reader=FileSystemReader(str(path)),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return sd
 
 
 def holds_optimizer_state(obj: object) -> bool:

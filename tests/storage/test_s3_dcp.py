@@ -4,7 +4,6 @@ the local output does, ``.metadata`` goes up last, and a failed write leaves not
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import pytest
 
 from tests.conftest import run_cli
 from tests.helpers import s3
+from tests.helpers.loads import dcp_dir
 from tests.storage.conftest import _bucket, _doc, _keys, _pending_uploads
 
 pytestmark = [pytest.mark.requires_torch, pytest.mark.filterwarnings(
@@ -41,19 +41,6 @@ def _download(endpoint: tuple[str, s3.Proxy], bucket: str, prefix: str, to: Path
     return to
 
 
-def _loaded(path: Path) -> dict[str, Any]:
-    """Everything a DCP directory holds, as ``dcp.load`` gives it (no template needed)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    sd: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _load_state_dict(sd, storage_reader=FileSystemReader(str(path)),
-                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return sd
-
 
 def _bits(t: Any) -> bytes:
     return bytes(t.reshape(-1).contiguous().view(torch.uint8).numpy())
@@ -75,7 +62,7 @@ def test_local_s3_and_back_load_bit_for_bit(s3env: s3.Proxy, endpoint: tuple[str
                                             train_pt: Path, tmp_path: Path) -> None:
     local = tmp_path / "local"
     assert run_cli("convert", train_pt, "--to", "dcp", "-o", local).exit_code == 0
-    want = _loaded(local)
+    want = dcp_dir(local)
     assert "optimizer" in want and "train_state" in want and "rng" in want
     bucket = _bucket(endpoint)
     s3.upload(endpoint[0], train_pt, bucket, "src/train.pt")
@@ -97,7 +84,7 @@ def test_local_s3_and_back_load_bit_for_bit(s3env: s3.Proxy, endpoint: tuple[str
                       ("c", tmp_path / "c")):
         assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in
                                                                local.iterdir()), name
-        _same(want, _loaded(got), name)
+        _same(want, dcp_dir(got), name)
     # The other commands read it where it is.
     doc = _doc("inspect", f"s3://{bucket}/a")
     assert doc["format"] == "dcp" and doc["step"] == 2

@@ -5,7 +5,6 @@ The merged directory loads through ``dcp.load`` exactly as a one-process output 
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ pytestmark = pytest.mark.requires_torch
 torch = pytest.importorskip("torch")
 
 from tests.helpers import fsdp_resume as fr  # noqa: E402
+from tests.helpers.loads import dcp_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +28,6 @@ def train_pt(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "rng_state": torch.get_rng_state()}, path)
     return path
 
-
-def _loaded(path: Path) -> dict[str, Any]:
-    """Everything a DCP directory holds, as ``dcp.load`` gives it."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    sd: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _load_state_dict(sd, storage_reader=FileSystemReader(str(path)),
-                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return sd
 
 
 def _same(a: Any, b: Any, where: str = "") -> None:
@@ -82,7 +69,7 @@ def test_three_parts_load_as_one_process_output(train_pt: Path, tmp_path: Path,
     names = sorted(p.name for p in out.iterdir())
     assert names == [".metadata", "__0_00.distcp", "__1_00.distcp", "__2_00.distcp"], names
     assert [f["path"] for f in last["files"]][-1] == ".metadata"
-    _same(_loaded(whole), _loaded(out))
+    _same(dcp_dir(whole), dcp_dir(out))
     assert cli("validate", out, "--require", "optimizer,step").exit_code == 0
     d = cli("diff", train_pt, out, "--all-tensors")
     assert d.exit_code == 0, d.output
@@ -132,7 +119,7 @@ def test_more_parts_than_tensors(train_pt: Path, tmp_path: Path) -> None:
     assert [k for k, r in enumerate(results[:-1], 1) if r.write.files] == list(range(1, 27))
     whole = tmp_path / "whole"
     ckpt_cli.convert(train_pt, whole, to="dcp")
-    _same(_loaded(whole), _loaded(out))
+    _same(dcp_dir(whole), dcp_dir(out))
 
 
 def test_object_storage_output_is_refused(train_pt: Path, tmp_path: Path,
