@@ -158,6 +158,16 @@ def by_fqn(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict
     return {names[i]: v for i, v in opt.state_dict()["state"].items()}
 
 
+def save_training_dict(path: Path, steps: int = 2) -> Path:
+    """The plain run after ``steps`` steps, saved to ``path`` as a ``torch.save`` training
+    dict (model, optimizer, LR scheduler, step, RNG state): a ``convert --to dcp`` source."""
+    model, opt, sched = source_run(steps)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "lr_scheduler": sched.state_dict(), "step": steps,
+                "rng_state": torch.get_rng_state()}, path)
+    return path
+
+
 def launch(n: int, script: Path, *argv: str) -> None:
     """Run ``script`` under ``torchrun --standalone`` with ``n`` CPU processes (one thread
     each, this checkout importable); fail showing the end of its output."""

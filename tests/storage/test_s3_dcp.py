@@ -25,12 +25,7 @@ torch = pytest.importorskip("torch")
 def train_pt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.helpers import fsdp_resume as fr
 
-    model, opt, sched = fr.source_run(2)
-    path = tmp_path_factory.mktemp("dcp-src") / "train.pt"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "lr_scheduler": sched.state_dict(), "step": 2,
-                "rng_state": torch.get_rng_state()}, path)
-    return path
+    return fr.save_training_dict(tmp_path_factory.mktemp("dcp-src") / "train.pt")
 
 
 def _download(endpoint: tuple[str, s3.Proxy], bucket: str, prefix: str, to: Path) -> Path:

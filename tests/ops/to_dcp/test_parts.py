@@ -21,12 +21,7 @@ from tests.helpers.loads import dcp_dir  # noqa: E402
 
 @pytest.fixture(scope="module")
 def train_pt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model, opt, sched = fr.source_run(2)
-    path = tmp_path_factory.mktemp("parts-src") / "train.pt"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "lr_scheduler": sched.state_dict(), "step": 2,
-                "rng_state": torch.get_rng_state()}, path)
-    return path
+    return fr.save_training_dict(tmp_path_factory.mktemp("parts-src") / "train.pt")
 
 
 
